@@ -1,0 +1,330 @@
+"""Experiment config (mmengine Config) and DeepSpeed JSON: loading, checking, resolving.
+
+Two configs, never a value in both: the DeepSpeed JSON owns precision, ZeRO, optimizer, LR
+schedule shape, micro-batch and accumulation; the experiment config owns model, loss, data,
+schedule length, evaluation and checkpointing.
+
+Example::
+
+    cfg = load_config('configs/unet_synthetic.py', ['train.max_steps=20'])
+    ds = load_ds_config('ds_configs/zero2.json')
+    ds, precision, notes = resolve_ds_config(ds, world_size=2, max_steps=cfg.train.max_steps)
+"""
+import copy
+import difflib
+import json
+import os
+from pathlib import Path
+
+from mmengine.config import Config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or option; the message names the file or key."""
+
+
+# The embedded default experiment: a small UNet on synthetic aerial scenes. Every key a config
+# may set appears here; config files and --cfg-options override these values.
+DEFAULTS = dict(
+    model=dict(type='UNet', in_channels=3, num_classes=6, base_channels=16, depth=4),
+    loss=dict(type='CrossEntropyLoss', ignore_index=255),
+    data=dict(
+        train=dict(type='SyntheticAerial', split='train'),
+        val=dict(type='SyntheticAerial', split='val'),
+        crop_size=128,
+        num_workers=1,
+        eval_batch_size=None,      # None: the DeepSpeed micro-batch
+    ),
+    train=dict(
+        max_steps=300,
+        log_interval=10,
+        eval_interval=100,
+        checkpoint_interval=100,
+        keep_checkpoints=2,
+        seed=0,
+        warmup_log_steps=2,        # first steps excluded from throughput figures (allocator, JIT)
+        max_nonfinite_steps=5,     # consecutive non-finite losses that stop the run
+        profile_steps=0,           # >0: torch.profiler trace of that many steps after warm-up
+    ),
+    load_from=None,                # plain weights file (launch/export.py) to start from
+    work_dir=None,                 # default: work_dirs/<config name>
+)
+
+# Sections whose dicts are built from a registry: their keys are the class's arguments, checked
+# when the object is built, and a different ``type`` in a config replaces the whole dict.
+_REGISTRY_SECTIONS = {'model', 'loss', 'data.train', 'data.val'}
+
+
+def _merge(base, override, prefix=''):
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        path = f'{prefix}{key}'
+        if (path in _REGISTRY_SECTIONS and isinstance(value, dict) and isinstance(out.get(key), dict)
+                and value.get('type', out[key].get('type')) != out[key].get('type')):
+            out[key] = copy.deepcopy(value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict) and path not in ('load_from',):
+            out[key] = _merge(out[key], value, prefix=f'{path}.')
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _check_keys(cfg, defaults, source, prefix=''):
+    for key, value in cfg.items():
+        path = f'{prefix}{key}'
+        if key not in defaults:
+            close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.6)
+            hint = f" Did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ''
+            raise ConfigError(f"{source}: unknown key {path!r}.{hint} "
+                              f"Known keys here: {', '.join(prefix + k for k in defaults)}.")
+        if path in _REGISTRY_SECTIONS:
+            if not isinstance(value, dict) or 'type' not in value:
+                raise ConfigError(f"{source}: {path!r} must be a dict with a 'type' key, got {value!r}.")
+        elif isinstance(value, dict) and isinstance(defaults[key], dict):
+            _check_keys(value, defaults[key], source, prefix=f'{path}.')
+
+
+def parse_cfg_options(options):
+    """Turn ``['a.b=1', 'c=[1,2]']`` into a nested dict; values are Python literals or strings."""
+    import ast
+    nested = {}
+    for item in options or []:
+        if '=' not in item:
+            raise ConfigError(f"--cfg-options: {item!r} is not of the form key=value.")
+        key, raw = item.split('=', 1)
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = {'true': True, 'false': False, 'none': None, 'null': None}.get(raw.lower(), raw)
+        node = nested
+        parts = key.split('.')
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return nested
+
+
+def load_config(path=None, cfg_options=None):
+    """Load an experiment config: defaults <- file <- ``--cfg-options``; return an mmengine Config.
+
+    Python config files are executed (like any mmengine config); JSON and YAML files are only
+    parsed. ``path=None`` gives the embedded default experiment.
+    """
+    cfg = copy.deepcopy(DEFAULTS)
+    name = 'default'
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            candidates = sorted(p.name for p in (REPO_ROOT / 'configs').glob('*.py'))
+            raise ConfigError(f"--config: {path} does not exist. Configs shipped in configs/: "
+                              f"{', '.join(candidates) or 'none'}.")
+        try:
+            loaded = Config.fromfile(str(path)).to_dict()
+        except Exception as exc:  # syntax errors, bad _base_ paths...
+            raise ConfigError(f"{path}: cannot be loaded: {exc}") from exc
+        _check_keys(loaded, DEFAULTS, str(path))
+        cfg = _merge(cfg, loaded)
+        name = path.stem
+    options = parse_cfg_options(cfg_options)
+    _check_keys(options, DEFAULTS, '--cfg-options')
+    cfg = _merge(cfg, options)
+    _check_values(cfg, str(path) if path else 'default config')
+    cfg['config_name'] = name
+    return Config(cfg)
+
+
+def _check_values(cfg, source):
+    train = cfg['train']
+    for key in ('max_steps', 'log_interval', 'eval_interval', 'checkpoint_interval'):
+        if not isinstance(train[key], int) or train[key] < 0 or (key == 'max_steps' and train[key] == 0):
+            raise ConfigError(f"{source}: train.{key} must be a positive integer, got {train[key]!r}.")
+    if not isinstance(cfg['data']['crop_size'], int) or cfg['data']['crop_size'] < 16:
+        raise ConfigError(f"{source}: data.crop_size must be an integer >= 16, got {cfg['data']['crop_size']!r}.")
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed JSON
+# ----------------------------------------------------------------------------------------------
+
+# Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the feature configs it
+# delegates to). DeepSpeed silently ignores any other top-level key, so a typo such as
+# "gradient_clippin" would otherwise train without clipping.
+DS_TOP_LEVEL_KEYS = {
+    'train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps',
+    'optimizer', 'scheduler', 'fp16', 'bf16', 'bfloat16', 'torch_autocast', 'data_types',
+    'gradient_clipping', 'prescale_gradients', 'gradient_predivide_factor', 'gradient_allreduce_op',
+    'communication_data_type', 'seq_parallel_communication_data_type', 'sparse_gradients',
+    'zero_optimization', 'zero_allow_untested_optimizer', 'zero_force_ds_cpu_optimizer',
+    'steps_per_print', 'wall_clock_breakdown', 'memory_breakdown', 'dump_state', 'log_level',
+    'flops_profiler', 'tensorboard', 'wandb', 'csv_monitor', 'comet', 'comms_logger',
+    'activation_checkpointing', 'aio', 'checkpoint', 'elasticity', 'autotuning',
+    'compression_training', 'data_efficiency', 'curriculum_learning', 'pipeline', 'hybrid_engine',
+    'nebula', 'compile', 'sparse_attention', 'eigenvalue', 'progressive_layer_drop',
+    'quantize_training', 'weight_quantization', 'timers', 'tensor_parallel', 'graph_harvesting',
+    'dataloader_drop_last', 'disable_allgather', 'disable_python_gc', 'legacy_fusion',
+    'use_data_before_expert_parallelism', 'vocabulary_size', 'managed_gradient_accumulation',
+    'zenflow', 'amp',
+}
+
+# Schedulers whose length we fill from train.max_steps when the JSON leaves it out.
+_SCHEDULERS_WITH_TOTAL = {'WarmupDecayLR', 'WarmupCosineLR'}
+
+
+def load_ds_config(path):
+    """Read a DeepSpeed JSON file and check it (see :func:`check_ds_config`)."""
+    path = Path(path)
+    if not path.is_file():
+        shipped = sorted(p.name for p in (REPO_ROOT / 'ds_configs').glob('*.json'))
+        raise ConfigError(f"--deepspeed_config: {path} does not exist. Shipped: {', '.join(shipped)}.")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc}).") from exc
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object.")
+    check_ds_config(ds, str(path))
+    return ds
+
+
+def _find_auto(node, prefix=''):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            found = _find_auto(value, f'{prefix}.{key}' if prefix else key)
+            if found:
+                return found
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found = _find_auto(value, f'{prefix}[{i}]')
+            if found:
+                return found
+    elif isinstance(node, str) and node.strip().lower() == 'auto':
+        return prefix
+    return None
+
+
+def check_ds_config(ds, source='DeepSpeed config'):
+    """Refuse what DeepSpeed would silently misread: unknown top-level keys and ``"auto"``."""
+    for key in ds:
+        if key not in DS_TOP_LEVEL_KEYS:
+            close = difflib.get_close_matches(key, sorted(DS_TOP_LEVEL_KEYS), n=3, cutoff=0.6)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ''
+            raise ConfigError(f"{source}: unknown top-level key {key!r}.{hint} "
+                              "DeepSpeed would silently ignore it; fix or remove it.")
+    auto = _find_auto(ds)
+    if auto:
+        raise ConfigError(f"{source}: {auto!r} is \"auto\". \"auto\" is a Hugging Face convention, not a "
+                          "DeepSpeed one (DeepSpeed replaces it by a default or crashes): give a value.")
+    for key in ('train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps'):
+        if key in ds and (not isinstance(ds[key], int) or isinstance(ds[key], bool) or ds[key] < 1):
+            raise ConfigError(f"{source}: {key!r} must be a positive integer, got {ds[key]!r}.")
+
+
+def resolve_batch(ds, world_size, source='DeepSpeed config'):
+    """Return (micro_batch, grad_accum, global_batch) for this world size, or raise naming the key.
+
+    The JSON should give micro-batch and accumulation; a ``train_batch_size`` is accepted when it
+    is consistent with them (or lets the missing one be derived) at this world size.
+    """
+    tbs = ds.get('train_batch_size')
+    mb = ds.get('train_micro_batch_size_per_gpu')
+    gas = ds.get('gradient_accumulation_steps')
+    if mb is None and gas is None and tbs is None:
+        raise ConfigError(f"{source}: set 'train_micro_batch_size_per_gpu' (and optionally "
+                          "'gradient_accumulation_steps').")
+    if tbs is not None:
+        if mb is None and gas is None:
+            mb, gas = tbs // world_size, 1
+            if mb * world_size != tbs:
+                raise ConfigError(f"{source}: 'train_batch_size' {tbs} is not divisible by the world size "
+                                  f"{world_size}; give 'train_micro_batch_size_per_gpu' instead.")
+        elif mb is None:
+            mb = tbs // (gas * world_size)
+            if mb * gas * world_size != tbs:
+                raise ConfigError(f"{source}: 'train_batch_size' {tbs} is not divisible by "
+                                  f"gradient_accumulation_steps {gas} x world size {world_size}.")
+        elif gas is None:
+            gas = tbs // (mb * world_size)
+            if mb * gas * world_size != tbs:
+                raise ConfigError(f"{source}: 'train_batch_size' {tbs} is not divisible by "
+                                  f"train_micro_batch_size_per_gpu {mb} x world size {world_size}.")
+        elif mb * gas * world_size != tbs:
+            raise ConfigError(f"{source}: 'train_batch_size' {tbs} != train_micro_batch_size_per_gpu {mb} x "
+                              f"gradient_accumulation_steps {gas} x world size {world_size}. Remove "
+                              "'train_batch_size' so it follows the number of GPUs.")
+    mb = mb if mb is not None else 1
+    gas = gas if gas is not None else 1
+    return mb, gas, mb * gas * world_size
+
+
+def device_supports(precision):
+    """Whether this machine's accelerator can train in ``precision`` ('fp16' or 'bf16')."""
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    return acc.is_fp16_supported() if precision == 'fp16' else acc.is_bf16_supported()
+
+
+def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supports=device_supports):
+    """Resolve a checked DeepSpeed dict for this run. Returns ``(resolved, precision, notes)``.
+
+    * batch triple made explicit for this world size;
+    * scheduler length filled from ``train.max_steps`` when absent;
+    * precision the hardware cannot run replaced by the closest working mode (fp16 -> bf16
+      autocast -> fp32), with one line in ``notes`` saying so.
+
+    ``precision`` is the mode actually used: 'fp32', 'fp16', 'bf16', 'bf16-autocast' or
+    'fp16-autocast'.
+    """
+    ds = copy.deepcopy(ds)
+    notes = []
+    mb, gas, tbs = resolve_batch(ds, world_size, source)
+    ds['train_micro_batch_size_per_gpu'] = mb
+    ds['gradient_accumulation_steps'] = gas
+    ds['train_batch_size'] = tbs
+
+    sched = ds.get('scheduler')
+    if sched and sched.get('type') in _SCHEDULERS_WITH_TOTAL:
+        params = sched.setdefault('params', {})
+        params.setdefault('total_num_steps', max_steps)
+        if params.get('warmup_num_steps', 0) >= params['total_num_steps']:
+            raise ConfigError(f"{source}: scheduler.params.warmup_num_steps ({params.get('warmup_num_steps')}) "
+                              f"must be smaller than the run length ({params['total_num_steps']} steps).")
+
+    if 'bfloat16' in ds:  # DeepSpeed's old spelling
+        ds['bf16'] = ds.pop('bfloat16')
+    fp16 = bool(ds.get('fp16', {}).get('enabled', False))
+    bf16 = bool(ds.get('bf16', {}).get('enabled', False))
+    autocast = ds.get('torch_autocast', {})
+    if fp16 and bf16:
+        raise ConfigError(f"{source}: 'fp16.enabled' and 'bf16.enabled' are both true; choose one.")
+
+    if fp16 and not supports('fp16'):
+        ds['fp16']['enabled'] = False
+        if supports('bf16'):
+            ds['torch_autocast'] = {'enabled': True, 'dtype': 'bfloat16'}
+            notes.append(f"{source}: fp16 is not supported on this device; running bf16 autocast instead.")
+        else:
+            notes.append(f"{source}: fp16 is not supported on this device; running fp32 instead.")
+    elif bf16 and not supports('bf16'):
+        ds['bf16']['enabled'] = False
+        notes.append(f"{source}: bf16 is not supported on this device; running fp32 instead.")
+
+    if ds.get('fp16', {}).get('enabled'):
+        precision = 'fp16'
+    elif ds.get('bf16', {}).get('enabled'):
+        precision = 'bf16'
+    elif ds.get('torch_autocast', autocast).get('enabled'):
+        dtype = str(ds['torch_autocast'].get('dtype', 'bfloat16'))
+        precision = ('fp16' if dtype in ('float16', 'fp16', 'half', 'torch.float16') else 'bf16') + '-autocast'
+    else:
+        precision = 'fp32'
+    return ds, precision, notes
+
+
+def zero_stage(ds):
+    return int(ds.get('zero_optimization', {}).get('stage', 0))
+
+
+def default_work_dir(cfg):
+    return cfg.get('work_dir') or os.path.join('work_dirs', cfg.get('config_name', 'default'))

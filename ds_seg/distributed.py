@@ -1,0 +1,184 @@
+"""Process-group set-up for every way users start ds_seg, and small collective helpers.
+
+Launchers and what they leave in the environment:
+
+* ``deepspeed``: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (+ ``--local_rank``)
+* ``torchrun``: the same plus TORCHELASTIC_RUN_ID
+* ``srun`` (Slurm, e.g. ``deepspeed --launcher slurm``): only SLURM_PROCID, SLURM_LOCALID,
+  SLURM_NTASKS, SLURM_JOB_NODELIST, ... -- we map them to the variables above
+* plain ``python``: nothing; we become rank 0 of 1 with a free local port, so neither
+  DeepSpeed's MPI discovery (needs mpi4py) nor a launcher is required.
+
+Every run initialises a process group, even with one process, so the rest of the code has a
+single path: collectives on a world of one are cheap no-ops in effect.
+"""
+import datetime
+import importlib
+import os
+import re
+import shutil
+import socket
+import subprocess
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def detect_launcher(env=None):
+    """Name the launcher that started this process: deepspeed, torchrun, slurm or none."""
+    env = os.environ if env is None else env
+    if 'TORCHELASTIC_RUN_ID' in env:
+        return 'torchrun'
+    if 'RANK' in env and 'WORLD_SIZE' in env:
+        return 'deepspeed'  # or any launcher that sets the standard variables
+    if 'SLURM_PROCID' in env and 'SLURM_NTASKS' in env:
+        return 'slurm'
+    return 'none'
+
+
+def _first_slurm_host(nodelist):
+    """First host of a Slurm node list ("node[03-05,07]" -> "node03"), via scontrol if present."""
+    if shutil.which('scontrol'):
+        try:
+            out = subprocess.run(['scontrol', 'show', 'hostnames', nodelist], check=True,
+                                 capture_output=True, text=True, timeout=30).stdout.split()
+            if out:
+                return out[0]
+        except (subprocess.SubprocessError, OSError):
+            pass
+    m = re.match(r'([^\[,]+)(?:\[([^\],-]+))?', nodelist)
+    return (m.group(1) + (m.group(2) or '')) if m else '127.0.0.1'
+
+
+def setup_env(env=None):
+    """Fill RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for the detected launcher."""
+    env = os.environ if env is None else env
+    launcher = detect_launcher(env)
+    if launcher == 'slurm':
+        env['RANK'] = env['SLURM_PROCID']
+        env['WORLD_SIZE'] = env['SLURM_NTASKS']
+        env['LOCAL_RANK'] = env.get('SLURM_LOCALID', '0')
+        if 'MASTER_ADDR' not in env:
+            nodelist = env.get('SLURM_JOB_NODELIST') or env.get('SLURM_NODELIST') or '127.0.0.1'
+            env['MASTER_ADDR'] = _first_slurm_host(nodelist)
+        if 'MASTER_PORT' not in env:
+            # All tasks of a job must agree without talking to each other: derive from the job id.
+            env['MASTER_PORT'] = str(15000 + int(env.get('SLURM_JOB_ID', '0')) % 20000)
+    elif launcher == 'none':
+        env.setdefault('RANK', '0')
+        env.setdefault('WORLD_SIZE', '1')
+        env.setdefault('LOCAL_RANK', '0')
+        env.setdefault('MASTER_ADDR', '127.0.0.1')
+        env.setdefault('MASTER_PORT', str(free_port()))
+    env.setdefault('LOCAL_RANK', '0')
+    return launcher
+
+
+def device():
+    if torch.cuda.is_available():
+        return torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count())
+    return torch.device('cpu')
+
+
+def init(use_deepspeed=True, timeout_s=None):
+    """Initialise the process group once; returns the launcher name.
+
+    ``timeout_s`` bounds how long a collective waits for a lost rank (default: env
+    ``DS_SEG_DIST_TIMEOUT`` or ``DEEPSPEED_TIMEOUT`` minutes, else 10 minutes).
+    """
+    launcher = setup_env()
+    if dist.is_initialized():
+        return launcher
+    if timeout_s is None:
+        if 'DS_SEG_DIST_TIMEOUT' in os.environ:
+            timeout_s = float(os.environ['DS_SEG_DIST_TIMEOUT'])
+        elif 'DEEPSPEED_TIMEOUT' in os.environ:
+            timeout_s = 60 * float(os.environ['DEEPSPEED_TIMEOUT'])
+        else:
+            timeout_s = DEFAULT_TIMEOUT_S
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dev = device()
+    if dev.type == 'cuda':
+        torch.cuda.set_device(dev)
+    backend = 'nccl' if dev.type == 'cuda' else 'gloo'
+    # A file:// rendezvous (tests) avoids races for free ports between concurrent jobs.
+    init_method = os.environ.get('DS_SEG_INIT_METHOD') or None
+    if use_deepspeed:
+        # DeepSpeed JIT-builds a shared-memory all-reduce op on first use on CPU (~40 s); it only
+        # speeds up inference all-reduce, so training skips the build.
+        importlib.import_module('deepspeed.comm.torch').build_shm_op = lambda: None
+        import deepspeed
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
+                                   init_method=init_method)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, init_method=init_method)
+    return launcher
+
+
+def close():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main():
+    return rank() == 0
+
+
+def barrier():
+    if dist.is_initialized() and world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(tensor):
+    """Sum ``tensor`` in place over all ranks (gloo needs CPU tensors for some dtypes)."""
+    if dist.is_initialized() and world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_mean_(tensors):
+    """Average a list of tensors in place over all ranks (used for BatchNorm running stats)."""
+    n = world_size()
+    if n == 1:
+        return
+    for t in tensors:
+        work = t.detach().float() if t.is_floating_point() else t.detach().double()
+        dist.all_reduce(work, op=dist.ReduceOp.SUM)
+        t.copy_((work / n).to(t.dtype))
+
+
+def broadcast_object(obj, src=0):
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+@contextmanager
+def main_process_first():
+    """Let rank 0 do a one-off job (e.g. writing a data cache) before the other ranks look."""
+    if not is_main():
+        barrier()
+    try:
+        yield
+    finally:
+        if is_main():
+            barrier()

@@ -1,0 +1,147 @@
+"""Checkpoint directory management, auto-resume and export to one plain weights file.
+
+Layout under ``<work_dir>/checkpoints``::
+
+    step_00000100/        one backend checkpoint (DeepSpeed files or ddp_state.pt) + COMPLETE
+    step_00000200/
+    latest                the tag of the newest complete checkpoint, replaced last
+
+A checkpoint is written under a temporary name (``.tmp-step_...``), marked ``COMPLETE`` and then
+renamed, so a run killed at any moment leaves either a whole checkpoint or none; ``latest`` is
+replaced atomically after the rename, and old checkpoints are pruned only after that.
+"""
+import glob
+import json
+import os
+import re
+import shutil
+
+import torch
+
+from .. import distributed
+
+TAG_RE = re.compile(r'^step_(\d{8})$')
+COMPLETE = 'COMPLETE'
+
+
+def tag_for(step):
+    return f'step_{step:08d}'
+
+
+def is_complete(root, tag):
+    return os.path.isfile(os.path.join(root, tag, COMPLETE))
+
+
+def complete_tags(root):
+    """Complete checkpoint tags, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    tags = [t for t in os.listdir(root) if TAG_RE.match(t) and is_complete(root, t)]
+    return sorted(tags)
+
+
+def find_latest(root):
+    """The newest complete checkpoint tag, or None. ``latest`` is a hint, not trusted blindly."""
+    tags = complete_tags(root)
+    return tags[-1] if tags else None
+
+
+def save(backend, root, step, client_state, keep):
+    """Save a checkpoint collectively (every rank calls this); returns the tag."""
+    tag = tag_for(step)
+    tmp_tag = f'.tmp-{tag}'
+    if distributed.is_main():
+        shutil.rmtree(os.path.join(root, tmp_tag), ignore_errors=True)  # leftover of a killed save
+        os.makedirs(root, exist_ok=True)
+    distributed.barrier()
+    backend.save(root, tmp_tag, client_state)
+    distributed.barrier()  # every rank's files are written
+    if distributed.is_main():
+        tmp_path = os.path.join(root, tmp_tag)
+        with open(os.path.join(tmp_path, COMPLETE), 'w') as f:
+            json.dump({'step': step, 'world_size': distributed.world_size(), 'backend': backend.name,
+                       'files': sorted(os.listdir(tmp_path))}, f)
+        final = os.path.join(root, tag)
+        if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.rename(tmp_path, final)
+        _write_latest(root, tag)
+        for old in complete_tags(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    distributed.barrier()
+    return tag
+
+
+def _write_latest(root, tag):
+    tmp = os.path.join(root, '.latest.tmp')
+    with open(tmp, 'w') as f:
+        f.write(tag)
+    os.replace(tmp, os.path.join(root, 'latest'))
+
+
+def resolve_resume(resume, work_dir):
+    """Turn ``--resume`` into ``(root, tag)`` or None.
+
+    ``auto``: the newest complete checkpoint in ``<work_dir>/checkpoints`` if any (else start
+    fresh); a path to a checkpoints folder or to one ``step_*`` folder resumes from it.
+    """
+    if not resume:
+        return None
+    if resume == 'auto':
+        root = os.path.join(work_dir, 'checkpoints')
+        tag = find_latest(root)
+        return (root, tag) if tag else None
+    resume = os.path.abspath(resume)
+    if os.path.isdir(resume) and is_complete(os.path.dirname(resume), os.path.basename(resume)):
+        return os.path.dirname(resume), os.path.basename(resume)
+    tag = find_latest(resume) if os.path.isdir(resume) else None
+    if tag is None:
+        raise FileNotFoundError(f"--resume: {resume} holds no complete checkpoint (a 'step_*' folder "
+                                f"with a {COMPLETE} file).")
+    return resume, tag
+
+
+# ----------------------------------------------------------------------------------------------
+# Export: any backend's checkpoint -> one plain fp32 weights file
+# ----------------------------------------------------------------------------------------------
+
+def consolidated_state_dict(ckpt_dir):
+    """Full fp32 state dict (parameters and buffers) from one ``step_*`` folder, offline."""
+    ddp_file = os.path.join(ckpt_dir, 'ddp_state.pt')
+    if os.path.isfile(ddp_file):
+        return torch.load(ddp_file, map_location='cpu', weights_only=True)['module']
+    model_files = glob.glob(os.path.join(ckpt_dir, '*model_states.pt'))
+    if not model_files:
+        raise FileNotFoundError(f"{ckpt_dir}: neither a DDP nor a DeepSpeed checkpoint.")
+    optim_files = glob.glob(os.path.join(ckpt_dir, '*optim_states.pt'))
+    if optim_files:
+        # ZeRO 1-3 and bf16: the fp32 master weights live in the partitioned optimizer files.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        root, tag = os.path.split(os.path.normpath(ckpt_dir))
+        state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+        return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    # ZeRO-0 keeps the whole module in the model-states file of rank 0.
+    state = torch.load(sorted(model_files)[0], map_location='cpu', weights_only=False)['module']
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def export(ckpt_dir, out_file, model_cfg, classes=None, extra=None):
+    """Write ``{'state_dict', 'model', 'classes', ...}`` to ``out_file`` (loadable weights_only)."""
+    state = consolidated_state_dict(ckpt_dir)
+    payload = {'state_dict': state, 'model': dict(model_cfg), 'classes': list(classes or []),
+               'source': os.path.abspath(ckpt_dir)}
+    payload.update(extra or {})
+    tmp = f'{out_file}.tmp'
+    torch.save(payload, tmp)
+    os.replace(tmp, out_file)
+    return out_file
+
+
+def load_weights_file(path):
+    """Read an exported weights file safely (no code execution): returns the payload dict."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_from: {path} does not exist.")
+    payload = torch.load(path, map_location='cpu', weights_only=True)
+    if not isinstance(payload, dict) or 'state_dict' not in payload:
+        raise ValueError(f"load_from: {path} is not a ds_seg weights file (made by launch/export.py).")
+    return payload

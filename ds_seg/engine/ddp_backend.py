@@ -1,0 +1,176 @@
+"""Plain PyTorch DDP backend with the semantics the DeepSpeed JSON describes.
+
+Same optimizer class and arguments, same LR schedule class (DeepSpeed's own, driven by a torch
+optimizer), same micro-batch, accumulation and clipping, torch.amp for precision, the same BN
+policy: so a DDP run and a DeepSpeed run of one config differ only in the engine.
+"""
+import os
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import distributed
+from .common import average_batchnorm_buffers, prepare_batchnorm
+
+# Keys of DeepSpeed's optimizer params that choose an implementation, not a hyper-parameter.
+_DS_ONLY_OPTIMIZER_KEYS = ('torch_adam', 'adam_w_mode', 'fused')
+
+
+def build_optimizer(params, optimizer_cfg):
+    """The torch optimizer DeepSpeed builds for ``optimizer_cfg`` with ``torch_adam: true``."""
+    kind = optimizer_cfg.get('type', 'AdamW')
+    kwargs = {k: v for k, v in optimizer_cfg.get('params', {}).items() if k not in _DS_ONLY_OPTIMIZER_KEYS}
+    if 'betas' in kwargs:
+        kwargs['betas'] = tuple(kwargs['betas'])
+    lowered = kind.lower()
+    if lowered == 'adam':
+        adam_w_mode = optimizer_cfg.get('params', {}).get('adam_w_mode', True)
+        return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(params, **kwargs)
+    if lowered == 'adamw':
+        return torch.optim.AdamW(params, **kwargs)
+    if lowered == 'sgd':
+        return torch.optim.SGD(params, **kwargs)
+    raise ValueError(f"optimizer.type: {kind!r} has no DDP equivalent here; use Adam, AdamW or SGD.")
+
+
+def build_scheduler(optimizer, scheduler_cfg):
+    if not scheduler_cfg:
+        return None
+    from deepspeed.runtime import lr_schedules
+    cls = getattr(lr_schedules, scheduler_cfg['type'], None)
+    if cls is None:
+        raise ValueError(f"scheduler.type: {scheduler_cfg['type']!r} is not a DeepSpeed scheduler.")
+    return cls(optimizer, **scheduler_cfg.get('params', {}))
+
+
+class DDPBackend:
+    name = 'ddp'
+
+    def __init__(self, model, ds_config, precision, device, world_size):
+        self.zero_stage = None
+        self.micro_batch = ds_config['train_micro_batch_size_per_gpu']
+        self.grad_accum = ds_config['gradient_accumulation_steps']
+        self.global_batch = ds_config['train_batch_size']
+        self.clip = float(ds_config.get('gradient_clipping', 0.0))
+        self.device = device
+        # Native fp16/bf16 parameters are a DeepSpeed feature; DDP runs them as torch.amp autocast.
+        self.precision = precision if precision in ('fp32',) or precision.endswith('-autocast') else f'{precision}-autocast'
+        self.amp_dtype = {'fp16-autocast': torch.float16, 'bf16-autocast': torch.bfloat16}.get(self.precision)
+        model = prepare_batchnorm(model, device, world_size).to(device)
+        # BN buffers are averaged before evaluation and saving, exactly as for DeepSpeed.
+        self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None,
+                                           broadcast_buffers=False)
+        self.optimizer = build_optimizer(self.ddp.parameters(), ds_config.get('optimizer', {'type': 'AdamW'}))
+        self.scheduler = build_scheduler(self.optimizer, ds_config.get('scheduler'))
+        fp16 = ds_config.get('fp16', {})
+        self.scaler = None
+        if self.amp_dtype == torch.float16:
+            loss_scale = fp16.get('loss_scale', 0)
+            self.scaler = torch.amp.GradScaler(
+                device.type, init_scale=2.0 ** fp16.get('initial_scale_power', 16) if not loss_scale else loss_scale,
+                growth_interval=fp16.get('loss_scale_window', 1000), enabled=True)
+        self.micro_step = 0
+        self._skipped = 0
+        self._grad_norm = None
+
+    @property
+    def module(self):
+        return self.ddp.module
+
+    def train(self):
+        self.ddp.train()
+
+    def eval(self):
+        self.ddp.eval()
+
+    def is_boundary(self):
+        return (self.micro_step + 1) % self.grad_accum == 0
+
+    def forward(self, images_BCHW):
+        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                            enabled=self.amp_dtype is not None):
+            if self.ddp.training and not self.is_boundary():
+                with self.ddp.no_sync():  # reduce once per optimizer step, as DeepSpeed ZeRO-0/1 does
+                    return self.ddp(images_BCHW)
+            return self.ddp(images_BCHW)
+
+    def backward(self, loss):
+        loss = loss / self.grad_accum
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        if self.is_boundary():
+            loss.backward()
+        else:
+            with self.ddp.no_sync():
+                loss.backward()
+
+    def step(self, want_grad_norm=False):
+        boundary = self.is_boundary()
+        self.micro_step += 1
+        if not boundary:
+            return False
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.ddp.parameters() if p.grad is not None]
+        if self.clip > 0:
+            self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip))
+        elif want_grad_norm:
+            self._grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        applied = True
+        if self.scaler is not None:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            applied = self.scaler.get_scale() >= scale_before  # the scale drops only on overflow
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if applied:
+            if self.scheduler is not None:
+                self.scheduler.step()
+        else:
+            self._skipped += 1
+        return applied
+
+    def grad_norm(self):
+        return self._grad_norm
+
+    def loss_scale(self):
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
+
+    def lr(self):
+        return float(self.optimizer.param_groups[0]['lr'])
+
+    @property
+    def skipped_steps(self):
+        return self._skipped
+
+    def sync_batchnorm_stats(self):
+        average_batchnorm_buffers(self.ddp.module)
+
+    # -- checkpoints: every rank calls these; rank 0 writes ------------------------------------
+    def save(self, directory, tag, client_state):
+        path = os.path.join(directory, tag)
+        if distributed.is_main():
+            os.makedirs(path, exist_ok=True)
+            torch.save({'module': self.ddp.module.state_dict(),
+                        'optimizer': self.optimizer.state_dict(),
+                        'scheduler': self.scheduler.state_dict() if self.scheduler is not None else None,
+                        'scaler': self.scaler.state_dict() if self.scaler is not None else None,
+                        'micro_step': self.micro_step, 'skipped_steps': self._skipped,
+                        'client_state': client_state},
+                       os.path.join(path, 'ddp_state.pt'))
+        distributed.barrier()
+
+    def load(self, directory, tag):
+        state = torch.load(os.path.join(directory, tag, 'ddp_state.pt'), map_location=self.device,
+                           weights_only=True)
+        self.ddp.module.load_state_dict(state['module'])
+        self.optimizer.load_state_dict(state['optimizer'])
+        if self.scheduler is not None and state['scheduler'] is not None:
+            self.scheduler.load_state_dict(state['scheduler'])
+        if self.scaler is not None and state['scaler'] is not None:
+            self.scaler.load_state_dict(state['scaler'])
+        self.micro_step = state['micro_step']
+        self._skipped = state['skipped_steps']
+        return state['client_state']

@@ -1,0 +1,100 @@
+"""DeepSpeed backend: the only call of ``deepspeed.initialize`` in ds_seg.
+
+The trainer sees the same small interface from this class and from :class:`DDPBackend`:
+``forward``, ``backward``, ``step``, ``is_boundary``, ``grad_norm``, ``loss_scale``, ``lr``,
+``skipped_steps``, ``save``/``load`` and ``module``.
+"""
+import os
+
+import torch
+
+from .common import average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32, prepare_batchnorm
+
+
+class DeepSpeedBackend:
+    name = 'deepspeed'
+
+    def __init__(self, model, ds_config, precision, device, world_size):
+        import deepspeed
+        self.precision = precision
+        self.zero_stage = int(ds_config.get('zero_optimization', {}).get('stage', 0))
+        self.micro_batch = ds_config['train_micro_batch_size_per_gpu']
+        self.grad_accum = ds_config['gradient_accumulation_steps']
+        self.global_batch = ds_config['train_batch_size']
+        self.ds_config = ds_config
+        model = prepare_batchnorm(model, device, world_size)
+        if precision in ('fp16', 'bf16'):
+            # DeepSpeed casts parameters to half but not buffers: keep BN maths and stats in fp32.
+            keep_batchnorm_fp32(model)
+        # Parameters must stay contiguous (not channels_last): DeepSpeed views them as flat bytes.
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=ds_config)
+        self.input_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(precision)
+        self._grad_norm = None
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    def train(self):
+        self.engine.train()
+
+    def eval(self):
+        self.engine.eval()
+
+    def forward(self, images_BCHW):
+        # Native fp16/bf16 expect inputs in the parameters' dtype; autocast modes take fp32.
+        if self.input_dtype is not None:
+            images_BCHW = images_BCHW.to(self.input_dtype)
+        return self.engine(images_BCHW)
+
+    def backward(self, loss):
+        self.engine.backward(loss)  # scales by 1/grad_accum and by the fp16 loss scale
+
+    def is_boundary(self):
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def step(self, want_grad_norm=False):
+        """Finish a micro-step; at a boundary the optimizer steps. Returns True if it applied."""
+        boundary = self.is_boundary()
+        if boundary and want_grad_norm and self.zero_stage == 0 and self.precision in ('fp32', 'bf16-autocast'):
+            # DeepSpeed records no norm for fp32 ZeRO-0; gradients are reduced by now.
+            self._grad_norm = global_grad_norm(self.engine.module.parameters())
+        self.engine.step()
+        return boundary and self.engine.was_step_applied()
+
+    def grad_norm(self):
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return self._grad_norm
+        return float(norm)
+
+    def loss_scale(self):
+        if self.precision != 'fp16':
+            return None
+        opt = self.optimizer
+        scale = getattr(opt, 'cur_scale', None)
+        if scale is None and hasattr(opt, 'loss_scaler'):
+            scale = getattr(opt.loss_scaler, 'cur_scale', None)
+        return float(scale) if scale is not None else None
+
+    def lr(self):
+        return float(self.engine.get_lr()[0])
+
+    @property
+    def skipped_steps(self):
+        return int(self.engine.skipped_steps)
+
+    def sync_batchnorm_stats(self):
+        average_batchnorm_buffers(self.engine.module)
+
+    # -- checkpoints: every rank must call these --------------------------------------------
+    def save(self, directory, tag, client_state):
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
+
+    def load(self, directory, tag):
+        path, client_state = self.engine.load_checkpoint(directory, tag=tag)
+        if path is None:
+            raise RuntimeError(f"{os.path.join(directory, tag)}: DeepSpeed could not load this checkpoint.")
+        return client_state

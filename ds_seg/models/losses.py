@@ -1,0 +1,109 @@
+"""Segmentation losses: ``loss(logits_BKHW, labels_BHW) -> scalar``.
+
+Shape legend: B batch, K classes, H/W height/width.
+
+Both losses compute in fp32 whatever the logits' dtype: softmax and log-sum-exp over bf16/fp16
+logits lose enough precision to change the loss by more than the differences between ZeRO
+stages that the tests compare.
+
+Example::
+
+    from ds_seg.registry import LOSSES, build
+    loss_fn = build(LOSSES, dict(type='CrossEntropyLoss', ignore_index=255))
+    loss = loss_fn(logits_BKHW, labels_BHW)
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_seg.registry import LOSSES
+
+
+def _check_shapes(logits_BKHW, labels_BHW):
+    if logits_BKHW.dim() != 4 or labels_BHW.shape != (logits_BKHW.shape[0], *logits_BKHW.shape[2:]):
+        raise ValueError(f'expected logits [B, K, H, W] and labels [B, H, W] of the same B, H, W; '
+                         f'got {tuple(logits_BKHW.shape)} and {tuple(labels_BHW.shape)}')
+
+
+@LOSSES.register_module()
+class CrossEntropyLoss(nn.Module):
+    """Pixel-wise cross-entropy, averaged over the pixels that are not ``ignore_index``.
+
+    With ``class_weight`` the average is torch's weighted mean, ``sum(w[y] * l) / sum(w[y])``
+    over non-ignored pixels. A batch in which every pixel is ignored (a crop of nodata) gives a
+    loss of 0 that still has a graph, instead of NaN, so the step and the collectives of
+    gradient accumulation go on unchanged on every rank.
+
+    Example::
+
+        loss_fn = CrossEntropyLoss(class_weight=[1.0, 2.0, 1.0], label_smoothing=0.1)
+        loss = loss_fn(torch.randn(2, 3, 8, 8), torch.randint(0, 3, (2, 8, 8)))
+    """
+
+    def __init__(self, ignore_index=255, class_weight=None, loss_weight=1.0, label_smoothing=0.0):
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.loss_weight = loss_weight
+        self.label_smoothing = label_smoothing
+        # A buffer follows the module to the logits' device; not persistent, so checkpoints
+        # stay independent of the loss configuration.
+        weight = None if class_weight is None else torch.as_tensor(class_weight, dtype=torch.float32)
+        self.register_buffer('class_weight', weight, persistent=False)
+
+    def forward(self, logits_BKHW, labels_BHW):
+        _check_shapes(logits_BKHW, labels_BHW)
+        labels_BHW = labels_BHW.long()
+        weight = self.class_weight
+        if weight is not None:
+            weight = weight.to(logits_BKHW.device)
+        # Sum, then divide ourselves: torch's 'mean' is 0/0 = NaN when every pixel is ignored.
+        total = F.cross_entropy(logits_BKHW.float(), labels_BHW, weight=weight,
+                                ignore_index=self.ignore_index, reduction='sum',
+                                label_smoothing=self.label_smoothing)
+        valid_BHW = labels_BHW != self.ignore_index
+        if weight is None:
+            denom = valid_BHW.sum().float()
+        else:
+            # Ignored pixels index class 0 here, then count zero through the mask.
+            denom = (weight[labels_BHW.masked_fill(~valid_BHW, 0)] * valid_BHW).sum()
+        # With no valid pixel ``total`` is exactly 0, so clamping the denominator returns 0
+        # (with a graph) without a host synchronisation to test for that case.
+        return self.loss_weight * total / denom.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+@LOSSES.register_module()
+class DiceLoss(nn.Module):
+    """Multiclass soft Dice loss, ``1 - mean_k dice_k``, over softmax probabilities.
+
+    ``dice_k = (2 * sum(p_k * g_k) + smooth) / (sum(p_k) + sum(g_k) + smooth)`` with the sums
+    over every non-ignored pixel of the batch (not per image, so a class missing from one crop
+    does not dominate). ``smooth`` > 0 makes a class absent from both labels and prediction
+    count as a perfect match and keeps an all-ignored batch at 0 rather than NaN.
+
+    Example::
+
+        loss_fn = DiceLoss(ignore_index=255)
+        loss = loss_fn(torch.randn(2, 6, 8, 8), torch.randint(0, 6, (2, 8, 8)))
+    """
+
+    def __init__(self, ignore_index=255, smooth=1.0, loss_weight=1.0):
+        super().__init__()
+        if smooth <= 0:
+            raise ValueError(f'DiceLoss smooth must be > 0 (it avoids 0/0), got {smooth}')
+        self.ignore_index = ignore_index
+        self.smooth = smooth
+        self.loss_weight = loss_weight
+
+    def forward(self, logits_BKHW, labels_BHW):
+        _check_shapes(logits_BKHW, labels_BHW)
+        num_classes = logits_BKHW.shape[1]
+        labels_BHW = labels_BHW.long()
+        valid_B1HW = (labels_BHW != self.ignore_index).unsqueeze(1)
+        probs_BKHW = logits_BKHW.float().softmax(dim=1) * valid_B1HW
+        onehot_BKHW = F.one_hot(labels_BHW.masked_fill(~valid_B1HW.squeeze(1), 0), num_classes)
+        onehot_BKHW = onehot_BKHW.permute(0, 3, 1, 2).float() * valid_B1HW
+        dims = (0, 2, 3)
+        intersection_K = (probs_BKHW * onehot_BKHW).sum(dims)
+        denom_K = probs_BKHW.sum(dims) + onehot_BKHW.sum(dims)
+        dice_K = (2 * intersection_K + self.smooth) / (denom_K + self.smooth)
+        return self.loss_weight * (1 - dice_K.mean())

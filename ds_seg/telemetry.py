@@ -1,0 +1,183 @@
+"""Honest step timing, throughput, FLOPs/MFU, memory, and the run's JSONL + TensorBoard logs.
+
+Timing rules (the reason this file exists): the device is synchronised before any clock is
+read at a window boundary (GPU kernels run asynchronously, so an unsynchronised host clock
+measures how fast work is queued, not done); warm-up steps are excluded; time spent waiting
+for the data loader is measured separately from compute.
+"""
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+# Dense bf16/fp16 peak TFLOP/s by device name (substring match, most specific first).
+PEAK_TFLOPS = [
+    ('H200', 989.0), ('H100 PCIe', 756.0), ('H100', 989.0), ('GH200', 989.0),
+    ('A100', 312.0), ('L40S', 362.0), ('L40', 181.0), ('L4', 121.0), ('A10G', 70.0), ('A10', 125.0),
+    ('V100', 125.0), ('RTX 4090', 165.0), ('RTX 3090', 71.0), ('MI300X', 1307.0), ('MI250X', 383.0),
+]
+
+
+def peak_flops(device, override_tflops=None):
+    """Peak FLOP/s of ``device`` for MFU, or None where unknown (e.g. a CPU)."""
+    if override_tflops:
+        return float(override_tflops) * 1e12
+    if device.type != 'cuda':
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS:
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def forward_flops(build_model, input_shape_BCHW):
+    """Forward FLOPs for one input of ``input_shape_BCHW``, counted on the meta device.
+
+    ``build_model`` is a zero-argument callable; on the meta device no weight memory is used,
+    so this works for billion-parameter models too. Returns None if the model cannot run on meta.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+    try:
+        with torch.device('meta'):
+            model = build_model()
+            x = torch.empty(*input_shape_BCHW)
+        model.eval()
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(x)
+        return int(counter.get_total_flops())
+    except Exception:  # an op without a meta kernel: MFU is then simply not reported
+        return None
+
+
+def mfu(flops_per_image_fwd, images_per_s, peak):
+    """Model FLOP utilisation: training costs ~3x the forward (forward + 2x for backward)."""
+    if not flops_per_image_fwd or not peak or not images_per_s:
+        return None
+    return 3.0 * flops_per_image_fwd * images_per_s / peak
+
+
+def max_memory_mb(device):
+    if device.type == 'cuda':
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**20 if sys.platform == 'darwin' else 1024)
+
+
+def synchronize(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Per-step compute time and data wait, collected over a logging window.
+
+    The device is synchronised at the end of each timed step so the step time is the time the
+    work took, not the time it took to queue; data wait is the host time blocked on the loader.
+    """
+
+    def __init__(self, device, warmup_steps):
+        self.device = device
+        self.warmup_steps = warmup_steps
+        self.steps_seen = 0
+        self.reset()
+
+    def reset(self):
+        self.step_times = []
+        self.data_waits = []
+        self.images = 0
+        self.pixels = 0
+
+    def data_wait(self, seconds):
+        self._wait += seconds
+
+    def start(self):
+        synchronize(self.device)
+        self._wait = 0.0
+        self._t0 = time.perf_counter()
+
+    def stop(self, images, pixels):
+        synchronize(self.device)
+        elapsed = time.perf_counter() - self._t0
+        self.steps_seen += 1
+        if self.steps_seen > self.warmup_steps:
+            self.step_times.append(elapsed)
+            self.data_waits.append(self._wait)
+            self.images += images
+            self.pixels += pixels
+
+    def summary(self):
+        """Throughput over the window's timed steps; None fields while still warming up."""
+        if not self.step_times:
+            return dict(images_per_s=None, megapixels_per_s=None, step_time_s=None,
+                        step_time_p90_s=None, data_wait_frac=None)
+        total = sum(self.step_times)
+        times = sorted(self.step_times)
+        return dict(images_per_s=self.images / total,
+                    megapixels_per_s=self.pixels / total / 1e6,
+                    step_time_s=statistics.median(times),
+                    step_time_p90_s=times[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))],
+                    data_wait_frac=sum(self.data_waits) / total)
+
+
+class RunLog:
+    """Rank 0's writer for metrics.jsonl, eval.jsonl and tb/ (other ranks get a no-op)."""
+
+    def __init__(self, work_dir, enabled):
+        self.enabled = enabled
+        self.work_dir = work_dir
+        self.tb = None
+        if enabled:
+            os.makedirs(work_dir, exist_ok=True)
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(work_dir, 'tb'))
+
+    def _append(self, name, record):
+        with open(os.path.join(self.work_dir, name), 'a') as f:
+            f.write(json.dumps(record) + '\n')
+
+    def metrics(self, record):
+        if not self.enabled:
+            return
+        self._append('metrics.jsonl', record)
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ('step',):
+                self.tb.add_scalar(f'train/{key}', value, record['step'])
+
+    def eval(self, record):
+        if not self.enabled:
+            return
+        self._append('eval.jsonl', record)
+        for key in ('mIoU', 'OA', 'mF1'):
+            if record.get(key) is not None:
+                self.tb.add_scalar(f'val/{key}', record[key], record['step'])
+        for name, values in record.get('per_class', {}).items():
+            if values.get('iou') is not None:
+                self.tb.add_scalar(f'val_iou/{name}', values['iou'], record['step'])
+        self.tb.flush()
+
+    def write_json(self, name, obj):
+        if self.enabled:
+            tmp = os.path.join(self.work_dir, f'.{name}.tmp')
+            with open(tmp, 'w') as f:
+                json.dump(obj, f, indent=2, default=str)
+            os.replace(tmp, os.path.join(self.work_dir, name))
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def format_eta(seconds):
+    if seconds is None:
+        return '?'
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f'{h}h{m:02d}m' if h else f'{m}m{s:02d}s'

@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+setup(
+    name='ds_seg',
+    version='0.1.0',
+    description='DeepSpeed training for large semantic-segmentation models on aerial imagery',
+    long_description=open('README.md').read() if __import__('os').path.exists('README.md') else '',
+    long_description_content_type='text/markdown',
+    packages=find_packages(include=['ds_seg', 'ds_seg.*']),
+    python_requires='>=3.9',
+    install_requires=[
+        'torch>=2.4',
+        'deepspeed>=0.17',
+        'mmengine>=0.10',
+        'numpy',
+        'tensorboard',
+        'rasterio>=1.3',
+        'timm>=1.0',
+    ],
+    extras_require={'test': ['pytest>=7', 'pytest-timeout', 'matplotlib']},
+)

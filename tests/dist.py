@@ -1,0 +1,77 @@
+"""Run a function on N real processes (gloo, CPU) and bring their results or tracebacks back.
+
+    def _fn(tmp):           # module-level, so it can be pickled for spawned processes
+        ...
+        return value        # any picklable value, collected per rank
+    results = run_on_ranks(_fn, world_size=2, args=(tmp_path,))
+
+Each rank is a fresh interpreter (spawn) with RANK/WORLD_SIZE/LOCAL_RANK set and a file://
+rendezvous in a private temp dir, so concurrent test runs never fight over a port. A rank that
+raises fails the test with its traceback; a run that exceeds ``timeout`` is killed and fails.
+"""
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+
+
+def _child(fn, args, rank, world_size, init_file, queue, env):
+    os.environ.update(env)
+    os.environ.update({'RANK': str(rank), 'WORLD_SIZE': str(world_size), 'LOCAL_RANK': str(rank),
+                       'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': '0',
+                       'DS_SEG_INIT_METHOD': f'file://{init_file}', 'OMP_NUM_THREADS': '1'})
+    try:
+        import torch
+        torch.set_num_threads(1)
+        queue.put((rank, 'ok', fn(*args)))
+    except BaseException:  # noqa: B902 -- report everything, including SystemExit
+        queue.put((rank, 'error', traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_on_ranks(fn, world_size=2, args=(), timeout=240, env=None):
+    """Run ``fn(*args)`` on ``world_size`` processes; return the list of results by rank."""
+    ctx = mp.get_context('spawn')
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, 'rendezvous')
+        procs = [ctx.Process(target=_child, args=(fn, args, r, world_size, init_file, queue, env or {}),
+                             daemon=False) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results, errors = {}, {}
+        import queue as queue_mod
+        import time
+        deadline = time.time() + timeout
+        while len(results) + len(errors) < world_size:
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                    # a rank died without reporting (e.g. killed); give the others a moment
+                    time.sleep(1.0)
+                    if queue.empty():
+                        break
+                continue
+            (results if status == 'ok' else errors)[rank] = payload
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if errors:
+            raise AssertionError('\n'.join(f'--- rank {r} failed ---\n{tb}' for r, tb in sorted(errors.items())))
+        if len(results) < world_size:
+            missing = sorted(set(range(world_size)) - set(results))
+            codes = {r: procs[r].exitcode for r in missing}
+            raise AssertionError(f'ranks {missing} did not finish within {timeout}s (exit codes {codes})')
+        return [results[r] for r in range(world_size)]

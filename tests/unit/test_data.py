@@ -1,0 +1,236 @@
+"""Behaviour of the data pipeline: GeoTIFF windows, grid coverage, samplers, loaders."""
+import itertools
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+import rasterio
+import torch
+from rasterio.enums import ColorInterp
+from rasterio.transform import from_origin
+
+from ds_seg.data import (CLASSES, EvalSampler, GeoTiffScenes, SyntheticAerial, TrainSampler,
+                         build_eval_loader, build_train_loader)
+
+IGNORE = 255
+
+
+def write_tif(path, array, transform=None, nodata=None):
+    """A small tiled GeoTIFF with a real CRS; ``array`` is (bands, H, W) or (H, W)."""
+    array = array[None] if array.ndim == 2 else array
+    with rasterio.open(path, 'w', driver='GTiff', width=array.shape[2], height=array.shape[1],
+                       count=array.shape[0], dtype=array.dtype, crs='EPSG:32632',
+                       transform=transform or from_origin(500_000, 5_500_000, 0.1, 0.1),
+                       tiled=True, blockxsize=16, blockysize=16, photometric='MINISBLACK',
+                       nodata=nodata) as dst:
+        dst.write(array)
+    return str(path)
+
+
+def small_synthetic(tmp_path, **kw):
+    args = dict(split='train', num_scenes=2, scene_size=150, crop_size=64, cache_dir=tmp_path)
+    args.update(kw)
+    return SyntheticAerial(**args)
+
+
+def dihedral(a, k, flip):
+    a = a[..., ::-1] if flip else a
+    return np.rot90(a, k, axes=(-2, -1))
+
+
+def test_generated_geotiffs_are_georeferenced_and_tiled(tmp_path):
+    ds = small_synthetic(tmp_path, split='val')
+    origins = set()
+    for scene in ds.scenes:
+        with rasterio.open(scene['image']) as img, rasterio.open(scene['label']) as lbl:
+            assert img.crs.to_epsg() == 32632 and lbl.crs == img.crs
+            assert img.transform.a == pytest.approx(0.1) and img.transform.e == pytest.approx(-0.1)
+            assert lbl.transform == img.transform
+            assert img.profile['tiled'] and img.block_shapes[0] == (32, 32)  # half the 64 crop
+            assert img.count == 3 and lbl.dtypes[0] == 'uint8'
+            assert lbl.read(1).max() < len(CLASSES)
+            origins.add((img.transform.c, img.transform.f))
+    assert len(origins) == 2
+    assert ds.classes == CLASSES and ds.num_classes == 6 and ds.in_channels == 3
+    assert os.path.exists(os.path.join(ds.directory, 'stats.json'))
+
+
+def test_train_and_val_scenes_differ(tmp_path):
+    train = small_synthetic(tmp_path, split='train', mode='grid')
+    val = small_synthetic(tmp_path, split='val', mode='grid')
+    assert train.directory != val.directory
+    assert not torch.equal(train[0]['label'], val[0]['label'])
+
+
+def test_size_mismatch_names_both_files(tmp_path):
+    image = write_tif(tmp_path / 'scene.tif', np.zeros((3, 64, 64), np.uint8))
+    label = write_tif(tmp_path / 'scene_label.tif', np.zeros((48, 64), np.uint8))
+    with pytest.raises(ValueError) as err:
+        GeoTiffScenes([image], [label], crop_size=32, classes=2)
+    assert image in str(err.value) and label in str(err.value)
+
+
+def test_same_index_gives_identical_sample_in_any_instance(tmp_path):
+    a, b = small_synthetic(tmp_path), small_synthetic(tmp_path)
+    for i in (0, 7, 12345):
+        assert torch.equal(a[i]['image'], b[i]['image']) and torch.equal(a[i]['label'], b[i]['label'])
+    assert not torch.equal(a[0]['image'], a[1]['image'])
+    sample = a[3]
+    assert sample['image'].dtype == torch.float32 and sample['image'].shape == (3, 64, 64)
+    assert sample['label'].dtype == torch.int64 and sample['label'].shape == (64, 64)
+
+
+def test_train_sampler_ranks_disjoint_and_cover_range():
+    world, micro, steps = 2, 3, 5
+    streams = [list(itertools.islice(TrainSampler(r, world, micro), steps * micro)) for r in range(world)]
+    assert not set(streams[0]) & set(streams[1])
+    assert sorted(streams[0] + streams[1]) == list(range(steps * world * micro))
+
+
+def test_train_sampler_resume_continues_the_stream():
+    full = list(itertools.islice(TrainSampler(1, 4, 2), 20 * 2))
+    resumed = list(itertools.islice(TrainSampler(1, 4, 2, start_micro_step=7), 13 * 2))
+    assert resumed == full[7 * 2:]
+
+
+def test_loader_batches_do_not_depend_on_workers(tmp_path):
+    ds = small_synthetic(tmp_path)
+    batches = {}
+    for workers in (0, 2):
+        loader = build_train_loader(ds, micro_batch=2, rank=1, world_size=2, num_workers=workers,
+                                    prefetch_factor=1, start_micro_step=3)
+        batches[workers] = list(itertools.islice(iter(loader), 3))
+    for b0, b2 in zip(batches[0], batches[2]):
+        assert torch.equal(b0['image'], b2['image']) and torch.equal(b0['label'], b2['label'])
+    # ...and equal the dataset items the sampler promises for micro-step 3 of rank 1.
+    assert torch.equal(batches[0][0]['label'][1], ds[(3 * 2 + 1) * 2 + 1]['label'])
+
+
+def test_grid_windows_count_every_pixel_once(tmp_path):
+    ds = small_synthetic(tmp_path, split='val', mode='grid')  # 150 px scenes, 64 px windows
+    assert len(ds) == 2 * 3 * 3
+    rebuilt = [np.full((150, 150), -1, np.int64) for _ in ds.scenes]
+    valid = 0
+    for i in range(len(ds)):
+        label = ds[i]['label'].numpy()
+        keep = label != IGNORE
+        valid += keep.sum()
+        _, label_path, window = ds.window(i)
+        scene = [s['label'] for s in ds.scenes].index(label_path)
+        view = rebuilt[scene][window.row_off:window.row_off + 64, window.col_off:window.col_off + 64]
+        assert (view[keep] == -1).all(), 'a pixel was counted twice'
+        view[keep] = label[keep]
+    assert valid == 2 * 150 * 150
+    for scene, image in zip(ds.scenes, rebuilt):
+        with rasterio.open(scene['label']) as src:
+            np.testing.assert_array_equal(image, src.read(1))
+    # Padding indices (EvalSampler) re-read a window but count nothing.
+    assert (ds[len(ds) + 1]['label'] == IGNORE).all()
+
+
+def test_eval_sampler_equal_shards_cover_all():
+    for n, world in [(10, 3), (9, 3), (2, 4), (18, 1)]:
+        shards = [list(EvalSampler(n, r, world)) for r in range(world)]
+        assert len({len(s) for s in shards}) == 1
+        assert len({len(EvalSampler(n, r, world)) for r in range(world)}) == 1
+        flat = sorted(sum(shards, []))
+        assert [i for i in flat if i < n] == list(range(n))
+        assert [i for i in flat if i >= n] == list(range(n, len(flat)))
+
+
+def test_eval_loader_equal_batches_per_rank(tmp_path):
+    ds = small_synthetic(tmp_path, split='val', mode='grid')  # 18 windows
+    counts = [len(list(build_eval_loader(ds, 4, r, 4, num_workers=0))) for r in range(4)]
+    assert counts == [2, 2, 2, 2]
+
+
+def test_flips_and_rotations_keep_image_and_label_aligned(tmp_path):
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 5, (1, 96, 80)).astype(np.uint8)
+    # class = pixel value: any misalignment between image and label shows up.
+    image = write_tif(tmp_path / 'img.tif', values)
+    label = write_tif(tmp_path / 'lbl.tif', values[0])
+    kw = dict(crop_size=32, classes=5, mean=[0.0], std=[1.0])
+    aug = GeoTiffScenes([image], [label], augment=True, **kw)
+    plain = GeoTiffScenes([image], [label], augment=False, **kw)
+    transforms_seen = set()
+    for i in range(40):
+        a, p = aug[i], plain[i]
+        np.testing.assert_array_equal(a['image'][0].numpy().astype(np.int64), a['label'].numpy())
+        match = [(k, f) for k in range(4) for f in (False, True)
+                 if np.array_equal(dihedral(p['label'].numpy(), k, f), a['label'].numpy())
+                 and np.array_equal(dihedral(p['image'].numpy(), k, f), a['image'].numpy())]
+        assert match, 'augmented crop is not a flip/rotation of the same crop'
+        transforms_seen.add(match[0])
+    assert len(transforms_seen) >= 4
+
+
+def test_uint16_four_band_variant(tmp_path):
+    ds = small_synthetic(tmp_path, bands=4, dtype='uint16')
+    assert ds.in_channels == 4 and ds[0]['image'].shape == (4, 64, 64)
+    with rasterio.open(ds.scenes[0]['image']) as src, rasterio.open(ds.scenes[0]['label']) as lbl:
+        assert src.dtypes[0] == 'uint16' and src.count == 4
+        assert ColorInterp.alpha not in src.colorinterp
+        pixels, classes = src.read(), lbl.read(1)
+    assert pixels.max() > 255
+    vegetation = np.isin(classes, [CLASSES.index('grass'), CLASSES.index('tree')])
+    nir_over_red = pixels[3].astype(float) / np.maximum(pixels[0], 1)
+    assert nir_over_red[vegetation].mean() > 1.5 * nir_over_red[~vegetation].mean()  # NDVI-like cue
+
+
+def test_nodata_becomes_ignore_and_zero_input(tmp_path):
+    values = np.full((2, 40, 40), 100, np.uint16)
+    values[:, 10:14, :] = 0          # nodata in every band
+    values[0, 20, :] = 0             # zero in one band only: real data
+    image = write_tif(tmp_path / 'img.tif', values, nodata=0)
+    label = write_tif(tmp_path / 'lbl.tif', np.ones((40, 40), np.uint8))
+    ds = GeoTiffScenes([image], [label], crop_size=40, classes=2, mode='grid', mean=[50, 50], std=[10, 10])
+    sample = ds[0]
+    assert (sample['label'][10:14] == IGNORE).all() and (sample['image'][:, 10:14] == 0).all()
+    assert (sample['label'][20] == 1).all() and (sample['label'] == 1).sum() == 40 * 36
+    assert torch.allclose(sample['image'][0, 20], torch.tensor(-5.0))
+
+
+def test_small_scene_is_padded_with_ignore(tmp_path):
+    image = write_tif(tmp_path / 'img.tif', np.full((1, 20, 30), 7, np.uint8))
+    label = write_tif(tmp_path / 'lbl.tif', np.zeros((20, 30), np.uint8))
+    ds = GeoTiffScenes([image], [label], crop_size=32, classes=1, augment=False)
+    assert len(ds) == 1
+    sample = ds[0]
+    assert sample['image'].shape == (1, 32, 32)
+    assert (sample['label'][:20, :30] == 0).all() and (sample['label'][20:] == IGNORE).all()
+    assert (sample['label'][:, 30:] == IGNORE).all()
+
+
+def test_stats_are_computed_and_cached_when_not_given(tmp_path):
+    values = np.stack([np.full((32, 32), 10, np.uint8), np.arange(32 * 32).reshape(32, 32) % 7]).astype(np.uint8)
+    image = write_tif(tmp_path / 'img.tif', values)
+    label = write_tif(tmp_path / 'lbl.tif', np.zeros((32, 32), np.uint8))
+    ds = GeoTiffScenes([image], [label], crop_size=32, classes=1, bands=[2])
+    assert ds.in_channels == 1
+    assert ds.mean[0] == pytest.approx(values[1].mean(), rel=1e-5)
+    assert os.path.exists(tmp_path / '.ds_seg_stats.json')
+
+
+def test_unreadable_window_names_file_and_window(tmp_path):
+    image = write_tif(tmp_path / 'img.tif', np.zeros((1, 64, 64), np.uint8))
+    label = write_tif(tmp_path / 'lbl.tif', np.zeros((64, 64), np.uint8))
+    ds = GeoTiffScenes([image], [label], crop_size=32, classes=1)
+    with open(image, 'r+b') as f:  # keep the header, destroy the pixel data
+        f.truncate(600)
+    with pytest.raises(RuntimeError, match=r'img\.tif: cannot read window Window'):
+        ds[0]
+
+
+def _build_in_child(cache_dir):
+    ds = SyntheticAerial(split='train', num_scenes=3, scene_size=256, crop_size=64, cache_dir=cache_dir)
+    return ds.directory, ds[0]['label'].sum().item()
+
+
+def test_concurrent_creation_in_one_cache_dir(tmp_path):
+    with mp.get_context('spawn').Pool(2) as pool:
+        results = pool.map(_build_in_child, [str(tmp_path)] * 2)
+    assert results[0] == results[1]
+    # One finished directory, no leftover temporary ones.
+    assert os.listdir(tmp_path / 'synthetic') == [os.path.basename(results[0][0])]

@@ -1,0 +1,121 @@
+"""Losses equal hand computations, ignore pixels, survive all-ignored batches, run in fp32."""
+import math
+
+import pytest
+import torch
+
+import ds_seg  # noqa: F401  (registers everything)
+from ds_seg.models import CrossEntropyLoss, DiceLoss
+from ds_seg.registry import LOSSES, build
+
+IGNORE = 255
+
+
+def _example():
+    torch.manual_seed(0)
+    logits_BKHW = torch.randn(2, 3, 4, 5, requires_grad=True)
+    labels_BHW = torch.randint(0, 3, (2, 4, 5))
+    labels_BHW[0, 0, :3] = IGNORE
+    labels_BHW[1, 2, 4] = IGNORE
+    return logits_BKHW, labels_BHW
+
+
+def _hand_ce(logits_BKHW, labels_BHW, weight):
+    """sum over valid pixels of w[y] * (logsumexp(z) - z[y]), divided by sum of w[y]."""
+    num, den = 0.0, 0.0
+    B, K, H, W = logits_BKHW.shape
+    for b in range(B):
+        for i in range(H):
+            for j in range(W):
+                y = int(labels_BHW[b, i, j])
+                if y == IGNORE:
+                    continue
+                z = [float(logits_BKHW[b, k, i, j]) for k in range(K)]
+                nll = math.log(sum(math.exp(v) for v in z)) - z[y]
+                num += weight[y] * nll
+                den += weight[y]
+    return num / den
+
+
+@pytest.mark.parametrize('weight', [None, [0.5, 2.0, 1.0]])
+def test_cross_entropy_equals_hand_computation(weight):
+    logits_BKHW, labels_BHW = _example()
+    loss = CrossEntropyLoss(ignore_index=IGNORE, class_weight=weight)(logits_BKHW, labels_BHW)
+    expected = _hand_ce(logits_BKHW.detach(), labels_BHW, weight or [1.0] * 3)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize('weight', [None, [0.5, 2.0, 1.0]])
+@pytest.mark.parametrize('smoothing', [0.0, 0.1])
+def test_cross_entropy_equals_torch_mean_with_loss_weight(weight, smoothing):
+    logits_BKHW, labels_BHW = _example()
+    loss = build(LOSSES, dict(type='CrossEntropyLoss', class_weight=weight, loss_weight=0.4,
+                              label_smoothing=smoothing))(logits_BKHW, labels_BHW)
+    expected = torch.nn.functional.cross_entropy(
+        logits_BKHW, labels_BHW, ignore_index=IGNORE, label_smoothing=smoothing,
+        weight=None if weight is None else torch.tensor(weight))
+    torch.testing.assert_close(loss, 0.4 * expected)
+
+
+def test_ignored_pixels_do_not_affect_loss_or_gradient():
+    logits_BKHW, labels_BHW = _example()
+    loss = CrossEntropyLoss()(logits_BKHW, labels_BHW)
+    loss.backward()
+    ignored = (labels_BHW == IGNORE).unsqueeze(1).expand_as(logits_BKHW)
+    assert (logits_BKHW.grad[ignored] == 0).all()
+    # Changing logits where the label is ignored changes nothing.
+    shifted = (logits_BKHW.detach() + 10 * ignored).requires_grad_()
+    assert CrossEntropyLoss()(shifted, labels_BHW).item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize('loss_cls', [CrossEntropyLoss, DiceLoss])
+@pytest.mark.parametrize('weight', [None, [1.0, 2.0, 3.0]])
+def test_all_ignored_gives_zero_with_grad_not_nan(loss_cls, weight):
+    logits_BKHW = torch.randn(2, 3, 4, 4, requires_grad=True)
+    labels_BHW = torch.full((2, 4, 4), IGNORE)
+    kwargs = {'class_weight': weight} if loss_cls is CrossEntropyLoss else {}
+    loss = loss_cls(**kwargs)(logits_BKHW, labels_BHW)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert (logits_BKHW.grad == 0).all()
+
+
+def test_dice_perfect_prediction_is_near_zero_and_wrong_is_near_one():
+    labels_BHW = torch.randint(0, 4, (2, 16, 16))
+    labels_BHW[:, :2] = IGNORE
+    onehot_BKHW = torch.nn.functional.one_hot(labels_BHW.clamp(max=3), 4).permute(0, 3, 1, 2).float()
+    dice = DiceLoss(smooth=1e-3)
+    assert dice(30 * onehot_BKHW, labels_BHW).item() == pytest.approx(0.0, abs=1e-6)
+    wrong_BKHW = 30 * onehot_BKHW.roll(1, dims=1)  # always predicts the next class
+    assert dice(wrong_BKHW, labels_BHW).item() == pytest.approx(1.0, abs=1e-3)
+
+
+def test_dice_equals_hand_computation_and_ignores_pixels():
+    logits_BKHW, labels_BHW = _example()
+    loss = DiceLoss(smooth=1.0)(logits_BKHW, labels_BHW)
+    valid = labels_BHW != IGNORE
+    probs_BKHW = logits_BKHW.detach().softmax(1)
+    dices = []
+    for k in range(3):
+        p = probs_BKHW[:, k][valid]
+        g = (labels_BHW[valid] == k).float()
+        dices.append((2 * (p * g).sum() + 1) / (p.sum() + g.sum() + 1))
+    assert loss.item() == pytest.approx(1 - torch.stack(dices).mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize('loss_cls', [CrossEntropyLoss, DiceLoss])
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_low_precision_logits_are_computed_in_fp32(loss_cls, dtype):
+    logits_BKHW, labels_BHW = _example()
+    low_BKHW = logits_BKHW.detach().to(dtype).requires_grad_()
+    loss = loss_cls()(low_BKHW, labels_BHW)
+    assert loss.dtype == torch.float32
+    # Same value as fp32 on the same (rounded) logits: only the input was rounded.
+    torch.testing.assert_close(loss, loss_cls()(low_BKHW.detach().float(), labels_BHW))
+    loss.backward()
+    assert low_BKHW.grad.dtype == dtype
+
+
+def test_shape_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match='labels'):
+        CrossEntropyLoss()(torch.randn(2, 3, 8, 8), torch.zeros(2, 4, 4, dtype=torch.long))

@@ -1,0 +1,112 @@
+"""Behaviour of every UNet registered in MODELS: shapes, band counts, gradients, checkpointing."""
+import pytest
+import torch
+from torch import nn
+
+import ds_seg  # noqa: F401  (registers everything)
+from ds_seg.models import UNet
+from ds_seg.registry import MODELS, build
+
+# The registered UNets; the full-size one is shrunk so every test runs in milliseconds.
+UNET_NAMES = sorted(n for n, m in MODELS.module_dict.items() if m.__module__ == 'ds_seg.models.unet')
+SMALL = {'UNet': dict(base_channels=8, depth=3)}
+
+
+def make(name, **kwargs):
+    torch.manual_seed(0)
+    return build(MODELS, dict(type=name, **SMALL.get(name, {}), **kwargs))
+
+
+def test_registry_has_unets():
+    assert {'UNet', 'UNetTiny'} <= set(UNET_NAMES)
+
+
+def test_unet_parameter_count_matches_milesial_reference():
+    # milesial/Pytorch-UNet, UNet(n_channels=3, n_classes=2, bilinear=False): 31,037,698.
+    n = sum(p.numel() for p in UNet(in_channels=3, num_classes=2).parameters())
+    assert abs(n - 31.04e6) / 31.04e6 < 0.01
+    assert n == 31_037_698
+
+
+@pytest.mark.parametrize('name', UNET_NAMES)
+@pytest.mark.parametrize('bilinear', [False, True])
+@pytest.mark.parametrize('size', [(64, 64), (70, 90), (33, 47)])
+def test_output_is_logits_at_input_resolution(name, bilinear, size):
+    model = make(name, num_classes=5, bilinear=bilinear).eval()
+    with torch.no_grad():
+        logits_BKHW = model(torch.randn(2, 3, *size))
+    assert logits_BKHW.shape == (2, 5, *size)
+    assert torch.isfinite(logits_BKHW).all()
+
+
+@pytest.mark.parametrize('name', UNET_NAMES)
+@pytest.mark.parametrize('in_channels', [1, 3, 4, 13])
+def test_any_band_count_trains(name, in_channels):
+    model = make(name, in_channels=in_channels, num_classes=6).train()
+    images_BCHW = torch.randn(2, in_channels, 64, 64)
+    labels_BHW = torch.randint(0, 6, (2, 64, 64))
+    loss = nn.functional.cross_entropy(model(images_BCHW), labels_BHW)
+    loss.backward()
+    # Every parameter takes part in the loss (no dead branch).
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+        assert p.grad.abs().sum() > 0, pname
+
+
+def _train_step(model, images_BCHW, labels_BHW):
+    loss = nn.functional.cross_entropy(model(images_BCHW), labels_BHW)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize('name', UNET_NAMES)
+@pytest.mark.parametrize('bilinear', [False, True])
+def test_activation_checkpointing_changes_nothing_but_memory(name, bilinear):
+    plain = make(name, bilinear=bilinear).train()
+    ckpt = make(name, bilinear=bilinear, activation_checkpointing=True).train()
+    ckpt.load_state_dict(plain.state_dict())
+    images_BCHW = torch.randn(2, 3, 70, 90)
+    labels_BHW = torch.randint(0, 6, (2, 70, 90))
+
+    buffer_ptrs = [b.data_ptr() for b in ckpt.buffers()]
+    # Two steps, so a second running-stat update during recomputation would show.
+    for _ in range(2):
+        loss_plain, grads_plain = _train_step(plain, images_BCHW, labels_BHW)
+        loss_ckpt, grads_ckpt = _train_step(ckpt, images_BCHW, labels_BHW)
+        torch.testing.assert_close(loss_ckpt, loss_plain, rtol=0, atol=0)
+        for n in grads_plain:
+            torch.testing.assert_close(grads_ckpt[n], grads_plain[n], rtol=1e-6, atol=1e-7, msg=n)
+
+    buffers_plain = dict(plain.named_buffers())
+    for n, b in ckpt.named_buffers():
+        torch.testing.assert_close(b, buffers_plain[n], rtol=0, atol=0, msg=n)
+    assert all(b.item() == 2 for n, b in ckpt.named_buffers() if n.endswith('num_batches_tracked'))
+    # The recomputation swaps scratch buffers in; the module must hold its own ones again.
+    assert [b.data_ptr() for b in ckpt.buffers()] == buffer_ptrs
+
+
+def test_checkpointing_wraps_every_block_only_when_training_with_grad(monkeypatch):
+    import ds_seg.models.unet as unet
+    calls = []
+
+    def counting_checkpoint(block, *args, **kwargs):
+        calls.append(block)
+        return torch.utils.checkpoint.checkpoint(block, *args, **kwargs)
+
+    monkeypatch.setattr(unet, 'checkpoint', counting_checkpoint)
+    model = make('UNetTiny', activation_checkpointing=True)  # depth 3
+    images_BCHW = torch.randn(1, 3, 32, 32)
+
+    model.train()(images_BCHW)
+    assert len(calls) == 1 + 3 + 3  # stem, 3 down blocks, 3 up blocks
+    calls.clear()
+    with torch.no_grad():
+        model(images_BCHW)
+    model.eval()(images_BCHW)
+    assert calls == []
+
+
+def test_unknown_argument_names_the_accepted_ones():
+    with pytest.raises(KeyError, match='base_channels'):
+        build(MODELS, dict(type='UNet', base_channel=8))
