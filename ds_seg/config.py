@@ -38,7 +38,7 @@ DEFAULTS = dict(
         eval_batch_size=None,      # None: the DeepSpeed micro-batch
     ),
     train=dict(
-        max_steps=300,
+        max_steps=400,
         log_interval=10,
         eval_interval=100,
         checkpoint_interval=100,
@@ -80,7 +80,7 @@ def _check_keys(cfg, defaults, source, prefix=''):
             raise ConfigError(f"{source}: unknown key {path!r}.{hint} "
                               f"Known keys here: {', '.join(prefix + k for k in defaults)}.")
         if path in _REGISTRY_SECTIONS:
-            if not isinstance(value, dict) or 'type' not in value:
+            if not isinstance(value, dict):
                 raise ConfigError(f"{source}: {path!r} must be a dict with a 'type' key, got {value!r}.")
         elif isinstance(value, dict) and isinstance(defaults[key], dict):
             _check_keys(value, defaults[key], source, prefix=f'{path}.')
@@ -136,6 +136,12 @@ def load_config(path=None, cfg_options=None):
 
 
 def _check_values(cfg, source):
+    for path in sorted(_REGISTRY_SECTIONS):
+        node = cfg
+        for part in path.split('.'):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None and 'type' not in node:
+            raise ConfigError(f"{source}: {path!r} must be a dict with a 'type' key, got {node!r}.")
     train = cfg['train']
     for key in ('max_steps', 'log_interval', 'eval_interval', 'checkpoint_interval'):
         if not isinstance(train[key], int) or train[key] < 0 or (key == 'max_steps' and train[key] == 0):

@@ -112,15 +112,16 @@ def init(use_deepspeed=True, timeout_s=None):
     backend = 'nccl' if dev.type == 'cuda' else 'gloo'
     # A file:// rendezvous (tests) avoids races for free ports between concurrent jobs.
     init_method = os.environ.get('DS_SEG_INIT_METHOD') or None
+    ranks = dict(rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))
     if use_deepspeed:
         # DeepSpeed JIT-builds a shared-memory all-reduce op on first use on CPU (~40 s); it only
         # speeds up inference all-reduce, so training skips the build.
         importlib.import_module('deepspeed.comm.torch').build_shm_op = lambda: None
         import deepspeed
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
-                                   init_method=init_method)
+                                   init_method=init_method, **ranks)
     else:
-        dist.init_process_group(backend=backend, timeout=timeout, init_method=init_method)
+        dist.init_process_group(backend=backend, timeout=timeout, init_method=init_method, **ranks)
     return launcher
 
 

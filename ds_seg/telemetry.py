@@ -134,8 +134,35 @@ class RunLog:
         self.tb = None
         if enabled:
             os.makedirs(work_dir, exist_ok=True)
+
+    def _writer(self):
+        # Created lazily so start() can first move an earlier run's tb/ aside.
+        if self.tb is None:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(work_dir, 'tb'))
+            self.tb = SummaryWriter(os.path.join(self.work_dir, 'tb'))
+        return self.tb
+
+    LOGS = ('metrics.jsonl', 'eval.jsonl', 'summary.json')
+
+    def start(self, resumed_step=None):
+        """Resumed: drop rows the interrupted run logged after its checkpoint (they are redone).
+        Fresh: move an earlier run's logs aside into ``previous/<time>/`` (never delete them)."""
+        if resumed_step is not None:
+            for name in ('metrics.jsonl', 'eval.jsonl'):
+                path = os.path.join(self.work_dir, name)
+                if os.path.isfile(path):
+                    with open(path) as f:
+                        keep = [line for line in f if line.strip() and json.loads(line)['step'] <= resumed_step]
+                    with open(path + '.tmp', 'w') as f:
+                        f.writelines(keep)
+                    os.replace(path + '.tmp', path)
+            return
+        old = [n for n in self.LOGS + ('tb',) if os.path.exists(os.path.join(self.work_dir, n))]
+        if old:
+            archive = os.path.join(self.work_dir, 'previous', time.strftime('%Y%m%d-%H%M%S'))
+            os.makedirs(archive, exist_ok=True)
+            for name in old:
+                os.replace(os.path.join(self.work_dir, name), os.path.join(archive, name))
 
     def _append(self, name, record):
         with open(os.path.join(self.work_dir, name), 'a') as f:
@@ -147,7 +174,7 @@ class RunLog:
         self._append('metrics.jsonl', record)
         for key, value in record.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ('step',):
-                self.tb.add_scalar(f'train/{key}', value, record['step'])
+                self._writer().add_scalar(f'train/{key}', value, record['step'])
 
     def eval(self, record):
         if not self.enabled:
@@ -155,10 +182,10 @@ class RunLog:
         self._append('eval.jsonl', record)
         for key in ('mIoU', 'OA', 'mF1'):
             if record.get(key) is not None:
-                self.tb.add_scalar(f'val/{key}', record[key], record['step'])
+                self._writer().add_scalar(f'val/{key}', record[key], record['step'])
         for name, values in record.get('per_class', {}).items():
             if values.get('iou') is not None:
-                self.tb.add_scalar(f'val_iou/{name}', values['iou'], record['step'])
+                self._writer().add_scalar(f'val_iou/{name}', values['iou'], record['step'])
         self.tb.flush()
 
     def write_json(self, name, obj):

@@ -11,6 +11,7 @@ raises fails the test with its traceback; a run that exceeds ``timeout`` is kill
 """
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import traceback
 
@@ -23,7 +24,9 @@ def _child(fn, args, rank, world_size, init_file, queue, env):
     try:
         import torch
         torch.set_num_threads(1)
-        queue.put((rank, 'ok', fn(*args)))
+        # Plain pickle bytes: torch's queue pickler would pass tensors as shared-memory handles
+        # that vanish when this process exits before the parent reads them.
+        queue.put((rank, 'ok', pickle.dumps(fn(*args))))
     except BaseException:  # noqa: B902 -- report everything, including SystemExit
         queue.put((rank, 'error', traceback.format_exc()))
     finally:
@@ -62,7 +65,10 @@ def run_on_ranks(fn, world_size=2, args=(), timeout=240, env=None):
                     if queue.empty():
                         break
                 continue
-            (results if status == 'ok' else errors)[rank] = payload
+            if status == 'ok':
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():

@@ -32,6 +32,14 @@ class DeepSpeedBackend:
             config=ds_config)
         self.input_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(precision)
         self._grad_norm = None
+        # DeepSpeed 0.19 scales the loss in engine.backward only for ZeRO optimizers; its ZeRO-0
+        # fp16 optimizers still unscale gradients and check them for overflow in step(), so an
+        # unscaled loss would train with gradients divided by the loss scale and never see an
+        # overflow. We apply the scale ourselves in exactly that case.
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+        scale_cfg = getattr(self.optimizer, 'loss_scale_config', None)
+        self._scale_loss_here = (precision == 'fp16' and not isinstance(self.optimizer, ZeROOptimizer)
+                                 and scale_cfg is not None and scale_cfg.use_grad_scaling)
 
     @property
     def module(self):
@@ -50,7 +58,9 @@ class DeepSpeedBackend:
         return self.engine(images_BCHW)
 
     def backward(self, loss):
-        self.engine.backward(loss)  # scales by 1/grad_accum and by the fp16 loss scale
+        if self._scale_loss_here:
+            loss = loss.float() * self.optimizer.loss_scale_config.cur_scale
+        self.engine.backward(loss)  # divides by grad_accum; ZeRO optimizers apply the fp16 loss scale
 
     def is_boundary(self):
         return self.engine.is_gradient_accumulation_boundary()
@@ -74,10 +84,11 @@ class DeepSpeedBackend:
         if self.precision != 'fp16':
             return None
         opt = self.optimizer
-        scale = getattr(opt, 'cur_scale', None)
-        if scale is None and hasattr(opt, 'loss_scaler'):
-            scale = getattr(opt.loss_scaler, 'cur_scale', None)
-        return float(scale) if scale is not None else None
+        for holder in (getattr(opt, 'loss_scale_config', None), opt, getattr(opt, 'loss_scaler', None)):
+            scale = getattr(holder, 'cur_scale', None)
+            if scale is not None:
+                return float(scale)
+        return None
 
     def lr(self):
         return float(self.engine.get_lr()[0])

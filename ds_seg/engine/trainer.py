@@ -82,6 +82,11 @@ class Trainer:
         resume_from = checkpoint.resolve_resume(resume, self.work_dir)
         if resume_from is not None:
             self._load_checkpoint(*resume_from)
+        elif checkpoint.complete_tags(os.path.join(self.work_dir, 'checkpoints')):
+            raise ConfigError(f"--work-dir: {self.work_dir} already holds checkpoints of an earlier run; "
+                              "add --resume auto to continue it, or choose another --work-dir.")
+        if distributed.is_main():
+            self.log.start(resumed_step=self.step if resume_from is not None else None)
 
         # --- telemetry -------------------------------------------------------------------------
         shape = (1, self.train_set.in_channels, data_cfg.crop_size, data_cfg.crop_size)

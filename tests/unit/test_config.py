@@ -1,0 +1,147 @@
+"""Experiment-config and DeepSpeed-JSON checks: every user mistake named before training."""
+import json
+
+import pytest
+
+import ds_seg  # noqa: F401 -- registers everything
+from ds_seg.config import (DEFAULTS, REPO_ROOT, ConfigError, load_config, load_ds_config, resolve_batch,
+                           resolve_ds_config)
+from ds_seg.registry import DATASETS, LOSSES, MODELS, RegistryError, build, lookup
+
+SHIPPED = sorted((REPO_ROOT / 'ds_configs').glob('*.json'))
+
+
+def test_registries_hold_core_entries():
+    assert {'UNet', 'UNetTiny'} <= set(MODELS.module_dict)
+    assert {'SyntheticAerial', 'GeoTiffScenes'} <= set(DATASETS.module_dict)
+    assert 'CrossEntropyLoss' in LOSSES.module_dict
+
+
+def test_unknown_registry_name_lists_known_and_close_matches():
+    with pytest.raises(RegistryError) as err:
+        build(MODELS, dict(type='Unet'), where='model')
+    msg = str(err.value)
+    assert "model.type: 'Unet' is not a registered model" in msg
+    assert "Did you mean 'UNet'" in msg and 'UNetTiny' in msg
+
+
+def test_unknown_model_argument_is_named():
+    with pytest.raises(RegistryError, match=r"model.base_channel: UNet has no argument 'base_channel'.*"
+                                            r"Did you mean 'base_channels'"):
+        build(MODELS, dict(type='UNet', base_channel=8), where='model')
+
+
+def test_lookup_returns_class():
+    assert lookup(LOSSES, 'CrossEntropyLoss').__name__ == 'CrossEntropyLoss'
+
+
+def test_default_config_without_file():
+    cfg = load_config(None)
+    assert cfg.model.type == DEFAULTS['model']['type']
+    assert cfg.data.train.type == 'SyntheticAerial'
+    assert cfg.config_name == 'default'
+
+
+def test_cfg_options_override_and_type_change_replaces_section():
+    cfg = load_config(None, ['train.max_steps=7', 'model.type=UNetTiny', 'data.crop_size=64'])
+    assert cfg.train.max_steps == 7 and cfg.data.crop_size == 64
+    assert dict(cfg.model) == {'type': 'UNetTiny'}  # UNet's base_channels must not leak into UNetTiny
+
+
+def test_config_file_merges_over_defaults(tmp_path):
+    path = tmp_path / 'exp.py'
+    path.write_text("train = dict(max_steps=11)\nmodel = dict(base_channels=8)\n")
+    cfg = load_config(str(path))
+    assert cfg.train.max_steps == 11 and cfg.train.log_interval == DEFAULTS['train']['log_interval']
+    assert cfg.model.base_channels == 8 and cfg.model.type == 'UNet'
+    assert cfg.config_name == 'exp'
+
+
+@pytest.mark.parametrize('options, message', [
+    (['train.max_step=3'], r"--cfg-options: unknown key 'train.max_step'. Did you mean 'train.max_steps'"),
+    (['trian.max_steps=3'], r"unknown key 'trian'. Did you mean 'train'"),
+    (['train.max_steps=0'], r'train.max_steps must be a positive integer'),
+    (['data.crop_size=8'], r'data.crop_size must be an integer >= 16'),
+    (['model=3'], r"'model' must be a dict with a 'type' key"),
+])
+def test_bad_options_are_named(options, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, options)
+
+
+def test_missing_config_file_lists_shipped(tmp_path):
+    with pytest.raises(ConfigError, match=r'does not exist. Configs shipped in configs/'):
+        load_config(str(tmp_path / 'nope.py'))
+
+
+# -- DeepSpeed JSON ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize('path', SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_ds_configs_pass_and_resolve_at_any_world_size(path):
+    ds = load_ds_config(path)
+    assert 'train_batch_size' not in ds, 'a hard-coded global batch breaks when the GPU count changes'
+    for world in (1, 2, 3, 8):
+        resolved, precision, _ = resolve_ds_config(ds, world, max_steps=1000, supports=lambda p: True)
+        assert resolved['train_batch_size'] == (ds['train_micro_batch_size_per_gpu']
+                                                * ds['gradient_accumulation_steps'] * world)
+        assert precision in ('fp16', 'bf16')
+    if 'fp16' in ds:
+        assert ds['fp16']['enabled'] and ds['fp16']['loss_scale'] == 0  # dynamic loss scaling
+
+
+def _write(tmp_path, obj):
+    path = tmp_path / 'ds.json'
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def test_unknown_top_level_key_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown top-level key 'gradient_clippin'. Did you mean 'gradient_clipping'"):
+        load_ds_config(_write(tmp_path, {'train_micro_batch_size_per_gpu': 2, 'gradient_clippin': 1.0}))
+
+
+def test_auto_anywhere_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"'bf16.enabled' is \"auto\""):
+        load_ds_config(_write(tmp_path, {'train_micro_batch_size_per_gpu': 2, 'bf16': {'enabled': 'auto'}}))
+    with pytest.raises(ConfigError, match=r"'optimizer.params.betas\[1\]' is \"auto\""):
+        load_ds_config(_write(tmp_path, {'optimizer': {'type': 'AdamW', 'params': {'betas': [0.9, 'auto']}}}))
+
+
+def test_invalid_json_named(tmp_path):
+    path = tmp_path / 'bad.json'
+    path.write_text('{"train_micro_batch_size_per_gpu": 2,}')
+    with pytest.raises(ConfigError, match=r'bad.json: not valid JSON'):
+        load_ds_config(path)
+
+
+def test_batch_triple():
+    assert resolve_batch({'train_micro_batch_size_per_gpu': 4, 'gradient_accumulation_steps': 2}, 3) == (4, 2, 24)
+    assert resolve_batch({'train_batch_size': 16, 'train_micro_batch_size_per_gpu': 4}, 2) == (4, 2, 16)
+    assert resolve_batch({'train_batch_size': 16, 'gradient_accumulation_steps': 2}, 2) == (4, 2, 16)
+    with pytest.raises(ConfigError, match=r"'train_batch_size' 16 != train_micro_batch_size_per_gpu 4 x "
+                                          r"gradient_accumulation_steps 2 x world size 3"):
+        resolve_batch({'train_batch_size': 16, 'train_micro_batch_size_per_gpu': 4,
+                       'gradient_accumulation_steps': 2}, 3)
+    with pytest.raises(ConfigError, match=r"'train_batch_size' 10 is not divisible"):
+        resolve_batch({'train_batch_size': 10, 'train_micro_batch_size_per_gpu': 4}, 2)
+
+
+def test_precision_fallback_recorded():
+    ds = {'train_micro_batch_size_per_gpu': 2, 'fp16': {'enabled': True}}
+    resolved, precision, notes = resolve_ds_config(ds, 1, 10, supports=lambda p: p == 'bf16')
+    assert precision == 'bf16-autocast' and not resolved['fp16']['enabled']
+    assert resolved['torch_autocast'] == {'enabled': True, 'dtype': 'bfloat16'}
+    assert len(notes) == 1 and 'fp16 is not supported' in notes[0]
+    resolved, precision, notes = resolve_ds_config(ds, 1, 10, supports=lambda p: False)
+    assert precision == 'fp32' and 'running fp32' in notes[0]
+    _, precision, notes = resolve_ds_config(ds, 1, 10, supports=lambda p: True)
+    assert precision == 'fp16' and not notes
+
+
+def test_scheduler_length_from_max_steps_and_warmup_check():
+    ds = {'train_micro_batch_size_per_gpu': 2,
+          'scheduler': {'type': 'WarmupCosineLR', 'params': {'warmup_num_steps': 5}}}
+    resolved, _, _ = resolve_ds_config(ds, 1, 50)
+    assert resolved['scheduler']['params']['total_num_steps'] == 50
+    with pytest.raises(ConfigError, match='warmup_num_steps'):
+        resolve_ds_config(ds, 1, 5)
