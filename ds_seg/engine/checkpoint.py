@@ -59,8 +59,10 @@ def save(backend, root, step, client_state, keep):
     if distributed.is_main():
         tmp_path = os.path.join(root, tmp_tag)
         with open(os.path.join(tmp_path, COMPLETE), 'w') as f:
+            # Enough to export or check compatibility without unpickling anything.
             json.dump({'step': step, 'world_size': distributed.world_size(), 'backend': backend.name,
-                       'files': sorted(os.listdir(tmp_path))}, f)
+                       'zero_stage': backend.zero_stage, 'model': client_state.get('model_cfg'),
+                       'classes': client_state.get('classes'), 'files': sorted(os.listdir(tmp_path))}, f)
         final = os.path.join(root, tag)
         if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it
             shutil.rmtree(final)
@@ -125,8 +127,27 @@ def consolidated_state_dict(ckpt_dir):
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
-def export(ckpt_dir, out_file, model_cfg, classes=None, extra=None):
-    """Write ``{'state_dict', 'model', 'classes', ...}`` to ``out_file`` (loadable weights_only)."""
+def read_marker(ckpt_dir):
+    """The ``COMPLETE`` record of a checkpoint folder (step, backend, model config, classes)."""
+    path = os.path.join(ckpt_dir, COMPLETE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{ckpt_dir}: not a complete ds_seg checkpoint (no {COMPLETE} file).")
+    with open(path) as f:
+        return json.load(f)
+
+
+def export(ckpt_dir, out_file, model_cfg=None, classes=None, extra=None):
+    """Write ``{'state_dict', 'model', 'classes', ...}`` to ``out_file`` (loadable weights_only).
+
+    ``model_cfg`` and ``classes`` default to those recorded in the checkpoint.
+
+    Example::
+
+        export('work_dirs/default/checkpoints/step_00000400', 'unet.pt')
+    """
+    marker = read_marker(ckpt_dir)
+    model_cfg = model_cfg or marker.get('model')
+    classes = classes if classes is not None else marker.get('classes')
     state = consolidated_state_dict(ckpt_dir)
     payload = {'state_dict': state, 'model': dict(model_cfg), 'classes': list(classes or []),
                'source': os.path.abspath(ckpt_dir)}

@@ -2,10 +2,13 @@
 ZeRO stage gives the same losses, ranks agree on weights, resume equals uninterrupted, export
 round-trips, fp16 overflow steps are skipped and counted."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from ds_seg.config import REPO_ROOT
 from tests.dist import run_on_ranks
 from tests.tiny import ds_config, read_jsonl, tiny_cfg
 
@@ -118,9 +121,11 @@ def test_export_round_trip_under_zero3_and_load_from(tmp_path):
     tmp = str(tmp_path)
     trained = run_on_ranks(_train, 2, args=(tmp, 'deepspeed', ds_config(3), 'z3', None, 6, 6))
     out = os.path.join(tmp, 'weights.pt')
-    checkpoint.export(os.path.join(tmp, 'z3', 'checkpoints', 'step_00000006'), out,
-                      model_cfg={'type': 'UNetTiny'}, classes=['a'])
+    # Through the command line, given only the work dir: it finds the newest checkpoint.
+    subprocess.run([sys.executable, 'launch/export.py', os.path.join(tmp, 'z3'), '--out', out],
+                   check=True, cwd=REPO_ROOT, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     payload = checkpoint.load_weights_file(out)
+    assert payload['model']['type'] == 'UNetTiny' and payload['classes'][:2] == ['grass', 'road']
     from ds_seg.registry import MODELS, build
     model = build(MODELS, payload['model'])
     model.load_state_dict(payload['state_dict'])  # strict: every parameter and buffer present

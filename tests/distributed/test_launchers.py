@@ -1,0 +1,122 @@
+"""launch/train.py end to end through every way users start it: the deepspeed CLI, torchrun,
+plain python, and processes started by srun that only have SLURM_* variables."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ds_seg.config import REPO_ROOT
+from tests.tiny import TINY_CONFIG, read_jsonl
+
+pytestmark = pytest.mark.slow
+
+METRIC_KEYS = {'step', 'epoch', 'loss', 'lr', 'grad_norm', 'loss_scale', 'images_per_s', 'megapixels_per_s',
+               'step_time_s', 'data_wait_frac', 'max_mem_mb', 'mfu', 'backend', 'zero_stage', 'world_size',
+               'precision'}
+
+
+def _free_port(lo=15000, hi=35000):
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            port = s.getsockname()[1]
+        if lo <= port < hi:
+            return port
+    import random
+    return random.randrange(lo, hi)
+
+
+def _options(tmp):
+    cache = os.path.join(tmp, 'cache')
+    return ['--config', TINY_CONFIG, '--work-dir', os.path.join(tmp, 'work'), '--cfg-options',
+            f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}', 'train.max_steps=24',
+            'train.eval_interval=12', 'train.checkpoint_interval=12', 'train.log_interval=6']
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'TORCHELASTIC_RUN_ID')
+           and not k.startswith('SLURM_')}
+    env.update(OMP_NUM_THREADS='1', PYTHONPATH=str(REPO_ROOT), **extra)
+    return env
+
+
+def _check_run(tmp, world_size, backend='deepspeed', stage=None, launcher=None):
+    work = os.path.join(tmp, 'work')
+    summary = json.load(open(os.path.join(work, 'summary.json')))
+    assert summary['exit_reason'] == 'completed' and summary['steps'] == 24
+    ds = json.load(open(os.path.join(work, 'ds_config.json')))
+    assert ds['ds_seg']['world_size'] == world_size and ds['ds_seg']['backend'] == backend
+    assert ds['train_batch_size'] == ds['train_micro_batch_size_per_gpu'] * ds['gradient_accumulation_steps'] * world_size
+    if launcher:
+        assert ds['ds_seg']['launcher'] == launcher
+    rows = read_jsonl(os.path.join(work, 'metrics.jsonl'))
+    assert [r['step'] for r in rows] == [6, 12, 18, 24]
+    assert METRIC_KEYS <= set(rows[-1]) and rows[-1]['world_size'] == world_size
+    assert rows[-1]['precision'] == summary['precision'] == ds['ds_seg']['precision']
+    if stage is not None:
+        assert rows[-1]['zero_stage'] == stage
+    evals = read_jsonl(os.path.join(work, 'eval.jsonl'))
+    assert [e['step'] for e in evals] == [12, 24] and 0 <= evals[-1]['mIoU'] <= 1
+    assert os.listdir(os.path.join(work, 'tb'))
+    assert open(os.path.join(work, 'checkpoints', 'latest')).read() == 'step_00000024'
+
+
+def _run(cmd, env, timeout=300):
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f'{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
+    return proc
+
+
+def test_deepspeed_cli_two_cpu_ranks_shipped_zero2(tmp_path):
+    deepspeed = shutil.which('deepspeed') or os.path.join(os.path.dirname(sys.executable), 'deepspeed')
+    proc = _run([deepspeed, '--num_gpus', '2', '--master_port', str(_free_port()), 'launch/train.py',
+                 '--deepspeed_config', 'ds_configs/zero2.json', *_options(str(tmp_path))], _env())
+    _check_run(str(tmp_path), 2, stage=2)
+    if 'fp16 is not supported' in proc.stdout:  # a CPU: the fallback is said once and recorded
+        assert json.load(open(tmp_path / 'work' / 'summary.json'))['precision'] in ('bf16-autocast', 'fp32')
+
+
+def test_torchrun_two_ranks_zero3(tmp_path):
+    _run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port',
+          str(_free_port()), 'launch/train.py', '--deepspeed_config', 'ds_configs/zero3.json',
+          *_options(str(tmp_path))], _env())
+    _check_run(str(tmp_path), 2, stage=3, launcher='torchrun')
+
+
+def test_plain_python_single_process_ddp(tmp_path):
+    _run([sys.executable, 'launch/train.py', '--backend', 'ddp', '--deepspeed_config', 'ds_configs/zero1.json',
+          *_options(str(tmp_path))], _env())
+    _check_run(str(tmp_path), 1, backend='ddp', launcher='none')
+
+
+def test_srun_style_processes_with_only_slurm_variables(tmp_path):
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = _env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS='2', SLURM_NNODES='1',
+                   SLURM_NODEID='0', SLURM_JOB_ID=str(port - 15000), SLURM_JOB_NODELIST='localhost')
+        procs.append(subprocess.Popen([sys.executable, 'launch/train.py', '--deepspeed_config',
+                                       'ds_configs/zero0.json', *_options(str(tmp_path))],
+                                      cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], '\n'.join(o[-3000:] for o in outputs)
+    _check_run(str(tmp_path), 2, stage=0, launcher='slurm')
+
+
+def test_user_mistakes_stop_before_training_with_one_line(tmp_path):
+    bad = tmp_path / 'bad.json'
+    bad.write_text(json.dumps({'train_micro_batch_size_per_gpu': 2, 'gradient_clippin': 1.0}))
+    proc = subprocess.run([sys.executable, 'launch/train.py', '--deepspeed_config', str(bad), *_options(str(tmp_path))],
+                          cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown top-level key 'gradient_clippin'" in proc.stderr and 'Traceback' not in proc.stderr
+    proc = subprocess.run([sys.executable, 'launch/train.py', *_options(str(tmp_path)), 'model.type=Unett'],
+                          cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Did you mean 'UNet'" in proc.stderr and 'Traceback' not in proc.stderr
+    assert not os.path.exists(tmp_path / 'work' / 'metrics.jsonl')
