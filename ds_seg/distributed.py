@@ -183,3 +183,116 @@ def main_process_first():
     finally:
         if is_main():
             barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopping together: signals, non-finite losses, lost ranks
+# ----------------------------------------------------------------------------------------------
+
+class StopRequests:
+    """Per-step agreement between ranks on whether to stop, and why.
+
+    SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (preemption, scancel) only set
+    a flag: the current step finishes, then all ranks learn at the same step that any rank was
+    signalled, and checkpoint together. The exchange is one tiny all-reduce on a CPU (gloo)
+    group, so it never waits for the GPU.
+    """
+
+    SIGNALS = ('SIGUSR1', 'SIGTERM')
+
+    def __init__(self):
+        import signal
+        import threading
+        self.signal_name = None
+        self._group = None
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                signal.signal(getattr(signal, name), self._on_signal)
+        if dist.is_initialized() and world_size() > 1:
+            self._group = dist.new_group(backend='gloo') if dist.get_backend() != 'gloo' else None
+        # Under a launcher (torchrun) a batch script cannot signal the ranks through it; the sbatch
+        # templates read these files to signal every rank directly.
+        self.pid_file = None
+        pid_dir = os.environ.get('DS_SEG_PID_DIR')
+        if pid_dir:
+            host_dir = os.path.join(pid_dir, socket.gethostname())
+            os.makedirs(host_dir, exist_ok=True)
+            self.pid_file = os.path.join(host_dir, f'{rank()}.pid')
+            with open(self.pid_file, 'w') as f:
+                f.write(str(os.getpid()))
+
+    def close(self):
+        if self.pid_file and os.path.exists(self.pid_file):
+            os.remove(self.pid_file)
+
+    def _on_signal(self, signum, frame):
+        import signal
+        self.signal_name = signal.Signals(signum).name
+
+    def exchange(self, local_nonfinite):
+        """Return (any rank signalled, any rank saw a non-finite loss) -- same answer everywhere."""
+        flags = torch.tensor([self.signal_name is not None, bool(local_nonfinite)], dtype=torch.int32)
+        if dist.is_initialized() and world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flags[0]), bool(flags[1])
+
+
+class Heartbeat:
+    """Each rank stamps the time into the rendezvous store every few seconds, so that when a
+    collective fails the survivors can say which rank stopped answering."""
+
+    def __init__(self, interval_s=2.0):
+        import threading
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._store = None
+        if dist.is_initialized() and world_size() > 1:
+            try:
+                self._store = dist.distributed_c10d._get_default_store()
+            except Exception:
+                self._store = None
+        if self._store is not None:
+            self._thread = threading.Thread(target=self._beat, daemon=True, name='ds_seg-heartbeat')
+            self._thread.start()
+
+    def _beat(self):
+        import time
+        key = f'ds_seg/heartbeat/{rank()}'
+        while not self._stop.is_set():
+            try:
+                self._store.set(key, str(time.time()))
+            except Exception:
+                return  # the store is gone (its host died): diagnose() will say so
+            self._stop.wait(self.interval_s)
+
+    def stale_ranks(self):
+        """Ranks whose last heartbeat is older than 3 intervals; ``None`` if the store is gone."""
+        import time
+        if self._store is None:
+            return []
+        try:
+            self._store.set_timeout(datetime.timedelta(seconds=5))
+            now, stale = time.time(), []
+            for r in range(world_size()):
+                key = f'ds_seg/heartbeat/{r}'
+                if not self._store.check([key]) or now - float(self._store.get(key)) > 3 * self.interval_s:
+                    stale.append(r)
+            return stale
+        except Exception:
+            return None
+
+    def describe_failure(self):
+        """A sentence naming the lost rank(s) after a failed collective."""
+        import time
+        time.sleep(3 * self.interval_s)  # let a dead rank's heartbeat go stale
+        stale = self.stale_ranks()
+        if stale is None:
+            return ('lost contact with the rendezvous store hosted by rank 0 (MASTER_ADDR): '
+                    'rank 0 or its node has died')
+        stale = [r for r in stale if r != rank()]
+        if stale:
+            return f"rank{'s' if len(stale) > 1 else ''} {', '.join(map(str, stale))} stopped responding (died or hung)"
+        return 'a collective failed although every rank still answers (network error or timeout)'
+
+    def close(self):
+        self._stop.set()

@@ -45,11 +45,15 @@ def main(argv=None):
         # A user mistake: one line that names the file or key, before any training starts.
         print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
         return 2
+    from ds_seg.engine.trainer import EXIT_CODES, EXIT_LOST_RANK, LostRankError
     try:
         summary = trainer.fit()
+    except LostRankError as exc:
+        print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
+        os._exit(EXIT_LOST_RANK)  # skip process-group teardown: it would wait on the dead rank
     finally:
         trainer.close()
-    return 0 if summary['exit_reason'] == 'completed' else 3
+    return EXIT_CODES.get(summary['exit_reason'], 1)
 
 
 if __name__ == '__main__':

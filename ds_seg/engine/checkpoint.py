@@ -10,6 +10,7 @@ A checkpoint is written under a temporary name (``.tmp-step_...``), marked ``COM
 renamed, so a run killed at any moment leaves either a whole checkpoint or none; ``latest`` is
 replaced atomically after the rename, and old checkpoints are pruned only after that.
 """
+import contextlib
 import glob
 import json
 import os
@@ -28,8 +29,21 @@ def tag_for(step):
     return f'step_{step:08d}'
 
 
+def _file_sizes(path):
+    return {name: os.path.getsize(os.path.join(path, name)) for name in sorted(os.listdir(path))
+            if os.path.isfile(os.path.join(path, name)) and name != COMPLETE}
+
+
 def is_complete(root, tag):
-    return os.path.isfile(os.path.join(root, tag, COMPLETE))
+    """True if the marker exists and every file it lists is present with its recorded size, so a
+    checkpoint with a missing rank file or a truncated file is never resumed from."""
+    path = os.path.join(root, tag)
+    try:
+        with open(os.path.join(path, COMPLETE)) as f:
+            expected = json.load(f)['files']
+        return all(os.path.getsize(os.path.join(path, name)) == size for name, size in expected.items())
+    except (OSError, ValueError, KeyError, AttributeError):
+        return False
 
 
 def complete_tags(root):
@@ -41,9 +55,18 @@ def complete_tags(root):
 
 
 def find_latest(root):
-    """The newest complete checkpoint tag, or None. ``latest`` is a hint, not trusted blindly."""
+    """The newest complete checkpoint tag, or None. ``latest`` is a hint, not trusted blindly:
+    a newer folder that fails :func:`is_complete` (killed mid-save, truncated, a rank's file
+    missing) is skipped in favour of the previous complete one."""
     tags = complete_tags(root)
     return tags[-1] if tags else None
+
+
+def incomplete_tags(root):
+    """``step_*`` folders that are not complete (for the message that says they were skipped)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(t for t in os.listdir(root) if TAG_RE.match(t) and not is_complete(root, t))
 
 
 def save(backend, root, step, client_state, keep):
@@ -62,7 +85,8 @@ def save(backend, root, step, client_state, keep):
             # Enough to export or check compatibility without unpickling anything.
             json.dump({'step': step, 'world_size': distributed.world_size(), 'backend': backend.name,
                        'zero_stage': backend.zero_stage, 'model': client_state.get('model_cfg'),
-                       'classes': client_state.get('classes'), 'files': sorted(os.listdir(tmp_path))}, f)
+                       'classes': client_state.get('classes'), 'data': client_state.get('data'),
+                       'files': _file_sizes(tmp_path)}, f)
         final = os.path.join(root, tag)
         if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it
             shutil.rmtree(final)
@@ -107,6 +131,19 @@ def resolve_resume(resume, work_dir):
 # Export: any backend's checkpoint -> one plain fp32 weights file
 # ----------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _only_safe_torch_load(module):
+    """DeepSpeed's zero_to_fp32 unpickles with weights_only=False; route its torch.load through
+    the allow-listed loader so exporting a downloaded checkpoint cannot run code."""
+    from .deepspeed_backend import safe_torch_load
+    original = module.torch.load
+    module.torch.load = lambda path, map_location=None, **_: safe_torch_load(path, map_location=map_location)
+    try:
+        yield
+    finally:
+        module.torch.load = original
+
+
 def consolidated_state_dict(ckpt_dir):
     """Full fp32 state dict (parameters and buffers) from one ``step_*`` folder, offline."""
     ddp_file = os.path.join(ckpt_dir, 'ddp_state.pt')
@@ -118,12 +155,14 @@ def consolidated_state_dict(ckpt_dir):
     optim_files = glob.glob(os.path.join(ckpt_dir, '*optim_states.pt'))
     if optim_files:
         # ZeRO 1-3 and bf16: the fp32 master weights live in the partitioned optimizer files.
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils import zero_to_fp32
         root, tag = os.path.split(os.path.normpath(ckpt_dir))
-        state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+        with _only_safe_torch_load(zero_to_fp32):
+            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
         return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     # ZeRO-0 keeps the whole module in the model-states file of rank 0.
-    state = torch.load(sorted(model_files)[0], map_location='cpu', weights_only=False)['module']
+    from .deepspeed_backend import safe_torch_load
+    state = safe_torch_load(sorted(model_files)[0], map_location='cpu')['module']
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
@@ -151,6 +190,9 @@ def export(ckpt_dir, out_file, model_cfg=None, classes=None, extra=None):
     state = consolidated_state_dict(ckpt_dir)
     payload = {'state_dict': state, 'model': dict(model_cfg), 'classes': list(classes or []),
                'source': os.path.abspath(ckpt_dir)}
+    if marker.get('data'):
+        # Bands, mean and std of training: prediction must normalise its inputs the same way.
+        payload['data'] = marker['data']
     payload.update(extra or {})
     tmp = f'{out_file}.tmp'
     torch.save(payload, tmp)

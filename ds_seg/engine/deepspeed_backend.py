@@ -11,6 +11,17 @@ import torch
 from .common import average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32, prepare_batchnorm
 
 
+def safe_torch_load(path, map_location=None):
+    """``torch.load`` that cannot run code from the file: plain tensors and containers plus the
+    few DeepSpeed classes its checkpoints hold (DeepSpeed itself loads with weights_only=False).
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
 class DeepSpeedBackend:
     name = 'deepspeed'
 
@@ -30,6 +41,8 @@ class DeepSpeedBackend:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=ds_config)
+        # Resuming reads files that may come from elsewhere: never unpickle arbitrary objects.
+        self.engine.checkpoint_engine.load = safe_torch_load
         self.input_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(precision)
         self._grad_norm = None
         # DeepSpeed 0.19 scales the loss in engine.backward only for ZeRO optimizers; its ZeRO-0
@@ -109,3 +122,67 @@ class DeepSpeedBackend:
         if path is None:
             raise RuntimeError(f"{os.path.join(directory, tag)}: DeepSpeed could not load this checkpoint.")
         return client_state
+
+
+# -- building large models --------------------------------------------------------------------
+def model_init_context(ds_config):
+    """The context to build the model in: ``deepspeed.zero.Init`` under ZeRO-3, so each parameter
+    is partitioned as soon as its module is constructed and no rank ever holds the full model;
+    otherwise a no-op.
+
+    Example::
+
+        with model_init_context(ds_config):
+            model = build(MODELS, cfg.model)
+    """
+    import contextlib
+    if int((ds_config or {}).get('zero_optimization', {}).get('stage', 0)) != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+    return deepspeed.zero.Init(config_dict_or_path=ds_config)
+
+
+def load_state_dict_gathered(model, state_dict, adapt=None):
+    """``model.load_state_dict(state_dict, strict=False)`` that also works on a model built under
+    ZeRO-3: module by module, only that module's own parameters are gathered (peak memory is the
+    largest single module, not the model), filled, and re-partitioned from rank 0's copy.
+
+    Every rank must call it (the gathers are collectives). ``adapt(key, tensor, shape)`` may
+    return a tensor of the model's shape for a mismatching one (or raise). Returns
+    ``(missing, unexpected)`` key lists.
+
+    Example::
+
+        missing, unexpected = load_state_dict_gathered(model, torch.load('weights.pt')['state_dict'])
+    """
+    import contextlib
+    expected = set()
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            prefix = f'{prefix}.' if prefix else ''
+            params = list(module.parameters(recurse=False))
+            partitioned = any(hasattr(p, 'ds_id') for p in params)
+            if partitioned:
+                import deepspeed
+                gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+            else:
+                gather = contextlib.nullcontext()
+            with gather:
+                named = list(module.named_parameters(recurse=False)) + [
+                    (n, b) for n, b in module.named_buffers(recurse=False)
+                    if n not in module._non_persistent_buffers_set]
+                for name, tensor in named:
+                    key = prefix + name
+                    expected.add(key)
+                    if key not in state_dict:
+                        continue
+                    value = state_dict[key]
+                    if value.shape != tensor.shape:
+                        if adapt is None:
+                            raise ValueError(f'{key}: shape {tuple(value.shape)} in the weights, '
+                                             f'{tuple(tensor.shape)} in the model.')
+                        value = adapt(key, value, tensor.shape)
+                    tensor.copy_(value.to(tensor.dtype))
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    return missing, unexpected

@@ -1,0 +1,209 @@
+"""Surviving the cluster: preemption signals, kill -9, dead ranks, damaged checkpoints, and the
+Slurm templates exercised as far as a machine without Slurm allows. Every rank here is a real
+process started the way srun starts them (only SLURM_* variables, no launcher)."""
+import json
+import os
+import random
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ds_seg.config import REPO_ROOT
+from ds_seg.engine import checkpoint
+from tests.distributed.test_launchers import _env, _free_port
+from tests.tiny import TINY_CONFIG, read_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def _args(tmp, work, steps, ckpt_every, *extra):
+    cache = os.path.join(tmp, 'cache')
+    return ['--config', TINY_CONFIG, '--work-dir', os.path.join(tmp, work), '--deepspeed_config',
+            'ds_configs/zero2.json', '--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
+            f'train.max_steps={steps}', 'train.eval_interval=0', f'train.checkpoint_interval={ckpt_every}',
+            'train.log_interval=1', 'train.keep_checkpoints=100', *extra]
+
+
+def _start_ranks(args, world_size=2, resume=None, extra_env=None):
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = _env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world_size),
+                   SLURM_JOB_ID=str(port - 15000), SLURM_JOB_NODELIST='localhost', **(extra_env or {}))
+        cmd = [sys.executable, 'launch/train.py', *args] + (['--resume', resume] if resume else [])
+        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish(procs, timeout=240):
+    out = []
+    for p in procs:
+        try:
+            out.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out.append(p.communicate()[0])
+    return [p.returncode for p in procs], out
+
+
+def _wait_for_step(work, step, procs, timeout=120):
+    path = os.path.join(work, 'metrics.jsonl')
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(path) and len(read_jsonl(path)) >= step:
+            return
+        assert all(p.poll() is None for p in procs), 'a rank exited early'
+        time.sleep(0.02)
+    raise AssertionError(f'no step {step} within {timeout}s')
+
+
+def _final_weights(work):
+    ckpt = os.path.join(work, 'checkpoints', checkpoint.find_latest(os.path.join(work, 'checkpoints')))
+    return checkpoint.consolidated_state_dict(ckpt)
+
+
+def _assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    """An uninterrupted 2-rank run of 60 steps: what every interrupted run must reproduce."""
+    tmp = str(tmp_path_factory.mktemp('reference'))
+    codes, out = _finish(_start_ranks(_args(tmp, 'ref', 60, 10)))
+    assert codes == [0, 0], out[0][-3000:]
+    return tmp, _final_weights(os.path.join(tmp, 'ref'))
+
+
+def test_sigusr1_checkpoints_exits_75_and_resume_matches_uninterrupted(tmp_path, reference):
+    ref_tmp, ref_weights = reference
+    tmp = str(tmp_path)
+    shutil.copytree(os.path.join(ref_tmp, 'cache'), os.path.join(tmp, 'cache'))
+    work = os.path.join(tmp, 'run')
+    procs = _start_ranks(_args(tmp, 'run', 60, 10))
+    _wait_for_step(work, 3, procs)
+    procs[1].send_signal(signal.SIGUSR1)  # one rank is enough: they agree at the next step
+    codes, out = _finish(procs)
+    assert codes == [75, 75], out[0][-3000:]
+    summary = json.load(open(os.path.join(work, 'summary.json')))
+    assert summary['exit_reason'] == 'preempted' and summary['steps'] < 60
+    assert 'stopping at step' in out[0] and 'continue with --resume auto' in out[0]
+    assert checkpoint.find_latest(os.path.join(work, 'checkpoints')) == checkpoint.tag_for(summary['steps'])
+    codes, out = _finish(_start_ranks(_args(tmp, 'run', 60, 10), resume='auto'))
+    assert codes == [0, 0], out[0][-3000:]
+    _assert_same_weights(_final_weights(work), ref_weights)
+
+
+def test_kill9_at_a_random_step_then_resume_auto_gives_same_weights(tmp_path, reference):
+    ref_tmp, ref_weights = reference
+    tmp = str(tmp_path)
+    shutil.copytree(os.path.join(ref_tmp, 'cache'), os.path.join(tmp, 'cache'))
+    work = os.path.join(tmp, 'run')
+    procs = _start_ranks(_args(tmp, 'run', 60, 10))
+    _wait_for_step(work, random.Random(os.getpid()).randint(12, 40), procs)
+    for p in procs:
+        p.kill()
+    _finish(procs)
+    codes, out = _finish(_start_ranks(_args(tmp, 'run', 60, 10), resume='auto'))
+    assert codes == [0, 0], out[0][-3000:]
+    assert 'resumed from' in out[0]
+    _assert_same_weights(_final_weights(work), ref_weights)
+    steps = [r['step'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
+    assert steps == list(range(1, 61)), 'logs after the checkpoint are redone, not duplicated'
+
+
+def test_a_killed_rank_makes_the_survivor_exit_in_bounded_time_naming_it(tmp_path):
+    tmp = str(tmp_path)
+    work = os.path.join(tmp, 'run')
+    procs = _start_ranks(_args(tmp, 'run', 100000, 0), extra_env={'DS_SEG_DIST_TIMEOUT': '30'})
+    _wait_for_step(work, 3, procs)
+    procs[1].kill()
+    t0 = time.time()
+    codes, out = _finish(procs[:1], timeout=90)
+    assert time.time() - t0 < 60, 'the survivor must not hang until a wall-clock limit'
+    assert codes == [4], out[0][-3000:]
+    assert 'rank 1 stopped responding' in out[0], out[0][-2000:]
+    procs[1].wait()
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_previous(tmp_path, reference):
+    ref_tmp, _ = reference
+    tmp = str(tmp_path)
+    root = os.path.join(tmp, 'run', 'checkpoints')
+    shutil.copytree(os.path.join(ref_tmp, 'ref', 'checkpoints'), root)
+    assert checkpoint.find_latest(root) == 'step_00000060'
+    newest = os.path.join(root, 'step_00000060')
+    victim = sorted(f for f in os.listdir(newest) if f.endswith('.pt'))[-1]
+    with open(os.path.join(newest, victim), 'r+b') as f:  # truncated, as by a full disk
+        f.truncate(100)
+    assert checkpoint.find_latest(root) == 'step_00000050'
+    os.remove(os.path.join(root, 'step_00000050', sorted(os.listdir(os.path.join(root, 'step_00000050')))[-1]))
+    assert checkpoint.find_latest(root) == 'step_00000040', 'a missing rank file also disqualifies'
+    # An interrupted save leaves only a temporary folder, which is never resumed from.
+    shutil.copytree(os.path.join(root, 'step_00000040'), os.path.join(root, '.tmp-step_00000070'))
+    assert checkpoint.find_latest(root) == 'step_00000040'
+    shutil.copytree(os.path.join(ref_tmp, 'cache'), os.path.join(tmp, 'cache'))
+    codes, out = _finish(_start_ranks(_args(tmp, 'run', 60, 10), resume='auto'))
+    assert codes == [0, 0], out[0][-3000:]
+    assert 'resumed from' in out[0] and 'step_00000040' in out[0]
+    assert 'skipping incomplete checkpoint(s) step_00000050, step_00000060' in out[0]
+
+
+# -- the sbatch templates, run by bash with stand-ins for srun and scontrol -----------------------
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# Stand-in for srun on a machine without Slurm: drop srun's options, run the command here.
+while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+echo "$@" >> "$FAKE_SCONTROL_LOG"
+if [ "$1 $2" = "show hostnames" ]; then hostname; fi
+"""
+
+
+@pytest.mark.parametrize('script', ['train.sbatch', 'train_multinode.sbatch'])
+def test_sbatch_templates_parse(script):
+    subprocess.run(['bash', '-n', str(REPO_ROOT / 'launch' / 'slurm' / script)], check=True)
+
+
+def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    for name, text in (('srun', FAKE_SRUN), ('scontrol', FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    torchrun = os.path.join(os.path.dirname(sys.executable), 'torchrun')
+    if not os.path.exists(torchrun):
+        pytest.skip('torchrun is not installed next to this python')
+    work = tmp_path / 'work'
+    cache = tmp_path / 'cache'
+    env = _env(PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}',
+               SLURM_JOB_ID='4242', SLURM_JOB_NAME='ds_seg', SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost',
+               SLURM_SUBMIT_DIR=str(REPO_ROOT), NPROC_PER_NODE='2', OMP_NUM_THREADS='1', WORK_DIR=str(work),
+               DS_CONFIG='ds_configs/zero2.json', CONFIG=TINY_CONFIG, FAKE_SCONTROL_LOG=str(tmp_path / 'scontrol.log'))
+    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
+               'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
+    job = subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_step(str(work), 3, [job], timeout=180)
+    deadline = time.time() + 30
+    while len(os.listdir(work / 'pids' / os.uname().nodename)) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    job.send_signal(signal.SIGUSR1)  # what Slurm does --signal=B:USR1@300 before the time limit
+    out = job.communicate(timeout=180)[0]
+    assert job.returncode == 0, out[-3000:]
+    summary = json.load(open(work / 'summary.json'))
+    assert summary['exit_reason'] == 'preempted'
+    assert checkpoint.find_latest(str(work / 'checkpoints')) == checkpoint.tag_for(summary['steps'])
+    assert 'requeue 4242' in (tmp_path / 'scontrol.log').read_text()
+    assert not os.listdir(work / 'pids' / os.uname().nodename), 'ranks remove their PID files'
