@@ -107,3 +107,116 @@ class DiceLoss(nn.Module):
         denom_K = probs_BKHW.sum(dims) + onehot_BKHW.sum(dims)
         dice_K = (2 * intersection_K + self.smooth) / (denom_K + self.smooth)
         return self.loss_weight * (1 - dice_K.mean())
+
+
+def segmentation_loss(criterion, outputs, labels_BHW):
+    """``criterion`` on a model's output: logits, or a dict from a model with auxiliary heads
+    (``{'logits': ..., 'aux': [(weight, aux_logits), ...]}``) whose weighted losses are added.
+
+    Example::
+
+        loss = segmentation_loss(loss_fn, model(images_BCHW), labels_BHW)
+    """
+    if not isinstance(outputs, dict):
+        return criterion(outputs, labels_BHW)
+    loss = criterion(outputs['logits'], labels_BHW)
+    for weight, aux_BKHW in outputs.get('aux', ()):
+        loss = loss + weight * criterion(aux_BKHW, labels_BHW)
+    return loss
+
+
+def _valid_mean(values, valid):
+    # Clamped denominator: an all-ignored batch gives 0 with a graph, no host synchronisation.
+    return (values * valid).sum() / valid.sum().float().clamp_min(1.0)
+
+
+@LOSSES.register_module()
+class FocalLoss(nn.Module):
+    """Multiclass focal loss (Lin et al. 2017), ``-alpha_y (1 - p_y)^gamma log p_y``, averaged
+    over non-ignored pixels; ``gamma=0`` and no ``alpha`` is plain cross-entropy.
+
+    Example::
+
+        loss_fn = FocalLoss(gamma=2.0, alpha=[0.25] * 6)
+        loss = loss_fn(torch.randn(2, 6, 8, 8), torch.randint(0, 6, (2, 8, 8)))
+    """
+
+    def __init__(self, gamma=2.0, alpha=None, ignore_index=255, loss_weight=1.0):
+        super().__init__()
+        self.gamma = gamma
+        self.ignore_index = ignore_index
+        self.loss_weight = loss_weight
+        alpha = None if alpha is None else torch.as_tensor(alpha, dtype=torch.float32)
+        self.register_buffer('alpha', alpha, persistent=False)
+
+    def forward(self, logits_BKHW, labels_BHW):
+        _check_shapes(logits_BKHW, labels_BHW)
+        labels_BHW = labels_BHW.long()
+        valid_BHW = labels_BHW != self.ignore_index
+        target_BHW = labels_BHW.masked_fill(~valid_BHW, 0)
+        logp_BHW = logits_BKHW.float().log_softmax(1).gather(1, target_BHW.unsqueeze(1)).squeeze(1)
+        loss_BHW = -(1 - logp_BHW.exp()).pow(self.gamma) * logp_BHW
+        if self.alpha is not None:
+            loss_BHW = loss_BHW * self.alpha.to(loss_BHW.device)[target_BHW]
+        return self.loss_weight * _valid_mean(loss_BHW, valid_BHW)
+
+
+@LOSSES.register_module()
+class OhemCrossEntropyLoss(nn.Module):
+    """Cross-entropy over the hard pixels only (online hard example mining, as mmsegmentation's
+    OHEM sampler): pixels whose true-class probability is below ``thresh``, but at least the
+    ``min_kept`` hardest non-ignored pixels of the batch.
+
+    Example::
+
+        loss_fn = OhemCrossEntropyLoss(thresh=0.7, min_kept=100000)
+    """
+
+    def __init__(self, thresh=0.7, min_kept=100000, ignore_index=255, class_weight=None, loss_weight=1.0):
+        super().__init__()
+        self.thresh = thresh
+        self.min_kept = min_kept
+        self.ignore_index = ignore_index
+        self.loss_weight = loss_weight
+        weight = None if class_weight is None else torch.as_tensor(class_weight, dtype=torch.float32)
+        self.register_buffer('class_weight', weight, persistent=False)
+
+    def forward(self, logits_BKHW, labels_BHW):
+        _check_shapes(logits_BKHW, labels_BHW)
+        labels_BHW = labels_BHW.long()
+        valid = (labels_BHW != self.ignore_index).flatten()
+        target = labels_BHW.masked_fill(labels_BHW == self.ignore_index, 0).flatten()
+        weight = None if self.class_weight is None else self.class_weight.to(logits_BKHW.device)
+        loss = F.cross_entropy(logits_BKHW.float(), target.view_as(labels_BHW), reduction='none').flatten()
+        with torch.no_grad():
+            prob = logits_BKHW.float().softmax(1).gather(1, target.view_as(labels_BHW).unsqueeze(1)).flatten()
+            prob = prob.masked_fill(~valid, float('inf'))  # ignored pixels are never selected
+            # The threshold rises to the min_kept-th smallest probability when fewer are below it.
+            k = min(self.min_kept, prob.numel())
+            kth = prob.kthvalue(k).values if k > 0 else prob.new_tensor(0.0)
+            thresh = torch.maximum(kth, prob.new_tensor(self.thresh)) if self.min_kept > 0 else prob.new_tensor(self.thresh)
+            keep = (prob <= thresh) & valid
+        w = keep.float() if weight is None else keep.float() * weight[target]
+        return self.loss_weight * (loss * w).sum() / w.sum().clamp_min(torch.finfo(torch.float32).tiny)
+
+
+@LOSSES.register_module()
+class CombinedLoss(nn.Module):
+    """A weighted sum of LOSSES entries: each ``dict(type=..., loss_weight=w, ...)``.
+
+    Example::
+
+        loss_fn = CombinedLoss(losses=[dict(type='CrossEntropyLoss', loss_weight=1.0),
+                                       dict(type='DiceLoss', loss_weight=0.5)])
+    """
+
+    def __init__(self, losses):
+        super().__init__()
+        from ds_seg.registry import build
+        if not losses:
+            raise ValueError('CombinedLoss needs at least one loss in losses=[...].')
+        self.losses = nn.ModuleList(build(LOSSES, dict(cfg), where=f'loss.losses[{i}]') for i, cfg in enumerate(losses))
+
+    def forward(self, logits_BKHW, labels_BHW):
+        # Each member applies its own loss_weight.
+        return sum(loss_fn(logits_BKHW, labels_BHW) for loss_fn in self.losses)

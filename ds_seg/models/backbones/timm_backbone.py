@@ -1,0 +1,82 @@
+"""Any timm model with ``features_only`` as an encoder (ConvNeXt, Swin, ResNet, EfficientNet...)."""
+import re
+
+from torch import nn
+
+from ..common import BACKBONES, run_block
+from ..pretrained import load_pretrained, timm_state_dict
+
+
+def _original_key(key):
+    """timm's feature wrapper flattens ``stages.0`` into ``stages_0``; map back to the model's key."""
+    head, _, rest = key.partition('.')
+    match = re.fullmatch(r'(.+)_(\d+)', head)
+    return f'{match[1]}.{match[2]}.{rest}' if match else key
+
+
+@BACKBONES.register_module()
+class TimmBackbone(nn.Module):
+    """``timm.create_model(name, features_only=True)`` with ``out_channels``/``strides``.
+
+    ``pretrained=True`` fetches timm's default weights for ``name`` (network needed once; then
+    the timm/Hugging Face cache); ``pretrained='path'`` reads a local ``.pth``/``.safetensors``
+    of the classification model. Either way the first layer is adapted to ``in_channels``
+    (:func:`~ds_seg.models.pretrained.adapt_input_weight`) and loading also works on a ZeRO-3
+    partitioned model. Features are returned channels-first whatever timm's layout (Swin: NHWC).
+
+    Example::
+
+        enc = TimmBackbone('convnext_tiny', in_channels=13, out_indices=(0, 1, 2, 3))
+        feats = enc(torch.randn(1, 13, 256, 256))    # 96/192/384/768 channels, strides 4..32
+    """
+
+    def __init__(self, name='resnet50', in_channels=3, out_indices=None, output_stride=None, pretrained=False,
+                 activation_checkpointing=False, **timm_kwargs):
+        super().__init__()
+        import timm
+        kwargs = dict(timm_kwargs)
+        if out_indices is not None:
+            kwargs['out_indices'] = tuple(out_indices)
+        if output_stride is not None:
+            kwargs['output_stride'] = output_stride
+        self.model = timm.create_model(name, features_only=True, pretrained=False, in_chans=in_channels, **kwargs)
+        info = self.model.feature_info
+        self.out_channels = list(info.channels())
+        self.strides = list(info.reduction())
+        self.size_divisor = 1
+        self.channels_last_output = str(getattr(self.model, 'output_fmt', 'NCHW')).endswith('NHWC')
+        self.activation_checkpointing = activation_checkpointing
+        self._blocks = self._checkpoint_units() if activation_checkpointing else None
+        if pretrained:
+            source = pretrained if isinstance(pretrained, str) else timm_state_dict(name)
+            load_pretrained(self.model, source, rename=_original_key, where=f'{name} pretrained')
+
+    def _checkpoint_units(self):
+        """(name, module) pairs to checkpoint one by one: the blocks of sequential stages, the other
+        top-level modules whole. Only timm's FeatureListNet/FeatureDictNet can be walked so."""
+        if not hasattr(self.model, 'return_layers') or not hasattr(self.model, 'items'):
+            self.model.set_grad_checkpointing(True)  # timm's own (e.g. EfficientNetFeatures)
+            return None
+        units = []
+        for name, module in self.model.items():
+            children = list(module.children()) if isinstance(module, nn.Sequential) else []
+            units.append((name, children or [module]))
+        return units
+
+    def forward(self, images_BCHW):
+        if self._blocks is None:
+            features = self.model(images_BCHW)
+        else:
+            features, x = [], images_BCHW
+            for name, blocks in self._blocks:
+                for block in blocks:
+                    # Parameter-free units (an in-place ReLU, pooling) are cheap to keep, and an
+                    # in-place one would overwrite the input its own checkpoint saved.
+                    has_params = next(block.parameters(), None) is not None
+                    x = run_block(block, x, checkpointing=has_params)
+                if name in self.model.return_layers:
+                    features.append(x)
+        if self.channels_last_output:
+            features = [f.permute(0, 3, 1, 2) for f in features]
+        return list(features)
+

@@ -1,0 +1,182 @@
+"""Behaviour of every zoo model (tiny variants from the registry): shapes at odd sizes, any band
+count, checkpointing equivalence, FLOP and parameter figures, pretrained first-layer adaptation."""
+import pytest
+import torch
+from torch import nn
+
+import ds_seg  # noqa: F401  (registers everything)
+from ds_seg.models import segmentation_loss
+from ds_seg.models.common import BACKBONES, num_params
+from ds_seg.models.pretrained import adapt_input_weight
+from ds_seg.registry import MODELS, RegistryError, build
+from ds_seg.telemetry import forward_flops
+
+TINY = sorted(n for n, m in MODELS.module_dict.items()
+              if m.__module__ == 'ds_seg.models.segmentor' and n.endswith('Tiny'))
+
+
+def make(name, **kwargs):
+    torch.manual_seed(0)
+    return build(MODELS, dict(type=name, **kwargs))
+
+
+def logits_of(out):
+    return out['logits'] if isinstance(out, dict) else out
+
+
+def test_every_family_has_a_tiny_variant():
+    assert TINY == ['DeepLabV3PlusTiny', 'FPNTiny', 'SegFormerTiny', 'UperNetTiny', 'UperNetViTTiny']
+    for name in TINY:
+        assert name[:-len('Tiny')] in MODELS.module_dict
+
+
+@pytest.mark.parametrize('name', TINY)
+@pytest.mark.parametrize('size', [(64, 64), (70, 45), (33, 47)])
+def test_logits_at_input_resolution(name, size):
+    model = make(name, num_classes=5, aux_head=True)
+    with torch.no_grad():
+        assert model.eval()(torch.randn(2, 3, *size)).shape == (2, 5, *size)
+        out = model.train()(torch.randn(2, 3, *size))
+    # Training mode with an auxiliary head: both outputs at the input size.
+    assert out['logits'].shape == out['aux'][0][1].shape == (2, 5, *size)
+    assert out['aux'][0][0] == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize('name', TINY)
+@pytest.mark.parametrize('in_channels', [1, 4, 13])
+def test_any_band_count_trains_every_parameter(name, in_channels):
+    model = make(name, in_channels=in_channels, num_classes=6, aux_head=True).train()
+    labels_BHW = torch.randint(0, 6, (2, 48, 48))
+    loss = segmentation_loss(nn.CrossEntropyLoss(), model(torch.randn(2, in_channels, 48, 48)), labels_BHW)
+    loss.backward()
+    nonzero = 0
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+        nonzero += bool(p.grad.abs().sum() > 0)
+        if not pname.startswith('backbone.'):
+            assert p.grad.abs().sum() > 0, pname
+    # timm ResNets zero-initialise each block's last BN scale, so that block's earlier weights
+    # start with zero gradient; everything else, the adapted first layer included, learns.
+    assert nonzero >= 0.7 * len(list(model.parameters()))
+    first = next(p for p in model.backbone.parameters() if p.dim() == 4)
+    assert first.shape[1] == in_channels and first.grad.abs().sum() > 0
+
+
+def _step(model, images_BCHW, labels_BHW):
+    torch.manual_seed(1)  # the same dropout masks in both models
+    loss = segmentation_loss(nn.CrossEntropyLoss(), model(images_BCHW), labels_BHW)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize('name', TINY)
+def test_activation_checkpointing_same_loss_and_gradients(name, monkeypatch):
+    import ds_seg.models.common as common
+    calls = []
+    real = common.checkpoint
+    monkeypatch.setattr(common, 'checkpoint', lambda block, *a, **k: calls.append(block) or real(block, *a, **k))
+    plain = make(name, aux_head=True).train()
+    ckpt = make(name, aux_head=True, activation_checkpointing=True).train()
+    ckpt.load_state_dict(plain.state_dict())
+    images_BCHW, labels_BHW = torch.randn(2, 3, 40, 56), torch.randint(0, 6, (2, 40, 56))
+    for _ in range(2):  # a second BN-statistics update during recomputation would show
+        loss_plain, grads_plain = _step(plain, images_BCHW, labels_BHW)
+        loss_ckpt, grads_ckpt = _step(ckpt, images_BCHW, labels_BHW)
+        torch.testing.assert_close(loss_ckpt, loss_plain, rtol=1e-6, atol=0)
+        for n in grads_plain:
+            torch.testing.assert_close(grads_ckpt[n], grads_plain[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert len(calls) >= 8, 'every encoder block is checkpointed'
+    buffers = dict(plain.named_buffers())
+    for n, b in ckpt.named_buffers():
+        torch.testing.assert_close(b, buffers[n], rtol=0, atol=0, msg=n)
+
+
+def _gflops(cfg, size=512, in_channels=3):
+    return forward_flops(lambda: build(MODELS, cfg), (1, in_channels, size, size)) / 1e9
+
+
+def test_flops_match_published_figures():
+    # FlopCounterMode counts a multiply-add as 2 FLOPs. UNet base 64: 385 GFLOP at 512.
+    assert _gflops(dict(type='UNet', num_classes=6)) == pytest.approx(385, rel=0.03)
+    # SegFormer-B0, 256-channel all-MLP head: 8.4 G multiply-adds published for ADE20K (150 classes).
+    assert _gflops(dict(type='SegFormer', variant='mit_b0', num_classes=150)) == pytest.approx(16.8, rel=0.03)
+
+
+def test_parameter_counts_match_references():
+    with torch.device('meta'):
+        b0 = num_params(build(MODELS, dict(type='SegFormer', variant='mit_b0', num_classes=150)))
+        b2 = num_params(build(BACKBONES, dict(type='MixTransformer', variant='mit_b2')))
+        giant = build(BACKBONES, dict(type='ViT', variant='vit_giant'))
+        vit_b = build(BACKBONES, dict(type='ViT', variant='vit_base', img_size=224))
+    assert b0 == pytest.approx(3.75e6, rel=0.02)        # mmsegmentation: 3.8 M
+    assert b2 == pytest.approx(24.2e6, rel=0.02)        # MiT-B2 encoder without its classifier
+    # ViT-B/16 at 224 has timm's 85.8 M encoder (timm's 86.6 M less its 1000-class head).
+    assert num_params(vit_b) - num_params(vit_b.neck) == pytest.approx(85.8e6, rel=0.005)
+    assert 1.0e9 <= num_params(giant) - num_params(giant.neck) <= 1.03e9
+
+
+def test_free_width_and_depth_reach_billions():
+    with torch.device('meta'):
+        model = build(MODELS, dict(type='UperNetViT', embed_dim=2048, depth=48, num_heads=32))
+    assert 2.4e9 < num_params(model) < 2.7e9
+
+
+def test_adapted_first_layer_sees_a_grey_image_as_rgb_does():
+    w = torch.randn(8, 3, 3, 3)
+    assert torch.equal(adapt_input_weight(w, 3), w)
+    torch.testing.assert_close(adapt_input_weight(w, 1), w.sum(1, keepdim=True))
+    w4 = adapt_input_weight(w, 4)
+    torch.testing.assert_close(w4[:, :3], w * 0.75)       # RGB filters kept (scaled)
+    for c in (1, 2, 4, 13):
+        torch.testing.assert_close(adapt_input_weight(w, c).sum(1), w.sum(1))
+
+
+@pytest.mark.parametrize('in_channels', [1, 4, 13])
+def test_timm_backbone_loads_local_file_and_adapts_first_layer(tmp_path, in_channels):
+    import timm
+    torch.manual_seed(3)
+    classifier = timm.create_model('test_resnet', pretrained=False)  # as a downloaded file would hold
+    path = str(tmp_path / 'test_resnet.pth')
+    torch.save(classifier.state_dict(), path)
+    cfg = dict(type='TimmBackbone', name='test_resnet', out_indices=(1, 2, 3, 4), pretrained=path)
+    rgb = build(BACKBONES, dict(cfg, in_channels=3)).eval()
+    bands = build(BACKBONES, dict(cfg, in_channels=in_channels)).eval()
+    torch.testing.assert_close(rgb.model.layer4[0].conv1.weight, classifier.layer4[0].conv1.weight)
+    grey_B1HW = torch.rand(2, 1, 40, 40)
+    with torch.no_grad():
+        feats_rgb = rgb(grey_B1HW.expand(-1, 3, -1, -1))
+        feats_bands = bands(grey_B1HW.expand(-1, in_channels, -1, -1))
+    for a, b in zip(feats_rgb, feats_bands):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_vit_loads_timm_weights_from_file_with_another_grid(tmp_path):
+    import timm
+    torch.manual_seed(4)
+    vit = timm.create_model('vit_tiny_patch16_224', pretrained=False)   # 14x14 grid, 192 wide
+    path = str(tmp_path / 'vit_tiny.pth')
+    torch.save({'model': vit.state_dict()}, path)
+    ours = build(BACKBONES, dict(type='ViT', variant='vit_tiny_test', embed_dim=192, depth=12, num_heads=3,
+                                 mlp_ratio=4.0, img_size=256, in_channels=4, pretrained=path))
+    torch.testing.assert_close(ours.blocks[7].attn.qkv.weight, vit.blocks[7].attn.qkv.weight)
+    torch.testing.assert_close(ours.patch_embed.proj.weight.sum(1), vit.patch_embed.proj.weight.sum(1))
+    assert ours.pos_embed.shape == (1, 1 + 16 * 16, 192)
+    torch.testing.assert_close(ours.pos_embed[:, 0], vit.pos_embed[:, 0])  # the class token's
+
+
+def test_pretrained_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match='missing.pth'):
+        build(MODELS, dict(type='SegFormer', variant='mit_b0', pretrained=str(tmp_path / 'missing.pth')))
+    with pytest.raises(ValueError, match='file'):
+        build(BACKBONES, dict(type='MixTransformer', variant='mit_tiny_test', pretrained=True))
+    with pytest.raises(RegistryError, match='TimmBackbone'):
+        build(MODELS, dict(type='Segmentor', backbone=dict(type='TimBackbone'), decode_head=dict(type='UperHead')))
+
+
+def test_model_facts_command_lists_the_zoo(capsys):
+    from launch.models import main, zoo
+    labels = [label for label, _ in zoo()]
+    assert {'SegFormer mit_b5', 'UperNetViT vit_giant', 'DeepLabV3Plus resnet101', 'UNet', 'FPNTiny'} <= set(labels)
+    assert main(['--size', '512', '--filter', 'SegFormerTiny']) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert row[0] == 'SegFormerTiny' and float(row[1]) == pytest.approx(0.09, abs=0.01) and float(row[2]) > 0
