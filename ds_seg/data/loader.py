@@ -35,6 +35,9 @@ def build_train_loader(dataset, micro_batch, rank, world_size, start_micro_step=
     """Infinite loader of ``micro_batch`` samples per step for this rank.
 
     Resume by passing the number of micro-steps already consumed as ``start_micro_step``.
+    Workers open their own raster handles (LRU), bound GDAL's cache and threads, stay alive
+    between epochs (persistent) and prefetch ``prefetch_factor`` batches each; batches go to
+    pinned memory when CUDA is there.
 
     Example::
 
@@ -42,6 +45,10 @@ def build_train_loader(dataset, micro_batch, rank, world_size, start_micro_step=
         batch = next(iter(loader))     # dict(image=B x C x H x W, label=B x H x W)
     """
     configure_gdal_for_worker()
+    if hasattr(dataset, 'set_sampling_layout'):
+        # Before the workers get their copy: the dataset recovers the global micro-step from
+        # each index with it, for the per-step random scale that all ranks agree on.
+        dataset.set_sampling_layout(world_size, micro_batch)
     return torch.utils.data.DataLoader(
         dataset, batch_size=micro_batch, drop_last=True,
         sampler=TrainSampler(rank, world_size, micro_batch, start_micro_step),

@@ -414,17 +414,30 @@ class SyntheticAerial(GeoTiffScenes):
     """Procedural aerial scenes (see :func:`generate_scene`), cached as GeoTIFFs, read as
     :class:`GeoTiffScenes`. Train and val scenes come from different seeds.
 
-    ``bands`` here is how many bands to generate (3: RGB, 4: + NIR); other keyword arguments
-    (``augment``, ``mean``, ``std``, ...) go to :class:`GeoTiffScenes`.
+    Configurable so it can stand in for real data: ``num_scenes`` and ``scene_size`` (pixels),
+    ``bands`` (how many to generate: 3 RGB, 4 + NIR, more: mixtures, like multispectral),
+    ``dtype`` ('uint8', 'uint16', 'float32'), and ``classes``: a subset of :data:`CLASSES`
+    names, every unlisted class merged into the first listed one (e.g. ``('grass',
+    'building')`` is a binary building task). Other keyword arguments (``augment``,
+    ``random_scale``, ``transforms``, ``mean``, ...) go to :class:`GeoTiffScenes`.
 
     Example::
 
         train = SyntheticAerial(split='train', crop_size=256)              # 8 scenes of 512 px
         val = SyntheticAerial(split='val', bands=4, dtype='uint16')        # 2 scenes, grid mode
+        big = SyntheticAerial(num_scenes=2, scene_size=2048, bands=8, dtype='uint16',
+                              classes=('grass', 'building', 'road'))
     """
 
     def __init__(self, split='train', num_scenes=None, scene_size=512, bands=3, dtype='uint8',
-                 cache_dir=None, seed=0, crop_size=256, mode=None, ignore_index=255, **kw):
+                 cache_dir=None, seed=0, crop_size=256, mode=None, ignore_index=255, classes=None,
+                 **kw):
+        if classes is not None:
+            unknown = [c for c in classes if c not in CLASSES]
+            if unknown or not classes:
+                raise ValueError(f"SyntheticAerial classes must be names from {CLASSES}, got {classes!r}")
+            kw['label_map'] = {i: (list(classes).index(c) if c in classes else 0)
+                               for i, c in enumerate(CLASSES)}
         if num_scenes is None:
             num_scenes = 8 if split == 'train' else 2
         crop = crop_size if isinstance(crop_size, int) else min(crop_size)
@@ -439,5 +452,6 @@ class SyntheticAerial(GeoTiffScenes):
         super().__init__(
             images=[os.path.join(self.directory, f'image_{i:03d}.tif') for i in range(num_scenes)],
             labels=[os.path.join(self.directory, f'label_{i:03d}.tif') for i in range(num_scenes)],
-            crop_size=crop_size, mode=mode, split=split, classes=CLASSES,
+            crop_size=crop_size, mode=mode, split=split,
+            classes=CLASSES if classes is None else tuple(classes),
             ignore_index=ignore_index, seed=seed, **kw)

@@ -1,0 +1,354 @@
+"""Issue 4: label decoding, bad input, sampling options, random scale, transforms, benchmark
+trees and training on each of them. Generated data only."""
+import hashlib  # not hash(): str/bytes hashes are salted per process
+import itertools
+import os
+
+import numpy as np
+import pytest
+import rasterio
+import torch
+from rasterio.transform import from_origin
+
+from ds_seg.config import ConfigError, load_config
+from ds_seg.data import (DataError, DeepGlobeLandCover, GeoTiffScenes, ImageMaskFolder, InriaAerial,
+                         LoveDA, Potsdam, SyntheticAerial, TrainSampler, Vaihingen, build_train_loader)
+from ds_seg.data.benchmarks import ISPRS_PALETTE
+from ds_seg.data.miniature import write_miniature
+from ds_seg.registry import TRANSFORMS, build
+from tests.dist import run_on_ranks
+
+IGNORE = 255
+BENCHMARKS = {'Potsdam': Potsdam, 'Vaihingen': Vaihingen, 'LoveDA': LoveDA, 'InriaAerial': InriaAerial,
+              'DeepGlobeLandCover': DeepGlobeLandCover}
+
+
+def write_tif(path, array, transform=None, nodata=None, crs='EPSG:32632'):
+    array = array[None] if array.ndim == 2 else array
+    with rasterio.open(path, 'w', driver='GTiff', width=array.shape[2], height=array.shape[1],
+                       count=array.shape[0], dtype=array.dtype, crs=crs,
+                       transform=transform or from_origin(500_000, 5_500_000, 0.1, 0.1),
+                       tiled=True, blockxsize=16, blockysize=16, photometric='MINISBLACK',
+                       nodata=nodata) as dst:
+        dst.write(array)
+    return str(path)
+
+
+@pytest.fixture(scope='module')
+def trees(tmp_path_factory):
+    root = tmp_path_factory.mktemp('trees')
+    return {name: write_miniature(name, str(root / name), size=96) for name in list(BENCHMARKS) + ['ImageMaskFolder']}
+
+
+# ------------------------------------------------------------------ GeoTIFF variants
+def test_uint16_four_band_nodata_stripes_and_float_nan(tmp_path):
+    rng = np.random.default_rng(0)
+    values = rng.integers(1, 10000, (4, 64, 48)).astype(np.uint16)
+    values[:, 8:12] = 0                     # nodata stripe (all bands)
+    values[:, :, 40:] = 0                   # another, along the edge
+    labels = rng.integers(0, 3, (64, 48)).astype(np.uint8)
+    img = write_tif(tmp_path / 'u16.tif', values, nodata=0)
+    lbl = write_tif(tmp_path / 'u16_label.tif', labels)
+    ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=3, mode='grid', bands=[4, 3, 2, 1])
+    assert ds.in_channels == 4 and ds.scenes[0]['nodata'] == 0
+    full = np.full((64, 48), -1)
+    for i in range(len(ds)):
+        _, _, w = ds.window(i)
+        sample = ds[i]
+        keep = sample['label'].numpy() != IGNORE
+        full[w.row_off:w.row_off + 32, w.col_off:w.col_off + 32][keep] = sample['label'].numpy()[keep]
+    expect = labels.astype(int)
+    expect[8:12] = -1
+    expect[:, 40:] = -1
+    np.testing.assert_array_equal(full, expect)
+    first = ds[0]['image']            # window (0, 0): rows 8-11 are nodata, zero in the input
+    assert (first[:, 8:12] == 0).all() and (first[:, :8] != 0).any(dim=0).all()
+    # Band order follows `bands`: band 4 of the file comes first, normalised by its own stats.
+    s = ds[0]['image'][0].numpy()
+    np.testing.assert_allclose(s[0, 0], (values[3, 0, 0] - ds.mean[0]) / ds.std[0], rtol=1e-5)
+
+    fl = rng.random((2, 32, 32)).astype(np.float32)
+    fl[1, 5, :] = np.nan                    # NaN in one band only: still not a usable pixel
+    fimg = write_tif(tmp_path / 'f.tif', fl)
+    flbl = write_tif(tmp_path / 'f_label.tif', np.ones((32, 32), np.uint8))
+    fs = GeoTiffScenes([fimg], [flbl], crop_size=32, classes=2, mode='grid')[0]
+    assert (fs['label'][5] == IGNORE).all() and (fs['label'][6] == 1).all()
+    assert torch.isfinite(fs['image']).all() and (fs['image'][:, 5] == 0).all()
+
+
+def test_palette_decoding_tolerates_noise(tmp_path):
+    rng = np.random.default_rng(1)
+    truth = rng.integers(0, 6, (48, 48))
+    truth[:4] = -1                                   # black boundary pixels: ignore
+    colours = np.asarray(ISPRS_PALETTE + ((0, 0, 0),), np.int16)
+    rgb = colours[truth].transpose(2, 0, 1) + rng.integers(-30, 31, (3, 48, 48))  # JPEG-like noise
+    img = write_tif(tmp_path / 'img.tif', rng.integers(0, 255, (3, 48, 48)).astype(np.uint8))
+    lbl = write_tif(tmp_path / 'lbl.tif', np.clip(rgb, 0, 255).astype(np.uint8))
+    ds = GeoTiffScenes([img], [lbl], crop_size=48, mode='grid', palette=ISPRS_PALETTE,
+                       palette_ignore=[(0, 0, 0)])
+    assert ds.num_classes == 6
+    expect = np.where(truth < 0, IGNORE, truth)
+    np.testing.assert_array_equal(ds[0]['label'].numpy(), expect)
+
+
+def test_label_map_and_reduce_zero_label(tmp_path):
+    img = write_tif(tmp_path / 'img.tif', np.zeros((1, 16, 16), np.uint8))
+    raw = np.tile(np.array([0, 1, 2, 255], np.uint8), (16, 4))
+    lbl = write_tif(tmp_path / 'lbl.tif', raw)
+    zero = GeoTiffScenes([img], [lbl], crop_size=16, mode='grid', classes=2, reduce_zero_label=True)
+    np.testing.assert_array_equal(zero[0]['label'][0, :4].numpy(), [IGNORE, 0, 1, IGNORE])
+    mapped = GeoTiffScenes([img], [lbl], crop_size=16, mode='grid', classes=2, label_map={255: 1, 2: IGNORE})
+    np.testing.assert_array_equal(mapped[0]['label'][0, :4].numpy(), [0, 1, IGNORE, 1])
+
+
+# ------------------------------------------------------------------ bad input
+def _pair(tmp_path, labels=None, size=(32, 32), label_size=None, label_transform=None):
+    img = write_tif(tmp_path / 'img.tif', np.ones((3,) + size, np.uint8))
+    lab = labels if labels is not None else np.zeros(label_size or size, np.uint8)
+    return img, write_tif(tmp_path / 'img_label.tif', lab, transform=label_transform)
+
+
+def test_bad_input_messages_name_the_files(tmp_path):
+    img, lbl = _pair(tmp_path)
+    cases = []
+    with pytest.raises(DataError) as e:                                   # missing file
+        GeoTiffScenes([img], [str(tmp_path / 'nope.tif')], classes=2)
+    cases.append((e, [str(tmp_path / 'nope.tif'), 'no such file']))
+    garbage = tmp_path / 'garbage.tif'
+    garbage.write_bytes(b'II*\x00' + os.urandom(300))                    # corrupt GeoTIFF
+    with pytest.raises(DataError) as e:
+        GeoTiffScenes([str(garbage)], [lbl], classes=2)
+    cases.append((e, [str(garbage), 'not a readable raster']))
+    img2, bad = _pair(tmp_path / '', labels=np.full((32, 32), 7, np.uint8))  # labels outside the classes
+    with pytest.raises(DataError) as e:
+        GeoTiffScenes([img2], [bad], classes=('a', 'b', 'c'))
+    cases.append((e, [bad, 'label value 7', 'a, b, c']))
+    sub = tmp_path / 'shifted'
+    sub.mkdir()
+    img3, shifted = _pair(sub, label_transform=from_origin(500_010, 5_500_000, 0.1, 0.1))  # transform mismatch
+    with pytest.raises(DataError) as e:
+        GeoTiffScenes([img3], [shifted], classes=2)
+    cases.append((e, [img3, shifted, 'geotransforms']))
+    trunc = tmp_path / 'trunc.tif'                                        # truncated download
+    trunc.write_bytes(open(img, 'rb').read()[:700])
+    with pytest.raises(DataError) as e:
+        GeoTiffScenes([str(trunc)], [lbl], classes=2, mean=[0] * 3, std=[1] * 3)
+    cases.append((e, [str(trunc), 'corrupt or truncated']))
+    for err, parts in cases:
+        message = str(err.value)
+        assert '\n' not in message
+        for part in parts:
+            assert part in message, (part, message)
+    # ...and through the CLI's path: a ConfigError, so launch/train.py prints one line.
+    assert issubclass(DataError, ConfigError)
+
+
+def test_bad_palette_and_folder_pairs(tmp_path, trees):
+    img, lbl = _pair(tmp_path, labels=np.stack([np.full((32, 32), 128, np.uint8)] * 3))
+    with pytest.raises(DataError, match=r'img_label\.tif: 100\.0% of the label pixels match no palette'):
+        GeoTiffScenes([img], [lbl], palette=[(0, 0, 0), (255, 255, 255)], palette_tolerance=20)
+    root = write_miniature('ImageMaskFolder', str(tmp_path / 'folder'), size=32)
+    os.remove(os.path.join(root, 'ann_dir', 'train', '0_0_0_32_32.png'))
+    with pytest.raises(DataError, match=r'img_dir/train/0_0_0_32_32\.png has no label: expected .*ann_dir/train/0_0_0_32_32\.png'):
+        ImageMaskFolder(root, split='train', classes=6)
+    with pytest.raises(DataError, match=r'top_potsdam_2_10_label_noBoundary\.tif not found'):
+        os.rename(os.path.join(trees['Potsdam'], '5_Labels_all_noBoundary'), str(tmp_path / 'moved'))
+        try:
+            Potsdam(trees['Potsdam'], split='train', eroded=True)
+        finally:
+            os.rename(str(tmp_path / 'moved'), os.path.join(trees['Potsdam'], '5_Labels_all_noBoundary'))
+
+
+# ------------------------------------------------------------------ sampling options
+def _ramp_scene(tmp_path, h=96, w=96):
+    # class = f(position), image = label: any misregistration or wrong resize shows up.
+    yy, xx = np.mgrid[:h, :w]
+    label = ((yy // 8 + xx // 8) % 4).astype(np.uint8)
+    return (write_tif(tmp_path / 'r.tif', label[None]), write_tif(tmp_path / 'r_label.tif', label), label)
+
+
+def test_random_scale_reads_crop_over_scale_and_resizes(tmp_path):
+    img, lbl, _ = _ramp_scene(tmp_path)
+    ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=4, mean=[0], std=[1], augment=False,
+                       random_scale=(2.0, 2.0))
+    for i in range(5):
+        s = ds[i]
+        assert s['image'].shape == (1, 32, 32) and s['scale'] == 2.0
+        label = s['label'].numpy()
+        # A 16 px window upsampled 2x (nearest): every 2x2 block is one value, and the 8 px class
+        # cells of the scene appear 16 px wide.
+        np.testing.assert_array_equal(label[::2, ::2], label[1::2, 1::2])
+        assert (np.diff(label[0]) != 0).sum() <= 2
+    half = GeoTiffScenes([img], [lbl], crop_size=32, classes=4, mean=[0], std=[1], augment=False,
+                         random_scale=(0.5, 0.5))[0]['label'].numpy()
+    assert (np.diff(half[0]) != 0).sum() >= 7  # a 64 px window shrunk: 4 px cells, 8 changes
+
+
+def test_scale_comes_from_the_micro_step(tmp_path):
+    img, lbl, _ = _ramp_scene(tmp_path)
+    ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=4, random_scale=(0.5, 2.0))
+    ds.set_sampling_layout(world_size=2, micro_batch=3)
+    for m in range(20):
+        scales = {ds.scale_for_index((m * 2 + r) * 3 + j) for r in range(2) for j in range(3)}
+        assert len(scales) == 1
+    assert len({ds.scale_for_index(m * 6) for m in range(20)}) == 20
+
+
+def _rank_stream(tmp, steps):
+    # No process group: the ranks cannot communicate, so agreement must come from shared state.
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+    img, lbl = os.path.join(tmp, 'r.tif'), os.path.join(tmp, 'r_label.tif')
+    ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=4, random_scale=(0.5, 2.0),
+                       transforms=[dict(type='PhotoMetricDistortion')])
+    loader = build_train_loader(ds, micro_batch=2, rank=rank, world_size=world, num_workers=0)
+    out = []
+    for batch in itertools.islice(iter(loader), steps):
+        out.append((tuple(batch['image'].shape), tuple(batch['label'].shape), batch['scale'].tolist(),
+                    [hashlib.sha1(x.numpy().tobytes()).hexdigest() for x in batch['image']]))
+    return out
+
+
+def test_equal_shapes_and_scales_on_two_ranks_over_100_steps(tmp_path):
+    _ramp_scene(tmp_path)
+    a, b = run_on_ranks(_rank_stream, world_size=2, args=(str(tmp_path), 100), timeout=180)
+    scales = []
+    for (sa, la, ca, ha), (sb, lb, cb, hb) in zip(a, b):
+        assert sa == sb == (2, 1, 32, 32) and la == lb == (2, 32, 32)
+        assert len(set(ca + cb)) == 1  # one factor per step, on both ranks and both samples
+        scales.append(ca[0])
+    assert len(a) == len(b) == 100
+    assert min(scales) < 0.8 and max(scales) > 1.6  # the factor really varies between steps
+    ha = {h for step in a for h in step[3]}
+    hb = {h for step in b for h in step[3]}
+    assert not ha & hb and len(ha) == len(hb) == 200  # distinct windows, per rank and across ranks
+    # The union is reproducible: computing the stream again (in this process) gives the same.
+    os.environ.update(RANK='1', WORLD_SIZE='2')
+    try:
+        again = _rank_stream(str(tmp_path), 100)
+    finally:
+        del os.environ['RANK'], os.environ['WORLD_SIZE']
+    assert again == b
+
+
+def test_zero_and_two_workers_identical_with_scale_and_transforms(tmp_path):
+    img, lbl, _ = _ramp_scene(tmp_path)
+    ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=4, random_scale=(0.5, 2.0), cat_max_ratio=0.9,
+                       transforms=[dict(type='PhotoMetricDistortion', prob=1.0)])
+    runs = []
+    for workers in (0, 2):
+        loader = build_train_loader(ds, micro_batch=2, rank=0, world_size=2, num_workers=workers,
+                                    prefetch_factor=1, start_micro_step=5)
+        runs.append(list(itertools.islice(iter(loader), 4)))
+    for x, y in zip(*runs):
+        assert torch.equal(x['image'], y['image']) and torch.equal(x['label'], y['label'])
+
+
+def test_cat_max_ratio_and_nodata_skipping(tmp_path):
+    label = np.zeros((128, 128), np.uint8)
+    label[:, 96:] = 1                                  # class 1 only in the right quarter
+    values = np.full((1, 128, 128), 50, np.uint8)
+    values[:, :64] = 0                                 # left half nodata
+    img = write_tif(tmp_path / 'i.tif', values, nodata=0)
+    lbl = write_tif(tmp_path / 'l.tif', label)
+    kw = dict(crop_size=32, classes=2, mean=[0], std=[1], augment=False)
+
+    def share(ds, fn):
+        return np.mean([fn(ds[i]) for i in range(60)])
+
+    def mixed(s):  # both classes present, none above 75%
+        lab = s['label'].numpy()
+        counts = np.bincount(lab[lab != IGNORE], minlength=2)
+        return counts.sum() > 0 and counts.max() / counts.sum() < 0.75
+
+    def mostly_nodata(s):
+        return (s['label'].numpy() == IGNORE).mean() > 0.5
+
+    plain = GeoTiffScenes([img], [lbl], **kw)
+    assert share(plain, mixed) < 0.2
+    # Acceptable windows are rare here (~15%), so 10 retries do not always find one.
+    assert share(GeoTiffScenes([img], [lbl], cat_max_ratio=0.75, **kw), mixed) > 0.6
+    assert share(plain, mostly_nodata) > 0.3
+    assert share(GeoTiffScenes([img], [lbl], max_nodata_ratio=0.5, **kw), mostly_nodata) < 0.05
+
+
+def test_transforms_are_registered_and_joint(tmp_path):
+    rng = np.random.default_rng(0)
+    image = rng.standard_normal((3, 16, 16)).astype(np.float32)
+    image[:, 0, 0] = 0
+    label = rng.integers(0, 4, (16, 16))
+    for cfg in (dict(type='RandomFlip', prob=1.0), dict(type='RandomRotate90', prob=1.0)):
+        t = build(TRANSFORMS, cfg)
+        out_img, out_lbl = t(image, label, np.random.default_rng(3))
+        key = image[0] * 10 + label                   # a value that travels with each pixel
+        out_key = out_img[0] * 10 + out_lbl
+        assert not np.array_equal(out_key, key)
+        np.testing.assert_allclose(np.sort(out_key.ravel()), np.sort(key.ravel()), rtol=1e-6)
+    pmd = build(TRANSFORMS, dict(type='PhotoMetricDistortion', prob=1.0))
+    out_img, out_lbl = pmd(image, label, np.random.default_rng(0))
+    assert out_lbl is label and not np.allclose(out_img, image) and (out_img[:, 0, 0] == 0).all()
+
+
+# ------------------------------------------------------------------ benchmark layouts
+def test_benchmark_trees_use_official_names_and_conventions(trees):
+    p = Potsdam(trees['Potsdam'], split='train', crop_size=64)
+    assert p.tiles == ['2_10', '2_11'] and p.num_classes == 6 and p.classes[-1] == 'clutter'
+    assert [os.path.basename(s['image']) for s in p.scenes] == ['top_potsdam_2_10_RGB.tif', 'top_potsdam_2_11_RGB.tif']
+    pv = Potsdam(trees['Potsdam'], split='val', crop_size=64)   # eroded: black boundaries ignored
+    assert pv.scenes[0]['label'].endswith('top_potsdam_5_15_label_noBoundary.tif')
+    full = Potsdam(trees['Potsdam'], split='val', crop_size=64, eroded=False)
+    ignored = lambda ds: sum((ds[i]['label'] == IGNORE).sum().item() for i in range(len(ds)))  # noqa: E731
+    assert ignored(pv) > ignored(full) + 100
+    assert Potsdam(trees['Potsdam'], split='train', modality='RGBIR').in_channels == 4
+    v = Vaihingen(trees['Vaihingen'], split='train', crop_size=64)
+    assert v.areas == ['1', '3'] and all('/top/' in s['image'] for s in v.scenes)
+    assert Vaihingen(trees['Vaihingen'], split='val').areas == ['2']
+    lv = LoveDA(trees['LoveDA'], split='train', crop_size=96, mode='grid')
+    assert len(LoveDA(trees['LoveDA'], split='train', domain='rural').scenes) == 2 and len(lv.scenes) == 4
+    assert (lv[0]['label'][:12] == IGNORE).all() and lv.classes[0] == 'background'  # 0 = no-data
+    inria_val = InriaAerial(trees['InriaAerial'], split='val')
+    assert sorted(os.path.basename(s['image']) for s in inria_val.scenes) == ['austin1.tif', 'tyrol-w1.tif']
+    assert len(InriaAerial(trees['InriaAerial'], split='train').scenes) == 4
+    dg = DeepGlobeLandCover(trees['DeepGlobeLandCover'], split='train', crop_size=96, mode='grid')
+    assert len(dg.scenes) == 4 and len(DeepGlobeLandCover(trees['DeepGlobeLandCover'], split='val').scenes) == 1
+    lab = dg[0]['label'].numpy()
+    assert (lab[-9:] == IGNORE).all() and set(np.unique(lab[:-10])) <= set(range(6))  # unknown ignored
+    for cls in BENCHMARKS.values():
+        assert cls.METRIC and 'Metric convention' in cls.__doc__
+
+
+@pytest.mark.parametrize('name', list(BENCHMARKS) + ['ImageMaskFolder', 'GeoTiffScenes'])
+def test_training_runs_on_each_layout(name, trees, tmp_path):
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import ds_config, read_jsonl
+    root = trees.get(name)
+    extra = {}
+    if name == 'ImageMaskFolder':
+        extra = dict(classes=6)
+    if name == 'GeoTiffScenes':   # a user's own scenes, as in configs/unet_geotiff_scenes.py
+        root = trees['InriaAerial'] + '/AerialImageDataset/train'
+        train = dict(type='GeoTiffScenes', images=f'{root}/images/*.tif', labels=f'{root}/gt/*.tif',
+                     classes=('background', 'building'), label_map={255: 1})
+        val = dict(train, mode='grid')
+    else:
+        train = dict(type=name, data_root=root, split='train', **extra)
+        val = dict(type=name, data_root=root, split='val', **extra)
+    cls = {**BENCHMARKS, 'ImageMaskFolder': ImageMaskFolder, 'GeoTiffScenes': GeoTiffScenes}[name]
+    num_classes = 2 if name in ('InriaAerial', 'GeoTiffScenes') else len(getattr(cls, 'CLASSES', range(6)))
+    cfg = load_config(None, [f'model={dict(type="UNetTiny", in_channels=3, num_classes=num_classes)!r}',
+                             f'data.train={train!r}', f'data.val={val!r}', 'data.crop_size=64',
+                             'data.num_workers=0', 'data.random_scale=(0.5, 2.0)', 'train.max_steps=4',
+                             'train.log_interval=1', 'train.eval_interval=4', 'train.checkpoint_interval=0',
+                             'train.warmup_log_steps=0'])
+    trainer = Trainer(cfg, ds_config(0, micro_batch=2), backend='ddp', work_dir=str(tmp_path / 'work'))
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert summary['exit_reason'] == 'completed' and summary['steps'] == 4
+    rows = read_jsonl(tmp_path / 'work' / 'metrics.jsonl')
+    assert len(rows) == 4 and all(np.isfinite(r['loss']) for r in rows)
+    evals = read_jsonl(tmp_path / 'work' / 'eval.jsonl')
+    assert evals and 0 <= evals[-1]['mIoU'] <= 1
+    assert trainer.train_set.random_scale == (0.5, 2.0)
