@@ -1,0 +1,292 @@
+"""Whole-scene inference: stitching reproduces a reference map exactly, outputs are
+georeferenced like the input, blending weights add up, evaluation counts what it should."""
+import json
+
+import numpy as np
+import pytest
+import rasterio
+import torch
+from rasterio.transform import from_origin
+
+from ds_seg import inference as inf
+from ds_seg.metrics import metrics_from_confusion
+
+K = 5
+NODATA = 9999
+TRANSFORM = from_origin(431_000.0, 5_412_000.0, 0.25, 0.25)
+
+
+class LookupModel:
+    """Position-independent fake model: class = (value of band 1) mod K, with one-hot logits.
+
+    With mean 0 and std 1 the network sees raw pixel values, so the reference map is a pure
+    function of the input: any misplaced window, lost row or wrong blend changes the output.
+    Counts its forward calls (ranks must make equal numbers).
+    """
+
+    def __init__(self):
+        self.calls = 0
+        self.batch_sizes = []
+
+    def __call__(self, images_BCHW):
+        self.calls += 1
+        self.batch_sizes.append(images_BCHW.shape[0])
+        cls = images_BCHW[:, 0].round().long().remainder(K)
+        return torch.nn.functional.one_hot(cls, K).permute(0, 3, 1, 2).float() * 8.0
+
+
+def write_scene(path, height, width, bands=2, nodata=NODATA, seed=0, block=64):
+    rng = np.random.default_rng(seed)
+    img = rng.integers(0, 3000, (bands, height, width)).astype(np.uint16)
+    if nodata is not None:
+        img[:, 5:9, :] = nodata                  # a nodata stripe across the scene
+        img[:, :, width - 3:] = nodata
+    with rasterio.open(path, 'w', driver='GTiff', width=width, height=height, count=bands, dtype='uint16',
+                       crs='EPSG:32632', transform=TRANSFORM, nodata=nodata, tiled=True,
+                       blockxsize=block, blockysize=block, photometric='MINISBLACK') as dst:
+        dst.write(img)
+    ref = (img[0].astype(np.int64) % K).astype(np.uint8)
+    if nodata is not None:
+        ref[(img == nodata).all(0)] = inf.CLASS_NODATA
+    return img, ref
+
+
+@pytest.fixture(scope='module')
+def scene(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp('scene') / 'scene.tif')
+    img, ref = write_scene(path, 203, 157)
+    return path, img, ref
+
+
+def test_window_starts_cover_the_scene_with_the_last_window_flush():
+    assert inf.window_starts(10, 4, 1) == [0, 3, 6]
+    assert inf.window_starts(11, 4, 1) == [0, 3, 6, 7]
+    assert inf.window_starts(3, 8, 2) == [0]
+    with pytest.raises(ValueError, match='overlap'):
+        inf.window_starts(10, 4, 4)
+
+
+@pytest.mark.parametrize('tile, overlap, batch_size, blend, block, tta', [
+    (64, 16, 3, 'gaussian', 64, 'none'),
+    (50, 0, 1, 'linear', 32, 'none'),
+    (96, 40, 7, 'linear', 48, 'h'),
+    (37, 20, 16, 'none', 16, 'hv'),
+    (512, 128, 4, 'gaussian', 256, 'none'),    # one window larger than the scene, padded
+    ((40, 72), 12, 5, 'gaussian', 32, 'none'),  # non-square tiles
+])
+def test_fake_model_reproduces_reference_at_any_tiling(scene, tile, overlap, batch_size, blend, block, tta):
+    path, _, ref = scene
+    model = LookupModel()
+    out = inf.predict_scene(model, path, mean=[0, 0], std=[1, 1], tile=tile, overlap=overlap,
+                            batch_size=batch_size, blend=blend, block=block, tta=tta)
+    np.testing.assert_array_equal(out['classes'], ref)
+    flips = {'none': 0, 'h': 1, 'hv': 3}[tta]
+    assert model.calls == out['forward_calls'] == np.ceil(out['windows'] / batch_size) * (1 + flips)
+    assert max(model.batch_sizes) <= batch_size
+
+
+def test_ranks_split_bands_with_equal_forward_calls_and_identical_rows(scene):
+    # In-process "ranks" (no process group): each computes only its band; together they equal
+    # the single-rank map, and every rank makes the same number of forward calls.
+    path, _, ref = scene
+    kw = dict(mean=[0, 0], std=[1, 1], tile=48, overlap=12, batch_size=5, block=32)
+    single = inf.predict_scene(LookupModel(), path, rank=0, world_size=1, **kw)['classes']
+    for world in (2, 3, 8):  # 8 ranks > 7 block rows: some ranks own nothing but still run
+        stitched = np.full_like(single, 7)
+        calls = []
+        for r in range(world):
+            model = LookupModel()
+            out = inf.predict_scene(model, path, rank=r, world_size=world, **kw)
+            a, b = out['band']
+            stitched[a:b] = out['classes'][a:b]
+            calls.append(model.calls)
+        np.testing.assert_array_equal(stitched, single)
+        assert len(set(calls)) == 1, f'forward calls per rank differ: {calls}'
+    np.testing.assert_array_equal(single, ref)
+
+
+def test_output_geotiff_keeps_georeference_nodata_and_block_layout(scene, tmp_path):
+    path, _, ref = scene
+    out, probs = str(tmp_path / 'classes.tif'), str(tmp_path / 'probs.tif')
+    names = ['road', 'building', 'tree', 'water', 'car']
+    inf.predict_scene(LookupModel(), path, out, mean=[0, 0], std=[1, 1], classes=names, probs_path=probs,
+                      tile=64, overlap=16, block=64)
+    with rasterio.open(path) as src, rasterio.open(out) as dst:
+        assert dst.crs == src.crs and dst.transform == src.transform
+        assert (dst.width, dst.height, dst.count, dst.dtypes[0]) == (src.width, src.height, 1, 'uint8')
+        assert dst.nodata == inf.CLASS_NODATA
+        assert dst.profile['tiled'] and dst.block_shapes == [(64, 64)]
+        assert dst.compression is not None
+        np.testing.assert_array_equal(dst.read(1), ref)
+        assert json.loads(dst.tags()['classes']) == names
+        assert dst.colormap(1)[1] == tuple(inf.default_palette(K)[1]) + (255,)
+        assert dst.descriptions == ('class',)
+    with rasterio.open(probs) as p:
+        assert p.count == K and p.descriptions == tuple(names) and p.transform == TRANSFORM
+        prob = p.read()
+        valid = ref != inf.CLASS_NODATA
+        # one-hot logits of 8: the true class has probability e^8/(e^8+4) = 0.9993 -> 250
+        assert (prob.argmax(0)[valid] == ref[valid]).all() and (prob.max(0)[valid] == 250).all()
+        assert (prob[:, ~valid] == 255).all()
+
+
+def test_float_input_nan_counts_as_nodata(tmp_path):
+    path = str(tmp_path / 'f.tif')
+    img = np.arange(40 * 30, dtype=np.float32).reshape(1, 40, 30) % 7
+    img[0, 3, 4] = np.nan
+    with rasterio.open(path, 'w', driver='GTiff', width=30, height=40, count=1, dtype='float32',
+                       crs='EPSG:4326', transform=TRANSFORM) as dst:
+        dst.write(img)
+    out = inf.predict_scene(LookupModel(), path, mean=[0], std=[1], tile=16, overlap=4, block=16)['classes']
+    assert out[3, 4] == inf.CLASS_NODATA
+    ok = np.ones(out.shape, bool)
+    ok[3, 4] = False
+    np.testing.assert_array_equal(out[ok], (np.nan_to_num(img[0]).astype(int) % K)[ok])
+
+
+def _weight_sums(tmp_path, height, width, tile, overlap, blend):
+    path = str(tmp_path / f'w{height}x{width}.tif')
+    write_scene(path, height, width, bands=1, nodata=None)
+    sums = np.zeros((height, width), np.float64)
+
+    def sink(y0, scores, wsum, nodata):
+        sums[y0:y0 + wsum.shape[0]] = wsum
+
+    inf.run_scene(LookupModel(), path, sink, mean=[0], std=[1], tile=tile, overlap=overlap,
+                  blend=blend, block=16, batch_size=4)
+    return sums
+
+
+def test_linear_weights_sum_to_one_everywhere_including_edges_and_corners(tmp_path):
+    # 3 x 4 windows of 32 with overlap 8 (stride 24) fit exactly: the ramps of neighbours are
+    # a partition of unity and border sides are not faded, so the sum is 1 at every pixel.
+    sums = _weight_sums(tmp_path, 32 + 2 * 24, 32 + 3 * 24, 32, 8, 'linear')
+    np.testing.assert_allclose(sums, 1.0, rtol=0, atol=1e-6)
+    assert sums[0, 0] == sums[-1, -1] == sums[0, -1] == sums[-1, 0] == 1.0
+
+
+@pytest.mark.parametrize('blend', ['gaussian', 'linear', 'none'])
+def test_weights_positive_everywhere_and_corners_not_faded(tmp_path, blend):
+    sums = _weight_sums(tmp_path, 71, 53, 32, 12, blend)  # irregular: last windows overlap more
+    # Gaussian weights are floored at 1e-3 of the peak: far from every window centre the sum
+    # is small but never 0, so the division by it is always defined.
+    assert sums.min() >= (0.999e-3 if blend == 'gaussian' else 0.05)
+    w = inf.blend_weights((32, 32), 12, blend, borders=(True, False, True, False))
+    assert w[0, 0] == w.max()  # a scene corner keeps full weight
+    inner = inf.blend_weights((32, 32), 12, blend)
+    assert inner.min() > 0 and np.allclose(inner, inner[::-1, ::-1])
+
+
+def test_blended_probabilities_are_a_weighted_mean(tmp_path):
+    # A constant-probability model gives back exactly its probabilities after normalising by
+    # the weight sum, at every pixel, whatever the overlap pattern.
+    path = str(tmp_path / 'c.tif')
+    write_scene(path, 45, 61, bands=1, nodata=None)
+    logits = torch.tensor([0.3, -1.0, 2.0, 0.0, 0.5])
+    expected = torch.softmax(logits, 0).numpy()
+    got = []
+
+    def sink(y0, scores, wsum, nodata):
+        got.append(scores / wsum)
+
+    inf.run_scene(lambda x: logits.view(1, K, 1, 1).expand(x.shape[0], K, *x.shape[2:]), path, sink,
+                  mean=[0], std=[1], tile=20, overlap=9, blend='gaussian', block=16)
+    probs = np.concatenate(got, axis=1)
+    assert probs.shape == (K, 45, 61)
+    np.testing.assert_allclose(probs, expected[:, None, None] * np.ones((1, 45, 61)), rtol=1e-5)
+
+
+def test_memory_is_bounded_by_a_band_of_block_rows(tmp_path):
+    # Block rows are handed over as soon as no pending window reaches them: the sink sees row
+    # y0 while the first window row below y0 + block + tile has not been read yet.
+    path = str(tmp_path / 'tall.tif')
+    write_scene(path, 600, 40, bands=1, nodata=None)
+    seen = []
+    model = LookupModel()
+    inf.run_scene(model, path, lambda y0, s, w, n: seen.append((y0, model.calls)), mean=[0], std=[1],
+                  tile=32, overlap=8, block=16, batch_size=2)
+    assert [y for y, _ in seen] == list(range(0, 600, 16))
+    # windows are 2 per window row, stride 24: row y0 is flushed within ~ (block + tile) / 24 rows
+    for y0, calls in seen[:-1]:
+        assert calls <= (y0 + 16 + 32) / 24 + 2, (y0, calls)
+
+
+# ---------------------------------------------------------------------------------- evaluation
+def test_boundary_mask_hand_computed():
+    lbl = np.array([[0, 0, 0, 1, 1],
+                    [0, 0, 0, 1, 1],
+                    [255, 255, 0, 0, 0]])
+    expected_r1 = np.array([[0, 0, 1, 1, 0],
+                            [0, 0, 1, 1, 1],
+                            [0, 0, 0, 1, 1]], bool)
+    np.testing.assert_array_equal(inf.boundary_mask(lbl, 1), expected_r1)
+    assert not inf.boundary_mask(lbl, 0).any()
+    # radius 2 is a disk: (0, 1) is 2 px from the 1 at (0, 3), (0, 0) is 3 px away; ignore
+    # pixels (255) below (0, 0) create no boundary
+    r2 = inf.boundary_mask(lbl, 2)
+    assert r2[0, 1] and not r2[0, 0] and r2[2, 2]
+
+
+def _write_label(path, label):
+    with rasterio.open(path, 'w', driver='GTiff', width=label.shape[1], height=label.shape[0], count=1,
+                       dtype='uint8', crs='EPSG:32632', transform=TRANSFORM) as dst:
+        dst.write(label.astype(np.uint8)[None])
+
+
+def test_evaluation_counts_equal_hand_computed_confusion(tmp_path):
+    # Image values choose the prediction (value % K); class 4 is absent from truth and
+    # prediction, a row of the image is nodata, one label pixel is ignore.
+    img = np.array([[0, 1, 1, 2],
+                    [NODATA, NODATA, NODATA, NODATA],
+                    [3, 3, 0, 1]], np.uint16)[None]
+    lbl = np.array([[0, 1, 2, 2],
+                    [0, 0, 0, 0],
+                    [3, 255, 1, 1]])
+    ip, lp = str(tmp_path / 'i.tif'), str(tmp_path / 'l.tif')
+    with rasterio.open(ip, 'w', driver='GTiff', width=4, height=3, count=1, dtype='uint16', crs='EPSG:32632',
+                       transform=TRANSFORM, nodata=NODATA) as dst:
+        dst.write(img)
+    _write_label(lp, lbl)
+    res = inf.evaluate_scenes(LookupModel(), [(ip, lp)], num_classes=K, mean=[0], std=[1], tile=2, overlap=1,
+                              block=16, batch_size=3, preview_size=4)
+    cm = res['confusion']
+    # counted pixels (truth -> prediction): (0->0) (1->1) (2->1) (2->2) (3->3) (1->0) (1->1)
+    expected = np.zeros((K, K), int)
+    for t, p in [(0, 0), (1, 1), (2, 1), (2, 2), (3, 3), (1, 0), (1, 1)]:
+        expected[t, p] += 1
+    np.testing.assert_array_equal(cm.numpy(), expected)
+    m = metrics_from_confusion(cm, ['a', 'b', 'c', 'd', 'e'], exclude=('d',))
+    assert m['OA'] == pytest.approx(5 / 7)
+    assert m['per_class']['b']['iou'] == pytest.approx(2 / 4)       # tp 2, fn 1, fp 1
+    assert m['per_class']['e']['iou'] is None                        # absent class
+    # mIoU over a, b, c (d excluded, e undefined): (1/2 + 2/4 + 1/2) / 3
+    assert m['mIoU'] == pytest.approx(0.5)
+    assert m['per_class']['d']['iou'] == 1.0
+    prev = res['previews'][0]
+    assert prev['step'] == 1 and prev['prediction'][1].tolist() == [255] * 4
+    assert prev['truth'][2].tolist() == [3, 255, 1, 1]
+
+
+def test_evaluation_ignores_eroded_boundaries(tmp_path):
+    # Truth: left half 0, right half 1. Prediction = truth shifted by one column, so only the
+    # two columns next to the boundary are wrong; eroding by 1 px removes exactly them.
+    h, w = 6, 8
+    lbl = np.zeros((h, w), int)
+    lbl[:, 4:] = 1
+    pred = np.zeros((h, w), int)
+    pred[:, 5:] = 1
+    ip, lp = str(tmp_path / 'i.tif'), str(tmp_path / 'l.tif')
+    with rasterio.open(ip, 'w', driver='GTiff', width=w, height=h, count=1, dtype='uint16', crs='EPSG:32632',
+                       transform=TRANSFORM) as dst:
+        dst.write(pred.astype(np.uint16)[None])
+    _write_label(lp, lbl)
+    kw = dict(num_classes=2, mean=[0], std=[1], tile=4, overlap=2, block=16)
+
+    def model(x):
+        return LookupModel()(x)[:, :2]
+
+    plain = inf.evaluate_scenes(model, [(ip, lp)], **kw)['confusion'].numpy()
+    assert plain.tolist() == [[24, 0], [6, 18]]
+    eroded = inf.evaluate_scenes(model, [(ip, lp)], erode_boundary=1, **kw)['confusion'].numpy()
+    # columns 3 and 4 (the pixels within 1 px of the boundary) are no longer counted
+    assert eroded.tolist() == [[18, 0], [0, 18]]
