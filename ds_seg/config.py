@@ -36,6 +36,10 @@ DEFAULTS = dict(
         crop_size=128,
         num_workers=1,
         eval_batch_size=None,      # None: the DeepSpeed micro-batch
+        eval_tile=None,            # whole-scene evaluation window (None: crop_size)
+        eval_overlap=None,         # overlap of evaluation windows (None: a quarter of the tile)
+        random_scale=None,         # e.g. (0.5, 2.0): train windows of crop/scale resized to crop,
+                                   # one factor per global micro-step, equal on every rank
     ),
     train=dict(
         max_steps=400,
@@ -47,6 +51,8 @@ DEFAULTS = dict(
         warmup_log_steps=2,        # first steps excluded from throughput figures (allocator, JIT)
         max_nonfinite_steps=5,     # consecutive non-finite losses that stop the run
         profile_steps=0,           # >0: torch.profiler trace of that many steps after warm-up
+        peak_tflops=None,          # device peak for MFU (None: the telemetry table by GPU name)
+        dist_timeout_s=None,       # how long a collective waits for a lost rank (default 600 s)
     ),
     load_from=None,                # plain weights file (launch/export.py) to start from
     work_dir=None,                 # default: work_dirs/<config name>
@@ -80,7 +86,7 @@ def _check_keys(cfg, defaults, source, prefix=''):
             raise ConfigError(f"{source}: unknown key {path!r}.{hint} "
                               f"Known keys here: {', '.join(prefix + k for k in defaults)}.")
         if path in _REGISTRY_SECTIONS:
-            if not isinstance(value, dict):
+            if not isinstance(value, dict) and not (path == 'data.val' and value is None):  # None: no eval
                 raise ConfigError(f"{source}: {path!r} must be a dict with a 'type' key, got {value!r}.")
         elif isinstance(value, dict) and isinstance(defaults[key], dict):
             _check_keys(value, defaults[key], source, prefix=f'{path}.')

@@ -19,7 +19,8 @@ def safe_torch_load(path, map_location=None):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
     with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
-        return torch.load(path, map_location=map_location, weights_only=True)
+        # torch.serialization.load, not torch.load: export temporarily routes torch.load here.
+        return torch.serialization.load(path, map_location=map_location, weights_only=True)
 
 
 class DeepSpeedBackend:

@@ -15,9 +15,53 @@ from .. import distributed
 from ..config import ConfigError, default_work_dir, resolve_ds_config, zero_stage
 from ..data.loader import build_eval_loader, build_train_loader
 from ..metrics import confusion_matrix, metrics_from_confusion
-from ..registry import DATASETS, LOSSES, MODELS, build
+from ..registry import DATASETS, LOSSES, MODELS, RegistryError, build
 from ..telemetry import RunLog, StepTimer, format_eta, forward_flops, max_memory_mb, mfu, peak_flops
+from ..memory import state_memory
+from ..models.losses import segmentation_loss
 from . import checkpoint
+from .deepspeed_backend import load_state_dict_gathered, model_init_context
+
+
+EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by a signal after a checkpoint; resume to continue
+EXIT_NONFINITE = 3    # the loss stayed non-finite; the last checkpoint is intact
+EXIT_LOST_RANK = 4    # another rank died or stopped answering
+EXIT_CODES = {'completed': 0, 'preempted': EXIT_PREEMPTED, 'nonfinite_loss': EXIT_NONFINITE,
+              'lost_rank': EXIT_LOST_RANK}
+
+
+class LostRankError(RuntimeError):
+    """A collective failed because another rank died, hung past the timeout, or the network broke."""
+
+
+def _is_collective_failure(exc):
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in ('gloo', 'nccl', 'connection closed', 'connection reset',
+                                         'broken pipe', 'timed out', 'timeout'))
+
+
+def _check_writable(work_dir):
+    try:
+        os.makedirs(work_dir, exist_ok=True)
+        probe = os.path.join(work_dir, f'.write_test.{os.getpid()}')
+        with open(probe, 'w') as f:
+            f.write('ok')
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"--work-dir: {work_dir} is not writable ({exc.strerror or exc}); "
+                          "choose a directory you can write to.") from exc
+
+
+def _build_dataset(cfg, where, crop_size, seed):
+    """Build a dataset; unreadable, missing or inconsistent files become one-line config errors."""
+    try:
+        return build(DATASETS, cfg, where=where, crop_size=crop_size, seed=seed)
+    except (ConfigError, RegistryError):
+        raise
+    except (ValueError, OSError, RuntimeError) as exc:  # rasterio's errors derive from these
+        raise ConfigError(f'{where} ({cfg.get("type")}): {exc}') from exc
 
 
 def build_backend(kind, model, ds_config, precision, device, world_size):
@@ -41,10 +85,12 @@ class Trainer:
     def __init__(self, cfg, ds_config, backend='deepspeed', work_dir=None, resume=None,
                  ds_config_source='DeepSpeed config'):
         self.cfg = cfg
-        self.launcher = distributed.init(use_deepspeed=(backend == 'deepspeed'))
+        self.launcher = distributed.init(use_deepspeed=(backend == 'deepspeed'),
+                                         timeout_s=cfg.train.get('dist_timeout_s'))
         self.rank, self.world_size = distributed.rank(), distributed.world_size()
         self.device = distributed.device()
         self.work_dir = work_dir or default_work_dir(cfg)
+        _check_writable(self.work_dir)  # on every rank: each writes its own checkpoint files
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
         self.exit_reason = 'running'
         self.t_start = time.time()
@@ -60,15 +106,20 @@ class Trainer:
         # --- data: rank 0 first, so one-off caches (synthetic scenes, band stats) are built once
         data_cfg = cfg.data
         with distributed.main_process_first():
-            self.train_set = build(DATASETS, data_cfg.train, where='data.train',
-                                   crop_size=data_cfg.crop_size, seed=cfg.train.seed)
-            self.val_set = build(DATASETS, data_cfg.val, where='data.val', crop_size=data_cfg.crop_size,
-                                 seed=cfg.train.seed) if data_cfg.get('val') else None
+            # data.random_scale: a per-step factor the train set derives from the micro-step (so
+            # every rank agrees without communicating); None leaves the dataset's own setting.
+            train_cfg = dict(data_cfg.train, **({'random_scale': data_cfg.random_scale}
+                                                if data_cfg.get('random_scale') else {}))
+            self.train_set = _build_dataset(train_cfg, 'data.train', data_cfg.crop_size, cfg.train.seed)
+            self.val_set = (_build_dataset(data_cfg.val, 'data.val', data_cfg.crop_size, cfg.train.seed)
+                            if data_cfg.get('val') else None)
         self._check_model_matches_data()
 
         # --- model and loss: identical initial weights on every rank from the seed ------------
         torch.manual_seed(cfg.train.seed)
-        model = build(MODELS, cfg.model, where='model')
+        # Under ZeRO-3 parameters are partitioned as they are created: no rank holds the model.
+        with model_init_context(self.ds_config if backend == 'deepspeed' else None):
+            model = build(MODELS, cfg.model, where='model')
         if cfg.get('load_from'):
             self._load_weights(model, cfg.load_from)
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
@@ -93,6 +144,7 @@ class Trainer:
         self.flops_per_image = forward_flops(lambda: build(MODELS, cfg.model), shape)
         self.peak_flops = peak_flops(self.device, cfg.train.get('peak_tflops'))
         self.timer = StepTimer(self.device, warmup_steps=cfg.train.warmup_log_steps)
+        self.state_memory = None  # per-rank state bytes, measured once in the second step
         self.log.write_json('config.json', cfg.to_dict())
         ds_written = dict(self.ds_config)
         ds_written['ds_seg'] = {'backend': self.backend.name, 'precision': self.precision,
@@ -117,36 +169,84 @@ class Trainer:
         nonfinite_run = 0
         self.t_loop = time.time()
         step_at_loop_start = self.step
+        stop = distributed.StopRequests()       # SIGUSR1/SIGTERM: finish the step, checkpoint, exit
+        heartbeat = distributed.Heartbeat()     # lets survivors name a rank that died
+        profiler = self._profiler()             # None unless train.profile_steps
         try:
             while self.step < t.max_steps:
                 log_now = (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.max_steps
                 loss = self.train_step(want_grad_norm=log_now)
+                if profiler is not None:
+                    profiler.step()
                 loss_sum += loss
                 self.step += 1
+                # The step timer has synchronised the device, so reading the loss stalls nothing.
+                signalled, nonfinite = stop.exchange(local_nonfinite=not math.isfinite(float(loss)))
+                nonfinite_run = nonfinite_run + 1 if nonfinite else 0
 
                 if log_now:
-                    mean_loss = self.log_metrics(loss_sum, t.log_interval if self.step % t.log_interval == 0
-                                                 else self.step % t.log_interval, step_at_loop_start)
+                    self.log_metrics(loss_sum, t.log_interval if self.step % t.log_interval == 0
+                                     else self.step % t.log_interval, step_at_loop_start)
                     loss_sum.zero_()
-                    nonfinite_run = nonfinite_run + 1 if not math.isfinite(mean_loss) else 0
-                    if nonfinite_run >= max(1, t.max_nonfinite_steps // max(1, t.log_interval)):
-                        self.exit_reason = 'nonfinite_loss'
-                        self.print(f'stopping: the loss was not finite for {nonfinite_run} log interval(s); '
-                                   f'the last checkpoint in {self.work_dir}/checkpoints is intact.')
-                        break
+                if nonfinite_run >= t.max_nonfinite_steps:
+                    self.exit_reason = 'nonfinite_loss'
+                    self.print(f'stopping at step {self.step}: the loss was not finite for {nonfinite_run} '
+                               f'consecutive steps; the last checkpoint in {self.work_dir}/checkpoints is intact '
+                               '(lower the learning rate or check the data).')
+                    break
                 if self.val_set is not None and t.eval_interval and (
                         self.step % t.eval_interval == 0 or self.step == t.max_steps):
                     self.evaluate()
-                if t.checkpoint_interval and (self.step % t.checkpoint_interval == 0 or self.step == t.max_steps):
+                # A signal always checkpoints (that is its purpose), periodic ones only when enabled;
+                # never weights that may already be NaN: keep-N pruning would drop the good ones.
+                saved = False
+                if nonfinite_run == 0 and (signalled or t.checkpoint_interval and (
+                        self.step % t.checkpoint_interval == 0 or self.step == t.max_steps)):
                     self.save_checkpoint()
+                    saved = True
+                if signalled:
+                    self.exit_reason = 'preempted'
+                    why = stop.signal_name or 'a signal received by another rank'
+                    self.print(f'stopping at step {self.step} on {why}: '
+                               + (f'checkpoint saved; continue with --resume auto.' if saved else
+                                  'no checkpoint (the loss was not finite).'))
+                    break
             else:
                 self.exit_reason = 'completed'
+        except Exception as exc:
+            if not _is_collective_failure(exc):
+                self.exit_reason = 'error'
+                raise
+            self.exit_reason = 'lost_rank'
+            raise LostRankError(f'rank {self.rank}: {heartbeat.describe_failure()}; stopping. '
+                                f'Resume from the last complete checkpoint with --resume auto. ({exc})') from exc
         except BaseException:
             self.exit_reason = 'error'
             raise
         finally:
+            if profiler is not None:
+                profiler.stop()
+            heartbeat.close()
+            stop.close()
             summary = self.write_summary()
         return summary
+
+    def _profiler(self):
+        """A started torch.profiler recording ``train.profile_steps`` steps after the warm-up into
+        ``<work_dir>/profile/`` (one trace per rank; TensorBoard or Perfetto), or None. Profiled
+        steps are slower: their throughput figures are not comparable with unprofiled runs."""
+        steps = int(self.cfg.train.get('profile_steps') or 0)
+        if steps <= 0:
+            return None
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == 'cuda' else [])
+        prof = profile(activities=activities, profile_memory=True, record_shapes=True,
+                       schedule=schedule(wait=max(0, self.cfg.train.warmup_log_steps - 1), warmup=1,
+                                         active=steps, repeat=1),
+                       on_trace_ready=tensorboard_trace_handler(os.path.join(self.work_dir, 'profile'),
+                                                                worker_name=f'rank{self.rank}'))
+        prof.start()
+        return prof
 
     def train_step(self, want_grad_norm=False):
         """One optimizer step = ``grad_accum`` micro-batches. Returns the mean loss (on device)."""
@@ -159,8 +259,11 @@ class Trainer:
             images_BCHW = batch['image'].to(self.device, non_blocking=True)
             labels_BHW = batch['label'].to(self.device, non_blocking=True)
             logits_BKHW = self.backend.forward(images_BCHW)
-            loss = self.criterion(logits_BKHW, labels_BHW)
+            loss = segmentation_loss(self.criterion, logits_BKHW, labels_BHW)  # + auxiliary heads
             self.backend.backward(loss)
+            if self.state_memory is None and self.step == 1 and self.backend.is_boundary():
+                # Adam state exists after the first step and gradients live until this step frees them.
+                self.state_memory = state_memory(self.backend)
             self.backend.step(want_grad_norm=want_grad_norm)
             loss_total += loss.detach().float()
         self.timer.stop(images=self.micro_batch * self.grad_accum * self.world_size,
@@ -185,8 +288,13 @@ class Trainer:
             data_wait_frac=window['data_wait_frac'], max_mem_mb=max_memory_mb(self.device),
             mfu=mfu(self.flops_per_image, window['images_per_s'], self.peak_flops),
             backend=self.backend.name, zero_stage=self.backend.zero_stage, world_size=self.world_size,
-            precision=self.precision)
+            precision=self.precision, state_memory=self.state_memory)
         self.log.metrics(record)
+        skipped = record['skipped_steps'] - getattr(self, '_skipped_at_last_log', 0)
+        self._skipped_at_last_log = record['skipped_steps']
+        if steps_in_window >= 4 and skipped > steps_in_window // 2:
+            self.print(f'warning: fp16 overflow storm: {skipped} of the last {steps_in_window} steps were skipped; '
+                       f'loss scale now {record["loss_scale"]}. Consider bf16, a lower learning rate or clipping.')
         ips = f"{record['images_per_s']:.1f} img/s" if record['images_per_s'] else 'warming up'
         wait = f" | data {100 * record['data_wait_frac']:.0f}%" if record['data_wait_frac'] is not None else ''
         self.print(f"step {self.step}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e}"
@@ -196,21 +304,25 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self):
-        """Grid windows over the validation scenes, split equally across ranks; one all-reduced
-        confusion matrix gives per-class IoU/F1, mIoU and OA (never an average of rank mIoUs)."""
+        """Whole validation scenes through the same sliding-window code as launch/predict.py
+        (ds_seg.inference), bands of rows split across ranks with equal forward counts; one
+        all-reduced confusion matrix gives per-class IoU/F1, mIoU and OA (never an average of
+        rank mIoUs)."""
+        from ..inference import evaluate_scenes
         self.backend.sync_batchnorm_stats()
         self.backend.eval()
-        batch_size = self.cfg.data.get('eval_batch_size') or self.micro_batch
-        loader = build_eval_loader(self.val_set, batch_size, self.rank, self.world_size,
-                                   num_workers=self.cfg.data.num_workers)
-        num_classes = self.val_set.num_classes
-        cm = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=self.device)
-        for batch in loader:
-            logits_BKHW = self.backend.forward(batch['image'].to(self.device, non_blocking=True))
-            cm += confusion_matrix(logits_BKHW.argmax(1), batch['label'].to(self.device), num_classes,
-                                   ignore_index=self.cfg.loss.get('ignore_index', 255))
-        cm = distributed.all_reduce_sum(cm.cpu())
-        metrics = metrics_from_confusion(cm, self.val_set.classes)
+        d = self.cfg.data
+        tile = d.get('eval_tile') or d.crop_size
+        overlap = d.get('eval_overlap')
+        norm = self._normalisation()
+        result = evaluate_scenes(
+            self.backend.forward, self.val_set, num_classes=self.val_set.num_classes,
+            # the training set's statistics: the model saw inputs normalised with them
+            mean=norm['mean'], std=norm['std'], bands=self.val_set.bands,
+            ignore_index=self.cfg.loss.get('ignore_index', 255), tile=tile,
+            overlap=tile // 4 if overlap is None else overlap,
+            batch_size=d.get('eval_batch_size') or self.micro_batch, device=self.device)
+        metrics = metrics_from_confusion(result['confusion'], self.val_set.classes)
         record = dict(step=self.step, **metrics)
         self.log.eval(record)
         self.last_eval = record
@@ -218,6 +330,14 @@ class Trainer:
                    + ' '.join(f"{n} {v['iou']:.2f}" for n, v in metrics['per_class'].items() if v['iou'] is not None))
         self.backend.train()
         return record
+
+    def _normalisation(self):
+        """Bands and per-band mean/std the model's inputs were normalised with (saved in
+        checkpoints and exported weights so prediction repeats them exactly)."""
+        ds = self.train_set
+        return dict(bands=[int(b) for b in getattr(ds, 'bands', range(1, ds.in_channels + 1))],
+                    mean=[float(v) for v in ds.mean], std=[float(v) for v in ds.std],
+                    ignore_index=int(getattr(ds, 'ignore_index', 255)))
 
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self):
@@ -229,16 +349,44 @@ class Trainer:
             rng_cuda=torch.cuda.get_rng_state() if self.device.type == 'cuda' else None,
             model_cfg=self.cfg.model.to_dict() if hasattr(self.cfg.model, 'to_dict') else dict(self.cfg.model),
             classes=list(self.train_set.classes), world_size=self.world_size,
-            backend=self.backend.name, zero_stage=self.backend.zero_stage)
+            backend=self.backend.name, zero_stage=self.backend.zero_stage,
+            data=self._normalisation())
         root = os.path.join(self.work_dir, 'checkpoints')
         tag = checkpoint.save(self.backend, root, self.step, client_state, keep=self.cfg.train.keep_checkpoints)
         self.print(f'saved checkpoint {root}/{tag}')
 
+    def _check_resume_compatible(self, root, tag):
+        """Refuse, before loading anything, a checkpoint this run cannot continue."""
+        where = os.path.join(root, tag)
+        marker = checkpoint.read_marker(where)
+        model = marker.get('model') or {}
+        if model.get('type') not in (None, self.cfg.model.type):
+            raise ConfigError(f"--resume: {where} holds a {model['type']} model but the config builds "
+                              f"{self.cfg.model.type}; use a matching --config or a new --work-dir.")
+        classes = marker.get('classes')
+        if classes is not None and len(classes) != self.train_set.num_classes:
+            raise ConfigError(f"--resume: {where} was trained for {len(classes)} classes but the data has "
+                              f"{self.train_set.num_classes}; start a new run (load_from= an exported file "
+                              "cannot help either: the classifier shape differs).")
+        if marker.get('backend') != self.backend.name:
+            raise ConfigError(f"--resume: {where} is a {marker.get('backend')} checkpoint but this run uses "
+                              f"--backend {self.backend.name}; export it (launch/export.py) and use load_from=.")
+        stage = marker.get('zero_stage')
+        if self.backend.name == 'deepspeed' and stage != self.backend.zero_stage:
+            raise ConfigError(f"--resume: {where} was saved under ZeRO-{stage} but the DeepSpeed config "
+                              f"uses ZeRO-{self.backend.zero_stage}; export it and use load_from= instead.")
+        if (self.backend.name == 'deepspeed' and stage and stage > 0
+                and marker.get('world_size') != self.world_size):
+            raise ConfigError(f"--resume: {where} was saved by {marker.get('world_size')} ranks under ZeRO-{stage} "
+                              f"and DeepSpeed cannot repartition it for {self.world_size}; export it "
+                              "(launch/export.py) and use load_from= (optimizer state restarts).")
+        skipped = [t for t in checkpoint.incomplete_tags(root) if t > tag]
+        if skipped:
+            self.print(f"skipping incomplete checkpoint(s) {', '.join(skipped)} (killed mid-save or damaged)")
+
     def _load_checkpoint(self, root, tag):
+        self._check_resume_compatible(root, tag)
         state = self.backend.load(root, tag)
-        if state.get('model_cfg', {}).get('type') not in (None, self.cfg.model.type):
-            raise ConfigError(f"--resume: {root}/{tag} holds a {state['model_cfg']['type']} model, "
-                              f"but the config builds {self.cfg.model.type}.")
         self.step = int(state['step'])
         torch.set_rng_state(state['rng_cpu'])
         if state.get('rng_cuda') is not None and self.device.type == 'cuda':
@@ -247,7 +395,7 @@ class Trainer:
 
     def _load_weights(self, model, path):
         payload = checkpoint.load_weights_file(path)
-        missing, unexpected = model.load_state_dict(payload['state_dict'], strict=False)
+        missing, unexpected = load_state_dict_gathered(model, payload['state_dict'])  # ZeRO-3 too
         if missing or unexpected:
             raise ConfigError(f"load_from: {path} does not fit model {self.cfg.model.type}: "
                               f"missing {missing[:5]}, unexpected {unexpected[:5]}.")
@@ -279,7 +427,8 @@ class Trainer:
             images_per_s_median=ips[len(ips) // 2] if ips else None,
             final_loss=rows[-1]['loss'] if rows else None, skipped_steps=self.backend.skipped_steps,
             mIoU=last['mIoU'] if last else None, OA=last['OA'] if last else None,
-            mF1=last['mF1'] if last else None, flops_per_image_fwd=self.flops_per_image)
+            mF1=last['mF1'] if last else None, flops_per_image_fwd=self.flops_per_image,
+            state_memory=getattr(self, 'state_memory', None))
         self.log.write_json('summary.json', summary)
         return summary
 

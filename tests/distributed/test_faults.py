@@ -189,7 +189,7 @@ def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
     cache = tmp_path / 'cache'
     env = _env(PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}',
                SLURM_JOB_ID='4242', SLURM_JOB_NAME='ds_seg', SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost',
-               SLURM_SUBMIT_DIR=str(REPO_ROOT), NPROC_PER_NODE='2', OMP_NUM_THREADS='1', WORK_DIR=str(work),
+               SLURM_SUBMIT_DIR=str(REPO_ROOT), NPROC_PER_NODE='2', WORK_DIR=str(work),
                DS_CONFIG='ds_configs/zero2.json', CONFIG=TINY_CONFIG, FAKE_SCONTROL_LOG=str(tmp_path / 'scontrol.log'))
     options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
                'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']

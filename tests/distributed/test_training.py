@@ -84,7 +84,8 @@ def test_final_weights_match_ddp(runs, name):
     assert diff < 1e-4, f'max weight difference {diff}'
 
 
-@pytest.mark.parametrize('backend, stage', [('deepspeed', 2), ('ddp', 0)])
+@pytest.mark.parametrize('backend, stage', [('deepspeed', 0), ('deepspeed', 1), ('deepspeed', 2),
+                                            ('deepspeed', 3), ('ddp', 0)])
 def test_resume_equals_uninterrupted(tmp_path, backend, stage):
     from ds_seg.engine import checkpoint
     tmp = str(tmp_path)

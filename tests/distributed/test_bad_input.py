@@ -1,0 +1,142 @@
+"""Every user mistake stops launch/train.py before training with one line (exit status 2) that
+names the file or key: one test per case, all run through the real entry point in one fresh
+process (so the cost of importing DeepSpeed is paid once)."""
+import contextlib
+import importlib.util
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+
+from ds_seg.config import REPO_ROOT
+from tests.dist import run_on_ranks
+from tests.tiny import TINY_CONFIG
+
+pytestmark = pytest.mark.slow
+
+
+def _write_tif(path, array_CHW, nodata=None):
+    import rasterio
+    from rasterio.transform import from_origin
+    count, h, w = array_CHW.shape
+    with rasterio.open(path, 'w', driver='GTiff', width=w, height=h, count=count, dtype=array_CHW.dtype,
+                       crs='EPSG:32632', transform=from_origin(500000, 5000000, 0.1, 0.1), nodata=nodata,
+                       photometric='MINISBLACK' if count != 3 else 'RGB') as dst:
+        dst.write(array_CHW)
+    return str(path)
+
+
+def _geotiff_data(images, labels, classes=6):
+    data = repr(dict(type='GeoTiffScenes', images=images, labels=labels, classes=classes))
+    return [f'data.train={data}', 'data.val=None']
+
+
+def _cases(tmp):
+    rng = np.random.default_rng(0)
+    d = os.path.join(tmp, 'data')
+    os.makedirs(d, exist_ok=True)
+    img = _write_tif(os.path.join(d, 'img.tif'), rng.integers(0, 255, (3, 64, 64), dtype=np.uint8))
+    lbl = _write_tif(os.path.join(d, 'lbl.tif'), rng.integers(0, 6, (1, 64, 64), dtype=np.uint8))
+    lbl4 = _write_tif(os.path.join(d, 'lbl4.tif'), rng.integers(0, 4, (1, 64, 64), dtype=np.uint8))
+    img4 = _write_tif(os.path.join(d, 'img4.tif'), rng.integers(0, 255, (4, 64, 64), dtype=np.uint8))
+    lbl_bad = _write_tif(os.path.join(d, 'lbl_bad.tif'), np.full((1, 64, 64), 9, dtype=np.uint8))
+    lbl_small = _write_tif(os.path.join(d, 'lbl_small.tif'), np.zeros((1, 32, 32), dtype=np.uint8))
+    corrupt = os.path.join(d, 'corrupt.tif')
+    with open(corrupt, 'wb') as f:
+        f.write(b'II*\x00' + os.urandom(2000))
+    ds_dir = os.path.join(tmp, 'ds')
+    os.makedirs(ds_dir, exist_ok=True)
+
+    def ds_json(name, obj):
+        path = os.path.join(ds_dir, name)
+        with open(path, 'w') as f:
+            json.dump(obj, f)
+        return path
+
+    base = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True}}}
+    tiny = ['model.type=UNetTiny', 'train.eval_interval=0', 'train.checkpoint_interval=24',
+            'data.crop_size=32']
+    a_file = os.path.join(tmp, 'a_file')
+    open(a_file, 'w').close()
+    return {
+        # case: (extra cfg-options, DeepSpeed JSON, extra argv)
+        'missing_file': (_geotiff_data([os.path.join(d, 'missing.tif')], [lbl]), None, []),
+        'corrupt_geotiff': (_geotiff_data([corrupt], [lbl]), None, []),
+        'label_values': (_geotiff_data([img], [lbl_bad]), None, []),
+        'size_mismatch': (_geotiff_data([img], [lbl_small]), None, []),
+        'band_count': (_geotiff_data([img4], [lbl]) + ['model.in_channels=3'], None, []),
+        'unknown_model': (['model.type=Unett'], None, []),
+        'ds_typo': ([], ds_json('typo.json', {**base, 'gradient_clippin': 1.0}), []),
+        'ds_auto': ([], ds_json('auto.json', {**base, 'bf16': {'enabled': 'auto'}}), []),
+        'ds_batch': ([], ds_json('batch.json', {**base, 'train_batch_size': 7}), []),
+        'work_dir': ([], None, ['--work-dir', os.path.join(a_file, 'run')]),
+        # trained first (see _run_cases), then resumed with another model / class count
+        'resume_model': (_geotiff_data([img], [lbl]) + tiny[1:] + ['model.type=UNet', 'model.base_channels=8'],
+                         None, ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
+        'resume_classes': (_geotiff_data([img], [lbl4], classes=4) + tiny + ['model.num_classes=4'],
+                           None, ['--resume', os.path.join(tmp, 'trained6', 'checkpoints'),
+                                  '--work-dir', os.path.join(tmp, 'other')]),
+        '_train6': (_geotiff_data([img], [lbl]) + tiny, None, ['--work-dir', os.path.join(tmp, 'trained6')]),
+    }
+
+
+def _run_cases(tmp, names):
+    """Run launch/train.py's main() for each case in this process; (exit status, stderr lines)."""
+    spec = importlib.util.spec_from_file_location('train_entry', os.path.join(REPO_ROOT, 'launch', 'train.py'))
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    cases = _cases(tmp)
+    results = {}
+    for name in names:
+        options, ds, extra = cases[name]
+        argv = ['--config', TINY_CONFIG, '--deepspeed_config', ds or str(REPO_ROOT / 'ds_configs' / 'zero0.json')]
+        argv += ['--work-dir', os.path.join(tmp, 'work', name)] if '--work-dir' not in extra else []
+        argv += extra + ['--cfg-options', f'data.train.cache_dir={tmp}/cache', f'data.val.cache_dir={tmp}/cache',
+                         'train.max_steps=24', *options]
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = entry.main(argv)
+        results[name] = (code, err.getvalue().strip().splitlines())
+    return results
+
+
+@pytest.fixture(scope='module')
+def outcomes(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp('bad'))
+    # A run that trains closes its process group, so it gets a process of its own; the failing
+    # cases stop before training and share one (resume cases last: they get furthest).
+    trained = run_on_ranks(_run_cases, 1, args=(tmp, ['_train6']), timeout=300)[0]
+    names = sorted(EXPECTED, key=lambda n: n.startswith('resume'))
+    return {**trained, **run_on_ranks(_run_cases, 1, args=(tmp, names), timeout=300)[0]}
+
+
+EXPECTED = {
+    'missing_file': ['missing.tif'],
+    'corrupt_geotiff': ['corrupt.tif'],
+    'label_values': ['lbl_bad.tif', '9'],
+    'size_mismatch': ['img.tif', 'lbl_small.tif'],
+    'band_count': ['model.in_channels is 3', '4 band'],
+    'unknown_model': ["'Unett' is not a registered model", "Did you mean 'UNet'"],
+    'ds_typo': ["unknown top-level key 'gradient_clippin'", "'gradient_clipping'"],
+    'ds_auto': ["'bf16.enabled' is \"auto\""],
+    'ds_batch': ["'train_batch_size' 7"],
+    'work_dir': ['--work-dir', 'not writable'],
+    'resume_model': ['--resume', 'holds a UNetTiny model', 'builds UNet'],
+    'resume_classes': ['--resume', 'trained for 6 classes', 'data has 4'],
+}
+
+
+def test_the_reference_run_trains(outcomes):
+    assert outcomes['_train6'][0] == 0
+
+
+@pytest.mark.parametrize('case', sorted(EXPECTED))
+def test_bad_input_stops_with_one_line_naming_it(outcomes, case):
+    code, lines = outcomes[case]
+    assert code == 2, lines
+    errors = [line for line in lines if line.startswith('ds_seg: error:')]
+    assert len(errors) == 1 and not any('Traceback' in line for line in lines), lines
+    for fragment in EXPECTED[case]:
+        assert fragment in errors[0], errors[0]
