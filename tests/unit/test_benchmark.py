@@ -1,0 +1,156 @@
+"""launch/benchmark.py's arithmetic and output schema, MFU, and the state-memory accounting,
+checked against figures worked out by hand (no processes are launched here)."""
+import json
+import os
+import statistics
+
+import pytest
+import torch
+
+from ds_seg import telemetry
+from ds_seg.memory import state_memory, zero_formula
+from launch import benchmark
+
+MB = 2 ** 20
+
+
+# -- MFU ----------------------------------------------------------------------------------------
+def test_mfu_is_three_forwards_per_image_over_peak():
+    # 100 GFLOP forward, 50 img/s, 989 TFLOP/s: 3 * 1e11 * 50 / 9.89e14 = 1.5167 %
+    assert telemetry.mfu(1e11, 50.0, 989e12) == pytest.approx(0.0151668, rel=1e-4)
+    assert telemetry.mfu(None, 50.0, 989e12) is None and telemetry.mfu(1e11, 50.0, None) is None
+
+
+def test_peak_flops_table_and_override(monkeypatch):
+    assert telemetry.peak_flops(torch.device('cpu')) is None
+    assert telemetry.peak_flops(torch.device('cpu'), override_tflops=2.5) == 2.5e12
+    cuda = torch.device('cuda', 0)  # constructing a device needs no GPU
+    for name, tflops in (('NVIDIA H100 PCIe', 756.0), ('NVIDIA H100 80GB HBM3', 989.0),
+                         ('NVIDIA H200', 989.0), ('NVIDIA A100-SXM4-80GB', 312.0), ('NVIDIA L40S', 362.0)):
+        monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None, n=name: n)
+        assert telemetry.peak_flops(cuda) == tflops * 1e12, name
+
+
+def test_forward_flops_counts_a_conv_exactly():
+    # 2 FLOPs per multiply-add: 2 * out_ch * H * W * in_ch * k * k = 2 * 8 * 16 * 16 * 3 * 9
+    flops = telemetry.forward_flops(lambda: torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), (1, 3, 16, 16))
+    assert flops == 2 * 8 * 16 * 16 * 3 * 9
+
+
+# -- ZeRO formula and live-tensor accounting ---------------------------------------------------------
+def test_zero_formula_by_stage():
+    psi = 1_000_000
+    ddp = zero_formula(psi, None, 4, 'fp32')
+    assert (ddp['params_bytes'], ddp['grads_bytes'], ddp['master_bytes'], ddp['optim_bytes']) == (4e6, 4e6, 0, 8e6)
+    assert zero_formula(psi, 0, 4, 'fp32') == ddp
+    z1, z2, z3 = (zero_formula(psi, s, 4, 'fp32') for s in (1, 2, 3))
+    assert (z1['grads_bytes'], z1['optim_bytes'], z1['master_bytes']) == (4e6, 2e6, 1e6)
+    assert (z2['params_bytes'], z2['grads_bytes']) == (4e6, 1e6)
+    assert z3['params_bytes'] == 1e6 and z3['total_bytes'] == (4 + 4 + 4 + 8) * 1e6 / 4  # fp32 + master copy
+    # Mixed precision: the paper's 2Ψ + 2Ψ + 12Ψ, i.e. 16Ψ for DDP and 16Ψ/N for ZeRO-3.
+    assert zero_formula(psi, 0, 4, 'bf16')['total_bytes'] == 16e6
+    assert zero_formula(psi, 2, 4, 'bf16')['total_bytes'] == 2e6 + 14e6 / 4
+    assert zero_formula(psi, 3, 4, 'fp16')['total_bytes'] == 16e6 / 4
+
+
+class _FakeDDP:
+    """The two attributes state_memory reads from a DDP backend."""
+    name = 'ddp'
+
+    def __init__(self, module, optimizer):
+        self.module, self.optimizer = module, optimizer
+
+
+def test_state_memory_counts_adam_state_and_shared_storage_once():
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 5))  # 220 + 105 = 325 params
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 10)).sum().backward()
+    before = state_memory(_FakeDDP(model, opt))
+    assert before['optim_bytes'] == 0  # Adam creates its state in the first step
+    opt.step()
+    model(torch.randn(3, 10)).sum().backward()
+    m = state_memory(_FakeDDP(model, opt))
+    assert m['num_params'] == 325
+    assert (m['params_bytes'], m['grads_bytes'], m['master_bytes']) == (1300, 1300, 0)
+    # exp_avg + exp_avg_sq (2 x 1300) plus one 4-byte 'step' tensor per parameter tensor
+    assert m['optim_bytes'] == 2600 + 4 * 4
+    # A gradient that is a view into a parameter's storage is counted once, under params.
+    model[1].bias.grad = model[1].weight.data.view(-1)[:5]
+    assert state_memory(_FakeDDP(model, opt))['grads_bytes'] == 1300 - 5 * 4
+
+
+# -- benchmark rows -------------------------------------------------------------------------------
+def _fake_run(folder, backend, zero_stage, step_times, warmup, global_batch=8, mfu_per_ips=0.001,
+              precision='fp32', state=None):
+    os.makedirs(folder)
+    with open(os.path.join(folder, 'metrics.jsonl'), 'w') as f:
+        for step, t in enumerate(step_times, 1):
+            timed = step > warmup
+            ips = global_batch / t if timed else None
+            f.write(json.dumps(dict(step=step, step_time_s=t if timed else None, images_per_s=ips,
+                                    megapixels_per_s=ips * 0.016384 if timed else None,
+                                    data_wait_frac=0.1 if timed else None, max_mem_mb=100.0 + step,
+                                    mfu=ips * mfu_per_ips if timed else None)) + '\n')
+    json.dump(dict(zero_stage=zero_stage, precision=precision, world_size=2, global_batch=global_batch,
+                   exit_reason='completed', state_memory=state), open(os.path.join(folder, 'summary.json'), 'w'))
+    json.dump(dict(train_micro_batch_size_per_gpu=global_batch // 2), open(os.path.join(folder, 'ds_config.json'), 'w'))
+
+
+def test_rows_have_the_design_fields_and_correct_figures(tmp_path):
+    times_ddp = [9.0, 9.0, 0.5, 0.4, 0.6, 0.5, 1.0]          # 2 warm-up steps, then 5 timed
+    times_z2 = [9.0, 9.0, 1.0, 0.8, 1.2, 1.0, 2.0]
+    state = dict(num_params=1000, params_bytes=4000, grads_bytes=2000, master_bytes=2000, optim_bytes=4000,
+                 comm_buffers_bytes=0, total_bytes=12000)
+    _fake_run(tmp_path / 'ddp', 'ddp', None, times_ddp, warmup=2)
+    _fake_run(tmp_path / 'zero2', 'zero2', 2, times_z2, warmup=2, state=state)
+    rows = benchmark.add_speedups([benchmark.summarise_run(str(tmp_path / 'ddp'), 'ddp', 2),
+                                   benchmark.summarise_run(str(tmp_path / 'zero2'), 'zero2', 2)])
+    ddp, z2 = rows
+    assert set(benchmark.ROW_FIELDS + benchmark.MEMORY_FIELDS) <= set(ddp)
+    timed = [0.5, 0.4, 0.6, 0.5, 1.0]
+    assert ddp['step_time_median_s'] == statistics.median(timed) == 0.5
+    assert ddp['step_time_p90_s'] == 1.0
+    assert ddp['images_per_s'] == pytest.approx(8 * 5 / sum(timed))
+    assert ddp['megapixels_per_s'] == pytest.approx(ddp['images_per_s'] * 0.016384)
+    assert ddp['data_wait_frac'] == pytest.approx(0.1)
+    assert ddp['max_mem_mb'] == 107.0 and ddp['micro_batch'] == 4 and ddp['timed_steps'] == 5
+    assert ddp['mfu'] == pytest.approx(0.001 * ddp['images_per_s'])
+    assert ddp['speedup_vs_ddp'] == 1.0 and z2['speedup_vs_ddp'] == pytest.approx(0.5)
+    assert z2['formula_optim_bytes'] == 4000 and z2['formula_grads_bytes'] == 2000 and z2['state_bytes'] == 12000
+    assert ddp['num_params'] is None  # no measurement: None, never a made-up figure
+
+    meta = dict(config='tiny', machine='test cpu', launcher='torchrun', nproc=2, steps=5, warmup=2,
+                command='launch/benchmark.py', max_batch=32)
+    benchmark.write_markdown(tmp_path / 'b.md', rows, meta)
+    text = (tmp_path / 'b.md').read_text()
+    assert 'test cpu' in text and '| zero2 | 2 | fp32 | 2 | 4 |' in text and '| 0.500 |' in text
+    benchmark.write_plot(tmp_path / 'b.png', rows, meta)
+    assert (tmp_path / 'b.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_find_max_batch_doubles_then_bisects(monkeypatch, tmp_path):
+    tried = []
+
+    def fake_run(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
+        tried.append(micro_batch)
+        return (0, 'ok') if micro_batch <= 13 else (1, 'torch.OutOfMemoryError: CUDA out of memory.')
+
+    monkeypatch.setattr(benchmark, 'run_backend', fake_run)
+    args = benchmark.parse_args(['--work-dir', str(tmp_path)])
+    assert benchmark.find_max_batch(args, 'zero2', 2, 1024) == (13, False)
+    assert tried[:4] == [2, 4, 8, 16] and tried[-1] in (13, 14)
+    tried.clear()
+    assert benchmark.find_max_batch(args, 'zero2', 2, 10) == (10, True)   # capped: it never failed
+    monkeypatch.setattr(benchmark, 'run_backend', lambda *a, **k: (1, 'ValueError: bad config'))
+    with pytest.raises(RuntimeError, match='other than memory'):
+        benchmark.find_max_batch(args, 'zero2', 2, 64)
+
+
+def test_derived_config_keeps_the_run_comparable():
+    ds = benchmark.derived_ds_config('zero3_offload', 4, 12, 'fp32', on_gpu=False, ds_cpu_adam=False)
+    assert ds['train_micro_batch_size_per_gpu'] == 4 and 'fp16' not in ds
+    assert ds['optimizer']['params']['torch_adam'] and ds['zero_force_ds_cpu_optimizer'] is False
+    assert ds['scheduler']['params']['warmup_num_steps'] < ds['scheduler']['params']['total_num_steps'] == 12
+    ddp, z2 = (benchmark.derived_ds_config(n, None, 40, 'json', False, False) for n in ('ddp', 'zero2'))
+    for key in ('optimizer', 'scheduler', 'fp16', 'train_micro_batch_size_per_gpu', 'gradient_clipping'):
+        assert ddp[key] == z2[key], key   # DDP and ZeRO differ only in zero_optimization
