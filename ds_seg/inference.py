@@ -506,7 +506,7 @@ def predict_scene(forward_fn, image_path, out_path=None, mean=None, std=None, cl
     a, b = plan.band(rank)
 
     def sink(y0, scores, wsum, nodata):
-        nonlocal writer, k
+        nonlocal writer
         cls, probs = _to_outputs(scores, wsum, nodata, probs_path is not None)
         if out_path is None:
             result_map[y0:y0 + cls.shape[0]] = cls

@@ -12,9 +12,9 @@ import time
 import torch
 
 from .. import distributed
-from ..config import ConfigError, default_work_dir, resolve_ds_config, zero_stage
-from ..data.loader import build_eval_loader, build_train_loader
-from ..metrics import confusion_matrix, metrics_from_confusion
+from ..config import ConfigError, default_work_dir, resolve_ds_config
+from ..data.loader import build_train_loader
+from ..metrics import metrics_from_confusion
 from ..registry import DATASETS, LOSSES, MODELS, RegistryError, build
 from ..telemetry import RunLog, StepTimer, format_eta, forward_flops, max_memory_mb, mfu, peak_flops
 from ..memory import state_memory
@@ -208,7 +208,7 @@ class Trainer:
                     self.exit_reason = 'preempted'
                     why = stop.signal_name or 'a signal received by another rank'
                     self.print(f'stopping at step {self.step} on {why}: '
-                               + (f'checkpoint saved; continue with --resume auto.' if saved else
+                               + ('checkpoint saved; continue with --resume auto.' if saved else
                                   'no checkpoint (the loss was not finite).'))
                     break
             else:

@@ -121,7 +121,6 @@ def _check_load_from(tmp, weights_file, backend, stage):
 
 def test_export_round_trip_under_zero3_and_load_from(tmp_path):
     from ds_seg.engine import checkpoint
-    from ds_seg.models import UNet  # noqa: F401
     tmp = str(tmp_path)
     trained = run_on_ranks(_train, 2, args=(tmp, 'deepspeed', ds_config(3), 'z3', None, 6, 6))
     out = os.path.join(tmp, 'weights.pt')

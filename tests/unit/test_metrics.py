@@ -1,6 +1,5 @@
 """Confusion matrix and metrics equal hand-computed values."""
 import json
-import math
 
 import pytest
 import torch
