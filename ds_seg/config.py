@@ -334,9 +334,5 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
     return ds, precision, notes
 
 
-def zero_stage(ds):
-    return int(ds.get('zero_optimization', {}).get('stage', 0))
-
-
 def default_work_dir(cfg):
     return cfg.get('work_dir') or os.path.join('work_dirs', cfg.get('config_name', 'default'))

@@ -181,14 +181,6 @@ def all_reduce_mean_(tensors):
         t.copy_((work / n).to(t.dtype))
 
 
-def broadcast_object(obj, src=0):
-    if world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 @contextmanager
 def main_process_first():
     """Let rank 0 do a one-off job (e.g. writing a data cache) before the other ranks look."""

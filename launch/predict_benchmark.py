@@ -25,7 +25,6 @@ import rasterio
 import torch
 from rasterio.transform import from_origin
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_scene(path, size, bands=3, block=256, source=2048, seed=0):

@@ -28,4 +28,5 @@ def test_native_half_precision_trains_with_fp32_batchnorm(tmp_path, precision, s
     rows = read_jsonl(os.path.join(tmp_path, f'{precision}{stage}', 'metrics.jsonl'))
     assert summary['precision'] == precision and summary['exit_reason'] == 'completed'
     assert rows[-1]['loss'] < rows[0]['loss']
-    assert rows[-1]['max_mem_mb'] > 0 and rows[-1]['mfu'] is None or rows[-1]['mfu'] > 0
+    assert rows[-1]['max_mem_mb'] > 0
+    assert rows[-1]['mfu'] is None or 0 < rows[-1]['mfu'] < 1
