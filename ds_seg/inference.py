@@ -37,6 +37,7 @@ import torch
 from rasterio.windows import Window
 
 from . import distributed
+from .data.preprocess import BatchPreprocessor, host_dtype
 from .metrics import confusion_matrix
 
 BLENDS = ('gaussian', 'linear', 'none')
@@ -259,8 +260,8 @@ def run_scene(forward_fn, image_path, sink, mean, std, bands=None, tile=512, ove
             raise ValueError(f"{image_path}: {len(band_idx)} band(s) read but mean/std have "
                              f"{mean_c.size}/{std_c.size} values (the model was trained on "
                              f"{mean_c.size} band(s); select bands to match)")
-        std_c = np.where(std_c > 0, std_c, np.float32(1))
-        mean_c, std_c = mean_c[:, None, None], std_c[:, None, None]
+        prep = BatchPreprocessor(mean_c, std_c)
+        window_dtype = host_dtype(src.dtypes[0])
         nodata = src.nodata
         masked = _uses_mask_band(src)
         plan = ScenePlan(src.height, src.width, tile, overlap, block, world_size)
@@ -342,25 +343,28 @@ def run_scene(forward_fn, image_path, sink, mean, std, bands=None, tile=512, ove
                 yy = y_stop
             return raw, mask
 
-        def window_tensor(raw, mask, x):
-            # Same arithmetic as GeoTiffScenes._load: (raw - mean) / std in float32, nodata
-            # and padding (outside the scene) 0.
-            part = raw[:, :, x:x + tw]
-            img = (part.astype(np.float32) - mean_c) / std_c
-            img[:, mask[:, x:x + tw]] = 0
-            out = np.zeros((len(band_idx), th, tw), np.float32)
-            out[:, :img.shape[1], :img.shape[2]] = img
-            return out
+        def window_arrays(raw, mask, x):
+            # As read, padded past the scene's edge; padding counts as nodata (0 once normalised).
+            part, part_mask = raw[:, :, x:x + tw], mask[:, x:x + tw]
+            out = np.zeros((len(band_idx), th, tw), window_dtype)
+            out[:, :part.shape[1], :part.shape[2]] = part
+            out_mask = np.ones((th, tw), bool)
+            out_mask[:part.shape[1], :part.shape[2]] = part_mask
+            return out, out_mask
 
-        batch, meta = [], []
+        batch, masks, meta = [], [], []
         for i, (r, c, y, x) in enumerate(my_windows):
             if strip_row != r:
                 strip, mask = read_strip(r)
                 strip_row = r
-            batch.append(window_tensor(strip, mask, x))
+            window, window_mask = window_arrays(strip, mask, x)
+            batch.append(window)
+            masks.append(window_mask)
             meta.append((r, y, x, c))
             if len(batch) == batch_size or i == len(my_windows) - 1:
-                probs = _softmax_probs(forward_fn, torch.from_numpy(np.stack(batch)), device, tta)
+                # Normalised on the device, as in training: the same code, the same numbers.
+                images = prep.images(torch.from_numpy(np.stack(batch)), torch.from_numpy(np.stack(masks)), device)
+                probs = _softmax_probs(forward_fn, images, device, tta)
                 calls += 1 + len(TTA_FLIPS[tta])
                 if k_classes is None:
                     k_classes = probs.shape[1]
@@ -372,7 +376,7 @@ def run_scene(forward_fn, image_path, sink, mean, std, bands=None, tile=512, ove
                     if remaining[wr] == 0:
                         pending_rows.remove(wr)
                 n_done += len(batch)
-                batch, meta = [], []
+                batch, masks, meta = [], [], []
                 emit_finished(all_done=not pending_rows)
                 if progress is not None:
                     progress(n_done, len(my_windows), time.perf_counter() - t0)

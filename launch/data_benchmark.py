@@ -3,16 +3,19 @@
     python launch/data_benchmark.py                         # synthetic 2048 px scenes, crop 256
     python launch/data_benchmark.py --config configs/unet_geotiff_scenes.py --crop 512
     python launch/data_benchmark.py --train-steps 0         # skip the short training run
+    python launch/data_benchmark.py --bands 4 --dtype uint16 --crop 512   # multiband uint16
 
 Three figures, all from this run on the same files:
 
 1. raw: a plain loop of ``rasterio`` windowed reads (image bands + label) at random positions,
    handles opened once: the floor cost of getting the pixels off disk.
-2. dataset: ``dataset[i]`` in this process (= one worker), i.e. the same reads plus decoding,
-   nodata handling, normalisation, augmentation and conversion to tensors. The ratio
+2. dataset: ``dataset[i]`` in this process (= one worker), i.e. the same reads plus label
+   decoding, nodata masking, the sample's random draws and conversion to tensors. The ratio
    dataset/raw says how much the pipeline adds (target >= 0.8x). Raw and dataset runs are
    interleaved and repeated, and the best of each is kept, so a noisy neighbour on the machine
-   cannot favour one side.
+   cannot favour one side. Normalisation and flips/rotations are not in the worker: they run
+   on the device after the copy (``BatchPreprocessor``), measured separately as
+   "device step" (on the GPU if there is one, else on this CPU).
 3. loader: ``build_train_loader`` with ``--workers`` workers (total and per worker), and the
    share of step time spent waiting for data inside a short ``launch/train.py`` run
    (``data_wait_frac`` from its ``metrics.jsonl``).
@@ -40,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument('--crop', type=int, default=256)
     p.add_argument('--scene-size', type=int, default=2048)
     p.add_argument('--num-scenes', type=int, default=4)
+    p.add_argument('--bands', type=int, default=3, help='synthetic scenes: band count')
+    p.add_argument('--dtype', default='uint8', choices=['uint8', 'uint16'], help='synthetic scenes: pixel type')
     p.add_argument('--windows', type=int, default=300, help='windows per timed pass')
     p.add_argument('--repeats', type=int, default=3)
     p.add_argument('--workers', type=int, default=2)
@@ -59,7 +64,7 @@ def build_dataset(args):
         data = dict(cfg.data.train)
     else:
         data = dict(type='SyntheticAerial', split='train', num_scenes=args.num_scenes,
-                    scene_size=args.scene_size)
+                    scene_size=args.scene_size, bands=args.bands, dtype=args.dtype)
         if args.cache_dir:
             data['cache_dir'] = args.cache_dir
     return build(DATASETS, data, where='data.train', crop_size=args.crop, seed=0), data
@@ -112,6 +117,26 @@ def dataset_loop(ds, n, offset):
     for i in range(offset, offset + n):
         ds[i]
     return n / (time.perf_counter() - t0)
+
+
+def device_step_rate(ds, micro_batch, n, device):
+    """Windows/s of the trainer's device step (normalise, nodata, flips) on loader batches."""
+    import torch
+    import torch.utils.data
+    from ds_seg.data import BatchPreprocessor
+    prep = BatchPreprocessor.for_dataset(ds)
+    batches = [torch.utils.data.default_collate([ds[b * micro_batch + j] for j in range(micro_batch)])
+               for b in range(4)]
+    nbytes = sum(v.numel() * v.element_size() for v in batches[0].values() if torch.is_tensor(v))
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
+    prep(batches[0], device)
+    sync()
+    reps = max(2, n // micro_batch)
+    t0 = time.perf_counter()
+    for i in range(reps):
+        prep(batches[i % len(batches)], device)
+    sync()
+    return reps * micro_batch / (time.perf_counter() - t0), nbytes
 
 
 def loader_rate(ds, workers, micro_batch, n):
@@ -182,6 +207,17 @@ def main(argv=None):
         print(f'[{compress:>7}] raw rasterio loop : {raw_best:8.1f} windows/s  (passes: {", ".join(f"{v:.0f}" for v in raw)})')
         print(f'[{compress:>7}] dataset, 1 worker : {mine_best:8.1f} windows/s  (passes: {", ".join(f"{v:.0f}" for v in mine)})')
         print(f'[{compress:>7}] ratio dataset/raw : {mine_best / raw_best:8.2f}x   (target >= 0.8x)')
+    import torch
+    device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    rate, nbytes = device_step_rate(ds, args.micro_batch, args.windows, device)
+    h, w = ds[0]['label'].shape
+    float_bytes = args.micro_batch * h * w * (4 * ds.in_channels + 8)  # float32 image + int64 label
+    result.update(device=device.type, device_step_windows_per_s=rate, batch_bytes=nbytes,
+                  batch_bytes_float32_int64=float_bytes)
+    print(f'device step on {device.type:<5}   : {rate:8.1f} windows/s (normalise, nodata, flips; '
+          f'{torch.get_num_threads()} thread(s))')
+    print(f'batch of {args.micro_batch} crosses as  : {nbytes / 2 ** 20:8.2f} MiB  (as float32 image + int64 label: '
+          f'{float_bytes / 2 ** 20:.2f} MiB)')
     if args.workers > 0:
         rate = loader_rate(ds, args.workers, args.micro_batch, args.windows * 2)
         result.update(loader_workers=args.workers, loader_windows_per_s=rate,

@@ -40,3 +40,13 @@ def ds_config(stage, precision='fp32', micro_batch=2, grad_accum=1, **extra):
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def finished(dataset, index):
+    """Sample ``index`` as the model sees it: through the loader's collation and the trainer's
+    device step (normalised float32 image, int64 label, flips applied), on the CPU."""
+    import torch.utils.data
+    from ds_seg.data import BatchPreprocessor
+    batch = torch.utils.data.default_collate([dataset[index]])
+    image, label = BatchPreprocessor.for_dataset(dataset)(batch, 'cpu')
+    return image[0], label[0]

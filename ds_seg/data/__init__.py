@@ -5,12 +5,13 @@ from .benchmarks import DeepGlobeLandCover, InriaAerial, LoveDA, Potsdam, Vaihin
 from .folders import ImageMaskFolder
 from .geotiff import DataError, GeoTiffScenes, configure_gdal_for_worker, expand_paths, grid_starts
 from .loader import build_eval_loader, build_train_loader, worker_init
+from .preprocess import BatchPreprocessor
 from .sampling import EvalSampler, TrainSampler
 from .synthetic import (CLASSES, PALETTE, SyntheticAerial, default_cache_dir, generate_scene,
                         write_synthetic_scenes)
 from .transforms import PhotoMetricDistortion, RandomFlip, RandomRotate90, scale_for_micro_step
 
-__all__ = ['CLASSES', 'PALETTE', 'DataError', 'DeepGlobeLandCover', 'EvalSampler', 'GeoTiffScenes',
+__all__ = ['BatchPreprocessor', 'CLASSES', 'PALETTE', 'DataError', 'DeepGlobeLandCover', 'EvalSampler', 'GeoTiffScenes',
            'ImageMaskFolder', 'InriaAerial', 'LoveDA', 'PhotoMetricDistortion', 'Potsdam',
            'RandomFlip', 'RandomRotate90', 'SyntheticAerial', 'TrainSampler', 'Vaihingen',
            'build_eval_loader', 'build_train_loader', 'configure_gdal_for_worker',

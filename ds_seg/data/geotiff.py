@@ -7,7 +7,7 @@ blocks under the window).
 Two modes:
 
 - ``'random'`` (training): sample ``index`` is a pure function of ``(seed, index)``: the scene,
-  the position and the augmentations come from ``np.random.default_rng([seed, index, ...])``.
+  the position and the augmentations come from a generator seeded with ``(seed, index)``.
   The sampler decides which indices a rank reads, so the stream is reproducible whatever the
   number of workers or ranks, and resuming means asking for the same indices again.
 - ``'grid'`` (evaluation): a stride = crop grid that covers every pixel of every scene; pixels
@@ -27,12 +27,23 @@ Example::
 
     ds = GeoTiffScenes('scenes/*_rgb.tif', 'scenes/*_label.tif', crop_size=512,
                        classes=('road', 'building', 'tree'))
-    sample = ds[0]          # dict(image=float32 CxHxW, label=int64 HxW)
+    sample = ds[0]
+
+Samples are windows as read: ``image`` C x H x W in the file's dtype (uint8, uint16, ...;
+float32 for types torch lacks), ``label`` H x W in the smallest integer type that holds the
+classes and ``ignore_index`` (uint8 usually), ``nodata`` H x W bool, and in random mode with
+augmentation ``geom`` (the flip/rotation code). Normalisation with the dataset's ``mean``/``std``,
+zeroing nodata and the flips/rotations happen on the device after the copy:
+:class:`~ds_seg.data.preprocess.BatchPreprocessor`, which the trainer applies to every batch
+(a float32 image is 4x the bytes of a uint8 one through the loader and the host-to-device copy,
+and normalising or flipping on the host costs a worker about as much as the read).
 """
+import bisect
 import glob
 import json
 import math
 import os
+import random
 import warnings
 from collections import Counter, OrderedDict
 
@@ -46,6 +57,7 @@ from rasterio.windows import Window
 from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
+from .preprocess import geom_code, host_dtype
 from .transforms import (Compose, check_random_scale, decode_palette, default_palette_tolerance,
                          palette_lut, resize, scale_for_micro_step)
 
@@ -98,6 +110,11 @@ def _keep_large_buffers_in_heap():
         pass
 
 
+def _dtype_range(dtype):
+    info = np.iinfo(dtype) if np.dtype(dtype).kind in 'iu' else np.finfo(dtype)
+    return info.min, info.max
+
+
 def expand_paths(spec, what):
     """A path, a glob or a list of either -> list of paths (each glob sorted)."""
     if isinstance(spec, (str, os.PathLike)):
@@ -136,22 +153,6 @@ def open_raster(path):
         raise DataError(f"{path}: not a readable raster (corrupt or not an image): {e}") from e
 
 
-def _apply_geom(image, label, invalid, hflip, vflip, quarter_turns):
-    """Flip then rotate (as views) image, label and the optional invalid mask alike."""
-    arrays = [image, label, invalid]
-    for i, a in enumerate(arrays):
-        if a is None:
-            continue
-        if hflip:
-            a = a[..., ::-1]
-        if vflip:
-            a = a[..., ::-1, :]
-        if quarter_turns:
-            a = np.rot90(a, quarter_turns, axes=(-2, -1))
-        arrays[i] = a
-    return arrays
-
-
 @DATASETS.register_module()
 class GeoTiffScenes(torch.utils.data.Dataset):
     """Crops of ``crop_size`` from image scenes paired with a label raster each.
@@ -165,7 +166,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         mean, std: per selected band, in the file's units; None: ``stats.json`` next to the
             first image, else computed once from a decimated read and cached.
         bands: 1-based band indices to read (GDAL convention); None: all bands.
-        augment: joint flips and 90-degree rotations in random mode; None: on for 'random'.
+        augment: joint flips and 90-degree rotations in random mode (drawn here, applied on
+            the device: ``sample['geom']``); None: on for 'random'.
         label_map: ``{file value: class index or ignore_index}`` applied before anything else.
         reduce_zero_label: 0 becomes ignore and ``k`` becomes ``k - 1`` (LoveDA, mmseg style).
         palette: RGB colour per class when labels are colour-coded 3-band rasters;
@@ -184,7 +186,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             decimated read, plus a one-block read of the image; None: all; 0: none.
 
     Nodata (the image's nodata value in every band, a GDAL mask/alpha, or any non-finite float)
-    becomes ``ignore_index`` in the label and 0 in the normalised input.
+    becomes ``ignore_index`` in the label and is marked in ``sample['nodata']``, which makes it
+    0 in the normalised input; so does padding.
 
     Example::
 
@@ -259,12 +262,22 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._label_lut = self._build_label_lut(label_map, reduce_zero_label)
         self._identity_labels = self.palette is None and not label_map and not reduce_zero_label
         self.mean, self.std = self._resolve_stats(mean, std, stats, images)
-        self._inv_std = (1.0 / self.std).astype(np.float32)
+        self.image_dtype = host_dtype(np.result_type(*[s['dtype'] for s in self._scenes]))
+        # What padding, and nodata before a resize, are filled with: the band mean, i.e. 0
+        # once normalised, so neither darkens the valid pixels a resize blends them with.
+        self._fill = (self.mean if self.image_dtype.kind == 'f' else np.clip(
+            np.rint(self.mean), *_dtype_range(self.image_dtype))).astype(self.image_dtype)
+        self.transforms.bind_image_stats(self.mean, self.std)
+        # The smallest integer type that holds every class index and ignore_index: labels
+        # cross the loader's shared memory and the host-to-device copy at 1 byte a pixel.
+        self.label_dtype = next(t for t in (np.uint8, np.int16, np.int32)
+                                if _dtype_range(t)[0] <= min(0, self.ignore_index)
+                                and max(self.num_classes - 1, self.ignore_index) <= _dtype_range(t)[1])
 
         # Small numpy tables rather than lists of objects: cheap to pickle to every worker.
         self._areas = np.array([s['height'] * s['width'] for s in self._scenes], dtype=np.float64)
         self._scene_p = self._areas / self._areas.sum()
-        self._scene_cdf = np.cumsum(self._scene_p)  # scene by area, one uniform draw
+        self._scene_cdf = np.cumsum(self._scene_p).tolist()  # scene by area, one uniform draw
         self._num_random = int(sum(max(1, s['height'] // self.crop_h) * max(1, s['width'] // self.crop_w)
                                    for s in self._scenes))
         self._grid = self._build_grid()
@@ -301,7 +314,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             masked = img.nodata is None and any(
                 MaskFlags.per_dataset in f or MaskFlags.alpha in f for f in img.mask_flag_enums)
             return dict(image=image, label=label, width=img.width, height=img.height,
-                        count=img.count, nodata=img.nodata, masked=masked,
+                        count=img.count, nodata=img.nodata, masked=masked, dtype=img.dtypes[0],
                         floating=np.dtype(img.dtypes[0]).kind == 'f')
 
     @staticmethod
@@ -539,15 +552,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         out[inside] = self._label_lut[values[inside]]
         return out
 
-    def _read_window(self, scene, y, x, h, w, geom=None):
-        """Normalised image, int16 label and nodata share of the ``h`` x ``w`` window at (y, x),
-        padded past the scene's edge (padding is 0 in the input and ignore in the label).
+    def _read_window(self, scene, y, x, h, w):
+        """Image in file units, label, nodata mask (None: none) and nodata share of the ``h`` x
+        ``w`` window at (y, x), padded past the scene's edge (padding counts as nodata).
 
-        ``geom=(hflip, vflip, quarter_turns)`` applies that flip/rotation on the way (only when
-        no padding is needed; returns ``applied``): done as views of the raw window, so the
-        float conversion doubles as the copy that makes it contiguous, instead of a second pass
-        over a 4x larger float array.
-        Returns ``(image, label, nodata_share, applied)``.
+        Nodata pixels are ``ignore_index`` in the label here; zeroing them in the input happens
+        after normalisation, on the device (:class:`~ds_seg.data.preprocess.BatchPreprocessor`).
         """
         s = self._scenes[scene]
         rh = min(h, s['height'] - y)
@@ -574,29 +584,28 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if s['masked']:
             bad = self._read(s['image'], window, None, masks=True) == 0
             invalid = bad if invalid is None else invalid | bad
-        applied = geom is not None and (rh, rw) == (h, w)
-        if applied:
-            raw, label, invalid = _apply_geom(raw, label, invalid, *geom)
-        # Two passes (cast fused with the subtraction, then the scale) into a contiguous buffer.
-        image = np.empty(raw.shape, np.float32)
-        np.subtract(raw, self.mean[:, None, None], out=image, dtype=np.float32, casting='unsafe')
-        image *= self._inv_std[:, None, None]
+        if raw.dtype != self.image_dtype:
+            raw = raw.astype(self.image_dtype)
         nodata_pixels = 0
-        if invalid is not None and invalid.any():
-            label[invalid] = self.ignore_index
-            image[:, invalid] = 0
-            nodata_pixels = int(invalid.sum())
+        if invalid is not None:
+            nodata_pixels = int(np.count_nonzero(invalid))
+            if nodata_pixels:
+                label[invalid] = self.ignore_index
+            else:
+                invalid = None
         if self.boundary_ignore:
-            label = self._erode_boundaries(np.ascontiguousarray(label))
+            label = self._erode_boundaries(label)
         if (rh, rw) != (h, w):
-            # Padding is 0 after normalisation (the band mean), like nodata, and ignored in the loss.
-            padded = np.zeros((image.shape[0], h, w), np.float32)
-            padded[:, :rh, :rw] = image
-            padded_label = np.full((h, w), self.ignore_index, np.int16)
+            padded = np.empty((raw.shape[0], h, w), raw.dtype)
+            padded[:] = self._fill.reshape(-1, 1, 1)
+            padded[:, :rh, :rw] = raw
+            padded_label = np.full((h, w), self.ignore_index, label.dtype)
             padded_label[:rh, :rw] = label
-            image, label = padded, padded_label
+            padded_invalid = np.ones((h, w), bool)
+            padded_invalid[:rh, :rw] = False if invalid is None else invalid
+            raw, label, invalid = padded, padded_label, padded_invalid
             nodata_pixels += h * w - rh * rw
-        return image, label, nodata_pixels / float(h * w), applied
+        return raw, label, invalid, nodata_pixels / float(h * w)
 
     def _erode_boundaries(self, label):
         import cv2
@@ -606,11 +615,6 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         label = label.copy()
         label[edge] = self.ignore_index
         return label
-
-    def _load(self, scene, y, x):
-        """Normalised image and label of the crop at (y, x), padded to the crop size."""
-        image, label, _, _ = self._read_window(scene, y, x, self.crop_h, self.crop_w)
-        return image, label.astype(np.int64)
 
     def __len__(self):
         return self._num_random if self.mode == 'random' else len(self._grid)
@@ -635,53 +639,55 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         return True
 
     def _random_sample(self, index):
-        # Positions and augmentations use separate streams, so switching augmentation or
-        # retries on or off leaves the other unchanged.
-        rng = np.random.default_rng([self.seed, index])
+        # One generator per sample, a pure function of (seed, index). Python's Mersenne Twister
+        # rather than numpy's: seeding it costs 5 us instead of 16, which matters at ~150 us a
+        # window. The three augmentation draws come first and are always taken, so turning
+        # augmentation (or retries) on or off leaves the positions unchanged.
+        rng = random.Random((self.seed % 2 ** 64) << 64 | index)
+        hflip, vflip, turn = rng.random() < 0.5, rng.random() < 0.5, rng.randrange(4)
         scale = self.scale_for_index(index)
         h = max(1, int(round(self.crop_h / scale)))
         w = max(1, int(round(self.crop_w / scale)))
         retries = self.max_retries if (self.cat_max_ratio is not None or self.max_nodata_ratio is not None) else 0
-        aug = np.random.default_rng([self.seed, index, 1])
-        hflip, vflip = aug.random(2) < 0.5
-        quarter_turns = int(aug.integers(4)) if self.crop_h == self.crop_w else 2 * int(aug.integers(2))
-        rescale = (h, w) != (self.crop_h, self.crop_w)
-        geom = (hflip, vflip, quarter_turns) if self.augment and not rescale else None
         for attempt in range(retries + 1):
-            scene = min(int(np.searchsorted(self._scene_cdf, rng.random(), side='right')), len(self._scenes) - 1)
+            scene = min(bisect.bisect_right(self._scene_cdf, rng.random()), len(self._scenes) - 1)
             s = self._scenes[scene]
-            y = int(rng.integers(0, max(s['height'] - h, 0) + 1))
-            x = int(rng.integers(0, max(s['width'] - w, 0) + 1))
-            image, label, nodata_frac, applied = self._read_window(scene, y, x, h, w, geom)
+            y = rng.randrange(max(s['height'] - h, 0) + 1)
+            x = rng.randrange(max(s['width'] - w, 0) + 1)
+            image, label, invalid, nodata_frac = self._read_window(scene, y, x, h, w)
             if attempt == retries or self._acceptable(label, nodata_frac):
                 break  # like mmseg: after the last retry, keep what we have
-        if rescale:
-            image, label = resize(image, label, (self.crop_h, self.crop_w))
-        if self.augment and not applied:
-            if hflip:
-                image, label = image[..., ::-1], label[..., ::-1]
-            if vflip:
-                image, label = image[..., ::-1, :], label[..., ::-1, :]
-            if quarter_turns:
-                image = np.rot90(image, quarter_turns, axes=(-2, -1))
-                label = np.rot90(label, quarter_turns, axes=(-2, -1))
+        if (h, w) != (self.crop_h, self.crop_w):
+            if invalid is not None:
+                image[:, invalid] = self._fill[:, None]  # so nodata does not bleed into its neighbours
+            image, label, invalid = resize(image, label, invalid, (self.crop_h, self.crop_w))
         if self.transforms:
-            image, label = self.transforms(image, label, aug)
-        sample = dict(image=torch.from_numpy(np.ascontiguousarray(image, dtype=np.float32)),
-                      label=torch.from_numpy(np.ascontiguousarray(label, dtype=np.int64)))
+            image, label = self.transforms(image, label, np.random.default_rng([self.seed, index, 1]))
+        sample = self._sample(image, label, invalid)
+        if self.augment:
+            # Flips and rotations run on the device (BatchPreprocessor): here they would cost a
+            # worker as much as the read. Non-square crops turn by 180 degrees only.
+            sample['geom'] = geom_code(hflip, vflip, turn if self.crop_h == self.crop_w else 2 * (turn % 2))
         if self.random_scale is not None:
             sample['scale'] = scale  # what was used: lets tests and users check rank agreement
         return sample
 
+    def _sample(self, image, label, invalid):
+        image = torch.from_numpy(np.ascontiguousarray(image))
+        label = torch.from_numpy(np.ascontiguousarray(label, dtype=self.label_dtype))
+        nodata = (torch.from_numpy(np.zeros(label.shape, bool)) if invalid is None
+                  else torch.from_numpy(np.ascontiguousarray(invalid)))
+        return dict(image=image, label=label, nodata=nodata)
+
     def _grid_sample(self, index):
         scene, y, x, top, left = (int(v) for v in self._grid[index % len(self._grid)])
-        image, label = self._load(scene, y, x)
+        image, label, invalid, _ = self._read_window(scene, y, x, self.crop_h, self.crop_w)
         if index >= len(self._grid):
             label[:] = self.ignore_index  # padding for equal shards across ranks: counts nothing
         else:
             label[:top] = self.ignore_index
             label[:, :left] = self.ignore_index
-        return dict(image=torch.from_numpy(image), label=torch.from_numpy(label))
+        return self._sample(image, label, invalid)
 
     def window(self, index):
         """(image path, label path, rasterio Window) of grid window ``index``; for stitching."""
@@ -692,5 +698,5 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     @property
     def scenes(self):
-        """Per-scene ``dict(image, label, width, height, count, nodata, masked, floating)``."""
+        """Per-scene ``dict(image, label, width, height, count, nodata, masked, dtype, floating)``."""
         return [dict(s) for s in self._scenes]

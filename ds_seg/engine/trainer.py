@@ -14,6 +14,7 @@ import torch
 from .. import distributed
 from ..config import ConfigError, default_work_dir, resolve_ds_config
 from ..data.loader import build_train_loader
+from ..data.preprocess import BatchPreprocessor
 from ..metrics import metrics_from_confusion
 from ..registry import DATASETS, LOSSES, MODELS, RegistryError, build
 from ..telemetry import RunLog, StepTimer, format_eta, forward_flops, max_memory_mb, mfu, peak_flops
@@ -159,6 +160,8 @@ class Trainer:
                                     start_micro_step=self.step * self.grad_accum,
                                     num_workers=self.cfg.data.num_workers)
         self.batches = iter(loader)
+        # Normalisation, nodata and flips happen on the device, after the (uint8) batch's copy.
+        self.preprocess = BatchPreprocessor.for_dataset(self.train_set)
         self.print(f'training {self.cfg.model.type} | backend {self.backend.name}'
                    f'{"" if self.backend.zero_stage is None else f" ZeRO-{self.backend.zero_stage}"}'
                    f' | {self.precision} | {self.world_size} rank(s) on {self.device.type}'
@@ -256,8 +259,7 @@ class Trainer:
             t0 = time.perf_counter()
             batch = next(self.batches)
             self.timer.data_wait(time.perf_counter() - t0)
-            images_BCHW = batch['image'].to(self.device, non_blocking=True)
-            labels_BHW = batch['label'].to(self.device, non_blocking=True)
+            images_BCHW, labels_BHW = self.preprocess(batch, self.device)
             logits_BKHW = self.backend.forward(images_BCHW)
             loss = segmentation_loss(self.criterion, logits_BKHW, labels_BHW)  # + auxiliary heads
             self.backend.backward(loss)

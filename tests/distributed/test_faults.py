@@ -69,10 +69,15 @@ def _final_weights(work):
     return checkpoint.consolidated_state_dict(ckpt)
 
 
-def _assert_same_weights(a, b):
+def _assert_same_weights(a, b, bn_stats_rtol=0.0):
+    """Bit for bit; BatchNorm running statistics within ``bn_stats_rtol`` if given (see the
+    SIGUSR1 test)."""
     assert a.keys() == b.keys()
     for k in a:
-        assert torch.equal(a[k], b[k]), k
+        if bn_stats_rtol and k.endswith(('running_mean', 'running_var')):
+            torch.testing.assert_close(a[k], b[k], rtol=bn_stats_rtol, atol=0, msg=k)
+        else:
+            assert torch.equal(a[k], b[k]), k
 
 
 @pytest.fixture(scope='module')
@@ -100,7 +105,11 @@ def test_sigusr1_checkpoints_exits_75_and_resume_matches_uninterrupted(tmp_path,
     assert checkpoint.find_latest(os.path.join(work, 'checkpoints')) == checkpoint.tag_for(summary['steps'])
     codes, out = _finish(_start_ranks(_args(tmp, 'run', 60, 10), resume='auto'))
     assert codes == [0, 0], out[0][-3000:]
-    _assert_same_weights(_final_weights(work), ref_weights)
+    # Every checkpoint averages the ranks' BatchNorm running statistics (the saved model is the
+    # ranks' average); the stop adds one checkpoint the reference run did not make. Averaging
+    # commutes with the running-average update in exact arithmetic, not in the last bit of a
+    # float32: statistics agree to a few ulps, every parameter bit for bit.
+    _assert_same_weights(_final_weights(work), ref_weights, bn_stats_rtol=1e-6)
 
 
 def test_kill9_at_a_random_step_then_resume_auto_gives_same_weights(tmp_path, reference):

@@ -33,11 +33,13 @@ def _train(tmp, backend, ds, work, resume=None, steps=12, checkpoint_interval=0,
     cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=checkpoint_interval, **train)
     trainer = Trainer(cfg, ds, backend=backend, work_dir=os.path.join(tmp, work), resume=resume)
     try:
+        initial = _full_params(trainer)
         summary = trainer.fit()
         trainer.backend.sync_batchnorm_stats()
         from ds_seg.engine.common import batchnorm_buffers
         buffers = torch.cat([b.flatten().clone() for b in batchnorm_buffers(trainer.backend.module)])
-        return dict(params=_full_params(trainer), buffers=buffers, summary=summary, precision=trainer.precision)
+        return dict(params=_full_params(trainer), initial=initial, buffers=buffers, summary=summary,
+                    precision=trainer.precision)
     finally:
         trainer.close()
 
@@ -78,13 +80,20 @@ def test_weights_and_bn_stats_identical_across_ranks(runs, name):
 @pytest.mark.parametrize('name', ['zero1', 'zero2', 'zero3'])
 def test_final_weights_match_ddp(runs, name):
     ref, got = runs['ddp']['ranks'][0]['params'], runs[name]['ranks'][0]['params']
-    # The first steps are bit-identical; from then on last-bit differences in gradient reduction
-    # order grow, and Adam (dividing by sqrt(v)) amplifies them for parameters whose gradients
-    # are near zero: a few weights move by up to ~lr/3. In aggregate the runs must agree.
-    diff = (ref - got).abs()
-    assert diff.mean().item() < 1e-4, f'mean weight difference {diff.mean().item()}'
-    assert diff.max().item() < 2e-3, f'max weight difference {diff.max().item()} (lr is 2e-3)'
-    assert (diff > 1e-4).float().mean().item() < 0.05, 'more than 5% of the weights differ noticeably'
+    start = runs['ddp']['ranks'][0]['initial']
+    assert torch.equal(start, runs[name]['ranks'][0]['initial']), 'both runs start from the same weights'
+    # The first steps are bit-identical (the losses show it); from then on last-bit differences
+    # in gradient reduction order grow, and Adam, whose early updates are ~lr * sign(grad),
+    # amplifies them for weights whose gradients are near zero (measured: losses equal for 4
+    # steps, then 1e-7 apart growing to 1e-4; weights 0.6% (ZeRO-1) and 6.8% (ZeRO-2/3, whose
+    # per-micro-batch reduce-scatter departs 3 steps earlier) of the training displacement
+    # apart after 20 steps). The per-step losses above are the tight check; here the runs must
+    # stay far closer than a wrong gradient (missing rank, stale partition) would leave them,
+    # which moves the weights about as far as training itself does.
+    moved = (ref - start).norm()
+    apart = (ref - got).norm()
+    print(f'{name}: |ddp - {name}| / |ddp - start| = {apart / moved:.4f}')
+    assert apart < 0.15 * moved, f'{name} ends {apart / moved:.1%} of the training displacement away from DDP'
 
 
 @pytest.mark.parametrize('backend, stage', [('deepspeed', 0), ('deepspeed', 1), ('deepspeed', 2),

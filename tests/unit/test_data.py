@@ -12,6 +12,7 @@ from rasterio.transform import from_origin
 
 from ds_seg.data import (CLASSES, EvalSampler, GeoTiffScenes, SyntheticAerial, TrainSampler,
                          build_eval_loader, build_train_loader)
+from tests.tiny import finished
 
 IGNORE = 255
 
@@ -76,9 +77,14 @@ def test_same_index_gives_identical_sample_in_any_instance(tmp_path):
     for i in (0, 7, 12345):
         assert torch.equal(a[i]['image'], b[i]['image']) and torch.equal(a[i]['label'], b[i]['label'])
     assert not torch.equal(a[0]['image'], a[1]['image'])
+    # Windows cross the loader as read (uint8 here) with compact labels; the device step
+    # makes the float32 input and int64 labels the model and loss take.
     sample = a[3]
-    assert sample['image'].dtype == torch.float32 and sample['image'].shape == (3, 64, 64)
-    assert sample['label'].dtype == torch.int64 and sample['label'].shape == (64, 64)
+    assert sample['image'].dtype == torch.uint8 and sample['image'].shape == (3, 64, 64)
+    assert sample['label'].dtype == torch.uint8 and sample['label'].shape == (64, 64)
+    assert sample['nodata'].dtype == torch.bool and not sample['nodata'].any()
+    image, label = finished(a, 3)
+    assert image.dtype == torch.float32 and label.dtype == torch.int64
 
 
 def test_train_sampler_ranks_disjoint_and_cover_range():
@@ -156,11 +162,14 @@ def test_flips_and_rotations_keep_image_and_label_aligned(tmp_path):
     plain = GeoTiffScenes([image], [label], augment=False, **kw)
     transforms_seen = set()
     for i in range(40):
-        a, p = aug[i], plain[i]
-        np.testing.assert_array_equal(a['image'][0].numpy().astype(np.int64), a['label'].numpy())
+        # The worker reads the same window either way (augmentation does not move positions);
+        # the flip/rotation happens in the device step.
+        assert torch.equal(aug[i]['image'], plain[i]['image']) and 'geom' not in plain[i]
+        (a_img, a_lbl), (p_img, p_lbl) = finished(aug, i), finished(plain, i)
+        np.testing.assert_array_equal(a_img[0].numpy().astype(np.int64), a_lbl.numpy())
         match = [(k, f) for k in range(4) for f in (False, True)
-                 if np.array_equal(dihedral(p['label'].numpy(), k, f), a['label'].numpy())
-                 and np.array_equal(dihedral(p['image'].numpy(), k, f), a['image'].numpy())]
+                 if np.array_equal(dihedral(p_lbl.numpy(), k, f), a_lbl.numpy())
+                 and np.array_equal(dihedral(p_img.numpy(), k, f), a_img.numpy())]
         assert match, 'augmented crop is not a flip/rotation of the same crop'
         transforms_seen.add(match[0])
     assert len(transforms_seen) >= 4
@@ -187,20 +196,25 @@ def test_nodata_becomes_ignore_and_zero_input(tmp_path):
     label = write_tif(tmp_path / 'lbl.tif', np.ones((40, 40), np.uint8))
     ds = GeoTiffScenes([image], [label], crop_size=40, classes=2, mode='grid', mean=[50, 50], std=[10, 10])
     sample = ds[0]
-    assert (sample['label'][10:14] == IGNORE).all() and (sample['image'][:, 10:14] == 0).all()
-    assert (sample['label'][20] == 1).all() and (sample['label'] == 1).sum() == 40 * 36
-    assert torch.allclose(sample['image'][0, 20], torch.tensor(-5.0))
+    assert sample['nodata'][10:14].all() and sample['nodata'].sum() == 4 * 40
+    image, label = finished(ds, 0)
+    assert (label[10:14] == IGNORE).all() and (image[:, 10:14] == 0).all()
+    assert (label[20] == 1).all() and (label == 1).sum() == 40 * 36
+    assert torch.allclose(image[0, 20], torch.tensor(-5.0)) and torch.allclose(image[1, 0], torch.tensor(5.0))
 
 
 def test_small_scene_is_padded_with_ignore(tmp_path):
     image = write_tif(tmp_path / 'img.tif', np.full((1, 20, 30), 7, np.uint8))
     label = write_tif(tmp_path / 'lbl.tif', np.zeros((20, 30), np.uint8))
-    ds = GeoTiffScenes([image], [label], crop_size=32, classes=1, augment=False)
+    ds = GeoTiffScenes([image], [label], crop_size=32, classes=1, augment=False, mean=[5.0], std=[2.0])
     assert len(ds) == 1
     sample = ds[0]
     assert sample['image'].shape == (1, 32, 32)
     assert (sample['label'][:20, :30] == 0).all() and (sample['label'][20:] == IGNORE).all()
     assert (sample['label'][:, 30:] == IGNORE).all()
+    assert sample['nodata'].sum() == 32 * 32 - 20 * 30 and not sample['nodata'][:20, :30].any()
+    image, _ = finished(ds, 0)   # padding is 0 in the input, like nodata
+    assert (image[:, 20:] == 0).all() and (image[:, :, 30:] == 0).all() and (image[:, :20, :30] == 1).all()
 
 
 def test_stats_are_computed_and_cached_when_not_given(tmp_path):

@@ -17,6 +17,7 @@ from ds_seg.data.benchmarks import ISPRS_PALETTE
 from ds_seg.data.miniature import write_miniature
 from ds_seg.registry import TRANSFORMS, build
 from tests.dist import run_on_ranks
+from tests.tiny import finished
 
 IGNORE = 255
 BENCHMARKS = {'Potsdam': Potsdam, 'Vaihingen': Vaihingen, 'LoveDA': LoveDA, 'InriaAerial': InriaAerial,
@@ -61,19 +62,19 @@ def test_uint16_four_band_nodata_stripes_and_float_nan(tmp_path):
     expect[8:12] = -1
     expect[:, 40:] = -1
     np.testing.assert_array_equal(full, expect)
-    first = ds[0]['image']            # window (0, 0): rows 8-11 are nodata, zero in the input
+    assert ds[0]['image'].dtype == torch.uint16
+    first, _ = finished(ds, 0)        # window (0, 0): rows 8-11 are nodata, zero in the input
     assert (first[:, 8:12] == 0).all() and (first[:, :8] != 0).any(dim=0).all()
     # Band order follows `bands`: band 4 of the file comes first, normalised by its own stats.
-    s = ds[0]['image'][0].numpy()
-    np.testing.assert_allclose(s[0, 0], (values[3, 0, 0] - ds.mean[0]) / ds.std[0], rtol=1e-5)
+    np.testing.assert_allclose(first[0, 0, 0].item(), (values[3, 0, 0] - ds.mean[0]) / ds.std[0], rtol=1e-5)
 
     fl = rng.random((2, 32, 32)).astype(np.float32)
     fl[1, 5, :] = np.nan                    # NaN in one band only: still not a usable pixel
     fimg = write_tif(tmp_path / 'f.tif', fl)
     flbl = write_tif(tmp_path / 'f_label.tif', np.ones((32, 32), np.uint8))
-    fs = GeoTiffScenes([fimg], [flbl], crop_size=32, classes=2, mode='grid')[0]
-    assert (fs['label'][5] == IGNORE).all() and (fs['label'][6] == 1).all()
-    assert torch.isfinite(fs['image']).all() and (fs['image'][:, 5] == 0).all()
+    fimage, flabel = finished(GeoTiffScenes([fimg], [flbl], crop_size=32, classes=2, mode='grid'), 0)
+    assert (flabel[5] == IGNORE).all() and (flabel[6] == 1).all()
+    assert torch.isfinite(fimage).all() and (fimage[:, 5] == 0).all() and (fimage[:, 6] != 0).all()
 
 
 def test_palette_decoding_tolerates_noise(tmp_path):
@@ -161,10 +162,12 @@ def test_bad_palette_and_folder_pairs(tmp_path, trees):
 
 # ------------------------------------------------------------------ sampling options
 def _ramp_scene(tmp_path, h=96, w=96):
-    # class = f(position), image = label: any misregistration or wrong resize shows up.
+    # class = f(position), image = 60 * class + fixed noise: the class shows in the image (any
+    # misregistration or wrong resize shows up) and no two windows have the same pixels.
     yy, xx = np.mgrid[:h, :w]
     label = ((yy // 8 + xx // 8) % 4).astype(np.uint8)
-    return (write_tif(tmp_path / 'r.tif', label[None]), write_tif(tmp_path / 'r_label.tif', label), label)
+    image = label * 60 + np.random.default_rng(0).integers(0, 50, (h, w)).astype(np.uint8)
+    return (write_tif(tmp_path / 'r.tif', image[None]), write_tif(tmp_path / 'r_label.tif', label), label)
 
 
 def test_random_scale_reads_crop_over_scale_and_resizes(tmp_path):
@@ -182,6 +185,28 @@ def test_random_scale_reads_crop_over_scale_and_resizes(tmp_path):
     half = GeoTiffScenes([img], [lbl], crop_size=32, classes=4, mean=[0], std=[1], augment=False,
                          random_scale=(0.5, 0.5))[0]['label'].numpy()
     assert (np.diff(half[0]) != 0).sum() >= 7  # a 64 px window shrunk: 4 px cells, 8 changes
+
+
+def test_random_scale_keeps_nodata_out_of_valid_pixels(tmp_path):
+    values = np.full((1, 64, 64), 50, np.uint8)
+    values[:, :, 29:35] = 255                          # a nodata stripe: edges on both sides
+    img = write_tif(tmp_path / 'n.tif', values, nodata=255)
+    lbl = write_tif(tmp_path / 'n_label.tif', np.ones((64, 64), np.uint8))
+    for scale in (0.6, 1.7):                           # shrink and enlarge
+        ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=2, mean=[100], std=[50], augment=False,
+                           random_scale=(scale, scale))
+        edges = 0
+        for i in range(20):
+            image, label = finished(ds, i)
+            valid = label != IGNORE
+            assert (image[0][~valid] == 0).all()
+            # Valid pixels are (50 - 100) / 50 = -1. Next to nodata, bilinear weights can reach
+            # pixels the nearest-resized mask calls valid: they may drift towards 0 (the mean,
+            # which nodata is filled with before resizing), never towards (255 - 100) / 50 = 3.1.
+            v = image[0][valid]
+            assert (v >= -1).all() and (v <= 0).all(), v.max()
+            edges += int((v > -1).sum())
+        assert edges > 0, 'no window crossed the nodata edge: the test checks nothing'
 
 
 def test_scale_comes_from_the_micro_step(tmp_path):
@@ -287,7 +312,19 @@ def test_transforms_are_registered_and_joint(tmp_path):
         np.testing.assert_allclose(np.sort(out_key.ravel()), np.sort(key.ravel()), rtol=1e-6)
     pmd = build(TRANSFORMS, dict(type='PhotoMetricDistortion', prob=1.0))
     out_img, out_lbl = pmd(image, label, np.random.default_rng(0))
-    assert out_lbl is label and not np.allclose(out_img, image) and (out_img[:, 0, 0] == 0).all()
+    assert out_lbl is label and not np.allclose(out_img, image)
+    # Bound to band statistics it does the same in file units and keeps the dtype: distorting
+    # raw uint8 then normalising equals normalising then distorting, up to the rounding to uint8.
+    mean, std = np.array([100, 120, 140], np.float32), np.array([20, 30, 40], np.float32)
+    raw = np.clip(image * std[:, None, None] + mean[:, None, None], 0, 255).round().astype(np.uint8)
+    bound = build(TRANSFORMS, dict(type='PhotoMetricDistortion', prob=1.0))
+    bound.bind_image_stats(mean, std)
+    out_raw, _ = bound(raw, label, np.random.default_rng(0))
+    norm = (raw.astype(np.float32) - mean[:, None, None]) / std[:, None, None]
+    expect = pmd(norm, label, np.random.default_rng(0))[0] * std[:, None, None] + mean[:, None, None]
+    assert out_raw.dtype == np.uint8
+    inside = (expect > 0.5) & (expect < 254.5)
+    assert inside.mean() > 0.9 and np.abs(out_raw[inside] - expect[inside]).max() <= 0.5 + 1e-3
 
 
 # ------------------------------------------------------------------ benchmark layouts

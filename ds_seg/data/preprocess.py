@@ -1,0 +1,109 @@
+"""The device half of the data pipeline: normalisation, nodata, flips and rotations of a batch.
+
+Datasets yield windows as read from the file (``image``: uint8/uint16/... in file units,
+``label``: compact integers, ``nodata``: bool mask, ``geom``: the sample's flip/rotation code)
+and the trainer finishes them here, on the device, after the copy. Why not in the workers:
+a float32 image is 4x the bytes of a uint8 one through the loader's shared memory and the
+host-to-device copy, and normalising or flipping costs a worker about as much as reading the
+window from a tiled file, while on a GPU it is free. mmsegmentation does the same with its
+``SegDataPreProcessor``.
+
+``geom`` packs three draws: bit 0 horizontal flip, bit 1 vertical flip, bits 2-3 the number of
+90-degree counter-clockwise turns (``torch.rot90``), applied in that order to image, label and
+nodata mask alike.
+
+Example::
+
+    prep = BatchPreprocessor.for_dataset(train_set)
+    for batch in loader:
+        images_BCHW, labels_BHW = prep(batch, device)   # float32 normalised, int64
+"""
+import numpy as np
+import torch
+
+_TORCH_HAS = (np.uint8, np.uint16, np.int8, np.int16, np.int32, np.float32)
+
+
+def host_dtype(file_dtype):
+    """The dtype image windows carry to the device for rasters of ``file_dtype``: the file's
+    own where torch has it (uint8, uint16, int8, int16, int32, float32), else float32."""
+    file_dtype = np.dtype(file_dtype)
+    return file_dtype if file_dtype.type in _TORCH_HAS else np.dtype(np.float32)
+
+
+def geom_code(hflip, vflip, quarter_turns):
+    """The ``geom`` value of a sample (see the module docstring)."""
+    return int(bool(hflip)) | int(bool(vflip)) << 1 | (int(quarter_turns) % 4) << 2
+
+
+def apply_geom(x, code):
+    """Flip/rotate the last two dims of ``x`` as ``geom`` code ``code`` says."""
+    dims = [d for d, bit in ((-1, 1), (-2, 2)) if code & bit]
+    if dims:
+        x = x.flip(dims)
+    turns = (code >> 2) & 3
+    return torch.rot90(x, turns, (-2, -1)) if turns else x
+
+
+class BatchPreprocessor:
+    """``(batch, device) -> (images_BCHW float32, labels_BHW int64)``.
+
+    images: ``(raw - mean) / std`` per band in float32, 0 where ``nodata``; labels: int64
+    (nodata pixels are already ``ignore_index`` from the dataset). Whole-scene prediction
+    (:mod:`ds_seg.inference`) normalises its windows with :meth:`images`, so training and
+    prediction inputs agree bit for bit. ``mean``/``std`` None: images are only cast (a
+    dataset that yields normalised floats). A band with std 0 is constant: it normalises to 0.
+    """
+
+    def __init__(self, mean=None, std=None):
+        if (mean is None) != (std is None):
+            raise ValueError('BatchPreprocessor: give both mean and std, or neither')
+        self.mean = self.std = None
+        if mean is not None:
+            self.mean = torch.as_tensor(np.asarray(mean, np.float32)).reshape(1, -1, 1, 1)
+            std = np.asarray(std, np.float32).reshape(-1)
+            self.std = torch.as_tensor(np.where(std > 0, std, np.float32(1))).reshape(1, -1, 1, 1)
+        self._on_device = {}
+
+    @classmethod
+    def for_dataset(cls, dataset):
+        """The preprocessor for a dataset's samples: its ``mean``/``std`` when it has them."""
+        mean, std = getattr(dataset, 'mean', None), getattr(dataset, 'std', None)
+        return cls(mean, std) if mean is not None and std is not None else cls()
+
+    def _stats(self, device):
+        if device not in self._on_device:
+            self._on_device[device] = (self.mean.to(device), self.std.to(device))
+        return self._on_device[device]
+
+    def images(self, image, nodata, device):
+        """Raw ``image`` (B, C, H, W) and bool ``nodata`` (B, H, W) or None -> normalised float32
+        on ``device`` (always a new tensor: the caller's are never modified)."""
+        device = torch.device(device)
+        if image.dtype == torch.uint16:
+            # Moved as int16 bits and widened there: casts from uint16 have few kernels
+            # outside the CPU ("barebones" unsigned dtype), int16 -> int32 has them everywhere.
+            image = image.view(torch.int16).to(device, non_blocking=True).to(torch.int32).bitwise_and_(0xFFFF)
+        else:
+            image = image.to(device, non_blocking=True)
+        image = image.to(torch.float32, copy=True)  # copy: on the CPU .to() returns the input
+        if self.mean is not None:
+            if image.shape[1] != self.mean.shape[1]:
+                raise ValueError(f'batch has {image.shape[1]} band(s) but the normalisation has '
+                                 f'{self.mean.shape[1]} (mean/std of the training set)')
+            mean, std = self._stats(device)
+            image.sub_(mean).div_(std)
+        if nodata is not None:
+            image.masked_fill_(nodata.to(device, non_blocking=True).unsqueeze(1), 0.0)
+        return image
+
+    def __call__(self, batch, device):
+        image = self.images(batch['image'], batch.get('nodata'), device)
+        label = batch['label'].to(device, non_blocking=True).to(torch.int64, copy=True)
+        if 'geom' in batch:
+            # Read on the host: the codes never went to the device, so this does not synchronise.
+            for i, code in enumerate(batch['geom'].tolist()):
+                if code:
+                    image[i] = apply_geom(image[i], code)
+                    label[i] = apply_geom(label[i], code)
+        return image, label
