@@ -16,6 +16,7 @@ setup(
         'tensorboard',
         'rasterio>=1.3',
         'timm>=1.0',
+        'opencv-python',  # resize and erosion of windows; also what mmengine installs
     ],
     extras_require={'test': ['pytest>=7', 'pytest-timeout', 'matplotlib']},
 )
