@@ -89,12 +89,15 @@ def reference(tmp_path_factory):
     return tmp, _final_weights(os.path.join(tmp, 'ref'))
 
 
-def test_sigusr1_checkpoints_exits_75_and_resume_matches_uninterrupted(tmp_path, reference):
-    ref_tmp, ref_weights = reference
+def _start_reference_again(tmp_path, reference):
+    """The reference run started anew in ``tmp_path`` (same data): (tmp, work dir, processes)."""
     tmp = str(tmp_path)
-    shutil.copytree(os.path.join(ref_tmp, 'cache'), os.path.join(tmp, 'cache'))
-    work = os.path.join(tmp, 'run')
-    procs = _start_ranks(_args(tmp, 'run', 60, 10))
+    shutil.copytree(os.path.join(reference[0], 'cache'), os.path.join(tmp, 'cache'))
+    return tmp, os.path.join(tmp, 'run'), _start_ranks(_args(tmp, 'run', 60, 10))
+
+
+def test_sigusr1_checkpoints_exits_75_and_resume_matches_uninterrupted(tmp_path, reference):
+    tmp, work, procs = _start_reference_again(tmp_path, reference)
     _wait_for_step(work, 3, procs)
     procs[1].send_signal(signal.SIGUSR1)  # one rank is enough: they agree at the next step
     codes, out = _finish(procs)
@@ -109,15 +112,11 @@ def test_sigusr1_checkpoints_exits_75_and_resume_matches_uninterrupted(tmp_path,
     # ranks' average); the stop adds one checkpoint the reference run did not make. Averaging
     # commutes with the running-average update in exact arithmetic, not in the last bit of a
     # float32: statistics agree to a few ulps, every parameter bit for bit.
-    _assert_same_weights(_final_weights(work), ref_weights, bn_stats_rtol=1e-6)
+    _assert_same_weights(_final_weights(work), reference[1], bn_stats_rtol=1e-6)
 
 
 def test_kill9_at_a_random_step_then_resume_auto_gives_same_weights(tmp_path, reference):
-    ref_tmp, ref_weights = reference
-    tmp = str(tmp_path)
-    shutil.copytree(os.path.join(ref_tmp, 'cache'), os.path.join(tmp, 'cache'))
-    work = os.path.join(tmp, 'run')
-    procs = _start_ranks(_args(tmp, 'run', 60, 10))
+    tmp, work, procs = _start_reference_again(tmp_path, reference)
     _wait_for_step(work, random.Random(os.getpid()).randint(12, 40), procs)
     for p in procs:
         p.kill()
@@ -125,7 +124,7 @@ def test_kill9_at_a_random_step_then_resume_auto_gives_same_weights(tmp_path, re
     codes, out = _finish(_start_ranks(_args(tmp, 'run', 60, 10), resume='auto'))
     assert codes == [0, 0], out[0][-3000:]
     assert 'resumed from' in out[0]
-    _assert_same_weights(_final_weights(work), ref_weights)
+    _assert_same_weights(_final_weights(work), reference[1])
     steps = [r['step'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
     assert steps == list(range(1, 61)), 'logs after the checkpoint are redone, not duplicated'
 
