@@ -14,6 +14,8 @@ import inspect
 
 from mmengine.registry import Registry
 
+from .config import ConfigError
+
 MODELS = Registry('model', scope='ds_seg')
 DATASETS = Registry('dataset', scope='ds_seg')
 TRANSFORMS = Registry('transform', scope='ds_seg')
@@ -55,9 +57,20 @@ def build(registry, cfg, where=None, **extra):
     name = kwargs.pop('type')
     where = where or registry.name
     cls = lookup(registry, name, where=f'{where}.type')
-    kwargs.update(extra)
+    for key, value in extra.items():  # what the caller injects is a default: the config wins
+        kwargs.setdefault(key, value)
     _check_kwargs(cls, kwargs, where)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise  # already one line naming the file or key
+        # A value of the wrong type or range ('16' for an int, a list for a count): name the
+        # section and its values rather than show the traceback from deep inside the class.
+        given = ', '.join(f'{k}={v!r}' for k, v in cfg.items() if k != 'type')
+        raise RegistryError(f"{where} ({name}): cannot be built with {given or 'its defaults'}: "
+                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r}; "
+                            f"check the values under {where}.") from exc
 
 
 def _check_kwargs(cls, kwargs, where):
