@@ -7,8 +7,10 @@
 Per input ``<name>.tif`` it writes ``<name>_classes.tif``: uint8 class indices with the input's
 CRS, transform and size, tiled and ZSTD-compressed, 255 where the input is nodata, the class
 names in the tags and a colour table (opens coloured in QGIS); with ``--probs`` also
-``<name>_probs.tif`` (one uint8 band per class, probability x 250). Memory is bounded by a band
-of ``tile + block`` rows, not by the scene. ``--checkpoint`` takes a weights file from
+``<name>_probs.tif`` (one uint8 band per class, probability x 250); with ``--vector out.gpkg``
+(or ``.geojson``, ``.fgb``) also the class regions as polygons (``class_id``, ``class_name``,
+``area_m2``, ``mean_prob`` with ``--probs``; ``--simplify``, ``--min-area``, ``--exclude-classes``).
+Memory is bounded by a band of ``tile + block`` rows, not by the scene. ``--checkpoint`` takes a weights file from
 launch/export.py, a ``step_*`` folder, a checkpoints folder or a work dir.
 """
 import argparse
@@ -22,6 +24,7 @@ from ds_seg import distributed
 from ds_seg.data.geotiff import configure_gdal_for_worker
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.telemetry import format_eta
+from ds_seg.vectorize import add_vector_args, vector_outputs, vectorize_class_map
 
 
 def add_window_args(parser):
@@ -96,17 +99,19 @@ def main(argv=None):
     parser.add_argument('--accumulate-dtype', choices=('float32', 'float16'), default='float32',
                         help='host accumulators; float16 halves the band memory')
     add_window_args(parser)
+    add_vector_args(parser)
     args = parser.parse_args(argv)
     try:
         device = setup(args)
         for path in args.input:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f'--input: {path} does not exist')
+        vectors = vector_outputs(args.vector, args.input, args.output)
         model, info = load_model(args.checkpoint, device)
         mean, std, bands = normalisation(args, info)
         os.makedirs(args.output, exist_ok=True)
         t_all = time.perf_counter()
-        for path in args.input:
+        for path, vector in zip(args.input, vectors):
             stem = os.path.splitext(os.path.basename(path))[0]
             out = os.path.join(args.output, f'{stem}_classes.tif')
             probs = os.path.join(args.output, f'{stem}_probs.tif') if args.probs else None
@@ -119,9 +124,16 @@ def main(argv=None):
                 print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
                       f'{stats["windows"]} windows in {stats["seconds"]:.1f} s '
                       f'({stats["windows"] / max(stats["seconds"], 1e-9):.1f} windows/s)', flush=True)
+            if vector and distributed.is_main():  # the joined class map is complete here
+                t = time.perf_counter()
+                v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],
+                                        simplify=args.simplify, min_area=args.min_area,
+                                        exclude=args.exclude_classes)
+                print(f'[predict] {out} -> {vector} | {v["features"]} polygons in '
+                      f'{time.perf_counter() - t:.1f} s', flush=True)
         if distributed.is_main():
             print(f'[predict] done: {len(args.input)} scene(s) in {time.perf_counter() - t_all:.1f} s')
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as exc:
         print(f'predict: error: {exc}', file=sys.stderr)
         return 2
     finally:
