@@ -37,6 +37,7 @@ import torch
 from rasterio.windows import Window
 
 from . import distributed
+from .data.geotiff import gdal_path, raster_env
 from .data.preprocess import BatchPreprocessor, host_dtype
 from .metrics import confusion_matrix
 
@@ -250,7 +251,7 @@ def run_scene(forward_fn, image_path, sink, mean, std, bands=None, tile=512, ove
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     acc_dtype = np.dtype(accumulate_dtype)
-    with rasterio.open(image_path) as src:
+    with raster_env(image_path), rasterio.open(gdal_path(image_path)) as src:  # URLs too
         band_idx = list(range(1, src.count + 1)) if bands is None else [int(b) for b in bands]
         if max(band_idx) > src.count or min(band_idx) < 1:
             raise ValueError(f"{image_path}: has bands 1..{src.count}; bands={band_idx} asked for")
@@ -501,7 +502,7 @@ def predict_scene(forward_fn, image_path, out_path=None, mean=None, std=None, cl
     rank = distributed.rank() if rank is None else rank
     world_size = distributed.world_size() if world_size is None else world_size
     k = len(classes) if classes is not None else None
-    with rasterio.open(image_path) as src:
+    with raster_env(image_path), rasterio.open(gdal_path(image_path)) as src:
         profile = dict(src.profile)
     writer = None
     result_map = None

@@ -313,7 +313,7 @@ def vector_outputs(vector, inputs, output_dir):
     if vector is None:
         return [None] * len(inputs)
     if ('.' + vector.lower()) in DRIVERS:
-        paths = [os.path.join(output_dir, f'{os.path.splitext(os.path.basename(p))[0]}_classes.{vector.lower()}')
+        paths = [os.path.join(output_dir, f'{os.path.splitext(os.path.basename(p.split('?')[0]))[0]}_classes.{vector.lower()}')
                  for p in inputs]
     else:
         vector_driver(vector)

@@ -21,7 +21,7 @@ import time
 import torch
 
 from ds_seg import distributed
-from ds_seg.data.geotiff import configure_gdal_for_worker
+from ds_seg.data.geotiff import configure_gdal_for_worker, is_remote, open_raster
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.telemetry import format_eta
 from ds_seg.vectorize import add_vector_args, vector_outputs, vectorize_class_map
@@ -104,15 +104,17 @@ def main(argv=None):
     try:
         device = setup(args)
         for path in args.input:
-            if not os.path.isfile(path):
+            if not is_remote(path) and not os.path.isfile(path):
                 raise FileNotFoundError(f'--input: {path} does not exist')
+            if is_remote(path):
+                open_raster(path).close()  # an unreachable URL: one line naming it, not a traceback
         vectors = vector_outputs(args.vector, args.input, args.output)
         model, info = load_model(args.checkpoint, device)
         mean, std, bands = normalisation(args, info)
         os.makedirs(args.output, exist_ok=True)
         t_all = time.perf_counter()
         for path, vector in zip(args.input, vectors):
-            stem = os.path.splitext(os.path.basename(path))[0]
+            stem = os.path.splitext(os.path.basename(path.split('?')[0]))[0]  # URLs: no query
             out = os.path.join(args.output, f'{stem}_classes.tif')
             probs = os.path.join(args.output, f'{stem}_probs.tif') if args.probs else None
             with torch.inference_mode():

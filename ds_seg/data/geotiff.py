@@ -39,7 +39,9 @@ zeroing nodata and the flips/rotations happen on the device after the copy:
 and normalising or flipping on the host costs a worker about as much as the read).
 """
 import bisect
+import contextlib
 import glob
+import hashlib
 import json
 import math
 import os
@@ -115,14 +117,63 @@ def _dtype_range(dtype):
     return info.min, info.max
 
 
+# URL schemes GDAL reads through its virtual file systems: only the byte ranges of the blocks
+# under a window travel, so a 10 GB cloud-optimised GeoTIFF is never downloaded whole.
+_VSI_PREFIXES = {'http://': '/vsicurl/', 'https://': '/vsicurl/', 's3://': '/vsis3/',
+                 'gs://': '/vsigs/', 'az://': '/vsiaz/'}
+# What remote reads need, in one place (rasterio.Env around every remote open and read):
+REMOTE_GDAL_OPTIONS = dict(
+    GDAL_DISABLE_READDIR_ON_OPEN='EMPTY_DIR',  # no directory listing (one request, not hundreds)
+    CPL_VSIL_CURL_ALLOWED_EXTENSIONS='.tif,.tiff,.TIF,.TIFF,.vrt,.jp2,.img',  # no probes for .aux.xml, .ovr
+    VSI_CACHE=True, VSI_CACHE_SIZE=32 << 20,  # per-file cache of fetched ranges (header, IFDs)
+    GDAL_HTTP_MERGE_CONSECUTIVE_RANGES='YES',  # adjacent tiles of a window: one request
+    GDAL_HTTP_MULTIPLEX='YES',                 # HTTP/2: parallel ranges on one connection
+    GDAL_HTTP_MAX_RETRY=4, GDAL_HTTP_RETRY_DELAY=0.5,  # a 429/503 from object storage is transient
+)
+
+
+def is_remote(path):
+    """True for ``http(s)://``, ``s3://``, ``gs://``, ``az://`` URLs and ``/vsi*`` paths."""
+    path = os.fspath(path)
+    return path.startswith(tuple(_VSI_PREFIXES)) or path.startswith('/vsi')
+
+
+def gdal_path(path):
+    """The name GDAL opens: ``https://h/a.tif`` -> ``/vsicurl/https://h/a.tif``, ``s3://b/k`` ->
+    ``/vsis3/b/k``; local paths and ``/vsi*`` names unchanged.
+
+    Example::
+
+        assert gdal_path('s3://bucket/scene.tif') == '/vsis3/bucket/scene.tif'
+    """
+    path = os.fspath(path)
+    for scheme, prefix in _VSI_PREFIXES.items():
+        if path.startswith(scheme):
+            return prefix + (path if prefix == '/vsicurl/' else path[len(scheme):])
+    return path
+
+
+def raster_env(path):
+    """``rasterio.Env`` with :data:`REMOTE_GDAL_OPTIONS` for a remote path, else a no-op context.
+
+    Example::
+
+        with raster_env(url), rasterio.open(gdal_path(url)) as src:
+            block = src.read(1, window=Window(0, 0, 512, 512))
+    """
+    if is_remote(path):
+        return rasterio.Env(**REMOTE_GDAL_OPTIONS)
+    return contextlib.nullcontext()
+
+
 def expand_paths(spec, what):
-    """A path, a glob or a list of either -> list of paths (each glob sorted)."""
+    """A path, a glob or a list of either -> list of paths (each glob sorted); URLs as given."""
     if isinstance(spec, (str, os.PathLike)):
         spec = [spec]
     paths = []
     for item in spec:
         item = os.fspath(item)
-        if glob.has_magic(item):
+        if glob.has_magic(item) and not is_remote(item):  # '?' in a URL is a query, not a glob
             matches = sorted(glob.glob(item))
             if not matches:
                 raise DataError(f"{what}: the pattern {item!r} matches no file")
@@ -142,7 +193,19 @@ def grid_starts(length, crop):
 
 
 def open_raster(path):
-    """``rasterio.open`` with the two user errors turned into one line naming the file."""
+    """``rasterio.open`` with the two user errors turned into one line naming the file.
+
+    URLs (:func:`is_remote`) open through GDAL's virtual file systems with
+    :data:`REMOTE_GDAL_OPTIONS`.
+    """
+    if is_remote(path):
+        try:
+            with raster_env(path), warnings.catch_warnings():
+                warnings.simplefilter('ignore', NotGeoreferencedWarning)
+                return rasterio.open(gdal_path(path))
+        except rasterio.errors.RasterioIOError as e:
+            raise DataError(f"{path}: cannot open (unreachable URL, no permission, or not a "
+                            f"raster): {e}") from e
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
     try:
@@ -319,6 +382,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     @staticmethod
     def _stats_file(first_image):
+        if is_remote(first_image):
+            return {}
         path = os.path.join(os.path.dirname(os.path.abspath(first_image)), STATS_FILE)
         if os.path.exists(path):
             with open(path) as f:
@@ -385,8 +450,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         return mean.astype(np.float32), std.astype(np.float32)
 
     def _cached_or_computed_stats(self, images):
-        key = [os.path.abspath(p) for p in images[:4]]
+        key = [p if is_remote(p) else os.path.abspath(p) for p in images[:4]]
         cache = os.path.join(os.path.dirname(key[0]), STATS_CACHE_FILE)
+        if is_remote(key[0]):  # no directory to write next to: a user cache, one file per list
+            digest = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
+            cache = os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg', f'stats-{digest}.json')
         try:
             with open(cache) as f:
                 cached = json.load(f)
@@ -417,6 +485,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         std = np.sqrt(np.maximum(total_sq / max(n, 1) - mean * mean, 0))
         result = dict(images=key, mean=mean.tolist(), std=std.tolist())
         try:  # best effort: read-only dataset directories just recompute next time
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
             tmp = f'{cache}.{os.getpid()}.tmp'
             with open(tmp, 'w') as f:
                 json.dump(result, f)
@@ -514,9 +583,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             self._pid = os.getpid()
         src = self._handles.get(path)
         if src is None:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), raster_env(path):
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
-                src = rasterio.open(path)
+                src = rasterio.open(gdal_path(path))
             self._handles[path] = src
             if len(self._handles) > _MAX_OPEN_FILES:
                 self._handles.popitem(last=False)[1].close()
@@ -527,9 +596,10 @@ class GeoTiffScenes(torch.utils.data.Dataset):
     def _read(self, path, window, indexes, masks=False):
         try:
             src = self._open(path)
-            if masks:
-                return src.dataset_mask(window=window)
-            return src.read(indexes=indexes, window=window)
+            with raster_env(path):  # a no-op for local files
+                if masks:
+                    return src.dataset_mask(window=window)
+                return src.read(indexes=indexes, window=window)
         except Exception as e:  # a worker's traceback alone would not say which file broke
             raise RuntimeError(f"{path}: cannot read window {window}: {e}") from e
 
