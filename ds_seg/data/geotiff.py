@@ -60,6 +60,7 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
+from .vector_labels import VectorLabels, is_vector
 from .transforms import (Compose, check_random_scale, decode_palette, default_palette_tolerance,
                          palette_lut, resize, scale_for_micro_step)
 
@@ -221,7 +222,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
     """Crops of ``crop_size`` from image scenes paired with a label raster each.
 
     Args:
-        images, labels: paths or glob patterns (globs are sorted); paired by position.
+        images, labels: paths, URLs or glob patterns (globs are sorted); paired by position.
+            ``labels`` may be a vector file (``.gpkg``, ``.geojson``, ``.fgb``, ``.shp``), one
+            for all images or one each: rasterised per window in the image's grid.
+        label_field: vector labels: the attribute with the class (index, or name in
+            ``classes``); None: every feature is class 1. ``label_fill``: class of pixels
+            under no feature (default 0; ``ignore_index`` to learn only from labelled areas).
         crop_size: int or (height, width) of every sample; smaller scenes are padded.
         mode: ``'random'`` or ``'grid'``; None: random for split 'train', grid otherwise.
         classes: tuple of class names or a class count; None: from ``stats.json`` next to the
@@ -255,6 +261,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
     Example::
 
         ds = GeoTiffScenes(['a.tif'], ['a_label.tif'], crop_size=256, classes=6, mode='grid')
+        buildings = GeoTiffScenes('tiles/*.tif', 'buildings.gpkg', label_field='class', classes=2)
+        remote = GeoTiffScenes(['https://host/scene_cog.tif'], ['s3://bucket/scene_label.tif'])
         assert ds[0]['image'].shape == (ds.in_channels, 256, 256)
         train = GeoTiffScenes('scenes/*_rgbn.tif', 'scenes/*_cls.tif', classes=('a', 'b'),
                               bands=[1, 2, 3, 4], random_scale=(0.5, 2.0), cat_max_ratio=0.75,
@@ -266,10 +274,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                  label_map=None, reduce_zero_label=False, palette=None, palette_ignore=(),
                  palette_tolerance=None, palette_max_unmatched=0.02, transforms=None,
                  random_scale=None, cat_max_ratio=None, max_nodata_ratio=None, max_retries=10,
-                 boundary_ignore=0, check_labels=16):
+                 boundary_ignore=0, check_labels=16, label_field=None, label_fill=0):
         configure_gdal_for_worker()
         images = expand_paths(images, 'images')
         labels = expand_paths(labels, 'labels')
+        if len(labels) == 1 and is_vector(labels[0]):
+            labels = labels * len(images)  # one vector layer labels every image
         if len(images) != len(labels):
             raise DataError(f"{len(images)} images but {len(labels)} labels: they are paired by "
                             f"position, give one label file per image (first image {images[0]!r})")
@@ -297,6 +307,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._world_size, self._micro_batch = 1, 1
 
         self._scenes = [self._inspect(img, lbl) for img, lbl in zip(images, labels)]
+        self.label_field, self.label_fill = label_field, int(label_fill)
+        self._vectors = self._load_vectors(classes)
         count = self._scenes[0]['count']
         for s in self._scenes:
             if s['count'] != count:
@@ -314,6 +326,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if classes is None and (label_map or reduce_zero_label) and 'classes' not in stats:
             raise ValueError("give `classes` when using label_map or reduce_zero_label: the class "
                              "count cannot be inferred from remapped values")
+        if classes is None and self._vectors and 'classes' not in stats:
+            classes = max([v.max_value for v in self._vectors.values()] +
+                          [self.label_fill if self.label_fill != self.ignore_index else -1]) + 1
         self.classes = self._resolve_classes(classes, stats)
         self.num_classes = len(self.classes)
         if self.palette is not None:
@@ -323,6 +338,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             self._palette_lut = palette_lut(self.palette, tol, palette_ignore, self.ignore_index)
             self.palette_max_unmatched = float(palette_max_unmatched)
         self._label_lut = self._build_label_lut(label_map, reduce_zero_label)
+        for v in self._vectors.values():
+            values = np.append(v.values, self.label_fill)
+            bad = (values < 0) | (values > 65535) | (self._label_lut[np.clip(values, 0, 65535)] < 0)
+            if bad.any():
+                raise DataError(f"labels {v.path}: value {values[bad][0]} (field {self.label_field!r} or "
+                                f"label_fill) is not a class index 0..{self.num_classes - 1} nor "
+                                f"ignore_index {self.ignore_index}; check `classes` or `label_map`")
         self._identity_labels = self.palette is None and not label_map and not reduce_zero_label
         self.mean, self.std = self._resolve_stats(mean, std, stats, images)
         self.image_dtype = host_dtype(np.result_type(*[s['dtype'] for s in self._scenes]))
@@ -351,6 +373,16 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     # ------------------------------------------------------------------ construction helpers
     def _inspect(self, image, label):
+        if is_vector(label):
+            if self.palette is not None:
+                raise DataError(f"labels {label}: a vector file has no colours; drop `palette`")
+            with open_raster(image) as img:
+                masked = img.nodata is None and any(
+                    MaskFlags.per_dataset in f or MaskFlags.alpha in f for f in img.mask_flag_enums)
+                return dict(image=image, label=label, width=img.width, height=img.height,
+                            count=img.count, nodata=img.nodata, masked=masked, dtype=img.dtypes[0],
+                            floating=np.dtype(img.dtypes[0]).kind == 'f', vector=True,
+                            crs=img.crs, transform=img.transform)
         img, lbl = open_raster(image), open_raster(label)
         with img, lbl:
             if (img.width, img.height) != (lbl.width, lbl.height):
@@ -379,6 +411,24 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             return dict(image=image, label=label, width=img.width, height=img.height,
                         count=img.count, nodata=img.nodata, masked=masked, dtype=img.dtypes[0],
                         floating=np.dtype(img.dtypes[0]).kind == 'f')
+
+    def _load_vectors(self, classes):
+        """Each vector label file read once per image CRS; scenes point at theirs by key."""
+        vectors = {}
+        for s in self._scenes:
+            if not s.get('vector'):
+                continue
+            key = (s['label'], s['crs'].to_wkt() if s['crs'] else None)
+            if key not in vectors:
+                names = classes if isinstance(classes, (list, tuple)) else None
+                vectors[key] = VectorLabels(s['label'], self.label_field, s['crs'], names)
+            s['vector_key'] = key
+        return vectors
+
+    def _vector_window(self, s, window):
+        v = self._vectors[s['vector_key']]
+        top = max(v.max_value, self.label_fill, self.ignore_index)
+        return v.rasterize(s['transform'], window, self.label_fill, 'uint8' if top < 256 else 'int32')
 
     @staticmethod
     def _stats_file(first_image):
@@ -514,6 +564,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     src.read(1, window=Window(s['width'] - 1, s['height'] - 1, 1, 1))
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{s['image']}: cannot be read (corrupt or truncated?): {e}") from e
+            if s.get('vector'):  # its class values were checked when it was read
+                continue
             f = max(1.0, max(s['height'], s['width']) / _CHECK_PIXELS)
             shape = (max(1, int(s['height'] / f)), max(1, int(s['width'] / f)))
             try:
@@ -622,6 +674,23 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         out[inside] = self._label_lut[values[inside]]
         return out
 
+    def _read_label(self, s, window):
+        """Class indices (``ignore_index`` for off-palette colours) of ``window`` of scene ``s``:
+        a raster read, a palette decode or vector features rasterised in the image's grid."""
+        if self.palette is not None:
+            label = decode_palette(self._read(s['label'], window, [1, 2, 3]), self._palette_lut)
+            label[label < 0] = self.ignore_index  # off-palette noise: ignored, not an error
+        else:
+            label = self._map_labels(self._vector_window(s, window) if s.get('vector')
+                                     else self._read(s['label'], window, 1))
+            if label.min(initial=0) < 0:
+                raw_label = self._read(s['label'], window, 1)
+                raise ValueError(
+                    f"{s['label']}: label value {raw_label[label < 0].flat[0]} in window {window} is "
+                    f"not a class index 0..{self.num_classes - 1} nor ignore_index "
+                    f"{self.ignore_index}; check `classes` or remap the labels")
+        return label
+
     def _read_window(self, scene, y, x, h, w):
         """Image in file units, label, nodata mask (None: none) and nodata share of the ``h`` x
         ``w`` window at (y, x), padded past the scene's edge (padding counts as nodata).
@@ -634,17 +703,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         rw = min(w, s['width'] - x)
         window = Window(int(x), int(y), int(rw), int(rh))
         raw = self._read(s['image'], window, self.bands)
-        if self.palette is not None:
-            label = decode_palette(self._read(s['label'], window, [1, 2, 3]), self._palette_lut)
-            label[label < 0] = self.ignore_index  # off-palette noise: ignored, not an error
-        else:
-            label = self._map_labels(self._read(s['label'], window, 1))
-            if label.min(initial=0) < 0:
-                raw_label = self._read(s['label'], window, 1)
-                raise ValueError(
-                    f"{s['label']}: label value {raw_label[label < 0].flat[0]} in window {window} is "
-                    f"not a class index 0..{self.num_classes - 1} nor ignore_index "
-                    f"{self.ignore_index}; check `classes` or remap the labels")
+        label = self._read_label(s, window)
         invalid = None
         if s['nodata'] is not None:
             invalid = self._nodata_mask(raw, s['nodata'])
