@@ -60,6 +60,7 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
+from .rare_class import class_index, class_probabilities
 from .vector_labels import VectorLabels, is_vector
 from .transforms import (Compose, check_random_scale, decode_palette, default_palette_tolerance,
                          palette_lut, resize, scale_for_micro_step)
@@ -251,6 +252,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         max_nodata_ratio: redraw a random window while more than this share is nodata/padding.
         boundary_ignore: pixels within this many pixels of a class boundary become ignore
             (ISPRS-style eroded evaluation computed on the fly).
+        sampling: ``'uniform'`` (positions uniform over the scenes' area) or ``'rare_class'``
+            (random mode: a class drawn with ``p ∝ exp((1 - f_c) / rare_class_temperature)``,
+            then a window holding one of its pixels; see :mod:`ds_seg.data.rare_class`).
         check_labels: how many label files (evenly spaced) are checked at construction with a
             decimated read, plus a one-block read of the image; None: all; 0: none.
 
@@ -274,7 +278,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                  label_map=None, reduce_zero_label=False, palette=None, palette_ignore=(),
                  palette_tolerance=None, palette_max_unmatched=0.02, transforms=None,
                  random_scale=None, cat_max_ratio=None, max_nodata_ratio=None, max_retries=10,
-                 boundary_ignore=0, check_labels=16, label_field=None, label_fill=0):
+                 boundary_ignore=0, check_labels=16, label_field=None, label_fill=0,
+                 sampling='uniform', rare_class_temperature=0.01):
         configure_gdal_for_worker()
         images = expand_paths(images, 'images')
         labels = expand_paths(labels, 'labels')
@@ -370,6 +375,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._handles = None  # opened lazily per process: rasterio handles cannot be pickled
         self._pid = None
         self._check_files(check_labels)
+        self._init_sampling(sampling, rare_class_temperature)
 
     # ------------------------------------------------------------------ construction helpers
     def _inspect(self, image, label):
@@ -607,6 +613,39 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     rows.append((i, y, x, max(top, 0), max(left, 0)))
         return np.array(rows, dtype=np.int64).reshape(-1, 5)
 
+    def _init_sampling(self, sampling, temperature):
+        if sampling not in ('uniform', 'rare_class'):
+            raise ConfigError(f"sampling={sampling!r}: use 'uniform' (positions uniform over the "
+                              f"scenes' area) or 'rare_class' (DAFormer rare-class sampling)")
+        self.sampling = sampling if self.mode == 'random' else 'uniform'
+        self._rcs_classes = None
+        if self.sampling != 'rare_class':
+            return
+        # An eighth of the crop: any window drawn around a candidate pixel holds ~64 grid
+        # points, so the grid finds every region a window could be centred on.
+        stride = max(1, min(self.crop_h, self.crop_w) // 8)
+        counts, self._rcs_locations = class_index(self, stride)
+        counts = np.where([len(loc) > 0 for loc in self._rcs_locations], counts, 0)
+        if not counts.any():
+            raise DataError(f"sampling='rare_class': no labelled pixel in the labels "
+                            f"({self._scenes[0]['label']}, ...); use sampling='uniform'")
+        p = class_probabilities(counts, temperature)
+        self.class_frequencies = counts / counts.sum()
+        self.class_probabilities = p
+        self._rcs_classes = np.flatnonzero(p > 0).tolist()
+        self._rcs_cdf = np.cumsum(p[self._rcs_classes]).tolist()
+
+    def _rare_class_window(self, rng, h, w):
+        """(scene, y, x) of an ``h`` x ``w`` window around a pixel of a class drawn by rarity."""
+        i = min(bisect.bisect_right(self._rcs_cdf, rng.random() * self._rcs_cdf[-1]),
+                len(self._rcs_classes) - 1)
+        locs = self._rcs_locations[self._rcs_classes[i]]
+        scene, py, px = (int(v) for v in locs[rng.randrange(len(locs))])
+        s = self._scenes[scene]
+        y = min(max(py - rng.randrange(h), 0), max(s['height'] - h, 0))
+        x = min(max(px - rng.randrange(w), 0), max(s['width'] - w, 0))
+        return scene, y, x
+
     # ------------------------------------------------------------------ sampling layout
     def set_sampling_layout(self, world_size, micro_batch):
         """Tell the dataset how the train sampler lays out indices, so it can recover the
@@ -779,10 +818,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         w = max(1, int(round(self.crop_w / scale)))
         retries = self.max_retries if (self.cat_max_ratio is not None or self.max_nodata_ratio is not None) else 0
         for attempt in range(retries + 1):
-            scene = min(bisect.bisect_right(self._scene_cdf, rng.random()), len(self._scenes) - 1)
-            s = self._scenes[scene]
-            y = rng.randrange(max(s['height'] - h, 0) + 1)
-            x = rng.randrange(max(s['width'] - w, 0) + 1)
+            if self._rcs_classes is not None:
+                scene, y, x = self._rare_class_window(rng, h, w)
+            else:
+                scene = min(bisect.bisect_right(self._scene_cdf, rng.random()), len(self._scenes) - 1)
+                s = self._scenes[scene]
+                y = rng.randrange(max(s['height'] - h, 0) + 1)
+                x = rng.randrange(max(s['width'] - w, 0) + 1)
             image, label, invalid, nodata_frac = self._read_window(scene, y, x, h, w)
             if attempt == retries or self._acceptable(label, nodata_frac):
                 break  # like mmseg: after the last retry, keep what we have
