@@ -61,6 +61,7 @@ from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
 from .rare_class import class_index, class_probabilities
+from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
 from .transforms import (Compose, check_random_scale, decode_palette, default_palette_tolerance,
                          palette_lut, resize, scale_for_micro_step)
@@ -163,7 +164,8 @@ def raster_env(path):
         with raster_env(url), rasterio.open(gdal_path(url)) as src:
             block = src.read(1, window=Window(0, 0, 512, 512))
     """
-    if is_remote(path):
+    # A VRT (STAC bands stacked) may point at remote assets: its reads need the options too.
+    if is_remote(path) or os.fspath(path).lower().endswith('.vrt'):
         return rasterio.Env(**REMOTE_GDAL_OPTIONS)
     return contextlib.nullcontext()
 
@@ -226,6 +228,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         images, labels: paths, URLs or glob patterns (globs are sorted); paired by position.
             ``labels`` may be a vector file (``.gpkg``, ``.geojson``, ``.fgb``, ``.shp``), one
             for all images or one each: rasterised per window in the image's grid.
+        stac, stac_bands, stac_label: instead of images/labels, a STAC Item or ItemCollection
+            (JSON file or URL), the image asset name(s) (one multi-band asset, or single-band
+            assets stacked in order) and the label asset name; see :mod:`ds_seg.data.stac`.
         label_field: vector labels: the attribute with the class (index, or name in
             ``classes``); None: every feature is class 1. ``label_fill``: class of pixels
             under no feature (default 0; ``ignore_index`` to learn only from labelled areas).
@@ -273,14 +278,24 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                               transforms=[dict(type='PhotoMetricDistortion')])
     """
 
-    def __init__(self, images, labels, crop_size=256, mode=None, split='train', classes=None,
+    def __init__(self, images=None, labels=None, crop_size=256, mode=None, split='train', classes=None,
                  mean=None, std=None, bands=None, ignore_index=255, seed=0, augment=None,
                  label_map=None, reduce_zero_label=False, palette=None, palette_ignore=(),
                  palette_tolerance=None, palette_max_unmatched=0.02, transforms=None,
                  random_scale=None, cat_max_ratio=None, max_nodata_ratio=None, max_retries=10,
                  boundary_ignore=0, check_labels=16, label_field=None, label_fill=0,
-                 sampling='uniform', rare_class_temperature=0.01):
+                 sampling='uniform', rare_class_temperature=0.01, stac=None, stac_bands=None,
+                 stac_label='label'):
         configure_gdal_for_worker()
+        if stac is not None:
+            if images is not None or labels is not None:
+                raise ConfigError("give either `stac` or `images`/`labels`, not both")
+            if stac_bands is None:
+                raise ConfigError(f"stac={stac!r}: name the image asset(s) with `stac_bands` "
+                                  f"(one multi-band asset, or one asset per band)")
+            images, labels = stac_scenes(stac, stac_bands, stac_label)
+        if images is None or labels is None:
+            raise ConfigError("GeoTiffScenes needs `images` and `labels` (or `stac`)")
         images = expand_paths(images, 'images')
         labels = expand_paths(labels, 'labels')
         if len(labels) == 1 and is_vector(labels[0]):
