@@ -120,8 +120,6 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
     """
     import pyogrio.raw
     import shapely
-    import shapely.affinity
-    from shapely.geometry import shape
 
     driver = vector_driver(out_path)
     if os.path.exists(out_path):
@@ -155,7 +153,7 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
         factor, geographic = _metres_per_unit(src.crs)
         nodata = src.nodata
 
-        def area_m2(region, geom_px):
+        def area_m2(region):
             if factor is not None:
                 return region.count * pixel_area * factor * factor
             if geographic:  # degrees^2 -> m^2 at the region's latitude (spherical earth)
@@ -164,21 +162,30 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
                 return region.count * pixel_area * k * k * math.cos(math.radians(lat))
             return region.count * pixel_area  # no CRS: map units as they are
 
-        coeffs = [T.a, T.b, T.d, T.e, T.xoff, T.yoff]
+        matrix = np.array([[T.a, T.d], [T.b, T.e]])
+        offset_xy = np.array([T.xoff, T.yoff])
+
+        def to_map(xy):  # pixel (column, row) -> map coordinates
+            return xy @ matrix + offset_xy
         out = dict(geoms=[], cls=[], area=[], prob=[])
         written = [0]
 
         def flush():
             if not out['geoms']:
                 return
-            geoms = np.array(out['geoms'], dtype=object)
+            # Vectorised over the batch: per-polygon shapely calls would dominate the run time.
+            geoms = shapely.transform(np.array(out['geoms'], dtype=object), to_map)
+            if simplify:
+                geoms = shapely.simplify(geoms, simplify, preserve_topology=True)
+            geoms, which = shapely.get_parts(geoms, return_index=True)  # MultiPolygon only if simplified so
+            cls_ids = np.array(out['cls'], np.int32)[which]
             fields = ['class_id', 'class_name', 'area_m2']
-            data = [np.array(out['cls'], np.int32),
-                    np.array([classes[c] if c < len(classes) else f'class_{c}' for c in out['cls']], object),
-                    np.array(out['area'], np.float64)]
+            data = [cls_ids,
+                    np.array([classes[c] if c < len(classes) else f'class_{c}' for c in cls_ids.tolist()], object),
+                    np.array(out['area'], np.float64)[which]]
             if psrc is not None:
                 fields.append('mean_prob')
-                data.append(np.array(out['prob'], np.float32))
+                data.append(np.array(out['prob'], np.float32)[which])
             pyogrio.raw.write(out_path, shapely.to_wkb(geoms), field_data=data, fields=fields,
                               crs=src.crs.to_wkt() if src.crs else None, driver=driver,
                               geometry_type='Polygon', layer=layer, append=written[0] > 0)
@@ -187,19 +194,14 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
                 v.clear()
 
         def finish(region):
-            geom = region.pieces[0] if len(region.pieces) == 1 else shapely.union_all(region.pieces)
-            geom = shapely.affinity.affine_transform(geom, coeffs)
-            area = area_m2(region, geom)
+            area = area_m2(region)
             if area < min_area:
                 return
-            if simplify:
-                geom = shapely.simplify(geom, simplify, preserve_topology=True)
-            mean_prob = region.psum / max(region.count, 1) / PROB_SCALE
-            for part in shapely.get_parts(geom):  # a Polygon; MultiPolygon only if simplified so
-                out['geoms'].append(part)
-                out['cls'].append(region.cls)
-                out['area'].append(area)
-                out['prob'].append(mean_prob)
+            out['geoms'].append(region.pieces[0] if len(region.pieces) == 1
+                                else shapely.union_all(region.pieces))
+            out['cls'].append(region.cls)
+            out['area'].append(area)
+            out['prob'].append(region.psum / max(region.count, 1) / PROB_SCALE)
             if len(out['geoms']) >= _FLUSH_FEATURES:
                 flush()
 
@@ -216,7 +218,9 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
             for c in skip:
                 valid &= cls != c
             local, n = _component_ids(cls, valid)
-            gid = np.where(local > 0, local.astype(np.int64) + (next_id - 1), 0)
+            # Global ids of the first and last rows: all that links this band to its neighbours.
+            gid_top, gid_bottom = (np.where(r > 0, r.astype(np.int64) + (next_id - 1), 0)
+                                   for r in (local[0], local[-1]))
             counts = np.bincount(local.ravel(), minlength=n + 1)
             if psrc is not None:
                 probs = psrc.read(window=win)
@@ -233,14 +237,15 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
             for geom, value in shapes(local, mask=local > 0, connectivity=4, transform=offset):
                 i = int(value)
                 g = next_id - 1 + i
-                poly = shape(geom)
+                rings = geom['coordinates']
+                poly = shapely.Polygon(rings[0], rings[1:])
                 _, ymin, _, ymax = poly.bounds
                 regions[g] = _Region(int(cls_of[i]), poly, int(counts[i]), float(psums[i]), ymin, ymax)
                 parent[g] = g
             for r in open_regions:
                 parent[r] = r
             if edge_ids is not None:
-                top = gid[0]
+                top = gid_top
                 touch = (edge_ids > 0) & (top > 0) & (edge_cls == cls[0])
                 for a, b in set(zip(edge_ids[touch].tolist(), top[touch].tolist())):
                     ra, rb = _find(parent, a), _find(parent, b)
@@ -255,7 +260,7 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
                 else:
                     merged[root] = region
             last = y0 + h >= H
-            still_open = set() if last else {_find(parent, g) for g in np.unique(gid[-1]).tolist() if g}
+            still_open = set() if last else {_find(parent, g) for g in np.unique(gid_bottom).tolist() if g}
             open_regions = {}
             for root, region in merged.items():
                 if root in still_open:
@@ -263,7 +268,7 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
                 else:
                     finish(region)
             if not last:
-                edge_ids = np.array([_find(parent, g) if g else 0 for g in gid[-1].tolist()], np.int64)
+                edge_ids = np.array([_find(parent, g) if g else 0 for g in gid_bottom.tolist()], np.int64)
                 edge_cls = cls[-1].copy()
             next_id += n
         flush()
@@ -313,8 +318,8 @@ def vector_outputs(vector, inputs, output_dir):
     if vector is None:
         return [None] * len(inputs)
     if ('.' + vector.lower()) in DRIVERS:
-        paths = [os.path.join(output_dir, f'{os.path.splitext(os.path.basename(p.split('?')[0]))[0]}_classes.{vector.lower()}')
-                 for p in inputs]
+        stems = [os.path.splitext(os.path.basename(p.split('?')[0]))[0] for p in inputs]  # URLs: no query
+        paths = [os.path.join(output_dir, f'{stem}_classes.{vector.lower()}') for stem in stems]
     else:
         vector_driver(vector)
         if len(inputs) > 1:
