@@ -93,7 +93,8 @@ class Progress:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
-    parser.add_argument('--input', nargs='+', required=True, help='GeoTIFF scene(s)')
+    parser.add_argument('--input', nargs='+', required=True,
+                        help='GeoTIFF scene(s) or URL(s); dates of one scene joined by commas')
     parser.add_argument('--output', required=True, help='output folder')
     parser.add_argument('--probs', action='store_true', help='also write <name>_probs.tif')
     parser.add_argument('--accumulate-dtype', choices=('float32', 'float16'), default='float32',
@@ -103,25 +104,28 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         device = setup(args)
-        for path in args.input:
+        # 'a_may.tif,a_aug.tif': one scene of several dates (a time series model's input)
+        scenes = [p.split(',') if ',' in p else p for p in args.input]
+        for path in [p for s in scenes for p in (s if isinstance(s, list) else [s])]:
             if not is_remote(path) and not os.path.isfile(path):
                 raise FileNotFoundError(f'--input: {path} does not exist')
             if is_remote(path):
                 open_raster(path).close()  # an unreachable URL: one line naming it, not a traceback
-        vectors = vector_outputs(args.vector, args.input, args.output)
+        firsts = [s[0] if isinstance(s, list) else s for s in scenes]
+        vectors = vector_outputs(args.vector, firsts, args.output)
         model, info = load_model(args.checkpoint, device)
         mean, std, bands = normalisation(args, info)
         os.makedirs(args.output, exist_ok=True)
         t_all = time.perf_counter()
-        for path, vector in zip(args.input, vectors):
-            stem = os.path.splitext(os.path.basename(path.split('?')[0]))[0]  # URLs: no query
+        for path, first, vector in zip(scenes, firsts, vectors):
+            stem = os.path.splitext(os.path.basename(first.split('?')[0]))[0]  # URLs: no query
             out = os.path.join(args.output, f'{stem}_classes.tif')
             probs = os.path.join(args.output, f'{stem}_probs.tif') if args.probs else None
             with torch.inference_mode():
                 stats = predict_scene(model, path, out, mean=mean, std=std, bands=bands,
                                       classes=info['classes'], probs_path=probs, device=device,
                                       accumulate_dtype=args.accumulate_dtype,
-                                      progress=Progress(os.path.basename(path)), **window_kwargs(args))
+                                      progress=Progress(os.path.basename(first)), **window_kwargs(args))
             if distributed.is_main():
                 print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
                       f'{stats["windows"]} windows in {stats["seconds"]:.1f} s '

@@ -62,7 +62,8 @@ def child(args):
     t = time.perf_counter()
     info = vectorize_class_map(args.class_map, out, band_rows=args.band_rows, simplify=args.simplify)
     seconds = time.perf_counter() - t
-    print(json.dumps(dict(features=info['features'], seconds=seconds, baseline_mb=baseline_mb,
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    print(json.dumps(dict(features=info['features'], seconds=seconds, baseline_mb=baseline_mb, peak_mb=peak_mb,
                           out_mb=os.path.getsize(out) / 2 ** 20)))
 
 
@@ -74,16 +75,22 @@ def main(argv=None):
     p.add_argument('--simplify', type=float, default=0.0)
     p.add_argument('--dir', default='/tmp/ds_seg_vector_benchmark')
     p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
+    p.add_argument('--make', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--class-map', default=None, help=argparse.SUPPRESS)
     p.add_argument('--out', default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child(args)
+    if args.make:
+        return make_class_map(args.class_map, args.size)
     os.makedirs(args.dir, exist_ok=True)
     class_map = os.path.join(args.dir, f'classes_{args.size}.tif')
     if not os.path.exists(class_map):
+        # In a process of its own: Linux carries a parent's peak RSS into a child across exec,
+        # so generating the map here would inflate the vectoriser's figure.
         t = time.perf_counter()
-        make_class_map(class_map, args.size)
+        subprocess.run([sys.executable, os.path.abspath(__file__), '--make', '--class-map', class_map,
+                        '--size', str(args.size)], check=True)
         print(f'[vector_benchmark] wrote {class_map} in {time.perf_counter() - t:.0f} s')
     out = os.path.join(args.dir, f'polygons_{args.size}.{args.format}')
     cmd = [sys.executable, os.path.abspath(__file__), '--child', '--class-map', class_map, '--out', out,
@@ -93,7 +100,7 @@ def main(argv=None):
         print(proc.stdout, proc.stderr, file=sys.stderr)
         return 1
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # kB on Linux
+    peak_mb = result['peak_mb']
     print(f'[vector_benchmark] {args.size}x{args.size} class map, band {args.band_rows} rows -> '
           f'{args.format}: {result["features"]} polygons in {result["seconds"]:.0f} s, '
           f'peak RSS {peak_mb:.0f} MiB (Python + libraries before the run: {result["baseline_mb"]:.0f} MiB), '

@@ -220,6 +220,93 @@ def open_raster(path):
         raise DataError(f"{path}: not a readable raster (corrupt or not an image): {e}") from e
 
 
+class StackedRaster:
+    """Co-registered rasters of one scene at several dates, read as one raster of T*C bands.
+
+    Bands are date-major: band ``t * C + b`` (1-based ``b``) is band ``b`` of date ``t``, the
+    layout :class:`GeoTiffScenes` yields for a time series and
+    :class:`~ds_seg.models.temporal.TemporalSegmentor` expects. Enough of a rasterio dataset
+    for whole-scene prediction (``count``, ``dtypes``, ``nodata``, ``profile``, ``read``,
+    ``dataset_mask``, ``mask_flag_enums``).
+
+    Example::
+
+        with StackedRaster(['may.tif', 'aug.tif']) as src:      # 2 dates x 4 bands
+            x = src.read(window=Window(0, 0, 256, 256))          # (8, 256, 256)
+    """
+
+    def __init__(self, paths):
+        self.paths = [os.fspath(p) for p in paths]
+        self.check(self.paths)
+        self._srcs = [open_raster(p) for p in self.paths]
+        first = self._srcs[0]
+        self.per_date = first.count
+        self.count = first.count * len(self._srcs)
+        self.dtypes = tuple(first.dtypes) * len(self._srcs)
+        self.nodata, self.height, self.width = first.nodata, first.height, first.width
+        self.crs, self.transform = first.crs, first.transform
+        self.mask_flag_enums = tuple(first.mask_flag_enums) * len(self._srcs)
+        self.profile = dict(first.profile, count=self.count)
+
+    @staticmethod
+    def check(paths):
+        """Refuse dates that are not on one grid (size, transform, CRS, band count)."""
+        grids = []
+        for p in paths:
+            with open_raster(p) as src:
+                grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.count))
+        for p, g in zip(paths[1:], grids[1:]):
+            if g != grids[0]:
+                raise DataError(f"{p} is not co-registered with {paths[0]} (size, transform, CRS or "
+                                f"band count differ: {g[:2]} {g[2]} {g[3]} {g[4]} vs {grids[0][:2]} "
+                                f"{grids[0][2]} {grids[0][3]} {grids[0][4]}); resample the dates onto one grid")
+
+    def read(self, indexes=None, window=None):
+        idx = list(range(1, self.count + 1)) if indexes is None else [int(i) for i in indexes]
+        out = []
+        for i in idx:
+            t, b = divmod(i - 1, self.per_date)
+            with raster_env(self.paths[t]):
+                out.append(self._srcs[t].read(b + 1, window=window))
+        return np.stack(out)
+
+    def dataset_mask(self, window=None):
+        masks = []
+        for p, s in zip(self.paths, self._srcs):
+            with raster_env(p):
+                masks.append(s.dataset_mask(window=window))
+        return np.minimum.reduce(masks)
+
+    def close(self):
+        for s in self._srcs:
+            s.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+@contextlib.contextmanager
+def open_scene(path):
+    """A whole scene for prediction: one raster (path or URL), or a list of dates stacked
+    (:class:`StackedRaster`); remote reads get :data:`REMOTE_GDAL_OPTIONS`.
+
+    Example::
+
+        with open_scene(['may.tif', 'aug.tif']) as src:
+            print(src.count, src.height, src.width)
+    """
+    if isinstance(path, (list, tuple)):
+        with StackedRaster(path) as src:
+            yield src
+        return
+    with raster_env(path), rasterio.open(gdal_path(path)) as src:
+        yield src
+
+
 @DATASETS.register_module()
 class GeoTiffScenes(torch.utils.data.Dataset):
     """Crops of ``crop_size`` from image scenes paired with a label raster each.
@@ -296,6 +383,15 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             images, labels = stac_scenes(stac, stac_bands, stac_label)
         if images is None or labels is None:
             raise ConfigError("GeoTiffScenes needs `images` and `labels` (or `stac`)")
+        # A scene given as a list of paths is a time series: co-registered dates, stacked
+        # date-major (T x C bands read as T*C channels; see StackedRaster).
+        dates = None
+        if not isinstance(images, (str, os.PathLike)) and any(isinstance(i, (list, tuple)) for i in images):
+            dates = [[os.fspath(p) for p in ([i] if isinstance(i, (str, os.PathLike)) else i)] for i in images]
+            if len({len(d) for d in dates}) != 1:
+                raise DataError(f"images: every scene needs the same number of dates, got "
+                                f"{sorted({len(d) for d in dates})} (first scene {dates[0]})")
+            images = [d[0] for d in dates]
         images = expand_paths(images, 'images')
         labels = expand_paths(labels, 'labels')
         if len(labels) == 1 and is_vector(labels[0]):
@@ -327,6 +423,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._world_size, self._micro_batch = 1, 1
 
         self._scenes = [self._inspect(img, lbl) for img, lbl in zip(images, labels)]
+        self.num_dates = 1 if dates is None else len(dates[0])
+        if dates is not None:
+            for s, d in zip(self._scenes, dates):
+                StackedRaster.check(d)
+                s['dates'] = tuple(d)
         self.label_field, self.label_fill = label_field, int(label_fill)
         self._vectors = self._load_vectors(classes)
         count = self._scenes[0]['count']
@@ -367,6 +468,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 f"ignore_index {self.ignore_index}; check `classes` or `label_map`")
         self._identity_labels = self.palette is None and not label_map and not reduce_zero_label
         self.mean, self.std = self._resolve_stats(mean, std, stats, images)
+        if self.num_dates > 1 and self.mean.size == self.in_channels:  # the same per band for every date
+            self.mean, self.std = np.tile(self.mean, self.num_dates), np.tile(self.std, self.num_dates)
+        self.in_channels = self.mean.size
         self.image_dtype = host_dtype(np.result_type(*[s['dtype'] for s in self._scenes]))
         # What padding, and nodata before a resize, are filled with: the band mean, i.e. 0
         # once normalised, so neither darkens the valid pixels a resize blends them with.
@@ -500,12 +604,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     def _select(self, values, what):
         values = np.asarray(values, dtype=np.float64).reshape(-1)
-        if values.size == self.in_channels:
-            return values
+        if values.size in (self.in_channels, self.in_channels * self.num_dates):
+            return values  # per selected band, or per band of every date
         if values.size == self.num_file_bands:
             return values[np.array(self.bands) - 1]
         raise ValueError(f"{what} has {values.size} values; expected one per selected band "
-                         f"({self.in_channels}) or per file band ({self.num_file_bands})")
+                         f"({self.in_channels}), per file band ({self.num_file_bands}) or per "
+                         f"band and date ({self.in_channels * self.num_dates})")
 
     def _resolve_stats(self, mean, std, stats, images):
         if mean is None or std is None:
@@ -710,10 +815,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             raise RuntimeError(f"{path}: cannot read window {window}: {e}") from e
 
     @staticmethod
-    def _nodata_mask(raw_CHW, nodata):
+    def _nodata_mask(raw_CHW, nodata, dates=1):
+        # nodata on every band of any one date: that date is missing, the pixel is invalid
+        x = raw_CHW.reshape((dates, -1) + raw_CHW.shape[1:])
         if isinstance(nodata, float) and math.isnan(nodata):
-            return np.isnan(raw_CHW).all(axis=0)
-        return (raw_CHW == nodata).all(axis=0)
+            return np.isnan(x).all(axis=1).any(axis=0)
+        return (x == nodata).all(axis=1).any(axis=0)
 
     def _map_labels(self, raw):
         """File values -> int16 class indices, ignore_index, or -1 where not allowed."""
@@ -756,16 +863,19 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         rh = min(h, s['height'] - y)
         rw = min(w, s['width'] - x)
         window = Window(int(x), int(y), int(rw), int(rh))
-        raw = self._read(s['image'], window, self.bands)
+        paths = s.get('dates', (s['image'],))
+        raw = self._read(paths[0], window, self.bands)
+        if len(paths) > 1:
+            raw = np.concatenate([raw] + [self._read(p, window, self.bands) for p in paths[1:]])
         label = self._read_label(s, window)
         invalid = None
         if s['nodata'] is not None:
-            invalid = self._nodata_mask(raw, s['nodata'])
+            invalid = self._nodata_mask(raw, s['nodata'], len(paths))
         if s['floating']:
             bad = ~np.isfinite(raw).all(axis=0)
             invalid = bad if invalid is None else invalid | bad
         if s['masked']:
-            bad = self._read(s['image'], window, None, masks=True) == 0
+            bad = np.logical_or.reduce([self._read(p, window, None, masks=True) == 0 for p in paths])
             invalid = bad if invalid is None else invalid | bad
         if raw.dtype != self.image_dtype:
             raw = raw.astype(self.image_dtype)
