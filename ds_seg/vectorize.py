@@ -98,7 +98,7 @@ def _component_ids(cls_hW, valid_hW):
 
 
 def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, simplify=0.0,
-                        min_area=0.0, exclude=(), band_rows=1024, layer=None):
+                        min_area=0.0, exclude=(), band_rows=256, layer=None):
     """Write the class regions of a class-map GeoTIFF as polygons; returns a summary dict.
 
     Args:
@@ -111,7 +111,8 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
             simplified on its own, so neighbours may no longer share edges exactly.
         min_area: regions smaller than this many square metres are dropped.
         exclude: class ids or names not written (e.g. background).
-        band_rows: rows per band (memory: about ``band_rows x width x (9 + K)`` bytes).
+        band_rows: rows per band (memory: about ``band_rows x width x (25 + K)`` bytes, plus the
+            regions still open at the band edge; 20000 px wide: 256 rows ~ 600 MB peak in all).
 
     Example::
 

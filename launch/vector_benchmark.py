@@ -1,6 +1,6 @@
 """Polygon output benchmark: time and peak memory of vectorising a large class map.
 
-    python launch/vector_benchmark.py                      # 20000 x 20000, band of 1024 rows
+    python launch/vector_benchmark.py                      # 20000 x 20000, bands of 256 rows
     python launch/vector_benchmark.py --size 8000 --band-rows 512 --format fgb
 
 A synthetic class map (4 classes: blobs with ragged edges at two scales, plus a road grid
@@ -70,7 +70,7 @@ def child(args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--size', type=int, default=20000)
-    p.add_argument('--band-rows', type=int, default=1024)
+    p.add_argument('--band-rows', type=int, default=256)
     p.add_argument('--format', default='gpkg', choices=['gpkg', 'fgb', 'geojson'])
     p.add_argument('--simplify', type=float, default=0.0)
     p.add_argument('--dir', default='/tmp/ds_seg_vector_benchmark')
