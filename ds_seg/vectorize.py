@@ -309,13 +309,14 @@ def add_vector_args(parser):
                         help='class names or ids not vectorised (e.g. background)')
 
 
-def vector_outputs(vector, inputs, output_dir):
+def vector_outputs(vector, inputs, output_dir, overwrite=False):
     """``--vector`` -> one output path per input; refuses existing files and ambiguous names.
 
     Example::
 
         vector_outputs('gpkg', ['a.tif', 'b.tif'], 'out')  # ['out/a_classes.gpkg', 'out/b_classes.gpkg']
     """
+    from .config import ConfigError  # here: the vectoriser itself runs without the package (benchmark)
     if vector is None:
         return [None] * len(inputs)
     if ('.' + vector.lower()) in DRIVERS:
@@ -324,10 +325,10 @@ def vector_outputs(vector, inputs, output_dir):
     else:
         vector_driver(vector)
         if len(inputs) > 1:
-            raise ValueError(f"--vector {vector}: one file for {len(inputs)} inputs; give a format "
+            raise ConfigError(f"--vector {vector}: one file for {len(inputs)} inputs; give a format "
                              f"(gpkg, geojson or fgb) to write one file per input into --output")
         paths = [vector]
     for p in paths:
-        if os.path.exists(p):
-            raise FileExistsError(f"--vector: {p} already exists; remove it or choose another name")
+        if os.path.exists(p) and not overwrite:
+            raise ConfigError(f"--vector: {p} already exists; choose another name, delete it, or add --overwrite")
     return paths

@@ -21,8 +21,10 @@ import time
 import torch
 
 from ds_seg import distributed
-from ds_seg.data.geotiff import configure_gdal_for_worker, is_remote, open_raster
+from ds_seg.data.geotiff import configure_gdal_for_worker
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
+from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
+                           check_window_options, expand_inputs, output_stems)
 from ds_seg.telemetry import format_eta
 from ds_seg.vectorize import add_vector_args, vector_outputs, vectorize_class_map
 
@@ -45,6 +47,7 @@ def add_window_args(parser):
 
 
 def window_kwargs(args):
+    check_window_options(args.tile, args.overlap, args.batch_size, args.block)
     return dict(tile=args.tile, overlap=args.tile // 4 if args.overlap is None else args.overlap,
                 batch_size=args.batch_size, blend=args.blend, tta=args.tta, block=args.block)
 
@@ -94,38 +97,54 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
     parser.add_argument('--input', nargs='+', required=True,
-                        help='GeoTIFF scene(s) or URL(s); dates of one scene joined by commas')
+                        help='GeoTIFF scene(s), folders of them, or URLs; the dates of one scene '
+                             'joined by commas (a time series model)')
     parser.add_argument('--output', required=True, help='output folder')
     parser.add_argument('--probs', action='store_true', help='also write <name>_probs.tif')
+    parser.add_argument('--overwrite', action='store_true', help='replace outputs that already exist')
     parser.add_argument('--accumulate-dtype', choices=('float32', 'float16'), default='float32',
                         help='host accumulators; float16 halves the band memory')
     add_window_args(parser)
     add_vector_args(parser)
     args = parser.parse_args(argv)
     try:
-        device = setup(args)
+        # Every check before any work: a refused command changes no file.
+        windows = window_kwargs(args)
         # 'a_may.tif,a_aug.tif': one scene of several dates (a time series model's input)
-        scenes = [p.split(',') if ',' in p else p for p in args.input]
-        for path in [p for s in scenes for p in (s if isinstance(s, list) else [s])]:
-            if not is_remote(path) and not os.path.isfile(path):
-                raise FileNotFoundError(f'--input: {path} does not exist')
-            if is_remote(path):
-                open_raster(path).close()  # an unreachable URL: one line naming it, not a traceback
-        firsts = [s[0] if isinstance(s, list) else s for s in scenes]
-        vectors = vector_outputs(args.vector, firsts, args.output)
+        scenes = []
+        for item in args.input:
+            if ',' in item:
+                scenes.append(expand_inputs(item.split(',')))
+            else:
+                scenes += expand_inputs([item])
+        firsts = [s[0] if isinstance(s, list) else s for s in scenes]  # names outputs
+        inputs = [p for s in scenes for p in (s if isinstance(s, list) else [s])]
+        check_checkpoint_option(args.checkpoint)
+        check_output_folder(args.output)
+        stems = output_stems(firsts)
+        outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
+                   for stem in stems]
+        check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
+        vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite)
+        device = setup(args)
         model, info = load_model(args.checkpoint, device)
         mean, std, bands = normalisation(args, info)
+        for scene in scenes:
+            dates = scene if isinstance(scene, list) else [scene]
+            channels = info['model'].get('in_channels')
+            for path in dates:  # the model's channels are the bands of every date
+                check_bands(path, bands, channels // len(dates) if channels else None)
         os.makedirs(args.output, exist_ok=True)
         t_all = time.perf_counter()
-        for path, first, vector in zip(scenes, firsts, vectors):
-            stem = os.path.splitext(os.path.basename(first.split('?')[0]))[0]  # URLs: no query
-            out = os.path.join(args.output, f'{stem}_classes.tif')
-            probs = os.path.join(args.output, f'{stem}_probs.tif') if args.probs else None
+        for path, first, (out, *rest), vector in zip(scenes, firsts, outputs, vectors):
+            probs = rest[0] if rest else None
+            if vector and os.path.exists(vector) and args.overwrite and distributed.is_main():
+                os.remove(vector)  # --overwrite said so
             with torch.inference_mode():
                 stats = predict_scene(model, path, out, mean=mean, std=std, bands=bands,
                                       classes=info['classes'], probs_path=probs, device=device,
                                       accumulate_dtype=args.accumulate_dtype,
-                                      progress=Progress(os.path.basename(first)), **window_kwargs(args))
+                                      progress=Progress(os.path.basename(first)), **windows)
             if distributed.is_main():
                 print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
                       f'{stats["windows"]} windows in {stats["seconds"]:.1f} s '
@@ -138,7 +157,7 @@ def main(argv=None):
                 print(f'[predict] {out} -> {vector} | {v["features"]} polygons in '
                       f'{time.perf_counter() - t:.1f} s', flush=True)
         if distributed.is_main():
-            print(f'[predict] done: {len(args.input)} scene(s) in {time.perf_counter() - t_all:.1f} s')
+            print(f'[predict] done: {len(scenes)} scene(s) in {time.perf_counter() - t_all:.1f} s')
     except (FileNotFoundError, FileExistsError, ValueError, KeyError) as exc:
         print(f'predict: error: {exc}', file=sys.stderr)
         return 2

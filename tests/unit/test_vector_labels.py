@@ -79,7 +79,6 @@ def test_vector_labels_equal_prerasterised_labels_window_by_window(scene, field)
 
 
 def test_vector_labels_in_another_crs_are_reprojected(scene):
-    import shapely.ops  # noqa: F401
     from rasterio.warp import transform as warp
     moved = shapely.transform(np.array(scene['geoms'], dtype=object), lambda xy: np.column_stack(
         warp('EPSG:32632', 'EPSG:4326', xy[:, 0], xy[:, 1])))

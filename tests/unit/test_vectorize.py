@@ -152,6 +152,8 @@ def test_predict_cli_writes_polygons_and_refuses_to_overwrite(exported):
     np.testing.assert_array_equal(back, np.where(cls == top, 255, cls))
     assert e['names'][top] not in set(fields[1]) and len(fields[0]) and ((fields[3] > 0) & (fields[3] <= 1)).all()
     size = os.path.getsize(vector)
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 2 and 'already exists' in proc.stderr and 'Traceback' not in proc.stderr
-    assert os.path.getsize(vector) == size
+    again = [a if a != out else out + '_again' for a in cmd]  # new rasters, the same polygon file
+    proc = subprocess.run(again, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and 'Traceback' not in proc.stderr
+    assert f'--vector: {vector} already exists' in proc.stderr
+    assert os.path.getsize(vector) == size and not os.path.exists(out + '_again')
