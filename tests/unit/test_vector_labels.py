@@ -99,3 +99,17 @@ def test_bad_vector_labels_are_one_line(scene):
     with pytest.raises(ConfigError, match=r"value [23] .* not a class index 0..1"):
         GeoTiffScenes([scene['img']], scene['vec'], label_field='class', crop_size=64, classes=2,
                       mean=[0] * 3, std=[1] * 3)
+
+
+def test_whole_scene_evaluation_reads_vector_labels_like_rasters(scene):
+    from ds_seg.inference import evaluate_scenes
+
+    def model(images_BCHW):  # position-independent: class from the first band's value
+        cls = (images_BCHW[:, 0] * 3).round().long().remainder(4)
+        return torch.nn.functional.one_hot(cls, 4).permute(0, 3, 1, 2).float()
+
+    kw = dict(tile=64, overlap=16, batch_size=4, erode_boundary=1, rank=0, world_size=1)
+    raster = evaluate_scenes(model, GeoTiffScenes([scene['img']], [scene['lbl']], mode='grid', **KW), **kw)
+    vector = evaluate_scenes(model, GeoTiffScenes([scene['img']], scene['vec'], label_field='class',
+                                                  mode='grid', **KW), **kw)
+    assert torch.equal(raster['confusion'], vector['confusion']) and raster['confusion'].sum() > 0
