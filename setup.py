@@ -17,6 +17,9 @@ setup(
         'rasterio>=1.3',
         'timm>=1.0',
         'opencv-python',  # resize and erosion of windows; also what mmengine installs
+        'shapely>=2.0',   # polygon output (union of band pieces), vector labels (STRtree)
+        'pyogrio>=0.7',   # GeoPackage / GeoJSON / FlatGeobuf reading and writing
+        'pystac>=1.8',    # STAC Item / ItemCollection input
     ],
     extras_require={'test': ['pytest>=7', 'pytest-timeout', 'matplotlib']},
 )

@@ -26,6 +26,7 @@ Example::
     cm = evaluate_scenes(lambda x: model(x), [('a.tif', 'a_label.tif')], num_classes=2,
                          mean=[...], std=[...])
 """
+import contextlib
 import json
 import math
 import os
@@ -37,6 +38,8 @@ import torch
 from rasterio.windows import Window
 
 from . import distributed
+from .data.geotiff import open_scene
+from .data.vector_labels import is_vector
 from .data.preprocess import BatchPreprocessor, host_dtype
 from .metrics import confusion_matrix
 
@@ -250,8 +253,12 @@ def run_scene(forward_fn, image_path, sink, mean, std, bands=None, tile=512, ove
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     acc_dtype = np.dtype(accumulate_dtype)
-    with rasterio.open(image_path) as src:
+    with open_scene(image_path) as src:  # a path, a URL, or a list of dates (StackedRaster)
         band_idx = list(range(1, src.count + 1)) if bands is None else [int(b) for b in bands]
+        dates = src.count // getattr(src, 'per_date', src.count)
+        if bands is not None and dates > 1 and len(band_idx) * dates == np.size(mean):
+            # bands name the bands of one date (as in training): the same bands of every date
+            band_idx = [t * src.per_date + b for t in range(dates) for b in band_idx]
         if max(band_idx) > src.count or min(band_idx) < 1:
             raise ValueError(f"{image_path}: has bands 1..{src.count}; bands={band_idx} asked for")
         mean_c = np.asarray(mean, np.float32).reshape(-1)
@@ -501,7 +508,7 @@ def predict_scene(forward_fn, image_path, out_path=None, mean=None, std=None, cl
     rank = distributed.rank() if rank is None else rank
     world_size = distributed.world_size() if world_size is None else world_size
     k = len(classes) if classes is not None else None
-    with rasterio.open(image_path) as src:
+    with open_scene(image_path) as src:
         profile = dict(src.profile)
     writer = None
     result_map = None
@@ -608,9 +615,21 @@ def boundary_mask(label_HW, radius, ignore_index=255):
 
 def _scene_pairs(scenes):
     """(image, label) pairs from a GeoTiffScenes-like dataset or an iterable of pairs."""
-    if hasattr(scenes, 'scenes'):
-        return [(s['image'], s['label']) for s in scenes.scenes]
+    if hasattr(scenes, 'scenes'):  # a time series scene: its list of dates
+        return [(list(s['dates']) if 'dates' in s else s['image'], s['label']) for s in scenes.scenes]
     return [tuple(p) for p in scenes]
+
+
+@contextlib.contextmanager
+def _label_source(dataset, scene_index, label_path, ignore_index, num_classes):
+    """``read(window)`` of a scene's labels: a vector file through its dataset (rasterised in
+    the image grid, as in training), else the label raster (see :func:`_label_reader`)."""
+    if dataset is not None and is_vector(label_path):
+        s = dataset._scenes[scene_index]
+        yield lambda window: dataset._read_label(s, window).astype(np.int64)
+        return
+    with open_scene(label_path) as lbl_src:
+        yield _label_reader(dataset, lbl_src, ignore_index, num_classes)
 
 
 def _label_reader(dataset, label_src, ignore_index, num_classes):
@@ -677,18 +696,19 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
     cm = torch.zeros(num_classes, num_classes, dtype=torch.int64)
     previews = []
     stats = dict(windows=0, forward_calls=0, seconds=0.0)
-    for image_path, label_path in _scene_pairs(scenes):
-        with rasterio.open(image_path) as img, rasterio.open(label_path) as lbl_src:
-            if (img.width, img.height) != (lbl_src.width, lbl_src.height):
-                raise ValueError(f"image {image_path} is {img.width}x{img.height} but label "
-                                 f"{label_path} is {lbl_src.width}x{lbl_src.height}")
+    for scene_index, (image_path, label_path) in enumerate(_scene_pairs(scenes)):
+        with open_scene(image_path) as img:
             height, width = img.height, img.width
+        if not is_vector(label_path):
+            with open_scene(label_path) as lbl_src:
+                if (width, height) != (lbl_src.width, lbl_src.height):
+                    raise ValueError(f"image {image_path} is {width}x{height} but label "
+                                     f"{label_path} is {lbl_src.width}x{lbl_src.height}")
         step = max(1, math.ceil(max(height, width) / preview_size)) if preview_size else 0
         prev_pred = np.zeros((math.ceil(height / step), math.ceil(width / step)), np.int32) if step else None
         prev_lbl = np.zeros_like(prev_pred) if step else None
 
-        with rasterio.open(label_path) as lbl_src:
-            read_label = _label_reader(dataset, lbl_src, ignore_index, num_classes)
+        with _label_source(dataset, scene_index, label_path, ignore_index, num_classes) as read_label:
 
             def sink(y0, scores, wsum, nodata):
                 h = scores.shape[1]

@@ -4,6 +4,7 @@
     python launch/data_benchmark.py --config configs/unet_geotiff_scenes.py --crop 512
     python launch/data_benchmark.py --train-steps 0         # skip the short training run
     python launch/data_benchmark.py --bands 4 --dtype uint16 --crop 512   # multiband uint16
+    python launch/data_benchmark.py --http --train-steps 0  # also: the same files over HTTP
 
 Three figures, all from this run on the same files:
 
@@ -16,6 +17,10 @@ Three figures, all from this run on the same files:
    cannot favour one side. Normalisation and flips/rotations are not in the worker: they run
    on the device after the copy (``BatchPreprocessor``), measured separately as
    "device step" (on the GPU if there is one, else on this CPU).
+   With ``--http`` the same files are also read over HTTP (a Range-honouring server on
+   127.0.0.1, GDAL's /vsicurl/ with the dataset's remote settings): windows/s and bytes
+   fetched per window, local vs HTTP, with ``--latency-ms`` added to every request to mimic
+   object storage.
 3. loader: ``build_train_loader`` with ``--workers`` workers (total and per worker), and the
    share of step time spent waiting for data inside a short ``launch/train.py`` run
    (``data_wait_frac`` from its ``metrics.jsonl``).
@@ -54,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument('--compress', nargs='+', default=['none', 'deflate'],
                    help="file variants measured: 'none' = the files as they are; 'deflate', 'zstd', "
                    "'lzw' = tiled copies with that compression (real scenes usually are compressed)")
+    p.add_argument('--http', action='store_true', help='also read every variant over HTTP from 127.0.0.1')
+    p.add_argument('--latency-ms', type=float, default=0.0, help='--http: delay added to each request')
     p.add_argument('--out', default=None, help='also write the figures to this JSON file')
     return p.parse_args(argv)
 
@@ -89,6 +96,26 @@ def compressed_copy(ds, compress, directory):
             out.append(dst)
     return GeoTiffScenes(images, labels, crop_size=ds.crop_h, classes=ds.classes, mean=ds.mean, std=ds.std,
                          bands=ds.bands, ignore_index=ds.ignore_index, palette=ds.palette)
+
+
+def http_rate(ds, args):
+    """(windows/s, bytes per window) of ``ds``'s files served over HTTP from 127.0.0.1."""
+    from ds_seg.data import GeoTiffScenes
+    from ds_seg.data.rangeserver import RangeServer
+    paths = [p for s in ds.scenes for p in (s['image'], s['label'])]
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+    with RangeServer(root, latency_s=args.latency_ms / 1000) as server:
+        urls = [server.url(os.path.relpath(os.path.abspath(p), root)) for p in paths]
+        remote = GeoTiffScenes(urls[0::2], urls[1::2], crop_size=ds.crop_h, classes=ds.classes,
+                               mean=ds.mean, std=ds.std, bands=ds.bands, ignore_index=ds.ignore_index,
+                               palette=ds.palette, check_labels=0)
+        dataset_loop(remote, 5, offset=10 ** 6)  # open the files (headers) before timing
+        rates, fetched = [], []
+        for r in range(args.repeats):
+            server.reset()
+            rates.append(dataset_loop(remote, args.windows, offset=r * args.windows))
+            fetched.append(server.bytes_served / args.windows)
+    return rates, float(np.median(fetched))
 
 
 def raw_loop(scenes, bands, label_bands, crop, n, seed):
@@ -207,6 +234,14 @@ def main(argv=None):
         print(f'[{compress:>7}] raw rasterio loop : {raw_best:8.1f} windows/s  (passes: {", ".join(f"{v:.0f}" for v in raw)})')
         print(f'[{compress:>7}] dataset, 1 worker : {mine_best:8.1f} windows/s  (passes: {", ".join(f"{v:.0f}" for v in mine)})')
         print(f'[{compress:>7}] ratio dataset/raw : {mine_best / raw_best:8.2f}x   (target >= 0.8x)')
+        if args.http:
+            rates, per_window = http_rate(target, args)
+            size = sum(os.path.getsize(p) for s in target.scenes for p in (s['image'], s['label']))
+            result['variants'][compress].update(http_windows_per_s=max(rates), http_bytes_per_window=per_window,
+                                                files_bytes=size, http_latency_ms=args.latency_ms)
+            print(f'[{compress:>7}] dataset over HTTP : {max(rates):8.1f} windows/s  (passes: '
+                  f'{", ".join(f"{v:.0f}" for v in rates)}; {per_window / 1024:.0f} KiB fetched per window, '
+                  f'files {size / 2 ** 20:.0f} MiB; +{args.latency_ms:g} ms per request)')
     import torch
     device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     rate, nbytes = device_step_rate(ds, args.micro_batch, args.windows, device)

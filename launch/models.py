@@ -18,7 +18,7 @@ from ds_seg.registry import MODELS, build
 from ds_seg.telemetry import forward_flops
 
 # Registered names that are building blocks rather than models with defaults.
-_NOT_A_MODEL = {'Segmentor'}
+_NOT_A_MODEL = {'Segmentor', 'TemporalSegmentor'}
 
 
 def zoo(name_filter=None):

@@ -7,8 +7,10 @@
 Per input ``<name>.tif`` it writes ``<name>_classes.tif``: uint8 class indices with the input's
 CRS, transform and size, tiled and ZSTD-compressed, 255 where the input is nodata, the class
 names in the tags and a colour table (opens coloured in QGIS); with ``--probs`` also
-``<name>_probs.tif`` (one uint8 band per class, probability x 250). Memory is bounded by a band
-of ``tile + block`` rows, not by the scene. ``--checkpoint`` takes a weights file from
+``<name>_probs.tif`` (one uint8 band per class, probability x 250); with ``--vector out.gpkg``
+(or ``.geojson``, ``.fgb``) also the class regions as polygons (``class_id``, ``class_name``,
+``area_m2``, ``mean_prob`` with ``--probs``; ``--simplify``, ``--min-area``, ``--exclude-classes``).
+Memory is bounded by a band of ``tile + block`` rows, not by the scene. ``--checkpoint`` takes a weights file from
 launch/export.py, a ``step_*`` folder, a checkpoints folder or a work dir.
 """
 import argparse
@@ -24,6 +26,7 @@ from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
                            check_window_options, expand_inputs, output_stems)
 from ds_seg.telemetry import format_eta
+from ds_seg.vectorize import add_vector_args, vector_outputs, vectorize_class_map
 
 
 def add_window_args(parser):
@@ -93,45 +96,69 @@ class Progress:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
-    parser.add_argument('--input', nargs='+', required=True, help='GeoTIFF scene(s), or folders of them')
+    parser.add_argument('--input', nargs='+', required=True,
+                        help='GeoTIFF scene(s), folders of them, or URLs; the dates of one scene '
+                             'joined by commas (a time series model)')
     parser.add_argument('--output', required=True, help='output folder')
     parser.add_argument('--probs', action='store_true', help='also write <name>_probs.tif')
     parser.add_argument('--overwrite', action='store_true', help='replace outputs that already exist')
     parser.add_argument('--accumulate-dtype', choices=('float32', 'float16'), default='float32',
                         help='host accumulators; float16 halves the band memory')
     add_window_args(parser)
+    add_vector_args(parser)
     args = parser.parse_args(argv)
     try:
         # Every check before any work: a refused command changes no file.
         windows = window_kwargs(args)
-        inputs = expand_inputs(args.input)
+        # 'a_may.tif,a_aug.tif': one scene of several dates (a time series model's input)
+        scenes = []
+        for item in args.input:
+            if ',' in item:
+                scenes.append(expand_inputs(item.split(',')))
+            else:
+                scenes += expand_inputs([item])
+        firsts = [s[0] if isinstance(s, list) else s for s in scenes]  # names outputs
+        inputs = [p for s in scenes for p in (s if isinstance(s, list) else [s])]
         check_checkpoint_option(args.checkpoint)
         check_output_folder(args.output)
-        stems = output_stems(inputs)
+        stems = output_stems(firsts)
         outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
                    for stem in stems]
         check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
+        vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite)
         device = setup(args)
         model, info = load_model(args.checkpoint, device)
         mean, std, bands = normalisation(args, info)
-        for path in inputs:
-            check_bands(path, bands, info['model'].get('in_channels'))
+        for scene in scenes:
+            dates = scene if isinstance(scene, list) else [scene]
+            channels = info['model'].get('in_channels')
+            for path in dates:  # the model's channels are the bands of every date
+                check_bands(path, bands, channels // len(dates) if channels else None)
         os.makedirs(args.output, exist_ok=True)
         t_all = time.perf_counter()
-        for path, (out, *rest) in zip(inputs, outputs):
+        for path, first, (out, *rest), vector in zip(scenes, firsts, outputs, vectors):
             probs = rest[0] if rest else None
+            if vector and os.path.exists(vector) and args.overwrite and distributed.is_main():
+                os.remove(vector)  # --overwrite said so
             with torch.inference_mode():
                 stats = predict_scene(model, path, out, mean=mean, std=std, bands=bands,
                                       classes=info['classes'], probs_path=probs, device=device,
                                       accumulate_dtype=args.accumulate_dtype,
-                                      progress=Progress(os.path.basename(path)), **windows)
+                                      progress=Progress(os.path.basename(first)), **windows)
             if distributed.is_main():
                 print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
                       f'{stats["windows"]} windows in {stats["seconds"]:.1f} s '
                       f'({stats["windows"] / max(stats["seconds"], 1e-9):.1f} windows/s)', flush=True)
+            if vector and distributed.is_main():  # the joined class map is complete here
+                t = time.perf_counter()
+                v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],
+                                        simplify=args.simplify, min_area=args.min_area,
+                                        exclude=args.exclude_classes)
+                print(f'[predict] {out} -> {vector} | {v["features"]} polygons in '
+                      f'{time.perf_counter() - t:.1f} s', flush=True)
         if distributed.is_main():
-            print(f'[predict] done: {len(inputs)} scene(s) in {time.perf_counter() - t_all:.1f} s')
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+            print(f'[predict] done: {len(scenes)} scene(s) in {time.perf_counter() - t_all:.1f} s')
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as exc:
         print(f'predict: error: {exc}', file=sys.stderr)
         return 2
     finally:

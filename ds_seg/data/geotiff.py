@@ -41,6 +41,7 @@ and normalising or flipping on the host costs a worker about as much as the read
 import bisect
 import contextlib
 import glob
+import hashlib
 import json
 import math
 import os
@@ -59,6 +60,9 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
+from .rare_class import class_index, class_probabilities
+from .stac import stac_scenes
+from .vector_labels import VectorLabels, is_vector
 from .transforms import (Compose, check_random_scale, decode_palette, default_palette_tolerance,
                          palette_lut, resize, scale_for_micro_step)
 
@@ -115,6 +119,56 @@ def _keep_large_buffers_in_heap():
 def _dtype_range(dtype):
     info = np.iinfo(dtype) if np.dtype(dtype).kind in 'iu' else np.finfo(dtype)
     return info.min, info.max
+
+
+# URL schemes GDAL reads through its virtual file systems: only the byte ranges of the blocks
+# under a window travel, so a 10 GB cloud-optimised GeoTIFF is never downloaded whole.
+_VSI_PREFIXES = {'http://': '/vsicurl/', 'https://': '/vsicurl/', 's3://': '/vsis3/',
+                 'gs://': '/vsigs/', 'az://': '/vsiaz/'}
+# What remote reads need, in one place (rasterio.Env around every remote open and read):
+REMOTE_GDAL_OPTIONS = dict(
+    GDAL_DISABLE_READDIR_ON_OPEN='EMPTY_DIR',  # no directory listing (one request, not hundreds)
+    CPL_VSIL_CURL_ALLOWED_EXTENSIONS='.tif,.tiff,.TIF,.TIFF,.vrt,.jp2,.img',  # no probes for .aux.xml, .ovr
+    VSI_CACHE=True, VSI_CACHE_SIZE=32 << 20,  # per-file cache of fetched ranges (header, IFDs)
+    GDAL_HTTP_MERGE_CONSECUTIVE_RANGES='YES',  # adjacent tiles of a window: one request
+    GDAL_HTTP_MULTIPLEX='YES',                 # HTTP/2: parallel ranges on one connection
+    GDAL_HTTP_MAX_RETRY=4, GDAL_HTTP_RETRY_DELAY=0.5,  # a 429/503 from object storage is transient
+)
+
+
+def is_remote(path):
+    """True for ``http(s)://``, ``s3://``, ``gs://``, ``az://`` URLs and ``/vsi*`` paths."""
+    path = os.fspath(path)
+    return path.startswith(tuple(_VSI_PREFIXES)) or path.startswith('/vsi')
+
+
+def gdal_path(path):
+    """The name GDAL opens: ``https://h/a.tif`` -> ``/vsicurl/https://h/a.tif``, ``s3://b/k`` ->
+    ``/vsis3/b/k``; local paths and ``/vsi*`` names unchanged.
+
+    Example::
+
+        assert gdal_path('s3://bucket/scene.tif') == '/vsis3/bucket/scene.tif'
+    """
+    path = os.fspath(path)
+    for scheme, prefix in _VSI_PREFIXES.items():
+        if path.startswith(scheme):
+            return prefix + (path if prefix == '/vsicurl/' else path[len(scheme):])
+    return path
+
+
+def raster_env(path):
+    """``rasterio.Env`` with :data:`REMOTE_GDAL_OPTIONS` for a remote path, else a no-op context.
+
+    Example::
+
+        with raster_env(url), rasterio.open(gdal_path(url)) as src:
+            block = src.read(1, window=Window(0, 0, 512, 512))
+    """
+    # A VRT (STAC bands stacked) may point at remote assets: its reads need the options too.
+    if is_remote(path) or os.fspath(path).lower().endswith('.vrt'):
+        return rasterio.Env(**REMOTE_GDAL_OPTIONS)
+    return contextlib.nullcontext()
 
 
 def file_identity(path, sample_bytes=1 << 16):
@@ -174,13 +228,13 @@ def label_histogram(path, band_rows=1024):
 
 
 def expand_paths(spec, what):
-    """A path, a glob or a list of either -> list of paths (each glob sorted)."""
+    """A path, a glob or a list of either -> list of paths (each glob sorted); URLs as given."""
     if isinstance(spec, (str, os.PathLike)):
         spec = [spec]
     paths = []
     for item in spec:
         item = os.fspath(item)
-        if glob.has_magic(item):
+        if glob.has_magic(item) and not is_remote(item):  # '?' in a URL is a query, not a glob
             matches = sorted(glob.glob(item))
             if not matches:
                 raise DataError(f"{what}: the pattern {item!r} matches no file")
@@ -200,7 +254,19 @@ def grid_starts(length, crop):
 
 
 def open_raster(path):
-    """``rasterio.open`` with the two user errors turned into one line naming the file."""
+    """``rasterio.open`` with the two user errors turned into one line naming the file.
+
+    URLs (:func:`is_remote`) open through GDAL's virtual file systems with
+    :data:`REMOTE_GDAL_OPTIONS`.
+    """
+    if is_remote(path):
+        try:
+            with raster_env(path), warnings.catch_warnings():
+                warnings.simplefilter('ignore', NotGeoreferencedWarning)
+                return rasterio.open(gdal_path(path))
+        except rasterio.errors.RasterioIOError as e:
+            raise DataError(f"{path}: cannot open (unreachable URL, no permission, or not a "
+                            f"raster): {e}") from e
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
     try:
@@ -209,6 +275,93 @@ def open_raster(path):
             return rasterio.open(path)
     except rasterio.errors.RasterioIOError as e:
         raise DataError(f"{path}: not a readable raster (corrupt or not an image): {e}") from e
+
+
+class StackedRaster:
+    """Co-registered rasters of one scene at several dates, read as one raster of T*C bands.
+
+    Bands are date-major: band ``t * C + b`` (1-based ``b``) is band ``b`` of date ``t``, the
+    layout :class:`GeoTiffScenes` yields for a time series and
+    :class:`~ds_seg.models.temporal.TemporalSegmentor` expects. Enough of a rasterio dataset
+    for whole-scene prediction (``count``, ``dtypes``, ``nodata``, ``profile``, ``read``,
+    ``dataset_mask``, ``mask_flag_enums``).
+
+    Example::
+
+        with StackedRaster(['may.tif', 'aug.tif']) as src:      # 2 dates x 4 bands
+            x = src.read(window=Window(0, 0, 256, 256))          # (8, 256, 256)
+    """
+
+    def __init__(self, paths):
+        self.paths = [os.fspath(p) for p in paths]
+        self.check(self.paths)
+        self._srcs = [open_raster(p) for p in self.paths]
+        first = self._srcs[0]
+        self.per_date = first.count
+        self.count = first.count * len(self._srcs)
+        self.dtypes = tuple(first.dtypes) * len(self._srcs)
+        self.nodata, self.height, self.width = first.nodata, first.height, first.width
+        self.crs, self.transform = first.crs, first.transform
+        self.mask_flag_enums = tuple(first.mask_flag_enums) * len(self._srcs)
+        self.profile = dict(first.profile, count=self.count)
+
+    @staticmethod
+    def check(paths):
+        """Refuse dates that are not on one grid (size, transform, CRS, band count)."""
+        grids = []
+        for p in paths:
+            with open_raster(p) as src:
+                grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.count))
+        for p, g in zip(paths[1:], grids[1:]):
+            if g != grids[0]:
+                raise DataError(f"{p} is not co-registered with {paths[0]} (size, transform, CRS or "
+                                f"band count differ: {g[:2]} {g[2]} {g[3]} {g[4]} vs {grids[0][:2]} "
+                                f"{grids[0][2]} {grids[0][3]} {grids[0][4]}); resample the dates onto one grid")
+
+    def read(self, indexes=None, window=None):
+        idx = list(range(1, self.count + 1)) if indexes is None else [int(i) for i in indexes]
+        out = []
+        for i in idx:
+            t, b = divmod(i - 1, self.per_date)
+            with raster_env(self.paths[t]):
+                out.append(self._srcs[t].read(b + 1, window=window))
+        return np.stack(out)
+
+    def dataset_mask(self, window=None):
+        masks = []
+        for p, s in zip(self.paths, self._srcs):
+            with raster_env(p):
+                masks.append(s.dataset_mask(window=window))
+        return np.minimum.reduce(masks)
+
+    def close(self):
+        for s in self._srcs:
+            s.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+@contextlib.contextmanager
+def open_scene(path):
+    """A whole scene for prediction: one raster (path or URL), or a list of dates stacked
+    (:class:`StackedRaster`); remote reads get :data:`REMOTE_GDAL_OPTIONS`.
+
+    Example::
+
+        with open_scene(['may.tif', 'aug.tif']) as src:
+            print(src.count, src.height, src.width)
+    """
+    if isinstance(path, (list, tuple)):
+        with StackedRaster(path) as src:
+            yield src
+        return
+    with raster_env(path), rasterio.open(gdal_path(path)) as src:
+        yield src
 
 
 def inspect_pair(image, label, palette=None):
@@ -249,7 +402,15 @@ class GeoTiffScenes(torch.utils.data.Dataset):
     """Crops of ``crop_size`` from image scenes paired with a label raster each.
 
     Args:
-        images, labels: paths or glob patterns (globs are sorted); paired by position.
+        images, labels: paths, URLs or glob patterns (globs are sorted); paired by position.
+            ``labels`` may be a vector file (``.gpkg``, ``.geojson``, ``.fgb``, ``.shp``), one
+            for all images or one each: rasterised per window in the image's grid.
+        stac, stac_bands, stac_label: instead of images/labels, a STAC Item or ItemCollection
+            (JSON file or URL), the image asset name(s) (one multi-band asset, or single-band
+            assets stacked in order) and the label asset name; see :mod:`ds_seg.data.stac`.
+        label_field: vector labels: the attribute with the class (index, or name in
+            ``classes``); None: every feature is class 1. ``label_fill``: class of pixels
+            under no feature (default 0; ``ignore_index`` to learn only from labelled areas).
         crop_size: int or (height, width) of every sample; smaller scenes are padded.
         mode: ``'random'`` or ``'grid'``; None: random for split 'train', grid otherwise.
         classes: tuple of class names or a class count; None: from ``stats.json`` next to the
@@ -273,6 +434,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         max_nodata_ratio: redraw a random window while more than this share is nodata/padding.
         boundary_ignore: pixels within this many pixels of a class boundary become ignore
             (ISPRS-style eroded evaluation computed on the fly).
+        sampling: ``'uniform'`` (positions uniform over the scenes' area) or ``'rare_class'``
+            (random mode: a class drawn with ``p ∝ exp((1 - f_c) / rare_class_temperature)``,
+            then a window holding one of its pixels; see :mod:`ds_seg.data.rare_class`).
         check_labels: how many label files (evenly spaced) are checked at construction with a
             decimated read, plus a one-block read of the image; None: all; 0: none.
 
@@ -283,21 +447,45 @@ class GeoTiffScenes(torch.utils.data.Dataset):
     Example::
 
         ds = GeoTiffScenes(['a.tif'], ['a_label.tif'], crop_size=256, classes=6, mode='grid')
+        buildings = GeoTiffScenes('tiles/*.tif', 'buildings.gpkg', label_field='class', classes=2)
+        remote = GeoTiffScenes(['https://host/scene_cog.tif'], ['s3://bucket/scene_label.tif'])
         assert ds[0]['image'].shape == (ds.in_channels, 256, 256)
         train = GeoTiffScenes('scenes/*_rgbn.tif', 'scenes/*_cls.tif', classes=('a', 'b'),
                               bands=[1, 2, 3, 4], random_scale=(0.5, 2.0), cat_max_ratio=0.75,
                               transforms=[dict(type='PhotoMetricDistortion')])
     """
 
-    def __init__(self, images, labels, crop_size=256, mode=None, split='train', classes=None,
+    def __init__(self, images=None, labels=None, crop_size=256, mode=None, split='train', classes=None,
                  mean=None, std=None, bands=None, ignore_index=255, seed=0, augment=None,
                  label_map=None, reduce_zero_label=False, palette=None, palette_ignore=(),
                  palette_tolerance=None, palette_max_unmatched=0.02, transforms=None,
                  random_scale=None, cat_max_ratio=None, max_nodata_ratio=None, max_retries=10,
-                 boundary_ignore=0, check_labels=16):
+                 boundary_ignore=0, check_labels=16, label_field=None, label_fill=0,
+                 sampling='uniform', rare_class_temperature=0.01, stac=None, stac_bands=None,
+                 stac_label='label'):
         configure_gdal_for_worker()
+        if stac is not None:
+            if images is not None or labels is not None:
+                raise ConfigError("give either `stac` or `images`/`labels`, not both")
+            if stac_bands is None:
+                raise ConfigError(f"stac={stac!r}: name the image asset(s) with `stac_bands` "
+                                  f"(one multi-band asset, or one asset per band)")
+            images, labels = stac_scenes(stac, stac_bands, stac_label)
+        if images is None or labels is None:
+            raise ConfigError("GeoTiffScenes needs `images` and `labels` (or `stac`)")
+        # A scene given as a list of paths is a time series: co-registered dates, stacked
+        # date-major (T x C bands read as T*C channels; see StackedRaster).
+        dates = None
+        if not isinstance(images, (str, os.PathLike)) and any(isinstance(i, (list, tuple)) for i in images):
+            dates = [[os.fspath(p) for p in ([i] if isinstance(i, (str, os.PathLike)) else i)] for i in images]
+            if len({len(d) for d in dates}) != 1:
+                raise DataError(f"images: every scene needs the same number of dates, got "
+                                f"{sorted({len(d) for d in dates})} (first scene {dates[0]})")
+            images = [d[0] for d in dates]
         images = expand_paths(images, 'images')
         labels = expand_paths(labels, 'labels')
+        if len(labels) == 1 and is_vector(labels[0]):
+            labels = labels * len(images)  # one vector layer labels every image
         if len(images) != len(labels):
             raise DataError(f"{len(images)} images but {len(labels)} labels: they are paired by "
                             f"position, give one label file per image (first image {images[0]!r})")
@@ -325,6 +513,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._world_size, self._micro_batch = 1, 1
 
         self._scenes = [self._inspect(img, lbl) for img, lbl in zip(images, labels)]
+        self.num_dates = 1 if dates is None else len(dates[0])
+        if dates is not None:
+            for s, d in zip(self._scenes, dates):
+                StackedRaster.check(d)
+                s['dates'] = tuple(d)
+        self.label_field, self.label_fill = label_field, int(label_fill)
+        self._vectors = self._load_vectors(classes)
         count = self._scenes[0]['count']
         for s in self._scenes:
             if s['count'] != count:
@@ -342,6 +537,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if classes is None and (label_map or reduce_zero_label) and 'classes' not in stats:
             raise ValueError("give `classes` when using label_map or reduce_zero_label: the class "
                              "count cannot be inferred from remapped values")
+        if classes is None and self._vectors and 'classes' not in stats:
+            classes = max([v.max_value for v in self._vectors.values()] +
+                          [self.label_fill if self.label_fill != self.ignore_index else -1]) + 1
         self.classes = self._resolve_classes(classes, stats)
         self.num_classes = len(self.classes)
         if 0 <= self.ignore_index < self.num_classes:
@@ -356,8 +554,18 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             self._palette_lut = palette_lut(self.palette, tol, palette_ignore, self.ignore_index)
             self.palette_max_unmatched = float(palette_max_unmatched)
         self._label_lut = self._build_label_lut(label_map, reduce_zero_label)
+        for v in self._vectors.values():
+            values = np.append(v.values, self.label_fill)
+            bad = (values < 0) | (values > 65535) | (self._label_lut[np.clip(values, 0, 65535)] < 0)
+            if bad.any():
+                raise DataError(f"labels {v.path}: value {values[bad][0]} (field {self.label_field!r} or "
+                                f"label_fill) is not a class index 0..{self.num_classes - 1} nor "
+                                f"ignore_index {self.ignore_index}; check `classes` or `label_map`")
         self._identity_labels = self.palette is None and not label_map and not reduce_zero_label
         self.mean, self.std = self._resolve_stats(mean, std, stats, images)
+        if self.num_dates > 1 and self.mean.size == self.in_channels:  # the same per band for every date
+            self.mean, self.std = np.tile(self.mean, self.num_dates), np.tile(self.std, self.num_dates)
+        self.in_channels = self.mean.size
         self.image_dtype = host_dtype(np.result_type(*[s['dtype'] for s in self._scenes]))
         # What padding, and nodata before a resize, are filled with: the band mean, i.e. 0
         # once normalised, so neither darkens the valid pixels a resize blends them with.
@@ -381,13 +589,44 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._handles = None  # opened lazily per process: rasterio handles cannot be pickled
         self._pid = None
         self._check_files(check_labels)
+        self._init_sampling(sampling, rare_class_temperature)
 
     # ------------------------------------------------------------------ construction helpers
     def _inspect(self, image, label):
+        if is_vector(label):
+            if self.palette is not None:
+                raise DataError(f"labels {label}: a vector file has no colours; drop `palette`")
+            with open_raster(image) as img:
+                masked = img.nodata is None and any(
+                    MaskFlags.per_dataset in f or MaskFlags.alpha in f for f in img.mask_flag_enums)
+                return dict(image=image, label=label, width=img.width, height=img.height,
+                            count=img.count, nodata=img.nodata, masked=masked, dtype=img.dtypes[0],
+                            floating=np.dtype(img.dtypes[0]).kind == 'f', vector=True,
+                            crs=img.crs, transform=img.transform)
         return inspect_pair(image, label, self.palette)
+
+    def _load_vectors(self, classes):
+        """Each vector label file read once per image CRS; scenes point at theirs by key."""
+        vectors = {}
+        for s in self._scenes:
+            if not s.get('vector'):
+                continue
+            key = (s['label'], s['crs'].to_wkt() if s['crs'] else None)
+            if key not in vectors:
+                names = classes if isinstance(classes, (list, tuple)) else None
+                vectors[key] = VectorLabels(s['label'], self.label_field, s['crs'], names)
+            s['vector_key'] = key
+        return vectors
+
+    def _vector_window(self, s, window):
+        v = self._vectors[s['vector_key']]
+        top = max(v.max_value, self.label_fill, self.ignore_index)
+        return v.rasterize(s['transform'], window, self.label_fill, 'uint8' if top < 256 else 'int32')
 
     @staticmethod
     def _stats_file(first_image):
+        if is_remote(first_image):
+            return {}
         path = os.path.join(os.path.dirname(os.path.abspath(first_image)), STATS_FILE)
         if os.path.exists(path):
             with open(path) as f:
@@ -433,12 +672,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     def _select(self, values, what):
         values = np.asarray(values, dtype=np.float64).reshape(-1)
-        if values.size == self.in_channels:
-            return values
+        if values.size in (self.in_channels, self.in_channels * self.num_dates):
+            return values  # per selected band, or per band of every date
         if values.size == self.num_file_bands:
             return values[np.array(self.bands) - 1]
         raise ValueError(f"{what} has {values.size} values; expected one per selected band "
-                         f"({self.in_channels}) or per file band ({self.num_file_bands})")
+                         f"({self.in_channels}), per file band ({self.num_file_bands}) or per "
+                         f"band and date ({self.in_channels * self.num_dates})")
 
     def _resolve_stats(self, mean, std, stats, images):
         if mean is None or std is None:
@@ -455,8 +695,14 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     def _cached_or_computed_stats(self, images):
         # Keyed to the files' identity, not their names: rewritten images get new statistics.
-        key = [file_identity(p) for p in images[:4]]
-        cache = os.path.join(os.path.dirname(key[0]['path']), STATS_CACHE_FILE)
+        # URLs have no local identity: their cache is a user cache keyed to the URLs.
+        key = [p if is_remote(p) else file_identity(p) for p in images[:4]]
+        if is_remote(images[0]):
+            digest = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
+            cache = os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg', f'stats-{digest}.json')
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+        else:
+            cache = os.path.join(os.path.dirname(key[0]['path']), STATS_CACHE_FILE)
         cached = _read_cache(cache)
         if cached.get('images') == key:
             return cached
@@ -505,6 +751,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     src.read(1, window=Window(s['width'] - 1, s['height'] - 1, 1, 1))
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{s['image']}: cannot be read (corrupt or truncated?): {e}") from e
+            if s.get('vector'):  # its class values were checked when it was read
+                continue
             f = max(1.0, max(s['height'], s['width']) / _CHECK_PIXELS)
             shape = (max(1, int(s['height'] / f)), max(1, int(s['width'] / f)))
             try:
@@ -542,8 +790,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         identity next to the labels, so later runs pay nothing."""
         cache_path = os.path.join(os.path.dirname(os.path.abspath(self._scenes[0]['label'])), LABELS_CACHE_FILE)
         cache = _read_cache(cache_path)
-        changed, labelled = False, 0
+        changed, labelled, checked = False, 0, 0
         for s in self._scenes:
+            # Vector labels were checked when read; remote ones are checked window by window
+            # (a full scan would download them whole).
+            if s.get('vector') or is_remote(s['label']):
+                continue
+            checked += 1
             ident = file_identity(s['label'])
             entry = cache.get(ident['path'])
             if entry is None or entry.get('identity') != ident:
@@ -566,7 +819,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     labelled += count
         if changed:
             _write_cache(cache_path, cache)
-        if labelled == 0:
+        if labelled == 0 and checked:
             raise DataError(f"{self._scenes[0]['label']}{' and the other label files' if len(self._scenes) > 1 else ''}: "
                             f"no pixel is labelled with a class (all are ignore_index {self.ignore_index}); "
                             "nothing can be learnt or measured from them; check the label files or `label_map`")
@@ -583,6 +836,39 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     left = xs[c - 1] + self.crop_w - x if c else 0
                     rows.append((i, y, x, max(top, 0), max(left, 0)))
         return np.array(rows, dtype=np.int64).reshape(-1, 5)
+
+    def _init_sampling(self, sampling, temperature):
+        if sampling not in ('uniform', 'rare_class'):
+            raise ConfigError(f"sampling={sampling!r}: use 'uniform' (positions uniform over the "
+                              f"scenes' area) or 'rare_class' (DAFormer rare-class sampling)")
+        self.sampling = sampling if self.mode == 'random' else 'uniform'
+        self._rcs_classes = None
+        if self.sampling != 'rare_class':
+            return
+        # An eighth of the crop: any window drawn around a candidate pixel holds ~64 grid
+        # points, so the grid finds every region a window could be centred on.
+        stride = max(1, min(self.crop_h, self.crop_w) // 8)
+        counts, self._rcs_locations = class_index(self, stride)
+        counts = np.where([len(loc) > 0 for loc in self._rcs_locations], counts, 0)
+        if not counts.any():
+            raise DataError(f"sampling='rare_class': no labelled pixel in the labels "
+                            f"({self._scenes[0]['label']}, ...); use sampling='uniform'")
+        p = class_probabilities(counts, temperature)
+        self.class_frequencies = counts / counts.sum()
+        self.class_probabilities = p
+        self._rcs_classes = np.flatnonzero(p > 0).tolist()
+        self._rcs_cdf = np.cumsum(p[self._rcs_classes]).tolist()
+
+    def _rare_class_window(self, rng, h, w):
+        """(scene, y, x) of an ``h`` x ``w`` window around a pixel of a class drawn by rarity."""
+        i = min(bisect.bisect_right(self._rcs_cdf, rng.random() * self._rcs_cdf[-1]),
+                len(self._rcs_classes) - 1)
+        locs = self._rcs_locations[self._rcs_classes[i]]
+        scene, py, px = (int(v) for v in locs[rng.randrange(len(locs))])
+        s = self._scenes[scene]
+        y = min(max(py - rng.randrange(h), 0), max(s['height'] - h, 0))
+        x = min(max(px - rng.randrange(w), 0), max(s['width'] - w, 0))
+        return scene, y, x
 
     # ------------------------------------------------------------------ sampling layout
     def set_sampling_layout(self, world_size, micro_batch):
@@ -612,9 +898,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             self._pid = os.getpid()
         src = self._handles.get(path)
         if src is None:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), raster_env(path):
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
-                src = rasterio.open(path)
+                src = rasterio.open(gdal_path(path))
             self._handles[path] = src
             if len(self._handles) > _MAX_OPEN_FILES:
                 self._handles.popitem(last=False)[1].close()
@@ -625,17 +911,20 @@ class GeoTiffScenes(torch.utils.data.Dataset):
     def _read(self, path, window, indexes, masks=False):
         try:
             src = self._open(path)
-            if masks:
-                return src.dataset_mask(window=window)
-            return src.read(indexes=indexes, window=window)
+            with raster_env(path):  # a no-op for local files
+                if masks:
+                    return src.dataset_mask(window=window)
+                return src.read(indexes=indexes, window=window)
         except Exception as e:  # a worker's traceback alone would not say which file broke
             raise RuntimeError(f"{path}: cannot read window {window}: {e}") from e
 
     @staticmethod
-    def _nodata_mask(raw_CHW, nodata):
+    def _nodata_mask(raw_CHW, nodata, dates=1):
+        # nodata on every band of any one date: that date is missing, the pixel is invalid
+        x = raw_CHW.reshape((dates, -1) + raw_CHW.shape[1:])
         if isinstance(nodata, float) and math.isnan(nodata):
-            return np.isnan(raw_CHW).all(axis=0)
-        return (raw_CHW == nodata).all(axis=0)
+            return np.isnan(x).all(axis=1).any(axis=0)
+        return (x == nodata).all(axis=1).any(axis=0)
 
     def _map_labels(self, raw):
         """File values -> int16 class indices, ignore_index, or -1 where not allowed."""
@@ -650,6 +939,23 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         out[inside] = self._label_lut[values[inside]]
         return out
 
+    def _read_label(self, s, window):
+        """Class indices (``ignore_index`` for off-palette colours) of ``window`` of scene ``s``:
+        a raster read, a palette decode or vector features rasterised in the image's grid."""
+        if self.palette is not None:
+            label = decode_palette(self._read(s['label'], window, [1, 2, 3]), self._palette_lut)
+            label[label < 0] = self.ignore_index  # off-palette noise: ignored, not an error
+        else:
+            label = self._map_labels(self._vector_window(s, window) if s.get('vector')
+                                     else self._read(s['label'], window, 1))
+            if label.min(initial=0) < 0:
+                raw_label = self._read(s['label'], window, 1)
+                raise ValueError(
+                    f"{s['label']}: label value {raw_label[label < 0].flat[0]} in window {window} is "
+                    f"not a class index 0..{self.num_classes - 1} nor ignore_index "
+                    f"{self.ignore_index}; check `classes` or remap the labels")
+        return label
+
     def _read_window(self, scene, y, x, h, w):
         """Image in file units, label, nodata mask (None: none) and nodata share of the ``h`` x
         ``w`` window at (y, x), padded past the scene's edge (padding counts as nodata).
@@ -661,26 +967,19 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         rh = min(h, s['height'] - y)
         rw = min(w, s['width'] - x)
         window = Window(int(x), int(y), int(rw), int(rh))
-        raw = self._read(s['image'], window, self.bands)
-        if self.palette is not None:
-            label = decode_palette(self._read(s['label'], window, [1, 2, 3]), self._palette_lut)
-            label[label < 0] = self.ignore_index  # off-palette noise: ignored, not an error
-        else:
-            label = self._map_labels(self._read(s['label'], window, 1))
-            if label.min(initial=0) < 0:
-                raw_label = self._read(s['label'], window, 1)
-                raise ValueError(
-                    f"{s['label']}: label value {raw_label[label < 0].flat[0]} in window {window} is "
-                    f"not a class index 0..{self.num_classes - 1} nor ignore_index "
-                    f"{self.ignore_index}; check `classes` or remap the labels")
+        paths = s.get('dates', (s['image'],))
+        raw = self._read(paths[0], window, self.bands)
+        if len(paths) > 1:
+            raw = np.concatenate([raw] + [self._read(p, window, self.bands) for p in paths[1:]])
+        label = self._read_label(s, window)
         invalid = None
         if s['nodata'] is not None:
-            invalid = self._nodata_mask(raw, s['nodata'])
+            invalid = self._nodata_mask(raw, s['nodata'], len(paths))
         if s['floating']:
             bad = ~np.isfinite(raw).all(axis=0)
             invalid = bad if invalid is None else invalid | bad
         if s['masked']:
-            bad = self._read(s['image'], window, None, masks=True) == 0
+            bad = np.logical_or.reduce([self._read(p, window, None, masks=True) == 0 for p in paths])
             invalid = bad if invalid is None else invalid | bad
         if raw.dtype != self.image_dtype:
             raw = raw.astype(self.image_dtype)
@@ -748,10 +1047,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         w = max(1, int(round(self.crop_w / scale)))
         retries = self.max_retries if (self.cat_max_ratio is not None or self.max_nodata_ratio is not None) else 0
         for attempt in range(retries + 1):
-            scene = min(bisect.bisect_right(self._scene_cdf, rng.random()), len(self._scenes) - 1)
-            s = self._scenes[scene]
-            y = rng.randrange(max(s['height'] - h, 0) + 1)
-            x = rng.randrange(max(s['width'] - w, 0) + 1)
+            if self._rcs_classes is not None:
+                scene, y, x = self._rare_class_window(rng, h, w)
+            else:
+                scene = min(bisect.bisect_right(self._scene_cdf, rng.random()), len(self._scenes) - 1)
+                s = self._scenes[scene]
+                y = rng.randrange(max(s['height'] - h, 0) + 1)
+                x = rng.randrange(max(s['width'] - w, 0) + 1)
             image, label, invalid, nodata_frac = self._read_window(scene, y, x, h, w)
             if attempt == retries or self._acceptable(label, nodata_frac):
                 break  # like mmseg: after the last retry, keep what we have

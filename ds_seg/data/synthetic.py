@@ -321,6 +321,33 @@ def generate_scene(rng, size, bands=3, dtype='uint8'):
     return np.ascontiguousarray(img.transpose(2, 0, 1).astype(dtype)), label
 
 
+def seasonal_date(image_CHW, label_HW, date, num_dates, dtype, rng):
+    """Date ``date`` of ``num_dates`` spread over a year: the same place, land cover unchanged.
+
+    Vegetation follows the season (greener and brighter in NIR in summer, redder when dry),
+    water a little, everything a per-date illumination, plus fresh sensor noise; roofs and
+    roads stay as they are. A time series of one scene for temporal models.
+
+    Example::
+
+        image, label = generate_scene(np.random.default_rng(0), 256, bands=4)
+        autumn = seasonal_date(image, label, 2, 4, 'uint8', np.random.default_rng(1))
+    """
+    phase = 2 * np.pi * date / num_dates
+    c = image_CHW.shape[0]
+    gain = np.ones((len(CLASSES), max(c, 4)), np.float32)
+    veg = (1 + 0.20 * np.sin(phase), 1 + 0.25 * np.cos(phase), 1 + 0.10 * np.sin(phase), 1 + 0.30 * np.cos(phase))
+    gain[GRASS, :4] = veg
+    gain[TREE, :4] = [1 + 0.5 * (g - 1) for g in veg]  # evergreen-ish canopy: half the swing
+    gain[WATER, :4] = 1 + 0.10 * np.cos(phase + 1)
+    g = gain[label_HW][..., :c].transpose(2, 0, 1)
+    scale = np.float32(DTYPE_SCALE[dtype])
+    x = image_CHW.astype(np.float32) / scale * g * np.float32(1 + 0.08 * np.sin(phase + 0.7))
+    x += rng.normal(0, 0.01, x.shape).astype(np.float32)
+    x = np.clip(x, 0, 1) * scale
+    return (x if dtype == 'float32' else np.rint(x)).astype(dtype)
+
+
 # ---------------------------------------------------------------------- files on disk
 def default_cache_dir():
     return os.environ.get('DS_SEG_CACHE') or os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg')
@@ -341,17 +368,20 @@ def _scene_rng(seed, split, index):
 
 
 def write_synthetic_scenes(root, split='train', num_scenes=8, scene_size=512, bands=3,
-                           dtype='uint8', seed=0, block_size=128):
+                           dtype='uint8', seed=0, block_size=128, dates=1):
     """Write (once) ``num_scenes`` scenes as GeoTIFFs under ``root/synthetic/<hash>/``.
 
     Returns the directory, holding ``image_NNN.tif``, ``label_NNN.tif``, ``stats.json`` and
-    ``params.json``. Concurrent callers (ranks, tests) are safe: each writes a private
+    ``params.json``; with ``dates > 1`` a seasonal series ``image_NNN_tK.tif`` per scene
+    instead of ``image_NNN.tif`` (:func:`seasonal_date`). Concurrent callers (ranks, tests) are safe: each writes a private
     temporary directory and renames it into place; the first rename wins, later ones discard
     theirs. A present directory is complete, because rename is atomic.
     """
     params = dict(version=GENERATOR_VERSION, split=split, num_scenes=int(num_scenes),
                   scene_size=int(scene_size), bands=int(bands), dtype=str(dtype), seed=int(seed),
                   block_size=int(block_size))
+    if int(dates) > 1:  # only then: single-date caches keep their names
+        params['dates'] = int(dates)
     digest = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
     parent = os.path.join(os.fspath(root), 'synthetic')
     target = os.path.join(parent, digest)
@@ -382,24 +412,31 @@ def _write_scenes(directory, p):
     common = dict(driver='GTiff', width=size, height=size, crs=CRS, tiled=True,
                   blockxsize=bs, blockysize=bs)  # uncompressed: the fastest window reads
     for i in range(p['num_scenes']):
-        image, label = generate_scene(_scene_rng(p['seed'], p['split'], i), size, bands, p['dtype'])
+        rng = _scene_rng(p['seed'], p['split'], i)
+        image, label = generate_scene(rng, size, bands, p['dtype'])
+        dates = p.get('dates', 1)
+        series = ([(f'image_{i:03d}.tif', image)] if dates == 1 else
+                  [(f'image_{i:03d}_t{t}.tif', seasonal_date(image, label, t, dates, p['dtype'], rng))
+                   for t in range(dates)])
         transform = from_origin(west0 + 1000 * i, 5_500_000, PIXEL_SIZE_M, PIXEL_SIZE_M)
         # Explicit photometric: with the default, a 4th band would be written as alpha.
         photometric = 'RGB' if bands == 3 else 'MINISBLACK'
-        with rasterio.open(os.path.join(directory, f'image_{i:03d}.tif'), 'w', count=bands,
-                           dtype=p['dtype'], transform=transform, photometric=photometric,
-                           interleave='pixel', **common) as dst:
-            dst.write(image)
-            dst.descriptions = tuple((['red', 'green', 'blue', 'nir']
-                                      + [f'extra_{k}' for k in range(bands)])[:bands])
+        for name, image in series:
+            with rasterio.open(os.path.join(directory, name), 'w', count=bands,
+                               dtype=p['dtype'], transform=transform, photometric=photometric,
+                               interleave='pixel', **common) as dst:
+                dst.write(image)
+                dst.descriptions = tuple((['red', 'green', 'blue', 'nir']
+                                          + [f'extra_{k}' for k in range(bands)])[:bands])
         with rasterio.open(os.path.join(directory, f'label_{i:03d}.tif'), 'w', count=1,
                            dtype='uint8', transform=transform, photometric='MINISBLACK',
                            **common) as dst:
             dst.write(label[None])
-        flat = image.reshape(bands, -1).astype(np.float64)
-        total += flat.sum(1)
-        total_sq += (flat * flat).sum(1)
-    n = p['num_scenes'] * size * size
+        for _, image in series:
+            flat = image.reshape(bands, -1).astype(np.float64)
+            total += flat.sum(1)
+            total_sq += (flat * flat).sum(1)
+    n = p['num_scenes'] * size * size * p.get('dates', 1)
     mean = total / n
     std = np.sqrt(np.maximum(total_sq / n - mean * mean, 0))
     with open(os.path.join(directory, STATS_FILE), 'w') as f:
@@ -418,7 +455,8 @@ class SyntheticAerial(GeoTiffScenes):
     ``bands`` (how many to generate: 3 RGB, 4 + NIR, more: mixtures, like multispectral),
     ``dtype`` ('uint8', 'uint16', 'float32'), and ``classes``: a subset of :data:`CLASSES`
     names, every unlisted class merged into the first listed one (e.g. ``('grass',
-    'building')`` is a binary building task). Other keyword arguments (``augment``,
+    'building')`` is a binary building task), ``dates``: a seasonal series of that many dates
+    per scene (T x ``bands`` channels, for :class:`~ds_seg.models.temporal.TemporalSegmentor`). Other keyword arguments (``augment``,
     ``random_scale``, ``transforms``, ``mean``, ...) go to :class:`GeoTiffScenes`.
 
     Example::
@@ -431,7 +469,7 @@ class SyntheticAerial(GeoTiffScenes):
 
     def __init__(self, split='train', num_scenes=None, scene_size=512, bands=3, dtype='uint8',
                  cache_dir=None, seed=0, crop_size=256, mode=None, ignore_index=255, classes=None,
-                 **kw):
+                 dates=1, **kw):
         if classes is not None:
             unknown = [c for c in classes if c not in CLASSES]
             if unknown or not classes:
@@ -444,13 +482,15 @@ class SyntheticAerial(GeoTiffScenes):
         self.directory = write_synthetic_scenes(
             cache_dir or default_cache_dir(), split=split, num_scenes=num_scenes,
             scene_size=scene_size, bands=bands, dtype=dtype, seed=seed,
-            block_size=_block_size(crop))
+            block_size=_block_size(crop), dates=dates)
         with open(os.path.join(self.directory, STATS_FILE)) as f:
             stats = json.load(f)
         kw.setdefault('mean', stats['mean'])
         kw.setdefault('std', stats['std'])
         super().__init__(
-            images=[os.path.join(self.directory, f'image_{i:03d}.tif') for i in range(num_scenes)],
+            images=[os.path.join(self.directory, f'image_{i:03d}.tif') if dates == 1 else
+                    [os.path.join(self.directory, f'image_{i:03d}_t{t}.tif') for t in range(dates)]
+                    for i in range(num_scenes)],
             labels=[os.path.join(self.directory, f'label_{i:03d}.tif') for i in range(num_scenes)],
             crop_size=crop_size, mode=mode, split=split,
             classes=CLASSES if classes is None else tuple(classes),

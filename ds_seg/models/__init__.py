@@ -6,6 +6,7 @@ from .unet import UNet, UNetTiny
 from . import backbones, heads  # noqa: F401,E402  (register BACKBONES and HEADS)
 from .segmentor import (FPN, DeepLabV3Plus, DeepLabV3PlusTiny, FPNTiny, SegFormer, SegFormerTiny, Segmentor,
                         UperNet, UperNetTiny, UperNetViT, UperNetViTTiny)
+from .temporal import TinyTemporalSegFormer, TemporalSegmentor  # noqa: E402
 
 __all__ = ['CombinedLoss', 'CrossEntropyLoss', 'DiceLoss', 'FocalLoss', 'OhemCrossEntropyLoss', 'segmentation_loss',
            'UNet', 'UNetTiny', 'Segmentor', 'SegFormer', 'SegFormerTiny', 'UperNetViT', 'UperNetViTTiny',

@@ -1,0 +1,128 @@
+"""A static file server on 127.0.0.1 that honours HTTP Range requests and counts bytes served.
+
+It stands in for object storage (S3, GCS, any HTTPS server of cloud-optimised GeoTIFFs) in the
+tests and in ``launch/data_benchmark.py --http``: GDAL's ``/vsicurl/`` reads the same way from
+it, one ranged GET per run of tiles, so the bytes it serves show what a window read costs.
+Path-style S3 requests (``/bucket/key``) work too, with ``AWS_S3_ENDPOINT`` pointing here.
+
+Example::
+
+    with RangeServer('scenes/') as server:
+        url = server.url('a.tif')          # http://127.0.0.1:<port>/a.tif
+        ...                                 # read windows of url
+        print(server.bytes_served, server.requests)
+"""
+import os
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+_RANGE = re.compile(r'^bytes=(\d*)-(\d*)$')
+
+
+class RangeServer:
+    """Serves ``root`` on 127.0.0.1 (an ephemeral port) from a background thread."""
+
+    def __init__(self, root, latency_s=0.0):
+        self.root = os.path.abspath(root)
+        self.latency_s = float(latency_s)
+        self.bytes_served = 0
+        self.requests = 0
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer(('127.0.0.1', 0), self._handler())
+        self._httpd.daemon_threads = True
+        self._thread = None
+
+    @property
+    def port(self):
+        return self._httpd.server_address[1]
+
+    def url(self, relpath):
+        return f'http://127.0.0.1:{self.port}/{relpath}'
+
+    def reset(self):
+        with self._lock:
+            self.bytes_served = self.requests = 0
+
+    def _count(self, n):
+        with self._lock:
+            self.bytes_served += n
+            self.requests += 1
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        return False
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = 'HTTP/1.1'  # keep-alive: one connection for many ranges
+
+            def log_message(self, *args):
+                pass
+
+            def _file(self):
+                rel = unquote(urlsplit(self.path).path).lstrip('/')
+                path = os.path.abspath(os.path.join(server.root, rel))
+                if not path.startswith(server.root + os.sep) or not os.path.isfile(path):
+                    return None
+                return path
+
+            def _not_found(self):
+                self.send_response(404)
+                self.send_header('Content-Length', '0')
+                self.end_headers()
+
+            def do_HEAD(self):
+                path = self._file()
+                if path is None:
+                    return self._not_found()
+                self.send_response(200)
+                self.send_header('Content-Length', str(os.path.getsize(path)))
+                self.send_header('Accept-Ranges', 'bytes')
+                self.end_headers()
+                server._count(0)
+
+            def do_GET(self):
+                path = self._file()
+                if path is None:
+                    return self._not_found()
+                if server.latency_s:
+                    threading.Event().wait(server.latency_s)
+                size = os.path.getsize(path)
+                start, end = 0, size - 1
+                m = _RANGE.match(self.headers.get('Range', ''))
+                if m and (m.group(1) or m.group(2)):
+                    if m.group(1):
+                        start = int(m.group(1))
+                        end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
+                    else:  # a suffix: the last N bytes
+                        start = max(size - int(m.group(2)), 0)
+                    if start >= size:
+                        self.send_response(416)
+                        self.send_header('Content-Range', f'bytes */{size}')
+                        self.send_header('Content-Length', '0')
+                        self.end_headers()
+                        return
+                    self.send_response(206)
+                    self.send_header('Content-Range', f'bytes {start}-{end}/{size}')
+                else:  # no range, or several (not supported): the whole file, as HTTP allows
+                    self.send_response(200)
+                n = end - start + 1
+                self.send_header('Content-Length', str(n))
+                self.send_header('Accept-Ranges', 'bytes')
+                self.end_headers()
+                with open(path, 'rb') as f:
+                    f.seek(start)
+                    self.wfile.write(f.read(n))
+                server._count(n)
+
+        return Handler

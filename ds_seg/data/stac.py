@@ -1,0 +1,116 @@
+"""STAC input: scenes from a STAC Item or ItemCollection, assets picked by name.
+
+Each item is one scene. Its image is one multi-band asset (``image_assets='visual'``) or
+several single-band assets stacked in the order given (``image_assets=['B04', 'B03', 'B02']``,
+Sentinel-2 style: one COG per band). Stacked bands become a small GDAL VRT that points at the
+assets, so windows are still read straight from each asset, over HTTP if that is where they
+are. The label is one asset (a class raster, or a vector file: see ``label_field``).
+
+Example::
+
+    ds = GeoTiffScenes(stac='https://host/catalog/items.json', stac_bands=['B04', 'B03', 'B02'],
+                       stac_label='labels', classes=('other', 'building'))
+"""
+import hashlib
+import os
+from xml.sax.saxutils import escape
+
+from ds_seg.config import ConfigError
+
+
+def _read_items(source):
+    import pystac
+    try:  # pystac's reader: local files and http(s) URLs alike
+        doc = pystac.StacIO.default().read_json(source)
+    except Exception as e:  # pystac wraps HTTP errors in a bare Exception
+        raise ConfigError(f"stac={source!r}: cannot read a STAC JSON document ({e})") from e
+    kind = doc.get('type')
+    if kind == 'Feature':
+        items = [pystac.Item.from_dict(doc)]
+    elif kind == 'FeatureCollection':
+        items = list(pystac.ItemCollection.from_dict(doc).items)
+    else:
+        raise ConfigError(f"stac={source!r}: expected a STAC Item or ItemCollection (GeoJSON "
+                          f"'Feature' or 'FeatureCollection'), found type {kind!r}")
+    if not items:
+        raise ConfigError(f"stac={source!r}: the ItemCollection holds no items")
+    base = source if source.startswith(('http://', 'https://')) else os.path.abspath(source)
+    for item in items:
+        item.set_self_href(None)
+        for asset in item.assets.values():  # relative hrefs are relative to the document
+            if '://' not in asset.href and not os.path.isabs(asset.href):
+                asset.href = (base.rsplit('/', 1)[0] + '/' + asset.href if '://' in base
+                              else os.path.join(os.path.dirname(base), asset.href))
+    return items
+
+
+def _asset(item, name, source, what):
+    if name not in item.assets:
+        raise ConfigError(f"stac={source!r}: item {item.id!r} has no asset {name!r} ({what}); its "
+                          f"assets are {', '.join(item.assets) or '(none)'}")
+    return item.assets[name].href
+
+
+def _stack_vrt(hrefs, item_id, cache_dir):
+    """A VRT whose band i is band 1 of ``hrefs[i]``; assets must share one grid."""
+    from .geotiff import gdal_path, open_raster
+    grids = []
+    for h in hrefs:
+        with open_raster(h) as src:
+            grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.dtypes[0],
+                          src.nodata))
+    w, hgt, transform, crs, dtype, nodata = grids[0]
+    for h, g in zip(hrefs[1:], grids[1:]):
+        if g[:4] != grids[0][:4]:
+            raise ConfigError(f"STAC item {item_id!r}: asset {h} ({g[0]}x{g[1]}, {g[2]}) is not on the "
+                              f"grid of {hrefs[0]} ({w}x{hgt}, {transform}); stack bands of one "
+                              f"resolution, or resample them first")
+    gdal_types = dict(uint8='Byte', uint16='UInt16', int16='Int16', uint32='UInt32', int32='Int32',
+                      float32='Float32', float64='Float64')
+    from rasterio import Affine
+    gt = Affine(*transform).to_gdal()
+    bands = []
+    for i, (h, g) in enumerate(zip(hrefs, grids), 1):
+        nd = f'<NoDataValue>{g[5]}</NoDataValue>' if g[5] is not None else ''
+        bands.append(
+            f'<VRTRasterBand dataType="{gdal_types[g[4]]}" band="{i}">{nd}<SimpleSource>'
+            f'<SourceFilename relativeToVRT="0">{escape(gdal_path(h))}</SourceFilename>'
+            f'<SourceBand>1</SourceBand><SrcRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/>'
+            f'<DstRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/></SimpleSource></VRTRasterBand>')
+    xml = (f'<VRTDataset rasterXSize="{w}" rasterYSize="{hgt}">'
+           f'<SRS>{escape(crs.to_wkt()) if crs else ""}</SRS>'
+           f'<GeoTransform>{", ".join(repr(float(v)) for v in gt)}</GeoTransform>{"".join(bands)}</VRTDataset>')
+    digest = hashlib.sha1(xml.encode()).hexdigest()[:12]
+    path = os.path.join(cache_dir, f'{item_id}_{digest}.vrt')
+    if not os.path.exists(path):
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f'{path}.{os.getpid()}.tmp'
+        with open(tmp, 'w') as f:
+            f.write(xml)
+        os.replace(tmp, path)
+    return path
+
+
+def stac_scenes(source, image_assets, label_asset, cache_dir=None):
+    """``(images, labels)`` paths or URLs, one pair per item of a STAC Item/ItemCollection.
+
+    Example::
+
+        images, labels = stac_scenes('items.json', ['red', 'green', 'blue'], 'label')
+    """
+    source = os.fspath(source)
+    items = _read_items(source)
+    if cache_dir is None:
+        local = not source.startswith(('http://', 'https://'))
+        folder = os.path.dirname(os.path.abspath(source)) if local else None
+        cache_dir = (os.path.join(folder, '.ds_seg_stac') if folder and os.access(folder, os.W_OK)
+                     else os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg', 'stac'))
+    names = [image_assets] if isinstance(image_assets, str) else list(image_assets)
+    if not names:
+        raise ConfigError(f"stac={source!r}: stac_bands names no asset")
+    images, labels = [], []
+    for item in items:
+        hrefs = [_asset(item, n, source, 'stac_bands') for n in names]
+        images.append(hrefs[0] if len(hrefs) == 1 else _stack_vrt(hrefs, item.id, cache_dir))
+        labels.append(_asset(item, label_asset, source, 'stac_label'))
+    return images, labels

@@ -1,0 +1,123 @@
+"""Vector labels (GeoPackage, GeoJSON, FlatGeobuf, Shapefile) rasterised per window, on the fly.
+
+The features are read once, reprojected to the image's CRS if theirs differs, and indexed with
+a shapely ``STRtree``; each window then rasterises only the features that intersect it, in the
+window's own grid (``rasterio.features.rasterize``, pixel-centre rule, later features drawn
+over earlier ones, as a whole-scene rasterisation in file order would). So a buildings layer
+needs no pre-rasterised label GeoTIFF, and a window costs its own features, not the scene's.
+
+Used by :class:`~ds_seg.data.GeoTiffScenes` when ``labels`` names a vector file::
+
+    ds = GeoTiffScenes('tiles/*.tif', labels='buildings.gpkg', label_field='class', classes=3)
+"""
+import os
+
+import numpy as np
+import rasterio
+from rasterio.features import rasterize
+
+from ds_seg.config import ConfigError
+
+VECTOR_EXTENSIONS = ('.gpkg', '.geojson', '.json', '.fgb', '.shp', '.parquet')
+
+
+def is_vector(path):
+    """True when ``path`` names a vector file (by its extension)."""
+    return os.fspath(path).lower().split('?')[0].endswith(VECTOR_EXTENSIONS)
+
+
+class VectorLabels:
+    """The features of one vector file, in one target CRS, with a class value each.
+
+    Args:
+        path: vector file (local or a URL GDAL reads).
+        field: attribute holding the class: integers (class indices) or names (looked up in
+            ``classes``); None: every feature is class 1 (binary, e.g. buildings).
+        crs: the image CRS the geometries are brought to (None: taken as they are).
+        classes: class names, for name-valued fields.
+
+    Example::
+
+        v = VectorLabels('buildings.gpkg', 'class', crs=src.crs, classes=('bg', 'building'))
+        label_HW = v.rasterize(src.transform, Window(0, 0, 256, 256), fill=0, dtype='uint8')
+    """
+
+    def __init__(self, path, field=None, crs=None, classes=None):
+        import pyogrio
+        import pyogrio.raw
+        import shapely
+        self.path = os.fspath(path)
+        what = f"labels {self.path}"
+        try:
+            info = pyogrio.read_info(self.path)
+        except Exception as e:  # pyogrio's DataSourceError and friends: not a readable vector
+            raise ConfigError(f"{what}: cannot read it as a vector file ({e})") from e
+        fields = list(info['fields'])
+        if field is not None and field not in fields:
+            raise ConfigError(f"{what}: no field {field!r}; its fields are "
+                              f"{', '.join(fields) or '(none)'}; set label_field to one of them")
+        meta, _, wkb, data = pyogrio.raw.read(self.path, columns=[] if field is None else [field])
+        geoms = shapely.from_wkb(wkb)
+        keep = ~shapely.is_missing(geoms) & ~shapely.is_empty(geoms)
+        geoms = geoms[keep]
+        if field is None:
+            values = np.ones(len(geoms), np.int64)
+        else:
+            raw = data[0][keep]
+            if raw.dtype.kind in 'iu' or (raw.dtype.kind == 'f' and np.all(np.mod(raw, 1) == 0)):
+                values = raw.astype(np.int64)
+            else:
+                names = [str(v) for v in raw]
+                if classes is None:
+                    raise ConfigError(f"{what}: field {field!r} holds names ({names[0]!r}, ...); "
+                                      f"give `classes` so they can be mapped to class indices")
+                unknown = sorted(set(names) - set(classes))
+                if unknown:
+                    raise ConfigError(f"{what}: field {field!r} has value(s) {unknown[:5]} that are "
+                                      f"not in classes {list(classes)}")
+                index = {n: i for i, n in enumerate(classes)}
+                values = np.array([index[n] for n in names], np.int64)
+        src_crs = meta.get('crs')
+        if crs is not None and src_crs and rasterio.crs.CRS.from_user_input(src_crs) != crs:
+            geoms = _reproject(geoms, rasterio.crs.CRS.from_user_input(src_crs), crs)
+        self.geoms, self.values = geoms, values
+        self._tree = None
+
+    @property
+    def max_value(self):
+        return int(self.values.max(initial=-1))
+
+    def __getstate__(self):  # the tree is rebuilt where it is used (cheap, and not picklable)
+        state = self.__dict__.copy()
+        state['_tree'] = None
+        return state
+
+    def rasterize(self, transform, window, fill, dtype):
+        """Class values of ``window`` (a rasterio Window of the image grid ``transform``)."""
+        import shapely
+        if self._tree is None:
+            self._tree = shapely.STRtree(self.geoms)
+        shape = (int(window.height), int(window.width))
+        t = transform
+        x0, y0 = window.col_off, window.row_off
+        # The window's footprint: its four corners in map coordinates (any rotation).
+        corners = [(t.a * x + t.b * y + t.c, t.d * x + t.e * y + t.f)
+                   for x, y in ((x0, y0), (x0 + shape[1], y0), (x0 + shape[1], y0 + shape[0]), (x0, y0 + shape[0]))]
+        hits = np.sort(self._tree.query(shapely.Polygon(corners), predicate='intersects'))  # file order: later on top
+        if not len(hits):
+            return np.full(shape, fill, dtype)
+        win_transform = t @ rasterio.Affine.translation(x0, y0)
+        return rasterize(zip(self.geoms[hits], self.values[hits].tolist()), out_shape=shape,
+                         transform=win_transform, fill=fill, dtype=dtype)
+
+
+def _reproject(geoms, src_crs, dst_crs):
+    """Geometries from ``src_crs`` to ``dst_crs`` (GDAL's transformer, all vertices at once)."""
+    import shapely
+    from rasterio.warp import transform as warp
+
+    def move(xy):
+        x, y = warp(src_crs, dst_crs, xy[:, 0], xy[:, 1])
+        return np.column_stack([x, y])
+
+    return shapely.transform(geoms, move)

@@ -1,0 +1,97 @@
+"""Rare-class sampling: windows follow DAFormer's class distribution, deterministically."""
+import glob
+import os
+
+import numpy as np
+import pytest
+import rasterio
+import torch
+from rasterio.transform import from_origin
+
+from ds_seg.config import ConfigError
+from ds_seg.data import GeoTiffScenes
+from ds_seg.data import rare_class
+from ds_seg.data.rare_class import class_probabilities
+
+N = 200
+
+
+@pytest.fixture
+def scene(tmp_path):
+    """Class 0: 60%, 1: 30%, 2: 9.5%, 3: 0.5% (eight 5x5 blobs) of a 200 x 200 scene."""
+    label = np.zeros((N, N), np.uint8)
+    label[:, 120:180] = 1
+    label[:, 181:200] = 2
+    label[:, 180] = 2
+    for k in range(8):
+        y, x = 15 + 22 * k, 10 + 13 * k
+        label[y:y + 5, x:x + 5] = 3
+    counts = np.bincount(label.ravel(), minlength=4)
+    assert counts[3] == 200 and counts[3] / label.size == 0.005
+    common = dict(driver='GTiff', width=N, height=N, crs='EPSG:32632', transform=from_origin(0, 0, 1, 1),
+                  tiled=True, blockxsize=64, blockysize=64)
+    img = np.random.default_rng(0).integers(0, 256, (3, N, N), dtype=np.uint8)
+    with rasterio.open(tmp_path / 'img.tif', 'w', count=3, dtype='uint8', photometric='RGB', **common) as d:
+        d.write(img)
+    with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, dtype='uint8', **common) as d:
+        d.write(label[None])
+    return dict(tmp=tmp_path, img=str(tmp_path / 'img.tif'), lbl=str(tmp_path / 'lbl.tif'),
+                counts=counts, label=label)
+
+
+def _ds(scene, **kw):
+    return GeoTiffScenes([scene['img']], [scene['lbl']], classes=4, mean=[127.5] * 3, std=[73.9] * 3,
+                         mode='random', **kw)
+
+
+def test_class_shares_of_windows_follow_the_target(scene):
+    # 1-pixel windows: a window's class is exactly the class drawn for it.
+    ds = _ds(scene, crop_size=1, sampling='rare_class', rare_class_temperature=0.1, augment=False)
+    target = class_probabilities(scene['counts'], 0.1)
+    np.testing.assert_allclose(ds.class_probabilities, target)
+    np.testing.assert_allclose(ds.class_frequencies, scene['counts'] / scene['counts'].sum())
+    n = 3000
+    labels = np.array([int(ds[i]['label']) for i in range(n)])
+    shares = np.bincount(labels, minlength=4) / n
+    # 4 binomial standard deviations of the largest share (p ~ 0.6: 0.009)
+    np.testing.assert_allclose(shares, target, atol=0.035)
+    assert target[3] > 0.6 and shares[0] < 0.05  # the 0.5% class is drawn most, the 60% one least
+
+
+def test_rare_class_windows_are_deterministic_equal_shaped_and_cached(scene, monkeypatch):
+    rare = _ds(scene, crop_size=32, sampling='rare_class', random_scale=(0.5, 1.5))
+    uniform = _ds(scene, crop_size=32, random_scale=(0.5, 1.5))
+    n = 200
+    has_rare = np.mean([bool((rare[i]['label'] == 3).any()) for i in range(n)])
+    by_chance = np.mean([bool((uniform[i]['label'] == 3).any()) for i in range(n)])
+    assert has_rare > 0.97 and by_chance < 0.6, (has_rare, by_chance)
+    assert {tuple(rare[i]['label'].shape) for i in range(20)} == {(32, 32)}
+    cache = glob.glob(os.path.join(scene['tmp'], '.ds_seg_classes_*.npz'))
+    assert len(cache) == 1
+
+    def no_rebuild(*args):
+        raise AssertionError('the class index was rebuilt instead of read from the cache')
+    monkeypatch.setattr(rare_class, '_build', no_rebuild)
+    again = _ds(scene, crop_size=32, sampling='rare_class', random_scale=(0.5, 1.5))
+    np.testing.assert_array_equal(again.class_frequencies, rare.class_frequencies)
+    for i in (0, 7, 199):  # a sample is a function of (seed, index): resume and ranks rely on it
+        a, b = rare[i], again[i]
+        assert torch.equal(a['image'], b['image']) and torch.equal(a['label'], b['label'])
+    other = _ds(scene, crop_size=32, sampling='rare_class', random_scale=(0.5, 1.5), seed=1)
+    assert not torch.equal(other[0]['image'], rare[0]['image'])
+
+
+def test_unknown_sampling_is_one_line(scene):
+    with pytest.raises(ConfigError, match="sampling='rare'"):
+        _ds(scene, crop_size=32, sampling='rare')
+
+
+def test_config_key_turns_it_on(tmp_path):
+    from ds_seg.config import load_config
+    from ds_seg.registry import DATASETS, build
+    from tests.tiny import TINY_CONFIG
+    cfg = load_config(TINY_CONFIG, [f'data.train.cache_dir={str(tmp_path)!r}', "data.train.sampling='rare_class'"])
+    ds = build(DATASETS, dict(cfg.data.train), where='data.train', crop_size=32, seed=0)
+    f, p = ds.class_frequencies, ds.class_probabilities
+    present = np.flatnonzero(f > 0)
+    assert ds.sampling == 'rare_class' and p.argmax() == present[f[present].argmin()]

@@ -1,0 +1,92 @@
+"""STAC input: an ItemCollection of single-band assets reads like the stacked GeoTIFFs."""
+import datetime
+import json
+import os
+
+import numpy as np
+import pystac
+import pytest
+import rasterio
+import torch
+from rasterio.transform import from_origin
+
+from ds_seg.config import ConfigError
+from ds_seg.data import GeoTiffScenes
+from ds_seg.data.rangeserver import RangeServer
+
+BANDS = ['red', 'green', 'blue']
+KW = dict(crop_size=48, classes=3, mean=[127.5] * 3, std=[73.9] * 3, seed=1)
+
+
+@pytest.fixture(scope='module')
+def catalogue(tmp_path_factory):
+    """Two items, each with red/green/blue single-band COG-like assets and a label asset (relative
+    hrefs), written with pystac; plus the same scenes as stacked 3-band GeoTIFFs for reference."""
+    tmp = tmp_path_factory.mktemp('stac')
+    rng = np.random.default_rng(0)
+    items, stacked, labels = [], [], []
+    for k, (h, w) in enumerate([(100, 90), (80, 120)]):
+        common = dict(driver='GTiff', width=w, height=h, crs='EPSG:32633',
+                      transform=from_origin(400000 + 1000 * k, 5600000, 1.0, 1.0), tiled=True,
+                      blockxsize=32, blockysize=32)
+        img = rng.integers(0, 256, (3, h, w), dtype=np.uint8)
+        lbl = rng.integers(0, 3, (1, h, w), dtype=np.uint8)
+        item = pystac.Item(id=f'scene{k}', geometry=None, bbox=None, properties={},
+                           datetime=datetime.datetime(2024, 5, 1 + k))
+        for b, name in enumerate(BANDS):
+            path = tmp / f'scene{k}_{name}.tif'
+            with rasterio.open(path, 'w', count=1, dtype='uint8', **common) as d:
+                d.write(img[b:b + 1])
+            item.add_asset(name, pystac.Asset(href=path.name, media_type=pystac.MediaType.COG))
+        with rasterio.open(tmp / f'scene{k}_label.tif', 'w', count=1, dtype='uint8', **common) as d:
+            d.write(lbl)
+        item.add_asset('label', pystac.Asset(href=f'scene{k}_label.tif', roles=['labels']))
+        with rasterio.open(tmp / f'scene{k}_rgb.tif', 'w', count=3, dtype='uint8', photometric='RGB',
+                           **common) as d:
+            d.write(img)
+        items.append(item)
+        stacked.append(str(tmp / f'scene{k}_rgb.tif'))
+        labels.append(str(tmp / f'scene{k}_label.tif'))
+    collection = pystac.ItemCollection(items)
+    with open(tmp / 'items.json', 'w') as f:
+        json.dump(collection.to_dict(transform_hrefs=False), f)
+    with open(tmp / 'item0.json', 'w') as f:
+        json.dump(items[0].to_dict(transform_hrefs=False), f)
+    return dict(tmp=tmp, stacked=stacked, labels=labels)
+
+
+def _assert_same(a, b, n=6):
+    assert len(a) == len(b) and a.scenes[0]['width'] == b.scenes[0]['width']
+    for i in range(n):
+        x, y = a[i], b[i]
+        assert torch.equal(x['image'], y['image']) and torch.equal(x['label'], y['label']), i
+
+
+def test_stac_item_collection_equals_stacked_files(catalogue):
+    ref = GeoTiffScenes(catalogue['stacked'], catalogue['labels'], mode='grid', **KW)
+    ds = GeoTiffScenes(stac=str(catalogue['tmp'] / 'items.json'), stac_bands=BANDS, stac_label='label',
+                       mode='grid', **KW)
+    _assert_same(ref, ds, n=len(ref))
+    one = GeoTiffScenes(stac=str(catalogue['tmp'] / 'item0.json'), stac_bands=BANDS, mode='random', **KW)
+    _assert_same(GeoTiffScenes(catalogue['stacked'][:1], catalogue['labels'][:1], mode='random', **KW), one)
+    # one asset of several bands, no VRT: the stacked file itself
+    single = GeoTiffScenes(stac=str(catalogue['tmp'] / 'items.json'), stac_bands='red', mode='grid',
+                           crop_size=48, classes=3, mean=[127.5], std=[73.9])
+    assert single.scenes[0]['image'].endswith('scene0_red.tif')
+
+
+def test_stac_over_http(catalogue):
+    with RangeServer(catalogue['tmp']) as server:
+        ds = GeoTiffScenes(stac=server.url('items.json'), stac_bands=BANDS, mode='random', **KW)
+        assert ds.scenes[0]['label'].startswith('http://127.0.0.1')
+        ref = GeoTiffScenes(catalogue['stacked'], catalogue['labels'], mode='random', **KW)
+        _assert_same(ref, ds)
+        assert server.requests > 0
+        with pytest.raises(ConfigError, match='nothing.json'):
+            GeoTiffScenes(stac=server.url('nothing.json'), stac_bands=BANDS, **KW)
+
+
+def test_missing_asset_names_the_assets(catalogue):
+    with pytest.raises(ConfigError, match=r"no asset 'nir' \(stac_bands\); its assets are red, green, blue, label"):
+        GeoTiffScenes(stac=str(catalogue['tmp'] / 'items.json'), stac_bands=['red', 'nir'], **KW)
+    assert os.path.exists(catalogue['tmp'] / 'items.json')

@@ -1,0 +1,115 @@
+"""Vector labels rasterised per window equal labels rasterised once for the whole scene."""
+import numpy as np
+import pyogrio.raw
+import pytest
+import rasterio
+import shapely
+import torch
+from rasterio.features import rasterize
+from rasterio.transform import from_origin
+
+from ds_seg.config import ConfigError
+from ds_seg.data import GeoTiffScenes
+
+H, W = 300, 260
+TRANSFORM = from_origin(500000.0, 5700000.0, 0.5, 0.5)
+NAMES = ['background', 'building', 'road', 'water']
+
+
+def _features(rng, n=40):
+    """Boxes, rotated boxes and a ring (with its hole), overlapping, some past the scene edge."""
+    x0, y0 = TRANSFORM.c, TRANSFORM.f
+    geoms, cls = [], []
+    for _ in range(n):
+        cx, cy = x0 + rng.uniform(-10, W * 0.5 + 10), y0 - rng.uniform(-10, H * 0.5 + 10)
+        g = shapely.box(cx, cy, cx + rng.uniform(2, 25), cy + rng.uniform(2, 25))
+        if rng.random() < 0.5:
+            g = shapely.affinity.rotate(g, rng.uniform(0, 90))
+        geoms.append(g)
+        cls.append(int(rng.integers(1, 4)))
+    geoms.append(shapely.Point(x0 + 60, y0 - 60).buffer(30).difference(shapely.Point(x0 + 60, y0 - 60).buffer(12)))
+    cls.append(3)
+    return geoms, np.array(cls)
+
+
+def _write_vector(path, geoms, fields, crs='EPSG:32632'):
+    pyogrio.raw.write(str(path), shapely.to_wkb(np.array(geoms, dtype=object)),
+                      field_data=list(fields.values()), fields=list(fields), crs=crs,
+                      driver='GPKG', geometry_type='Unknown')
+    return str(path)
+
+
+@pytest.fixture
+def scene(tmp_path):
+    import shapely.affinity  # noqa: F401
+    rng = np.random.default_rng(0)
+    geoms, cls = _features(rng)
+    img = rng.integers(0, 256, (3, H, W), dtype=np.uint8)
+    common = dict(driver='GTiff', width=W, height=H, crs='EPSG:32632', transform=TRANSFORM)
+    with rasterio.open(tmp_path / 'img.tif', 'w', count=3, dtype='uint8', photometric='RGB', **common) as dst:
+        dst.write(img)
+    # The reference: the whole scene rasterised once, in file order (later features on top).
+    ref = rasterize(zip(geoms, cls.tolist()), out_shape=(H, W), transform=TRANSFORM, fill=0, dtype='uint8')
+    with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, dtype='uint8', **common) as dst:
+        dst.write(ref[None])
+    vec = _write_vector(tmp_path / 'labels.gpkg', geoms,
+                        {'class': cls.astype(np.int32), 'name': np.array([NAMES[c] for c in cls], object)})
+    return dict(tmp=tmp_path, img=str(tmp_path / 'img.tif'), lbl=str(tmp_path / 'lbl.tif'), vec=vec,
+                geoms=geoms, cls=cls, ref=ref)
+
+
+KW = dict(crop_size=64, classes=NAMES, mean=[127.5] * 3, std=[73.9] * 3)
+
+
+@pytest.mark.parametrize('field', ['class', 'name'])
+def test_vector_labels_equal_prerasterised_labels_window_by_window(scene, field):
+    assert len(np.unique(scene['ref'])) == 4
+    raster = GeoTiffScenes([scene['img']], [scene['lbl']], mode='grid', **KW)
+    vector = GeoTiffScenes([scene['img']], scene['vec'], label_field=field, mode='grid', **KW)
+    assert len(raster) == len(vector)
+    for i in range(len(raster)):
+        assert torch.equal(raster[i]['label'], vector[i]['label']), i
+    raster = GeoTiffScenes([scene['img']], [scene['lbl']], mode='random', boundary_ignore=2, **KW)
+    vector = GeoTiffScenes([scene['img']], scene['vec'], label_field=field, mode='random',
+                           boundary_ignore=2, **KW)
+    for i in range(20):
+        a, b = raster[i], vector[i]
+        assert torch.equal(a['label'], b['label']) and torch.equal(a['image'], b['image']), i
+    assert (b['label'] == 255).any()  # boundary ignore applies to vector labels too
+
+
+def test_vector_labels_in_another_crs_are_reprojected(scene):
+    from rasterio.warp import transform as warp
+    moved = shapely.transform(np.array(scene['geoms'], dtype=object), lambda xy: np.column_stack(
+        warp('EPSG:32632', 'EPSG:4326', xy[:, 0], xy[:, 1])))
+    vec = _write_vector(scene['tmp'] / 'wgs84.gpkg', moved, {'class': scene['cls'].astype(np.int32)},
+                        crs='EPSG:4326')
+    ds = GeoTiffScenes([scene['img']], vec, label_field='class', mode='grid', crop_size=(H, W),
+                       classes=NAMES, mean=[127.5] * 3, std=[73.9] * 3)
+    agree = (ds[0]['label'].numpy() == scene['ref']).mean()
+    assert agree > 0.995, agree  # only pixels whose centre sits on a reprojected edge differ
+
+
+def test_bad_vector_labels_are_one_line(scene):
+    with pytest.raises(ConfigError, match="no field 'klass'; its fields are class, name"):
+        GeoTiffScenes([scene['img']], scene['vec'], label_field='klass', **KW)
+    with pytest.raises(ConfigError, match=r"not in classes"):
+        GeoTiffScenes([scene['img']], scene['vec'], label_field='name', crop_size=64,
+                      classes=['background', 'building'], mean=[0] * 3, std=[1] * 3)
+    with pytest.raises(ConfigError, match=r"value [23] .* not a class index 0..1"):
+        GeoTiffScenes([scene['img']], scene['vec'], label_field='class', crop_size=64, classes=2,
+                      mean=[0] * 3, std=[1] * 3)
+
+
+def test_whole_scene_evaluation_reads_vector_labels_like_rasters(scene):
+    from ds_seg.inference import evaluate_scenes
+
+    def model(images_BCHW):  # position-independent: class from the first band's value
+        cls = (images_BCHW[:, 0] * 3).round().long().remainder(4)
+        return torch.nn.functional.one_hot(cls, 4).permute(0, 3, 1, 2).float()
+
+    kw = dict(tile=64, overlap=16, batch_size=4, erode_boundary=1, rank=0, world_size=1)
+    raster = evaluate_scenes(model, GeoTiffScenes([scene['img']], [scene['lbl']], mode='grid', **KW), **kw)
+    vector = evaluate_scenes(model, GeoTiffScenes([scene['img']], scene['vec'], label_field='class',
+                                                  mode='grid', **KW), **kw)
+    assert torch.equal(raster['confusion'], vector['confusion']) and raster['confusion'].sum() > 0

@@ -1,0 +1,159 @@
+"""Polygon output: class map GeoTIFF -> GeoPackage/GeoJSON/FlatGeobuf, polygonised by row bands."""
+import json
+
+import cv2
+import numpy as np
+import pyogrio
+import pyogrio.raw
+import pytest
+import rasterio
+import shapely
+from rasterio.features import rasterize
+from rasterio.transform import from_origin
+
+from ds_seg.vectorize import vectorize_class_map
+from tests.distributed.test_inference import exported  # noqa: F401  (a pytest fixture)
+
+CLASSES = ['background', 'building', 'road', 'tree']
+PIXEL = 0.5  # metres
+
+
+def _class_map(h=150, w=130, seed=0):
+    """Blobs of 4 classes with holes, one snake spanning every band, and nodata."""
+    rng = np.random.default_rng(seed)
+    noise = cv2.GaussianBlur(rng.random((h, w)).astype(np.float32), (0, 0), 4)
+    q = np.quantile(noise, [0.3, 0.55, 0.8])
+    cls = np.digitize(noise, q).astype(np.uint8)
+    cls[:, 60:63] = 2                    # a vertical road through every band
+    cls[40:80, 90:120] = 1               # a building ring around a tree hole crossing a band edge
+    cls[50:70, 100:110] = 3
+    cls[0:5, 0:40] = 255                 # nodata
+    return cls
+
+
+def _write(path, arr, classes=CLASSES, crs='EPSG:32632'):
+    profile = dict(driver='GTiff', height=arr.shape[-2], width=arr.shape[-1], count=1 if arr.ndim == 2 else arr.shape[0],
+                   dtype='uint8', crs=crs, transform=from_origin(500000.0, 5700000.0, PIXEL, PIXEL), nodata=255)
+    with rasterio.open(path, 'w', **profile) as dst:
+        dst.write(arr, 1) if arr.ndim == 2 else dst.write(arr)
+        dst.update_tags(classes=json.dumps(classes))
+    return path
+
+
+def _components(cls):
+    """(class, pixel count, mask) of every 4-connected region of one class, nodata excluded."""
+    out = []
+    for c in np.unique(cls[cls != 255]):
+        k, lab = cv2.connectedComponents((cls == c).astype(np.uint8), connectivity=4)
+        for i in range(1, k):
+            out.append((int(c), lab == i))
+    return out
+
+
+@pytest.mark.parametrize('ext', ['gpkg', 'fgb', 'geojson'])
+def test_polygons_rasterise_back_to_the_class_map_across_bands(tmp_path, ext):
+    cls = _class_map()
+    src = _write(tmp_path / 'a_classes.tif', cls)
+    out = tmp_path / f'a.{ext}'
+    info = vectorize_class_map(src, str(out), band_rows=16)  # 150 rows: 10 bands
+    _, _, geometry, fields = pyogrio.raw.read(out)
+    meta = pyogrio.read_info(out)
+    geoms = shapely.from_wkb(geometry)
+    class_id, names, area = fields[0], fields[1], fields[2]
+    with rasterio.open(src) as s:
+        transform, crs = s.transform, s.crs
+    assert rasterio.crs.CRS.from_user_input(meta['crs']) == crs
+    back = rasterize(zip(geoms, class_id.tolist()), out_shape=cls.shape, transform=transform,
+                     fill=255, dtype='uint8')
+    np.testing.assert_array_equal(back, cls)
+    # None is split at a band edge: one polygon per connected region of the whole map.
+    regions = _components(cls)
+    assert info['features'] == len(geoms) == len(regions)
+    assert all(isinstance(g, shapely.Polygon) for g in geoms)
+    assert any(len(g.interiors) for g in geoms)  # the building ring keeps its hole
+    assert sorted(np.round(area, 6)) == sorted(round(m.sum() * PIXEL * PIXEL, 6) for _, m in regions)
+    np.testing.assert_allclose(area, shapely.area(geoms))  # exact before simplification
+    assert [CLASSES[c] for c in class_id] == list(names)
+
+
+def test_mean_probability_min_area_exclude_and_simplify(tmp_path):
+    cls = _class_map(seed=1)
+    rng = np.random.default_rng(2)
+    probs = rng.integers(0, 251, (len(CLASSES),) + cls.shape).astype(np.uint8)
+    src = _write(tmp_path / 'b_classes.tif', cls)
+    psrc = _write(tmp_path / 'b_probs.tif', probs)
+    out = tmp_path / 'b.gpkg'
+    vectorize_class_map(src, str(out), probs_path=psrc, band_rows=16, min_area=5.0,
+                        exclude=['background'])
+    _, _, geometry, (class_id, _, area, mean_prob) = pyogrio.raw.read(out)
+    geoms = shapely.from_wkb(geometry)
+    expected = {}
+    for c, m in _components(cls):
+        if c == 0 or m.sum() * PIXEL * PIXEL < 5.0:
+            continue
+        key = round(m.sum() * PIXEL * PIXEL, 6), c
+        expected.setdefault(key, []).append(round(float(probs[c][m].mean()) / 250, 5))
+    got = {}
+    for c, a, p in zip(class_id.tolist(), area.tolist(), mean_prob.tolist()):
+        got.setdefault((round(a, 6), c), []).append(round(p, 5))
+    assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in expected.items()}
+    assert 0 not in class_id.tolist() and len(geoms) == sum(map(len, expected.values()))
+
+    simple = tmp_path / 'b_simple.gpkg'
+    vectorize_class_map(src, str(simple), band_rows=16, simplify=2 * PIXEL)
+    exact = tmp_path / 'b_exact.gpkg'
+    vectorize_class_map(src, str(exact), band_rows=16)
+    n_simple = shapely.get_num_coordinates(shapely.from_wkb(pyogrio.raw.read(simple)[2])).sum()
+    n_exact = shapely.get_num_coordinates(shapely.from_wkb(pyogrio.raw.read(exact)[2])).sum()
+    assert n_simple < 0.8 * n_exact
+
+
+def test_existing_output_and_unknown_names_are_refused(tmp_path):
+    src = _write(tmp_path / 'c_classes.tif', _class_map(40, 40))
+    out = tmp_path / 'c.gpkg'
+    out.write_text('mine')
+    with pytest.raises(FileExistsError, match='already exists'):
+        vectorize_class_map(src, str(out))
+    assert out.read_text() == 'mine'
+    with pytest.raises(ValueError, match='unknown vector format'):
+        vectorize_class_map(src, str(tmp_path / 'c.shpx'))
+    with pytest.raises(ValueError, match="unknown class 'water'"):
+        vectorize_class_map(src, str(tmp_path / 'd.gpkg'), exclude=['water'])
+
+
+def test_predict_cli_writes_polygons_and_refuses_to_overwrite(exported):
+    """predict.py --vector: the polygons are the class map it wrote, minus the excluded class."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from ds_seg import inference
+    from ds_seg.config import REPO_ROOT
+    e = exported
+    with torch.inference_mode():  # leave out the class the (random) model predicts most
+        direct = inference.predict_scene(e['model'], e['scene'], mean=[100.0, 110.0, 90.0],
+                                         std=[40.0, 40.0, 35.0], tile=64, overlap=16)['classes']
+    top = int(np.bincount(direct[direct != 255]).argmax())
+    out, vector = str(e['tmp'] / 'vec'), str(e['tmp'] / 'scene.fgb')
+    cmd = [sys.executable, 'launch/predict.py', '--checkpoint', e['weights'], '--input', e['scene'],
+           '--output', out, '--probs', '--tile', '64', '--overlap', '16', '--vector', vector,
+           '--exclude-classes', e['names'][top]]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with rasterio.open(os.path.join(out, 'scene_classes.tif')) as src:
+        cls, transform = src.read(1), src.transform
+    _, _, geometry, fields = pyogrio.raw.read(vector)
+    back = rasterize(zip(shapely.from_wkb(geometry), fields[0].tolist()), out_shape=cls.shape,
+                     transform=transform, fill=255, dtype='uint8')
+    np.testing.assert_array_equal(cls, direct)
+    np.testing.assert_array_equal(back, np.where(cls == top, 255, cls))
+    assert e['names'][top] not in set(fields[1]) and len(fields[0]) and ((fields[3] > 0) & (fields[3] <= 1)).all()
+    size = os.path.getsize(vector)
+    again = [a if a != out else out + '_again' for a in cmd]  # new rasters, the same polygon file
+    proc = subprocess.run(again, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and 'Traceback' not in proc.stderr
+    assert f'--vector: {vector} already exists' in proc.stderr
+    assert os.path.getsize(vector) == size and not os.path.exists(out + '_again')
