@@ -144,7 +144,7 @@ class ViT(nn.Module):
         self.out_channels = [dim] * 4
         self.strides = [4, 8, 16, 32]
         if pretrained:
-            source = pretrained if isinstance(pretrained, str) else timm_state_dict(TIMM_WEIGHTS.get(variant, variant))
+            source = timm_state_dict(TIMM_WEIGHTS.get(variant, variant)) if pretrained is True else pretrained
             # A classification ViT has no pyramid neck: that part starts from scratch.
             load_pretrained(self, source, allow_missing=('neck.',), where=f'{variant} pretrained')
 
