@@ -54,6 +54,15 @@ DEFAULTS = dict(
         peak_tflops=None,          # device peak for MFU (None: the telemetry table by GPU name)
         dist_timeout_s=None,       # how long a collective waits for a lost rank (default 600 s)
     ),
+    optim=dict(                    # the ViT fine-tuning recipe (ds_seg/engine/param_groups.py); the
+                                   # optimizer and LR schedule themselves are the DeepSpeed JSON's
+        layer_decay=None,          # e.g. 0.75: ViT block i of L trains at lr * decay ** (L - i),
+                                   # embeddings and tokens at decay ** (L + 1), the heads at lr
+        paramwise=dict(
+            no_weight_decay=False,  # True: no weight decay on norms, biases, position embeddings, tokens
+            backbone_lr_mult=1.0,   # LR of the (pretrained) backbone relative to the heads, e.g. 0.1
+        ),
+    ),
     load_from=None,                # plain weights file (launch/export.py) to start from
     work_dir=None,                 # default: work_dirs/<config name>
 )

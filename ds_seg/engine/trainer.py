@@ -65,12 +65,12 @@ def _build_dataset(cfg, where, crop_size, seed):
         raise ConfigError(f'{where} ({cfg.get("type")}): {exc}') from exc
 
 
-def build_backend(kind, model, ds_config, precision, device, world_size):
+def build_backend(kind, model, ds_config, precision, device, world_size, optim_cfg=None):
     if kind == 'ddp':
         from .ddp_backend import DDPBackend
-        return DDPBackend(model, ds_config, precision, device, world_size)
+        return DDPBackend(model, ds_config, precision, device, world_size, optim_cfg)
     from .deepspeed_backend import DeepSpeedBackend
-    return DeepSpeedBackend(model, ds_config, precision, device, world_size)
+    return DeepSpeedBackend(model, ds_config, precision, device, world_size, optim_cfg)
 
 
 class Trainer:
@@ -126,7 +126,7 @@ class Trainer:
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
 
         self.backend = build_backend(backend, model, self.ds_config, self.precision, self.device,
-                                     self.world_size)
+                                     self.world_size, cfg.get('optim'))
         self.precision = self.backend.precision  # DDP reports its autocast equivalent
 
         # --- resume ----------------------------------------------------------------------------
