@@ -9,7 +9,8 @@ CRS, transform and size, tiled and ZSTD-compressed, 255 where the input is nodat
 names in the tags and a colour table (opens coloured in QGIS); with ``--probs`` also
 ``<name>_probs.tif`` (one uint8 band per class, probability x 250). Memory is bounded by a band
 of ``tile + block`` rows, not by the scene. ``--checkpoint`` takes a weights file from
-launch/export.py, a ``step_*`` folder, a checkpoints folder or a work dir.
+launch/export.py, a ``step_*`` folder, a checkpoints folder or a work dir, or an ``.onnx`` file
+from ``launch/export.py --format onnx`` (run with onnxruntime on the CPU).
 """
 import argparse
 import os
@@ -102,7 +103,11 @@ def main(argv=None):
         for path in args.input:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f'--input: {path} does not exist')
-        model, info = load_model(args.checkpoint, device)
+        if args.checkpoint.endswith('.onnx'):  # CPU deployment: onnxruntime, no model code needed
+            from ds_seg.deploy import load_onnx
+            model, info = load_onnx(args.checkpoint, threads=args.cpu_threads)
+        else:
+            model, info = load_model(args.checkpoint, device)
         mean, std, bands = normalisation(args, info)
         os.makedirs(args.output, exist_ok=True)
         t_all = time.perf_counter()
