@@ -63,6 +63,12 @@ DEFAULTS = dict(
             backbone_lr_mult=1.0,   # LR of the (pretrained) backbone relative to the heads, e.g. 0.1
         ),
     ),
+    log=dict(                      # experiment trackers (ds_seg/trackers.py), rank 0 only
+        trackers=['tensorboard'],  # any of 'tensorboard', 'mlflow', 'wandb': same scalars, config, summary
+        mlflow_tracking_uri=None,  # e.g. 'file:///scratch/mlruns' or a server URL (None: <work_dir>/mlruns)
+        experiment=None,           # MLflow experiment name (None: 'ds_seg')
+        wandb_project=None,        # W&B project (None: 'ds_seg'); WANDB_MODE=offline needs no network
+    ),
     load_from=None,                # plain weights file (launch/export.py) to start from
     work_dir=None,                 # default: work_dirs/<config name>
 )

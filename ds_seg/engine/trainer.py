@@ -93,6 +93,7 @@ class Trainer:
         self.work_dir = work_dir or default_work_dir(cfg)
         _check_writable(self.work_dir)  # on every rank: each writes its own checkpoint files
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
+        self._start_trackers(cfg)
         self.exit_reason = 'running'
         self.t_start = time.time()
 
@@ -433,6 +434,16 @@ class Trainer:
             state_memory=getattr(self, 'state_memory', None))
         self.log.write_json('summary.json', summary)
         return summary
+
+    def _start_trackers(self, cfg):
+        """log.trackers: names checked on every rank (a typo stops all of them), MLflow/W&B runs
+        started on rank 0 only."""
+        from ..trackers import build_trackers, check_trackers
+        log_cfg = cfg.get('log') or {}
+        names = check_trackers(log_cfg)
+        self.log.tensorboard = 'tensorboard' in names
+        if distributed.is_main():
+            self.log.trackers = build_trackers(log_cfg, self.work_dir, os.path.basename(os.path.abspath(self.work_dir)))
 
     def print(self, message):
         if distributed.is_main():
