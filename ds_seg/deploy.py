@@ -132,8 +132,7 @@ def export_onnx(model, out, info, work_dir=None):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise ConfigError(f'--format onnx: {type(model).__name__} ({(info.get("model") or {}).get("type")}) does not '
-                          f'export to ONNX with dynamic sizes: {str(exc).splitlines()[0][:200]}. '
-                          'Try --format torch-export.') from exc
+                          f'export to ONNX with dynamic sizes: {str(exc).splitlines()[0][:200]}.') from exc
     card = model_card(info, 'onnx', out, work_dir)
     proto = onnx.load(tmp)
     entry = proto.metadata_props.add()
@@ -220,12 +219,22 @@ def export_torch(model, out, info, work_dir=None):
         raise ConfigError(f'--format torch-export: {type(model).__name__} cannot be exported: '
                           f'{str(exc).splitlines()[0][:200]}') from exc
     y = torch.randn(1, x.shape[1], *second)
-    with torch.no_grad():
-        worst = float((program.module()(y) - model(y)).abs().max())
+    try:
+        with torch.no_grad():
+            worst = float((program.module()(y) - model(y)).abs().max())
+    except Exception as exc:  # torch.export specialised a size (a shape guard failed)
+        raise ConfigError(f'--format torch-export: {type(model).__name__} does not keep height/width dynamic '
+                          f'({str(exc).splitlines()[0][:160]}).') from exc
     if worst >= TOLERANCE:
         raise ConfigError(f'--format torch-export: the program differs from the model by {worst:.2e}.')
     tmp = f'{out}.tmp.pt2'
-    torch.export.save(program, tmp)
+    try:
+        torch.export.save(program, tmp)
+    except Exception as exc:  # e.g. a Python math op on sizes the serialiser does not know
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f'--format torch-export: {type(model).__name__} exports but cannot be saved '
+                          f'({str(exc).splitlines()[0][:160]}); use --format onnx.') from exc
     os.replace(tmp, out)
     write_card(model_card(info, 'torch-export', out, work_dir), out)
     return out
