@@ -87,3 +87,30 @@ def test_torch_export_program_runs_at_another_size(weights):
     with torch.no_grad():
         assert (program(x) - model(x)).abs().max() < 1e-4
     assert json.loads(open(str(tmp / 'segformer.pt2.card.json')).read())['format'] == 'torch-export'
+
+
+@pytest.mark.parametrize('name', ['UperNetTiny', 'UperNetViTTiny'])
+def test_upernet_pyramid_pooling_and_vit_export_with_dynamic_sizes(tmp_path, name):
+    """PPM's adaptive pooling (bins that do not divide the map) and the ViT's position-embedding
+    resize stay dynamic in the ONNX graph."""
+    import onnxruntime as ort
+    from ds_seg import deploy
+    torch.manual_seed(0)
+    model = build(MODELS, dict(type=name)).eval()
+    out = str(tmp_path / f'{name}.onnx')
+    deploy.export_onnx(model, out, dict(model=dict(type=name), classes=CLASSES))
+    session = ort.InferenceSession(out, providers=['CPUExecutionProvider'])
+    x = torch.randn(1, 3, 160, 96)                   # map 5 x 3 at stride 32: pooled to 6 x 6
+    with torch.no_grad():
+        assert np.abs(session.run(None, {'images_BCHW': x.numpy()})[0] - model(x).numpy()).max() < 1e-4
+
+
+def test_export_refuses_what_it_cannot_keep_dynamic_in_one_line(tmp_path):
+    from ds_seg import deploy
+    from ds_seg.config import ConfigError
+    model = build(MODELS, dict(type='UperNet', backbone='vit_small_patch14_reg4_dinov2', channels=16, aux_head=False,
+                               backbone_kwargs=dict(depth=2, embed_dim=32, num_heads=2)))
+    out = str(tmp_path / 'dino.onnx')
+    with pytest.raises(ConfigError, match='--format onnx: .* does not export to ONNX'):
+        deploy.export_onnx(model, out, dict(model=dict(type='UperNet'), classes=CLASSES))
+    assert not os.listdir(tmp_path), 'nothing half-written is left behind'
