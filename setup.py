@@ -21,5 +21,12 @@ setup(
         'pyogrio>=0.7',   # GeoPackage / GeoJSON / FlatGeobuf reading and writing
         'pystac>=1.8',    # STAC Item / ItemCollection input
     ],
-    extras_require={'test': ['pytest>=7', 'pytest-timeout', 'matplotlib']},
+    extras_require={
+        'test': ['pytest>=7', 'pytest-timeout', 'matplotlib',
+                 'onnx>=1.15', 'onnxruntime>=1.17',   # = the 'onnx' extra (export tests)
+                 'mlflow-skinny>=2.10'],              # = the 'mlflow' extra (tracker test)
+        'onnx': ['onnx>=1.15', 'onnxruntime>=1.17'],  # launch/export.py --format onnx, predict.py on .onnx
+        'mlflow': ['mlflow-skinny>=2.10'],            # log.trackers=['mlflow']
+        'wandb': ['wandb'],                           # log.trackers=['wandb']
+    },
 )

@@ -54,6 +54,21 @@ DEFAULTS = dict(
         peak_tflops=None,          # device peak for MFU (None: the telemetry table by GPU name)
         dist_timeout_s=None,       # how long a collective waits for a lost rank (default 600 s)
     ),
+    optim=dict(                    # the ViT fine-tuning recipe (ds_seg/engine/param_groups.py); the
+                                   # optimizer and LR schedule themselves are the DeepSpeed JSON's
+        layer_decay=None,          # e.g. 0.75: ViT block i of L trains at lr * decay ** (L - i),
+                                   # embeddings and tokens at decay ** (L + 1), the heads at lr
+        paramwise=dict(
+            no_weight_decay=False,  # True: no weight decay on norms, biases, position embeddings, tokens
+            backbone_lr_mult=1.0,   # LR of the (pretrained) backbone relative to the heads, e.g. 0.1
+        ),
+    ),
+    log=dict(                      # experiment trackers (ds_seg/trackers.py), rank 0 only
+        trackers=['tensorboard'],  # any of 'tensorboard', 'mlflow', 'wandb': same scalars, config, summary
+        mlflow_tracking_uri=None,  # e.g. 'file:///scratch/mlruns' or a server URL (None: <work_dir>/mlruns)
+        experiment=None,           # MLflow experiment name (None: 'ds_seg')
+        wandb_project=None,        # W&B project (None: 'ds_seg'); WANDB_MODE=offline needs no network
+    ),
     load_from=None,                # plain weights file (launch/export.py) to start from
     work_dir=None,                 # default: work_dirs/<config name>
 )
@@ -184,6 +199,15 @@ VALUE_RULES = {
         isinstance(v, (list, tuple)) and len(v) == 2
         and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v) and v[0] <= v[1]),
         'None or (low, high) with 0 < low <= high, e.g. (0.5, 2.0)'),
+    'optim.layer_decay': (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                  and 0 < v <= 1), 'None or a number in (0, 1], e.g. 0.75'),
+    'optim.paramwise.no_weight_decay': (lambda v: isinstance(v, bool), 'True or False'),
+    'optim.paramwise.backbone_lr_mult': _number_above(0),
+    'log.trackers': (lambda v: isinstance(v, (list, tuple)) and all(t in ('tensorboard', 'mlflow', 'wandb') for t in v),
+                     "a list drawn from 'tensorboard', 'mlflow', 'wandb'"),
+    'log.mlflow_tracking_uri': (_optional_path, 'None or a tracking URI'),
+    'log.experiment': (_optional_path, 'None or an experiment name'),
+    'log.wandb_project': (_optional_path, 'None or a W&B project name'),
     'load_from': (_optional_path, 'None or the path of a weights file from launch/export.py'),
     'work_dir': (_optional_path, 'None or a directory path'),
 }

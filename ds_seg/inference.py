@@ -781,7 +781,9 @@ def load_model(path, device='cpu'):
         model_cfg, classes, data = marker.get('model'), marker.get('classes'), marker.get('data')
     if not model_cfg:
         raise ValueError(f"{path}: records no model config; re-export it with launch/export.py")
-    model = build(MODELS, dict(model_cfg), where='model')
+    model_cfg = dict(model_cfg)
+    model_cfg.pop('pretrained', None)  # the weights below replace them: never read that file again
+    model = build(MODELS, model_cfg, where='model')
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not fit {model_cfg.get('type')}: missing {missing[:5]}, "

@@ -132,6 +132,8 @@ class RunLog:
         self.enabled = enabled
         self.work_dir = work_dir
         self.tb = None
+        self.tensorboard = True   # log.trackers without 'tensorboard' turns it off
+        self.trackers = []        # MLflow / W&B (ds_seg.trackers): the same scalars, config, summary
         if enabled:
             os.makedirs(work_dir, exist_ok=True)
 
@@ -207,21 +209,27 @@ class RunLog:
         if not self.enabled:
             return
         self._append('metrics.jsonl', record)
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ('step',):
-                self._writer().add_scalar(f'train/{key}', value, record['step'])
+        scalars = {f'train/{key}': value for key, value in record.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ('step',)}
+        self._scalars(scalars, record['step'])
+
+    def _scalars(self, scalars, step):
+        if self.tensorboard:
+            for tag, value in scalars.items():
+                self._writer().add_scalar(tag, value, step)
+        for tracker in self.trackers:
+            tracker.scalars({tag: float(value) for tag, value in scalars.items()}, step)
 
     def eval(self, record):
         if not self.enabled:
             return
         self._append('eval.jsonl', record)
-        for key in ('mIoU', 'OA', 'mF1'):
-            if record.get(key) is not None:
-                self._writer().add_scalar(f'val/{key}', record[key], record['step'])
-        for name, values in record.get('per_class', {}).items():
-            if values.get('iou') is not None:
-                self._writer().add_scalar(f'val_iou/{name}', values['iou'], record['step'])
-        self.tb.flush()
+        scalars = {f'val/{key}': record[key] for key in ('mIoU', 'OA', 'mF1') if record.get(key) is not None}
+        scalars.update({f'val_iou/{name}': values['iou'] for name, values in record.get('per_class', {}).items()
+                        if values.get('iou') is not None})
+        self._scalars(scalars, record['step'])
+        if self.tb is not None:
+            self.tb.flush()
 
     def write_json(self, name, obj):
         if self.enabled:
@@ -234,11 +242,19 @@ class RunLog:
                 if os.path.exists(tmp):
                     os.remove(tmp)  # no temporary file left behind on a full disk
                 raise
+            for tracker in self.trackers:
+                if name == 'config.json':
+                    tracker.config(obj)
+                elif name == 'summary.json':
+                    tracker.summary(obj)
 
     def close(self):
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def format_eta(seconds):

@@ -11,7 +11,8 @@ names in the tags and a colour table (opens coloured in QGIS); with ``--probs`` 
 (or ``.geojson``, ``.fgb``) also the class regions as polygons (``class_id``, ``class_name``,
 ``area_m2``, ``mean_prob`` with ``--probs``; ``--simplify``, ``--min-area``, ``--exclude-classes``).
 Memory is bounded by a band of ``tile + block`` rows, not by the scene. ``--checkpoint`` takes a weights file from
-launch/export.py, a ``step_*`` folder, a checkpoints folder or a work dir.
+launch/export.py, a ``step_*`` folder, a checkpoints folder or a work dir, or an ``.onnx`` file
+from ``launch/export.py --format onnx`` (run with onnxruntime on the CPU).
 """
 import argparse
 import os
@@ -127,7 +128,11 @@ def main(argv=None):
         check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
         vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite)
         device = setup(args)
-        model, info = load_model(args.checkpoint, device)
+        if args.checkpoint.endswith('.onnx'):  # CPU deployment: onnxruntime, no model code needed
+            from ds_seg.deploy import load_onnx
+            model, info = load_onnx(args.checkpoint, threads=args.cpu_threads)
+        else:
+            model, info = load_model(args.checkpoint, device)
         mean, std, bands = normalisation(args, info)
         for scene in scenes:
             dates = scene if isinstance(scene, list) else [scene]

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import distributed
 from ..config import ConfigError
 from .common import average_batchnorm_buffers, prepare_batchnorm
+from .param_groups import build_param_groups, scale_lr_by_group
 
 # Keys of DeepSpeed's optimizer params that choose an implementation, not a hyper-parameter.
 _DS_ONLY_OPTIMIZER_KEYS = ('torch_adam', 'adam_w_mode', 'fused')
@@ -47,7 +48,7 @@ def build_scheduler(optimizer, scheduler_cfg):
 class DDPBackend:
     name = 'ddp'
 
-    def __init__(self, model, ds_config, precision, device, world_size):
+    def __init__(self, model, ds_config, precision, device, world_size, optim_cfg=None):
         self.zero_stage = None
         self.micro_batch = ds_config['train_micro_batch_size_per_gpu']
         self.grad_accum = ds_config['gradient_accumulation_steps']
@@ -61,8 +62,9 @@ class DDPBackend:
         # BN buffers are averaged before evaluation and saving, exactly as for DeepSpeed.
         self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None,
                                            broadcast_buffers=False)
-        self.optimizer = build_optimizer(self.ddp.parameters(), ds_config.get('optimizer', {'type': 'AdamW'}))
+        self.optimizer = build_optimizer(build_param_groups(model, optim_cfg), ds_config.get('optimizer', {'type': 'AdamW'}))
         self.scheduler = build_scheduler(self.optimizer, ds_config.get('scheduler'))
+        scale_lr_by_group(self.optimizer, self.scheduler)  # optim.layer_decay / paramwise multipliers
         fp16 = ds_config.get('fp16', {})
         self.scaler = None
         if self.amp_dtype == torch.float16:

@@ -9,6 +9,7 @@ import os
 import torch
 
 from .common import average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32, prepare_batchnorm
+from .param_groups import build_param_groups, scale_lr_by_group
 
 
 def safe_torch_load(path, map_location=None):
@@ -26,7 +27,7 @@ def safe_torch_load(path, map_location=None):
 class DeepSpeedBackend:
     name = 'deepspeed'
 
-    def __init__(self, model, ds_config, precision, device, world_size):
+    def __init__(self, model, ds_config, precision, device, world_size, optim_cfg=None):
         import deepspeed
         self.precision = precision
         self.zero_stage = int(ds_config.get('zero_optimization', {}).get('stage', 0))
@@ -40,8 +41,8 @@ class DeepSpeedBackend:
             keep_batchnorm_fp32(model)
         # Parameters must stay contiguous (not channels_last): DeepSpeed views them as flat bytes.
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=ds_config)
+            model=model, model_parameters=build_param_groups(model, optim_cfg), config=ds_config)
+        scale_lr_by_group(self.optimizer, self.scheduler)  # optim.layer_decay / paramwise multipliers
         # Resuming reads files that may come from elsewhere: never unpickle arbitrary objects.
         self.engine.checkpoint_engine.load = safe_torch_load
         self.input_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(precision)

@@ -81,12 +81,12 @@ def _build_dataset(cfg, where, crop_size, seed):
         raise ConfigError(f'{where} ({cfg.get("type")}): {exc}') from exc
 
 
-def build_backend(kind, model, ds_config, precision, device, world_size):
+def build_backend(kind, model, ds_config, precision, device, world_size, optim_cfg=None):
     if kind == 'ddp':
         from .ddp_backend import DDPBackend
-        return DDPBackend(model, ds_config, precision, device, world_size)
+        return DDPBackend(model, ds_config, precision, device, world_size, optim_cfg)
     from .deepspeed_backend import DeepSpeedBackend
-    return DeepSpeedBackend(model, ds_config, precision, device, world_size)
+    return DeepSpeedBackend(model, ds_config, precision, device, world_size, optim_cfg)
 
 
 class Trainer:
@@ -133,6 +133,7 @@ class Trainer:
     def _setup(self, ds_config, backend, resume, ds_config_source):
         cfg = self.cfg
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
+        self._start_trackers(cfg)
         self.exit_reason = 'running'
         self.error = None           # the one-line reason when the run stopped on an error
         self.t_start = time.time()
@@ -167,7 +168,7 @@ class Trainer:
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
 
         self.backend = build_backend(backend, model, self.ds_config, self.precision, self.device,
-                                     self.world_size)
+                                     self.world_size, cfg.get('optim'))
         self.precision = self.backend.precision  # DDP reports its autocast equivalent
 
         # --- resume ----------------------------------------------------------------------------
@@ -517,6 +518,16 @@ class Trainer:
         except OSError as exc:  # the disk that stopped the run may refuse this too
             self.print(f'could not write summary.json: {_describe_io_error(exc)}')
         return summary
+
+    def _start_trackers(self, cfg):
+        """log.trackers: names checked on every rank (a typo stops all of them), MLflow/W&B runs
+        started on rank 0 only."""
+        from ..trackers import build_trackers, check_trackers
+        log_cfg = cfg.get('log') or {}
+        names = check_trackers(log_cfg)
+        self.log.tensorboard = 'tensorboard' in names
+        if distributed.is_main():
+            self.log.trackers = build_trackers(log_cfg, self.work_dir, os.path.basename(os.path.abspath(self.work_dir)))
 
     def print(self, message):
         if distributed.is_main():

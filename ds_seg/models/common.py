@@ -36,7 +36,8 @@ def run_block(block, *inputs, checkpointing=False):
 
 
 def resize(x_BCHW, size):
-    if tuple(x_BCHW.shape[-2:]) == tuple(size):
+    # Under ONNX export the shortcut would bake the traced sizes' equality into the graph.
+    if tuple(x_BCHW.shape[-2:]) == tuple(size) and not torch.onnx.is_in_onnx_export():
         return x_BCHW
     return F.interpolate(x_BCHW, size=size, mode='bilinear', align_corners=False)
 

@@ -9,7 +9,6 @@ Example::
 import os
 
 import torch
-import torch.nn.functional as F
 
 
 def adapt_input_weight(weight_OIhw, in_channels):
@@ -61,46 +60,104 @@ def timm_state_dict(name):
     return torch.hub.load_state_dict_from_url(cfg.url, map_location='cpu')
 
 
-def load_pretrained(module, source, rename=None, allow_missing=(), where='pretrained'):
-    """Copy the weights of ``source`` (a path or a state dict) into ``module``.
+# Tensors of a pretrained file that a segmentation backbone never uses and a load may drop: the
+# classifier of the source model (timm's ``head``/``fc``/``classifier``, its pooling norm and
+# attention pool) and DINOv2/iBOT's masked-image-modelling ``mask_token``. Anything else in the
+# file that lands nowhere refuses the load: a silently dropped LayerScale, say, gives wrong
+# features without a word.
+CLASSIFIER_PREFIXES = ('head.', 'head_dist.', 'fc.', 'classifier.', 'last_linear.', 'fc_norm.',
+                       'attn_pool.', 'pre_logits.', 'mask_token')
 
-    ``rename`` maps a module key to the file's key (or None) when the layouts differ. A tensor
-    that differs only in input channels (dim 1) is adapted with :func:`adapt_input_weight`; a
-    ViT position embedding of another grid is resized. Keys of the file the module does not have
-    (a classifier) are ignored; module keys missing from the file raise unless they start with
-    one of ``allow_missing`` (parts the source model does not have). Works on a model built
-    partitioned by ZeRO-3 (parameters are gathered module by module).
+
+def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=(), band_map=None,
+                    input_key=None, pos_embed_prefix=1, pos_embed_grid=None, where='pretrained'):
+    """Copy the weights of ``source`` (a path or a state dict) into ``module``: exact or refused.
+
+    ``rename`` maps a module key to the file's key (or None) when the layouts differ. Every tensor
+    of the file must land in the module, except those under :data:`CLASSIFIER_PREFIXES` and
+    ``allow_unused`` (prefixes, or a predicate on the file's key: parts the module was built
+    without); module keys missing from the file
+    raise unless they start with one of ``allow_missing`` (parts the source model does not have).
+    Refusals name the tensors left over, and a shape mismatch names the tensor.
+
+    A first-layer weight that differs only in input channels is adapted with
+    :func:`adapt_input_weight`, or, with ``band_map`` (one entry per band of the data: the
+    file's band index or None), by :func:`map_input_bands` on the file's ``input_key`` tensor. A
+    position embedding of another grid is resized with timm's kernel (antialiased bicubic,
+    :func:`resize_pos_embed`) after ``pos_embed_prefix`` class/register tokens, to a square
+    grid or to ``pos_embed_grid``. Works on a model
+    built partitioned by ZeRO-3 (parameters are gathered module by module).
+
+    Example::
+
+        load_pretrained(vit, 'weights/vit_base.pth', allow_missing=('neck.',))
     """
-    state = read_state_dict(source) if isinstance(source, (str, os.PathLike)) else source
+    from ..config import ConfigError
+    state = read_state_dict(source) if isinstance(source, (str, os.PathLike)) else dict(source)
+    if band_map is not None:
+        if input_key not in state:
+            raise ConfigError(f'{where}: band_map needs the first-layer weight {input_key!r}, which the '
+                              'weights do not hold.')
+        state[input_key] = map_input_bands(state[input_key], band_map, where=f'{where}: band_map')
     rename = rename or (lambda key: key)
-    mapped = {}
+    mapped, used = {}, set()
     for key in module.state_dict():
         src = rename(key)
         if src in state:
             mapped[key] = state[src]
+            used.add(src)
+    droppable = allow_unused if callable(allow_unused) else (lambda key: key.startswith(tuple(allow_unused)))
+    unused = sorted(k for k in state if k not in used and not k.startswith(CLASSIFIER_PREFIXES) and not droppable(k))
+    if unused:
+        raise ConfigError(f'{where}: {len(unused)} tensor(s) of the weights have no place in the model '
+                          f'(refusing to drop them silently): {", ".join(unused[:8])}'
+                          f'{" ..." if len(unused) > 8 else ""}. Check that the file matches the model '
+                          'architecture (LayerScale, register tokens, depth).')
 
     def adapt(key, tensor, shape):
         if tensor.dim() == 4 and tensor.shape[0] == shape[0] and tensor.shape[2:] == shape[2:]:
             return adapt_input_weight(tensor.float(), shape[1]).to(tensor.dtype)
         if key.endswith('pos_embed') and tensor.dim() == 3 and tensor.shape[-1] == shape[-1]:
-            return resize_pos_embed(tensor, shape[1])
-        raise ValueError(f'{where}: {key} has shape {tuple(tensor.shape)} in the weights but '
-                         f'{tuple(shape)} in the model.')
+            return resize_pos_embed(tensor, shape[1], num_prefix=pos_embed_prefix, grid=pos_embed_grid)
+        raise ConfigError(f'{where}: {key} has shape {tuple(tensor.shape)} in the weights but '
+                          f'{tuple(shape)} in the model.')
 
     # The per-module loader of the DeepSpeed backend also serves unpartitioned models.
     from ds_seg.engine.deepspeed_backend import load_state_dict_gathered
     missing, _ = load_state_dict_gathered(module, mapped, adapt=adapt)
     missing = [k for k in missing if not k.endswith('num_batches_tracked') and not k.startswith(tuple(allow_missing))]
     if missing:
-        raise ValueError(f'{where}: the weights lack {len(missing)} tensor(s) of the model, '
-                         f'e.g. {missing[:5]}.')
+        raise ConfigError(f'{where}: the weights lack {len(missing)} tensor(s) of the model, '
+                          f'e.g. {missing[:5]}.')
 
 
-def resize_pos_embed(pos_embed_1ND, num_tokens, num_prefix=1):
-    """Bicubically resize a square grid of position embeddings (after ``num_prefix`` class
-    tokens) to ``num_tokens`` tokens in all."""
-    prefix, grid = pos_embed_1ND[:, :num_prefix], pos_embed_1ND[:, num_prefix:]
-    old, new = int(round(grid.shape[1] ** 0.5)), int(round((num_tokens - num_prefix) ** 0.5))
-    grid = grid.reshape(1, old, old, -1).permute(0, 3, 1, 2).float()
-    grid = F.interpolate(grid, size=(new, new), mode='bicubic', align_corners=False)
-    return torch.cat([prefix, grid.permute(0, 2, 3, 1).reshape(1, new * new, -1).to(prefix.dtype)], dim=1)
+def map_input_bands(weight_OIhw, band_map, where='band_map'):
+    """A first-layer weight for the data's bands from a multispectral checkpoint's: data band ``j``
+    takes the file's filter ``band_map[j]``; a band mapped to None gets the mean filter of the
+    file's bands (as :func:`adapt_input_weight` does for extra bands).
+
+    Example::
+
+        # Prithvi-like 6-band HLS weights (B, G, R, NIR, SWIR1, SWIR2) on R, G, B, NIR data
+        w = map_input_bands(w6, [2, 1, 0, 3])          # [O, 6, p, p] -> [O, 4, p, p]
+    """
+    from ..config import ConfigError
+    source = weight_OIhw.shape[1]
+    bad = [b for b in band_map if b is not None and not (isinstance(b, int) and 0 <= b < source)]
+    if bad:
+        raise ConfigError(f'{where}: {bad} are not band indices of the weights (0..{source - 1}); give one '
+                          'file band index (or None) per band of the data.')
+    mean = weight_OIhw.mean(dim=1)
+    return torch.stack([weight_OIhw[:, b] if b is not None else mean for b in band_map], dim=1)
+
+
+def resize_pos_embed(pos_embed_1ND, num_tokens, num_prefix=1, grid=None):
+    """Resize a grid of position embeddings (after ``num_prefix`` class/register tokens) to
+    ``num_tokens`` tokens in all (a square grid unless ``grid=(h, w)``), with timm's own kernel
+    (``timm.layers.resample_abs_pos_embed``: antialiased bicubic), so a model loaded at another
+    size equals the timm model built at that size."""
+    from timm.layers import resample_abs_pos_embed
+    if grid is None:
+        side = int(round((num_tokens - num_prefix) ** 0.5))
+        grid = (side, side)
+    return resample_abs_pos_embed(pos_embed_1ND, new_size=list(grid), num_prefix_tokens=num_prefix)

@@ -139,19 +139,43 @@ def UperNetViTTiny(in_channels=3, num_classes=6, aux_head=True, activation_check
 
 
 # -- heads over timm backbones ----------------------------------------------------------------
-def _timm(backbone, pretrained, **kwargs):
-    return dict(type='TimmBackbone', name=backbone, pretrained=pretrained, **kwargs)
+def _timm(backbone, pretrained, img_size=None, band_map=None, backbone_kwargs=None, **kwargs):
+    """The backbone config for timm model ``backbone``: a plain ViT (ViT, DeiT, DINOv2, EVA...)
+    becomes a TimmViT (blocks + simple pyramid, strides 4-32), anything else a features_only
+    TimmBackbone. ``img_size`` and ``backbone_kwargs`` go to ``timm.create_model``."""
+    from .backbones.timm_vit import is_plain_vit
+    extra = dict(backbone_kwargs or {})
+    if img_size is not None:
+        extra['img_size'] = img_size
+    if is_plain_vit(backbone):
+        return dict(type='TimmViT', name=backbone, pretrained=pretrained, band_map=band_map, **extra)
+    if band_map is not None:
+        from ..config import ConfigError
+        raise ConfigError(f'model.band_map: only ViT-family backbones take band_map; {backbone!r} adapts its '
+                          'first layer to in_channels by itself.')
+    return dict(type='TimmBackbone', name=backbone, pretrained=pretrained, **kwargs, **extra)
+
+
+def _is_vit(backbone):
+    from .backbones.timm_vit import is_plain_vit
+    return is_plain_vit(backbone)
 
 
 @MODELS.register_module()
 def UperNet(backbone='convnext_tiny', in_channels=3, num_classes=6, channels=512, aux_head=True,
-            pretrained=False, activation_checkpointing=False):
-    """UperNet over any timm backbone with four stages (ConvNeXt, Swin, ResNet...).
+            pretrained=False, img_size=None, band_map=None, backbone_kwargs=None, activation_checkpointing=False):
+    """UperNet over any timm backbone with four stages (ConvNeXt, Swin, ResNet...) or any timm
+    ViT (ViT, DeiT-3, DINOv2 with registers, EVA-02...: blocks + a simple pyramid).
 
-    Example: ``build(MODELS, dict(type='UperNet', backbone='convnext_base', pretrained=True))``
+    ``img_size`` (Swin's window grid, a ViT's position-embedding grid) and ``backbone_kwargs``
+    pass through to ``timm.create_model``; ``band_map`` maps a multispectral ViT checkpoint's
+    bands onto the data's (:class:`~ds_seg.models.backbones.TimmViT`).
+
+    Example: ``build(MODELS, dict(type='UperNet', backbone='vit_large_patch14_reg4_dinov2',
+    pretrained='weights/dinov2_vitl14_reg4.pth'))``
     """
     out_indices = (1, 2, 3, 4) if backbone.startswith(('resnet', 'efficientnet')) else None
-    return Segmentor(backbone=_timm(backbone, pretrained, out_indices=out_indices),
+    return Segmentor(backbone=_timm(backbone, pretrained, img_size, band_map, backbone_kwargs, out_indices=out_indices),
                      decode_head=dict(type='UperHead', channels=channels), aux_head=_aux(aux_head),
                      in_channels=in_channels, num_classes=num_classes,
                      activation_checkpointing=activation_checkpointing)
@@ -170,12 +194,13 @@ def UperNetTiny(in_channels=3, num_classes=6, aux_head=True, activation_checkpoi
 
 @MODELS.register_module()
 def FPN(backbone='resnet50', in_channels=3, num_classes=6, channels=256, aux_head=False, pretrained=False,
-        activation_checkpointing=False):
-    """Semantic FPN over a timm backbone (strides 4-32).
+        img_size=None, band_map=None, backbone_kwargs=None, activation_checkpointing=False):
+    """Semantic FPN over a timm backbone or timm ViT (strides 4-32; arguments as :func:`UperNet`).
 
     Example: ``build(MODELS, dict(type='FPN', backbone='efficientnet_b3', in_channels=13))``
     """
-    return Segmentor(backbone=_timm(backbone, pretrained, out_indices=(1, 2, 3, 4)),
+    out_indices = None if _is_vit(backbone) else (1, 2, 3, 4)
+    return Segmentor(backbone=_timm(backbone, pretrained, img_size, band_map, backbone_kwargs, out_indices=out_indices),
                      decode_head=dict(type='FPNHead', channels=channels), aux_head=_aux(aux_head),
                      in_channels=in_channels, num_classes=num_classes,
                      activation_checkpointing=activation_checkpointing)

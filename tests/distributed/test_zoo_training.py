@@ -10,7 +10,8 @@ from ds_seg.config import REPO_ROOT, load_config
 from tests.dist import run_on_ranks
 from tests.tiny import ds_config, read_jsonl
 
-FAMILIES = ['segformer', 'upernet_vit', 'upernet', 'fpn', 'deeplabv3plus']
+# upernet_dinov2: any timm ViT through UperNet (DINOv2-reg4, patch 14) at a 512 crop.
+FAMILIES = ['segformer', 'upernet_vit', 'upernet', 'fpn', 'deeplabv3plus', 'upernet_dinov2']
 STEPS = 8
 
 
@@ -31,7 +32,7 @@ def _zoo_ds_config(stage):
     return ds
 
 
-def _train_all(tmp, stage, weights_file):
+def _train_all(tmp, stage, weights_file, dino_file):
     """On each rank: every family for STEPS steps, one Trainer after another in one process
     group (process start-up dominates these runs); under ZeRO-3 also a load_from check."""
     from ds_seg.engine import trainer as trainer_mod
@@ -49,6 +50,7 @@ def _train_all(tmp, stage, weights_file):
     jobs = [(f, {}) for f in FAMILIES]
     if stage == 3:
         jobs.append(('upernet_vit', {'load_from': weights_file}))
+        jobs.append(('upernet_dinov2', {'model.pretrained': dino_file}))
     for family, extra in jobs:
         name = family + ('_load_from' if extra else '')
         cfg = _cfg(tmp, family, **extra)
@@ -78,14 +80,20 @@ def runs(tmp_path_factory):
     reference = build(MODELS, dict(type='UperNetViTTiny', in_channels=3, num_classes=6)).state_dict()
     weights_file = os.path.join(tmp, 'upernet_vit_tiny.pt')
     torch.save({'state_dict': reference, 'model': {'type': 'UperNetViTTiny'}, 'classes': []}, weights_file)
-    out = {stage: run_on_ranks(_train_all, 2, args=(tmp, stage, weights_file), timeout=400) for stage in (2, 3)}
-    return tmp, out, reference
+    import timm  # a timm DINOv2-reg4 state dict as the "pretrained file" (built with random weights)
+    dino = timm.create_model('vit_small_patch14_reg4_dinov2', pretrained=False, depth=2, embed_dim=32,
+                             num_heads=2).state_dict()
+    dino_file = os.path.join(tmp, 'dinov2_reg4_tiny.pth')
+    torch.save(dino, dino_file)
+    out = {stage: run_on_ranks(_train_all, 2, args=(tmp, stage, weights_file, dino_file), timeout=500)
+           for stage in (2, 3)}
+    return tmp, out, reference, dino
 
 
 @pytest.mark.parametrize('stage', [2, 3])
 @pytest.mark.parametrize('family', FAMILIES)
 def test_family_trains(runs, family, stage):
-    tmp, out, _ = runs
+    tmp, out, _, _ = runs
     summary = out[stage][0][family]['summary']
     assert summary['exit_reason'] == 'completed' and summary['zero_stage'] == stage and summary['steps'] == STEPS
     losses = [row['loss'] for row in read_jsonl(os.path.join(tmp, f'{family}_z{stage}', 'metrics.jsonl'))]
@@ -95,7 +103,7 @@ def test_family_trains(runs, family, stage):
 
 @pytest.mark.parametrize('family', FAMILIES)
 def test_zero3_builds_partitioned_halves(runs, family):
-    _, out, _ = runs
+    _, out, _, _ = runs
     ranks = [out[3][r][family] for r in range(2)]
     full = ranks[0]['full']
     for r in ranks:
@@ -108,10 +116,21 @@ def test_zero3_builds_partitioned_halves(runs, family):
 
 
 def test_zero3_load_from_gathers_module_by_module(runs):
-    _, out, reference = runs
+    _, out, reference, _ = runs
     for rank in range(2):
         loaded = out[3][rank]['upernet_vit_load_from']['loaded']
         assert loaded.keys() == {k for k in reference if not k.endswith(('running_mean', 'running_var',
                                                                          'num_batches_tracked'))}
         for key, value in loaded.items():
             torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=key)
+
+
+def test_zero3_timm_vit_pretrained_loads_into_partitions(runs):
+    """A timm DINOv2-reg4 file loads exactly into the TimmViT built inside zero.Init."""
+    _, out, _, dino = runs
+    for rank in range(2):
+        loaded = out[3][rank]['upernet_dinov2_load_from']['loaded']
+        backbone = {k[len('backbone.model.'):]: v for k, v in loaded.items() if k.startswith('backbone.model.')}
+        assert backbone.keys() == {k for k in dino if not k.startswith('head.')}
+        for key, value in backbone.items():
+            torch.testing.assert_close(value, dino[key], rtol=0, atol=0, msg=key)

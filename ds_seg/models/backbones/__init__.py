@@ -2,6 +2,7 @@
 ``size_divisor`` (the input multiple it needs; the segmentor pads to it)."""
 from .mit import MixTransformer
 from .timm_backbone import TimmBackbone
+from .timm_vit import TimmViT
 from .vit import ViT
 
-__all__ = ['MixTransformer', 'TimmBackbone', 'ViT']
+__all__ = ['MixTransformer', 'TimmBackbone', 'TimmViT', 'ViT']

@@ -8,10 +8,32 @@ from ..pretrained import load_pretrained, timm_state_dict
 
 
 def _original_key(key):
-    """timm's feature wrapper flattens ``stages.0`` into ``stages_0``; map back to the model's key."""
+    """A key of timm's feature wrapper -> the classification model's key: FeatureListNet flattens
+    ``stages.0`` into ``stages_0``; FeatureGetterNet (ViT, DeiT, DINOv2, EVA) holds the model as
+    ``model.``."""
+    if key.startswith('model.'):
+        return key[len('model.'):]
     head, _, rest = key.partition('.')
     match = re.fullmatch(r'(.+)_(\d+)', head)
     return f'{match[1]}.{match[2]}.{rest}' if match else key
+
+
+def _pruned_by_wrapper(feature_net):
+    """A predicate on a pretrained file's keys: True for tensors of modules timm's feature wrapper
+    removed (everything after the last feature stage: final norm, classifier, later blocks).
+    A tensor whose module the wrapper kept but which that module lacks is not excused."""
+    if hasattr(feature_net, 'model') and hasattr(feature_net.model, 'blocks'):
+        # FeatureGetterNet (ViTs) prunes in place: blocks after the last feature one, the final
+        # norm (replaced by an Identity) and the head.
+        depth = len(feature_net.model.blocks)
+        block = re.compile(r'blocks\.(\d+)\.').match
+
+        def pruned(key):
+            found = block(key)
+            return key.startswith('norm.') or bool(found) and int(found[1]) >= depth
+        return pruned
+    kept = {_original_key(f'{name}.x')[:-2] for name, _ in feature_net.named_modules()}
+    return lambda key: key.rpartition('.')[0] not in kept
 
 
 @BACKBONES.register_module()
@@ -48,8 +70,9 @@ class TimmBackbone(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self._blocks = self._checkpoint_units() if activation_checkpointing else None
         if pretrained:
-            source = pretrained if isinstance(pretrained, str) else timm_state_dict(name)
-            load_pretrained(self.model, source, rename=_original_key, where=f'{name} pretrained')
+            source = timm_state_dict(name) if pretrained is True else pretrained
+            load_pretrained(self.model, source, rename=_original_key, allow_unused=_pruned_by_wrapper(self.model),
+                            where=f'{name} pretrained')
 
     def _checkpoint_units(self):
         """(name, module) pairs to checkpoint one by one: the blocks of sequential stages, the other

@@ -144,14 +144,14 @@ class ViT(nn.Module):
         self.out_channels = [dim] * 4
         self.strides = [4, 8, 16, 32]
         if pretrained:
-            source = pretrained if isinstance(pretrained, str) else timm_state_dict(TIMM_WEIGHTS.get(variant, variant))
+            source = timm_state_dict(TIMM_WEIGHTS.get(variant, variant)) if pretrained is True else pretrained
             # A classification ViT has no pyramid neck: that part starts from scratch.
             load_pretrained(self, source, allow_missing=('neck.',), where=f'{variant} pretrained')
 
     def _pos_embed(self, grid_h, grid_w):
         pos = self.pos_embed[:, 1:]
         old = int(math.sqrt(pos.shape[1]))
-        if (grid_h, grid_w) != (old, old):
+        if (grid_h, grid_w) != (old, old) or torch.onnx.is_in_onnx_export():  # keep the export's H, W dynamic
             pos = pos.reshape(1, old, old, -1).permute(0, 3, 1, 2)
             pos = F.interpolate(pos, size=(grid_h, grid_w), mode='bicubic', align_corners=False)
             pos = pos.permute(0, 2, 3, 1).reshape(1, grid_h * grid_w, -1)

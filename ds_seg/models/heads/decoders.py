@@ -19,6 +19,27 @@ class _ClassifierMixin:
         return self.classifier(self.dropout(x_BChw))
 
 
+def _bins(length, bins, like):
+    """``[bins, length]`` averaging weights of PyTorch's adaptive pooling bins
+    ``[floor(i * L / s), ceil((i + 1) * L / s))``, built from tensor ops so a traced size stays
+    dynamic."""
+    pos = torch.arange(length, device=like.device)
+    i = torch.arange(bins, device=like.device)
+    start = torch.div(i * length, bins, rounding_mode='floor')
+    end = torch.div((i + 1) * length + bins - 1, bins, rounding_mode='floor')
+    inside = ((pos[None] >= start[:, None]) & (pos[None] < end[:, None])).to(like.dtype)
+    return inside / inside.sum(1, keepdim=True)
+
+
+def adaptive_avg_pool(x_BChw, size):
+    """``F.adaptive_avg_pool2d``; under ONNX export the same bins as two averaging matrices,
+    because the ONNX exporter has no adaptive pooling for sizes that do not divide the input."""
+    if not torch.onnx.is_in_onnx_export():
+        return nn.functional.adaptive_avg_pool2d(x_BChw, size)
+    h, w = x_BChw.shape[-2:]
+    return torch.einsum('sh,bchw,tw->bcst', _bins(h, size, x_BChw), x_BChw, _bins(w, size, x_BChw))
+
+
 class PyramidPooling(nn.Module):
     """PSPNet pooling over the coarsest map; the pooled branches have no BatchNorm because a
     1x1 map of a micro-batch of one has no batch statistics to normalise with."""
@@ -31,7 +52,7 @@ class PyramidPooling(nn.Module):
 
     def forward(self, x_BChw):
         size = x_BChw.shape[-2:]
-        pooled = [resize(branch(nn.functional.adaptive_avg_pool2d(x_BChw, s)), size)
+        pooled = [resize(branch(adaptive_avg_pool(x_BChw, s)), size)
                   for s, branch in zip(self.scales, self.branches)]
         return self.bottleneck(torch.cat([x_BChw, *pooled], dim=1))
 

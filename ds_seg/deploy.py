@@ -1,0 +1,240 @@
+"""Export a trained model for deployment: ONNX (onnxruntime on CPU, any runtime) or a
+``torch.export`` program, with dynamic batch, height and width, a numerical check against
+PyTorch, and a model card (JSON + Markdown) that says what the model expects and how it scored.
+
+The ONNX file carries the card in its metadata (``ds_seg``), so the ``.onnx`` alone is enough
+for ``launch/predict.py --checkpoint model.onnx`` on a CPU-only machine.
+
+Example::
+
+    model, info = load_model('work_dirs/default/weights_step_00000400.pt')
+    export_onnx(model, 'unet.onnx', info)          # + unet.onnx.card.json, unet.onnx.card.md
+    forward, info = load_onnx('unet.onnx')          # forward(images_BCHW) -> logits_BKHW
+"""
+import json
+import os
+import time
+
+import torch
+
+from .config import ConfigError
+
+INPUT, OUTPUT = 'images_BCHW', 'logits_BKHW'
+FORMATS = {'onnx': '.onnx', 'torch-export': '.pt2'}
+TOLERANCE = 1e-4  # max abs difference of logits allowed between the export and PyTorch
+
+
+def _sample_sizes(model):
+    """Two input sizes to check an export at: the traced one and another (multiples of the
+    model's size divisor, so models that pad inside trace the same graph)."""
+    divisor = max(32, int(getattr(getattr(model, 'backbone', None), 'size_divisor', 1) or 1))
+    return (2 * divisor, 2 * divisor), (3 * divisor, 4 * divisor)
+
+
+def _in_channels(model, info):
+    bands = (info.get('data') or {}).get('bands')
+    return int(getattr(model, 'in_channels', None) or (len(bands) if bands else 3))
+
+
+def refuse_existing(*paths):
+    """Export never overwrites: a file a user has (an earlier export, a card) stays as it is."""
+    for path in paths:
+        if os.path.exists(path):
+            raise ConfigError(f'--out: {path} already exists; choose another --out or move it away '
+                              '(export never overwrites).')
+
+
+def card_paths(out):
+    """The model card beside an export: ``unet.onnx`` -> ``unet.onnx.card.json``, ``.card.md``."""
+    return f'{out}.card.json', f'{out}.card.md'
+
+
+def model_card(info, fmt, out, work_dir=None):
+    """The facts a deployment needs: classes, bands, normalisation, model and training configs,
+    final metrics (from the run's ``summary.json``/``eval.jsonl`` when ``work_dir`` has them)."""
+    data = info.get('data') or {}
+    card = dict(format=fmt, file=os.path.basename(out), created=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
+                input=dict(name=INPUT, layout='B, C, H, W float32, normalised: (value - mean) / std per band',
+                           dynamic=['B', 'H', 'W']),
+                output=dict(name=OUTPUT, layout='B, K, H, W float32 logits (argmax over K = class index)'),
+                classes=list(info.get('classes') or []), bands=data.get('bands'), mean=data.get('mean'),
+                std=data.get('std'), ignore_index=data.get('ignore_index'), model=info.get('model'),
+                source=info.get('source'), training_config=None, final_metrics=None, torch=torch.__version__)
+    if work_dir:
+        config = os.path.join(work_dir, 'config.json')
+        if os.path.isfile(config):
+            with open(config) as f:
+                card['training_config'] = json.load(f)
+        metrics = {}
+        summary = os.path.join(work_dir, 'summary.json')
+        if os.path.isfile(summary):
+            with open(summary) as f:
+                s = json.load(f)
+            metrics.update({k: s.get(k) for k in ('steps', 'final_loss', 'mIoU', 'OA', 'mF1', 'exit_reason')})
+        evals = os.path.join(work_dir, 'eval.jsonl')
+        if os.path.isfile(evals):
+            with open(evals) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            if rows:
+                metrics['per_class'] = rows[-1].get('per_class')
+                metrics['eval_step'] = rows[-1].get('step')
+        card['final_metrics'] = metrics or None
+    return card
+
+
+def card_markdown(card):
+    lines = [f"# Model card: {card['file']}", '',
+             f"- format: {card['format']} (input `{INPUT}` {card['input']['layout']}; output `{OUTPUT}`)",
+             f"- model: `{json.dumps(card['model'])}`",
+             f"- classes: {', '.join(card['classes']) or 'not recorded'}",
+             f"- bands: {card['bands']}", f"- mean: {card['mean']}", f"- std: {card['std']}",
+             f"- source: {card['source']}", f"- created: {card['created']} (torch {card['torch']})", '']
+    metrics = card.get('final_metrics') or {}
+    if metrics:
+        lines += ['## Final metrics', '', '| metric | value |', '|---|---|']
+        lines += [f'| {k} | {v} |' for k, v in metrics.items() if k != 'per_class']
+        for name, values in (metrics.get('per_class') or {}).items():
+            lines.append(f"| IoU {name} | {values.get('iou')} |")
+        lines.append('')
+    if card.get('training_config'):
+        lines += ['## Training config', '', '```json', json.dumps(card['training_config'], indent=2), '```', '']
+    return '\n'.join(lines)
+
+
+def write_card(card, out):
+    json_path, md_path = card_paths(out)
+    with open(json_path, 'w') as f:
+        json.dump(card, f, indent=2, default=str)
+    with open(md_path, 'w') as f:
+        f.write(card_markdown(card))
+    return json_path, md_path
+
+
+def export_onnx(model, out, info, work_dir=None):
+    """Write ``model`` as ONNX (opset 17, TorchScript exporter) with dynamic batch/height/width,
+    the card in its metadata, and the card files beside it. The file is checked with onnxruntime
+    at two sizes against PyTorch (max abs difference < 1e-4) and removed if it differs.
+
+    Example: ``export_onnx(model, 'out/unet.onnx', info, work_dir='work_dirs/default')``
+    """
+    import onnx
+    refuse_existing(out, *card_paths(out))
+    model = model.eval().cpu()
+    first, second = _sample_sizes(model)
+    x = torch.randn(1, _in_channels(model, info), *first)
+    tmp = f'{out}.tmp'
+    axes = {0: 'B', 2: 'H', 3: 'W'}
+    try:
+        with torch.no_grad():
+            torch.onnx.export(model, (x,), tmp, dynamo=False, opset_version=17, input_names=[INPUT],
+                              output_names=[OUTPUT], dynamic_axes={INPUT: axes, OUTPUT: axes})
+    except Exception as exc:  # an op without an ONNX form at dynamic sizes
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f'--format onnx: {type(model).__name__} ({(info.get("model") or {}).get("type")}) does not '
+                          f'export to ONNX with dynamic sizes: {str(exc).splitlines()[0][:200]}.') from exc
+    card = model_card(info, 'onnx', out, work_dir)
+    proto = onnx.load(tmp)
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = 'ds_seg', json.dumps(card, default=str)
+    onnx.save(proto, tmp)
+    try:
+        check_onnx(model, tmp, x.shape[1], (first, second))
+    except Exception:
+        os.remove(tmp)
+        raise
+    os.replace(tmp, out)
+    write_card(card, out)
+    return out
+
+
+def check_onnx(model, path, in_channels, sizes):
+    """Max abs difference of the ONNX file's logits vs PyTorch at each ``(H, W)``; raises over 1e-4."""
+    forward, _ = load_onnx(path)
+    worst = 0.0
+    for batch, (h, w) in zip((1, 2), sizes):
+        x = torch.randn(batch, in_channels, h, w)
+        with torch.no_grad():
+            expected = model(x)
+        got = forward(x)
+        if got.shape != expected.shape:
+            raise ConfigError(f'--format onnx: the export gives shape {tuple(got.shape)} for input {tuple(x.shape)}, '
+                              f'PyTorch {tuple(expected.shape)}; this model cannot be exported with dynamic sizes.')
+        worst = max(worst, float((got - expected).abs().max()))
+    if worst >= TOLERANCE:
+        raise ConfigError(f'--format onnx: the export differs from PyTorch by {worst:.2e} (>= {TOLERANCE}) at '
+                          'another input size; refusing to write it (this model traces shape-dependent code).')
+    return worst
+
+
+class OnnxForward:
+    """``forward(images_BCHW) -> logits_BKHW`` on torch tensors through an onnxruntime session
+    (CPU), so :func:`ds_seg.inference.predict_scene` runs an exported model like a module."""
+
+    def __init__(self, path, threads=None):
+        import onnxruntime as ort
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(path, options, providers=['CPUExecutionProvider'])
+
+    def __call__(self, images_BCHW):
+        array = images_BCHW.detach().to('cpu', torch.float32).contiguous().numpy()
+        logits = self.session.run([OUTPUT], {INPUT: array})[0]
+        return torch.from_numpy(logits).to(images_BCHW.device)
+
+
+def load_onnx(path, threads=None):
+    """An exported ``.onnx`` file -> ``(forward, info)`` with ``info`` as
+    :func:`ds_seg.inference.load_model` gives it (classes, model, data: bands/mean/std).
+
+    Example::
+
+        forward, info = load_onnx('unet.onnx')
+        logits_BKHW = forward(torch.randn(1, 3, 512, 512))
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'--checkpoint: {path} does not exist')
+    forward = OnnxForward(path, threads)
+    meta = forward.session.get_modelmeta().custom_metadata_map
+    card = json.loads(meta['ds_seg']) if 'ds_seg' in meta else {}
+    data = {k: card.get(k) for k in ('bands', 'mean', 'std', 'ignore_index')} if card.get('mean') else None
+    return forward, dict(classes=card.get('classes') or None, model=card.get('model'), data=data)
+
+
+def export_torch(model, out, info, work_dir=None):
+    """Write ``model`` as a ``torch.export`` program (``torch.export.load(out).module()``) with the
+    batch, height and width left dynamic where the model allows (``Dim.AUTO``), and the card.
+
+    Example: ``export_torch(model, 'out/unet.pt2', info)``
+    """
+    from torch.export import Dim
+    refuse_existing(out, *card_paths(out))
+    model = model.eval().cpu()
+    first, second = _sample_sizes(model)
+    x = torch.randn(2, _in_channels(model, info), *first)
+    try:
+        program = torch.export.export(model, (x,), dynamic_shapes=({0: Dim.AUTO, 2: Dim.AUTO, 3: Dim.AUTO},))
+    except Exception as exc:
+        raise ConfigError(f'--format torch-export: {type(model).__name__} cannot be exported: '
+                          f'{str(exc).splitlines()[0][:200]}') from exc
+    y = torch.randn(1, x.shape[1], *second)
+    try:
+        with torch.no_grad():
+            worst = float((program.module()(y) - model(y)).abs().max())
+    except Exception as exc:  # torch.export specialised a size (a shape guard failed)
+        raise ConfigError(f'--format torch-export: {type(model).__name__} does not keep height/width dynamic '
+                          f'({str(exc).splitlines()[0][:160]}).') from exc
+    if worst >= TOLERANCE:
+        raise ConfigError(f'--format torch-export: the program differs from the model by {worst:.2e}.')
+    tmp = f'{out}.tmp.pt2'
+    try:
+        torch.export.save(program, tmp)
+    except Exception as exc:  # e.g. a Python math op on sizes the serialiser does not know
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f'--format torch-export: {type(model).__name__} exports but cannot be saved '
+                          f'({str(exc).splitlines()[0][:160]}); use --format onnx.') from exc
+    os.replace(tmp, out)
+    write_card(model_card(info, 'torch-export', out, work_dir), out)
+    return out

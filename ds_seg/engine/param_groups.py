@@ -1,0 +1,113 @@
+"""The ViT fine-tuning recipe as optimizer parameter groups, handed identically to DeepSpeed and
+to DDP: layer-wise learning-rate decay (BEiT, mmseg, DINOv2 heads), no weight decay on norms,
+biases, position embeddings and tokens, and a lower learning rate for the pretrained backbone
+than for the freshly initialised heads.
+
+Each group carries ``lr_mult``. The LR schedule (DeepSpeed's, in both backends) computes one base
+LR per step; :func:`scale_lr_by_group` multiplies it into every group after each scheduler step,
+so the schedule applies to every group proportionally whatever the scheduler type.
+
+Example (experiment config)::
+
+    optim = dict(layer_decay=0.75, paramwise=dict(no_weight_decay=True, backbone_lr_mult=0.1))
+"""
+import re
+
+from ..config import ConfigError
+
+# Parameters that are positions or tokens rather than weights: never decayed.
+NO_DECAY_NAMES = ('pos_embed', 'cls_token', 'reg_token', 'dist_token', 'mask_token', 'register_tokens',
+                  'absolute_pos_embed', 'relative_position_bias_table')
+# ViT blocks of a backbone (ds_seg's ViT: backbone.blocks.i; TimmViT: backbone.model.blocks.i).
+_BLOCK = re.compile(r'^backbone\.(?:model\.)?blocks\.(\d+)\.')
+_EMBED = re.compile(r'^backbone\.(?:model\.)?(patch_embed|pos_embed|cls_token|reg_token|dist_token|mask_token)')
+
+
+def _layer_id(name, num_blocks):
+    """0 for the patch/position embeddings and tokens, i + 1 for block i, num_blocks + 1 for the rest."""
+    found = _BLOCK.match(name)
+    if found:
+        return int(found[1]) + 1
+    if _EMBED.match(name):
+        return 0
+    return num_blocks + 1
+
+
+def _check(optim_cfg):
+    layer_decay = optim_cfg.get('layer_decay')
+    paramwise = dict(optim_cfg.get('paramwise') or {})
+    if layer_decay is not None and not (isinstance(layer_decay, (int, float)) and 0 < layer_decay <= 1):
+        raise ConfigError(f'optim.layer_decay must be a number in (0, 1] (e.g. 0.75) or None, got {layer_decay!r}.')
+    mult = paramwise.get('backbone_lr_mult', 1.0)
+    if not isinstance(mult, (int, float)) or mult <= 0:
+        raise ConfigError(f'optim.paramwise.backbone_lr_mult must be a positive number, got {mult!r}.')
+    return layer_decay, bool(paramwise.get('no_weight_decay', False)), float(mult)
+
+
+def build_param_groups(model, optim_cfg):
+    """The parameters to hand to the optimizer: a plain list when ``optim_cfg`` asks for nothing,
+    else groups ``{'params', 'lr_mult', 'name'[, 'weight_decay': 0.0]}`` (groups without a
+    ``weight_decay`` key use the optimizer's). The group with ``lr_mult == 1`` (the heads) comes
+    first, so the LR a backend logs is the base schedule.
+
+    Example::
+
+        groups = build_param_groups(model, dict(layer_decay=0.75, paramwise=dict(no_weight_decay=True)))
+        [(g['name'], g['lr_mult']) for g in groups]   # [('layer13', 1.0), ..., ('layer0_no_decay', 0.02)]
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    layer_decay, no_weight_decay, backbone_mult = _check(optim_cfg or {})
+    if layer_decay is None and not no_weight_decay and backbone_mult == 1.0:
+        return [p for _, p in named]
+    num_blocks = 1 + max([int(m[1]) for m in (_BLOCK.match(n) for n, _ in named) if m], default=-1)
+    if layer_decay is not None and num_blocks == 0:
+        raise ConfigError(f'optim.layer_decay: model {type(model).__name__} has no ViT blocks '
+                          '(backbone.blocks.N); layer-wise decay applies to ViT backbones only. Set it to None.')
+    groups = {}
+    for name, param in named:
+        layer = _layer_id(name, num_blocks)
+        mult = 1.0
+        if layer_decay is not None:
+            mult *= layer_decay ** (num_blocks + 1 - layer)
+        # The pyramid neck is new (not pretrained): it trains with the heads.
+        in_backbone = name.startswith('backbone.') and not name.startswith('backbone.neck.')
+        if in_backbone:
+            mult *= backbone_mult
+        decay = not (no_weight_decay and (param.ndim <= 1 or name.rsplit('.', 1)[-1] in NO_DECAY_NAMES))
+        key = (layer if layer_decay is not None else 0, in_backbone, mult, decay)
+        group = groups.setdefault(key, {'params': [], 'lr_mult': mult,
+                                        'name': f'layer{key[0]}{"_backbone" if key[1] else ""}'
+                                                f'{"" if decay else "_no_decay"}'})
+        if not decay:
+            group['weight_decay'] = 0.0
+        group['params'].append(param)
+    return sorted(groups.values(), key=lambda g: (-g['lr_mult'], g['name']))
+
+
+def scale_lr_by_group(optimizer, scheduler):
+    """Make every group's LR ``scheduled LR x lr_mult`` now and after every ``scheduler.step()``.
+
+    Groups are built with one base LR so every DeepSpeed scheduler (absolute ones such as
+    WarmupLR as well as WarmupCosineLR, which scales each group's initial LR) computes the same
+    base value for all; the multiplier is applied afterwards. A no-op for groups without
+    ``lr_mult``.
+
+    Example::
+
+        scale_lr_by_group(engine.optimizer, engine.lr_scheduler)
+    """
+    def apply():
+        for group in optimizer.param_groups:
+            if group.get('lr_mult', 1.0) != 1.0:
+                group['lr'] = group['lr'] * group['lr_mult']
+
+    apply()
+    if scheduler is not None:
+        step = scheduler.step
+
+        def scaled_step(*args, **kwargs):
+            result = step(*args, **kwargs)
+            apply()
+            return result
+
+        scheduler.step = scaled_step

@@ -1,0 +1,137 @@
+"""Any timm ViT-family model (ViT, DeiT/DeiT-3, DINOv2 with or without registers, EVA/EVA-02,
+DINOv3, CLIP/SigLIP towers...) as a four-level encoder for UperNet, FPN and
+SegFormer heads.
+
+Shape legend: B batch, C channels, D embedding width, H/W image height/width, h/w token grid.
+
+The blocks' outputs come from timm's own ``forward_intermediates`` (so every token layout timm
+knows works: class token, register tokens, no class position embedding, RoPE), one block per
+quarter of the depth by default; a simple feature pyramid (ViTDet/BEiT-style: two transposed
+convs, one, identity, max-pool) turns them into strides 4, 8, 16, 32. A patch-14 grid (DINOv2)
+is resampled to the stride-16 grid first, so heads always see strides 4/8/16/32.
+"""
+import math
+import re
+
+import torch.nn.functional as F
+from torch import nn
+
+from ..common import BACKBONES
+from ..pretrained import load_pretrained, timm_state_dict
+from .vit import SimplePyramid
+
+# timm modules whose models are plain (single-stride) ViTs with forward_intermediates; names from
+# these route to TimmViT in UperNet/FPN/SegFormer-style factories (hierarchical models such as
+# Swin or ConvNeXt keep TimmBackbone's features_only path).
+# (BEiT and relative-position ViTs are left out: their position bias is fixed to one image size.)
+PLAIN_VIT_MODULES = ('vision_transformer', 'deit', 'eva')
+
+
+def is_plain_vit(name):
+    """Whether timm's model ``name`` is a plain ViT (one stride) that :class:`TimmViT` serves.
+
+    Example: ``is_plain_vit('vit_large_patch14_reg4_dinov2')`` is True, ``is_plain_vit('swin_tiny_patch4_window7_224')``
+    False.
+    """
+    from timm.models import is_model, model_entrypoint
+    if not is_model(name):
+        return False
+    return model_entrypoint(name).__module__.rsplit('.', 1)[-1] in PLAIN_VIT_MODULES
+
+
+def _convert_dinov2(state):
+    """The layout of facebookresearch/dinov2 files -> timm's (what timm's own loader does): the
+    register tokens are ``reg_token``, and with registers timm's model has no class position
+    embedding, so the class token takes its position embedding along."""
+    state = dict(state)
+    if 'register_tokens' in state:
+        state['reg_token'] = state.pop('register_tokens')
+        if 'cls_token' in state and 'pos_embed' in state:
+            state['cls_token'] = state['cls_token'] + state['pos_embed'][:, :1]
+            state['pos_embed'] = state['pos_embed'][:, 1:]
+    return state
+
+
+@BACKBONES.register_module()
+class TimmViT(nn.Module):
+    """``timm.create_model(name, dynamic_img_size=True, **timm_kwargs)`` as four feature maps at
+    strides 4, 8, 16, 32 (``out_channels`` the embedding width four times).
+
+    Any crop size works: the segmentor pads the input to a multiple of the patch size and timm
+    resamples the position embeddings to the token grid (antialiased bicubic). ``img_size`` sets
+    the grid the position embeddings are stored at (a pretrained file of another grid is resized
+    on load with the same kernel). ``out_indices`` picks the blocks (default: the last of each
+    quarter of the depth); features pass the model's final norm. ``pretrained`` is a local file
+    (a timm or DINOv2 state dict) or True (timm's default weights, network needed once);
+    ``band_map`` maps a multispectral checkpoint's bands onto the data's (one file band index or
+    None per data band), otherwise the first layer is adapted to ``in_channels`` as for every
+    backbone. Loading is exact or refused (:func:`ds_seg.models.pretrained.load_pretrained`).
+
+    Example::
+
+        enc = TimmViT('vit_large_patch14_reg4_dinov2', in_channels=4,
+                      pretrained='weights/dinov2_vitl14_reg4.pth')
+        feats = enc(torch.randn(1, 4, 518, 518))    # 4 x [1, 1024, .], strides 4, 8, 16, 32
+    """
+
+    def __init__(self, name='vit_base_patch16_224', in_channels=3, out_indices=None, pretrained=False,
+                 band_map=None, activation_checkpointing=False, **timm_kwargs):
+        super().__init__()
+        import timm
+        kwargs = dict(timm_kwargs)
+        kwargs.setdefault('dynamic_img_size', True)  # position embeddings follow the token grid
+        self.model = timm.create_model(name, pretrained=False, num_classes=0, in_chans=in_channels, **kwargs)
+        depth = len(self.model.blocks)
+        self.out_indices = [max(0, i) for i in (out_indices or [depth * (q + 1) // 4 - 1 for q in range(4)])]
+        # The blocks after the last feature block and the classifier are never run: drop them
+        # (DDP and ZeRO would otherwise see parameters without gradients).
+        self.model.prune_intermediate_layers(sorted(set(self.out_indices)), prune_norm=False, prune_head=True)
+        patch = self.model.patch_embed.patch_size
+        self.patch_size = int(patch[0] if isinstance(patch, (tuple, list)) else patch)
+        self.size_divisor = self.patch_size
+        dim = self.model.embed_dim
+        self.neck = SimplePyramid(dim)
+        self.out_channels = [dim] * 4
+        self.strides = [4, 8, 16, 32]
+        if activation_checkpointing:
+            self.model.set_grad_checkpointing(True)
+        if pretrained:
+            source = timm_state_dict(name) if pretrained is True else pretrained
+            self.load_pretrained(source, band_map=band_map, where=f'{name} pretrained')
+        elif band_map is not None:
+            from ...config import ConfigError
+            raise ConfigError(f'{name}: band_map maps the bands of a pretrained file; give pretrained= too.')
+
+    def load_pretrained(self, source, band_map=None, where='pretrained'):
+        """Load a timm (or DINOv2-layout) state dict into the ViT; the pyramid neck starts fresh."""
+        from ..pretrained import read_state_dict
+        state = _convert_dinov2(read_state_dict(source) if isinstance(source, str) else source)
+        kept = len(self.model.blocks)
+        match = re.compile(r'blocks\.(\d+)\.').match
+
+        def pruned(key):  # blocks after the last feature block were dropped at build
+            found = match(key)
+            return bool(found) and int(found[1]) >= kept
+
+        model = self.model
+        load_pretrained(model, state, allow_unused=pruned, band_map=band_map, input_key='patch_embed.proj.weight',
+                        pos_embed_prefix=0 if getattr(model, 'no_embed_class', False) else model.num_prefix_tokens,
+                        pos_embed_grid=tuple(model.patch_embed.grid_size), where=where)
+
+    def block_features(self, images_BCHW):
+        """The normed outputs of the ``out_indices`` blocks as ``[B, D, h, w]`` token grids (what
+        timm's ``forward_intermediates(norm=True)`` gives), before the pyramid."""
+        take = sorted(set(self.out_indices))
+        maps = self.model.forward_intermediates(images_BCHW, indices=take, norm=True, output_fmt='NCHW',
+                                                intermediates_only=True)
+        by_index = dict(zip(take, maps))
+        return [by_index[i] for i in self.out_indices]
+
+    def forward(self, images_BCHW):
+        H, W = images_BCHW.shape[-2:]
+        features = self.block_features(images_BCHW)
+        if self.patch_size != 16:
+            # Stride-14 (or 8...) tokens -> the stride-16 grid, so the pyramid gives strides 4..32.
+            size = (math.ceil(H / 16), math.ceil(W / 16))
+            features = [F.interpolate(f, size=size, mode='bilinear', align_corners=False) for f in features]
+        return self.neck(features)

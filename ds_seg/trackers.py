@@ -1,0 +1,113 @@
+"""Experiment trackers beside TensorBoard: MLflow and Weights & Biases, switched on from the
+experiment config and fed by rank 0's :class:`ds_seg.telemetry.RunLog` with the same scalars
+(``train/*``, ``val/*``, ``val_iou/*``), the resolved config and the final summary.
+
+Example (experiment config)::
+
+    log = dict(trackers=['tensorboard', 'mlflow'], mlflow_tracking_uri='file:///scratch/mlruns',
+               experiment='potsdam')
+"""
+import json
+import os
+
+from .config import ConfigError
+
+KNOWN = ('tensorboard', 'mlflow', 'wandb')
+
+
+def _flatten(node, prefix=''):
+    out = {}
+    for key, value in (node or {}).items():
+        path = f'{prefix}{key}'
+        if isinstance(value, dict):
+            out.update(_flatten(value, f'{path}.'))
+        else:
+            out[path] = value
+    return out
+
+
+def _numeric(record, prefix):
+    return {f'{prefix}/{k}': float(v) for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'step'}
+
+
+class MLflowTracker:
+    """One MLflow run per training run (resumed runs start a new MLflow run in the same experiment)."""
+
+    def __init__(self, log_cfg, work_dir, run_name):
+        try:
+            import mlflow
+        except ImportError as exc:
+            raise ConfigError("log.trackers: 'mlflow' needs the mlflow client; pip install -e '.[mlflow]' "
+                              "(mlflow-skinny is enough).") from exc
+        self.mlflow = mlflow
+        uri = log_cfg.get('mlflow_tracking_uri') or 'file://' + os.path.abspath(os.path.join(work_dir, 'mlruns'))
+        if uri.startswith('file:') or '://' not in uri:
+            # MLflow 3 refuses its file store unless opted in; a file URI here is the user's choice
+            # (or our no-server default), and it needs no database packages.
+            os.environ.setdefault('MLFLOW_ALLOW_FILE_STORE', 'true')
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(log_cfg.get('experiment') or 'ds_seg')
+        self.run = mlflow.start_run(run_name=run_name)
+
+    def config(self, cfg):
+        # Params are short strings in MLflow (500 chars); the full config goes in as an artifact.
+        params = {k: str(v)[:500] for k, v in _flatten(cfg).items()}
+        for start in range(0, len(params), 100):  # log_params takes at most 100 at a time
+            self.mlflow.log_params(dict(list(params.items())[start:start + 100]))
+        self.mlflow.log_dict(cfg, 'config.json')
+
+    def scalars(self, values, step):
+        if values:
+            self.mlflow.log_metrics(values, step=step)
+
+    def summary(self, summary):
+        self.mlflow.log_dict(json.loads(json.dumps(summary, default=str)), 'summary.json')
+        self.scalars(_numeric(summary, 'summary'), summary.get('steps') or 0)
+
+    def close(self):
+        self.mlflow.end_run()
+
+
+class WandbTracker:
+    """A W&B run in ``log.wandb_project`` (``WANDB_MODE=offline`` works without a network)."""
+
+    def __init__(self, log_cfg, work_dir, run_name):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ConfigError("log.trackers: 'wandb' needs the wandb client; pip install -e '.[wandb]'.") from exc
+        self.wandb = wandb
+        self.run = wandb.init(project=log_cfg.get('wandb_project') or 'ds_seg', name=run_name, dir=work_dir,
+                              reinit=True)
+
+    def config(self, cfg):
+        self.run.config.update(cfg, allow_val_change=True)
+
+    def scalars(self, values, step):
+        if values:
+            self.run.log(values, step=step)
+
+    def summary(self, summary):
+        self.run.summary.update(json.loads(json.dumps(summary, default=str)))
+
+    def close(self):
+        self.run.finish()
+
+
+def check_trackers(log_cfg):
+    """The tracker names of ``log.trackers``, or a ConfigError naming the known ones."""
+    names = list(log_cfg.get('trackers') or [])
+    unknown = [n for n in names if n not in KNOWN]
+    if unknown:
+        raise ConfigError(f"log.trackers: {unknown} unknown; known trackers: {', '.join(KNOWN)}.")
+    return names
+
+
+def build_trackers(log_cfg, work_dir, run_name):
+    """The non-TensorBoard trackers ``log.trackers`` asks for, started (rank 0 only).
+
+    Example: ``build_trackers(dict(trackers=['mlflow']), 'work_dirs/x', 'x')``
+    """
+    classes = {'mlflow': MLflowTracker, 'wandb': WandbTracker}
+    return [classes[n](log_cfg, work_dir, run_name) for n in check_trackers(log_cfg) if n in classes]

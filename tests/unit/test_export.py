@@ -1,0 +1,116 @@
+"""launch/export.py --format onnx / torch-export: dynamic sizes, equal to PyTorch (< 1e-4) in
+onnxruntime on CPU, a model card, never overwriting; launch/predict.py runs the .onnx file."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import rasterio
+import torch
+
+from ds_seg.config import REPO_ROOT
+from ds_seg.registry import MODELS, build
+
+CLASSES = ['grass', 'road', 'building', 'tree', 'water', 'car']
+DATA = {'bands': [1, 2, 3], 'mean': [100.0, 110.0, 90.0], 'std': [40.0, 40.0, 35.0]}
+
+
+def _run(script, *args, ok=True):
+    proc = subprocess.run([sys.executable, f'launch/{script}', *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, 'OMP_NUM_THREADS': '1'}, timeout=300)
+    assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope='module')
+def weights(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('export')
+    torch.manual_seed(0)
+    cfg = dict(type='SegFormerTiny', in_channels=3, num_classes=6)
+    model = build(MODELS, cfg).eval()
+    path = str(tmp / 'weights.pt')
+    torch.save({'state_dict': model.state_dict(), 'model': cfg, 'classes': CLASSES, 'data': DATA}, path)
+    return tmp, path, model
+
+
+def test_onnx_export_matches_pytorch_at_other_sizes_and_carries_a_card(weights):
+    import onnxruntime as ort
+    tmp, path, model = weights
+    out = str(tmp / 'segformer.onnx')
+    _run('export.py', path, '--format', 'onnx', '--out', out)
+    session = ort.InferenceSession(out, providers=['CPUExecutionProvider'])
+    for shape in [(2, 3, 96, 160), (1, 3, 224, 64)]:          # neither is the traced 64 x 64
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            expected = model(x).numpy()
+        got = session.run(None, {'images_BCHW': x.numpy()})[0]
+        assert got.shape == expected.shape
+        assert np.abs(got - expected).max() < 1e-4
+    card = json.loads(open(str(tmp / 'segformer.onnx.card.json')).read())
+    assert card['classes'] == CLASSES and card['mean'] == DATA['mean'] and card['std'] == DATA['std']
+    assert card['bands'] == DATA['bands'] and card['model']['type'] == 'SegFormerTiny'
+    assert 'road' in open(str(tmp / 'segformer.onnx.card.md')).read()
+    assert json.loads(session.get_modelmeta().custom_metadata_map['ds_seg'])['classes'] == CLASSES
+
+    again = _run('export.py', path, '--format', 'onnx', '--out', out, ok=False)   # never overwrites
+    assert 'already exists' in again.stderr and 'Traceback' not in again.stderr
+
+
+def test_predict_runs_the_onnx_file_like_the_weights(weights):
+    tmp, path, _ = weights
+    from ds_seg.data.synthetic import generate_scene
+    from rasterio.transform import from_origin
+    image, _ = generate_scene(np.random.default_rng(3), (150, 130))
+    scene = str(tmp / 'scene.tif')
+    with rasterio.open(scene, 'w', driver='GTiff', width=130, height=150, count=3, dtype='uint8', crs='EPSG:25832',
+                       transform=from_origin(360_000, 5_700_000, 0.2, 0.2)) as dst:
+        dst.write(image)
+    onnx_file = str(tmp / 'predict.onnx')
+    _run('export.py', path, '--format', 'onnx', '--out', onnx_file)
+    common = ['--input', scene, '--tile', '64', '--overlap', '16', '--batch-size', '4', '--device', 'cpu']
+    _run('predict.py', '--checkpoint', onnx_file, '--output', str(tmp / 'onnx'), *common)
+    _run('predict.py', '--checkpoint', path, '--output', str(tmp / 'torch'), *common)
+    with rasterio.open(str(tmp / 'onnx' / 'scene_classes.tif')) as a, \
+            rasterio.open(str(tmp / 'torch' / 'scene_classes.tif')) as b:
+        assert a.tags()['classes'] == b.tags()['classes']
+        assert (a.read(1) == b.read(1)).mean() > 0.999   # logits agree to 1e-4: argmax ties aside
+
+
+def test_torch_export_program_runs_at_another_size(weights):
+    tmp, path, model = weights
+    out = str(tmp / 'segformer.pt2')
+    _run('export.py', path, '--format', 'torch-export', '--out', out)
+    program = torch.export.load(out).module()
+    x = torch.randn(1, 3, 96, 160)
+    with torch.no_grad():
+        assert (program(x) - model(x)).abs().max() < 1e-4
+    assert json.loads(open(str(tmp / 'segformer.pt2.card.json')).read())['format'] == 'torch-export'
+
+
+@pytest.mark.parametrize('name', ['UperNetTiny', 'UperNetViTTiny'])
+def test_upernet_pyramid_pooling_and_vit_export_with_dynamic_sizes(tmp_path, name):
+    """PPM's adaptive pooling (bins that do not divide the map) and the ViT's position-embedding
+    resize stay dynamic in the ONNX graph."""
+    import onnxruntime as ort
+    from ds_seg import deploy
+    torch.manual_seed(0)
+    model = build(MODELS, dict(type=name)).eval()
+    out = str(tmp_path / f'{name}.onnx')
+    deploy.export_onnx(model, out, dict(model=dict(type=name), classes=CLASSES))
+    session = ort.InferenceSession(out, providers=['CPUExecutionProvider'])
+    x = torch.randn(1, 3, 160, 96)                   # map 5 x 3 at stride 32: pooled to 6 x 6
+    with torch.no_grad():
+        assert np.abs(session.run(None, {'images_BCHW': x.numpy()})[0] - model(x).numpy()).max() < 1e-4
+
+
+def test_export_refuses_what_it_cannot_keep_dynamic_in_one_line(tmp_path):
+    from ds_seg import deploy
+    from ds_seg.config import ConfigError
+    model = build(MODELS, dict(type='UperNet', backbone='vit_small_patch14_reg4_dinov2', channels=16, aux_head=False,
+                               backbone_kwargs=dict(depth=2, embed_dim=32, num_heads=2)))
+    out = str(tmp_path / 'dino.onnx')
+    with pytest.raises(ConfigError, match='--format onnx: .* does not export to ONNX'):
+        deploy.export_onnx(model, out, dict(model=dict(type='UperNet'), classes=CLASSES))
+    assert not os.listdir(tmp_path), 'nothing half-written is left behind'

@@ -1,0 +1,142 @@
+"""Foundation-model backbones: any timm ViT (DINOv2 with registers, DeiT-3...) as a UperNet/FPN
+encoder at any crop, pretrained loading that is exact or refused, band maps, Swin sizes.
+
+No network: timm models are built with random weights and tiny depth/width, and their state dict
+saved as the "pretrained file"."""
+import pytest
+import torch
+
+import ds_seg  # noqa: F401  (registers the zoo)
+from ds_seg.config import ConfigError
+from ds_seg.models.common import BACKBONES
+from ds_seg.registry import MODELS, build
+
+TINY = dict(depth=4, embed_dim=64, num_heads=2)
+DINO = 'vit_small_patch14_reg4_dinov2'
+
+
+def _timm(name, **kwargs):
+    import timm
+    torch.manual_seed(7)
+    return timm.create_model(name, pretrained=False, **dict(TINY, **kwargs)).eval()
+
+
+def _save(tmp_path, model, name='weights.pth'):
+    path = str(tmp_path / name)
+    torch.save(model.state_dict(), path)
+    return path
+
+
+def test_timm_backbone_over_a_vit_loads_its_weights(tmp_path):
+    """Defect 1: timm's FeatureGetterNet holds a ViT as ``model.``; the key map must strip it."""
+    ref = _timm('deit3_small_patch16_224')
+    enc = build(BACKBONES, dict(type='TimmBackbone', name='deit3_small_patch16_224', pretrained=_save(tmp_path, ref),
+                                **TINY))
+    ours, theirs = enc.model.state_dict(), ref.state_dict()
+    assert len(ours) > 10
+    for key, value in ours.items():   # every tensor of the feature net holds the file's
+        torch.testing.assert_close(value, theirs[key.removeprefix('model.')], rtol=0, atol=0, msg=key)
+
+
+def test_load_refuses_tensors_it_would_drop(tmp_path):
+    """Defect 2: a DINOv2-like file (LayerScale gammas) into the zoo's ViT is refused, naming them;
+    a classifier head is dropped; a shape mismatch names the tensor."""
+    cfg = dict(type='ViT', variant='vit_tiny_test', embed_dim=32, depth=2, num_heads=2, mlp_ratio=4.0, img_size=224)
+    with_ls = _timm('vit_small_patch16_224', embed_dim=32, depth=2, num_heads=2, init_values=1e-5)
+    with pytest.raises(ConfigError, match=r'blocks\.0\.ls1\.gamma'):
+        build(BACKBONES, dict(cfg, pretrained=_save(tmp_path, with_ls)))
+    plain = _timm('vit_small_patch16_224', embed_dim=32, depth=2, num_heads=2)  # holds head.weight/bias
+    vit = build(BACKBONES, dict(cfg, pretrained=_save(tmp_path, plain, 'plain.pth')))
+    torch.testing.assert_close(vit.blocks[1].mlp.fc2.weight, plain.blocks[1].mlp.fc2.weight, rtol=0, atol=0)
+    state = plain.state_dict()
+    state['blocks.1.mlp.fc1.weight'] = state['blocks.1.mlp.fc1.weight'][:64]
+    with pytest.raises(ConfigError, match=r'blocks\.1\.mlp\.fc1\.weight has shape \(64, 32\)'):
+        build(BACKBONES, dict(cfg, pretrained=state))
+
+
+def test_dinov2_reg4_features_equal_timm_at_518_and_upernet_runs_at_512(tmp_path):
+    """Defect 3 and the feature check: a patch-14 DINOv2-reg4 loaded from a file gives timm's block
+    features within 1e-5 at 518; UperNet over it runs at a 512 crop with strides 4/8/16/32."""
+    ref = _timm(DINO, img_size=518)
+    path = _save(tmp_path, ref)
+    model = build(MODELS, dict(type='UperNet', backbone=DINO, pretrained=path, channels=32, num_classes=5,
+                               backbone_kwargs=TINY)).eval()
+    enc = model.backbone
+    assert type(enc).__name__ == 'TimmViT' and enc.strides == [4, 8, 16, 32]
+    x = torch.randn(1, 3, 518, 518)
+    with torch.no_grad():
+        ours = enc.block_features(x)
+        theirs = ref.forward_intermediates(x, indices=enc.out_indices, norm=True, intermediates_only=True)
+        logits = model(torch.randn(2, 3, 512, 512))
+        pyramid = enc(x)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert logits.shape == (2, 5, 512, 512)
+    assert [f.shape[-1] for f in pyramid] == [132, 66, 33, 17]   # the stride-16 grid of 518, x4 .. /2
+
+
+@pytest.mark.parametrize('name', [DINO, 'deit3_small_patch16_224'])
+def test_token_layouts_load_at_another_size_like_timm(tmp_path, name):
+    """Defect 5: register tokens / no class position embedding. A file at one grid loaded into a
+    model at another equals timm's own model at that size loaded through timm's filter
+    (antialiased-bicubic position-embedding resampling)."""
+    from timm.models.vision_transformer import checkpoint_filter_fn
+    src = _timm(name, img_size=518 if 'dinov2' in name else 160)
+    path = _save(tmp_path, src)
+    enc = build(BACKBONES, dict(type='TimmViT', name=name, img_size=224, pretrained=path, **TINY)).eval()
+    ref = _timm(name, img_size=224)
+    ref.load_state_dict(checkpoint_filter_fn(src.state_dict(), ref))
+    assert not torch.equal(ref.pos_embed, _timm(name, img_size=224).pos_embed)
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        for a, b in zip(enc.block_features(x), ref.forward_intermediates(x, indices=enc.out_indices, norm=True,
+                                                                          intermediates_only=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_dinov2_release_layout_loads(tmp_path):
+    """facebookresearch/dinov2 files: ``register_tokens``, a class position embedding, ``mask_token``."""
+    ref = _timm(DINO, img_size=518)
+    state = ref.state_dict()
+    pos_cls = torch.randn(1, 1, 64)
+    state['pos_embed'] = torch.cat([pos_cls, state['pos_embed']], dim=1)
+    state['cls_token'] = state['cls_token'] - pos_cls
+    state['register_tokens'] = state.pop('reg_token')
+    state['mask_token'] = torch.zeros(1, 64)
+    enc = build(BACKBONES, dict(type='TimmViT', name=DINO, img_size=518, pretrained=state, **TINY)).eval()
+    x = torch.randn(1, 3, 518, 518)
+    with torch.no_grad():
+        torch.testing.assert_close(enc.block_features(x)[-1], ref.forward_intermediates(
+            x, indices=enc.out_indices, norm=True, intermediates_only=True)[-1], rtol=0, atol=1e-5)
+
+
+def test_band_map_takes_the_checkpoint_bands_the_data_has(tmp_path):
+    """Prithvi-like 6-band weights on 4-band data: data band j sees the file's band band_map[j]."""
+    src = _timm('vit_small_patch16_224', in_chans=6, dynamic_img_size=True)
+    band_map = [2, 1, 0, 3]
+    enc = build(BACKBONES, dict(type='TimmViT', name='vit_small_patch16_224', in_channels=4, band_map=band_map,
+                                pretrained=_save(tmp_path, src), **TINY)).eval()
+    x4 = torch.randn(1, 4, 64, 64)
+    x6 = torch.zeros(1, 6, 64, 64)
+    x6[:, band_map] = x4          # the same scene as the 6-band sensor would see it, other bands dark
+    with torch.no_grad():
+        torch.testing.assert_close(enc.block_features(x4)[-1], src.forward_intermediates(
+            x6, indices=enc.out_indices, norm=True, intermediates_only=True)[-1], rtol=0, atol=1e-5)
+    with pytest.raises(ConfigError, match='band_map'):
+        build(BACKBONES, dict(type='TimmViT', name='vit_small_patch16_224', in_channels=4, band_map=[0, 1, 2, 9],
+                              pretrained=_save(tmp_path, src), **TINY))
+
+
+def test_swin_runs_at_the_crop_given_by_img_size():
+    """Defect 4: img_size passes through UperNet to timm (Swin's window grid)."""
+    model = build(MODELS, dict(type='UperNet', backbone='swin_tiny_patch4_window7_224', img_size=256, channels=16,
+                               aux_head=False, backbone_kwargs=dict(embed_dim=16, depths=(1, 1, 1, 1),
+                                                                    num_heads=(1, 1, 1, 1)))).eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 256, 256)).shape == (1, 6, 256, 256)
+
+
+def test_fpn_over_a_vit_any_crop():
+    model = build(MODELS, dict(type='FPN', backbone='deit3_small_patch16_224', channels=16, backbone_kwargs=TINY))
+    with torch.no_grad():
+        assert model.eval()(torch.randn(1, 3, 200, 136)).shape == (1, 6, 200, 136)

@@ -1,0 +1,71 @@
+"""The ViT fine-tuning recipe's parameter groups (optim.layer_decay, optim.paramwise)."""
+import pytest
+import torch
+
+import ds_seg  # noqa: F401
+from ds_seg.config import ConfigError
+from ds_seg.engine.param_groups import build_param_groups, scale_lr_by_group
+from ds_seg.registry import MODELS, build
+
+VIT = dict(type='UperNet', backbone='deit3_small_patch16_224', channels=16, aux_head=False,
+           backbone_kwargs=dict(depth=2, embed_dim=32, num_heads=2))
+
+
+def _group_of(groups, model):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: g for g in groups for p in g['params']}
+
+
+def test_groups_follow_depth_role_and_decay():
+    model = build(MODELS, VIT)
+    groups = build_param_groups(model, dict(layer_decay=0.5, paramwise=dict(no_weight_decay=True,
+                                                                             backbone_lr_mult=0.1)))
+    of = _group_of(groups, model)
+    assert len(of) == sum(1 for p in model.parameters() if p.requires_grad)   # every parameter once
+    expect = {  # name: (lr_mult, decayed)
+        'backbone.model.pos_embed': (0.1 * 0.5 ** 3, False),
+        'backbone.model.cls_token': (0.1 * 0.5 ** 3, False),
+        'backbone.model.patch_embed.proj.weight': (0.1 * 0.5 ** 3, True),
+        'backbone.model.blocks.0.attn.qkv.weight': (0.1 * 0.5 ** 2, True),
+        'backbone.model.blocks.1.attn.qkv.weight': (0.1 * 0.5, True),
+        'backbone.model.blocks.1.norm1.weight': (0.1 * 0.5, False),
+        'backbone.model.blocks.1.attn.qkv.bias': (0.1 * 0.5, False),
+        'backbone.model.norm.weight': (0.1, False),
+        'backbone.neck.up2.weight': (1.0, True),          # the new pyramid trains with the heads
+    }
+    head = [n for n in of if n.startswith('decode_head.') and of[n]['params'][0].ndim > 1]
+    expect.update({n: (1.0, True) for n in head})
+    for name, (mult, decayed) in expect.items():
+        assert of[name]['lr_mult'] == pytest.approx(mult), name
+        assert ('weight_decay' not in of[name]) == decayed, name
+    assert groups[0]['lr_mult'] == 1.0   # the LR a backend logs is the base schedule
+    assert len({g['name'] for g in groups}) == len(groups)
+
+
+def test_off_by_default_and_refused_where_it_cannot_apply():
+    unet = build(MODELS, dict(type='UNetTiny'))
+    params = build_param_groups(unet, dict(layer_decay=None, paramwise=dict(no_weight_decay=False,
+                                                                            backbone_lr_mult=1.0)))
+    assert [id(p) for p in params] == [id(p) for p in unet.parameters()]
+    with pytest.raises(ConfigError, match='optim.layer_decay'):
+        build_param_groups(unet, dict(layer_decay=0.75))
+    with pytest.raises(ConfigError, match='optim.layer_decay'):
+        build_param_groups(unet, dict(layer_decay=1.5))
+    with pytest.raises(ConfigError, match='backbone_lr_mult'):
+        build_param_groups(unet, dict(paramwise=dict(backbone_lr_mult=0)))
+
+
+def test_schedule_scales_every_group_proportionally():
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    model = build(MODELS, VIT)
+    opt = torch.optim.AdamW(build_param_groups(model, dict(layer_decay=0.5)), lr=1e-3)
+    sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1e-3, warmup_num_steps=4,  # absolute LRs
+                     warmup_type='linear')
+    scale_lr_by_group(opt, sched)
+    sched.step()   # iteration 0: LR 0
+    for _ in range(3):
+        sched.step()
+        base = opt.param_groups[0]['lr']
+        assert base > 0
+        for g in opt.param_groups:
+            assert g['lr'] == pytest.approx(base * g['lr_mult'])
