@@ -68,9 +68,9 @@ def build(registry, cfg, where=None, **extra):
         # A value of the wrong type or range ('16' for an int, a list for a count): name the
         # section and its values rather than show the traceback from deep inside the class.
         given = ', '.join(f'{k}={v!r}' for k, v in cfg.items() if k != 'type')
-        raise RegistryError(f"{where} ({name}): cannot be built with {given or 'its defaults'}: "
-                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r}; "
-                            f"check the values under {where}.") from exc
+        detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        raise ConfigError(f"{where} ({name}): cannot be built with {given or 'its defaults'}: {detail}; "
+                          f"check the values under {where}.") from exc
 
 
 def _check_kwargs(cls, kwargs, where):
