@@ -35,6 +35,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    if argv is None:  # a program, not a call from Python: a stop signal during start-up is kept, not fatal
+        from ds_seg.distributed import catch_stop_signals
+        catch_stop_signals()
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.cfg_options)
