@@ -67,6 +67,9 @@ def _to_universal(ckpt_dir, out_dir):
     with contextlib.redirect_stdout(io.StringIO()):  # its progress bars are not the user's business
         ds_to_universal.main(args)
     os.replace(tmp, out_dir)
+    stray = os.path.join(os.path.dirname(out_dir), 'latest_universal')  # the converter's pointer to tmp
+    if os.path.isfile(stray) and open(stray).read().strip().startswith('.universal-'):
+        os.remove(stray)
 
 
 def load(backend, root, tag, marker):

@@ -189,8 +189,9 @@ class Trainer:
                 nonfinite_run = nonfinite_run + 1 if nonfinite else 0
 
                 if log_now:
-                    self.log_metrics(loss_sum, t.log_interval if self.step % t.log_interval == 0
-                                     else self.step % t.log_interval, step_at_loop_start)
+                    in_window = t.log_interval if self.step % t.log_interval == 0 else self.step % t.log_interval
+                    # a window cut short by a resume holds only the steps since it
+                    self.log_metrics(loss_sum, min(in_window, self.step - step_at_loop_start), step_at_loop_start)
                     loss_sum.zero_()
                 if nonfinite_run >= t.max_nonfinite_steps:
                     self.exit_reason = 'nonfinite_loss'
