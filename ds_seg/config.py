@@ -164,19 +164,85 @@ def load_config(path=None, cfg_options=None):
     return Config(cfg)
 
 
+def _int_at_least(low):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low,
+            'a positive integer' if low == 1 else f'an integer >= {low}')
+
+
+def _number_above(low, allow_none=False):
+    return (lambda v: (allow_none and v is None)
+            or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > low),
+            f'a number > {low}' + (' or None' if allow_none else ''))
+
+
+def _optional(rule):
+    check, what = rule
+    return (lambda v: v is None or check(v), f'{what} or None')
+
+
+def _optional_path(v):
+    return v is None or (isinstance(v, str) and v.strip() != '')
+
+
+# Every scalar key of the experiment config and what it accepts. A value that passes here
+# cannot crash the run later (train.log_interval=0 used to divide by zero at the first step).
+VALUE_RULES = {
+    'train.max_steps': _int_at_least(1),
+    'train.log_interval': _int_at_least(1),
+    'train.eval_interval': (_int_at_least(0)[0], 'an integer >= 0 (0: no evaluation)'),
+    'train.checkpoint_interval': (_int_at_least(0)[0], 'an integer >= 0 (0: only when signalled)'),
+    'train.keep_checkpoints': (_int_at_least(0)[0], 'an integer >= 0 (0: keep all)'),
+    'train.seed': _int_at_least(0),
+    'train.warmup_log_steps': _int_at_least(0),
+    'train.max_nonfinite_steps': _int_at_least(1),
+    'train.profile_steps': _int_at_least(0),
+    'train.peak_tflops': _number_above(0, allow_none=True),
+    'train.dist_timeout_s': _number_above(0, allow_none=True),
+    'data.crop_size': _int_at_least(16),
+    'data.num_workers': _int_at_least(0),
+    'data.eval_batch_size': _optional(_int_at_least(1)),
+    'data.eval_tile': _optional(_int_at_least(16)),
+    'data.eval_overlap': _optional(_int_at_least(0)),
+    'data.random_scale': (lambda v: v is None or (
+        isinstance(v, (list, tuple)) and len(v) == 2
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v) and v[0] <= v[1]),
+        'None or (low, high) with 0 < low <= high, e.g. (0.5, 2.0)'),
+    'load_from': (_optional_path, 'None or the path of a weights file from launch/export.py'),
+    'work_dir': (_optional_path, 'None or a directory path'),
+}
+
+
+def _get(cfg, path):
+    node = cfg
+    for part in path.split('.'):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
 def _check_values(cfg, source):
     for path in sorted(_REGISTRY_SECTIONS):
-        node = cfg
-        for part in path.split('.'):
-            node = node.get(part) if isinstance(node, dict) else None
+        node = _get(cfg, path)
         if node is not None and 'type' not in node:
             raise ConfigError(f"{source}: {path!r} must be a dict with a 'type' key, got {node!r}.")
-    train = cfg['train']
-    for key in ('max_steps', 'log_interval', 'eval_interval', 'checkpoint_interval'):
-        if not isinstance(train[key], int) or train[key] < 0 or (key == 'max_steps' and train[key] == 0):
-            raise ConfigError(f"{source}: train.{key} must be a positive integer, got {train[key]!r}.")
-    if not isinstance(cfg['data']['crop_size'], int) or cfg['data']['crop_size'] < 16:
-        raise ConfigError(f"{source}: data.crop_size must be an integer >= 16, got {cfg['data']['crop_size']!r}.")
+    for path, (check, what) in VALUE_RULES.items():
+        value = _get(cfg, path)
+        if not check(value):
+            raise ConfigError(f"{source}: {path} must be {what}, got {value!r}.")
+    data = cfg['data']
+    tile = data['eval_tile'] or data['crop_size']
+    if data['eval_overlap'] is not None and data['eval_overlap'] >= tile:
+        raise ConfigError(f"{source}: data.eval_overlap ({data['eval_overlap']}) must be smaller than the "
+                          f"evaluation tile ({tile}, data.eval_tile or data.crop_size).")
+    for split in ('train', 'val'):
+        given = (_get(cfg, f'data.{split}') or {}).get('crop_size')
+        if given is not None and given != data['crop_size']:
+            raise ConfigError(f"{source}: data.{split}.crop_size={given!r} conflicts with data.crop_size="
+                              f"{data['crop_size']!r} (the one every dataset is built with); set data.crop_size only.")
+    if cfg.get('load_from') and not os.path.isfile(cfg['load_from']):
+        raise ConfigError(f"{source}: load_from={cfg['load_from']!r} does not exist; give a weights file "
+                          "written by launch/export.py.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,6 +320,138 @@ def check_ds_config(ds, source='DeepSpeed config'):
     for key in ('train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps'):
         if key in ds and (not isinstance(ds[key], int) or isinstance(ds[key], bool) or ds[key] < 1):
             raise ConfigError(f"{source}: {key!r} must be a positive integer, got {ds[key]!r}.")
+    _check_ds_values(ds, source)
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# Top-level scalars DeepSpeed reads without checking their type: a string here trains wrongly
+# or fails mid-run (a string gradient_clipping crashed at the first optimizer step).
+_DS_SCALARS = {
+    'gradient_clipping': (lambda v: _is_number(v) and v >= 0, 'a number >= 0 (0: no clipping)'),
+    'gradient_predivide_factor': (lambda v: _is_number(v) and v > 0, 'a number > 0'),
+    'steps_per_print': (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, 'a positive integer'),
+    'prescale_gradients': (lambda v: isinstance(v, bool), 'true or false'),
+    'wall_clock_breakdown': (lambda v: isinstance(v, bool), 'true or false'),
+    'memory_breakdown': (lambda v: isinstance(v, bool), 'true or false'),
+    'zero_allow_untested_optimizer': (lambda v: isinstance(v, bool), 'true or false'),
+    'zero_force_ds_cpu_optimizer': (lambda v: isinstance(v, bool), 'true or false'),
+    'dump_state': (lambda v: isinstance(v, bool), 'true or false'),
+}
+# Optimizer/scheduler parameters that are strings by design; every other one is a number, a
+# bool or a list of numbers ("lr": "1e-3" is refused, not passed to torch as a string).
+_DS_STRING_PARAMS = {'warmup_type', 'cycle_momentum_type', 'decay_type'}
+
+
+def _check_ds_params(block, where, source):
+    params = block.get('params', {})
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: '{where}.params' must be an object, got {params!r}.")
+    for key, value in params.items():
+        ok = (isinstance(value, str) if key in _DS_STRING_PARAMS else
+              isinstance(value, bool) or _is_number(value) or value is None
+              or (isinstance(value, list) and all(_is_number(x) for x in value)))
+        if not ok:
+            hint = ' (write it without quotes)' if isinstance(value, str) and _looks_numeric(value) else ''
+            raise ConfigError(f"{source}: '{where}.params.{key}' must be a number, got {value!r}{hint}.")
+        if key == 'lr' and _is_number(value) and value < 0:
+            raise ConfigError(f"{source}: '{where}.params.lr' must be >= 0, got {value!r}.")
+
+
+def _looks_numeric(text):
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_ds_values(ds, source):
+    """Check values, not only keys, before any training: our rules for what DeepSpeed takes
+    unchecked, then DeepSpeed's own pydantic models (ZeRO, fp16, bf16... sub-blocks), their
+    failures turned into one line naming the key and what it accepts."""
+    import torch
+    for key, (check, what) in _DS_SCALARS.items():
+        if key in ds and not check(ds[key]):
+            raise ConfigError(f"{source}: {key!r} must be {what}, got {ds[key]!r}.")
+    optimizer = ds.get('optimizer')
+    if optimizer is not None:
+        from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+        kind = optimizer.get('type') if isinstance(optimizer, dict) else None
+        # DeepSpeed builds its own optimizers by (lower-case) name, anything else from torch.optim.
+        if not isinstance(kind, str) or (kind.lower() not in DEEPSPEED_OPTIMIZERS and not (
+                isinstance(getattr(torch.optim, kind, None), type)
+                and issubclass(getattr(torch.optim, kind), torch.optim.Optimizer))):
+            known = sorted(set(DEEPSPEED_OPTIMIZERS) | {'Adam', 'AdamW', 'SGD'})
+            close = difflib.get_close_matches(str(kind).lower(), [k.lower() for k in known], n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else ''
+            raise ConfigError(f"{source}: 'optimizer.type' {kind!r} is not an optimizer DeepSpeed knows.{hint} "
+                              f"Use one of {', '.join(known)} or a torch.optim class name.")
+        _check_ds_params(optimizer, 'optimizer', source)
+    scheduler = ds.get('scheduler')
+    if scheduler is not None:
+        from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+        kind = scheduler.get('type') if isinstance(scheduler, dict) else None
+        if kind not in VALID_LR_SCHEDULES:
+            close = difflib.get_close_matches(str(kind), VALID_LR_SCHEDULES, n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else ''
+            raise ConfigError(f"{source}: 'scheduler.type' {kind!r} is not a DeepSpeed scheduler.{hint} "
+                              f"Use one of {', '.join(VALID_LR_SCHEDULES)}.")
+        _check_ds_params(scheduler, 'scheduler', source)
+    _check_with_deepspeed(ds, source)
+
+
+def _check_with_deepspeed(ds, source):
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfig
+    probe = copy.deepcopy(ds)
+    # The batch triple is resolved later, for the real world size; here any consistent one will do.
+    probe.pop('train_batch_size', None)
+    probe.setdefault('train_micro_batch_size_per_gpu', 1)
+    probe['train_batch_size'] = probe['train_micro_batch_size_per_gpu'] * probe.get('gradient_accumulation_steps', 1)
+    try:
+        DeepSpeedConfig(probe)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(f'{source}: {_pydantic_line(exc, ds)}') from exc
+    except (ValueError, TypeError, AssertionError, KeyError) as exc:
+        raise ConfigError(f'{source}: DeepSpeed refuses this config: {str(exc).splitlines()[0]}') from exc
+
+
+# The top-level key each of DeepSpeed's pydantic models validates (for error paths).
+_DS_BLOCK_MODELS = {'DeepSpeedZeroConfig': 'zero_optimization', 'DeepSpeedFP16Config': 'fp16',
+                    'DeepSpeedBF16Config': 'bf16'}
+
+
+def _pydantic_line(exc, ds):
+    err = exc.errors()[0]
+    block = _DS_BLOCK_MODELS.get(exc.title, exc.title)
+    loc = [str(p) for p in err['loc']]
+    path = '.'.join([block] + loc)
+    if err['type'] == 'extra_forbidden':
+        parent = '.'.join([block] + loc[:-1])
+        known = _known_fields(exc.title, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+        hint = f"Did you mean '{parent}.{close[0]}'?" if close else f"Known keys of '{parent}': {', '.join(known)}."
+        return f"unknown key {path!r}. {hint}"
+    return f"{path!r} is {err.get('input')!r}: {err['msg']}."
+
+
+def _known_fields(model_name, loc):
+    """Field names of the pydantic model at ``loc`` inside DeepSpeed's model ``model_name``."""
+    import typing
+
+    import deepspeed.runtime.precision_config as precision
+    import deepspeed.runtime.zero.config as zero
+    model = getattr(zero, model_name, None) or getattr(precision, model_name, None)
+    for part in loc:
+        field = getattr(model, 'model_fields', {}).get(part)
+        if field is None:
+            return []
+        candidates = [field.annotation, *typing.get_args(field.annotation)]
+        model = next((c for c in candidates if hasattr(c, 'model_fields')), None)
+    return sorted(getattr(model, 'model_fields', {}))
 
 
 def resolve_batch(ds, world_size, source='DeepSpeed config'):

@@ -142,6 +142,8 @@ def init(use_deepspeed=True, timeout_s=None):
 
 
 def close():
+    global _CPU_GROUP
+    _CPU_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -179,6 +181,29 @@ def all_reduce_mean_(tensors):
         work = t.detach().float() if t.is_floating_point() else t.detach().double()
         dist.all_reduce(work, op=dist.ReduceOp.SUM)
         t.copy_((work / n).to(t.dtype))
+
+
+_CPU_GROUP = None
+
+
+def _cpu_group():
+    """A gloo group for small host-side messages (NCCL only moves device tensors)."""
+    global _CPU_GROUP
+    if dist.get_backend() == 'gloo':
+        return None
+    if _CPU_GROUP is None:
+        _CPU_GROUP = dist.new_group(backend='gloo')
+    return _CPU_GROUP
+
+
+def first_failure(message):
+    """Collective: every rank passes None or a one-line failure; all get the lowest rank's
+    failure (or None). Also a barrier. Keeps ranks from hanging when only one of them failed."""
+    if not dist.is_initialized() or world_size() == 1:
+        return message
+    gathered = [None] * world_size()
+    dist.all_gather_object(gathered, message, group=_cpu_group())
+    return next((m for m in gathered if m is not None), None)
 
 
 @contextmanager

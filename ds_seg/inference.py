@@ -747,13 +747,15 @@ def load_model(path, device='cpu'):
     """
     from . import models  # noqa: F401  (registers every model)
     from .engine import checkpoint
+    from .inputs import check_checkpoint_option
     from .registry import MODELS, build
+    check_checkpoint_option(path)
     if os.path.isfile(path):
         payload = checkpoint.load_weights_file(path)
         state, model_cfg = payload['state_dict'], payload.get('model')
         classes, data = payload.get('classes'), payload.get('data')
     else:
-        ckpt = _find_checkpoint(path)
+        ckpt = checkpoint.find_checkpoint(path, report=lambda line: print(f'[ds_seg] {line}', flush=True))
         marker = checkpoint.read_marker(ckpt)
         state = checkpoint.consolidated_state_dict(ckpt)
         model_cfg, classes, data = marker.get('model'), marker.get('classes'), marker.get('data')
@@ -766,18 +768,3 @@ def load_model(path, device='cpu'):
                          f"unexpected {unexpected[:5]}")
     model.to(device).eval()
     return model, dict(classes=list(classes) if classes else None, model=dict(model_cfg), data=data)
-
-
-def _find_checkpoint(path):
-    """A step folder, a checkpoints folder, or a work dir -> the newest complete step folder
-    (the rule of launch/export.py)."""
-    from .engine import checkpoint
-    path = os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, checkpoint.COMPLETE)):
-        return path
-    for root in (path, os.path.join(path, 'checkpoints')):
-        tag = checkpoint.find_latest(root) if os.path.isdir(root) else None
-        if tag:
-            return os.path.join(root, tag)
-    raise FileNotFoundError(f"{path}: neither a weights file nor a folder with a complete checkpoint "
-                            f"(step_*/{checkpoint.COMPLETE})")

@@ -144,15 +144,25 @@ class RunLog:
 
     LOGS = ('metrics.jsonl', 'eval.jsonl', 'summary.json')
 
-    def start(self, resumed_step=None):
-        """Resumed: drop rows the interrupted run logged after its checkpoint (they are redone).
-        Fresh: move an earlier run's logs aside into ``previous/<time>/`` (never delete them)."""
+    def start(self, resumed_step=None, set_aside=None):
+        """Resumed: rows logged after the checkpoint are redone, so they leave the live logs; they
+        move to ``set_aside/`` when the resume abandons a branch (a rollback), else are dropped
+        (a crashed run's rows, repeated identically). Fresh: move an earlier run's logs aside
+        into ``previous/<time>/`` (never delete them). A damaged line (a disk that filled
+        mid-write) is moved to ``<name>.damaged`` instead of breaking the run."""
+        for name in ('metrics.jsonl', 'eval.jsonl'):
+            self._repair_jsonl(name)
         if resumed_step is not None:
             for name in ('metrics.jsonl', 'eval.jsonl'):
                 path = os.path.join(self.work_dir, name)
                 if os.path.isfile(path):
                     with open(path) as f:
-                        keep = [line for line in f if line.strip() and json.loads(line)['step'] <= resumed_step]
+                        lines = [line for line in f if line.strip()]
+                    keep = [line for line in lines if json.loads(line)['step'] <= resumed_step]
+                    later = [line for line in lines if json.loads(line)['step'] > resumed_step]
+                    if set_aside and later:
+                        with open(os.path.join(set_aside, name), 'w') as f:
+                            f.writelines(later)
                     with open(path + '.tmp', 'w') as f:
                         f.writelines(keep)
                     os.replace(path + '.tmp', path)
@@ -163,6 +173,31 @@ class RunLog:
             os.makedirs(archive, exist_ok=True)
             for name in old:
                 os.replace(os.path.join(self.work_dir, name), os.path.join(archive, name))
+
+    def _repair_jsonl(self, name):
+        path = os.path.join(self.work_dir, name)
+        if not os.path.isfile(path):
+            return
+        good, bad = [], []
+        with open(path, 'rb') as f:
+            for raw in f:
+                line = raw.decode('utf-8', 'replace')
+                if not line.strip():
+                    continue
+                try:
+                    if not isinstance(json.loads(line).get('step'), int):
+                        raise ValueError
+                    good.append(line if line.endswith('\n') else line + '\n')
+                except (ValueError, AttributeError):
+                    bad.append(line if line.endswith('\n') else line + '\n')
+        if bad:
+            with open(path + '.damaged', 'a') as f:
+                f.writelines(bad)
+            with open(path + '.tmp', 'w') as f:
+                f.writelines(good)
+            os.replace(path + '.tmp', path)
+            print(f'[ds_seg] {path}: {len(bad)} damaged line(s) (a write cut short) moved to {path}.damaged',
+                  flush=True)
 
     def _append(self, name, record):
         with open(os.path.join(self.work_dir, name), 'a') as f:
@@ -191,9 +226,14 @@ class RunLog:
     def write_json(self, name, obj):
         if self.enabled:
             tmp = os.path.join(self.work_dir, f'.{name}.tmp')
-            with open(tmp, 'w') as f:
-                json.dump(obj, f, indent=2, default=str)
-            os.replace(tmp, os.path.join(self.work_dir, name))
+            try:
+                with open(tmp, 'w') as f:
+                    json.dump(obj, f, indent=2, default=str)
+                os.replace(tmp, os.path.join(self.work_dir, name))
+            except OSError:
+                if os.path.exists(tmp):
+                    os.remove(tmp)  # no temporary file left behind on a full disk
+                raise
 
     def close(self):
         if self.tb is not None:

@@ -23,6 +23,8 @@ from ds_seg.cli.predict import Progress, add_window_args, normalisation, setup, 
 
 from ds_seg import distributed  # noqa: E402
 from ds_seg.inference import _scene_pairs, default_palette, evaluate_scenes, load_model  # noqa: E402
+from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
+                           expand_inputs)
 from ds_seg.metrics import metrics_from_confusion  # noqa: E402
 
 
@@ -88,10 +90,16 @@ def build_scenes(args, info):
             ds = build(DATASETS, cfg.data.val, where='data.val', crop_size=cfg.data.crop_size,
                        seed=cfg.train.seed)
         return ds, list(ds.classes)
-    from ds_seg.data.geotiff import expand_paths
+    from ds_seg.data.geotiff import expand_paths, inspect_pair
     images, labels = expand_paths(args.images, '--images'), expand_paths(args.labels or [], '--labels')
     if len(images) != len(labels):
         raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
+    expand_inputs(images, '--images')
+    expand_inputs(labels, '--labels')
+    for image, label in zip(images, labels):
+        inspect_pair(image, label)  # size, geotransform, CRS, one label band: as training checks
+        check_bands(image, args.bands or (info.get('data') or {}).get('bands'), info['model'].get('in_channels'),
+                    option='--images')
     classes = args.classes or info['classes']
     if not classes:
         raise ValueError('the checkpoint records no class names; give --classes')
@@ -113,9 +121,14 @@ def main(argv=None):
     parser.add_argument('--ignore-index', type=int, default=None, help='label value not counted (default 255)')
     parser.add_argument('--previews', type=int, default=3, help='side-by-side PNGs to write (default 3)')
     parser.add_argument('--output', required=True, help='output folder')
+    parser.add_argument('--overwrite', action='store_true', help='replace an earlier eval.json in --output')
     add_window_args(parser)
     args = parser.parse_args(argv)
     try:
+        window_kwargs(args)  # checks the window options
+        check_checkpoint_option(args.checkpoint)
+        check_output_folder(args.output)
+        check_outputs([os.path.join(args.output, 'eval.json')], [], overwrite=args.overwrite)
         device = setup(args)
         model, info = load_model(args.checkpoint, device)
         scenes, classes = build_scenes(args, info)

@@ -14,26 +14,20 @@ import sys
 from ds_seg.engine import checkpoint
 
 
-def find_checkpoint(path):
-    """A step folder, a checkpoints folder, or a work dir -> the newest complete step folder."""
-    path = os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, checkpoint.COMPLETE)):
-        return path
-    for root in (path, os.path.join(path, 'checkpoints')):
-        tag = checkpoint.find_latest(root)
-        if tag:
-            return os.path.join(root, tag)
-    raise FileNotFoundError(f"{path}: no complete checkpoint here (looked for step_*/{checkpoint.COMPLETE}).")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('checkpoint', help='a step_* folder, a checkpoints/ folder or a work dir')
     parser.add_argument('--out', default=None, help='output file (default: <work dir>/weights_<tag>.pt)')
     args = parser.parse_args(argv)
     try:
-        ckpt = find_checkpoint(args.checkpoint)
+        ckpt = checkpoint.find_checkpoint(args.checkpoint, report=lambda line: print(f'export: {line}'))
         out = args.out or os.path.join(os.path.dirname(os.path.dirname(ckpt)), f'weights_{os.path.basename(ckpt)}.pt')
+        if os.path.isdir(out):
+            raise ValueError(f'--out: {out} is a folder; give a file name (e.g. {os.path.join(out, "weights.pt")}).')
+        if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            raise ValueError(f'--out: the folder {os.path.dirname(os.path.abspath(out))} does not exist; create it first.')
+        if os.path.exists(out):
+            raise ValueError(f'--out: {out} already exists; choose another name or delete it.')
         checkpoint.export(ckpt, out)
     except (FileNotFoundError, ValueError) as exc:
         print(f'export: error: {exc}', file=sys.stderr)

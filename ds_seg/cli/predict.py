@@ -21,6 +21,8 @@ import torch
 from ds_seg import distributed
 from ds_seg.data.geotiff import configure_gdal_for_worker
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
+from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
+                           check_window_options, expand_inputs, output_stems)
 from ds_seg.telemetry import format_eta
 
 
@@ -42,6 +44,7 @@ def add_window_args(parser):
 
 
 def window_kwargs(args):
+    check_window_options(args.tile, args.overlap, args.batch_size, args.block)
     return dict(tile=args.tile, overlap=args.tile // 4 if args.overlap is None else args.overlap,
                 batch_size=args.batch_size, blend=args.blend, tta=args.tta, block=args.block)
 
@@ -90,37 +93,44 @@ class Progress:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
-    parser.add_argument('--input', nargs='+', required=True, help='GeoTIFF scene(s)')
+    parser.add_argument('--input', nargs='+', required=True, help='GeoTIFF scene(s), or folders of them')
     parser.add_argument('--output', required=True, help='output folder')
     parser.add_argument('--probs', action='store_true', help='also write <name>_probs.tif')
+    parser.add_argument('--overwrite', action='store_true', help='replace outputs that already exist')
     parser.add_argument('--accumulate-dtype', choices=('float32', 'float16'), default='float32',
                         help='host accumulators; float16 halves the band memory')
     add_window_args(parser)
     args = parser.parse_args(argv)
     try:
+        # Every check before any work: a refused command changes no file.
+        windows = window_kwargs(args)
+        inputs = expand_inputs(args.input)
+        check_checkpoint_option(args.checkpoint)
+        check_output_folder(args.output)
+        stems = output_stems(inputs)
+        outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
+                   for stem in stems]
+        check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
         device = setup(args)
-        for path in args.input:
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f'--input: {path} does not exist')
         model, info = load_model(args.checkpoint, device)
         mean, std, bands = normalisation(args, info)
+        for path in inputs:
+            check_bands(path, bands, info['model'].get('in_channels'))
         os.makedirs(args.output, exist_ok=True)
         t_all = time.perf_counter()
-        for path in args.input:
-            stem = os.path.splitext(os.path.basename(path))[0]
-            out = os.path.join(args.output, f'{stem}_classes.tif')
-            probs = os.path.join(args.output, f'{stem}_probs.tif') if args.probs else None
+        for path, (out, *rest) in zip(inputs, outputs):
+            probs = rest[0] if rest else None
             with torch.inference_mode():
                 stats = predict_scene(model, path, out, mean=mean, std=std, bands=bands,
                                       classes=info['classes'], probs_path=probs, device=device,
                                       accumulate_dtype=args.accumulate_dtype,
-                                      progress=Progress(os.path.basename(path)), **window_kwargs(args))
+                                      progress=Progress(os.path.basename(path)), **windows)
             if distributed.is_main():
                 print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
                       f'{stats["windows"]} windows in {stats["seconds"]:.1f} s '
                       f'({stats["windows"] / max(stats["seconds"], 1e-9):.1f} windows/s)', flush=True)
         if distributed.is_main():
-            print(f'[predict] done: {len(args.input)} scene(s) in {time.perf_counter() - t_all:.1f} s')
+            print(f'[predict] done: {len(inputs)} scene(s) in {time.perf_counter() - t_all:.1f} s')
     except (FileNotFoundError, ValueError, KeyError) as exc:
         print(f'predict: error: {exc}', file=sys.stderr)
         return 2

@@ -49,12 +49,16 @@ def main(argv=None):
         # A user mistake: one line that names the file or key, before any training starts.
         print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
         return 2
-    from ds_seg.engine.trainer import EXIT_CODES, EXIT_LOST_RANK, LostRankError
+    from ds_seg.engine.trainer import EXIT_CODES, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError, RunIOError
     try:
         summary = trainer.fit()
     except LostRankError as exc:
         print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
         os._exit(EXIT_LOST_RANK)  # skip process-group teardown: it would wait on the dead rank
+    except RunIOError as exc:
+        if trainer.rank == 0:
+            print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
+        return EXIT_IO_ERROR
     finally:
         trainer.close()
     return EXIT_CODES.get(summary['exit_reason'], 1)

@@ -39,6 +39,7 @@ zeroing nodata and the flips/rotations happen on the device after the copy:
 and normalising or flipping on the host costs a worker about as much as the read).
 """
 import bisect
+import contextlib
 import glob
 import json
 import math
@@ -63,6 +64,7 @@ from .transforms import (Compose, check_random_scale, decode_palette, default_pa
 
 STATS_FILE = 'stats.json'            # written by dataset generators/converters next to images
 STATS_CACHE_FILE = '.ds_seg_stats.json'  # our own cache of statistics computed on first use
+LABELS_CACHE_FILE = '.ds_seg_labels.json'  # per label file: value histogram of a full scan
 _MAX_OPEN_FILES = 16
 _CHECK_PIXELS = 256                  # long side of the decimated label read at construction
 
@@ -115,6 +117,62 @@ def _dtype_range(dtype):
     return info.min, info.max
 
 
+def file_identity(path, sample_bytes=1 << 16):
+    """What a cache keyed to a file compares: absolute path, size, modification time and a
+    SHA-256 of its first and last ``sample_bytes`` (a file rewritten in place with the same
+    name, even with its old mtime restored, is recognised as new)."""
+    import hashlib
+    path = os.path.abspath(path)
+    st = os.stat(path)
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        digest.update(f.read(sample_bytes))
+        if st.st_size > sample_bytes:
+            f.seek(max(sample_bytes, st.st_size - sample_bytes))
+            digest.update(f.read(sample_bytes))
+    return {'path': path, 'size': st.st_size, 'mtime_ns': st.st_mtime_ns, 'sample_sha256': digest.hexdigest()}
+
+
+def _read_cache(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path, obj):
+    """Best effort: a read-only dataset folder just recomputes next time."""
+    tmp = f'{path}.{os.getpid()}.tmp'
+    try:
+        with open(tmp, 'w') as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def label_histogram(path, band_rows=1024):
+    """``{file value: pixel count}`` over a whole single-band label raster, read in bands of
+    rows so memory stays bounded on any scene size."""
+    counts = {}
+    with open_raster(path) as src:
+        integer_16 = np.dtype(src.dtypes[0]) in (np.dtype(np.uint8), np.dtype(np.uint16))
+        total = np.zeros(65536, np.int64) if integer_16 else None
+        for y in range(0, src.height, band_rows):
+            block = src.read(1, window=Window(0, y, src.width, min(band_rows, src.height - y)))
+            if integer_16:
+                total[:int(block.max()) + 1] += np.bincount(block.ravel())
+            else:
+                values, n = np.unique(block, return_counts=True)
+                for v, c in zip(values.tolist(), n.tolist()):
+                    counts[v] = counts.get(v, 0) + c
+    if total is not None:
+        counts = {int(v): int(total[v]) for v in np.flatnonzero(total)}
+    return counts
+
+
 def expand_paths(spec, what):
     """A path, a glob or a list of either -> list of paths (each glob sorted)."""
     if isinstance(spec, (str, os.PathLike)):
@@ -151,6 +209,39 @@ def open_raster(path):
             return rasterio.open(path)
     except rasterio.errors.RasterioIOError as e:
         raise DataError(f"{path}: not a readable raster (corrupt or not an image): {e}") from e
+
+
+def inspect_pair(image, label, palette=None):
+    """Open an image and its label and check they can be paired (size, geotransform, CRS, label
+    bands); returns what the dataset needs to know of the scene. Shared with evaluation."""
+    img, lbl = open_raster(image), open_raster(label)
+    with img, lbl:
+        if (img.width, img.height) != (lbl.width, lbl.height):
+            raise DataError(f"image {image} is {img.width}x{img.height} but label {label} is "
+                            f"{lbl.width}x{lbl.height}; they must have the same size")
+        # A raster without any georeference (PNG/JPG patches, some benchmark label TIFFs)
+        # has the identity transform: it can only be aligned pixel for pixel, as checked
+        # above. Two georeferenced rasters must also agree on where those pixels are.
+        georeferenced = all(r.crs is not None or not r.transform.is_identity for r in (img, lbl))
+        if georeferenced and not img.transform.almost_equals(lbl.transform):
+            raise DataError(f"image {image} and label {label} have different geotransforms "
+                            f"({tuple(img.transform)[:6]} vs {tuple(lbl.transform)[:6]}); "
+                            f"they must cover the same pixels")
+        if img.crs and lbl.crs and img.crs != lbl.crs:
+            raise DataError(f"image {image} ({img.crs}) and label {label} ({lbl.crs}) have "
+                            f"different CRS; reproject one of them")
+        if palette is None and lbl.count != 1:
+            raise DataError(f"label {label} has {lbl.count} bands; expected one band of class "
+                            f"indices (image {image}); colour-coded labels need `palette`")
+        if palette is not None and lbl.count < 3:
+            raise DataError(f"label {label} has {lbl.count} band(s) but `palette` expects RGB "
+                            f"colour-coded labels (image {image})")
+        # A GDAL mask band or alpha (not a nodata value) marks invalid pixels on its own.
+        masked = img.nodata is None and any(
+            MaskFlags.per_dataset in f or MaskFlags.alpha in f for f in img.mask_flag_enums)
+        return dict(image=image, label=label, width=img.width, height=img.height,
+                    count=img.count, nodata=img.nodata, masked=masked, dtype=img.dtypes[0],
+                    floating=np.dtype(img.dtypes[0]).kind == 'f')
 
 
 @DATASETS.register_module()
@@ -253,6 +344,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                              "count cannot be inferred from remapped values")
         self.classes = self._resolve_classes(classes, stats)
         self.num_classes = len(self.classes)
+        if 0 <= self.ignore_index < self.num_classes:
+            raise DataError(f"ignore_index {self.ignore_index} is also class {self.ignore_index} "
+                            f"({self.classes[self.ignore_index]!r}): padding and nodata would be learnt as that "
+                            f"class and the class never counted; use an ignore_index outside 0..{self.num_classes - 1} "
+                            "(255 usually)")
         if self.palette is not None:
             if len(self.palette) != self.num_classes:
                 raise ValueError(f"palette has {len(self.palette)} colours for {self.num_classes} classes")
@@ -288,34 +384,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     # ------------------------------------------------------------------ construction helpers
     def _inspect(self, image, label):
-        img, lbl = open_raster(image), open_raster(label)
-        with img, lbl:
-            if (img.width, img.height) != (lbl.width, lbl.height):
-                raise DataError(f"image {image} is {img.width}x{img.height} but label {label} is "
-                                f"{lbl.width}x{lbl.height}; they must have the same size")
-            # A raster without any georeference (PNG/JPG patches, some benchmark label TIFFs)
-            # has the identity transform: it can only be aligned pixel for pixel, as checked
-            # above. Two georeferenced rasters must also agree on where those pixels are.
-            georeferenced = all(r.crs is not None or not r.transform.is_identity for r in (img, lbl))
-            if georeferenced and not img.transform.almost_equals(lbl.transform):
-                raise DataError(f"image {image} and label {label} have different geotransforms "
-                                f"({tuple(img.transform)[:6]} vs {tuple(lbl.transform)[:6]}); "
-                                f"they must cover the same pixels")
-            if img.crs and lbl.crs and img.crs != lbl.crs:
-                raise DataError(f"image {image} ({img.crs}) and label {label} ({lbl.crs}) have "
-                                f"different CRS; reproject one of them")
-            if self.palette is None and lbl.count != 1:
-                raise DataError(f"label {label} has {lbl.count} bands; expected one band of class "
-                                f"indices (image {image}); colour-coded labels need `palette`")
-            if self.palette is not None and lbl.count < 3:
-                raise DataError(f"label {label} has {lbl.count} band(s) but `palette` expects RGB "
-                                f"colour-coded labels (image {image})")
-            # A GDAL mask band or alpha (not a nodata value) marks invalid pixels on its own.
-            masked = img.nodata is None and any(
-                MaskFlags.per_dataset in f or MaskFlags.alpha in f for f in img.mask_flag_enums)
-            return dict(image=image, label=label, width=img.width, height=img.height,
-                        count=img.count, nodata=img.nodata, masked=masked, dtype=img.dtypes[0],
-                        floating=np.dtype(img.dtypes[0]).kind == 'f')
+        return inspect_pair(image, label, self.palette)
 
     @staticmethod
     def _stats_file(first_image):
@@ -385,15 +454,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         return mean.astype(np.float32), std.astype(np.float32)
 
     def _cached_or_computed_stats(self, images):
-        key = [os.path.abspath(p) for p in images[:4]]
-        cache = os.path.join(os.path.dirname(key[0]), STATS_CACHE_FILE)
-        try:
-            with open(cache) as f:
-                cached = json.load(f)
-            if cached.get('images') == key:
-                return cached
-        except (OSError, ValueError):
-            pass
+        # Keyed to the files' identity, not their names: rewritten images get new statistics.
+        key = [file_identity(p) for p in images[:4]]
+        cache = os.path.join(os.path.dirname(key[0]['path']), STATS_CACHE_FILE)
+        cached = _read_cache(cache)
+        if cached.get('images') == key:
+            return cached
         total = np.zeros(self.num_file_bands)
         total_sq = np.zeros(self.num_file_bands)
         n = 0
@@ -416,13 +482,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         mean = total / max(n, 1)
         std = np.sqrt(np.maximum(total_sq / max(n, 1) - mean * mean, 0))
         result = dict(images=key, mean=mean.tolist(), std=std.tolist())
-        try:  # best effort: read-only dataset directories just recompute next time
-            tmp = f'{cache}.{os.getpid()}.tmp'
-            with open(tmp, 'w') as f:
-                json.dump(result, f)
-            os.replace(tmp, cache)
-        except OSError:
-            pass
+        _write_cache(cache, result)
         return result
 
     def _check_files(self, check_labels):
@@ -472,6 +532,44 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                         f"{s['label']}: label value {value} is not a class index 0..{self.num_classes - 1} "
                         f"nor ignore_index {self.ignore_index} (classes: {', '.join(self.classes)}); "
                         f"check `classes`, or remap with `label_map` / `reduce_zero_label`")
+        if self.palette is None:
+            self._check_label_values()
+
+    def _check_label_values(self):
+        """Every pixel of every label file, not a sample: a value that is no class anywhere
+        stops the run here, and a dataset without a single labelled pixel (which would train to
+        loss 0 and report "completed") is refused. One read of each label file, cached by file
+        identity next to the labels, so later runs pay nothing."""
+        cache_path = os.path.join(os.path.dirname(os.path.abspath(self._scenes[0]['label'])), LABELS_CACHE_FILE)
+        cache = _read_cache(cache_path)
+        changed, labelled = False, 0
+        for s in self._scenes:
+            ident = file_identity(s['label'])
+            entry = cache.get(ident['path'])
+            if entry is None or entry.get('identity') != ident:
+                try:
+                    histogram = label_histogram(s['label'])
+                except rasterio.errors.RasterioError as e:
+                    raise DataError(f"{s['label']}: cannot be read (corrupt or truncated?): {e}") from e
+                entry = {'identity': ident, 'values': {str(v): n for v, n in histogram.items()}}
+                cache[ident['path']] = entry
+                changed = True
+            for value, count in ((float(v), n) for v, n in entry['values'].items()):
+                mapped = (int(self._label_lut[int(value)]) if value.is_integer() and 0 <= value < len(self._label_lut)
+                          else -1)
+                if mapped < 0:
+                    raise DataError(
+                        f"{s['label']}: {count} pixel(s) have label value {value:g}, which is not a class index "
+                        f"0..{self.num_classes - 1} nor ignore_index {self.ignore_index} (classes: "
+                        f"{', '.join(self.classes)}); check `classes`, or remap with `label_map` / `reduce_zero_label`")
+                if mapped != self.ignore_index:
+                    labelled += count
+        if changed:
+            _write_cache(cache_path, cache)
+        if labelled == 0:
+            raise DataError(f"{self._scenes[0]['label']}{' and the other label files' if len(self._scenes) > 1 else ''}: "
+                            f"no pixel is labelled with a class (all are ignore_index {self.ignore_index}); "
+                            "nothing can be learnt or measured from them; check the label files or `label_map`")
 
     def _build_grid(self):
         rows = []

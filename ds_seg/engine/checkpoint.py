@@ -6,14 +6,19 @@ Layout under ``<work_dir>/checkpoints``::
     step_00000200/
     latest                the tag of the newest complete checkpoint, replaced last
 
-A checkpoint is written under a temporary name (``.tmp-step_...``), marked ``COMPLETE`` and then
-renamed, so a run killed at any moment leaves either a whole checkpoint or none; ``latest`` is
-replaced atomically after the rename, and old checkpoints are pruned only after that.
+A checkpoint is written under a temporary name (``.tmp-step_...``), every file is checksummed
+(SHA-256) into the ``COMPLETE`` marker, files and folders are fsynced, then the folder is renamed,
+so a run killed at any moment leaves either a whole checkpoint or none; ``latest`` is replaced
+atomically after the rename, and old checkpoints are pruned only after that. Resuming verifies
+the checksums and falls back to the previous good checkpoint, saying why.
 """
 import contextlib
+import errno as errno_codes
 import glob
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 
@@ -29,14 +34,38 @@ def tag_for(step):
     return f'step_{step:08d}'
 
 
-def _file_sizes(path):
-    return {name: os.path.getsize(os.path.join(path, name)) for name in sorted(os.listdir(path))
-            if os.path.isfile(os.path.join(path, name)) and name != COMPLETE}
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (disk full, read-only, I/O error); the message names the path
+    and the errno, and no partial checkpoint is left behind."""
+
+
+def _files(path):
+    return sorted(name for name in os.listdir(path)
+                  if os.path.isfile(os.path.join(path, name)) and name != COMPLETE)
+
+
+def sha256_file(path, chunk=1 << 22):
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(chunk), b''):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_path(path):
+    """Flush a file's or a folder's data and metadata to the disk (a rename is only durable
+    once the folder holding it is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_complete(root, tag):
     """True if the marker exists and every file it lists is present with its recorded size, so a
-    checkpoint with a missing rank file or a truncated file is never resumed from."""
+    checkpoint with a missing rank file or a truncated file is never resumed from. Cheap (no
+    reading of the files); :func:`verify` also compares checksums."""
     path = os.path.join(root, tag)
     try:
         with open(os.path.join(path, COMPLETE)) as f:
@@ -44,6 +73,29 @@ def is_complete(root, tag):
         return all(os.path.getsize(os.path.join(path, name)) == size for name, size in expected.items())
     except (OSError, ValueError, KeyError, AttributeError):
         return False
+
+
+def verify(root, tag):
+    """None if ``root/tag`` is a whole checkpoint whose files match the sizes and SHA-256 sums
+    recorded when it was saved, else the reason it is not (a short phrase)."""
+    path = os.path.join(root, tag)
+    try:
+        with open(os.path.join(path, COMPLETE)) as f:
+            marker = json.load(f)
+        sizes, sums = marker['files'], marker.get('sha256', {})
+    except FileNotFoundError:
+        return f'no {COMPLETE} marker (killed mid-save?)'
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f'unreadable {COMPLETE} marker ({exc})'
+    for name, size in sizes.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f'{name} is missing'
+        if os.path.getsize(file) != size:
+            return f'{name} has {os.path.getsize(file)} bytes, {size} were written'
+        if name in sums and sha256_file(file) != sums[name]:
+            return f'{name} does not match its recorded SHA-256 (damaged on disk)'
+    return None
 
 
 def complete_tags(root):
@@ -69,62 +121,200 @@ def incomplete_tags(root):
     return sorted(t for t in os.listdir(root) if TAG_RE.match(t) and not is_complete(root, t))
 
 
-def save(backend, root, step, client_state, keep):
-    """Save a checkpoint collectively (every rank calls this); returns the tag."""
+def save(backend, root, step, client_state, keep, marker_extra=None):
+    """Save a checkpoint collectively (every rank calls this); returns the tag.
+
+    Raises :class:`CheckpointWriteError` on every rank if any rank failed to write (the
+    temporary folder is removed; earlier checkpoints and ``latest`` are untouched).
+    """
     tag = tag_for(step)
     tmp_tag = f'.tmp-{tag}'
+    tmp_path = os.path.join(root, tmp_tag)
+    failure = None
     if distributed.is_main():
-        shutil.rmtree(os.path.join(root, tmp_tag), ignore_errors=True)  # leftover of a killed save
-        os.makedirs(root, exist_ok=True)
-    distributed.barrier()
-    backend.save(root, tmp_tag, client_state)
-    distributed.barrier()  # every rank's files are written
-    if distributed.is_main():
-        tmp_path = os.path.join(root, tmp_tag)
-        with open(os.path.join(tmp_path, COMPLETE), 'w') as f:
-            # Enough to export or check compatibility without unpickling anything.
-            json.dump({'step': step, 'world_size': distributed.world_size(), 'backend': backend.name,
-                       'zero_stage': backend.zero_stage, 'model': client_state.get('model_cfg'),
-                       'classes': client_state.get('classes'), 'data': client_state.get('data'),
-                       'files': _file_sizes(tmp_path)}, f)
-        final = os.path.join(root, tag)
-        if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.rename(tmp_path, final)
-        _write_latest(root, tag)
-        for old in complete_tags(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    distributed.barrier()
+        try:
+            shutil.rmtree(tmp_path, ignore_errors=True)  # leftover of a killed save
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            failure = _describe_write_failure(root, exc)
+    failure = distributed.first_failure(failure)  # also the barrier before writing
+    if failure is None:
+        try:
+            backend.save(root, tmp_tag, client_state)
+        except Exception as exc:  # torch.save reports a full disk as a RuntimeError without errno
+            failure = _describe_write_failure(tmp_path, exc)
+        failure = distributed.first_failure(failure)  # every rank's files are written, or none
+    if failure is None and distributed.is_main():
+        try:
+            _seal(root, tmp_tag, tag, step, backend, client_state, marker_extra)
+            _write_latest(root, tag)
+            for old in complete_tags(root)[:-keep] if keep > 0 else []:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        except OSError as exc:
+            failure = _describe_write_failure(tmp_path, exc)
+    failure = distributed.first_failure(failure)
+    if failure is not None:
+        if distributed.is_main():
+            shutil.rmtree(tmp_path, ignore_errors=True)  # no partial checkpoint left behind
+        raise CheckpointWriteError(failure)
     return tag
+
+
+def _seal(root, tmp_tag, tag, step, backend, client_state, marker_extra):
+    """Checksum and fsync every file, write the marker, rename the folder into place."""
+    tmp_path = os.path.join(root, tmp_tag)
+    names = _files(tmp_path)
+    sums = {}
+    for name in names:
+        sums[name] = sha256_file(os.path.join(tmp_path, name))
+        fsync_path(os.path.join(tmp_path, name))
+    marker = {'step': step, 'world_size': distributed.world_size(), 'backend': backend.name,
+              'zero_stage': backend.zero_stage, 'model': client_state.get('model_cfg'),
+              'classes': client_state.get('classes'), 'data': client_state.get('data'),
+              'files': {n: os.path.getsize(os.path.join(tmp_path, n)) for n in names}, 'sha256': sums}
+    marker.update(marker_extra or {})
+    with open(os.path.join(tmp_path, COMPLETE), 'w') as f:
+        # Enough to export or check compatibility without unpickling anything.
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(tmp_path)
+    final = os.path.join(root, tag)
+    if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it
+        shutil.rmtree(final)
+    os.rename(tmp_path, final)
+    fsync_path(root)
+
+
+def _describe_write_failure(path, exc):
+    """One line naming the path and the errno. Some writers (torch.save) lose the errno, so a
+    small probe write into the same folder recovers it (ENOSPC, EROFS, EIO...)."""
+    code = getattr(exc, 'errno', None)
+    if code is None:
+        probe_dir = path if os.path.isdir(path) else os.path.dirname(path)
+        probe = os.path.join(probe_dir, f'.write_probe.{os.getpid()}')
+        try:
+            with open(probe, 'wb') as f:
+                f.write(b'\0' * (1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as probe_exc:
+            code = probe_exc.errno
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(probe)
+    if code is not None:
+        name = errno_codes.errorcode.get(code, str(code))
+        return f'writing {path} failed: [Errno {code} {name}] {os.strerror(code)}'
+    return f'writing {path} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ""}'
 
 
 def _write_latest(root, tag):
     tmp = os.path.join(root, '.latest.tmp')
     with open(tmp, 'w') as f:
         f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, 'latest'))
+    fsync_path(root)
 
 
-def resolve_resume(resume, work_dir):
+def newest_verified(root):
+    """``(tag, skipped)``: the newest checkpoint in ``root`` that passes :func:`verify`, or None,
+    and ``[(tag, reason), ...]`` for every newer one passed over."""
+    skipped = []
+    candidates = sorted((t for t in os.listdir(root) if TAG_RE.match(t)), reverse=True) if os.path.isdir(root) else []
+    for tag in candidates:
+        reason = verify(root, tag)
+        if reason is None:
+            return tag, skipped
+        skipped.append((tag, reason))
+    return None, skipped
+
+
+def describe_skipped(skipped):
+    return '; '.join(f'skipped {tag}: {reason}' for tag, reason in skipped)
+
+
+def find_checkpoint(path, report=None):
+    """The checkpoint a path means, the one rule that ``--resume``, export, predict and evaluate
+    share: a ``step_*`` folder itself (verified), else the newest verified checkpoint of a
+    checkpoints folder or of a work dir. ``report(line)`` hears about damaged checkpoints passed
+    over. Raises FileNotFoundError naming the path.
+
+    Example::
+
+        find_checkpoint('work_dirs/default')   # -> '.../work_dirs/default/checkpoints/step_00000400'
+    """
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, COMPLETE)) or TAG_RE.match(os.path.basename(path)):
+        reason = verify(os.path.dirname(path), os.path.basename(path)) if os.path.isdir(path) else 'it does not exist'
+        if reason is not None:
+            raise FileNotFoundError(f"{path}: not a usable checkpoint: {reason}. Use an earlier step_* "
+                                    "folder, or give the checkpoints folder to pick the newest good one.")
+        return path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: does not exist (give a step_* folder, a checkpoints folder or a work dir).")
+    skipped_all = []
+    for root in (path, os.path.join(path, 'checkpoints')):
+        tag, skipped = newest_verified(root)
+        skipped_all += [(os.path.join(root, t), r) for t, r in skipped]
+        if tag:
+            if skipped_all and report is not None:
+                report(describe_skipped(skipped_all))
+            return os.path.join(root, tag)
+    detail = f' ({describe_skipped(skipped_all)})' if skipped_all else ''
+    raise FileNotFoundError(f"{path}: no complete checkpoint here (looked for step_*/{COMPLETE}){detail}.")
+
+
+def resolve_resume(resume, work_dir, report=None):
     """Turn ``--resume`` into ``(root, tag)`` or None.
 
-    ``auto``: the newest complete checkpoint in ``<work_dir>/checkpoints`` if any (else start
-    fresh); a path to a checkpoints folder or to one ``step_*`` folder resumes from it.
+    ``auto``: the newest verified checkpoint in ``<work_dir>/checkpoints`` if any (else start
+    fresh; damaged newer ones are reported and passed over); a path to a checkpoints folder, a
+    work dir or one ``step_*`` folder resumes from it (see :func:`find_checkpoint`).
     """
     if not resume:
         return None
     if resume == 'auto':
         root = os.path.join(work_dir, 'checkpoints')
-        tag = find_latest(root)
+        tag, skipped = newest_verified(root)
+        if skipped and report is not None:
+            report(f'--resume auto: {describe_skipped(skipped)}'
+                   + (f'; resuming from {tag}' if tag else '; no good checkpoint left, starting fresh'))
+        if tag is None and skipped:
+            return None
         return (root, tag) if tag else None
-    resume = os.path.abspath(resume)
-    if os.path.isdir(resume) and is_complete(os.path.dirname(resume), os.path.basename(resume)):
-        return os.path.dirname(resume), os.path.basename(resume)
-    tag = find_latest(resume) if os.path.isdir(resume) else None
-    if tag is None:
-        raise FileNotFoundError(f"--resume: {resume} holds no complete checkpoint (a 'step_*' folder "
-                                f"with a {COMPLETE} file).")
-    return resume, tag
+    try:
+        found = find_checkpoint(resume, report=report)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f'--resume: {exc}') from exc
+    return os.path.dirname(found), os.path.basename(found)
+
+
+def set_aside_other_branch(work_dir, root, tag):
+    """A resume from ``root/tag`` abandons whatever the work dir holds beyond it: every later
+    checkpoint of the work dir (a rollback), or all of them when ``root`` is another run's.
+    Move them (never delete) to ``<work_dir>/abandoned/<time>-after-<tag>/checkpoints``; return
+    that folder, or None when nothing had to move. Rank 0 only."""
+    live = os.path.join(work_dir, 'checkpoints')
+    if not os.path.isdir(live):
+        return None
+    same = os.path.isdir(root) and os.path.samefile(root, live)
+    names = [n for n in os.listdir(live)  # a killed save's .tmp- folder goes along: it is partial
+             if n.startswith('.tmp-step_') or TAG_RE.match(n) and (not same or n > tag)]
+    if not names:
+        return None
+    import time
+    dest = os.path.join(work_dir, 'abandoned', f"{time.strftime('%Y%m%d-%H%M%S')}-after-{tag}")
+    os.makedirs(os.path.join(dest, 'checkpoints'))
+    for name in sorted(names):
+        os.replace(os.path.join(live, name), os.path.join(dest, 'checkpoints', name))
+    if same:
+        _write_latest(live, tag)
+    elif os.path.exists(os.path.join(live, 'latest')):
+        os.replace(os.path.join(live, 'latest'), os.path.join(dest, 'checkpoints', 'latest'))
+    return dest
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,8 +385,13 @@ def export(ckpt_dir, out_file, model_cfg=None, classes=None, extra=None):
         payload['data'] = marker['data']
     payload.update(extra or {})
     tmp = f'{out_file}.tmp'
-    torch.save(payload, tmp)
-    os.replace(tmp, out_file)
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, out_file)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # a failed export leaves nothing behind
+        raise
     return out_file
 
 
@@ -204,7 +399,15 @@ def load_weights_file(path):
     """Read an exported weights file safely (no code execution): returns the payload dict."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_from: {path} does not exist.")
-    payload = torch.load(path, map_location='cpu', weights_only=True)
+    try:
+        payload = torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # weights_only refuses any pickle that would construct objects or call code.
+        raise ValueError(f"{path}: refused: the file holds Python objects other than tensors (loading "
+                         "it could run code); export weights with launch/export.py.") from exc
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise ValueError(f"{path}: not a readable weights file (truncated, or not made by torch.save): "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     if not isinstance(payload, dict) or 'state_dict' not in payload:
         raise ValueError(f"load_from: {path} is not a ds_seg weights file (made by launch/export.py).")
     return payload

@@ -10,6 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed
+from ..config import ConfigError
 from .common import average_batchnorm_buffers, prepare_batchnorm
 
 # Keys of DeepSpeed's optimizer params that choose an implementation, not a hyper-parameter.
@@ -30,7 +31,7 @@ def build_optimizer(params, optimizer_cfg):
         return torch.optim.AdamW(params, **kwargs)
     if lowered == 'sgd':
         return torch.optim.SGD(params, **kwargs)
-    raise ValueError(f"optimizer.type: {kind!r} has no DDP equivalent here; use Adam, AdamW or SGD.")
+    raise ConfigError(f"optimizer.type: {kind!r} has no DDP equivalent here; use Adam, AdamW or SGD (or --backend deepspeed).")
 
 
 def build_scheduler(optimizer, scheduler_cfg):

@@ -4,6 +4,7 @@ does one optimizer step, ``evaluate`` measures, ``save_checkpoint`` persists. No
 Tensor names carry their layout: ``images_BCHW`` (batch, channels, height, width),
 ``labels_BHW``, ``logits_BKHW`` (K classes).
 """
+import errno as errno_codes
 import json
 import math
 import os
@@ -21,18 +22,33 @@ from ..telemetry import RunLog, StepTimer, format_eta, forward_flops, max_memory
 from ..memory import state_memory
 from ..models.losses import segmentation_loss
 from . import checkpoint, reshard
+from .workdir import WorkDirBusy, WorkDirLock
 from .deepspeed_backend import load_state_dict_gathered, model_init_context
 
 
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by a signal after a checkpoint; resume to continue
 EXIT_NONFINITE = 3    # the loss stayed non-finite; the last checkpoint is intact
 EXIT_LOST_RANK = 4    # another rank died or stopped answering
+EXIT_IO_ERROR = 74    # EX_IOERR: a write or read failed (disk full, read-only, I/O error)
 EXIT_CODES = {'completed': 0, 'preempted': EXIT_PREEMPTED, 'nonfinite_loss': EXIT_NONFINITE,
-              'lost_rank': EXIT_LOST_RANK}
+              'lost_rank': EXIT_LOST_RANK, 'io_error': EXIT_IO_ERROR}
 
 
 class LostRankError(RuntimeError):
     """A collective failed because another rank died, hung past the timeout, or the network broke."""
+
+
+class RunIOError(RuntimeError):
+    """The run stopped on a failed write or read; the message names the path and the errno, and
+    the last complete checkpoint is intact."""
+
+
+def _describe_io_error(exc):
+    if isinstance(exc, checkpoint.CheckpointWriteError):
+        return str(exc)
+    name = errno_codes.errorcode.get(exc.errno, exc.errno) if exc.errno else None
+    where = exc.filename or 'a file'
+    return f"{where}: [Errno {exc.errno} {name}] {exc.strerror or exc}" if name else f'{where}: {exc}'
 
 
 def _is_collective_failure(exc):
@@ -92,8 +108,33 @@ class Trainer:
         self.device = distributed.device()
         self.work_dir = work_dir or default_work_dir(cfg)
         _check_writable(self.work_dir)  # on every rank: each writes its own checkpoint files
+        self.lock = WorkDirLock(self.work_dir)
+        self._take_work_dir()
+        try:
+            self._setup(ds_config, backend, resume, ds_config_source)
+        except BaseException:
+            self.lock.release()  # a refused run leaves the work dir as it found it
+            raise
+
+    def _take_work_dir(self):
+        """One run per work dir: rank 0 takes the lock, every rank learns whether it could."""
+        failure = None
+        if distributed.is_main():
+            try:
+                previous = self.lock.acquire()
+                if previous:
+                    self.print(f'took over the work-dir lock of a run that is gone ({previous})')
+            except WorkDirBusy as exc:
+                failure = str(exc)
+        failure = distributed.first_failure(failure)
+        if failure:
+            raise ConfigError(f'--work-dir: {failure}')
+
+    def _setup(self, ds_config, backend, resume, ds_config_source):
+        cfg = self.cfg
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
         self.exit_reason = 'running'
+        self.error = None           # the one-line reason when the run stopped on an error
         self.t_start = time.time()
 
         # --- configs: resolve the DeepSpeed JSON for this world size and hardware ----------
@@ -132,14 +173,21 @@ class Trainer:
         # --- resume ----------------------------------------------------------------------------
         self.step = 0
         self.micro_step_offset = 0  # data position - step x accumulation (non-zero after a change of ranks)
-        resume_from = checkpoint.resolve_resume(resume, self.work_dir)
+        resume_from = checkpoint.resolve_resume(resume, self.work_dir, report=self.print)
+        set_aside = None
         if resume_from is not None:
             self._load_checkpoint(*resume_from)
+            if distributed.is_main() and resume != 'auto':
+                set_aside = checkpoint.set_aside_other_branch(self.work_dir, *resume_from)
+            distributed.barrier()
         elif checkpoint.complete_tags(os.path.join(self.work_dir, 'checkpoints')):
             raise ConfigError(f"--work-dir: {self.work_dir} already holds checkpoints of an earlier run; "
                               "add --resume auto to continue it, or choose another --work-dir.")
         if distributed.is_main():
-            self.log.start(resumed_step=self.step if resume_from is not None else None)
+            self.log.start(resumed_step=self.step if resume_from is not None else None, set_aside=set_aside)
+            if set_aside:
+                self.print(f'resuming {resume_from[1]} abandons a later branch: its checkpoints and log rows '
+                           f'after step {self.step} were moved to {set_aside} (nothing deleted)')
 
         # --- telemetry -------------------------------------------------------------------------
         shape = (1, self.train_set.in_channels, data_cfg.crop_size, data_cfg.crop_size)
@@ -219,12 +267,19 @@ class Trainer:
             else:
                 self.exit_reason = 'completed'
         except Exception as exc:
-            if not _is_collective_failure(exc):
-                self.exit_reason = 'error'
-                raise
-            self.exit_reason = 'lost_rank'
-            raise LostRankError(f'rank {self.rank}: {heartbeat.describe_failure()}; stopping. '
-                                f'Resume from the last complete checkpoint with --resume auto. ({exc})') from exc
+            if _is_collective_failure(exc):
+                self.exit_reason = 'lost_rank'
+                raise LostRankError(f'rank {self.rank}: {heartbeat.describe_failure()}; stopping. '
+                                    f'Resume from the last complete checkpoint with --resume auto. ({exc})') from exc
+            if isinstance(exc, OSError):  # disk full, read-only, I/O error: checkpoint.save cleaned up
+                self.exit_reason = 'io_error'
+                last = checkpoint.find_latest(os.path.join(self.work_dir, 'checkpoints'))
+                self.error = (f'{_describe_io_error(exc)}; stopped at step {self.step}; the last complete '
+                              f"checkpoint ({last or 'none'}) is intact; free space or fix the disk, then "
+                              '--resume auto.')
+                raise RunIOError(self.error) from exc
+            self.exit_reason = 'error'
+            raise
         except BaseException:
             self.exit_reason = 'error'
             raise
@@ -357,8 +412,13 @@ class Trainer:
             backend=self.backend.name, zero_stage=self.backend.zero_stage,
             data=self._normalisation())
         root = os.path.join(self.work_dir, 'checkpoints')
-        tag = checkpoint.save(self.backend, root, self.step, client_state, keep=self.cfg.train.keep_checkpoints)
+        tag = checkpoint.save(self.backend, root, self.step, client_state, keep=self.cfg.train.keep_checkpoints,
+                              marker_extra={'param_shapes': self._param_shapes()})
         self.print(f'saved checkpoint {root}/{tag}')
+
+    def _param_shapes(self):
+        """Parameter name -> full shape (ZeRO-3 partitions keep the full shape in ``ds_shape``)."""
+        return {name: list(getattr(p, 'ds_shape', p.shape)) for name, p in self.backend.module.named_parameters()}
 
     def _check_resume_compatible(self, root, tag):
         """Refuse, before loading anything, a checkpoint this run cannot continue."""
@@ -380,9 +440,19 @@ class Trainer:
         if self.backend.name == 'deepspeed' and stage != self.backend.zero_stage:
             raise ConfigError(f"--resume: {where} was saved under ZeRO-{stage} but the DeepSpeed config "
                               f"uses ZeRO-{self.backend.zero_stage}; export it and use load_from= instead.")
-        skipped = [t for t in checkpoint.incomplete_tags(root) if t > tag]
-        if skipped:
-            self.print(f"skipping incomplete checkpoint(s) {', '.join(skipped)} (killed mid-save or damaged)")
+        saved_shapes = marker.get('param_shapes')
+        if saved_shapes is not None:
+            now = self._param_shapes()
+            differ = [n for n in sorted(set(saved_shapes) | set(now)) if saved_shapes.get(n) != now.get(n)]
+            if differ:
+                mine = self.cfg.model.to_dict() if hasattr(self.cfg.model, 'to_dict') else dict(self.cfg.model)
+                show = lambda cfg, k: repr(cfg[k]) if k in cfg else '(default)'  # noqa: E731
+                keys = [f'{k}={show(model, k)} there, {show(mine, k)} here'
+                        for k in sorted(set(model) | set(mine)) if model.get(k) != mine.get(k)]
+                shown = ', '.join(f'{n} {saved_shapes.get(n)} vs {now.get(n)}' for n in differ[:3])
+                raise ConfigError(f"--resume: {where} holds a differently shaped model "
+                                  f"({'; '.join(keys) or shown}); {len(differ)} tensor(s) differ, e.g. {shown}. "
+                                  "Use the config it was trained with, or a new --work-dir.")
 
     def _load_checkpoint(self, root, tag):
         self._check_resume_compatible(root, tag)
@@ -419,6 +489,13 @@ class Trainer:
             raise ConfigError(f"model.in_channels is {m.in_channels} but data.train yields "
                               f"{self.train_set.in_channels} band(s); set model.in_channels="
                               f"{self.train_set.in_channels} or select bands in the dataset.")
+        loss_ignore = self.cfg.loss.get('ignore_index')
+        for name, ds in (('data.train', self.train_set), ('data.val', self.val_set)):
+            ds_ignore = getattr(ds, 'ignore_index', None)
+            if ds is not None and loss_ignore is not None and ds_ignore is not None and ds_ignore != loss_ignore:
+                raise ConfigError(f"loss.ignore_index is {loss_ignore} but {name} marks padding and nodata with "
+                                  f"{ds_ignore}: those pixels would be learnt as a class or crash the loss; set "
+                                  f"both to the same value (e.g. {name}.ignore_index={loss_ignore}).")
         if m.get('num_classes') is not None and m.num_classes != self.train_set.num_classes:
             raise ConfigError(f"model.num_classes is {m.num_classes} but data.train has "
                               f"{self.train_set.num_classes} classes ({', '.join(self.train_set.classes)}).")
@@ -430,7 +507,11 @@ class Trainer:
         path = os.path.join(self.work_dir, 'metrics.jsonl')
         if distributed.is_main() and os.path.isfile(path):
             with open(path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
+                for line in f:
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:  # a line cut short by a full disk
+                        continue
         ips = sorted(r['images_per_s'] for r in rows if r.get('images_per_s'))
         summary = dict(
             exit_reason=self.exit_reason, steps=self.step, wall_time_s=time.time() - self.t_start,
@@ -440,8 +521,11 @@ class Trainer:
             final_loss=rows[-1]['loss'] if rows else None, skipped_steps=self.backend.skipped_steps,
             mIoU=last['mIoU'] if last else None, OA=last['OA'] if last else None,
             mF1=last['mF1'] if last else None, flops_per_image_fwd=self.flops_per_image,
-            state_memory=getattr(self, 'state_memory', None))
-        self.log.write_json('summary.json', summary)
+            state_memory=getattr(self, 'state_memory', None), error=self.error)
+        try:
+            self.log.write_json('summary.json', summary)
+        except OSError as exc:  # the disk that stopped the run may refuse this too
+            self.print(f'could not write summary.json: {_describe_io_error(exc)}')
         return summary
 
     def print(self, message):
@@ -450,4 +534,5 @@ class Trainer:
 
     def close(self):
         self.log.close()
+        self.lock.release()
         distributed.close()

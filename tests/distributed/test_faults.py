@@ -143,27 +143,48 @@ def test_a_killed_rank_makes_the_survivor_exit_in_bounded_time_naming_it(tmp_pat
     procs[1].wait()
 
 
-def test_corrupted_newest_checkpoint_falls_back_to_previous(tmp_path, reference):
+def test_damaged_checkpoints_fall_back_to_the_newest_good_one_and_match_uninterrupted(tmp_path, reference):
+    """Four kinds of damage, newest first: a truncated file, a missing rank file, bytes flipped
+    inside a file without changing its size (only the SHA-256 catches it), and a killed save's
+    temporary folder. --resume auto passes over each, saying why, and the run that continues
+    from the newest good checkpoint ends with the uninterrupted run's weights, bit for bit. A
+    metrics.jsonl line cut short by a full disk is set aside instead of breaking the resume."""
     ref_tmp, _ = reference
     tmp = str(tmp_path)
-    root = os.path.join(tmp, 'run', 'checkpoints')
+    work = os.path.join(tmp, 'run')
+    root = os.path.join(work, 'checkpoints')
     shutil.copytree(os.path.join(ref_tmp, 'ref', 'checkpoints'), root)
-    assert checkpoint.find_latest(root) == 'step_00000060'
-    newest = os.path.join(root, 'step_00000060')
-    victim = sorted(f for f in os.listdir(newest) if f.endswith('.pt'))[-1]
-    with open(os.path.join(newest, victim), 'r+b') as f:  # truncated, as by a full disk
+    shutil.copy(os.path.join(ref_tmp, 'ref', 'metrics.jsonl'), os.path.join(work, 'metrics.jsonl'))
+    with open(os.path.join(work, 'metrics.jsonl'), 'a') as f:
+        f.write('{"step": 61, "loss": 0.4')  # the disk filled mid-line
+
+    def largest(tag):
+        folder = os.path.join(root, tag)
+        return os.path.join(folder, max((f for f in os.listdir(folder) if f.endswith('.pt')),
+                                        key=lambda f: os.path.getsize(os.path.join(folder, f))))
+
+    with open(largest('step_00000060'), 'r+b') as f:  # truncated
         f.truncate(100)
-    assert checkpoint.find_latest(root) == 'step_00000050'
-    os.remove(os.path.join(root, 'step_00000050', sorted(os.listdir(os.path.join(root, 'step_00000050')))[-1]))
-    assert checkpoint.find_latest(root) == 'step_00000040', 'a missing rank file also disqualifies'
-    # An interrupted save leaves only a temporary folder, which is never resumed from.
-    shutil.copytree(os.path.join(root, 'step_00000040'), os.path.join(root, '.tmp-step_00000070'))
-    assert checkpoint.find_latest(root) == 'step_00000040'
+    os.remove(largest('step_00000050'))                # a rank's file missing
+    size = os.path.getsize(largest('step_00000040'))
+    with open(largest('step_00000040'), 'r+b') as f:   # silent corruption, same size
+        f.seek(size // 2)
+        chunk = f.read(64)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    assert os.path.getsize(largest('step_00000040')) == size
+    shutil.copytree(os.path.join(root, 'step_00000030'), os.path.join(root, '.tmp-step_00000070'))
+    assert checkpoint.verify(root, 'step_00000040') and checkpoint.verify(root, 'step_00000030') is None
+
     shutil.copytree(os.path.join(ref_tmp, 'cache'), os.path.join(tmp, 'cache'))
     codes, out = _finish(_start_ranks(_args(tmp, 'run', 60, 10), resume='auto'))
     assert codes == [0, 0], out[0][-3000:]
-    assert 'resumed from' in out[0] and 'step_00000040' in out[0]
-    assert 'skipping incomplete checkpoint(s) step_00000050, step_00000060' in out[0]
+    assert 'resumed from' in out[0] and 'step_00000030' in out[0]
+    assert 'skipped step_00000060' in out[0] and 'skipped step_00000050' in out[0], out[0][-3000:]
+    assert 'skipped step_00000040: ' in out[0] and 'SHA-256' in out[0], out[0][-3000:]
+    _assert_same_weights(_final_weights(work), reference[1])
+    assert [r['step'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))] == list(range(1, 61))
+    assert open(os.path.join(work, 'metrics.jsonl.damaged')).read().startswith('{"step": 61')
 
 
 # -- the sbatch templates, run by bash with stand-ins for srun and scontrol -----------------------

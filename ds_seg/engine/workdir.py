@@ -1,0 +1,164 @@
+"""One run per work dir: a lock file held for the run's lifetime.
+
+Two runs writing into one work dir (two submissions of the same sbatch script, a manual restart
+while the job still runs) would interleave their logs and overwrite each other's checkpoints.
+The lock is ``<work_dir>/.ds_seg.lock``, created with ``O_CREAT | O_EXCL`` (atomic on local
+disks and on the NFS/Lustre/GPFS file systems clusters share), holding the owner's host, PID,
+process start time, Slurm job id and restart count.
+
+A lock left by a run that died is taken over only when its owner is provably gone; the rule
+can never fire while the owner lives:
+
+* same host: the PID is not running, or runs another process (a different start time);
+* same Slurm job with another ``SLURM_RESTART_COUNT``: the previous incarnation of this very
+  job, which Slurm ends before it starts the requeued one;
+* another host with a Slurm job id: ``squeue`` says that job has no running processes.
+
+Anything else is refused with one line naming the owner and the file to delete if the user
+knows that run is gone.
+"""
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import time
+
+LOCK_NAME = '.ds_seg.lock'
+# Slurm job states in which the job's processes may still run.
+_SLURM_LIVE_STATES = {'RUNNING', 'COMPLETING', 'SUSPENDED', 'STOPPED', 'CONFIGURING', 'SIGNALING',
+                      'RESIZING', 'STAGE_OUT', 'REQUEUE_HOLD', 'REQUEUE_FED', 'REQUEUED'}
+
+
+class WorkDirBusy(Exception):
+    """Another live run holds the work dir."""
+
+
+def _process_start(pid):
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None if there is none."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            # The command name (field 2) may contain spaces: split after its closing parenthesis.
+            return int(f.read().rsplit(')', 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def identity():
+    pid = os.getpid()
+    return {'host': socket.gethostname(), 'pid': pid, 'pid_start': _process_start(pid),
+            'slurm_job_id': os.environ.get('SLURM_JOB_ID'),
+            'slurm_restart_count': os.environ.get('SLURM_RESTART_COUNT', '0'),
+            'started': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
+
+
+def _slurm_job_live(job_id):
+    """True/False from squeue, or None when Slurm cannot be asked."""
+    try:
+        out = subprocess.run(['squeue', '-h', '-j', str(job_id), '-o', '%T'], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        # squeue fails with "Invalid job id" once a finished job has left the controller's memory.
+        return False if 'invalid job id' in (out.stderr or '').lower() else None
+    states = {line.strip() for line in out.stdout.splitlines() if line.strip()}
+    return bool(states & _SLURM_LIVE_STATES)
+
+
+def owner_gone(owner, me=None):
+    """True only when the owner recorded in a lock file is provably not running (see module doc)."""
+    me = me or identity()
+    if owner.get('host') == me['host']:
+        pid = owner.get('pid')
+        if not isinstance(pid, int) or not _pid_alive(pid):
+            return True
+        start = _process_start(pid)
+        return owner.get('pid_start') is not None and start is not None and start != owner['pid_start']
+    job = owner.get('slurm_job_id')
+    if job and job == me['slurm_job_id']:
+        return str(owner.get('slurm_restart_count', '0')) != str(me['slurm_restart_count'])
+    if job:
+        return _slurm_job_live(job) is False
+    return False
+
+
+def describe(owner):
+    job = f", Slurm job {owner['slurm_job_id']}" if owner.get('slurm_job_id') else ''
+    return f"host {owner.get('host')} pid {owner.get('pid')}{job}, since {owner.get('started')}"
+
+
+class WorkDirLock:
+    """Hold ``<work_dir>/.ds_seg.lock`` for a run's lifetime (rank 0 only).
+
+    Example::
+
+        lock = WorkDirLock('work_dirs/default')
+        took_over = lock.acquire()      # raises WorkDirBusy naming the owner
+        ...
+        lock.release()
+    """
+
+    def __init__(self, work_dir):
+        self.path = os.path.join(work_dir, LOCK_NAME)
+        self.me = None
+
+    def acquire(self):
+        """Take the lock; returns the previous owner's description when a dead run's lock was
+        taken over, else None. Raises :class:`WorkDirBusy` while another run lives."""
+        me = identity()
+        for _ in range(5):  # another process may take over a stale lock between our steps
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._read()
+                if owner is None:
+                    time.sleep(0.2)  # being written right now: read again
+                    owner = self._read()
+                if owner is not None and not owner_gone(owner, me):
+                    raise WorkDirBusy(f"{os.path.dirname(self.path)} is in use by another run ({describe(owner)}). "
+                                      f"Wait for it, use another --work-dir, or delete {self.path} if that run "
+                                      "is certainly gone.")
+                # Rename, not delete: only one of several contenders can move the stale file away.
+                stale = f'{self.path}.stale.{me["pid"]}'
+                try:
+                    os.rename(self.path, stale)
+                except FileNotFoundError:
+                    continue
+                os.remove(stale)
+                self._previous = describe(owner) if owner else 'an unreadable lock'
+                continue
+            with os.fdopen(fd, 'w') as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            self.me = me
+            return getattr(self, '_previous', None)
+        raise WorkDirBusy(f"{self.path}: could not take the work-dir lock (contended); try again.")
+
+    def _read(self):
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def release(self):
+        """Remove the lock if it is still ours (never another run's)."""
+        if self.me is None:
+            return
+        owner = self._read()
+        if owner is not None and owner.get('pid') == self.me['pid'] and owner.get('host') == self.me['host']:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+        self.me = None

@@ -1,0 +1,139 @@
+"""Checks of the files and options predict, evaluate and export are given, before any work.
+
+Each raises ``ConfigError`` with one line naming the option or file and what to do; none of
+them writes anything, so a refused command leaves every file as it was.
+"""
+import os
+
+from .config import ConfigError
+
+GEOTIFF_SUFFIXES = ('.tif', '.tiff', '.gtiff')
+_TIFF_MAGIC = (b'II*\x00', b'MM\x00*', b'II+\x00', b'MM\x00+')  # classic TIFF and BigTIFF
+
+
+def looks_like_tiff(path):
+    try:
+        with open(path, 'rb') as f:
+            return f.read(4) in _TIFF_MAGIC
+    except OSError:
+        return False
+
+
+def expand_inputs(paths, option='--input'):
+    """Paths as given, with a directory standing for the GeoTIFFs directly inside it (sorted).
+    Each file must exist, be non-empty and readable to its last pixel (a truncated download
+    fails here, not hours later).
+
+    Example::
+
+        expand_inputs(['scenes/', 'extra.tif'])   # -> ['scenes/a.tif', 'scenes/b.tif', 'extra.tif']
+    """
+    import rasterio
+    from rasterio.windows import Window
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(os.path.join(path, n) for n in os.listdir(path)
+                           if n.lower().endswith(GEOTIFF_SUFFIXES) and os.path.isfile(os.path.join(path, n)))
+            if not found:
+                raise ConfigError(f"{option}: folder {path} holds no GeoTIFF ({', '.join(GEOTIFF_SUFFIXES)}).")
+            files += found
+        elif not os.path.exists(path) and not path.startswith(('/vsi', 'http://', 'https://', 's3://')):
+            raise ConfigError(f'{option}: {path} does not exist.')
+        else:
+            files.append(path)
+    for path in files:
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            raise ConfigError(f'{option}: {path} is empty (0 bytes); copy or download it again.')
+        try:
+            with rasterio.open(path) as src:
+                src.read(1, window=Window(src.width - 1, src.height - 1, 1, 1))
+        except rasterio.errors.RasterioError as exc:
+            raise ConfigError(f'{option}: {path} is not a readable raster (truncated or corrupt?): '
+                              f'{str(exc).splitlines()[0]}') from exc
+    return files
+
+
+def output_stems(inputs):
+    """One output name stem per input, unique even when two inputs share a file name (parent
+    folder names are prepended to the clashing ones: ``a/x.tif``, ``b/x.tif`` -> ``a_x``, ``b_x``)."""
+    parts = [os.path.normpath(os.path.abspath(p)).split(os.sep) for p in inputs]
+    depth = [1] * len(inputs)
+
+    def stem(i):
+        names = parts[i][-depth[i]:]
+        names[-1] = os.path.splitext(names[-1])[0]
+        return '_'.join(n for n in names if n)
+
+    while True:
+        stems = [stem(i) for i in range(len(inputs))]
+        clashing = [i for i, s in enumerate(stems) if stems.count(s) > 1 and depth[i] < len(parts[i])]
+        if not clashing:
+            break
+        for i in clashing:
+            depth[i] += 1
+    if len(set(stems)) != len(stems):
+        dup = next(s for s in stems if stems.count(s) > 1)
+        raise ConfigError(f'--input: {", ".join(p for p, s in zip(inputs, stems) if s == dup)} are the same file '
+                          'given twice; give it once.')
+    return stems
+
+
+def check_outputs(outputs, inputs, overwrite=False, option='--output'):
+    """Refuse outputs that would replace an input, or (without ``overwrite``) an existing file."""
+    real_inputs = {os.path.realpath(p) for p in inputs if os.path.exists(p)}
+    for out in outputs:
+        if os.path.realpath(out) in real_inputs:
+            raise ConfigError(f'{option}: writing {out} would replace the input of the same name; choose '
+                              'another output folder.')
+        if os.path.isdir(out):
+            raise ConfigError(f'{option}: {out} is a folder; move it or choose another output folder.')
+        if os.path.exists(out) and not overwrite:
+            raise ConfigError(f'{option}: {out} already exists; choose another output folder, delete it, or '
+                              'add --overwrite.')
+
+
+def check_output_folder(folder, option='--output'):
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(f'{option}: {folder} is a file, not a folder; give a folder for the outputs.')
+    parent = os.path.dirname(os.path.abspath(folder))
+    if not os.path.isdir(parent):
+        raise ConfigError(f'{option}: the parent folder {parent} does not exist; create it first.')
+
+
+def check_window_options(tile, overlap, batch_size, block=None):
+    if tile < 16:
+        raise ConfigError(f'--tile must be at least 16 pixels, got {tile}.')
+    if overlap is not None and not 0 <= overlap < tile:
+        raise ConfigError(f'--overlap must be >= 0 and smaller than --tile ({tile}), got {overlap}: each window '
+                          'has to move forward.')
+    if batch_size < 1:
+        raise ConfigError(f'--batch-size must be at least 1, got {batch_size}.')
+    if block is not None and (block < 16 or block % 16):
+        raise ConfigError(f'--block must be a multiple of 16 (GeoTIFF tiles), got {block}.')
+
+
+def check_checkpoint_option(path, option='--checkpoint'):
+    """Name the usual mix-ups (a raster, a missing path) before anything is unpickled."""
+    if not os.path.exists(path):
+        raise ConfigError(f'{option}: {path} does not exist (give a weights file from launch/export.py, a step_* '
+                          'folder, a checkpoints folder or a work dir).')
+    if os.path.isfile(path) and looks_like_tiff(path):
+        raise ConfigError(f'{option}: {path} is a TIFF raster, not model weights; did you swap --checkpoint and '
+                          '--input?')
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise ConfigError(f'{option}: {path} is empty (0 bytes).')
+
+
+def check_bands(path, bands, in_channels=None, option='--input'):
+    """The bands the model was trained on must exist in the raster."""
+    import rasterio
+    with rasterio.open(path) as src:
+        count = src.count
+    wanted = list(bands) if bands else list(range(1, count + 1))
+    if max(wanted) > count:
+        raise ConfigError(f'{option}: {path} has {count} band(s) but the model reads bands {wanted} '
+                          '(recorded at training; --bands selects others).')
+    if in_channels is not None and len(wanted) != in_channels:
+        raise ConfigError(f'{option}: the model takes {in_channels} band(s) but {len(wanted)} are selected from '
+                          f'{path} ({wanted}); give --bands with {in_channels} band numbers.')

@@ -1,0 +1,460 @@
+"""Nothing lost, nothing silently wrong.
+
+* Every class of mistake stops the real entry point before training with one line (exit 2)
+  and leaves the work dir byte for byte as it was: each case runs against a copy of a trained
+  work dir with ``--resume auto``, so a check that came too late would visibly change it.
+* A rollback (``--resume`` of an older checkpoint) moves the abandoned branch aside.
+* One run per work dir: a second real run is refused naming the owner; a dead owner's lock is
+  taken over.
+* A full disk mid-run: one line with the path and errno, the last checkpoint intact, no
+  temporary files, summary.json saying why.
+* predict / evaluate / export refuse what would overwrite or silently misread files.
+"""
+import contextlib
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ds_seg.config import REPO_ROOT
+from ds_seg.engine import checkpoint
+from ds_seg.engine.workdir import LOCK_NAME
+from tests.dist import run_on_ranks
+from tests.distributed.test_launchers import _env
+from tests.tiny import TINY_CONFIG, read_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def _write_tif(path, array_CHW, crs='EPSG:32632', nodata=None):
+    import rasterio
+    from rasterio.transform import from_origin
+    count, h, w = array_CHW.shape
+    with rasterio.open(path, 'w', driver='GTiff', width=w, height=h, count=count, dtype=array_CHW.dtype,
+                       crs=crs, transform=from_origin(500000, 5000000, 0.1, 0.1), nodata=nodata) as dst:
+        dst.write(array_CHW)
+    return str(path)
+
+
+def _entry(name):
+    spec = importlib.util.spec_from_file_location(f'{name}_entry', os.path.join(REPO_ROOT, 'launch', f'{name}.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_main(name, argv):
+    """(exit status, stderr lines, stdout) of launch/<name>.py's main() in this process."""
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = _entry(name).main(argv)
+    return code, err.getvalue().strip().splitlines(), out.getvalue()
+
+
+def _snapshot(folder):
+    """Every file under ``folder`` with its content hash: equal snapshots = nothing changed."""
+    snap = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, 'rb') as f:
+                snap[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return snap
+
+
+def _train_argv(tmp, work, *options, ds=None, resume=None):
+    argv = ['--config', TINY_CONFIG, '--work-dir', work,
+            '--deepspeed_config', ds or _ds_json(tmp, 'zero0_short', lambda d: None)]
+    argv += ['--resume', resume] if resume else []
+    return argv + ['--cfg-options', f'data.train.cache_dir={tmp}/cache', f'data.val.cache_dir={tmp}/cache',
+                   'train.eval_interval=0', 'train.log_interval=4', 'train.keep_checkpoints=10',
+                   'data.crop_size=32', *options]
+
+
+# ------------------------------------------------------------------------------------------------
+# Refused before training, work dir untouched
+# ------------------------------------------------------------------------------------------------
+
+def _data_cases(tmp):
+    d = os.path.join(tmp, 'data')
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(0)
+    img = _write_tif(os.path.join(d, 'img.tif'), rng.integers(0, 255, (3, 600, 600), dtype=np.uint8))
+    good = rng.integers(0, 6, (1, 600, 600), dtype=np.uint8)
+    lbl = _write_tif(os.path.join(d, 'lbl.tif'), good)
+    one_bad = good.copy()
+    one_bad[0, 300, 300] = 9  # one pixel the decimated label check (1 pixel in 2.34) never reads
+    lbl_one_bad = _write_tif(os.path.join(d, 'lbl_one_bad.tif'), one_bad)
+    lbl_unlabelled = _write_tif(os.path.join(d, 'lbl_unlabelled.tif'), np.full((1, 600, 600), 255, np.uint8))
+
+    def data(label, **extra):
+        return [f"data.train={dict(type='GeoTiffScenes', images=[img], labels=[label], classes=6, **extra)!r}",
+                'data.val=None']
+    return data, lbl, lbl_one_bad, lbl_unlabelled
+
+
+def _ds_json(tmp, name, mutate):
+    ds = json.loads((REPO_ROOT / 'ds_configs' / 'zero0.json').read_text())
+    ds['optimizer']['params']['torch_adam'] = True
+    ds['scheduler']['params']['warmup_num_steps'] = 2  # runs of 8-12 steps
+    mutate(ds)
+    path = os.path.join(tmp, f'{name}.json')
+    with open(path, 'w') as f:
+        json.dump(ds, f)
+    return path
+
+
+REFUSALS = {
+    # name: (expected fragments of the one line)
+    'ds_stage4': ["'zero_optimization.stage' is 4"],
+    'ds_stage_typo': ["unknown key 'zero_optimization.stgae'", "'zero_optimization.stage'"],
+    'ds_fp16_typo': ["unknown key 'fp16.enabeld'", "'fp16.enabled'"],
+    'ds_optimizer': ["'optimizer.type' 'Adamm'"],
+    'ds_lr_string': ["'optimizer.params.lr' must be a number", "'1e-3'"],
+    'ds_clip_string': ["'gradient_clipping' must be a number"],
+    'ds_scheduler': ["'scheduler.type' 'Cosine'", 'WarmupCosineLR'],
+    'cfg_log_interval': ['train.log_interval must be a positive integer, got 0'],
+    'cfg_keep_string': ["train.keep_checkpoints must be an integer >= 0", "'two'"],
+    'cfg_workers': ['data.num_workers must be an integer >= 0, got -1'],
+    'cfg_overlap': ['data.eval_overlap (32) must be smaller than the evaluation tile (32'],
+    'cfg_crop_conflict': ['data.train.crop_size=64 conflicts with data.crop_size=32'],
+    'cfg_load_from': ["load_from='nowhere.pt' does not exist"],
+    'data_one_bad_pixel': ['lbl_one_bad.tif', '1 pixel(s) have label value 9'],
+    'data_unlabelled': ['lbl_unlabelled.tif', 'no pixel is labelled'],
+    'data_ignore_is_a_class': ['ignore_index 0 is also class 0'],
+    'loss_ignore_mismatch': ['loss.ignore_index is 100', 'data.train marks padding and nodata with 255'],
+    'resume_shape': ['differently shaped model', 'bilinear=(default) there, True here'],
+    'busy': ['is in use by another run', 'pid'],
+}
+
+
+def _refusal_argv(tmp, trained, case):
+    data, lbl, lbl_one_bad, lbl_unlabelled = _data_cases(tmp)
+    work = os.path.join(tmp, 'cases', case)
+    shutil.copytree(trained, work)
+    ds = None
+    options = []
+    mutations = {
+        'ds_stage4': lambda d: d['zero_optimization'].update(stage=4),
+        'ds_stage_typo': lambda d: d['zero_optimization'].update(stgae=0),
+        'ds_fp16_typo': lambda d: d.update(fp16={'enabeld': True}),
+        'ds_optimizer': lambda d: d['optimizer'].update(type='Adamm'),
+        'ds_lr_string': lambda d: d['optimizer']['params'].update(lr='1e-3'),
+        'ds_clip_string': lambda d: d.update(gradient_clipping='1.0'),
+        'ds_scheduler': lambda d: d['scheduler'].update(type='Cosine'),
+    }
+    if case in mutations:
+        ds = _ds_json(tmp, case, mutations[case])
+    options = {
+        'cfg_log_interval': ['train.log_interval=0'],
+        'cfg_keep_string': ["train.keep_checkpoints='two'"],
+        'cfg_workers': ['data.num_workers=-1'],
+        'cfg_overlap': ['data.eval_overlap=32'],
+        'cfg_crop_conflict': ['data.train.crop_size=64'],
+        'cfg_load_from': ['load_from=nowhere.pt'],
+        'data_one_bad_pixel': data(lbl_one_bad),
+        'data_unlabelled': data(lbl_unlabelled),
+        'data_ignore_is_a_class': data(lbl, ignore_index=0),
+        'loss_ignore_mismatch': data(lbl) + ['loss.ignore_index=100'],
+        'resume_shape': ['model.bilinear=True'],
+    }.get(case, [])
+    return _train_argv(tmp, work, 'train.max_steps=12', *options, ds=ds, resume='auto'), work
+
+
+def _refusals(tmp, trained, cases):
+    from ds_seg.engine.workdir import _process_start, identity
+    sleeper = subprocess.Popen(['sleep', '600'])  # a live process that owns the 'busy' work dir
+    results = {}
+    try:
+        for case in cases:
+            argv, work = _refusal_argv(tmp, trained, case)
+            if case == 'busy':
+                with open(os.path.join(work, LOCK_NAME), 'w') as f:
+                    json.dump(dict(identity(), pid=sleeper.pid, pid_start=_process_start(sleeper.pid)), f)
+            before = _snapshot(work)
+            code, lines, _ = _run_main('train', argv)
+            results[case] = (code, lines, before == _snapshot(work))
+    finally:
+        sleeper.kill()
+    return results
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """A tiny UNetTiny run (base_channels 8) with checkpoints at steps 4, 8 and 12."""
+    tmp = str(tmp_path_factory.mktemp('reliability'))
+    work = os.path.join(tmp, 'trained')
+    argv = _train_argv(tmp, work, 'train.max_steps=12', 'train.checkpoint_interval=4')
+    code, lines, out = run_on_ranks(_run_main, 1, args=('train', argv), timeout=300)[0]
+    assert code == 0, lines
+    return tmp, work
+
+
+@pytest.fixture(scope='module')
+def refusals(trained):
+    tmp, work = trained
+    return run_on_ranks(_refusals, 1, args=(tmp, work, sorted(REFUSALS)), timeout=400)[0]
+
+
+@pytest.mark.parametrize('case', sorted(REFUSALS))
+def test_mistakes_stop_with_one_line_and_leave_the_work_dir_untouched(refusals, case):
+    code, lines, unchanged = refusals[case]
+    assert code == 2, lines
+    errors = [line for line in lines if line.startswith('ds_seg: error:')]
+    assert len(errors) == 1 and not any('Traceback' in line for line in lines), lines
+    for fragment in REFUSALS[case]:
+        assert fragment in errors[0], errors[0]
+    assert unchanged, f'{case}: the work dir changed'
+
+
+def test_label_scan_is_cached_by_file_identity(trained, tmp_path):
+    """The full label scan runs once per file; rewriting a file (same name) scans it again."""
+    from ds_seg.data.geotiff import LABELS_CACHE_FILE, GeoTiffScenes
+    data, lbl, lbl_one_bad, _ = _data_cases(str(tmp_path))
+    img = os.path.join(str(tmp_path), 'data', 'img.tif')
+    GeoTiffScenes([img], [lbl], crop_size=32, classes=6)
+    cache = json.load(open(os.path.join(os.path.dirname(lbl), LABELS_CACHE_FILE)))
+    assert sum(cache[os.path.abspath(lbl)]['values'].values()) == 600 * 600
+    shutil.copy(lbl_one_bad, lbl)  # same name, new content
+    with pytest.raises(ValueError, match='label value 9'):
+        GeoTiffScenes([img], [lbl], crop_size=32, classes=6)
+
+
+def test_band_statistics_cache_follows_rewritten_images(tmp_path):
+    from ds_seg.data.geotiff import GeoTiffScenes
+    img = os.path.join(str(tmp_path), 'img.tif')
+    lbl = _write_tif(os.path.join(str(tmp_path), 'lbl.tif'), np.zeros((1, 64, 64), np.uint8))
+    _write_tif(img, np.full((3, 64, 64), 10, np.uint8))
+    first = GeoTiffScenes([img], [lbl], crop_size=32, classes=2)
+    stat = os.stat(img)
+    _write_tif(img, np.full((3, 64, 64), 200, np.uint8))  # same name and size
+    os.utime(img, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even the old mtime restored
+    second = GeoTiffScenes([img], [lbl], crop_size=32, classes=2)
+    assert first.mean[0] == pytest.approx(10) and second.mean[0] == pytest.approx(200)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollback: the abandoned branch is moved aside, and every command agrees on the live one
+# ------------------------------------------------------------------------------------------------
+
+def test_rollback_moves_the_abandoned_branch_aside_and_all_commands_agree(trained):
+    tmp, original = trained
+    work = os.path.join(tmp, 'rollback')
+    shutil.copytree(original, work)
+    old = {t: _snapshot(os.path.join(work, 'checkpoints', t)) for t in ('step_00000008', 'step_00000012')}
+    old_rows = [r for r in read_jsonl(os.path.join(work, 'metrics.jsonl')) if r['step'] > 4]
+    argv = _train_argv(tmp, work, 'train.max_steps=8', 'train.checkpoint_interval=4',
+                       resume=os.path.join(work, 'checkpoints', 'step_00000004'))
+    code, lines, out = run_on_ranks(_run_main, 1, args=('train', argv), timeout=300)[0]
+    assert code == 0, lines
+    assert 'abandons a later branch' in out and 'nothing deleted' in out, out
+    aside = [os.path.join(work, 'abandoned', d) for d in os.listdir(os.path.join(work, 'abandoned'))]
+    assert len(aside) == 1
+    for tag, snap in old.items():  # the abandoned checkpoints, byte for byte
+        assert _snapshot(os.path.join(aside[0], 'checkpoints', tag)) == snap
+    assert read_jsonl(os.path.join(aside[0], 'metrics.jsonl')) == old_rows
+    root = os.path.join(work, 'checkpoints')
+    assert sorted(t for t in os.listdir(root) if t.startswith('step_')) == ['step_00000004', 'step_00000008']
+    assert open(os.path.join(root, 'latest')).read() == 'step_00000008'
+    live = os.path.join(root, 'step_00000008')
+    assert checkpoint.find_checkpoint(work) == live                    # export, predict, evaluate
+    assert checkpoint.resolve_resume('auto', work) == (root, 'step_00000008')
+    assert [r['step'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))] == [4, 8]
+
+
+# ------------------------------------------------------------------------------------------------
+# One run per work dir, with real processes
+# ------------------------------------------------------------------------------------------------
+
+def _train_process(argv):
+    return subprocess.Popen([sys.executable, 'launch/train.py', *argv], cwd=REPO_ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_second_run_on_a_busy_work_dir_is_refused_and_a_dead_owner_is_taken_over(trained):
+    tmp, _ = trained
+    work = os.path.join(tmp, 'busy')
+    first = _train_process(_train_argv(tmp, work, 'train.max_steps=100000', 'train.checkpoint_interval=0'))
+    deadline = time.time() + 120
+    while not os.path.exists(os.path.join(work, 'metrics.jsonl')):
+        assert first.poll() is None and time.time() < deadline, first.communicate()[0][-3000:]
+        time.sleep(0.1)
+    before = _snapshot(work)
+    second = _train_process(_train_argv(tmp, work, 'train.max_steps=8'))
+    out = second.communicate(timeout=120)[0]
+    assert second.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith('ds_seg: error:')]
+    assert len(errors) == 1 and f'pid {first.pid}' in errors[0], out[-3000:]
+    assert 'Traceback' not in out
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    after = _snapshot(work)
+    assert {k: v for k, v in after.items() if k in before and not k.startswith(('metrics', 'tb'))} == \
+        {k: v for k, v in before.items() if not k.startswith(('metrics', 'tb'))}, 'the refused run wrote nothing'
+    third = _train_process(_train_argv(tmp, os.path.join(tmp, 'busy'), 'train.max_steps=8', resume='auto'))
+    out = third.communicate(timeout=240)[0]
+    assert third.returncode == 0, out[-3000:]
+    assert 'took over the work-dir lock of a run that is gone' in out and f'pid {first.pid}' in out
+    assert not os.path.exists(os.path.join(work, LOCK_NAME)), 'released at the end'
+
+
+# ------------------------------------------------------------------------------------------------
+# A full disk mid-run
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / 'disk'
+    mount.mkdir()
+    try:
+        subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=16m', 'tmpfs', str(mount)], check=True,
+                       capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f'cannot mount a small tmpfs here (needs root): {exc}')
+    yield str(mount)
+    subprocess.run(['umount', '-l', str(mount)], check=False)
+
+
+def test_a_full_disk_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(trained, small_disk):
+    tmp, original = trained
+    size = sum(os.path.getsize(os.path.join(original, 'checkpoints', 'step_00000004', f))
+               for f in os.listdir(os.path.join(original, 'checkpoints', 'step_00000004')))
+    work = os.path.join(small_disk, 'run')
+    # Room for the logs and about 1.5 checkpoints: the first save fits, the second cannot.
+    filler = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize - int(1.5 * size) - 200_000
+    assert filler > 0, 'tmpfs too small for this checkpoint size'
+    with open(os.path.join(small_disk, 'filler'), 'wb') as f:
+        f.write(b'\0' * filler)
+    proc = _train_process(_train_argv(tmp, work, 'train.max_steps=12', 'train.checkpoint_interval=4'))
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 74, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith('ds_seg: error:')]
+    assert len(errors) == 1 and 'Traceback' not in out, out[-3000:]
+    assert 'No space left on device' in errors[0] and 'ENOSPC' in errors[0] and work in errors[0], errors[0]
+    root = os.path.join(work, 'checkpoints')
+    assert checkpoint.find_checkpoint(work) == os.path.join(root, 'step_00000004')
+    assert checkpoint.verify(root, 'step_00000004') is None
+    assert not [n for n in os.listdir(root) if n.startswith('.tmp')], 'no partial checkpoint left'
+    assert not [n for n in os.listdir(work) if n.endswith('.tmp')]
+    summary = json.load(open(os.path.join(work, 'summary.json')))
+    assert summary['exit_reason'] == 'io_error' and 'No space left' in summary['error']
+
+
+# ------------------------------------------------------------------------------------------------
+# predict / evaluate / export
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def exported(trained):
+    tmp, work = trained
+    weights = os.path.join(tmp, 'weights.pt')
+    checkpoint.export(checkpoint.find_checkpoint(work), weights)
+    d = os.path.join(tmp, 'scenes')
+    os.makedirs(os.path.join(d, 'a'))
+    os.makedirs(os.path.join(d, 'b'))
+    rng = np.random.default_rng(1)
+    scene = rng.integers(0, 255, (3, 48, 48), dtype=np.uint8)
+    a = _write_tif(os.path.join(d, 'a', 'x.tif'), scene)
+    b = _write_tif(os.path.join(d, 'b', 'x.tif'), scene[:, ::-1].copy())
+    return tmp, weights, a, b
+
+
+def _one_line(code, lines, program):
+    assert code == 2, lines
+    errors = [line for line in lines if line.startswith(f'{program}: error:')]
+    assert len(errors) == 1 and not any('Traceback' in line for line in lines), lines
+    return errors[0]
+
+
+def _cli_cases(tmp, weights, a, b):
+    out = os.path.join(tmp, 'pred')
+    results = {}
+    common = ['--checkpoint', weights, '--tile', '32', '--block', '32', '--device', 'cpu']
+    results['same_names'] = _run_main('predict', [*common, '--input', a, b, '--output', out])
+    results['again'] = _run_main('predict', [*common, '--input', a, b, '--output', out])
+    results['folder_input'] = _run_main('predict', [*common, '--input', os.path.dirname(a),
+                                                    '--output', os.path.join(tmp, 'pred_dir')])
+    clash = os.path.join(tmp, 'clash')
+    os.makedirs(clash)
+    shutil.copy(a, os.path.join(clash, 'y.tif'))
+    shutil.copy(a, os.path.join(clash, 'y_classes.tif'))
+    results['replaces_input'] = _run_main('predict', [*common, '--input', os.path.join(clash, 'y.tif'),
+                                                      os.path.join(clash, 'y_classes.tif'), '--output', clash])
+    results['overlap'] = _run_main('predict', [*common, '--overlap', '32', '--input', a, '--output', out + '2'])
+    empty = os.path.join(tmp, 'empty.tif')
+    open(empty, 'wb').close()
+    results['empty_input'] = _run_main('predict', [*common, '--input', empty, '--output', out + '3'])
+    truncated = os.path.join(tmp, 'truncated.tif')
+    _write_tif(truncated, np.random.default_rng(2).integers(0, 255, (3, 300, 300), dtype=np.uint8))
+    with open(truncated, 'r+b') as f:
+        f.truncate(os.path.getsize(truncated) // 2)
+    results['truncated_input'] = _run_main('predict', [*common, '--input', truncated, '--output', out + '4'])
+    results['raster_checkpoint'] = _run_main('predict', ['--checkpoint', a, '--input', a, '--output', out + '5'])
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ('touch ' + os.path.join(tmp, 'pwned'),))
+    evil = os.path.join(tmp, 'evil.pt')
+    torch.save({'state_dict': {}, 'model': {'type': 'UNetTiny'}, 'payload': Evil()}, evil)
+    results['code_pickle'] = _run_main('predict', ['--checkpoint', evil, '--input', a, '--output', out + '6'])
+    label = _write_tif(os.path.join(tmp, 'label_other_crs.tif'), np.zeros((1, 48, 48), np.uint8), crs='EPSG:4326')
+    results['eval_crs'] = _run_main('evaluate', ['--checkpoint', weights, '--images', a, '--labels', label,
+                                                 '--output', os.path.join(tmp, 'eval')])
+    results['export_onto_folder'] = _run_main('export', [os.path.join(tmp, 'trained'), '--out', tmp])
+    results['export_missing_parent'] = _run_main('export', [os.path.join(tmp, 'trained'), '--out',
+                                                            os.path.join(tmp, 'nope', 'w.pt')])
+    results['export_existing'] = _run_main('export', [os.path.join(tmp, 'trained'), '--out', weights])
+    results['pwned'] = os.path.exists(os.path.join(tmp, 'pwned'))
+    return results
+
+
+@pytest.fixture(scope='module')
+def cli(exported):
+    return run_on_ranks(_cli_cases, 1, args=exported, timeout=300)[0]
+
+
+def test_inputs_with_the_same_file_name_get_distinct_outputs(cli, exported):
+    tmp = exported[0]
+    assert cli['same_names'][0] == 0, cli['same_names'][1]
+    assert sorted(os.listdir(os.path.join(tmp, 'pred'))) == ['a_x_classes.tif', 'b_x_classes.tif']
+    assert cli['folder_input'][0] == 0 and os.listdir(os.path.join(tmp, 'pred_dir')) == ['x_classes.tif']
+
+
+@pytest.mark.parametrize('case, program, fragments', [
+    ('again', 'predict', ['a_x_classes.tif already exists', '--overwrite']),
+    ('replaces_input', 'predict', ['would replace the input']),
+    ('overlap', 'predict', ['--overlap must be >= 0 and smaller than --tile (32), got 32']),
+    ('empty_input', 'predict', ['empty.tif is empty (0 bytes)']),
+    ('truncated_input', 'predict', ['truncated.tif is not a readable raster']),
+    ('raster_checkpoint', 'predict', ['is a TIFF raster, not model weights']),
+    ('code_pickle', 'predict', ['evil.pt: refused', 'could run code']),
+    ('eval_crs', 'evaluate', ['label_other_crs.tif', 'different CRS']),
+    ('export_onto_folder', 'export', ['is a folder']),
+    ('export_missing_parent', 'export', ['does not exist; create it first']),
+    ('export_existing', 'export', ['already exists']),
+])
+def test_prediction_commands_refuse_with_one_line(cli, case, program, fragments):
+    line = _one_line(cli[case][0], cli[case][1], program)
+    for fragment in fragments:
+        assert fragment in line, line
+
+
+def test_refused_prediction_commands_leave_nothing_behind(cli, exported):
+    tmp, weights = exported[0], exported[1]
+    assert not cli['pwned'], 'unpickling the code-carrying file ran its code'
+    assert sorted(os.listdir(os.path.join(tmp, 'pred'))) == ['a_x_classes.tif', 'b_x_classes.tif']
+    assert not any(os.path.exists(os.path.join(tmp, f'pred{i}')) for i in range(2, 7))
+    assert not os.path.exists(os.path.join(tmp, 'nope')) and not os.path.exists(os.path.join(tmp, 'eval'))
+    assert sorted(os.listdir(os.path.join(tmp, 'clash'))) == ['y.tif', 'y_classes.tif']
+    assert not [n for n in os.listdir(tmp) if n.endswith('.tmp')]
+    assert checkpoint.load_weights_file(weights)['state_dict'], 'the existing export is intact'
