@@ -57,8 +57,11 @@ def _wait_for_step(work, step, procs, timeout=120):
     path = os.path.join(work, 'metrics.jsonl')
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if os.path.exists(path) and len(read_jsonl(path)) >= step:
-            return
+        try:
+            if os.path.exists(path) and len(read_jsonl(path)) >= step:
+                return
+        except ValueError:  # read while rank 0 was appending a line: look again
+            pass
         assert all(p.poll() is None for p in procs), 'a rank exited early'
         time.sleep(0.02)
     raise AssertionError(f'no step {step} within {timeout}s')
