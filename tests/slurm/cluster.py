@@ -19,7 +19,8 @@ NODES = ('n1', 'n2')
 CPUS_PER_NODE = 4      # claimed (SlurmdParameters=config_overrides): the test jobs all run at once
 SPOOL = '/var/spool/slurm-ds_seg'
 CONF_DIR = '/etc/slurm'
-PIDS = {'slurmctld': '/run/slurmctld-ds_seg.pid', **{n: f'/run/slurmd-{n}.pid' for n in NODES}}
+PIDS = {'munged': '/run/munge/munged.pid', 'slurmctld': '/run/slurmctld-ds_seg.pid',
+        **{n: f'/run/slurmd-{n}.pid' for n in NODES}}
 # A requeued job's begin time is set about two minutes ahead; tests release it (`scontrol update
 # StartTime=now`, what an administrator can do) instead of sleeping.
 
@@ -144,6 +145,7 @@ def start(timeout=60):
                 _run('/usr/sbin/mungekey', '--create', check=False)
                 shutil.chown('/etc/munge/munge.key', 'munge', 'munge')
             _run('su', '-s', '/bin/sh', 'munge', '-c', '/usr/sbin/munged')
+            started.append('munged')
         _run('/usr/sbin/slurmctld')
         started.append('slurmctld')
         for n in NODES:
