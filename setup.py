@@ -1,12 +1,23 @@
 from setuptools import find_packages, setup
 
+# The DeepSpeed JSONs and example configs live at the top of the checkout (ds_configs/, configs/)
+# and are installed inside the package as ds_seg/ds_configs and ds_seg/configs, so that
+# `ds-seg-train --deepspeed_config zero2` finds them from any directory (ds_seg.config.DS_CONFIGS_DIR).
+SHIPPED = {'ds_seg.ds_configs': ('ds_configs', ['*.json']), 'ds_seg.configs': ('configs', ['*.py']),
+           'ds_seg.configs._base_': ('configs/_base_', ['*.py'])}
+CONSOLE_SCRIPTS = [f'ds-seg-{name}=ds_seg.cli.{name}:main'
+                   for name in ('train', 'predict', 'evaluate', 'export', 'benchmark', 'models')]
+
 setup(
     name='ds_seg',
     version='0.1.0',
     description='DeepSpeed training for large semantic-segmentation models on aerial imagery',
     long_description=open('README.md').read() if __import__('os').path.exists('README.md') else '',
     long_description_content_type='text/markdown',
-    packages=find_packages(include=['ds_seg', 'ds_seg.*']),
+    packages=find_packages(include=['ds_seg', 'ds_seg.*']) + list(SHIPPED),
+    package_dir={pkg: folder for pkg, (folder, _) in SHIPPED.items()},
+    package_data={pkg: patterns for pkg, (_, patterns) in SHIPPED.items()},
+    entry_points={'console_scripts': CONSOLE_SCRIPTS},
     python_requires='>=3.9',
     install_requires=[
         'torch>=2.4',

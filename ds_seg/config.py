@@ -19,6 +19,29 @@ from pathlib import Path
 from mmengine.config import Config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _shipped_dir(name):
+    """``ds_seg/<name>`` in an installed wheel (setup.py maps the top-level folder there), else the
+    source checkout's top-level ``<name>/`` (editable install, or ``launch/*.py``)."""
+    inside = PACKAGE_DIR / name
+    return inside if inside.is_dir() else REPO_ROOT / name
+
+
+DS_CONFIGS_DIR = _shipped_dir('ds_configs')   # the shipped DeepSpeed JSONs
+CONFIGS_DIR = _shipped_dir('configs')         # the shipped experiment configs
+
+
+def find_shipped(path, folder, suffix):
+    """``path`` if it is a file; else the shipped file it names (``zero2``, ``zero2.json`` or
+    ``ds_configs/zero2.json`` for ``folder=DS_CONFIGS_DIR``), so a bare name works from any
+    directory; else ``path`` unchanged (the caller reports it missing)."""
+    p = Path(path)
+    if p.is_file() or p.is_absolute() or str(p.parent) not in ('.', folder.name):
+        return p
+    shipped = folder / (p.name if p.name.endswith(suffix) else p.name + suffix)
+    return shipped if shipped.is_file() else p
 
 
 class ConfigError(ValueError):
@@ -136,9 +159,9 @@ def load_config(path=None, cfg_options=None):
     cfg = copy.deepcopy(DEFAULTS)
     name = 'default'
     if path is not None:
-        path = Path(path)
+        path = find_shipped(path, CONFIGS_DIR, '.py')
         if not path.is_file():
-            candidates = sorted(p.name for p in (REPO_ROOT / 'configs').glob('*.py'))
+            candidates = sorted(p.name for p in CONFIGS_DIR.glob('*.py'))
             raise ConfigError(f"--config: {path} does not exist. Configs shipped in configs/: "
                               f"{', '.join(candidates) or 'none'}.")
         try:
@@ -276,9 +299,9 @@ _SCHEDULERS_WITH_TOTAL = {'WarmupDecayLR', 'WarmupCosineLR'}
 
 def load_ds_config(path):
     """Read a DeepSpeed JSON file and check it (see :func:`check_ds_config`)."""
-    path = Path(path)
+    path = find_shipped(path, DS_CONFIGS_DIR, '.json')
     if not path.is_file():
-        shipped = sorted(p.name for p in (REPO_ROOT / 'ds_configs').glob('*.json'))
+        shipped = sorted(p.stem for p in DS_CONFIGS_DIR.glob('*.json'))
         raise ConfigError(f"--deepspeed_config: {path} does not exist. Shipped: {', '.join(shipped)}.")
     try:
         ds = json.loads(path.read_text())
@@ -520,8 +543,16 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
     sched = ds.get('scheduler')
     if sched and sched.get('type') in _SCHEDULERS_WITH_TOTAL:
         params = sched.setdefault('params', {})
+        from_run = 'total_num_steps' not in params
         params.setdefault('total_num_steps', max_steps)
-        if params.get('warmup_num_steps', 0) >= params['total_num_steps']:
+        warmup = params.get('warmup_num_steps', 0)
+        if from_run and warmup >= max_steps:
+            # A smoke test (train.max_steps=5) with a JSON written for real runs: warm up over the
+            # first fifth of the run instead of refusing it (DeepSpeed needs at least 1 step).
+            params['warmup_num_steps'] = max(1, max_steps // 5)
+            notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup} is not shorter than the run "
+                         f"({max_steps} steps); warming up over {params['warmup_num_steps']} step(s) instead.")
+        elif warmup >= params['total_num_steps']:
             raise ConfigError(f"{source}: scheduler.params.warmup_num_steps ({params.get('warmup_num_steps')}) "
                               f"must be smaller than the run length ({params['total_num_steps']} steps).")
 

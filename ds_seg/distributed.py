@@ -222,6 +222,27 @@ def main_process_first():
 # Stopping together: signals, non-finite losses, lost ranks
 # ----------------------------------------------------------------------------------------------
 
+_early_signal = [None]
+
+
+def catch_stop_signals():
+    """From the start of a training program: remember SIGUSR1/SIGTERM instead of dying of them.
+
+    Python's default action for both is to end the process; a Slurm warning that arrives while a
+    rank is still importing or building its model would then kill it. :class:`StopRequests`
+    picks the signal up, and the run stops with a checkpoint after its first step.
+    """
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def remember(signum, frame):
+        _early_signal[0] = _early_signal[0] or signal.Signals(signum).name
+    for name in StopRequests.SIGNALS:
+        signal.signal(getattr(signal, name), remember)
+
+
 class StopRequests:
     """Per-step agreement between ranks on whether to stop, and why.
 
@@ -236,7 +257,7 @@ class StopRequests:
     def __init__(self):
         import signal
         import threading
-        self.signal_name = None
+        self.signal_name = _early_signal[0]   # one that came while the run was still starting
         self._group = None
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:

@@ -1,85 +1,17 @@
-"""Turn a checkpoint of any backend (DDP, ZeRO 0-3) into one plain fp32 weights file, or into a
-deployable ONNX file / torch.export program (dynamic batch, height and width).
+"""``python launch/export.py ...`` in a source checkout = the ``ds-seg-export`` console script.
 
-    python launch/export.py work_dirs/default                       # newest checkpoint of a run
-    python launch/export.py work_dirs/default/checkpoints/step_00000400 --out unet.pt
-    python launch/export.py work_dirs/default --format onnx --out unet.onnx     # + unet.onnx.card.json/.md
-    python launch/export.py unet.pt --format torch-export --out unet.pt2
-
-ONNX and torch.export outputs are checked against PyTorch (max abs difference < 1e-4) and come
-with a model card (classes, bands, mean/std, training config, final metrics); the ONNX file
-carries it too, so ``launch/predict.py --checkpoint unet.onnx`` runs it with onnxruntime on CPU.
-Export never overwrites an existing file.
-
-The file holds ``state_dict`` (parameters and BatchNorm buffers), the model config and the class
-names; ``load_from=`` in a config, launch/predict.py and launch/evaluate.py accept it. It is read
-with ``torch.load(weights_only=True)``, so loading it cannot execute code.
+The code is ds_seg/cli/export.py (installed with the package); this file only runs it, so launchers
+that take a script path (``deepspeed launch/export.py``, ``torchrun launch/export.py``) keep working.
 """
-import argparse
 import os
 import sys
 
-from ds_seg import deploy
-from ds_seg.engine import checkpoint
-
-
-def check_out(out):
-    """Refuse, before any work, an output that is a folder, has no parent folder, or exists
-    (with its model cards): export never overwrites and leaves nothing behind."""
-    if os.path.isdir(out):
-        raise ValueError(f'--out: {out} is a folder; give a file name (e.g. {os.path.join(out, "weights.pt")}).')
-    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise ValueError(f'--out: the folder {os.path.dirname(os.path.abspath(out))} does not exist; create it first.')
-    deploy.refuse_existing(out, *deploy.card_paths(out))
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('checkpoint', help='a step_* folder, a checkpoints/ folder or a work dir '
-                        '(for onnx/torch-export also a weights file from this script)')
-    parser.add_argument('--out', default=None, help='output file (default: <work dir>/weights_<tag>.pt, '
-                        'model_<tag>.onnx or model_<tag>.pt2)')
-    parser.add_argument('--format', choices=('weights',) + tuple(deploy.FORMATS), default='weights',
-                        help='weights (default): plain fp32 state dict for predict/evaluate/load_from; '
-                             'onnx; torch-export')
-    args = parser.parse_args(argv)
-    try:
-        if args.format == 'weights':
-            ckpt = checkpoint.find_checkpoint(args.checkpoint, report=lambda line: print(f'export: {line}'))
-            out = args.out or os.path.join(os.path.dirname(os.path.dirname(ckpt)), f'weights_{os.path.basename(ckpt)}.pt')
-            check_out(out)
-            checkpoint.export(ckpt, out)
-            marker = checkpoint.read_marker(ckpt)
-            info = dict(classes=marker.get('classes'), model=marker.get('model'), data=marker.get('data'),
-                        source=ckpt)
-            deploy.write_card(deploy.model_card(info, 'weights', out, os.path.dirname(os.path.dirname(ckpt))), out)
-        else:
-            ckpt, out = export_deployable(args.checkpoint, args.format, args.out)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f'export: error: {exc}', file=sys.stderr)
-        return 2
-    print(f'exported {ckpt} -> {out}')
-    return 0
-
-
-def export_deployable(source, fmt, out=None):
-    """``source`` (checkpoint folder, work dir or weights file) -> an ONNX / torch.export file + card."""
-    from ds_seg.inference import load_model
-    if os.path.isfile(source):
-        payload = checkpoint.load_weights_file(source)
-        ckpt = payload.get('source') or source
-        tag = os.path.splitext(os.path.basename(source))[0]
-    else:
-        ckpt = checkpoint.find_checkpoint(source, report=lambda line: print(f'export: {line}'))
-        tag = os.path.basename(ckpt)
-    # The run's folder (config.json, summary.json, eval.jsonl) for the model card, where it exists.
-    work_dir = os.path.dirname(os.path.dirname(ckpt)) if os.path.isdir(ckpt) else None
-    model, info = load_model(source if os.path.isfile(source) else ckpt, 'cpu')
-    info['source'] = os.path.abspath(ckpt)
-    out = out or os.path.join(work_dir or os.path.dirname(os.path.abspath(source)), f'model_{tag}{deploy.FORMATS[fmt]}')
-    (deploy.export_onnx if fmt == 'onnx' else deploy.export_torch)(model, out, info, work_dir=work_dir)
-    return ckpt, out
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ds_seg
+from ds_seg.cli import export as _impl  # noqa: E402
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(_impl.main())
+# Imported (``from launch import export``, or loaded from this path): the same module object as
+# ds_seg.cli.export, so patching one patches what its functions see.
+globals().update({k: v for k, v in vars(_impl).items() if not k.startswith('__')})
+sys.modules[__name__] = _impl

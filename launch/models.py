@@ -1,69 +1,17 @@
-"""Model facts: every registered model (and its presets) with parameters and forward GFLOPs.
+"""``python launch/models.py ...`` in a source checkout = the ``ds-seg-models`` console script.
 
-    python launch/models.py --size 512
-    python launch/models.py --size 1024 --in-channels 4 --filter UperNetViT --markdown
-
-Models are built on the meta device (no weight memory, seconds even for ViT-g) and counted
-with ``torch.utils.flop_counter.FlopCounterMode`` (a multiply-add is 2 FLOPs; published
-"GFLOPs" of segmentation papers are usually multiply-adds, i.e. half these figures). The
-trainer uses the same count (``ds_seg.telemetry.forward_flops``) for MFU.
+The code is ds_seg/cli/models.py (installed with the package); this file only runs it, so launchers
+that take a script path (``deepspeed launch/models.py``, ``torchrun launch/models.py``) keep working.
 """
-import argparse
+import os
 import sys
 
-import torch
-
-import ds_seg  # noqa: F401  (registers every model)
-from ds_seg.registry import MODELS, build
-from ds_seg.telemetry import forward_flops
-
-# Registered names that are building blocks rather than models with defaults.
-_NOT_A_MODEL = {'Segmentor', 'TemporalSegmentor'}
-
-
-def zoo(name_filter=None):
-    """(label, config) for every registered model and each of its presets."""
-    rows = []
-    for name in sorted(MODELS.module_dict):
-        if name in _NOT_A_MODEL or (name_filter and name_filter.lower() not in name.lower()):
-            continue
-        variants = getattr(MODELS.module_dict[name], 'variants', None) or {'': {}}
-        for label, kwargs in variants.items():
-            rows.append((f'{name} {label}'.strip(), dict(type=name, **kwargs)))
-    return rows
-
-
-def model_facts(cfg, size, in_channels=3, num_classes=6):
-    """``(parameters, forward FLOPs)`` of one image ``size`` x ``size``, on the meta device."""
-    cfg = dict(cfg, in_channels=in_channels, num_classes=num_classes)
-    with torch.device('meta'):
-        params = sum(p.numel() for p in build(MODELS, cfg).parameters())
-    flops = forward_flops(lambda: build(MODELS, cfg), (1, in_channels, size, size))
-    return params, flops
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--size', type=int, default=512, help='square input size in pixels')
-    parser.add_argument('--in-channels', type=int, default=3)
-    parser.add_argument('--num-classes', type=int, default=6)
-    parser.add_argument('--filter', default=None, help='only models whose name contains this')
-    parser.add_argument('--markdown', action='store_true', help='print a Markdown table')
-    args = parser.parse_args(argv)
-    header = ('model', 'params (M)', f'fwd GFLOP @{args.size}')
-    if args.markdown:
-        print(f'| {header[0]} | {header[1]} | {header[2]} |\n|---|---:|---:|')
-    else:
-        print(f'{header[0]:<32} {header[1]:>12} {header[2]:>18}')
-    for label, cfg in zoo(args.filter):
-        params, flops = model_facts(cfg, args.size, args.in_channels, args.num_classes)
-        gflops = 'n/a' if flops is None else f'{flops / 1e9:.1f}'
-        if args.markdown:
-            print(f'| {label} | {params / 1e6:.2f} | {gflops} |', flush=True)
-        else:
-            print(f'{label:<32} {params / 1e6:>12.2f} {gflops:>18}', flush=True)
-    return 0
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ds_seg
+from ds_seg.cli import models as _impl  # noqa: E402
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(_impl.main())
+# Imported (``from launch import models``, or loaded from this path): the same module object as
+# ds_seg.cli.models, so patching one patches what its functions see.
+globals().update({k: v for k, v in vars(_impl).items() if not k.startswith('__')})
+sys.modules[__name__] = _impl

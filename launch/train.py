@@ -1,64 +1,27 @@
-"""Train a segmentation model with DeepSpeed (or plain DDP for comparison).
+"""``python launch/train.py ...`` in a source checkout = the ``ds-seg-train`` console script.
 
-    deepspeed launch/train.py --deepspeed_config ds_configs/zero2.json
-    torchrun --nproc_per_node 2 launch/train.py --config configs/unet_synthetic.py
-    python launch/train.py --backend ddp --cfg-options train.max_steps=20
-    srun python launch/train.py ...            # Slurm: SLURM_* variables are enough
+The code is ds_seg/cli/train.py (installed with the package); this file only runs it, so launchers
+that take a script path (``deepspeed launch/train.py``, ``torchrun launch/train.py``) keep working.
 """
-import argparse
 import os
+import signal
 import sys
 
-from ds_seg.config import REPO_ROOT, ConfigError, load_config, load_ds_config
-from ds_seg.registry import RegistryError
+if __name__ == '__main__':
+    # Importing torch takes seconds; a Slurm stop signal in that time must not kill the rank
+    # (Python's default for SIGUSR1/SIGTERM): remember it for ds_seg.distributed.StopRequests.
+    _early = []
+    for _sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
 
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--config', default=None, help='experiment config (configs/*.py); default: the embedded '
-                        'synthetic-aerial UNet experiment')
-    parser.add_argument('--deepspeed_config', '--deepspeed-config', dest='deepspeed_config',
-                        default=str(REPO_ROOT / 'ds_configs' / 'zero2.json'),
-                        help='DeepSpeed JSON (precision, ZeRO stage, optimizer, schedule, micro-batch); '
-                        'also used by --backend ddp')
-    parser.add_argument('--deepspeed', action='store_true', help='accepted for DeepSpeed compatibility')
-    parser.add_argument('--backend', choices=['deepspeed', 'ddp'], default='deepspeed')
-    parser.add_argument('--cfg-options', '--cfg_options', nargs='+', default=[], metavar='KEY=VALUE',
-                        help='override config keys, e.g. train.max_steps=20 data.crop_size=256')
-    parser.add_argument('--work-dir', '--work_dir', dest='work_dir', default=None)
-    parser.add_argument('--resume', default=None,
-                        help="'auto' (newest complete checkpoint in the work dir) or a checkpoint path")
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=None,
-                        help='set by the deepspeed launcher; the LOCAL_RANK variable is what is used')
-    return parser.parse_args(argv)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.cfg_options)
-        ds_config = load_ds_config(args.deepspeed_config)
-        from ds_seg.engine.trainer import Trainer
-        trainer = Trainer(cfg, ds_config, backend=args.backend, work_dir=args.work_dir, resume=args.resume,
-                          ds_config_source=os.path.relpath(args.deepspeed_config))
-    except (ConfigError, RegistryError, FileNotFoundError) as exc:
-        # A user mistake: one line that names the file or key, before any training starts.
-        print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
-        return 2
-    from ds_seg.engine.trainer import EXIT_CODES, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError, RunIOError
-    try:
-        summary = trainer.fit()
-    except LostRankError as exc:
-        print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
-        os._exit(EXIT_LOST_RANK)  # skip process-group teardown: it would wait on the dead rank
-    except RunIOError as exc:
-        if trainer.rank == 0:
-            print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
-        return EXIT_IO_ERROR
-    finally:
-        trainer.close()
-    return EXIT_CODES.get(summary['exit_reason'], 1)
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ds_seg
+from ds_seg.cli import train as _impl  # noqa: E402
 
 if __name__ == '__main__':
-    sys.exit(main())
+    from ds_seg import distributed
+    distributed._early_signal[0] = distributed._early_signal[0] or (_early[0] if _early else None)
+    sys.exit(_impl.main())
+# Imported (``from launch import train``, or loaded from this path): the same module object as
+# ds_seg.cli.train, so patching one patches what its functions see.
+globals().update({k: v for k, v in vars(_impl).items() if not k.startswith('__')})
+sys.modules[__name__] = _impl

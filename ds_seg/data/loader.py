@@ -1,5 +1,6 @@
 """DataLoaders for training (infinite, per-rank stream) and evaluation (equal shards)."""
 import random
+import signal
 
 import numpy as np
 import torch
@@ -9,11 +10,18 @@ from .sampling import EvalSampler, TrainSampler
 
 
 def worker_init(worker_id):
-    """Per DataLoader worker: bound GDAL's cache and threads, seed the global RNGs.
+    """Per DataLoader worker: ignore the stop signals, bound GDAL's cache and threads, seed the RNGs.
+
+    Slurm signals every process of a job step (``scancel --full``, preemption, ``srun``
+    forwarding), workers included. SIGUSR1/SIGTERM are meant for the rank, which finishes its step
+    and checkpoints (ds_seg.distributed.StopRequests); a worker that died of them would crash the
+    rank instead. Workers still end with their rank: PyTorch's watchdog stops orphans.
 
     Samples do not depend on these seeds (the datasets seed from the index); seeding only
     keeps any user transform that uses global RNGs distinct per worker and reproducible.
     """
+    for name in ('SIGUSR1', 'SIGTERM'):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     configure_gdal_for_worker()
     seed = torch.initial_seed() % 2 ** 32  # torch already derives it from base seed + worker id
     np.random.seed(seed)

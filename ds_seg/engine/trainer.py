@@ -21,7 +21,7 @@ from ..registry import DATASETS, LOSSES, MODELS, RegistryError, build
 from ..telemetry import RunLog, StepTimer, format_eta, forward_flops, max_memory_mb, mfu, peak_flops
 from ..memory import state_memory
 from ..models.losses import segmentation_loss
-from . import checkpoint
+from . import checkpoint, reshard
 from .workdir import WorkDirBusy, WorkDirLock
 from .deepspeed_backend import load_state_dict_gathered, model_init_context
 
@@ -173,6 +173,7 @@ class Trainer:
 
         # --- resume ----------------------------------------------------------------------------
         self.step = 0
+        self.micro_step_offset = 0  # data position - step x accumulation (non-zero after a change of ranks)
         resume_from = checkpoint.resolve_resume(resume, self.work_dir, report=self.print)
         set_aside = None
         if resume_from is not None:
@@ -206,7 +207,7 @@ class Trainer:
         """Train until ``train.max_steps``; returns the summary written to ``summary.json``."""
         t = self.cfg.train
         loader = build_train_loader(self.train_set, self.micro_batch, self.rank, self.world_size,
-                                    start_micro_step=self.step * self.grad_accum,
+                                    start_micro_step=self.step * self.grad_accum + self.micro_step_offset,
                                     num_workers=self.cfg.data.num_workers)
         self.batches = iter(loader)
         # Normalisation, nodata and flips happen on the device, after the (uint8) batch's copy.
@@ -237,8 +238,9 @@ class Trainer:
                 nonfinite_run = nonfinite_run + 1 if nonfinite else 0
 
                 if log_now:
-                    self.log_metrics(loss_sum, t.log_interval if self.step % t.log_interval == 0
-                                     else self.step % t.log_interval, step_at_loop_start)
+                    in_window = t.log_interval if self.step % t.log_interval == 0 else self.step % t.log_interval
+                    # a window cut short by a resume holds only the steps since it
+                    self.log_metrics(loss_sum, min(in_window, self.step - step_at_loop_start), step_at_loop_start)
                     loss_sum.zero_()
                 if nonfinite_run >= t.max_nonfinite_steps:
                     self.exit_reason = 'nonfinite_loss'
@@ -402,7 +404,8 @@ class Trainer:
         self.backend.sync_batchnorm_stats()
         client_state = dict(
             step=self.step,
-            micro_step=self.step * self.grad_accum,  # the data position: samplers restart here
+            micro_step=self.step * self.grad_accum + self.micro_step_offset,  # the data position: samplers restart here
+            micro_batch=self.micro_batch, grad_accum=self.grad_accum,
             rng_cpu=torch.get_rng_state(),
             rng_cuda=torch.cuda.get_rng_state() if self.device.type == 'cuda' else None,
             model_cfg=self.cfg.model.to_dict() if hasattr(self.cfg.model, 'to_dict') else dict(self.cfg.model),
@@ -438,11 +441,6 @@ class Trainer:
         if self.backend.name == 'deepspeed' and stage != self.backend.zero_stage:
             raise ConfigError(f"--resume: {where} was saved under ZeRO-{stage} but the DeepSpeed config "
                               f"uses ZeRO-{self.backend.zero_stage}; export it and use load_from= instead.")
-        if (self.backend.name == 'deepspeed' and stage and stage > 0
-                and marker.get('world_size') != self.world_size):
-            raise ConfigError(f"--resume: {where} was saved by {marker.get('world_size')} ranks under ZeRO-{stage} "
-                              f"and DeepSpeed cannot repartition it for {self.world_size}; export it "
-                              "(launch/export.py) and use load_from= (optimizer state restarts).")
         saved_shapes = marker.get('param_shapes')
         if saved_shapes is not None:
             now = self._param_shapes()
@@ -459,7 +457,19 @@ class Trainer:
 
     def _load_checkpoint(self, root, tag):
         self._check_resume_compatible(root, tag)
-        state = self.backend.load(root, tag)
+        marker = checkpoint.read_marker(os.path.join(root, tag))
+        if reshard.needed(marker, self.world_size):  # another number of ranks (ds_seg/engine/reshard.py)
+            state = reshard.load(self.backend, root, tag, marker)
+            saved = dict(micro_batch=state.get('micro_batch', self.micro_batch),
+                         grad_accum=state.get('grad_accum', self.grad_accum), world_size=marker['world_size'])
+            start, skipped = reshard.start_micro_step(int(state['micro_step']), saved['micro_batch'],
+                                                      saved['world_size'], self.micro_batch, self.world_size)
+            self.micro_step_offset = start - int(state['step']) * self.grad_accum
+            self.print(reshard.describe(saved, self.world_size, self.micro_batch, self.grad_accum,
+                                        self.backend.global_batch, skipped, marker.get('zero_stage')))
+        else:
+            state = self.backend.load(root, tag)
+            self.micro_step_offset = int(state.get('micro_step', 0)) - int(state['step']) * self.grad_accum
         self.step = int(state['step'])
         torch.set_rng_state(state['rng_cpu'])
         if state.get('rng_cuda') is not None and self.device.type == 'cuda':

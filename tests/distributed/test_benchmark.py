@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ds_seg.config import REPO_ROOT
-from launch.benchmark import MEMORY_FIELDS, ROW_FIELDS
+from ds_seg.cli.benchmark import MEMORY_FIELDS, ROW_FIELDS
 from tests.distributed.test_launchers import _env
 from tests.tiny import TINY_CONFIG, read_jsonl
 

@@ -57,8 +57,11 @@ def _wait_for_step(work, step, procs, timeout=120):
     path = os.path.join(work, 'metrics.jsonl')
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if os.path.exists(path) and len(read_jsonl(path)) >= step:
-            return
+        try:
+            if os.path.exists(path) and len(read_jsonl(path)) >= step:
+                return
+        except ValueError:  # read while rank 0 was appending a line: look again
+            pass
         assert all(p.poll() is None for p in procs), 'a rank exited early'
         time.sleep(0.02)
     raise AssertionError(f'no step {step} within {timeout}s')
@@ -189,11 +192,6 @@ def test_damaged_checkpoints_fall_back_to_the_newest_good_one_and_match_uninterr
 
 # -- the sbatch templates, run by bash with stand-ins for srun and scontrol -----------------------
 
-FAKE_SRUN = """#!/usr/bin/env bash
-# Stand-in for srun on a machine without Slurm: drop srun's options, run the command here.
-while [[ $# -gt 0 && $1 == -* ]]; do shift; done
-exec "$@"
-"""
 FAKE_SCONTROL = """#!/usr/bin/env bash
 echo "$@" >> "$FAKE_SCONTROL_LOG"
 if [ "$1 $2" = "show hostnames" ]; then hostname; fi
@@ -206,28 +204,22 @@ def test_sbatch_templates_parse(script):
 
 
 def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
+    """Stand-in for the batch-shell path (tests/slurm/ runs the template on a real Slurm)."""
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
-    for name, text in (('srun', FAKE_SRUN), ('scontrol', FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    torchrun = os.path.join(os.path.dirname(sys.executable), 'torchrun')
-    if not os.path.exists(torchrun):
-        pytest.skip('torchrun is not installed next to this python')
+    (bin_dir / 'scontrol').write_text(FAKE_SCONTROL)
+    (bin_dir / 'scontrol').chmod(stat.S_IRWXU)
     work = tmp_path / 'work'
     cache = tmp_path / 'cache'
     env = _env(PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}',
                SLURM_JOB_ID='4242', SLURM_JOB_NAME='ds_seg', SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost',
-               SLURM_SUBMIT_DIR=str(REPO_ROOT), NPROC_PER_NODE='2', WORK_DIR=str(work),
-               DS_CONFIG='ds_configs/zero2.json', CONFIG=TINY_CONFIG, FAKE_SCONTROL_LOG=str(tmp_path / 'scontrol.log'))
+               SLURM_SUBMIT_DIR=str(REPO_ROOT), NPROC_PER_NODE='2', WORK_DIR=str(work), MASTER_PORT=str(_free_port()),
+               DS_CONFIG='zero2', CONFIG=TINY_CONFIG, FAKE_SCONTROL_LOG=str(tmp_path / 'scontrol.log'))
     options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
                'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
     job = subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for_step(str(work), 3, [job], timeout=180)
-    deadline = time.time() + 30
-    while len(os.listdir(work / 'pids' / os.uname().nodename)) < 2 and time.time() < deadline:
-        time.sleep(0.1)
     job.send_signal(signal.SIGUSR1)  # what Slurm does --signal=B:USR1@300 before the time limit
     out = job.communicate(timeout=180)[0]
     assert job.returncode == 0, out[-3000:]
@@ -235,4 +227,4 @@ def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
     assert summary['exit_reason'] == 'preempted'
     assert checkpoint.find_latest(str(work / 'checkpoints')) == checkpoint.tag_for(summary['steps'])
     assert 'requeue 4242' in (tmp_path / 'scontrol.log').read_text()
-    assert not os.listdir(work / 'pids' / os.uname().nodename), 'ranks remove their PID files'
+    assert 'exit 75, not a failure' in out and 'Traceback' not in out and 'ChildFailedError' not in out

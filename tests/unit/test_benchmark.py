@@ -9,7 +9,7 @@ import torch
 
 from ds_seg import telemetry
 from ds_seg.memory import state_memory, zero_formula
-from launch import benchmark
+from ds_seg.cli import benchmark
 
 MB = 2 ** 20
 

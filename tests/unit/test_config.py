@@ -4,8 +4,8 @@ import json
 import pytest
 
 import ds_seg  # noqa: F401 -- registers everything
-from ds_seg.config import (DEFAULTS, REPO_ROOT, ConfigError, load_config, load_ds_config, resolve_batch,
-                           resolve_ds_config)
+from ds_seg.config import (DEFAULTS, DS_CONFIGS_DIR, REPO_ROOT, ConfigError, load_config, load_ds_config,
+                           resolve_batch, resolve_ds_config)
 from ds_seg.registry import DATASETS, LOSSES, MODELS, RegistryError, build, lookup
 
 SHIPPED = sorted((REPO_ROOT / 'ds_configs').glob('*.json'))
@@ -141,7 +141,25 @@ def test_precision_fallback_recorded():
 def test_scheduler_length_from_max_steps_and_warmup_check():
     ds = {'train_micro_batch_size_per_gpu': 2,
           'scheduler': {'type': 'WarmupCosineLR', 'params': {'warmup_num_steps': 5}}}
-    resolved, _, _ = resolve_ds_config(ds, 1, 50)
-    assert resolved['scheduler']['params']['total_num_steps'] == 50
+    resolved, _, notes = resolve_ds_config(ds, 1, 50)
+    assert resolved['scheduler']['params']['total_num_steps'] == 50 and not notes
+    # A schedule length the JSON fixes itself must still hold its warmup.
+    fixed = {'train_micro_batch_size_per_gpu': 2,
+             'scheduler': {'type': 'WarmupCosineLR', 'params': {'warmup_num_steps': 5, 'total_num_steps': 5}}}
     with pytest.raises(ConfigError, match='warmup_num_steps'):
-        resolve_ds_config(ds, 1, 5)
+        resolve_ds_config(fixed, 1, 5)
+
+
+@pytest.mark.parametrize('name', sorted(p.stem for p in DS_CONFIGS_DIR.glob('*.json')))
+@pytest.mark.parametrize('max_steps', [1, 5])
+def test_short_runs_shorten_the_warmup_of_every_shipped_json(name, max_steps):
+    """train.max_steps=5 (a smoke test) with any shipped JSON: the warmup shrinks to fit, one note says so."""
+    ds = load_ds_config(name)  # a bare shipped name, as `ds-seg-train --deepspeed_config zero2` passes it
+    warmup = ds['scheduler']['params']['warmup_num_steps']
+    assert warmup >= 5  # the shipped JSONs are written for real runs: otherwise this test proves nothing
+    resolved, _, notes = resolve_ds_config(ds, 2, max_steps, source=name, supports=lambda p: True)
+    params = resolved['scheduler']['params']
+    assert params['total_num_steps'] == max_steps and 1 <= params['warmup_num_steps'] <= max(1, max_steps // 5)
+    assert [n for n in notes if 'warmup' in n] == [
+        f'{name}: scheduler.params.warmup_num_steps {warmup} is not shorter than the run ({max_steps} steps); '
+        f'warming up over {params["warmup_num_steps"]} step(s) instead.']

@@ -113,6 +113,25 @@ def test_loader_batches_do_not_depend_on_workers(tmp_path):
     assert torch.equal(batches[0][0]['label'][1], ds[(3 * 2 + 1) * 2 + 1]['label'])
 
 
+def test_loader_workers_ignore_the_signals_meant_for_their_rank(tmp_path):
+    """Slurm signals every process of a step (scancel --full): a worker must outlive SIGUSR1/SIGTERM
+    so that its rank can finish the step and checkpoint."""
+    import signal
+    import time
+    ds = small_synthetic(tmp_path)
+    loader = build_train_loader(ds, micro_batch=2, rank=0, world_size=1, num_workers=1, prefetch_factor=1)
+    it = iter(loader)
+    next(it)
+    worker, = it._workers
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        os.kill(worker.pid, sig)
+    time.sleep(0.5)
+    assert worker.is_alive() and worker.exitcode is None
+    for _ in range(3):  # the stream goes on through the same worker
+        assert next(it)['image'].shape[0] == 2
+    it._shutdown_workers()
+
+
 def test_grid_windows_count_every_pixel_once(tmp_path):
     ds = small_synthetic(tmp_path, split='val', mode='grid')  # 150 px scenes, 64 px windows
     assert len(ds) == 2 * 3 * 3

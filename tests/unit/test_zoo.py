@@ -174,7 +174,7 @@ def test_pretrained_errors_name_the_problem(tmp_path):
 
 
 def test_model_facts_command_lists_the_zoo(capsys):
-    from launch.models import main, zoo
+    from ds_seg.cli.models import main, zoo
     labels = [label for label, _ in zoo()]
     assert {'SegFormer mit_b5', 'UperNetViT vit_giant', 'DeepLabV3Plus resnet101', 'UNet', 'FPNTiny'} <= set(labels)
     assert main(['--size', '512', '--filter', 'SegFormerTiny']) == 0

@@ -1,0 +1,421 @@
+"""DDP versus DeepSpeed ZeRO stages, measured the same way: same model, data, seed, global batch,
+optimizer implementation and precision; every backend in its own set of processes started with
+the chosen launcher; step times from the trainer's own StepTimer (device synchronised per step).
+
+    python launch/benchmark.py --backends ddp,zero0,zero1,zero2,zero3 --steps 40 --warmup 5 \\
+        --nproc 2 --work-dir work_dirs/benchmark
+    python launch/benchmark.py --config configs/unet_tiny_synthetic.py --backends ddp,zero2 \\
+        --steps 10 --warmup 2 --find-max-batch --max-batch 64 --profile 3
+
+Writes into --work-dir: benchmark.json, benchmark.md, benchmark.png and one run folder per
+backend (<backend>/tb, metrics.jsonl, summary.json) so ``tensorboard --logdir <work-dir>``
+overlays the curves. With --profile, a separate short run per backend records a torch.profiler
+trace into <backend>_profile/profile/ (profiled steps are slower, so they are never timed).
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ds_seg.config import DS_CONFIGS_DIR
+from ds_seg.memory import zero_formula
+
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]   # the folder that holds ds_seg/
+
+# Backend name -> (train.py --backend, shipped DeepSpeed JSON). DDP reads its optimizer, schedule,
+# batch, clipping and precision from the same JSON family; only ZeRO settings differ between files.
+BACKENDS = {
+    'ddp': ('ddp', 'zero0.json'),
+    'zero0': ('deepspeed', 'zero0.json'),
+    'zero1': ('deepspeed', 'zero1.json'),
+    'zero2': ('deepspeed', 'zero2.json'),
+    'zero2_bf16': ('deepspeed', 'zero2_bf16.json'),
+    'zero3': ('deepspeed', 'zero3.json'),
+    'zero3_offload': ('deepspeed', 'zero3_offload.json'),
+}
+
+# The contract of benchmark.json rows (DESIGN.md), then the state-memory fields.
+ROW_FIELDS = ['backend', 'zero_stage', 'precision', 'world_size', 'micro_batch', 'images_per_s',
+              'megapixels_per_s', 'step_time_median_s', 'step_time_p90_s', 'data_wait_frac', 'max_mem_mb',
+              'mfu', 'speedup_vs_ddp']
+MEMORY_FIELDS = ['num_params', 'params_bytes', 'grads_bytes', 'master_bytes', 'optim_bytes',
+                 'comm_buffers_bytes', 'state_bytes', 'formula_params_bytes', 'formula_grads_bytes',
+                 'formula_master_bytes', 'formula_optim_bytes', 'formula_state_bytes']
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--config', default=None, help='experiment config (default: the embedded UNet experiment)')
+    p.add_argument('--backends', default='ddp,zero0,zero1,zero2,zero3',
+                   help=f"comma-separated, in run order; known: {','.join(BACKENDS)}; or LABEL=file.json "
+                   "for a DeepSpeed variant")
+    p.add_argument('--steps', type=int, default=40, help='timed optimizer steps per backend')
+    p.add_argument('--warmup', type=int, default=5, help='untimed steps before them')
+    p.add_argument('--work-dir', '--work_dir', dest='work_dir', default='work_dirs/benchmark')
+    p.add_argument('--nproc', type=int, default=None, help='ranks per run (default: GPUs, or 2 on a CPU)')
+    p.add_argument('--launcher', choices=['torchrun', 'deepspeed', 'python'], default='torchrun')
+    p.add_argument('--cfg-options', '--cfg_options', nargs='+', default=[], metavar='KEY=VALUE',
+                   help='passed to every run (e.g. data.crop_size=256 model.base_channels=64)')
+    p.add_argument('--micro-batch', type=int, default=None, help='override the JSON micro-batch for all backends')
+    p.add_argument('--precision', choices=['json', 'fp32', 'bf16', 'fp16', 'bf16-autocast'],
+                   default='bf16-autocast',
+                   help="'json': as the shipped files say (fp16; the trainer falls back where unsupported). "
+                   "bf16-autocast: fp32 parameters, bf16 compute, the same mode for DDP and DeepSpeed (fairest)")
+    p.add_argument('--peak-tflops', type=float, default=None, help='device peak for MFU (overrides the table)')
+    p.add_argument('--find-max-batch', action='store_true',
+                   help='also find the largest micro-batch each backend fits (doubling, then bisection)')
+    p.add_argument('--max-batch', type=int, default=None,
+                   help='upper bound for --find-max-batch (default 1024 on GPU, 32 on CPU where nothing OOMs)')
+    p.add_argument('--profile', type=int, default=0, metavar='STEPS',
+                   help='record a torch.profiler trace of STEPS steps per backend (separate, untimed run)')
+    p.add_argument('--ds-cpu-adam', action='store_true',
+                   help='zero3_offload with DeepSpeedCPUAdam (JIT build ~2 min) instead of torch AdamW')
+    p.add_argument('--timeout', type=int, default=1800, help='seconds per run before it is killed')
+    return p.parse_args(argv)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def _has_cuda():
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def machine_description():
+    """One line naming the hardware the figures come from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in subprocess.run(['lscpu'], capture_output=True, text=True, timeout=10).stdout.splitlines():
+            if line.startswith('Model name:'):
+                cpu = line.split(':', 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    desc = f'{cpu}, {os.cpu_count()} cores'
+    if _has_cuda():
+        import torch
+        desc = f'{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; host {desc}'
+    return desc
+
+
+def _backend(name):
+    """(train.py --backend, JSON path) for a known name or a ``label=path.json`` DeepSpeed variant
+    (how the tuning experiments in docs/benchmarks.md were run)."""
+    if '=' in name:
+        return 'deepspeed', name.split('=', 1)[1]
+    return BACKENDS[name][0], str(DS_CONFIGS_DIR / BACKENDS[name][1])
+
+
+def derived_ds_config(name, micro_batch, total_steps, precision, on_gpu, ds_cpu_adam):
+    """The shipped JSON for ``name`` with the benchmark's batch, precision and schedule length."""
+    ds = json.loads(Path(_backend(name)[1]).read_text())
+    if micro_batch is not None:
+        ds['train_micro_batch_size_per_gpu'] = micro_batch
+        ds.pop('train_batch_size', None)
+    sched = ds.get('scheduler', {}).get('params', {})
+    if 'warmup_num_steps' in sched:  # the LR schedule must fit the (short) benchmark run
+        sched['warmup_num_steps'] = min(sched['warmup_num_steps'], max(1, total_steps // 4))
+        sched['total_num_steps'] = total_steps
+    if precision != 'json':
+        ds.pop('fp16', None), ds.pop('bf16', None), ds.pop('torch_autocast', None)
+        if precision in ('fp16', 'bf16'):
+            ds[precision] = {'enabled': True}  # DeepSpeed native; DDP runs it as torch autocast
+        elif precision == 'bf16-autocast':
+            ds['torch_autocast'] = {'enabled': True, 'dtype': 'bfloat16'}
+    params = ds.setdefault('optimizer', {}).setdefault('params', {})
+    if name == 'zero3_offload' and not on_gpu and not ds_cpu_adam:
+        # Same torch AdamW as every other backend (a fair comparison, and no 2-minute JIT build of
+        # DeepSpeedCPUAdam); DeepSpeed otherwise insists on its CPU optimizer for offload.
+        params['torch_adam'] = True
+        ds['zero_force_ds_cpu_optimizer'] = False
+    return ds
+
+
+def launch_command(launcher, nproc):
+    if launcher == 'torchrun':
+        return [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc),
+                '--master_port', str(_free_port())]
+    if launcher == 'deepspeed':
+        exe = shutil.which('deepspeed') or os.path.join(os.path.dirname(sys.executable), 'deepspeed')
+        return [exe, '--num_gpus', str(nproc), '--master_port', str(_free_port())]
+    if nproc != 1:
+        raise SystemExit('benchmark: --launcher python starts one process; use --nproc 1 or torchrun/deepspeed.')
+    return [sys.executable]
+
+
+def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
+    """Train ``warmup + steps`` steps of one backend in fresh processes; returns (rc, output tail)."""
+    if os.path.isdir(work_dir):
+        shutil.rmtree(work_dir)  # a benchmark run is disposable; stale checkpoints would block it
+    os.makedirs(work_dir)
+    total = warmup + steps
+    ds = derived_ds_config(name, micro_batch or args.micro_batch, total, args.precision, _has_cuda(),
+                           args.ds_cpu_adam)
+    ds_path = os.path.join(work_dir, 'ds_config.in.json')
+    with open(ds_path, 'w') as f:
+        json.dump(ds, f, indent=2)
+    options = [f'train.max_steps={total}', 'train.log_interval=1', f'train.warmup_log_steps={warmup}',
+               'train.eval_interval=0', 'train.checkpoint_interval=0']
+    if args.peak_tflops:
+        options.append(f'train.peak_tflops={args.peak_tflops}')
+    options += list(args.cfg_options) + list(extra_options)
+    cmd = launch_command(args.launcher, args.nproc) + [
+        '-m', 'ds_seg.cli.train', '--backend', _backend(name)[0], '--deepspeed_config', ds_path,
+        '--work-dir', work_dir, '--cfg-options', *options]
+    if args.config:
+        cmd[cmd.index('--backend'):cmd.index('--backend')] = ['--config', args.config]
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    if not _has_cuda() and 'OMP_NUM_THREADS' not in os.environ:
+        # CPU ranks share the cores: without this each rank starts one thread per core and they thrash.
+        env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // args.nproc))
+    with open(os.path.join(work_dir, 'command.txt'), 'w') as f:
+        f.write(' '.join(cmd) + '\n')
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as exc:
+        return 124, f'timed out after {args.timeout}s: {(exc.stdout or "")[-2000:]}'
+    with open(os.path.join(work_dir, 'output.log'), 'w') as f:
+        f.write(proc.stdout + proc.stderr)
+    return proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+
+
+def _p90(sorted_times):
+    # The same index rule as telemetry.StepTimer.summary, so the figures agree with metrics.jsonl.
+    return sorted_times[min(len(sorted_times) - 1, int(round(0.9 * (len(sorted_times) - 1))))]
+
+
+def summarise_run(work_dir, name, warmup):
+    """One benchmark row from a run folder (metrics.jsonl logged every step, summary.json)."""
+    with open(os.path.join(work_dir, 'metrics.jsonl')) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    with open(os.path.join(work_dir, 'summary.json')) as f:
+        summary = json.load(f)
+    with open(os.path.join(work_dir, 'ds_config.json')) as f:
+        ds = json.load(f)
+    timed = [r for r in rows if r['step'] > warmup and r.get('step_time_s')]
+    if not timed:
+        raise RuntimeError(f'{work_dir}: no timed steps in metrics.jsonl (warm-up {warmup} >= steps run?)')
+    times = sorted(r['step_time_s'] for r in timed)
+    total = sum(times)
+    global_batch = summary['global_batch']
+    images = global_batch * len(timed)
+    mp_per_image = timed[0]['megapixels_per_s'] / timed[0]['images_per_s']
+    ratio = [r['mfu'] / r['images_per_s'] for r in timed if r.get('mfu') and r.get('images_per_s')]
+    row = dict(
+        backend=name, zero_stage=summary['zero_stage'], precision=summary['precision'],
+        world_size=summary['world_size'], micro_batch=ds['train_micro_batch_size_per_gpu'],
+        images_per_s=images / total, megapixels_per_s=images * mp_per_image / total,
+        step_time_median_s=statistics.median(times), step_time_p90_s=_p90(times),
+        data_wait_frac=sum(r['data_wait_frac'] * r['step_time_s'] for r in timed) / total,
+        max_mem_mb=max(r['max_mem_mb'] for r in rows if r.get('max_mem_mb') is not None),
+        # mfu / images_per_s is the trainer's constant 3 x FLOPs / peak: reuse it, do not re-derive.
+        mfu=ratio[0] * images / total if ratio else None,
+        speedup_vs_ddp=None)
+    mem = summary.get('state_memory')
+    if mem:
+        formula = zero_formula(mem['num_params'], summary['zero_stage'] if name != 'ddp' else None,
+                               summary['world_size'], summary['precision'])
+        row.update(num_params=mem['num_params'], params_bytes=mem['params_bytes'], grads_bytes=mem['grads_bytes'],
+                   master_bytes=mem['master_bytes'], optim_bytes=mem['optim_bytes'],
+                   comm_buffers_bytes=mem['comm_buffers_bytes'], state_bytes=mem['total_bytes'],
+                   formula_params_bytes=formula['params_bytes'], formula_grads_bytes=formula['grads_bytes'],
+                   formula_master_bytes=formula['master_bytes'], formula_optim_bytes=formula['optim_bytes'],
+                   formula_state_bytes=formula['total_bytes'])
+    else:
+        row.update({k: None for k in MEMORY_FIELDS})
+    row['timed_steps'] = len(timed)
+    row['exit_reason'] = summary['exit_reason']
+    return row
+
+
+def add_speedups(rows):
+    """speedup_vs_ddp = DDP's median step time / this backend's (same global batch, same run)."""
+    ddp = next((r for r in rows if r['backend'] == 'ddp' and r.get('step_time_median_s')), None)
+    for r in rows:
+        if ddp and r.get('step_time_median_s'):
+            r['speedup_vs_ddp'] = ddp['step_time_median_s'] / r['step_time_median_s']
+    return rows
+
+
+def _is_oom(text):
+    lowered = text.lower()
+    return 'out of memory' in lowered or 'outofmemoryerror' in lowered or 'cannot allocate memory' in lowered
+
+
+def find_max_batch(args, name, start, limit):
+    """Largest micro-batch (<= limit) whose short run succeeds: doubling, then bisection.
+    Only an out-of-memory failure counts as "does not fit"; any other failure is an error."""
+    probe_dir = os.path.join(args.work_dir, f"{name.split('=', 1)[0]}_maxbatch")
+
+    def fits(mb):
+        rc, tail = run_backend(args, name, probe_dir, steps=2, warmup=1, micro_batch=mb)
+        if rc == 0:
+            return True
+        if _is_oom(tail):
+            return False
+        raise RuntimeError(f'{name}: micro-batch {mb} failed for a reason other than memory:\n{tail}')
+
+    good, bad = 0, None
+    mb = max(1, min(start, limit))
+    while mb <= limit:
+        if not fits(mb):
+            bad = mb
+            break
+        good = mb
+        if mb == limit:
+            break
+        mb = min(mb * 2, limit)
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    shutil.rmtree(probe_dir, ignore_errors=True)
+    return good, bad is None  # (largest that fits, whether the limit capped the search)
+
+
+def _fmt(value, spec):
+    return '-' if value is None else format(value, spec)
+
+
+def write_markdown(path, rows, meta):
+    mb = 2 ** 20
+    lines = [f"# Benchmark: {meta['config']}", '',
+             f"Machine: {meta['machine']}. Launcher: {meta['launcher']} x {meta['nproc']} rank(s). "
+             f"{meta['steps']} timed steps after {meta['warmup']} warm-up steps per backend.", '',
+             f"Command: `{meta['command']}`", '',
+             '| backend | ZeRO | precision | ranks | micro-batch | img/s | MP/s | step median s | step p90 s '
+             '| data wait | max mem MB | MFU | speed-up vs DDP |',
+             '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+    for r in rows:
+        if r.get('error'):
+            lines.append(f"| {r['backend']} | failed: {r['error'][:80]} |")
+            continue
+        lines.append(
+            f"| {r['backend']} | {_fmt(r['zero_stage'], 'd')} | {r['precision']} | {r['world_size']} "
+            f"| {r['micro_batch']} | {r['images_per_s']:.2f} | {r['megapixels_per_s']:.3f} "
+            f"| {r['step_time_median_s']:.4f} | {r['step_time_p90_s']:.4f} | {r['data_wait_frac']:.1%} "
+            f"| {r['max_mem_mb']:.0f} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['speedup_vs_ddp'], '.3f')} |")
+    if any(r.get('num_params') for r in rows):
+        lines += ['', 'Per-rank model state, measured from the live tensors (MB) / ZeRO formula (MB):', '',
+                  '| backend | params | grads | fp32 master | Adam moments | total | comm buckets |',
+                  '|---|---|---|---|---|---|---|']
+        for r in rows:
+            if r.get('num_params'):
+                cells = [f"{r[k] / mb:.2f} / {r['formula_' + k] / mb:.2f}"
+                         for k in ('params_bytes', 'grads_bytes', 'master_bytes', 'optim_bytes')]
+                cells.append(f"{r['state_bytes'] / mb:.2f} / {r['formula_state_bytes'] / mb:.2f}")
+                lines.append(f"| {r['backend']} | " + ' | '.join(cells) + f" | {r['comm_buffers_bytes'] / mb:.1f} |")
+        lines.append(f"\nParameters Ψ = {next(r['num_params'] for r in rows if r.get('num_params')):,}.")
+    if any('max_micro_batch' in r for r in rows):
+        lines += ['', '| backend | largest micro-batch that fits |', '|---|---|']
+        for r in rows:
+            if 'max_micro_batch' in r:
+                capped = f" (search capped at --max-batch {meta['max_batch']})" if r.get('max_micro_batch_capped') else ''
+                lines.append(f"| {r['backend']} | {r['max_micro_batch']}{capped} |")
+    Path(path).write_text('\n'.join(lines) + '\n')
+
+
+def write_plot(path, rows, meta):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    ok = [r for r in rows if not r.get('error')]
+    names = [r['backend'] for r in ok]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ax = axes[0]
+    ax.bar(names, [r['images_per_s'] for r in ok], color='tab:blue')
+    for i, r in enumerate(ok):
+        ax.text(i, r['images_per_s'], _fmt(r['speedup_vs_ddp'], '.2f') + 'x', ha='center', va='bottom', fontsize=8)
+    ax.set_ylabel('images / s (speed-up vs DDP on top)')
+    ax.set_title('throughput')
+    ax = axes[1]
+    bottom = [0.0] * len(ok)
+    for key, colour in (('params_bytes', 'tab:green'), ('grads_bytes', 'tab:orange'),
+                        ('master_bytes', 'tab:purple'), ('optim_bytes', 'tab:red')):
+        values = [(r.get(key) or 0) / 2 ** 20 for r in ok]
+        ax.bar(names, values, bottom=bottom, color=colour, label=key.replace('_bytes', ''))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel('MB per rank')
+    ax.set_title('model state per rank (measured)')
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{meta['config']} | {meta['machine']} | {meta['nproc']} rank(s)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    names = [n.strip() for n in args.backends.split(',') if n.strip()]
+    unknown = [n for n in names if n not in BACKENDS and not ('=' in n and os.path.isfile(n.split('=', 1)[1]))]
+    if unknown:
+        print(f"benchmark: unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}", file=sys.stderr)
+        return 2
+    if args.steps < 1 or args.warmup < 0:
+        print('benchmark: --steps must be >= 1 and --warmup >= 0', file=sys.stderr)
+        return 2
+    on_gpu = _has_cuda()
+    if args.nproc is None:
+        import torch
+        args.nproc = torch.cuda.device_count() if on_gpu else 2
+    if args.max_batch is None:
+        args.max_batch = 1024 if on_gpu else 32
+    os.makedirs(args.work_dir, exist_ok=True)
+    meta = dict(config=args.config or 'default (UNet base 16, synthetic 128 px)', machine=machine_description(),
+                launcher=args.launcher, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
+                device='cuda' if on_gpu else 'cpu', max_batch=args.max_batch,
+                command=' '.join([os.path.relpath(sys.argv[0]) if sys.argv else 'launch/benchmark.py'] + (argv or sys.argv[1:])),
+                started=time.strftime('%Y-%m-%d %H:%M:%S'))
+    rows, spec = [], {}
+    for name in names:
+        label = name.split('=', 1)[0]
+        work_dir = os.path.join(args.work_dir, label)
+        print(f'[benchmark] {name}: {args.warmup} + {args.steps} steps on {args.nproc} rank(s) -> {work_dir}', flush=True)
+        rc, tail = run_backend(args, name, work_dir, args.steps, args.warmup)
+        if rc != 0:
+            print(f'[benchmark] {name} failed (exit {rc}):\n{tail}', file=sys.stderr, flush=True)
+            rows.append(dict({k: None for k in ROW_FIELDS + MEMORY_FIELDS}, backend=label, error=tail.strip()[-300:]))
+            continue
+        row = summarise_run(work_dir, label, args.warmup)
+        row['json'] = os.path.relpath(_backend(name)[1], DS_CONFIGS_DIR.parent)
+        spec[label] = name
+        rows.append(row)
+        print(f"[benchmark] {name}: {row['images_per_s']:.2f} img/s, median step {row['step_time_median_s']:.4f} s",
+              flush=True)
+    for r in rows:
+        if args.find_max_batch and not r.get('error'):
+            r['max_micro_batch'], r['max_micro_batch_capped'] = find_max_batch(args, spec[r['backend']], r['micro_batch'],
+                                                                               args.max_batch)
+            print(f"[benchmark] {r['backend']}: largest micro-batch {r['max_micro_batch']}"
+                  f"{' (capped by --max-batch)' if r['max_micro_batch_capped'] else ''}", flush=True)
+        if args.profile and not r.get('error'):
+            rc, tail = run_backend(args, spec[r['backend']], os.path.join(args.work_dir, f"{r['backend']}_profile"),
+                                   steps=args.profile, warmup=max(2, min(args.warmup, 5)),
+                                   extra_options=[f'train.profile_steps={args.profile}'])
+            r['profile_dir'] = os.path.join(args.work_dir, f"{r['backend']}_profile", 'profile') if rc == 0 else None
+    add_speedups(rows)
+    with open(os.path.join(args.work_dir, 'benchmark.json'), 'w') as f:
+        json.dump(dict(meta, rows=rows), f, indent=2)
+    write_markdown(os.path.join(args.work_dir, 'benchmark.md'), rows, meta)
+    write_plot(os.path.join(args.work_dir, 'benchmark.png'), rows, meta)
+    print(Path(args.work_dir, 'benchmark.md').read_text(), flush=True)
+    return 1 if any(r.get('error') for r in rows) else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Metrics over whole validation scenes, with the same sliding-window code as predict.py.
+
+    python launch/evaluate.py --checkpoint weights.pt --images 'val/*_rgb.tif' --labels 'val/*_label.tif' \\
+        --output eval/ [--exclude clutter] [--erode 3]
+    python launch/evaluate.py --checkpoint work_dirs/default --config configs/unet_synthetic.py --output eval/
+
+Writes ``eval.json`` (per-class IoU/F1/precision/recall, mIoU, mF1, OA, the confusion matrix and
+the settings), ``confusion.png`` (row-normalised) and ``preview_<n>.png`` (image, label,
+prediction side by side). Under torchrun/deepspeed the scenes are split into bands of rows
+across ranks and one confusion matrix is all-reduced. ``--erode r`` ignores label pixels within
+r px of a class boundary (ISPRS's eroded ground truth, r = 3); ``--exclude`` leaves classes out
+of mIoU and mF1 (not out of OA).
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+from ds_seg.cli.predict import Progress, add_window_args, normalisation, setup, window_kwargs  # noqa: E402
+
+from ds_seg import distributed  # noqa: E402
+from ds_seg.inference import _scene_pairs, default_palette, evaluate_scenes, load_model  # noqa: E402
+from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
+                           expand_inputs)
+from ds_seg.metrics import metrics_from_confusion  # noqa: E402
+
+
+def save_confusion_png(cm, classes, path, exclude=()):
+    """Row-normalised confusion matrix (recall per class on the diagonal) as a PNG."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    cm = np.asarray(cm, np.float64)
+    norm = cm / np.maximum(cm.sum(1, keepdims=True), 1)
+    k = len(classes)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * k, 0.8 + 0.6 * k))
+    ax.imshow(norm, cmap='Blues', vmin=0, vmax=1)
+    for i in range(k):
+        for j in range(k):
+            ax.text(j, i, f'{norm[i, j]:.2f}', ha='center', va='center', fontsize=7,
+                    color='white' if norm[i, j] > 0.5 else 'black')
+    labels = [f'{c} (excl.)' if c in exclude else c for c in classes]
+    ax.set_xticks(range(k), labels, rotation=45, ha='right')
+    ax.set_yticks(range(k), labels)
+    ax.set_xlabel('prediction')
+    ax.set_ylabel('ground truth')
+    ax.set_title('confusion (rows sum to 1)')
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save_preview_png(preview, classes, path, bands=None):
+    """Image | label | prediction of one scene (decimated), ignore/nodata in black."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import rasterio
+    pred, truth, step = preview['prediction'], preview['truth'], preview['step']
+    with rasterio.open(preview['image']) as src:
+        idx = (bands or list(range(1, src.count + 1)))[:3]
+        img = src.read(idx, out_shape=(len(idx),) + pred.shape).astype(np.float64)
+    lo, hi = np.percentile(img, 2), np.percentile(img, 98)
+    img = np.clip((img - lo) / max(hi - lo, 1e-9), 0, 1).transpose(1, 2, 0)
+    if img.shape[2] == 1:
+        img = np.repeat(img, 3, axis=2)
+    lut = np.zeros((256, 3), np.uint8)
+    lut[:len(classes)] = default_palette(len(classes))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4.3))
+    for ax, im, title in zip(axes, (img, lut[truth], lut[pred]), ('image', 'label', 'prediction')):
+        ax.imshow(im, interpolation='nearest')
+        ax.set_title(title)
+        ax.axis('off')
+    fig.suptitle(f'{os.path.basename(preview["image"])} (every {step}th pixel)')
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def build_scenes(args, info):
+    """A dataset from --config's data.val, or (image, label) pairs from --images/--labels."""
+    if args.config or not args.images:
+        from ds_seg.config import load_config
+        from ds_seg.registry import DATASETS, build
+        cfg = load_config(args.config, args.cfg_options)
+        with distributed.main_process_first():  # a synthetic set is written once, by rank 0
+            ds = build(DATASETS, cfg.data.val, where='data.val', crop_size=cfg.data.crop_size,
+                       seed=cfg.train.seed)
+        return ds, list(ds.classes)
+    from ds_seg.data.geotiff import expand_paths, inspect_pair
+    images, labels = expand_paths(args.images, '--images'), expand_paths(args.labels or [], '--labels')
+    if len(images) != len(labels):
+        raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
+    expand_inputs(images, '--images')
+    expand_inputs(labels, '--labels')
+    for image, label in zip(images, labels):
+        inspect_pair(image, label)  # size, geotransform, CRS, one label band: as training checks
+        check_bands(image, args.bands or (info.get('data') or {}).get('bands'), info['model'].get('in_channels'),
+                    option='--images')
+    classes = args.classes or info['classes']
+    if not classes:
+        raise ValueError('the checkpoint records no class names; give --classes')
+    return list(zip(images, labels)), list(classes)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
+    parser.add_argument('--images', nargs='+', default=None, help='image scenes (paths or globs)')
+    parser.add_argument('--labels', nargs='+', default=None, help='label rasters, paired with --images in order')
+    parser.add_argument('--config', default=None, help="experiment config whose data.val is evaluated "
+                        "(default without --images: the embedded default)")
+    parser.add_argument('--cfg-options', nargs='+', default=None, help='overrides for --config')
+    parser.add_argument('--classes', nargs='+', default=None, help='class names (default: the checkpoint)')
+    parser.add_argument('--exclude', nargs='+', default=(), help='classes left out of mIoU/mF1, e.g. clutter')
+    parser.add_argument('--erode', type=int, default=None,
+                        help='ignore label pixels within this many px of a class boundary (ISPRS: 3)')
+    parser.add_argument('--ignore-index', type=int, default=None, help='label value not counted (default 255)')
+    parser.add_argument('--previews', type=int, default=3, help='side-by-side PNGs to write (default 3)')
+    parser.add_argument('--output', required=True, help='output folder')
+    parser.add_argument('--overwrite', action='store_true', help='replace an earlier eval.json in --output')
+    add_window_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        window_kwargs(args)  # checks the window options
+        check_checkpoint_option(args.checkpoint)
+        check_output_folder(args.output)
+        check_outputs([os.path.join(args.output, 'eval.json')], [], overwrite=args.overwrite)
+        device = setup(args)
+        model, info = load_model(args.checkpoint, device)
+        scenes, classes = build_scenes(args, info)
+        mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)
+        if len(classes) != (info['model'].get('num_classes') or len(classes)):
+            raise ValueError(f"{len(classes)} classes given but the model predicts {info['model']['num_classes']}")
+        with torch.inference_mode():
+            result = evaluate_scenes(model, scenes, num_classes=len(classes), mean=mean, std=std,
+                                     bands=bands, ignore_index=args.ignore_index, erode_boundary=args.erode,
+                                     device=device, preview_size=512 if args.previews else 0,
+                                     progress=Progress('evaluation'), **window_kwargs(args))
+        cm = result['confusion']
+        metrics = metrics_from_confusion(cm, classes, exclude=tuple(args.exclude))
+        if distributed.is_main():
+            os.makedirs(args.output, exist_ok=True)
+            record = dict(**metrics, confusion=cm.tolist(), classes=classes, exclude=list(args.exclude),
+                          erode_boundary=args.erode, checkpoint=os.path.abspath(args.checkpoint),
+                          scenes=[p[0] for p in _scene_pairs(scenes)],
+                          windows=result['windows'], world_size=distributed.world_size(),
+                          settings=window_kwargs(args))
+            with open(os.path.join(args.output, 'eval.json'), 'w') as f:
+                json.dump(record, f, indent=1)
+            save_confusion_png(cm, classes, os.path.join(args.output, 'confusion.png'), args.exclude)
+            for i, preview in enumerate(result['previews'][:args.previews]):
+                save_preview_png(preview, classes, os.path.join(args.output, f'preview_{i}.png'), bands)
+            print(f"[evaluate] mIoU {metrics['mIoU']:.4f} | mF1 {metrics['mF1']:.4f} | OA {metrics['OA']:.4f}"
+                  + (f" (mIoU/mF1 without {', '.join(args.exclude)})" if args.exclude else ''))
+            for name, v in metrics['per_class'].items():
+                fmt = lambda x: '  -  ' if x is None else f'{x:.3f}'  # noqa: E731
+                print(f"[evaluate]   {name:>14}: IoU {fmt(v['iou'])} F1 {fmt(v['f1'])} "
+                      f"precision {fmt(v['precision'])} recall {fmt(v['recall'])}")
+            print(f"[evaluate] wrote {os.path.join(args.output, 'eval.json')}")
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        print(f'evaluate: error: {exc}', file=sys.stderr)
+        return 2
+    finally:
+        distributed.close()
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Label whole GeoTIFF scenes of any size with a trained model.
+
+    python launch/predict.py --checkpoint work_dirs/default/weights_step_00000400.pt \\
+        --input scene.tif [more.tif ...] --output predictions/ [--probs] [--tta hv]
+    torchrun --nproc_per_node 4 launch/predict.py --checkpoint work_dirs/default ...   # bands of rows per rank
+
+Per input ``<name>.tif`` it writes ``<name>_classes.tif``: uint8 class indices with the input's
+CRS, transform and size, tiled and ZSTD-compressed, 255 where the input is nodata, the class
+names in the tags and a colour table (opens coloured in QGIS); with ``--probs`` also
+``<name>_probs.tif`` (one uint8 band per class, probability x 250); with ``--vector out.gpkg``
+(or ``.geojson``, ``.fgb``) also the class regions as polygons (``class_id``, ``class_name``,
+``area_m2``, ``mean_prob`` with ``--probs``; ``--simplify``, ``--min-area``, ``--exclude-classes``).
+Memory is bounded by a band of ``tile + block`` rows, not by the scene. ``--checkpoint`` takes a weights file from
+launch/export.py, a ``step_*`` folder, a checkpoints folder or a work dir, or an ``.onnx`` file
+from ``launch/export.py --format onnx`` (run with onnxruntime on the CPU).
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from ds_seg import distributed
+from ds_seg.data.geotiff import configure_gdal_for_worker
+from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
+from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
+                           check_window_options, expand_inputs, output_stems)
+from ds_seg.telemetry import format_eta
+from ds_seg.vectorize import add_vector_args, vector_outputs, vectorize_class_map
+
+
+def add_window_args(parser):
+    """The sliding-window options predict.py and evaluate.py share."""
+    parser.add_argument('--tile', type=int, default=512, help='window size in pixels (default 512)')
+    parser.add_argument('--overlap', type=int, default=None, help='overlap of windows (default tile/4)')
+    parser.add_argument('--batch-size', type=int, default=8, help='windows per forward call (default 8)')
+    parser.add_argument('--blend', choices=BLENDS, default='gaussian', help='blending of overlaps')
+    parser.add_argument('--tta', choices=sorted(TTA_FLIPS), default='none',
+                        help="flip test-time augmentation: 'h' (2 forwards) or 'hv' (4)")
+    parser.add_argument('--block', type=int, default=256, help='GeoTIFF block / flush rows (default 256)')
+    parser.add_argument('--mean', type=float, nargs='+', default=None,
+                        help='per-band mean of training (default: recorded in the checkpoint)')
+    parser.add_argument('--std', type=float, nargs='+', default=None, help='per-band std of training')
+    parser.add_argument('--bands', type=int, nargs='+', default=None, help='1-based bands to read')
+    parser.add_argument('--device', default=None, help='cpu, cuda, cuda:1 (default: cuda if available)')
+    parser.add_argument('--cpu-threads', type=int, default=None, help='torch threads on CPU')
+
+
+def window_kwargs(args):
+    check_window_options(args.tile, args.overlap, args.batch_size, args.block)
+    return dict(tile=args.tile, overlap=args.tile // 4 if args.overlap is None else args.overlap,
+                batch_size=args.batch_size, blend=args.blend, tta=args.tta, block=args.block)
+
+
+def setup(args):
+    """Process group (only under a launcher), device, GDAL cache; returns the device."""
+    if int(os.environ.get('WORLD_SIZE', '1')) > 1 or 'SLURM_NTASKS' in os.environ and int(os.environ['SLURM_NTASKS']) > 1:
+        distributed.init(use_deepspeed=False)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    configure_gdal_for_worker(cache_mb=256)
+    if args.device:
+        return torch.device(args.device)
+    return distributed.device()
+
+
+def normalisation(args, info, fallback=None):
+    """mean/std/bands: the command line, else the checkpoint, else ``fallback`` (a dataset)."""
+    data = info.get('data') or {}
+    mean = args.mean or data.get('mean') or (list(fallback.mean) if fallback is not None else None)
+    std = args.std or data.get('std') or (list(fallback.std) if fallback is not None else None)
+    bands = args.bands or data.get('bands') or (list(fallback.bands) if fallback is not None else None)
+    if mean is None or std is None:
+        raise ValueError('the checkpoint does not record the training normalisation (made before it '
+                         'was saved); give --mean and --std per band, e.g. from stats.json of the '
+                         'training data')
+    return [float(v) for v in mean], [float(v) for v in std], bands
+
+
+class Progress:
+    """Prints ``windows done/total, windows/s, ETA`` every few seconds on rank 0."""
+
+    def __init__(self, name, every_s=5.0):
+        self.name, self.every_s, self.last = name, every_s, 0.0
+
+    def __call__(self, done, total, elapsed):
+        if not distributed.is_main() or (elapsed - self.last < self.every_s and done < total):
+            return
+        self.last = elapsed
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (total - done) / rate if rate > 0 else None
+        print(f'[predict] {self.name}: {done}/{total} windows ({100 * done / max(total, 1):.0f}%) | '
+              f'{rate:.1f} windows/s | ETA {format_eta(eta)}', flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
+    parser.add_argument('--input', nargs='+', required=True,
+                        help='GeoTIFF scene(s), folders of them, or URLs; the dates of one scene '
+                             'joined by commas (a time series model)')
+    parser.add_argument('--output', required=True, help='output folder')
+    parser.add_argument('--probs', action='store_true', help='also write <name>_probs.tif')
+    parser.add_argument('--overwrite', action='store_true', help='replace outputs that already exist')
+    parser.add_argument('--accumulate-dtype', choices=('float32', 'float16'), default='float32',
+                        help='host accumulators; float16 halves the band memory')
+    add_window_args(parser)
+    add_vector_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        # Every check before any work: a refused command changes no file.
+        windows = window_kwargs(args)
+        # 'a_may.tif,a_aug.tif': one scene of several dates (a time series model's input)
+        scenes = []
+        for item in args.input:
+            if ',' in item:
+                scenes.append(expand_inputs(item.split(',')))
+            else:
+                scenes += expand_inputs([item])
+        firsts = [s[0] if isinstance(s, list) else s for s in scenes]  # names outputs
+        inputs = [p for s in scenes for p in (s if isinstance(s, list) else [s])]
+        check_checkpoint_option(args.checkpoint)
+        check_output_folder(args.output)
+        stems = output_stems(firsts)
+        outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
+                   for stem in stems]
+        check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
+        vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite)
+        device = setup(args)
+        if args.checkpoint.endswith('.onnx'):  # CPU deployment: onnxruntime, no model code needed
+            from ds_seg.deploy import load_onnx
+            model, info = load_onnx(args.checkpoint, threads=args.cpu_threads)
+        else:
+            model, info = load_model(args.checkpoint, device)
+        mean, std, bands = normalisation(args, info)
+        for scene in scenes:
+            dates = scene if isinstance(scene, list) else [scene]
+            channels = info['model'].get('in_channels')
+            for path in dates:  # the model's channels are the bands of every date
+                check_bands(path, bands, channels // len(dates) if channels else None)
+        os.makedirs(args.output, exist_ok=True)
+        t_all = time.perf_counter()
+        for path, first, (out, *rest), vector in zip(scenes, firsts, outputs, vectors):
+            probs = rest[0] if rest else None
+            if vector and os.path.exists(vector) and args.overwrite and distributed.is_main():
+                os.remove(vector)  # --overwrite said so
+            with torch.inference_mode():
+                stats = predict_scene(model, path, out, mean=mean, std=std, bands=bands,
+                                      classes=info['classes'], probs_path=probs, device=device,
+                                      accumulate_dtype=args.accumulate_dtype,
+                                      progress=Progress(os.path.basename(first)), **windows)
+            if distributed.is_main():
+                print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
+                      f'{stats["windows"]} windows in {stats["seconds"]:.1f} s '
+                      f'({stats["windows"] / max(stats["seconds"], 1e-9):.1f} windows/s)', flush=True)
+            if vector and distributed.is_main():  # the joined class map is complete here
+                t = time.perf_counter()
+                v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],
+                                        simplify=args.simplify, min_area=args.min_area,
+                                        exclude=args.exclude_classes)
+                print(f'[predict] {out} -> {vector} | {v["features"]} polygons in '
+                      f'{time.perf_counter() - t:.1f} s', flush=True)
+        if distributed.is_main():
+            print(f'[predict] done: {len(scenes)} scene(s) in {time.perf_counter() - t_all:.1f} s')
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as exc:
+        print(f'predict: error: {exc}', file=sys.stderr)
+        return 2
+    finally:
+        distributed.close()
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Train a segmentation model with DeepSpeed (or plain DDP for comparison).
+
+    deepspeed launch/train.py --deepspeed_config ds_configs/zero2.json
+    ds-seg-train --deepspeed_config zero3 --config unet_tiny_synthetic   # shipped names, any directory
+    torchrun --nproc_per_node 2 launch/train.py --config configs/unet_synthetic.py
+    python launch/train.py --backend ddp --cfg-options train.max_steps=20
+    srun python launch/train.py ...            # Slurm: SLURM_* variables are enough
+"""
+import argparse
+import os
+import sys
+
+from ds_seg.config import ConfigError, find_shipped, DS_CONFIGS_DIR, load_config, load_ds_config
+from ds_seg.registry import RegistryError
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--config', default=None, help='experiment config: a path, or the name of a shipped one '
+                        '(unet_tiny_synthetic); default: the embedded synthetic-aerial UNet experiment')
+    parser.add_argument('--deepspeed_config', '--deepspeed-config', dest='deepspeed_config',
+                        default=str(DS_CONFIGS_DIR / 'zero2.json'),
+                        help='DeepSpeed JSON (precision, ZeRO stage, optimizer, schedule, micro-batch): a path, '
+                        'or the name of a shipped one (zero0 ... zero3_offload); also used by --backend ddp')
+    parser.add_argument('--deepspeed', action='store_true', help='accepted for DeepSpeed compatibility')
+    parser.add_argument('--backend', choices=['deepspeed', 'ddp'], default='deepspeed')
+    parser.add_argument('--cfg-options', '--cfg_options', nargs='+', default=[], metavar='KEY=VALUE',
+                        help='override config keys, e.g. train.max_steps=20 data.crop_size=256')
+    parser.add_argument('--work-dir', '--work_dir', dest='work_dir', default=None)
+    parser.add_argument('--resume', default=None,
+                        help="'auto' (newest complete checkpoint in the work dir) or a checkpoint path")
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=None,
+                        help='set by the deepspeed launcher; the LOCAL_RANK variable is what is used')
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    if argv is None:  # a program, not a call from Python: a stop signal during start-up is kept, not fatal
+        from ds_seg.distributed import catch_stop_signals
+        catch_stop_signals()
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.cfg_options)
+        ds_config = load_ds_config(args.deepspeed_config)
+        from ds_seg.engine.trainer import Trainer
+        trainer = Trainer(cfg, ds_config, backend=args.backend, work_dir=args.work_dir, resume=args.resume,
+                          ds_config_source=os.path.relpath(find_shipped(args.deepspeed_config, DS_CONFIGS_DIR, '.json')))
+    except (ConfigError, RegistryError, FileNotFoundError) as exc:
+        # A user mistake: one line that names the file or key, before any training starts.
+        print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
+        return 2
+    from ds_seg.engine.trainer import EXIT_CODES, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError, RunIOError
+    try:
+        summary = trainer.fit()
+    except LostRankError as exc:
+        print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
+        os._exit(EXIT_LOST_RANK)  # skip process-group teardown: it would wait on the dead rank
+    except RunIOError as exc:
+        if trainer.rank == 0:
+            print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
+        return EXIT_IO_ERROR
+    finally:
+        trainer.close()
+    return EXIT_CODES.get(summary['exit_reason'], 1)
+
+
+if __name__ == '__main__':
+    sys.exit(main())

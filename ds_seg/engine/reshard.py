@@ -1,0 +1,102 @@
+"""Resume a checkpoint at another number of ranks (a requeued job on a different allocation).
+
+* DDP and DeepSpeed ZeRO-0 (fp32/fp16) hold whole, replicated state: it loads as it is.
+* ZeRO-1/2/3 (and bf16, whose optimizer is partitioned) are converted once to a DeepSpeed
+  *universal* checkpoint (``deepspeed.checkpoint.ds_to_universal``: one fp32 file per parameter
+  with its Adam moments) next to the original, ``<root>/.universal-<tag>/``, which every rank
+  then loads with ``load_universal`` into its new partition. The conversion drops module buffers,
+  so BatchNorm running statistics are put back from the original checkpoint.
+* The data position is remapped: the samples consumed so far (``step x accumulation x
+  micro-batch x old ranks``) are where the new layout's stream starts, so the resumed run
+  neither repeats nor skips samples of the epoch. The micro-batch per rank is kept (it is what
+  fits a GPU), so the global batch follows the number of ranks; :func:`describe` says so.
+
+Example::
+
+    if reshard.needed(marker, world_size):
+        client_state = reshard.load(backend, root, tag, marker)
+"""
+import argparse
+import contextlib
+import io
+import os
+import shutil
+
+import torch
+
+from .. import distributed
+from . import checkpoint
+
+
+def needed(marker, world_size):
+    return marker.get('world_size') not in (None, world_size)
+
+
+def _partitioned(backend):
+    """Whether this backend's optimizer state is split over the ranks (ZeRO >= 1, or bf16)."""
+    return backend.name == 'deepspeed' and (bool(backend.zero_stage) or backend.precision == 'bf16')
+
+
+def start_micro_step(saved_micro_step, saved_micro_batch, saved_world_size, micro_batch, world_size):
+    """First micro-step of the new layout: the samples already consumed, in new micro-steps.
+
+    Returns ``(micro_step, skipped)``; ``skipped`` samples (fewer than one new micro-step's
+    worth, only when the counts do not divide) are left out rather than repeated."""
+    consumed = saved_micro_step * saved_micro_batch * saved_world_size
+    per_micro_step = micro_batch * world_size
+    micro_step = -(-consumed // per_micro_step)  # round up: never read a sample twice
+    return micro_step, micro_step * per_micro_step - consumed
+
+
+def describe(saved, world_size, micro_batch, grad_accum, global_batch, skipped, zero_stage=None):
+    """The one line a resumed run prints; ``saved``: micro_batch, grad_accum, world_size of the checkpoint."""
+    old_global = saved['micro_batch'] * saved['grad_accum'] * saved['world_size']
+    batch = f'global batch {old_global} -> {global_batch}' if old_global != global_batch else f'global batch {global_batch}'
+    return (f"resuming a checkpoint of {saved['world_size']} rank(s) on {world_size}: micro-batch {micro_batch} "
+            f"x accum {grad_accum}, {batch}; optimizer state "
+            + ('repartitioned through a DeepSpeed universal checkpoint' if zero_stage else 'kept')
+            + ('' if not skipped else f'; {skipped} sample(s) of the epoch skipped to align the data stream'))
+
+
+def _to_universal(ckpt_dir, out_dir):
+    from deepspeed.checkpoint import ds_to_universal
+    tmp = out_dir + '.tmp'
+    shutil.rmtree(tmp, ignore_errors=True)
+    args = argparse.Namespace(input_folder=ckpt_dir, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress bars are not the user's business
+        ds_to_universal.main(args)
+    os.replace(tmp, out_dir)
+    stray = os.path.join(os.path.dirname(out_dir), 'latest_universal')  # the converter's pointer to tmp
+    if os.path.isfile(stray) and open(stray).read().strip().startswith('.universal-'):
+        os.remove(stray)
+
+
+def load(backend, root, tag, marker):
+    """Load ``root/tag`` into ``backend`` at this run's world size; returns the client state."""
+    if not _partitioned(backend):
+        return backend.load(root, tag)
+    ckpt_dir = os.path.join(root, tag)
+    name = f'.universal-{tag}'
+    out_dir = os.path.join(root, name)
+    if distributed.is_main() and not os.path.isdir(out_dir):
+        _to_universal(ckpt_dir, out_dir)
+    distributed.barrier()
+    engine = backend.engine
+    engine._config.load_universal_checkpoint = True
+    try:
+        path, client_state = engine.load_checkpoint(root, tag=name)
+    finally:
+        engine._config.load_universal_checkpoint = False
+    if path is None:
+        raise RuntimeError(f'{ckpt_dir}: DeepSpeed could not load its universal form {out_dir}.')
+    # Universal checkpoints carry parameters only: BatchNorm running statistics come from the original.
+    state = checkpoint.consolidated_state_dict(ckpt_dir)
+    with torch.no_grad():
+        for key, buf in engine.module.named_buffers():
+            if key in state:
+                buf.copy_(state[key].to(buf.dtype))
+    distributed.barrier()
+    if distributed.is_main():
+        shutil.rmtree(out_dir, ignore_errors=True)  # a derived copy: the original stays the checkpoint
+    return client_state

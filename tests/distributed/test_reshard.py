@@ -1,0 +1,58 @@
+"""Resume at another number of ranks (a requeued job on another allocation): 2 ranks -> 1 -> 2 on
+CPU, for DDP and every ZeRO stage. Optimizer state comes back (Adam's step count and moments are
+there before the first resumed step), the data stream continues where it was, and the loss goes on
+from where it was instead of jumping back to the start."""
+import os
+
+import pytest
+import torch
+
+from tests.dist import run_on_ranks
+from tests.tiny import ds_config, read_jsonl, tiny_cfg
+
+pytestmark = pytest.mark.slow
+
+
+def _base_optimizer(backend):
+    opt = backend.optimizer if backend.name == 'ddp' else backend.engine.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, 'optimizer'):
+        opt = opt.optimizer
+    return opt
+
+
+def _run(tmp, backend, stage, steps, resume):
+    from ds_seg.engine.trainer import Trainer
+    cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=steps)
+    trainer = Trainer(cfg, ds_config(stage), backend=backend, work_dir=os.path.join(tmp, 'work'), resume=resume)
+    try:
+        states = list(_base_optimizer(trainer.backend).state.values())
+        adam = dict(steps=sorted({int(torch.as_tensor(s['step']).item()) for s in states}),
+                    moments=bool(states) and all(float(s['exp_avg_sq'].abs().sum()) > 0 for s in states))
+        start = trainer.step * trainer.grad_accum + trainer.micro_step_offset
+        trainer.fit()
+        return dict(adam=adam, start_micro_step=start, world_size=trainer.world_size)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize('backend, stage', [('ddp', 0), ('deepspeed', 0), ('deepspeed', 1), ('deepspeed', 2),
+                                            ('deepspeed', 3)])
+def test_resume_at_another_world_size(tmp_path, backend, stage):
+    tmp = str(tmp_path)
+    run_on_ranks(_run, 2, args=(tmp, backend, stage, 6, None))           # 2 ranks, checkpoint at step 6
+    one = run_on_ranks(_run, 1, args=(tmp, backend, stage, 9, 'auto'))   # 2 -> 1, checkpoint at step 9
+    two = run_on_ranks(_run, 2, args=(tmp, backend, stage, 12, 'auto'))  # 1 -> 2, to step 12
+    # Adam's state was loaded (a fresh optimizer has none before its first step).
+    assert one[0]['adam'] == dict(steps=[6], moments=True), one[0]['adam']
+    assert two[0]['adam'] == dict(steps=[9], moments=True) == two[1]['adam'], two
+    # Data position: 6 steps x 2 ranks x micro-batch 2 = 24 samples = 12 one-rank micro-steps;
+    # then 12 + 3 = 15 one-rank micro-steps = 30 samples = 7.5 two-rank micro-steps: 8, 2 samples skipped.
+    assert one[0]['start_micro_step'] == 12
+    assert two[0]['start_micro_step'] == 8 == two[1]['start_micro_step']
+    rows = read_jsonl(os.path.join(tmp, 'work', 'metrics.jsonl'))
+    assert [r['step'] for r in rows] == list(range(1, 13))
+    assert [r['world_size'] for r in rows] == [2] * 6 + [1] * 3 + [2] * 3
+    loss = {r['step']: r['loss'] for r in rows}
+    # The loss goes on from where it was: much nearer the step before the resume than the start.
+    for before, after in ((6, 7), (9, 10)):
+        assert abs(loss[after] - loss[before]) < 0.5 * (loss[1] - loss[before]), loss

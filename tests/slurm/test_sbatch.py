@@ -1,0 +1,163 @@
+"""The shipped sbatch templates on a real Slurm (tests/slurm/cluster.py): every way Slurm stops a
+job ends with a checkpoint at the step the signal arrived on, and the run then continues (Slurm's
+requeue) to the same final weights as an uninterrupted run.
+
+All jobs are submitted at once and driven together, so the whole module costs one run's time:
+  reference  train.sbatch, not interrupted
+  (b)        train.sbatch, `scancel --signal=TERM --full` (every process, srun-free layout)
+  (d)        train.sbatch, `scontrol requeue` of the running job (Slurm kills it after KillWait)
+  (a)        train_multinode.sbatch on n1+n2, `--time=1 --signal=B:USR1@45` (the timed warning)
+  (c)        train_multinode.sbatch on n1+n2, `scancel --signal=USR1 --full`
+A requeued job gets a begin time about two minutes ahead; the driver releases it at once
+(`scontrol update StartTime=now`), and gives (a) a longer limit for its second start.
+Multi-node runs cannot checkpoint on a SIGTERM to the whole job: srun kills its step at once
+(see launch/slurm/train_multinode.sbatch), so (b) and (d) run on the one-node template only.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ds_seg.config import REPO_ROOT
+from ds_seg.engine import checkpoint
+from tests.distributed.test_launchers import _env
+from tests.tiny import TINY_CONFIG, ds_config
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+MAX_STEPS = 120
+SIGNAL_AT = 8          # steps done before the driver sends a signal
+DRIVE_TIMEOUT_S = 540
+SINGLE = ['launch/slurm/train.sbatch', '--nodes=1', '--ntasks-per-node=1', '--cpus-per-task=1']
+MULTI = ['launch/slurm/train_multinode.sbatch', '--nodes=2', '--ntasks-per-node=1', '--cpus-per-task=1']
+CASES = {
+    'reference': dict(submit=SINGLE, action=None, signal=None),
+    'b_term_full': dict(submit=SINGLE, action=['scancel', '--signal=TERM', '--full'], signal='SIGTERM'),
+    'd_requeue': dict(submit=SINGLE, action=['scontrol', 'requeue'], signal='SIGTERM'),
+    'a_time_warning': dict(submit=MULTI + ['--time=1', '--signal=B:USR1@45'], action=None, signal='SIGUSR1'),
+    'c_usr1_full': dict(submit=MULTI, action=['scancel', '--signal=USR1', '--full'], signal='SIGUSR1'),
+}
+TERMINAL = {'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL', 'OUT_OF_MEMORY', 'BOOT_FAIL', 'DEADLINE', 'PREEMPTED'}
+
+
+def _job(job_id):
+    out = subprocess.run(['scontrol', 'show', 'job', '-o', str(job_id)], capture_output=True, text=True).stdout
+    return dict(re.findall(r'(\w+)=(\S*)', out))
+
+
+def _steps(work):
+    """Rows rank 0 has finished writing (the file may be read in the middle of an append)."""
+    path = os.path.join(work, 'metrics.jsonl')
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if line.endswith('\n') and line.strip())
+
+
+def _submit(tmp, name, case):
+    work = os.path.join(tmp, name)
+    ds_path = os.path.join(tmp, 'ds.json')
+    script, *sbatch_opts = case['submit']
+    env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', PYTHON=sys.executable,
+               NPROC_PER_NODE='2', WORK_DIR=work, DS_CONFIG=ds_path, CONFIG=TINY_CONFIG)
+    cache = os.path.join(tmp, 'cache')
+    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
+               f'train.max_steps={MAX_STEPS}', 'train.eval_interval=0', f'train.checkpoint_interval={MAX_STEPS}',
+               'train.log_interval=1', 'data.num_workers=1']  # a worker per rank: signals reach it too
+    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', '--time=10', '--job-name', name,
+           f'--output={tmp}/{name}-%j.out', *sbatch_opts, script, *options]
+    job_id = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
+    return dict(case, name=name, job=job_id.split(';')[0], work=work, out=f'{tmp}/{name}-{job_id}.out',
+                signalled_step=None, signal_time=None, restarts=0)
+
+
+def _output(run):
+    return open(run['out']).read() if os.path.exists(run['out']) else '(no output file)'
+
+
+@pytest.fixture(scope='module')
+def runs(slurm_cluster, tmp_path_factory):
+    """Submit every case, drive them to completion, return their records."""
+    tmp = str(tmp_path_factory.mktemp('slurm'))
+    with open(os.path.join(tmp, 'ds.json'), 'w') as f:
+        json.dump(ds_config(2, micro_batch=2), f)  # ZeRO-2, fp32, torch Adam: no JIT build
+    runs = {name: _submit(tmp, name, case) for name, case in CASES.items()}
+    deadline = time.time() + DRIVE_TIMEOUT_S
+    while True:
+        pending = 0
+        for run in runs.values():
+            info = _job(run['job'])
+            state = info.get('JobState', '?')
+            if state in TERMINAL:
+                pytest.fail(f"{run['name']}: job {run['job']} ended {state}:\n{_output(run)[-4000:]}\n"
+                            f"{slurm_cluster.log_tail(15)}")
+            if state == 'COMPLETED':
+                continue
+            pending += 1
+            if state == 'PENDING' and info.get('Reason') == 'BeginTime':   # requeued: release it now
+                if run['name'] == 'a_time_warning':
+                    subprocess.run(['scontrol', 'update', f"JobId={run['job']}", 'TimeLimit=10'], check=True)
+                subprocess.run(['scontrol', 'update', f"JobId={run['job']}", 'StartTime=now'], check=True)
+            elif state == 'RUNNING' and run['action'] and run['signalled_step'] is None:
+                done = _steps(run['work'])
+                if done >= SIGNAL_AT:
+                    run['signalled_step'], run['signal_time'] = done, time.time()
+                    subprocess.run(run['action'] + [run['job']], check=True)
+        if not pending:
+            break
+        if time.time() > deadline:
+            pytest.fail('jobs still running after %d s: %s' % (DRIVE_TIMEOUT_S, {
+                n: (_job(r['job']).get('JobState'), _steps(r['work'])) for n, r in runs.items()}))
+        time.sleep(0.5)
+    return runs
+
+
+def _weights(work):
+    root = os.path.join(work, 'checkpoints')
+    return checkpoint.consolidated_state_dict(os.path.join(root, checkpoint.find_latest(root)))
+
+
+def test_reference_run_completes(runs):
+    run = runs['reference']
+    summary = json.load(open(os.path.join(run['work'], 'summary.json')))
+    assert summary['exit_reason'] == 'completed' and summary['steps'] == MAX_STEPS, _output(run)[-3000:]
+    assert 'stopping at step' not in _output(run)
+
+
+@pytest.mark.parametrize('name', [n for n in CASES if n != 'reference'])
+def test_signal_checkpoints_at_its_step_and_the_requeued_run_ends_as_the_reference(runs, name):
+    run = runs[name]
+    out = _output(run)
+    stops = re.findall(r'stopping at step (\d+) on (SIG\w+): checkpoint saved', out)
+    assert stops, out[-4000:]
+    step, signal_name = int(stops[0][0]), stops[0][1]
+    assert signal_name == run['signal'], out[-4000:]
+    if run['signalled_step'] is not None:  # the driver's signal: the step in progress when it arrived
+        assert run['signalled_step'] <= step <= run['signalled_step'] + 3, (run['signalled_step'], step)
+    else:                                  # Slurm's timed warning reached the ranks through the batch shell
+        assert '[sbatch] received USR1' in out
+    ckpt = os.path.join(run['work'], 'checkpoints', checkpoint.tag_for(step))
+    assert os.path.isfile(os.path.join(ckpt, checkpoint.COMPLETE)), out[-3000:]
+    if run['signal_time'] is not None and signal_name == 'SIGTERM':  # complete well within KillWait (30 s)
+        assert os.path.getmtime(os.path.join(ckpt, checkpoint.COMPLETE)) - run['signal_time'] < 30
+    assert f'resumed from {run["work"]}/checkpoints/{checkpoint.tag_for(step)} at step {step}' in out, out[-3000:]
+    assert 'exit 75, not a failure' in out
+    assert 'Traceback' not in out and 'ChildFailedError' not in out and 'DataLoader worker' not in out, out[-4000:]
+    summary = json.load(open(os.path.join(run['work'], 'summary.json')))
+    assert summary['exit_reason'] == 'completed' and summary['steps'] == MAX_STEPS
+    assert int(_job(run['job']).get('Restarts', 0)) >= 1
+    ref, got = _weights(runs['reference']['work']), _weights(run['work'])
+    assert ref.keys() == got.keys()
+    for key in ref:
+        if key.endswith(('running_mean', 'running_var')):
+            # Every checkpoint first averages BatchNorm statistics over the ranks. The interrupted run
+            # did so once more (at the signal): an average of linear EMA updates, equal up to float
+            # rounding. Parameters do not depend on these statistics in training and must be equal.
+            assert torch.allclose(ref[key], got[key], rtol=1e-5, atol=1e-6), (key, (ref[key] - got[key]).abs().max())
+        else:
+            assert torch.equal(ref[key], got[key]), key
