@@ -380,6 +380,9 @@ def _check_ds_params(block, where, source):
         if not ok:
             hint = ' (write it without quotes)' if isinstance(value, str) and _looks_numeric(value) else ''
             raise ConfigError(f"{source}: '{where}.params.{key}' must be a number, got {value!r}{hint}.")
+        if key == 'betas' and not (isinstance(value, list) and len(value) == 2 and all(0 <= b < 1 for b in value)):
+            raise ConfigError(f"{source}: '{where}.params.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999], "
+                              f"got {value!r}.")
         if key == 'lr' and _is_number(value) and value < 0:
             raise ConfigError(f"{source}: '{where}.params.lr' must be >= 0, got {value!r}.")
 
@@ -424,7 +427,41 @@ def _check_ds_values(ds, source):
             raise ConfigError(f"{source}: 'scheduler.type' {kind!r} is not a DeepSpeed scheduler.{hint} "
                               f"Use one of {', '.join(VALID_LR_SCHEDULES)}.")
         _check_ds_params(scheduler, 'scheduler', source)
+    _check_by_building(ds, source)
     _check_with_deepspeed(ds, source)
+
+
+def _check_by_building(ds, source):
+    """Build the optimizer and LR schedule the JSON describes on one dummy parameter, with the
+    same code the DDP backend trains with: every value they reject (betas of the wrong length, a
+    negative weight decay, eps or warmup) is one line now, not a traceback from deep inside
+    ``deepspeed.initialize``."""
+    import torch
+
+    from .engine.ddp_backend import build_optimizer, build_scheduler
+    param = torch.nn.Parameter(torch.zeros(1))
+    block = ds.get('optimizer') or {}
+    kind = str(block.get('type', '')).lower()
+    try:
+        if kind in ('adam', 'adamw', 'sgd') or kind in (k.lower() for k in dir(torch.optim)):
+            optimizer = build_optimizer([param], block) if kind in ('adam', 'adamw', 'sgd') else \
+                getattr(torch.optim, block['type'])([param], **block.get('params', {}))
+        else:  # DeepSpeed's own optimizers (Lamb, Lion...) need their extensions: checked by type only
+            optimizer = torch.optim.SGD([param], lr=1e-3)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise ConfigError(f"{source}: 'optimizer.params' {block.get('params')} are refused by {block.get('type')}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}.") from exc
+    scheduler = copy.deepcopy(ds.get('scheduler'))
+    if scheduler:
+        params = scheduler.setdefault('params', {})
+        if scheduler.get('type') in _SCHEDULERS_WITH_TOTAL:  # the real length comes from train.max_steps
+            warmup = params.get('warmup_num_steps', 0)
+            params.setdefault('total_num_steps', max(2, warmup + 1 if isinstance(warmup, int) else 2))
+        try:
+            build_scheduler(optimizer, scheduler)
+        except (ValueError, TypeError, IndexError, AssertionError) as exc:
+            raise ConfigError(f"{source}: 'scheduler.params' are refused by DeepSpeed's {scheduler.get('type')}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}.") from exc
 
 
 def _check_with_deepspeed(ds, source):

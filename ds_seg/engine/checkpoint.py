@@ -253,6 +253,9 @@ def find_checkpoint(path, report=None):
             raise FileNotFoundError(f"{path}: not a usable checkpoint: {reason}. Use an earlier step_* "
                                     "folder, or give the checkpoints folder to pick the newest good one.")
         return path
+    if os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: is a file, not a checkpoint folder (give a step_* folder, a checkpoints "
+                                "folder or a work dir; weights files go to load_from= or predict/evaluate).")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: does not exist (give a step_* folder, a checkpoints folder or a work dir).")
     skipped_all = []
@@ -306,7 +309,10 @@ def set_aside_other_branch(work_dir, root, tag):
     if not names:
         return None
     import time
-    dest = os.path.join(work_dir, 'abandoned', f"{time.strftime('%Y%m%d-%H%M%S')}-after-{tag}")
+    base = os.path.join(work_dir, 'abandoned', f"{time.strftime('%Y%m%d-%H%M%S')}-after-{tag}")
+    dest, n = base, 1
+    while os.path.exists(dest):  # two rollbacks to one tag within a second
+        dest, n = f'{base}-{n}', n + 1
     os.makedirs(os.path.join(dest, 'checkpoints'))
     for name in sorted(names):
         os.replace(os.path.join(live, name), os.path.join(dest, 'checkpoints', name))

@@ -123,6 +123,9 @@ REFUSALS = {
     'ds_lr_string': ["'optimizer.params.lr' must be a number", "'1e-3'"],
     'ds_clip_string': ["'gradient_clipping' must be a number"],
     'ds_scheduler': ["'scheduler.type' 'Cosine'", 'WarmupCosineLR'],
+    'ds_betas': ["'optimizer.params.betas' must be two numbers", '[0.9]'],
+    'ds_weight_decay': ["refused by AdamW", 'Invalid weight_decay value: -1'],
+    'ds_warmup_negative': ["refused by DeepSpeed's WarmupCosineLR", 'warmup_num_steps'],
     'cfg_log_interval': ['train.log_interval must be a positive integer, got 0'],
     'cfg_keep_string': ["train.keep_checkpoints must be an integer >= 0", "'two'"],
     'cfg_workers': ['data.num_workers must be an integer >= 0, got -1'],
@@ -152,6 +155,9 @@ def _refusal_argv(tmp, trained, case):
         'ds_lr_string': lambda d: d['optimizer']['params'].update(lr='1e-3'),
         'ds_clip_string': lambda d: d.update(gradient_clipping='1.0'),
         'ds_scheduler': lambda d: d['scheduler'].update(type='Cosine'),
+        'ds_betas': lambda d: d['optimizer']['params'].update(betas=[0.9]),
+        'ds_weight_decay': lambda d: d['optimizer']['params'].update(weight_decay=-1),
+        'ds_warmup_negative': lambda d: d['scheduler']['params'].update(warmup_num_steps=-3),
     }
     if case in mutations:
         ds = _ds_json(tmp, case, mutations[case])

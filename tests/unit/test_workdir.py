@@ -1,0 +1,89 @@
+"""The work-dir lock's stale rule: taken over only when the owner is provably gone, never while
+it may live (the real two-process test is in tests/distributed/test_reliability.py)."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from ds_seg.engine.workdir import LOCK_NAME, WorkDirBusy, WorkDirLock, _process_start, identity, owner_gone
+
+
+def _me(**over):
+    return dict(identity(), **over)
+
+
+def test_same_host_owner_is_gone_only_when_its_process_is():
+    sleeper = subprocess.Popen(['sleep', '60'])
+    try:
+        alive = _me(pid=sleeper.pid, pid_start=_process_start(sleeper.pid))
+        assert not owner_gone(alive)
+        assert owner_gone(dict(alive, pid_start=alive['pid_start'] + 1)), 'the PID now runs another process'
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert owner_gone(alive), 'the process has exited'
+
+
+def test_requeued_job_takes_over_its_earlier_incarnation_on_any_host():
+    me = _me(host='n2', slurm_job_id='123', slurm_restart_count='1')
+    earlier = dict(me, host='n1', pid=1, slurm_restart_count='0')
+    assert owner_gone(earlier, me)
+    assert not owner_gone(dict(earlier, slurm_restart_count='1'), me), 'the same incarnation may still live'
+
+
+def test_other_hosts_without_proof_are_never_taken_over(monkeypatch):
+    me = _me(host='n2', slurm_job_id=None)
+    assert not owner_gone(dict(me, host='n1', pid=1), me), 'no job id: nothing proves the owner gone'
+    monkeypatch.setenv('PATH', '/nonexistent')  # squeue cannot be asked
+    assert not owner_gone(dict(me, host='n1', pid=1, slurm_job_id='77'), me)
+
+
+def test_a_busy_lock_names_its_owner_and_a_stale_one_is_taken_over(tmp_path):
+    sleeper = subprocess.Popen(['sleep', '60'])
+    try:
+        with open(tmp_path / LOCK_NAME, 'w') as f:
+            json.dump(_me(pid=sleeper.pid, pid_start=_process_start(sleeper.pid)), f)
+        with pytest.raises(WorkDirBusy, match=f'pid {sleeper.pid}'):
+            WorkDirLock(str(tmp_path)).acquire()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    lock = WorkDirLock(str(tmp_path))
+    assert f'pid {sleeper.pid}' in lock.acquire()
+    assert json.load(open(tmp_path / LOCK_NAME))['pid'] == os.getpid()
+    lock.release()
+    assert not os.path.exists(tmp_path / LOCK_NAME)
+
+
+def test_resuming_another_runs_checkpoint_sets_aside_every_checkpoint_of_this_work_dir(tmp_path):
+    from ds_seg.engine.checkpoint import set_aside_other_branch
+    work, other = tmp_path / 'work', tmp_path / 'other'
+    for root, tags in ((work / 'checkpoints', ('step_00000002', 'step_00000004', '.tmp-step_00000006')),
+                       (other / 'checkpoints', ('step_00000003',))):
+        for tag in tags:
+            (root / tag).mkdir(parents=True)
+            (root / tag / 'f.pt').write_bytes(tag.encode())
+    (work / 'checkpoints' / 'latest').write_text('step_00000004')
+    aside = set_aside_other_branch(str(work), str(other / 'checkpoints'), 'step_00000003')
+    assert sorted(os.listdir(os.path.join(aside, 'checkpoints'))) == \
+        ['.tmp-step_00000006', 'latest', 'step_00000002', 'step_00000004']
+    assert os.listdir(work / 'checkpoints') == []
+    # Within one work dir only the later branch moves, and latest follows the resumed tag.
+    for tag in ('step_00000002', 'step_00000004'):
+        (work / 'checkpoints' / tag).mkdir()
+    aside = set_aside_other_branch(str(work), str(work / 'checkpoints'), 'step_00000002')
+    assert os.listdir(os.path.join(aside, 'checkpoints')) == ['step_00000004']
+    assert (work / 'checkpoints' / 'latest').read_text() == 'step_00000002'
+
+
+def test_two_rollbacks_to_one_tag_keep_both_abandoned_branches(tmp_path):
+    from ds_seg.engine.checkpoint import set_aside_other_branch
+    root = tmp_path / 'checkpoints'
+    asides = []
+    for _ in range(2):
+        for tag in ('step_00000002', 'step_00000004'):
+            (root / tag).mkdir(parents=True, exist_ok=True)
+        asides.append(set_aside_other_branch(str(tmp_path), str(root), 'step_00000002'))
+    assert asides[0] != asides[1]
+    assert all(os.listdir(os.path.join(a, 'checkpoints')) == ['step_00000004'] for a in asides)
