@@ -21,8 +21,10 @@ SPOOL = '/var/spool/slurm-ds_seg'
 CONF_DIR = '/etc/slurm'
 PIDS = {'munged': '/run/munge/munged.pid', 'slurmctld': '/run/slurmctld-ds_seg.pid',
         **{n: f'/run/slurmd-{n}.pid' for n in NODES}}
-# A requeued job's begin time is set about two minutes ahead; tests release it (`scontrol update
-# StartTime=now`, what an administrator can do) instead of sleeping.
+# A requeued job may start again only once the credentials of its previous run have expired: Slurm
+# sets its begin time `cred_expire` (default 120 s) ahead. Released earlier, in the same second as
+# the requeue, a node daemon still holds the old credential as revoked and kills the new start
+# ("Job credential revoked", the job ends FAILED). The test cluster shortens the lifetime instead.
 
 
 class SlurmUnavailable(RuntimeError):
@@ -40,6 +42,7 @@ SlurmdPort=16818
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 StateSaveLocation={SPOOL}/ctld
 SlurmdSpoolDir={SPOOL}/d-%n
 SlurmctldPidFile={PIDS['slurmctld']}
