@@ -73,6 +73,8 @@ DEFAULTS = dict(
         seed=0,
         warmup_log_steps=2,        # first steps excluded from throughput figures (allocator, JIT)
         max_nonfinite_steps=5,     # consecutive non-finite losses that stop the run
+        stop_check_interval=None,  # steps between the ranks' agreement on stop signals and non-finite
+                                   # losses (None: 1 on a CPU, 10 on a GPU: no host sync in between)
         profile_steps=0,           # >0: torch.profiler trace of that many steps after warm-up
         peak_tflops=None,          # device peak for MFU (None: the telemetry table by GPU name)
         dist_timeout_s=None,       # how long a collective waits for a lost rank (default 600 s)
@@ -210,6 +212,7 @@ VALUE_RULES = {
     'train.seed': _int_at_least(0),
     'train.warmup_log_steps': _int_at_least(0),
     'train.max_nonfinite_steps': _int_at_least(1),
+    'train.stop_check_interval': _optional(_int_at_least(1)),
     'train.profile_steps': _int_at_least(0),
     'train.peak_tflops': _number_above(0, allow_none=True),
     'train.dist_timeout_s': _number_above(0, allow_none=True),

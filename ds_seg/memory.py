@@ -66,15 +66,6 @@ class _Counter:
         return total
 
 
-def _parts(backend):
-    """(module, engine optimizer, inner torch optimizer) of either backend."""
-    if backend.name == 'ddp':
-        return backend.module, backend.optimizer, backend.optimizer
-    opt = backend.optimizer
-    inner = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, 'optimizer', opt)
-    return backend.module, opt, inner
-
-
 def state_memory(backend):
     """Bytes of parameters, gradients, master weights and optimizer state this rank holds.
 
@@ -82,7 +73,7 @@ def state_memory(backend):
     (gradients are freed by the step). Returns a dict of ints plus ``num_params`` (the full,
     unpartitioned parameter count, equal on every rank).
     """
-    module, opt, inner = _parts(backend)
+    module, opt, inner = backend.state_holders()
     params = list(module.parameters())
     num_params = sum(int(getattr(p, 'ds_numel', p.numel())) for p in params)
     count = _Counter()

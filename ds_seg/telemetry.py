@@ -1,9 +1,9 @@
 """Honest step timing, throughput, FLOPs/MFU, memory, and the run's JSONL + TensorBoard logs.
 
-Timing rules (the reason this file exists): the device is synchronised before any clock is
-read at a window boundary (GPU kernels run asynchronously, so an unsynchronised host clock
-measures how fast work is queued, not done); warm-up steps are excluded; time spent waiting
-for the data loader is measured separately from compute.
+Timing rules (the reason this file exists): GPU kernels run asynchronously, so a host clock read
+without synchronising measures how fast work is queued, not done; synchronising every step
+instead stalls the host. Steps are therefore timed with CUDA events read once per log window;
+warm-up steps are excluded; time spent waiting for the data loader is measured separately.
 """
 import json
 import os
@@ -75,54 +75,68 @@ def synchronize(device):
 
 
 class StepTimer:
-    """Per-step compute time and data wait, collected over a logging window.
+    """Per-step time and data wait, collected over a logging window, with no host wait per step.
 
-    The device is synchronised at the end of each timed step so the step time is the time the
-    work took, not the time it took to queue; data wait is the host time blocked on the loader.
+    On a GPU each step's start and end are CUDA events recorded on the current stream: the
+    interval is the time the device took from the moment the step could start (after any data
+    wait and any work still queued from the previous step) to the end of its last kernel. The
+    events are read once per window, in :meth:`summary` (a log step), so the p90 is over real
+    per-step times, not queueing times. On a CPU work is synchronous and the host clock is exact.
+    Data wait is the host time blocked on the loader. Warm-up steps are excluded.
     """
 
     def __init__(self, device, warmup_steps):
-        self.device = device
+        self.cuda = device.type == 'cuda'
         self.warmup_steps = warmup_steps
         self.steps_seen = 0
         self.reset()
 
     def reset(self):
-        self.step_times = []
-        self.data_waits = []
+        self._steps = []      # (start mark, end mark, data wait s) per timed step of the window
         self.images = 0
         self.pixels = 0
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, start, end):
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
     def data_wait(self, seconds):
         self._wait += seconds
 
     def start(self):
-        synchronize(self.device)
         self._wait = 0.0
-        self._t0 = time.perf_counter()
+        self._t0 = self._mark()
 
     def stop(self, images, pixels):
-        synchronize(self.device)
-        elapsed = time.perf_counter() - self._t0
+        end = self._mark()
         self.steps_seen += 1
         if self.steps_seen > self.warmup_steps:
-            self.step_times.append(elapsed)
-            self.data_waits.append(self._wait)
+            self._steps.append((self._t0, end, self._wait))
             self.images += images
             self.pixels += pixels
 
     def summary(self):
-        """Throughput over the window's timed steps; None fields while still warming up."""
-        if not self.step_times:
+        """Throughput over the window's timed steps; None fields while still warming up. On a GPU
+        this waits for the window's last event: call it at log steps only."""
+        if not self._steps:
             return dict(images_per_s=None, megapixels_per_s=None, step_time_s=None,
                         step_time_p90_s=None, data_wait_frac=None)
-        total = sum(self.step_times)
-        times = sorted(self.step_times)
+        if self.cuda:
+            self._steps[-1][1].synchronize()
+        step_times = [self._seconds(start, end) for start, end, _ in self._steps]
+        total = sum(step_times)
+        times = sorted(step_times)
         return dict(images_per_s=self.images / total,
                     megapixels_per_s=self.pixels / total / 1e6,
                     step_time_s=statistics.median(times),
                     step_time_p90_s=times[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))],
-                    data_wait_frac=sum(self.data_waits) / total)
+                    data_wait_frac=sum(wait for _, _, wait in self._steps) / total)
 
 
 class RunLog:

@@ -9,7 +9,7 @@ import sys
 
 if __name__ == '__main__':
     # Importing torch takes seconds; a Slurm stop signal in that time must not kill the rank
-    # (Python's default for SIGUSR1/SIGTERM): remember it for ds_seg.distributed.StopRequests.
+    # (Python's default for SIGUSR1/SIGTERM): remember it for ds_seg.engine.faults.StopRequests.
     _early = []
     for _sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ds_seg.cli import train as _impl  # noqa: E402
 
 if __name__ == '__main__':
-    from ds_seg import distributed
-    distributed._early_signal[0] = distributed._early_signal[0] or (_early[0] if _early else None)
+    from ds_seg.engine import faults
+    faults._early_signal[0] = faults._early_signal[0] or (_early[0] if _early else None)
     sys.exit(_impl.main())
 # Imported (``from launch import train``, or loaded from this path): the same module object as
 # ds_seg.cli.train, so patching one patches what its functions see.

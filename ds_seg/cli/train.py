@@ -36,7 +36,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     if argv is None:  # a program, not a call from Python: a stop signal during start-up is kept, not fatal
-        from ds_seg.distributed import catch_stop_signals
+        from ds_seg.engine.faults import catch_stop_signals
         catch_stop_signals()
     args = parse_args(argv)
     try:
@@ -49,7 +49,7 @@ def main(argv=None):
         # A user mistake: one line that names the file or key, before any training starts.
         print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
         return 2
-    from ds_seg.engine.trainer import EXIT_CODES, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError, RunIOError
+    from ds_seg.engine.faults import EXIT_CODES, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError, RunIOError
     try:
         summary = trainer.fit()
     except LostRankError as exc:

@@ -14,7 +14,7 @@ def worker_init(worker_id):
 
     Slurm signals every process of a job step (``scancel --full``, preemption, ``srun``
     forwarding), workers included. SIGUSR1/SIGTERM are meant for the rank, which finishes its step
-    and checkpoints (ds_seg.distributed.StopRequests); a worker that died of them would crash the
+    and checkpoints (ds_seg.engine.faults.StopRequests); a worker that died of them would crash the
     rank instead. Workers still end with their rank: PyTorch's watchdog stops orphans.
 
     Samples do not depend on these seeds (the datasets seed from the index); seeding only

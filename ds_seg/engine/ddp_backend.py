@@ -4,6 +4,7 @@ Same optimizer class and arguments, same LR schedule class (DeepSpeed's own, dri
 optimizer), same micro-batch, accumulation and clipping, torch.amp for precision, the same BN
 policy: so a DDP run and a DeepSpeed run of one config differ only in the engine.
 """
+import contextlib
 import os
 
 import torch
@@ -47,18 +48,20 @@ def build_scheduler(optimizer, scheduler_cfg):
 
 class DDPBackend:
     name = 'ddp'
+    state_partitioned = False   # every rank holds the whole state: any world size resumes it
+    gather = None               # parameters are never partitioned
 
-    def __init__(self, model, ds_config, precision, device, world_size, optim_cfg=None):
+    def __init__(self, model, spec, optim_cfg=None):
+        ds_config, device = spec.ds_config, spec.device
         self.zero_stage = None
-        self.micro_batch = ds_config['train_micro_batch_size_per_gpu']
-        self.grad_accum = ds_config['gradient_accumulation_steps']
-        self.global_batch = ds_config['train_batch_size']
+        self.grad_accum = spec.grad_accum
+        self.global_batch = spec.global_batch
         self.clip = float(ds_config.get('gradient_clipping', 0.0))
         self.device = device
-        # Native fp16/bf16 parameters are a DeepSpeed feature; DDP runs them as torch.amp autocast.
-        self.precision = precision if precision in ('fp32',) or precision.endswith('-autocast') else f'{precision}-autocast'
+        # spec.precision is already the autocast equivalent of a native fp16/bf16 JSON (run_spec.py).
+        self.precision = spec.precision
         self.amp_dtype = {'fp16-autocast': torch.float16, 'bf16-autocast': torch.bfloat16}.get(self.precision)
-        model = prepare_batchnorm(model, device, world_size).to(device)
+        model = prepare_batchnorm(model, device, spec.world_size).to(device)
         # BN buffers are averaged before evaluation and saving, exactly as for DeepSpeed.
         self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None,
                                            broadcast_buffers=False)
@@ -79,6 +82,21 @@ class DDPBackend:
     @property
     def module(self):
         return self.ddp.module
+
+    @staticmethod
+    def construction_context(spec):
+        return contextlib.nullcontext()
+
+    def state_holders(self):
+        """(module, optimizer, inner torch optimizer) for ds_seg.memory."""
+        return self.ddp.module, self.optimizer, self.optimizer
+
+    def resume_refusal(self, marker, where):
+        """Why this run cannot continue the checkpoint ``marker`` describes, or None."""
+        if marker.get('backend') != self.name:
+            return (f"--resume: {where} is a {marker.get('backend')} checkpoint but this run uses "
+                    f"--backend {self.name}; export it (launch/export.py) and use load_from=.")
+        return None
 
     def train(self):
         self.ddp.train()
@@ -115,12 +133,15 @@ class DDPBackend:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.ddp.parameters() if p.grad is not None]
+        # The norm stays a device tensor until grad_norm() is called at a log step.
         if self.clip > 0:
-            self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip))
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip)
         elif want_grad_norm:
-            self._grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            self._grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         applied = True
         if self.scaler is not None:
+            # Dynamic loss scaling decides on the host whether the step applied (so the schedule
+            # skips it, as DeepSpeed's does): fp16 steps read the scale; bf16/fp32 steps read nothing.
             scale_before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -136,7 +157,7 @@ class DDPBackend:
         return applied
 
     def grad_norm(self):
-        return self._grad_norm
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def loss_scale(self):
         return float(self.scaler.get_scale()) if self.scaler is not None else None

@@ -1,8 +1,7 @@
 """DeepSpeed backend: the only call of ``deepspeed.initialize`` in ds_seg.
 
-The trainer sees the same small interface from this class and from :class:`DDPBackend`:
-``forward``, ``backward``, ``step``, ``is_boundary``, ``grad_norm``, ``loss_scale``, ``lr``,
-``skipped_steps``, ``save``/``load`` and ``module``.
+It implements :class:`ds_seg.engine.backend.Backend`, as :class:`DDPBackend` does; the trainer
+sees nothing else. DeepSpeed-version workarounds live in ds_seg/engine/ds_workarounds.py.
 """
 import os
 
@@ -27,15 +26,17 @@ def safe_torch_load(path, map_location=None):
 class DeepSpeedBackend:
     name = 'deepspeed'
 
-    def __init__(self, model, ds_config, precision, device, world_size, optim_cfg=None):
+    def __init__(self, model, spec, optim_cfg=None):
         import deepspeed
+        precision, ds_config = spec.precision, spec.ds_config
         self.precision = precision
-        self.zero_stage = int(ds_config.get('zero_optimization', {}).get('stage', 0))
-        self.micro_batch = ds_config['train_micro_batch_size_per_gpu']
-        self.grad_accum = ds_config['gradient_accumulation_steps']
-        self.global_batch = ds_config['train_batch_size']
+        self.zero_stage = spec.zero_stage
+        self.global_batch = spec.global_batch
         self.ds_config = ds_config
-        model = prepare_batchnorm(model, device, world_size)
+        # Optimizer state (and under ZeRO >= 1 the master weights) is split over the ranks:
+        # resuming at another world size goes through DeepSpeed's universal checkpoint.
+        self.state_partitioned = bool(self.zero_stage) or precision == 'bf16'
+        model = prepare_batchnorm(model, spec.device, spec.world_size)
         if precision in ('fp16', 'bf16'):
             # DeepSpeed casts parameters to half but not buffers: keep BN maths and stats in fp32.
             keep_batchnorm_fp32(model)
@@ -59,6 +60,30 @@ class DeepSpeedBackend:
     @property
     def module(self):
         return self.engine.module
+
+    @staticmethod
+    def construction_context(spec):
+        return construction_context(spec)
+
+    @staticmethod
+    def gather(params):
+        return gather_partitioned(params)
+
+    def state_holders(self):
+        """(module, engine-side optimizer, inner torch optimizer) for ds_seg.memory."""
+        opt = self.optimizer
+        inner = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, 'optimizer', opt)
+        return self.engine.module, opt, inner
+
+    def resume_refusal(self, marker, where):
+        """Why this run cannot continue the checkpoint ``marker`` describes, or None."""
+        if marker.get('backend') != self.name:
+            return (f"--resume: {where} is a {marker.get('backend')} checkpoint but this run uses "
+                    f"--backend {self.name}; export it (launch/export.py) and use load_from=.")
+        if marker.get('zero_stage') != self.zero_stage:
+            return (f"--resume: {where} was saved under ZeRO-{marker.get('zero_stage')} but the DeepSpeed "
+                    f"config uses ZeRO-{self.zero_stage}; export it and use load_from= instead.")
+        return None
 
     def train(self):
         self.engine.train()
@@ -127,64 +152,25 @@ class DeepSpeedBackend:
 
 
 # -- building large models --------------------------------------------------------------------
-def model_init_context(ds_config):
-    """The context to build the model in: ``deepspeed.zero.Init`` under ZeRO-3, so each parameter
-    is partitioned as soon as its module is constructed and no rank ever holds the full model;
-    otherwise a no-op.
-
-    Example::
-
-        with model_init_context(ds_config):
-            model = build(MODELS, cfg.model)
-    """
+def gather_partitioned(params):
+    """Make ZeRO-3 partitioned ``params`` whole for a block; rank 0's changes are kept on exit."""
     import contextlib
-    if int((ds_config or {}).get('zero_optimization', {}).get('stage', 0)) != 3:
+    if not any(hasattr(p, 'ds_id') for p in params):
         return contextlib.nullcontext()
     import deepspeed
-    return deepspeed.zero.Init(config_dict_or_path=ds_config)
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
-def load_state_dict_gathered(model, state_dict, adapt=None):
-    """``model.load_state_dict(state_dict, strict=False)`` that also works on a model built under
-    ZeRO-3: module by module, only that module's own parameters are gathered (peak memory is the
-    largest single module, not the model), filled, and re-partitioned from rank 0's copy.
-
-    Every rank must call it (the gathers are collectives). ``adapt(key, tensor, shape)`` may
-    return a tensor of the model's shape for a mismatching one (or raise). Returns
-    ``(missing, unexpected)`` key lists.
-
-    Example::
-
-        missing, unexpected = load_state_dict_gathered(model, torch.load('weights.pt')['state_dict'])
-    """
+def construction_context(spec):
+    """``deepspeed.zero.Init`` under ZeRO-3: each parameter is partitioned as soon as its module is
+    constructed, so no rank ever holds the full model; pretrained weights loaded by a backbone's
+    constructor are gathered module by module. Otherwise a no-op."""
     import contextlib
-    expected = set()
-    with torch.no_grad():
-        for prefix, module in model.named_modules():
-            prefix = f'{prefix}.' if prefix else ''
-            params = list(module.parameters(recurse=False))
-            partitioned = any(hasattr(p, 'ds_id') for p in params)
-            if partitioned:
-                import deepspeed
-                gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-            else:
-                gather = contextlib.nullcontext()
-            with gather:
-                named = list(module.named_parameters(recurse=False)) + [
-                    (n, b) for n, b in module.named_buffers(recurse=False)
-                    if n not in module._non_persistent_buffers_set]
-                for name, tensor in named:
-                    key = prefix + name
-                    expected.add(key)
-                    if key not in state_dict:
-                        continue
-                    value = state_dict[key]
-                    if value.shape != tensor.shape:
-                        if adapt is None:
-                            raise ValueError(f'{key}: shape {tuple(value.shape)} in the weights, '
-                                             f'{tuple(tensor.shape)} in the model.')
-                        value = adapt(key, value, tensor.shape)
-                    tensor.copy_(value.to(tensor.dtype))
-    missing = sorted(expected - set(state_dict))
-    unexpected = sorted(set(state_dict) - expected)
-    return missing, unexpected
+    if spec.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+    from ..models.pretrained import gathering_with
+    stack = contextlib.ExitStack()
+    stack.enter_context(deepspeed.zero.Init(config_dict_or_path=spec.ds_config))
+    stack.enter_context(gathering_with(gather_partitioned))
+    return stack

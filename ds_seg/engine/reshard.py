@@ -32,11 +32,6 @@ def needed(marker, world_size):
     return marker.get('world_size') not in (None, world_size)
 
 
-def _partitioned(backend):
-    """Whether this backend's optimizer state is split over the ranks (ZeRO >= 1, or bf16)."""
-    return backend.name == 'deepspeed' and (bool(backend.zero_stage) or backend.precision == 'bf16')
-
-
 def start_micro_step(saved_micro_step, saved_micro_batch, saved_world_size, micro_batch, world_size):
     """First micro-step of the new layout: the samples already consumed, in new micro-steps.
 
@@ -74,7 +69,7 @@ def _to_universal(ckpt_dir, out_dir):
 
 def load(backend, root, tag, marker):
     """Load ``root/tag`` into ``backend`` at this run's world size; returns the client state."""
-    if not _partitioned(backend):
+    if not backend.state_partitioned:
         return backend.load(root, tag)
     ckpt_dir = os.path.join(root, tag)
     name = f'.universal-{tag}'

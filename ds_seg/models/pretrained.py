@@ -6,6 +6,7 @@ Example::
     backbone = build(BACKBONES, dict(type='TimmBackbone', name='resnet50', in_channels=4,
                                      pretrained='weights/resnet50.safetensors'))
 """
+import contextlib
 import os
 
 import torch
@@ -122,9 +123,7 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
         raise ConfigError(f'{where}: {key} has shape {tuple(tensor.shape)} in the weights but '
                           f'{tuple(shape)} in the model.')
 
-    # The per-module loader of the DeepSpeed backend also serves unpartitioned models.
-    from ds_seg.engine.deepspeed_backend import load_state_dict_gathered
-    missing, _ = load_state_dict_gathered(module, mapped, adapt=adapt)
+    missing, _ = load_state_dict_into(module, mapped, adapt=adapt)
     missing = [k for k in missing if not k.endswith('num_batches_tracked') and not k.startswith(tuple(allow_missing))]
     if missing:
         raise ConfigError(f'{where}: the weights lack {len(missing)} tensor(s) of the model, '
@@ -161,3 +160,61 @@ def resize_pos_embed(pos_embed_1ND, num_tokens, num_prefix=1, grid=None):
         side = int(round((num_tokens - num_prefix) ** 0.5))
         grid = (side, side)
     return resample_abs_pos_embed(pos_embed_1ND, new_size=list(grid), num_prefix_tokens=num_prefix)
+
+
+# How to see, module by module, the full value of parameters that are partitioned as they are
+# built (ZeRO-3). The engine sets it while it constructs a model (ds_seg.engine.backend); models
+# never import the engine, and with nothing set the parameters are plain tensors.
+_gather_partitioned = [None]
+
+
+@contextlib.contextmanager
+def gathering_with(gather):
+    """Within the block, :func:`load_state_dict_into` gathers each module's parameters with
+    ``gather(params)`` (a context manager that makes them whole and re-partitions on exit)."""
+    previous, _gather_partitioned[0] = _gather_partitioned[0], gather
+    try:
+        yield
+    finally:
+        _gather_partitioned[0] = previous
+
+
+def load_state_dict_into(model, state_dict, adapt=None, gather=None):
+    """``model.load_state_dict(state_dict, strict=False)`` that also works on a model whose
+    parameters are partitioned: module by module, only that module's own parameters are gathered
+    (peak memory is the largest single module, not the model), filled, and re-partitioned.
+
+    Every rank must call it when parameters are partitioned (the gathers are collectives).
+    ``adapt(key, tensor, shape)`` may return a tensor of the model's shape for a mismatching one
+    (or raise). ``gather`` defaults to the one set by :func:`gathering_with`. Returns
+    ``(missing, unexpected)`` key lists.
+
+    Example::
+
+        missing, unexpected = load_state_dict_into(model, torch.load('weights.pt')['state_dict'])
+    """
+    gather = gather or _gather_partitioned[0]
+    expected = set()
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            prefix = f'{prefix}.' if prefix else ''
+            params = list(module.parameters(recurse=False))
+            with (gather(params) if gather is not None and params else contextlib.nullcontext()):
+                named = list(module.named_parameters(recurse=False)) + [
+                    (n, b) for n, b in module.named_buffers(recurse=False)
+                    if n not in module._non_persistent_buffers_set]
+                for name, tensor in named:
+                    key = prefix + name
+                    expected.add(key)
+                    if key not in state_dict:
+                        continue
+                    value = state_dict[key]
+                    if value.shape != tensor.shape:
+                        if adapt is None:
+                            raise ValueError(f'{key}: shape {tuple(value.shape)} in the weights, '
+                                             f'{tuple(tensor.shape)} in the model.')
+                        value = adapt(key, value, tensor.shape)
+                    tensor.copy_(value.to(tensor.dtype))
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    return missing, unexpected

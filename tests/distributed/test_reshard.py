@@ -28,7 +28,7 @@ def _run(tmp, backend, stage, steps, resume):
         states = list(_base_optimizer(trainer.backend).state.values())
         adam = dict(steps=sorted({int(torch.as_tensor(s['step']).item()) for s in states}),
                     moments=bool(states) and all(float(s['exp_avg_sq'].abs().sum()) > 0 for s in states))
-        start = trainer.step * trainer.grad_accum + trainer.micro_step_offset
+        start = trainer.step * trainer.spec.grad_accum + trainer.micro_step_offset
         trainer.fit()
         return dict(adam=adam, start_micro_step=start, world_size=trainer.world_size)
     finally:

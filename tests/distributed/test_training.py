@@ -39,7 +39,7 @@ def _train(tmp, backend, ds, work, resume=None, steps=12, checkpoint_interval=0,
         from ds_seg.engine.common import batchnorm_buffers
         buffers = torch.cat([b.flatten().clone() for b in batchnorm_buffers(trainer.backend.module)])
         return dict(params=_full_params(trainer), initial=initial, buffers=buffers, summary=summary,
-                    precision=trainer.precision)
+                    precision=trainer.spec.precision)
     finally:
         trainer.close()
 

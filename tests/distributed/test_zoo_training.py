@@ -35,17 +35,18 @@ def _zoo_ds_config(stage):
 def _train_all(tmp, stage, weights_file, dino_file):
     """On each rank: every family for STEPS steps, one Trainer after another in one process
     group (process start-up dominates these runs); under ZeRO-3 also a load_from check."""
+    from ds_seg.engine import backend as backends
     from ds_seg.engine import trainer as trainer_mod
     seen = {}
-    real_build_backend = trainer_mod.build_backend
+    real_build_backend = backends.build_backend
 
-    def spy(kind, model, *args):  # what the trainer built, before deepspeed.initialize
+    def spy(spec, model, *args):  # what the trainer built, before deepspeed.initialize
         seen['local'] = sum(p.numel() for p in model.parameters())
         seen['partition'] = sum(p.ds_tensor.numel() for p in model.parameters() if hasattr(p, 'ds_tensor'))
         seen['full'] = sum(p.ds_numel if hasattr(p, 'ds_numel') else p.numel() for p in model.parameters())
-        return real_build_backend(kind, model, *args)
+        return real_build_backend(spec, model, *args)
 
-    trainer_mod.build_backend = spy
+    backends.build_backend = spy
     out = {}
     jobs = [(f, {}) for f in FAMILIES]
     if stage == 3:

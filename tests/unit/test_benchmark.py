@@ -54,11 +54,13 @@ def test_zero_formula_by_stage():
 
 
 class _FakeDDP:
-    """The two attributes state_memory reads from a DDP backend."""
-    name = 'ddp'
+    """What state_memory reads from a DDP backend: its (module, optimizer, inner optimizer)."""
 
     def __init__(self, module, optimizer):
         self.module, self.optimizer = module, optimizer
+
+    def state_holders(self):
+        return self.module, self.optimizer, self.optimizer
 
 
 def test_state_memory_counts_adam_state_and_shared_storage_once():

@@ -1,0 +1,83 @@
+"""The one boundary between the training loop and an engine (DeepSpeed, or plain DDP).
+
+:class:`Backend` is what the trainer, the checkpointer, the metrics and ds_seg.memory may use;
+the two implementations are ds_seg/engine/deepspeed_backend.py (the only ``deepspeed.initialize``)
+and ds_seg/engine/ddp_backend.py. This module is the only place that picks one by name.
+"""
+from typing import ContextManager, Optional, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str                      # 'deepspeed' or 'ddp': recorded in checkpoints and logs
+    zero_stage: Optional[int]      # None under DDP
+    precision: str                 # as run (RunSpec.precision)
+    global_batch: int
+    state_partitioned: bool        # optimizer state split over ranks (resume elsewhere reshards)
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    # -- building ------------------------------------------------------------------------
+    @staticmethod
+    def construction_context(spec) -> ContextManager:
+        """The context the model is built in (``zero.Init`` under ZeRO-3)."""
+
+    gather: object                 # None, or params -> context making partitioned params whole
+
+    # -- one optimizer step = grad_accum x (forward, backward, step) -----------------------
+    def train(self) -> None: ...
+    def eval(self) -> None: ...
+    def forward(self, images_BCHW: torch.Tensor): ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def is_boundary(self) -> bool: ...
+    def step(self, want_grad_norm: bool = False) -> bool:
+        """Finish a micro-step; at a boundary the optimizer steps. No host read in bf16/fp32."""
+
+    # -- read at log steps only (they may synchronise) -----------------------------------
+    def grad_norm(self) -> Optional[float]: ...
+    def loss_scale(self) -> Optional[float]: ...
+    def lr(self) -> float: ...
+
+    @property
+    def skipped_steps(self) -> int: ...
+
+    # -- state -----------------------------------------------------------------------------
+    def sync_batchnorm_stats(self) -> None:
+        """Make BN running statistics equal on every rank (before evaluation and saving)."""
+
+    def state_holders(self) -> tuple:
+        """(module, optimizer, inner torch optimizer) whose tensors ds_seg.memory counts."""
+
+    def resume_refusal(self, marker: dict, where: str) -> Optional[str]:
+        """One line saying why this run cannot continue a checkpoint, or None."""
+
+    def save(self, directory: str, tag: str, client_state: dict) -> None: ...
+    def load(self, directory: str, tag: str) -> dict: ...
+
+
+def backend_class(name):
+    if name == 'ddp':
+        from .ddp_backend import DDPBackend
+        return DDPBackend
+    from .deepspeed_backend import DeepSpeedBackend
+    return DeepSpeedBackend
+
+
+def build_model(spec, build):
+    """``build()`` inside the backend's construction context (ZeRO-3: parameters partitioned as
+    they are created, pretrained weights gathered module by module)."""
+    with backend_class(spec.backend).construction_context(spec):
+        return build()
+
+
+def load_weights(spec, model, state_dict):
+    """Fill ``model`` (built by :func:`build_model`) from a state dict; (missing, unexpected)."""
+    from ..models.pretrained import load_state_dict_into
+    return load_state_dict_into(model, state_dict, gather=backend_class(spec.backend).gather)
+
+
+def build_backend(spec, model, optim_cfg=None) -> Backend:
+    return backend_class(spec.backend)(model, spec, optim_cfg)

@@ -1,0 +1,138 @@
+"""The training run's checkpoint policy: when to save, what a checkpoint carries besides the
+engine's state (client state), which checkpoint a resume starts from, whether this run can
+continue it, and how it is loaded (at another world size too).
+
+Storage (atomic writes, checksums, verification, ``latest``, keep-N pruning, finding the newest
+verified checkpoint for resume, export, predict and evaluate) is ds_seg/engine/checkpoint.py;
+this class is the one caller of it during training.
+"""
+import os
+
+import torch
+
+from .. import distributed
+from ..config import ConfigError
+from . import checkpoint, reshard
+
+
+def data_normalisation(train_set):
+    """Bands and per-band mean/std the model's inputs were normalised with (saved in checkpoints
+    and exported weights so prediction repeats them exactly)."""
+    return dict(bands=[int(b) for b in getattr(train_set, 'bands', range(1, train_set.in_channels + 1))],
+                mean=[float(v) for v in train_set.mean], std=[float(v) for v in train_set.std],
+                ignore_index=int(getattr(train_set, 'ignore_index', 255)))
+
+
+def _model_dict(model_cfg):
+    return model_cfg.to_dict() if hasattr(model_cfg, 'to_dict') else dict(model_cfg)
+
+
+class Checkpointer:
+    def __init__(self, work_dir, spec, backend, cfg, train_set, report):
+        self.work_dir, self.spec, self.backend, self.cfg = work_dir, spec, backend, cfg
+        self.train_set, self.report = train_set, report
+        self.root = os.path.join(work_dir, 'checkpoints')
+        self.interval = cfg.train.checkpoint_interval
+        self.keep = cfg.train.keep_checkpoints
+        self.max_steps = cfg.train.max_steps
+
+    def due(self, step):
+        """A periodic checkpoint at this step (``train.checkpoint_interval``, and the last step)."""
+        return bool(self.interval) and (step % self.interval == 0 or step == self.max_steps)
+
+    # -- saving ----------------------------------------------------------------------------
+    def save(self, step, micro_step):
+        """Every rank calls it. ``micro_step`` is the data position the samplers restart from."""
+        self.backend.sync_batchnorm_stats()
+        client_state = dict(
+            step=step, micro_step=micro_step, micro_batch=self.spec.micro_batch, grad_accum=self.spec.grad_accum,
+            rng_cpu=torch.get_rng_state(),
+            rng_cuda=torch.cuda.get_rng_state() if self.spec.device.type == 'cuda' else None,
+            model_cfg=_model_dict(self.cfg.model), classes=list(self.train_set.classes),
+            world_size=self.spec.world_size, backend=self.spec.backend, zero_stage=self.spec.zero_stage,
+            data=data_normalisation(self.train_set))
+        tag = checkpoint.save(self.backend, self.root, step, client_state, keep=self.keep,
+                              marker_extra={'param_shapes': self.param_shapes()})
+        self.report(f'saved checkpoint {self.root}/{tag}')
+
+    def param_shapes(self):
+        """Parameter name -> full shape (ZeRO-3 partitions keep the full shape in ``ds_shape``)."""
+        return {name: list(getattr(p, 'ds_shape', p.shape)) for name, p in self.backend.module.named_parameters()}
+
+    # -- resuming --------------------------------------------------------------------------
+    def restore(self, resume):
+        """Load the checkpoint ``--resume`` names (every rank). Returns ``(step, micro_step_offset,
+        set_aside)``: the step to continue from, the data position minus step x accumulation
+        (non-zero after a change of ranks), and where an abandoned branch was moved (or None)."""
+        found = checkpoint.resolve_resume(resume, self.work_dir, report=self.report)
+        if found is None:
+            if checkpoint.complete_tags(self.root):
+                raise ConfigError(f"--work-dir: {self.work_dir} already holds checkpoints of an earlier run; "
+                                  "add --resume auto to continue it, or choose another --work-dir.")
+            return 0, 0, None
+        root, tag = found
+        step, offset = self._load(root, tag)
+        set_aside = None
+        if distributed.is_main() and resume != 'auto':
+            set_aside = checkpoint.set_aside_other_branch(self.work_dir, root, tag)
+        distributed.barrier()
+        if set_aside:
+            self.report(f'resuming {tag} abandons a later branch: its checkpoints and log rows '
+                        f'after step {step} were moved to {set_aside} (nothing deleted)')
+        return step, offset, set_aside
+
+    def _load(self, root, tag):
+        self.check_compatible(root, tag)
+        marker = checkpoint.read_marker(os.path.join(root, tag))
+        spec = self.spec
+        if reshard.needed(marker, spec.world_size):  # another number of ranks (ds_seg/engine/reshard.py)
+            state = reshard.load(self.backend, root, tag, marker)
+            saved = dict(micro_batch=state.get('micro_batch', spec.micro_batch),
+                         grad_accum=state.get('grad_accum', spec.grad_accum), world_size=marker['world_size'])
+            start, skipped = reshard.start_micro_step(int(state['micro_step']), saved['micro_batch'],
+                                                      saved['world_size'], spec.micro_batch, spec.world_size)
+            offset = start - int(state['step']) * spec.grad_accum
+            self.report(reshard.describe(saved, spec.world_size, spec.micro_batch, spec.grad_accum,
+                                         spec.global_batch, skipped, marker.get('zero_stage')))
+        else:
+            state = self.backend.load(root, tag)
+            offset = int(state.get('micro_step', 0)) - int(state['step']) * spec.grad_accum
+        torch.set_rng_state(state['rng_cpu'])
+        if state.get('rng_cuda') is not None and spec.device.type == 'cuda':
+            torch.cuda.set_rng_state(state['rng_cuda'])
+        step = int(state['step'])
+        self.report(f'resumed from {root}/{tag} at step {step}')
+        return step, offset
+
+    def check_compatible(self, root, tag):
+        """Refuse, before loading anything, a checkpoint this run cannot continue."""
+        where = os.path.join(root, tag)
+        marker = checkpoint.read_marker(where)
+        model = marker.get('model') or {}
+        if model.get('type') not in (None, self.cfg.model.type):
+            raise ConfigError(f"--resume: {where} holds a {model['type']} model but the config builds "
+                              f"{self.cfg.model.type}; use a matching --config or a new --work-dir.")
+        classes = marker.get('classes')
+        if classes is not None and len(classes) != self.train_set.num_classes:
+            raise ConfigError(f"--resume: {where} was trained for {len(classes)} classes but the data has "
+                              f"{self.train_set.num_classes}; start a new run (load_from= an exported file "
+                              "cannot help either: the classifier shape differs).")
+        refusal = self.backend.resume_refusal(marker, where)
+        if refusal:
+            raise ConfigError(refusal)
+        saved_shapes = marker.get('param_shapes')
+        if saved_shapes is not None:
+            now = self.param_shapes()
+            differ = [n for n in sorted(set(saved_shapes) | set(now)) if saved_shapes.get(n) != now.get(n)]
+            if differ:
+                mine = _model_dict(self.cfg.model)
+                show = lambda cfg, k: repr(cfg[k]) if k in cfg else '(default)'  # noqa: E731
+                keys = [f'{k}={show(model, k)} there, {show(mine, k)} here'
+                        for k in sorted(set(model) | set(mine)) if model.get(k) != mine.get(k)]
+                shown = ', '.join(f'{n} {saved_shapes.get(n)} vs {now.get(n)}' for n in differ[:3])
+                raise ConfigError(f"--resume: {where} holds a differently shaped model "
+                                  f"({'; '.join(keys) or shown}); {len(differ)} tensor(s) differ, e.g. {shown}. "
+                                  "Use the config it was trained with, or a new --work-dir.")
+
+    def last_complete(self):
+        return checkpoint.find_latest(self.root)

@@ -1,0 +1,220 @@
+"""How a run stops: signals, agreement between ranks, heartbeats, exit codes, failure classes.
+
+* SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (preemption, ``scancel``) only set
+  a flag. Ranks agree on it at *check steps* (every ``train.stop_check_interval`` steps, and at
+  every log, evaluation and checkpoint step), then all checkpoint at that same step and exit 75.
+* Non-finite losses are counted on the device (no host read per step) and exchanged at the same
+  check steps; ``train.max_nonfinite_steps`` consecutive ones stop the run (exit 3).
+* A failed collective (a rank died, hung, or the network broke) becomes :class:`LostRankError`
+  naming the rank that stopped answering (exit 4); a failed write or read becomes
+  :class:`RunIOError` naming the path and errno (exit 74).
+
+The exit codes are the contract with batch scripts (launch/slurm/*.sbatch requeue on 75).
+"""
+import datetime
+import errno as errno_codes
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import distributed
+
+EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by a signal after a checkpoint; resume to continue
+EXIT_NONFINITE = 3    # the loss stayed non-finite; the last checkpoint is intact
+EXIT_LOST_RANK = 4    # another rank died or stopped answering
+EXIT_IO_ERROR = 74    # EX_IOERR: a write or read failed (disk full, read-only, I/O error)
+EXIT_CODES = {'completed': 0, 'preempted': EXIT_PREEMPTED, 'nonfinite_loss': EXIT_NONFINITE,
+              'lost_rank': EXIT_LOST_RANK, 'io_error': EXIT_IO_ERROR}
+STOP_SIGNALS = ('SIGUSR1', 'SIGTERM')
+
+
+class LostRankError(RuntimeError):
+    """A collective failed because another rank died, hung past the timeout, or the network broke."""
+
+
+class RunIOError(RuntimeError):
+    """The run stopped on a failed write or read; the message names the path and the errno, and
+    the last complete checkpoint is intact."""
+
+
+def describe_io_error(exc):
+    """``path: [Errno 28 ENOSPC] No space left on device`` for an OSError."""
+    from .checkpoint import CheckpointWriteError
+    if isinstance(exc, CheckpointWriteError):
+        return str(exc)
+    name = errno_codes.errorcode.get(exc.errno, exc.errno) if exc.errno else None
+    where = exc.filename or 'a file'
+    return f"{where}: [Errno {exc.errno} {name}] {exc.strerror or exc}" if name else f'{where}: {exc}'
+
+
+def is_collective_failure(exc):
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in ('gloo', 'nccl', 'connection closed', 'connection reset',
+                                         'broken pipe', 'timed out', 'timeout'))
+
+
+# ---------------------------------------------------------------------------------- signals
+_early_signal = [None]
+
+
+def catch_stop_signals():
+    """From the start of a training program: remember SIGUSR1/SIGTERM instead of dying of them.
+
+    Python's default action for both is to end the process; a Slurm warning that arrives while a
+    rank is still importing or building its model would then kill it. :class:`StopRequests`
+    picks the signal up, and the run stops with a checkpoint at its first check step.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def remember(signum, frame):
+        _early_signal[0] = _early_signal[0] or signal.Signals(signum).name
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), remember)
+
+
+class StopRequests:
+    """Agreement between ranks on whether to stop, and why, at check steps only.
+
+    A signal handler only sets a flag. :meth:`agree` is one tiny all-reduce on a CPU (gloo)
+    group, so it never waits for the GPU's queue; the non-finite counters it carries are read
+    from the device there, once per check step, never in the steps between.
+    """
+
+    def __init__(self):
+        self.signal_name = _early_signal[0]   # one that came while the run was still starting
+        self._group = None
+        if threading.current_thread() is threading.main_thread():
+            for name in STOP_SIGNALS:
+                signal.signal(getattr(signal, name), self._on_signal)
+        if dist.is_initialized() and distributed.world_size() > 1:
+            self._group = dist.new_group(backend='gloo') if dist.get_backend() != 'gloo' else None
+
+    def _on_signal(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+
+    def agree(self, nonfinite_counts):
+        """Collective. ``nonfinite_counts`` = (longest run of consecutive non-finite steps since the
+        last check, current run) on this rank, as a device tensor. Returns ``(any rank signalled,
+        longest run, current run)``, the maximum over ranks: the same answer everywhere."""
+        counts = nonfinite_counts.to('cpu', torch.int64)     # the one device read of a check step
+        flags = torch.cat([torch.tensor([self.signal_name is not None], dtype=torch.int64), counts])
+        if dist.is_initialized() and distributed.world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        signalled, longest, current = flags.tolist()
+        return bool(signalled), int(longest), int(current)
+
+
+class Heartbeat:
+    """Each rank stamps the time into the rendezvous store every few seconds, so that when a
+    collective fails the survivors can say which rank stopped answering."""
+
+    def __init__(self, interval_s=2.0):
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._store = None
+        if dist.is_initialized() and distributed.world_size() > 1:
+            try:
+                self._store = dist.distributed_c10d._get_default_store()
+            except Exception:
+                self._store = None
+        if self._store is not None:
+            self._thread = threading.Thread(target=self._beat, daemon=True, name='ds_seg-heartbeat')
+            self._thread.start()
+
+    def _beat(self):
+        key = f'ds_seg/heartbeat/{distributed.rank()}'
+        while not self._stop.is_set():
+            try:
+                self._store.set(key, str(time.time()))
+            except Exception:
+                return  # the store is gone (its host died): describe_failure() will say so
+            self._stop.wait(self.interval_s)
+
+    def stale_ranks(self):
+        """Ranks whose last heartbeat is older than 3 intervals; ``None`` if the store is gone."""
+        if self._store is None:
+            return []
+        try:
+            self._store.set_timeout(datetime.timedelta(seconds=5))
+            now, stale = time.time(), []
+            for r in range(distributed.world_size()):
+                key = f'ds_seg/heartbeat/{r}'
+                if not self._store.check([key]) or now - float(self._store.get(key)) > 3 * self.interval_s:
+                    stale.append(r)
+            return stale
+        except Exception:
+            return None
+
+    def describe_failure(self):
+        """A sentence naming the lost rank(s) after a failed collective."""
+        time.sleep(3 * self.interval_s)  # let a dead rank's heartbeat go stale
+        stale = self.stale_ranks()
+        if stale is None:
+            return ('lost contact with the rendezvous store hosted by rank 0 (MASTER_ADDR): '
+                    'rank 0 or its node has died')
+        stale = [r for r in stale if r != distributed.rank()]
+        if stale:
+            return f"rank{'s' if len(stale) > 1 else ''} {', '.join(map(str, stale))} stopped responding (died or hung)"
+        return 'a collective failed although every rank still answers (network error or timeout)'
+
+    def close(self):
+        self._stop.set()
+
+
+# ---------------------------------------------------------------------------------- the run's guard
+class Faults:
+    """What the training loop holds while it runs: the stop requests and the heartbeat, and the
+    translation of an exception into the run's exit reason.
+
+    Example::
+
+        faults = Faults()
+        try:
+            ...  # steps; at check steps: signalled, longest, current = faults.stop.agree(counts)
+        except Exception as exc:
+            exit_reason, error, message = faults.classify(exc, step, checkpointer.last_complete)
+            raise error from exc
+        finally:
+            faults.close()
+    """
+
+    def __init__(self):
+        self.stop = StopRequests()
+        self.heartbeat = Heartbeat()
+
+    def close(self):
+        self.heartbeat.close()
+
+    def stop_reason(self):
+        return self.stop.signal_name or 'a signal received by another rank'
+
+    def classify(self, exc, step, last_checkpoint):
+        """``(exit_reason, exception to raise, one-line error or None)`` for an exception out of
+        the loop: a lost rank and a failed write get their own exceptions and exit codes.
+        ``last_checkpoint()`` names the newest complete checkpoint (asked only for the message)."""
+        if is_collective_failure(exc):
+            message = (f'rank {distributed.rank()}: {self.heartbeat.describe_failure()}; stopping. '
+                       f'Resume from the last complete checkpoint with --resume auto. ({exc})')
+            return 'lost_rank', LostRankError(message), None
+        if isinstance(exc, OSError):  # disk full, read-only, I/O error: checkpoint.save cleaned up
+            message = (f'{describe_io_error(exc)}; stopped at step {step}; the last complete checkpoint '
+                       f"({last_checkpoint() or 'none'}) is intact; free space or fix the disk, then --resume auto.")
+            return 'io_error', RunIOError(message), message
+        return 'error', exc, None
+
+
+def default_stop_check_interval(device):
+    """Every step on a CPU (work is synchronous there, the exchange costs nothing), every 10 on a
+    GPU, so that the host runs ahead of the device between checks."""
+    return 1 if device.type != 'cuda' else 10
+
+
+__all__ = ['EXIT_CODES', 'EXIT_IO_ERROR', 'EXIT_LOST_RANK', 'EXIT_NONFINITE', 'EXIT_PREEMPTED', 'Faults',
+           'Heartbeat', 'LostRankError', 'RunIOError', 'StopRequests', 'catch_stop_signals',
+           'default_stop_check_interval', 'describe_io_error', 'is_collective_failure']

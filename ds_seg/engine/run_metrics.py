@@ -1,0 +1,128 @@
+"""What a run reports: step timing, the loss of a log window, MFU, non-finite losses, the JSONL
+and TensorBoard rows (through :class:`ds_seg.telemetry.RunLog`) and ``summary.json``.
+
+Between log steps everything stays on the device: the loss is added into a device tensor, and
+non-finite losses are counted there too (consecutive run and its longest stretch), so a plain
+step reads nothing back. A log step does one all-reduce of the window's loss and reads the
+timer's events.
+"""
+import json
+import os
+import time
+
+import torch
+
+from .. import distributed
+from ..memory import state_memory
+from ..telemetry import StepTimer, format_eta, max_memory_mb, mfu
+
+
+class RunMetrics:
+    def __init__(self, spec, log, backend, *, flops_per_image, peak_flops, warmup_steps, max_steps,
+                 train_images, report, t_start):
+        self.spec, self.log, self.backend = spec, log, backend
+        self.flops_per_image, self.peak_flops = flops_per_image, peak_flops
+        self.max_steps, self.train_images, self.report = max_steps, train_images, report
+        self.timer = StepTimer(spec.device, warmup_steps=warmup_steps)
+        self.state_memory = None        # per-rank state bytes, measured once (second step)
+        self.last_eval = None
+        self._loss_sum = torch.zeros((), device=spec.device)
+        # [longest run of consecutive non-finite steps since the last check, current run]
+        self._nonfinite = torch.zeros(2, dtype=torch.int64, device=spec.device)
+        self._skipped_at_last_log = 0
+        self.t_start = t_start          # when the run began (summary's wall time)
+
+    def start_loop(self, step):
+        self.t_loop, self.loop_start_step, self.window_start_step = time.time(), step, step
+
+    # -- every step: device operations only -----------------------------------------------
+    def add_step(self, loss):
+        self._loss_sum += loss.detach()
+        nonfinite = (~torch.isfinite(loss.detach())).to(torch.int64)
+        current = (self._nonfinite[1] + 1) * nonfinite          # reset to 0 by a finite loss
+        self._nonfinite = torch.stack([torch.maximum(self._nonfinite[0], current), current])
+
+    def measure_state_memory(self):
+        """Once, inside the second step after its backward: Adam state exists after the first
+        step and gradients live until the step frees them. Reads tensor sizes, not values."""
+        if self.state_memory is None:
+            self.state_memory = state_memory(self.backend)
+
+    # -- check steps ----------------------------------------------------------------------
+    def take_nonfinite_counts(self):
+        """The counters for faults.StopRequests.agree; the longest run restarts from the current."""
+        counts = self._nonfinite
+        self._nonfinite = torch.stack([counts[1], counts[1]])
+        return counts
+
+    # -- log steps ------------------------------------------------------------------------
+    def log_window(self, step):
+        """Write the row for the steps since the last log (a window cut short by a resume holds
+        only the steps since it); returns the window's mean loss over all ranks."""
+        steps_in_window = step - self.window_start_step
+        self.window_start_step = step
+        # One all-reduce per log interval: the loss of all ranks, not only rank 0's.
+        loss = distributed.all_reduce_sum(self._loss_sum.clone()).item() / (steps_in_window * self.spec.world_size)
+        self._loss_sum.zero_()
+        window = self.timer.summary()
+        self.timer.reset()
+        done = step - self.loop_start_step
+        eta = (time.time() - self.t_loop) / done * (self.max_steps - step) if done else None
+        backend = self.backend
+        record = dict(
+            step=step, epoch=step * self.spec.global_batch / max(1, self.train_images),
+            loss=loss, lr=backend.lr(), grad_norm=backend.grad_norm(),
+            loss_scale=backend.loss_scale(), skipped_steps=backend.skipped_steps,
+            images_per_s=window['images_per_s'], megapixels_per_s=window['megapixels_per_s'],
+            step_time_s=window['step_time_s'], step_time_p90_s=window['step_time_p90_s'],
+            data_wait_frac=window['data_wait_frac'], max_mem_mb=max_memory_mb(self.spec.device),
+            mfu=mfu(self.flops_per_image, window['images_per_s'], self.peak_flops),
+            backend=self.spec.backend, zero_stage=self.spec.zero_stage, world_size=self.spec.world_size,
+            precision=self.spec.precision, state_memory=self.state_memory)
+        self.log.metrics(record)
+        skipped = record['skipped_steps'] - self._skipped_at_last_log
+        self._skipped_at_last_log = record['skipped_steps']
+        if steps_in_window >= 4 and skipped > steps_in_window // 2:
+            self.report(f'warning: fp16 overflow storm: {skipped} of the last {steps_in_window} steps were skipped; '
+                        f'loss scale now {record["loss_scale"]}. Consider bf16, a lower learning rate or clipping.')
+        ips = f"{record['images_per_s']:.1f} img/s" if record['images_per_s'] else 'warming up'
+        wait = f" | data {100 * record['data_wait_frac']:.0f}%" if record['data_wait_frac'] is not None else ''
+        self.report(f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e}"
+                    f" | {ips}{wait} | ETA {format_eta(eta)}")
+        return loss
+
+    def log_eval(self, step, metrics):
+        record = dict(step=step, **metrics)
+        self.log.eval(record)
+        self.last_eval = record
+        self.report(f"eval step {step} | mIoU {metrics['mIoU']:.4f} | OA {metrics['OA']:.4f} | "
+                    + ' '.join(f"{n} {v['iou']:.2f}" for n, v in metrics['per_class'].items() if v['iou'] is not None))
+        return record
+
+    # -- the end ---------------------------------------------------------------------------
+    def write_summary(self, exit_reason, step, error, describe_io_error):
+        last = self.last_eval
+        rows = []
+        path = os.path.join(self.log.work_dir, 'metrics.jsonl')
+        if distributed.is_main() and os.path.isfile(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:  # a line cut short by a full disk
+                        continue
+        ips = sorted(r['images_per_s'] for r in rows if r.get('images_per_s'))
+        summary = dict(
+            exit_reason=exit_reason, steps=step, wall_time_s=time.time() - self.t_start,
+            backend=self.spec.backend, zero_stage=self.spec.zero_stage, precision=self.spec.precision,
+            world_size=self.spec.world_size, global_batch=self.spec.global_batch,
+            images_per_s_median=ips[len(ips) // 2] if ips else None,
+            final_loss=rows[-1]['loss'] if rows else None, skipped_steps=self.backend.skipped_steps,
+            mIoU=last['mIoU'] if last else None, OA=last['OA'] if last else None,
+            mF1=last['mF1'] if last else None, flops_per_image_fwd=self.flops_per_image,
+            state_memory=self.state_memory, error=error)
+        try:
+            self.log.write_json('summary.json', summary)
+        except OSError as exc:  # the disk that stopped the run may refuse this too
+            self.report(f'could not write summary.json: {describe_io_error(exc)}')
+        return summary

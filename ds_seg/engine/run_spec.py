@@ -1,0 +1,66 @@
+"""The run description: resolved once, after the process group exists, read by every part.
+
+World size, device, the batch triple, the ZeRO stage, the precision that actually runs and the
+resolved DeepSpeed dict are decided here and nowhere else: the backends, the checkpointer, the
+metrics and the trainer read a :class:`RunSpec`; none of them re-parses DeepSpeed JSON keys.
+
+Example::
+
+    spec = describe_run(load_ds_config('ds_configs/zero2.json'), backend='deepspeed', max_steps=400)
+    spec.micro_batch, spec.grad_accum, spec.global_batch, spec.precision, spec.zero_stage
+"""
+import dataclasses
+
+import torch
+
+from .. import distributed
+from ..config import resolve_ds_config
+
+BACKENDS = ('deepspeed', 'ddp')
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    backend: str               # 'deepspeed' or 'ddp'
+    rank: int
+    world_size: int
+    device: torch.device
+    launcher: str              # who started the ranks (deepspeed, torchrun, slurm, python)
+    micro_batch: int           # per rank and micro-step
+    grad_accum: int
+    global_batch: int          # micro_batch x grad_accum x world_size
+    zero_stage: object         # int under DeepSpeed, None under DDP (no ZeRO)
+    precision: str             # what runs: fp32, fp16, bf16, fp16-autocast, bf16-autocast
+    ds_config: dict            # the resolved DeepSpeed dict (batch triple explicit, precision as run)
+    notes: tuple = ()          # one line per adjustment made while resolving (printed by rank 0)
+
+    def describe(self):
+        """``backend deepspeed ZeRO-2 | fp32 | 2 rank(s) on cpu | micro-batch 2 x accum 1 x 2 = 4``"""
+        stage = '' if self.zero_stage is None else f' ZeRO-{self.zero_stage}'
+        return (f'backend {self.backend}{stage} | {self.precision} | {self.world_size} rank(s) on '
+                f'{self.device.type} | micro-batch {self.micro_batch} x accum {self.grad_accum} x '
+                f'{self.world_size} = {self.global_batch}')
+
+    def as_json(self):
+        """What ``ds_config.json`` records under ``ds_seg`` next to the resolved dict."""
+        return {'backend': self.backend, 'precision': self.precision, 'world_size': self.world_size,
+                'launcher': self.launcher}
+
+
+def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launcher=None):
+    """Resolve ``ds_config`` (a checked DeepSpeed dict) for this process group and hardware.
+
+    Native fp16/bf16 parameters are a DeepSpeed feature; under DDP the same JSON runs as
+    torch.amp autocast, and ``precision`` says so (``bf16-autocast``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f'backend must be one of {BACKENDS}, not {backend!r}')
+    world_size = distributed.world_size()
+    resolved, precision, notes = resolve_ds_config(ds_config, world_size, max_steps, source=source)
+    if backend == 'ddp' and precision in ('fp16', 'bf16'):
+        precision = f'{precision}-autocast'
+    zero_stage = int(resolved.get('zero_optimization', {}).get('stage', 0)) if backend == 'deepspeed' else None
+    return RunSpec(backend=backend, rank=distributed.rank(), world_size=world_size, device=distributed.device(),
+                   launcher=launcher or distributed.detect_launcher(), micro_batch=resolved['train_micro_batch_size_per_gpu'],
+                   grad_accum=resolved['gradient_accumulation_steps'], global_batch=resolved['train_batch_size'],
+                   zero_stage=zero_stage, precision=precision, ds_config=resolved, notes=tuple(notes))
