@@ -73,7 +73,8 @@ class BatchPreprocessor:
 
     def _stats(self, device):
         if device not in self._on_device:
-            self._on_device[device] = (self.mean.to(device), self.std.to(device))
+            # Host to device, once: queued with the step's work, the host does not wait for it.
+            self._on_device[device] = (self.mean.to(device, non_blocking=True), self.std.to(device, non_blocking=True))
         return self._on_device[device]
 
     def images(self, image, nodata, device):
