@@ -30,3 +30,32 @@ def test_native_half_precision_trains_with_fp32_batchnorm(tmp_path, precision, s
     assert rows[-1]['loss'] < rows[0]['loss']
     assert rows[-1]['max_mem_mb'] > 0
     assert rows[-1]['mfu'] is None or 0 < rows[-1]['mfu'] < 1
+
+
+def _train_without_syncs(tmp, backend, stage):
+    """bf16, 12 steps; plain steps (not log or stop-check steps) run under
+    ``torch.cuda.set_sync_debug_mode('error')``: any synchronising call in them raises."""
+    from ds_seg.engine.trainer import Trainer
+    cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=12, log_interval=6, stop_check_interval=4,
+                   warmup_log_steps=1)
+    trainer = Trainer(cfg, ds_config(stage, precision='bf16'), backend=backend,
+                      work_dir=os.path.join(tmp, f'sync_{backend}{stage}'))
+    real_step = trainer.train_step
+
+    def train_step(want_grad_norm=False):
+        step = trainer.step + 1
+        plain = step % 6 and step % 4 and step > 1   # the first step builds lazily (allocator, kernels)
+        torch.cuda.set_sync_debug_mode('error' if plain else 'default')
+        return real_step(want_grad_norm=want_grad_norm)
+    trainer.train_step = train_step
+    try:
+        return trainer.fit()
+    finally:
+        torch.cuda.set_sync_debug_mode('default')
+        trainer.close()
+
+
+@pytest.mark.parametrize('backend, stage', [('ddp', 0), ('deepspeed', 2)])
+def test_plain_steps_do_not_synchronise_the_device(tmp_path, backend, stage):
+    summary = run_on_ranks(_train_without_syncs, 1, args=(str(tmp_path), backend, stage))[0]
+    assert summary['exit_reason'] == 'completed' and summary['steps'] == 12
