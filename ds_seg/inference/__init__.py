@@ -26,7 +26,7 @@ Example::
     cm = evaluate_scenes(lambda x: model(x), [('a.tif', 'a_label.tif')], num_classes=2,
                          mean=[...], std=[...])
 """
-from .engine import TTA_FLIPS, SceneEngine, nodata_mask, run_scene
+from .engine import TTA_FLIPS, SceneEngine, run_scene
 from .evaluate import boundary_mask, evaluate_scenes, scene_pairs
 from .model import load_model
 from .predict import predict_scene
@@ -35,4 +35,4 @@ from .writer import CLASS_NODATA, GeoTiffRowWriter, default_palette
 
 __all__ = ['BLENDS', 'CLASS_NODATA', 'TTA_FLIPS', 'GeoTiffRowWriter', 'SceneEngine', 'ScenePlan',
            'blend_weights', 'boundary_mask', 'default_palette', 'evaluate_scenes', 'load_model',
-           'nodata_mask', 'predict_scene', 'run_scene', 'scene_pairs', 'window_starts']
+           'predict_scene', 'run_scene', 'scene_pairs', 'window_starts']

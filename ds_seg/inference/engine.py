@@ -8,7 +8,6 @@ row to a sink as soon as no pending window reaches into it. Memory is therefore
 scene and runs one; :func:`~ds_seg.inference.predict_scene` and
 :func:`~ds_seg.inference.evaluate_scenes` are the sinks' owners.
 """
-import math
 import time
 
 import numpy as np
@@ -16,8 +15,8 @@ import torch
 from rasterio.windows import Window
 
 from .. import distributed
-from ..data.geotiff import open_scene
 from ..data.preprocess import BatchPreprocessor, host_dtype
+from ..data.raster import open_scene, read_window, uses_mask_band
 from .tiling import ScenePlan, blend_weights
 
 TTA_FLIPS = {'none': (), 'h': ((-1,),), 'hv': ((-1,), (-2,), (-2, -1))}
@@ -32,32 +31,6 @@ class _Rows:
         self.scores = None  # allocated at the first window: K is known from the model's output
         self.wsum = np.zeros((h, w), np.float32)
         self.nodata = np.zeros((h, w), bool)
-
-
-def nodata_mask(raw_CHW, nodata):
-    """Pixels where every band equals ``nodata`` (NaN-aware), as the datasets define it;
-    in floating-point images also pixels with a non-finite value.
-
-    Example::
-
-        nodata_mask(np.array([[[0, 5]], [[0, 0]]]), 0)   # [[True, False]]
-    """
-    out = np.zeros(raw_CHW.shape[1:], bool)
-    if nodata is not None:
-        if isinstance(nodata, float) and math.isnan(nodata):
-            out |= np.isnan(raw_CHW).all(axis=0)
-        else:
-            out |= (raw_CHW == nodata).all(axis=0)
-    if raw_CHW.dtype.kind == 'f':
-        out |= ~np.isfinite(raw_CHW).all(axis=0)
-    return out
-
-
-def _uses_mask_band(src):
-    # A GDAL mask band or alpha (without a nodata value) marks invalid pixels on its own.
-    from rasterio.enums import MaskFlags
-    return src.nodata is None and any(MaskFlags.per_dataset in f or MaskFlags.alpha in f
-                                      for f in src.mask_flag_enums)
 
 
 def _softmax_probs(forward_fn, images_BCHW, device, tta):
@@ -94,7 +67,7 @@ class SceneEngine:
         self.num_classes = num_classes  # None: from the model's first output
         self.window_dtype = host_dtype(src.dtypes[0])
         self.nodata = src.nodata
-        self.masked = _uses_mask_band(src)
+        self.masked = uses_mask_band(src)
         self.a, self.b = plan.band(rank)
         self.windows = plan.windows(rank)
         # How many windows of each window row are still to be added: a block row can be
@@ -202,10 +175,10 @@ class SceneEngine:
         y = plan.ys[r]
         h = min(plan.tile_h, plan.height - y)
         window = Window(0, y, plan.width, h)
-        raw = self.src.read(indexes=self.band_idx, window=window)
-        mask = nodata_mask(raw, self.nodata)
-        if self.masked:
-            mask |= self.src.dataset_mask(window=window) == 0
+        # A stack of dates is read as one raster: a pixel is nodata when it is on every date.
+        raw, mask = read_window(self.src, window, self.band_idx, self.nodata, self.masked)
+        if mask is None:
+            mask = np.zeros(raw.shape[1:], bool)
         # The nodata mask is a property of the input pixel: record it once per block row.
         yy = max(y, self.a)
         while yy < min(y + h, self.b):

@@ -12,7 +12,7 @@ import torch
 from rasterio.windows import Window
 
 from .. import distributed
-from ..data.geotiff import open_scene
+from ..data.raster import open_scene
 from ..data.vector_labels import is_vector
 from ..metrics import confusion_matrix
 from .engine import run_scene

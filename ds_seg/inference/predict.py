@@ -7,7 +7,7 @@ Example::
 import numpy as np
 
 from .. import distributed
-from ..data.geotiff import open_scene
+from ..data.raster import open_scene
 from .engine import run_scene
 from .tiling import ScenePlan
 from .writer import CLASS_NODATA, GeoTiffRowWriter, join_parts
