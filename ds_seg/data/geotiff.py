@@ -758,9 +758,18 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         out[inside] = self._label_lut[values[inside]]
         return out
 
-    def _read_label(self, s, window):
-        """Class indices (``ignore_index`` for off-palette colours) of ``window`` of scene ``s``:
-        a raster read, a palette decode or vector features rasterised in the image's grid."""
+    def read_label(self, scene_index, window):
+        """Class indices (``ignore_index`` for off-palette colours) of ``window`` of scene
+        ``scene_index``, decoded as for training (a raster through ``label_map`` and
+        ``reduce_zero_label``, a palette decode, or vector features rasterised in the image's
+        grid); nodata and ``boundary_ignore`` are not applied. Label values that are no class
+        stop with the file named.
+
+        Example::
+
+            label = ds.read_label(0, Window(0, 0, 512, 512))
+        """
+        s = self._scenes[scene_index]
         if self.palette is not None:
             label = decode_palette(self._read(s['label'], window, [1, 2, 3]), self._palette_lut)
             label[label < 0] = self.ignore_index  # off-palette noise: ignored, not an error
@@ -792,7 +801,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         for _, bad in reads:  # a pixel that holds no data at any one date is invalid
             if bad is not None:
                 invalid = bad if invalid is None else invalid | bad
-        label = self._read_label(s, window)
+        label = self.read_label(scene, window)
         if raw.dtype != self.image_dtype:
             raw = raw.astype(self.image_dtype)
         nodata_pixels = 0

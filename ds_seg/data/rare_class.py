@@ -108,7 +108,7 @@ def _build(dataset, stride):
     for i, s in enumerate(dataset._scenes):
         for y0 in range(0, s['height'], _BAND_ROWS):
             h = min(_BAND_ROWS, s['height'] - y0)
-            label = np.asarray(dataset._read_label(s, Window(0, y0, s['width'], h)))
+            label = np.asarray(dataset.read_label(i, Window(0, y0, s['width'], h)))
             valid = label[label != ignore].astype(np.int64)
             band_counts = np.bincount(valid, minlength=k)[:k]
             counts += band_counts

@@ -58,39 +58,26 @@ def scene_pairs(scenes):
 
 @contextlib.contextmanager
 def _label_source(dataset, scene_index, label_path, ignore_index, num_classes):
-    """``read(window)`` of a scene's labels: a vector file through its dataset (rasterised in
-    the image grid, as in training), else the label raster (see :func:`_label_reader`)."""
-    if dataset is not None and is_vector(label_path):
-        s = dataset._scenes[scene_index]
-        yield lambda window: dataset._read_label(s, window).astype(np.int64)
-        return
-    with open_scene(label_path) as lbl_src:
-        yield _label_reader(dataset, lbl_src, ignore_index, num_classes)
+    """``read(window) -> int64 class indices`` of a scene's labels.
 
-
-def _label_reader(dataset, label_src, ignore_index, num_classes):
-    """``read(window) -> int64 class indices`` for a label raster.
-
-    With a dataset, its own decoding (colour palette, ``label_map``, ``reduce_zero_label``) is
-    applied, so evaluation counts exactly the classes training learnt; otherwise the file holds
-    class indices. Values that are no class stop the evaluation with the file named.
+    With a dataset, its own decoding (:meth:`~ds_seg.data.geotiff.GeoTiffScenes.read_label`:
+    colour palette, ``label_map``, ``reduce_zero_label``, vector features rasterised in the
+    image grid), so evaluation counts exactly the classes training learnt; otherwise the label
+    raster holds class indices. Values that are no class stop the evaluation with the file named.
     """
-    def read(window):
-        if dataset is not None and getattr(dataset, 'palette', None) is not None:
-            from ..data.transforms import decode_palette
-            lbl = decode_palette(label_src.read([1, 2, 3], window=window), dataset._palette_lut)
-            lbl[lbl < 0] = ignore_index  # off-palette noise is ignored, as in the dataset
-        elif dataset is not None and hasattr(dataset, '_map_labels'):
-            lbl = dataset._map_labels(label_src.read(1, window=window))
-        else:
-            lbl = label_src.read(1, window=window)
+    def checked(lbl, window):
         lbl = lbl.astype(np.int64)
         bad = ((lbl < 0) | (lbl >= num_classes)) & (lbl != ignore_index)
         if bad.any():
-            raise ValueError(f"{label_src.name}: label value {int(lbl[bad].flat[0])} in {window} is not "
+            raise ValueError(f"{label_path}: label value {int(lbl[bad].flat[0])} in {window} is not "
                              f"a class index 0..{num_classes - 1} nor ignore_index {ignore_index}")
         return lbl
-    return read
+
+    if dataset is not None:
+        yield lambda window: checked(dataset.read_label(scene_index, window), window)
+        return
+    with open_scene(label_path) as lbl_src:
+        yield lambda window: checked(lbl_src.read(1, window=window), window)
 
 
 def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, bands=None,
