@@ -83,7 +83,7 @@ def _label_source(dataset, scene_index, label_path, ignore_index, num_classes):
 def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, bands=None,
                     ignore_index=None, erode_boundary=None, tile=512, overlap=128, batch_size=8,
                     blend='gaussian', tta='none', block=256, device='cpu', preview_size=0,
-                    progress=None, rank=None, world_size=None):
+                    progress=None):
     """Confusion matrix (int64 ``[K, K]``, rows = truth) of whole scenes, summed over ranks.
 
     ``scenes`` is a :class:`~ds_seg.data.geotiff.GeoTiffScenes` (its bands, mean, std, classes,
@@ -100,8 +100,7 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
         cm = evaluate_scenes(model, val_set, tile=512, overlap=128, erode_boundary=3)['confusion']
         metrics_from_confusion(cm, val_set.classes, exclude=('clutter',))
     """
-    rank = distributed.rank() if rank is None else rank
-    world_size = distributed.world_size() if world_size is None else world_size
+    world_size = distributed.world_size()
     dataset = scenes if hasattr(scenes, 'scenes') else None
     if dataset is not None:
         if ignore_index is None:
@@ -157,8 +156,7 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
 
             s = run_scene(forward_fn, image_path, sink, mean, std, bands=bands, tile=tile,
                           overlap=overlap, batch_size=batch_size, blend=blend, tta=tta, block=block,
-                          device=device, num_classes=num_classes, rank=rank, world_size=world_size,
-                          progress=progress)
+                          device=device, num_classes=num_classes, progress=progress)
         for key in ('windows', 'forward_calls', 'seconds'):
             stats[key] += s[key]
         if step:

@@ -23,18 +23,17 @@ def _to_outputs(scores, wsum, nodata, with_probs):
     return classes, probs
 
 
-def predict_scene(forward_fn, image_path, out_path=None, mean=None, std=None, classes=None,
+def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes=None,
                   probs_path=None, palette=None, tile=512, overlap=128, batch_size=8,
                   blend='gaussian', tta='none', block=256, bands=None, device='cpu',
-                  accumulate_dtype='float32', progress=None, rank=None, world_size=None):
-    """Label one GeoTIFF scene of any size; returns a summary dict (and the map if no path).
+                  accumulate_dtype='float32', progress=None):
+    """Label one GeoTIFF scene of any size into ``out_path``; returns a summary dict.
 
-    With ``out_path`` a uint8 class map is written with the input's CRS, transform and size,
-    tiled and ZSTD-compressed, nodata 255 where the input is nodata, class names in the tags
-    and a colour table; ``probs_path`` adds a K-band uint8 GeoTIFF of probabilities x 250.
-    Without ``out_path`` the class map is returned as ``result['classes']`` (small scenes,
-    tests). With several ranks every rank calls this; each writes its band to a part file next
-    to ``out_path`` and rank 0 joins them (so ``out_path`` must be on a shared file system).
+    A uint8 class map is written with the input's CRS, transform and size, tiled and
+    ZSTD-compressed, nodata 255 where the input is nodata, class names in the tags and a colour
+    table; ``probs_path`` adds a K-band uint8 GeoTIFF of probabilities x 250. With several
+    ranks every rank calls this; each writes its band to a part file next to ``out_path`` and
+    rank 0 joins them (so ``out_path`` must be on a shared file system).
 
     Example::
 
@@ -44,23 +43,18 @@ def predict_scene(forward_fn, image_path, out_path=None, mean=None, std=None, cl
     """
     if mean is None or std is None:
         raise ValueError("predict_scene: mean and std (the training normalisation) are required")
-    rank = distributed.rank() if rank is None else rank
-    world_size = distributed.world_size() if world_size is None else world_size
+    rank, world_size = distributed.rank(), distributed.world_size()
     k = len(classes) if classes is not None else None
     with open_scene(image_path) as src:
         profile = dict(src.profile)
     writer = None
-    result_map = None
-    part = world_size > 1 and out_path is not None
+    part = world_size > 1
     plan = ScenePlan(profile['height'], profile['width'], tile, overlap, block, world_size)
     a, b = plan.band(rank)
 
     def sink(y0, scores, wsum, nodata):
         nonlocal writer
         cls, probs = _to_outputs(scores, wsum, nodata, probs_path is not None)
-        if out_path is None:
-            result_map[y0:y0 + cls.shape[0]] = cls
-            return
         if writer is None:
             names = list(classes) if classes is not None else [f'class_{i}' for i in range(scores.shape[0])]
             if part:
@@ -71,8 +65,6 @@ def predict_scene(forward_fn, image_path, out_path=None, mean=None, std=None, cl
                 writer = GeoTiffRowWriter(out_path, profile, names, palette, probs_path, block)
         writer.write(y0 - (a if part else 0), cls, probs)
 
-    if out_path is None:
-        result_map = np.full((profile['height'], profile['width']), CLASS_NODATA, np.uint8)
     try:
         stats = run_scene(forward_fn, image_path, sink, mean, std, bands=bands, tile=tile,
                           overlap=overlap, batch_size=batch_size, blend=blend, tta=tta, block=block,
@@ -84,11 +76,7 @@ def predict_scene(forward_fn, image_path, out_path=None, mean=None, std=None, cl
     if part:
         distributed.barrier()  # every part file is closed
         if rank == 0:
-            join_parts(out_path, probs_path, profile, plan, classes, palette, block)
+            join_parts(out_path, probs_path, profile, plan, palette, block)
         distributed.barrier()
-    if out_path is None and world_size > 1:
-        # Rows of other ranks are 255 here; a max-reduce would need a collective of its own.
-        stats['band_only'] = True
-    stats['classes'] = result_map
     stats['out_path'] = out_path
     return stats

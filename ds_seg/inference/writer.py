@@ -47,7 +47,7 @@ class GeoTiffRowWriter:
     """
 
     def __init__(self, path, src_profile, classes, palette=None, probs_path=None, block=256,
-                 row_offset=0, height=None, compress='zstd'):
+                 row_offset=0, height=None):
         self.classes = list(classes)
         k = len(self.classes)
         if k > 255:
@@ -56,7 +56,7 @@ class GeoTiffRowWriter:
         transform = src_profile['transform'] @ rasterio.Affine.translation(0, row_offset)
         common = dict(driver='GTiff', width=src_profile['width'], height=height,
                       crs=src_profile.get('crs'), transform=transform, tiled=True,
-                      blockxsize=block, blockysize=block, compress=compress, BIGTIFF='IF_SAFER')
+                      blockxsize=block, blockysize=block, compress='zstd', BIGTIFF='IF_SAFER')
         self.block = block
         self.paths = [path]
         self.dst = rasterio.open(path, 'w', count=1, dtype='uint8', nodata=CLASS_NODATA,
@@ -92,7 +92,7 @@ class GeoTiffRowWriter:
             self.probs.close()
 
 
-def join_parts(out_path, probs_path, profile, plan, classes, palette, block):
+def join_parts(out_path, probs_path, profile, plan, palette, block):
     """Copy the ranks' part files into the final GeoTIFF, one block row at a time."""
     first = f'{out_path}.part0'
     with rasterio.open(first) as p:

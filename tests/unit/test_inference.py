@@ -1,6 +1,8 @@
 """Whole-scene inference: stitching reproduces a reference map exactly, outputs are
 georeferenced like the input, blending weights add up, evaluation counts what it should."""
 import json
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -51,6 +53,15 @@ def write_scene(path, height, width, bands=2, nodata=NODATA, seed=0, block=64):
     return img, ref
 
 
+def predict_classes(model, scene, folder, **kw):
+    """The class map ``predict_scene`` writes for ``scene`` (to a new GeoTIFF under ``folder``),
+    read back, and its summary."""
+    out = os.path.join(tempfile.mkdtemp(dir=str(folder)), 'classes.tif')
+    stats = inf.predict_scene(model, scene, out, **kw)
+    with rasterio.open(out) as dst:
+        return dst.read(1), stats
+
+
 @pytest.fixture(scope='module')
 def scene(tmp_path_factory):
     path = str(tmp_path_factory.mktemp('scene') / 'scene.tif')
@@ -74,35 +85,53 @@ def test_window_starts_cover_the_scene_with_the_last_window_flush():
     (512, 128, 4, 'gaussian', 256, 'none'),    # one window larger than the scene, padded
     ((40, 72), 12, 5, 'gaussian', 32, 'none'),  # non-square tiles
 ])
-def test_fake_model_reproduces_reference_at_any_tiling(scene, tile, overlap, batch_size, blend, block, tta):
+def test_fake_model_reproduces_reference_at_any_tiling(scene, tmp_path, tile, overlap, batch_size, blend, block,
+                                                      tta):
     path, _, ref = scene
     model = LookupModel()
-    out = inf.predict_scene(model, path, mean=[0, 0], std=[1, 1], tile=tile, overlap=overlap,
-                            batch_size=batch_size, blend=blend, block=block, tta=tta)
-    np.testing.assert_array_equal(out['classes'], ref)
+    classes, out = predict_classes(model, path, tmp_path, mean=[0, 0], std=[1, 1], tile=tile, overlap=overlap,
+                                   batch_size=batch_size, blend=blend, block=block, tta=tta)
+    np.testing.assert_array_equal(classes, ref)
     flips = {'none': 0, 'h': 1, 'hv': 3}[tta]
     assert model.calls == out['forward_calls'] == np.ceil(out['windows'] / batch_size) * (1 + flips)
     assert max(model.batch_sizes) <= batch_size
 
 
+def _block_rows(model, path, rank, world_size, **kw):
+    """``{y0: (scores, wsum, nodata)}`` of the block rows ``rank`` hands over, and the summary."""
+    rows = {}
+
+    def sink(y0, scores, wsum, nodata):
+        rows[y0] = (scores.copy(), wsum.copy(), nodata.copy())
+
+    return rows, inf.run_scene(model, path, sink, rank=rank, world_size=world_size, **kw)
+
+
 def test_ranks_split_bands_with_equal_forward_calls_and_identical_rows(scene):
-    # In-process "ranks" (no process group): each computes only its band; together they equal
-    # the single-rank map, and every rank makes the same number of forward calls.
+    # In-process "ranks" (no process group): each computes only its band; together their block
+    # rows are the single-rank rows bit for bit, and every rank makes the same number of
+    # forward calls.
     path, _, ref = scene
     kw = dict(mean=[0, 0], std=[1, 1], tile=48, overlap=12, batch_size=5, block=32)
-    single = inf.predict_scene(LookupModel(), path, rank=0, world_size=1, **kw)['classes']
+    single, _ = _block_rows(LookupModel(), path, 0, 1, **kw)
     for world in (2, 3, 8):  # 8 ranks > 7 block rows: some ranks own nothing but still run
-        stitched = np.full_like(single, 7)
+        stitched = {}
         calls = []
         for r in range(world):
             model = LookupModel()
-            out = inf.predict_scene(model, path, rank=r, world_size=world, **kw)
+            rows, out = _block_rows(model, path, r, world, **kw)
             a, b = out['band']
-            stitched[a:b] = out['classes'][a:b]
+            assert all(a <= y0 < b for y0 in rows), (out['band'], sorted(rows))
+            stitched.update(rows)
             calls.append(model.calls)
-        np.testing.assert_array_equal(stitched, single)
+        assert sorted(stitched) == sorted(single)
+        for y0, arrays in single.items():
+            for mine, theirs in zip(stitched[y0], arrays):
+                np.testing.assert_array_equal(mine, theirs)
         assert len(set(calls)) == 1, f'forward calls per rank differ: {calls}'
-    np.testing.assert_array_equal(single, ref)
+    classes = np.concatenate([single[y0][0].argmax(0) for y0 in sorted(single)])
+    classes[np.concatenate([single[y0][2] for y0 in sorted(single)])] = inf.CLASS_NODATA
+    np.testing.assert_array_equal(classes, ref)
 
 
 def test_output_geotiff_keeps_georeference_nodata_and_block_layout(scene, tmp_path):
@@ -137,7 +166,7 @@ def test_float_input_nan_counts_as_nodata(tmp_path):
     with rasterio.open(path, 'w', driver='GTiff', width=30, height=40, count=1, dtype='float32',
                        crs='EPSG:4326', transform=TRANSFORM) as dst:
         dst.write(img)
-    out = inf.predict_scene(LookupModel(), path, mean=[0], std=[1], tile=16, overlap=4, block=16)['classes']
+    out, _ = predict_classes(LookupModel(), path, tmp_path, mean=[0], std=[1], tile=16, overlap=4, block=16)
     assert out[3, 4] == inf.CLASS_NODATA
     ok = np.ones(out.shape, bool)
     ok[3, 4] = False
