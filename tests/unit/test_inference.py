@@ -206,23 +206,69 @@ def test_weights_positive_everywhere_and_corners_not_faded(tmp_path, blend):
     assert inner.min() > 0 and np.allclose(inner, inner[::-1, ::-1])
 
 
-def test_blended_probabilities_are_a_weighted_mean(tmp_path):
-    # A constant-probability model gives back exactly its probabilities after normalising by
-    # the weight sum, at every pixel, whatever the overlap pattern.
-    path = str(tmp_path / 'c.tif')
-    write_scene(path, 45, 61, bands=1, nodata=None)
-    logits = torch.tensor([0.3, -1.0, 2.0, 0.0, 0.5])
-    expected = torch.softmax(logits, 0).numpy()
-    got = []
+class WindowModel:
+    """Logits that differ between overlapping windows at the same scene pixel: each pixel's own
+    value plus ramps over the window's rows and columns plus the window's mean. A blend that
+    weighs the windows wrongly (or not at all) therefore changes the result, unlike with a
+    model whose output at a pixel is the same in every window."""
 
-    def sink(y0, scores, wsum, nodata):
-        got.append(scores / wsum)
+    def __call__(self, images_BCHW):
+        b, _, h, w = images_BCHW.shape
+        rows = torch.linspace(-1.5, 1.5, h).view(1, h, 1)
+        cols = torch.linspace(-1.5, 1.5, w).view(1, 1, w)
+        mean = images_BCHW.mean(dim=(1, 2, 3)).view(b, 1, 1)
+        x = images_BCHW[:, 0]
+        return torch.stack([x + rows, images_BCHW[:, 1] - cols, 4 * mean + rows * cols], 1)
 
-    inf.run_scene(lambda x: logits.view(1, K, 1, 1).expand(x.shape[0], K, *x.shape[2:]), path, sink,
-                  mean=[0], std=[1], tile=20, overlap=9, blend='gaussian', block=16)
-    probs = np.concatenate(got, axis=1)
-    assert probs.shape == (K, 45, 61)
-    np.testing.assert_allclose(probs, expected[:, None, None] * np.ones((1, 45, 61)), rtol=1e-5)
+
+def _numpy_blend(image_CHW, model, tile, overlap, blend):
+    """Blended probabilities ``[K, H, W]`` computed window by window in float64 NumPy, with the
+    engine's window starts and weights but none of its accumulation code."""
+    _, height, width = image_CHW.shape
+    ys, xs = inf.window_starts(height, tile, overlap), inf.window_starts(width, tile, overlap)
+    scores, wsum = np.zeros((3, height, width)), np.zeros((height, width))
+    for r, y in enumerate(ys):
+        for c, x in enumerate(xs):
+            window = torch.from_numpy(image_CHW[None, :, y:y + tile, x:x + tile].copy())
+            logits = model(window)[0].numpy().astype(np.float64)
+            probs = np.exp(logits - logits.max(0))
+            probs /= probs.sum(0)
+            weights = inf.blend_weights((tile, tile), overlap, blend,
+                                        borders=(r == 0, r == len(ys) - 1, c == 0, c == len(xs) - 1))
+            scores[:, y:y + tile, x:x + tile] += probs * weights
+            wsum[y:y + tile, x:x + tile] += weights
+    return scores / wsum
+
+
+@pytest.mark.parametrize('blend', ['gaussian', 'linear', 'none'])
+def test_blend_equals_a_numpy_blend_of_window_dependent_outputs(tmp_path, blend):
+    # A float GeoTIFF in [0, 1) normalised with mean 0, std 1: the model sees the file's values.
+    # 75 x 61 with tiles of 24 and overlap 10: the last window of each row and column overlaps
+    # its neighbour more than the others do, so the weights do not form a regular pattern.
+    path = str(tmp_path / 'scene.tif')
+    image = np.random.default_rng(1).random((2, 75, 61)).astype(np.float32)
+    with rasterio.open(path, 'w', driver='GTiff', width=61, height=75, count=2, dtype='float32',
+                       crs='EPSG:32632', transform=TRANSFORM) as dst:
+        dst.write(image)
+    kw = dict(mean=[0, 0], std=[1, 1], tile=24, overlap=10, blend=blend, block=16, batch_size=5)
+    expected = _numpy_blend(image, WindowModel(), 24, 10, blend)
+    if blend != 'none':  # the weights matter: the unweighted mean of the windows is far off
+        assert np.abs(expected - _numpy_blend(image, WindowModel(), 24, 10, 'none')).max() > 0.05
+
+    rows, _ = _block_rows(WindowModel(), path, 0, 1, **kw)
+    blended = np.concatenate([rows[y0][0] / rows[y0][1] for y0 in sorted(rows)], axis=1)
+    np.testing.assert_allclose(blended, expected, rtol=0, atol=1e-5)
+
+    # The probabilities GeoTIFF holds round(p * 250): equal to the reference's except where
+    # p * 250 is within float32 noise of a rounding boundary.
+    probs_path = str(tmp_path / 'probs.tif')
+    predict_classes(WindowModel(), path, tmp_path, probs_path=probs_path, **kw)
+    with rasterio.open(probs_path) as src:
+        written = src.read().astype(np.int64)
+    scaled = expected * 250
+    on_boundary = np.abs(scaled - np.floor(scaled) - 0.5) < 1e-3
+    assert (written == np.rint(scaled))[~on_boundary].all()
+    assert np.abs(written - np.rint(scaled)).max() <= 1
 
 
 def test_memory_is_bounded_by_a_band_of_block_rows(tmp_path):
