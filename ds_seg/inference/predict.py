@@ -24,9 +24,9 @@ def _to_outputs(scores, wsum, nodata, with_probs):
 
 
 def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes=None,
-                  probs_path=None, palette=None, tile=512, overlap=128, batch_size=8,
-                  blend='gaussian', tta='none', block=256, bands=None, device='cpu',
-                  accumulate_dtype='float32', progress=None):
+                  probs_path=None, tile=512, overlap=128, batch_size=8, blend='gaussian',
+                  tta='none', block=256, bands=None, device='cpu', accumulate_dtype='float32',
+                  progress=None):
     """Label one GeoTIFF scene of any size into ``out_path``; returns a summary dict.
 
     A uint8 class map is written with the input's CRS, transform and size, tiled and
@@ -58,11 +58,11 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
         if writer is None:
             names = list(classes) if classes is not None else [f'class_{i}' for i in range(scores.shape[0])]
             if part:
-                writer = GeoTiffRowWriter(f'{out_path}.part{rank}', profile, names, palette,
+                writer = GeoTiffRowWriter(f'{out_path}.part{rank}', profile, names,
                                           f'{probs_path}.part{rank}' if probs_path else None,
                                           block, row_offset=a, height=b - a)
             else:
-                writer = GeoTiffRowWriter(out_path, profile, names, palette, probs_path, block)
+                writer = GeoTiffRowWriter(out_path, profile, names, probs_path, block)
         writer.write(y0 - (a if part else 0), cls, probs)
 
     try:
@@ -76,7 +76,7 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
     if part:
         distributed.barrier()  # every part file is closed
         if rank == 0:
-            join_parts(out_path, probs_path, profile, plan, palette, block)
+            join_parts(out_path, probs_path, profile, plan, block)
         distributed.barrier()
     stats['out_path'] = out_path
     return stats

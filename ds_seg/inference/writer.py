@@ -46,7 +46,7 @@ class GeoTiffRowWriter:
         w.close()
     """
 
-    def __init__(self, path, src_profile, classes, palette=None, probs_path=None, block=256,
+    def __init__(self, path, src_profile, classes, probs_path=None, block=256,
                  row_offset=0, height=None):
         self.classes = list(classes)
         k = len(self.classes)
@@ -58,10 +58,9 @@ class GeoTiffRowWriter:
                       crs=src_profile.get('crs'), transform=transform, tiled=True,
                       blockxsize=block, blockysize=block, compress='zstd', BIGTIFF='IF_SAFER')
         self.block = block
-        self.paths = [path]
         self.dst = rasterio.open(path, 'w', count=1, dtype='uint8', nodata=CLASS_NODATA,
                                  photometric='PALETTE', **common)
-        palette = palette or default_palette(k)
+        palette = default_palette(k)
         self.dst.write_colormap(1, {i: tuple(palette[i][:3]) + (255,) for i in range(k)}
                                 | {CLASS_NODATA: (0, 0, 0, 0)})
         self.dst.set_band_description(1, 'class')
@@ -69,7 +68,6 @@ class GeoTiffRowWriter:
                              **{f'CLASS_{i}': n for i, n in enumerate(self.classes)})
         self.probs = None
         if probs_path:
-            self.paths.append(probs_path)
             # 0..250 in steps of 1/250 (255 stays free as nodata)
             self.probs = rasterio.open(probs_path, 'w', count=k, dtype='uint8', nodata=255,
                                        photometric='MINISBLACK', interleave='band', **common)
@@ -92,12 +90,12 @@ class GeoTiffRowWriter:
             self.probs.close()
 
 
-def join_parts(out_path, probs_path, profile, plan, palette, block):
+def join_parts(out_path, probs_path, profile, plan, block):
     """Copy the ranks' part files into the final GeoTIFF, one block row at a time."""
     first = f'{out_path}.part0'
     with rasterio.open(first) as p:
         names = json.loads(p.tags()['classes'])
-    writer = GeoTiffRowWriter(out_path, profile, names, palette, probs_path, block)
+    writer = GeoTiffRowWriter(out_path, profile, names, probs_path, block)
     try:
         for r in range(plan.world_size):
             a, b = plan.band(r)
