@@ -22,7 +22,7 @@ import torch
 from ds_seg.cli.predict import Progress, add_window_args, normalisation, setup, window_kwargs  # noqa: E402
 
 from ds_seg import distributed  # noqa: E402
-from ds_seg.inference import _scene_pairs, default_palette, evaluate_scenes, load_model  # noqa: E402
+from ds_seg.inference import default_palette, evaluate_scenes, load_model, scene_pairs  # noqa: E402
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
                            expand_inputs)
 from ds_seg.metrics import metrics_from_confusion  # noqa: E402
@@ -146,7 +146,7 @@ def main(argv=None):
             os.makedirs(args.output, exist_ok=True)
             record = dict(**metrics, confusion=cm.tolist(), classes=classes, exclude=list(args.exclude),
                           erode_boundary=args.erode, checkpoint=os.path.abspath(args.checkpoint),
-                          scenes=[p[0] for p in _scene_pairs(scenes)],
+                          scenes=[p[0] for p in scene_pairs(scenes)],
                           windows=result['windows'], world_size=distributed.world_size(),
                           settings=window_kwargs(args))
             with open(os.path.join(args.output, 'eval.json'), 'w') as f:

@@ -43,7 +43,6 @@ import contextlib
 import glob
 import hashlib
 import json
-import math
 import os
 import random
 import warnings
@@ -52,7 +51,7 @@ from collections import Counter, OrderedDict
 import numpy as np
 import rasterio
 import torch
-from rasterio.enums import MaskFlags, Resampling
+from rasterio.enums import Resampling
 from rasterio.errors import NotGeoreferencedWarning
 from rasterio.windows import Window
 
@@ -60,6 +59,8 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
+from .raster import (DataError, StackedRaster, gdal_path, is_remote, nodata_mask, open_raster, raster_env,
+                     read_window, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -71,14 +72,6 @@ STATS_CACHE_FILE = '.ds_seg_stats.json'  # our own cache of statistics computed 
 LABELS_CACHE_FILE = '.ds_seg_labels.json'  # per label file: value histogram of a full scan
 _MAX_OPEN_FILES = 16
 _CHECK_PIXELS = 256                  # long side of the decimated label read at construction
-
-
-class DataError(ConfigError):
-    """Bad input data (missing/corrupt file, mismatched pair, bad labels), found before training.
-
-    A :class:`~ds_seg.config.ConfigError` (so a ``ValueError``): ``launch/train.py`` prints its
-    one-line message, which names the file(s), and stops before training starts.
-    """
 
 
 def configure_gdal_for_worker(cache_mb=64):
@@ -119,56 +112,6 @@ def _keep_large_buffers_in_heap():
 def _dtype_range(dtype):
     info = np.iinfo(dtype) if np.dtype(dtype).kind in 'iu' else np.finfo(dtype)
     return info.min, info.max
-
-
-# URL schemes GDAL reads through its virtual file systems: only the byte ranges of the blocks
-# under a window travel, so a 10 GB cloud-optimised GeoTIFF is never downloaded whole.
-_VSI_PREFIXES = {'http://': '/vsicurl/', 'https://': '/vsicurl/', 's3://': '/vsis3/',
-                 'gs://': '/vsigs/', 'az://': '/vsiaz/'}
-# What remote reads need, in one place (rasterio.Env around every remote open and read):
-REMOTE_GDAL_OPTIONS = dict(
-    GDAL_DISABLE_READDIR_ON_OPEN='EMPTY_DIR',  # no directory listing (one request, not hundreds)
-    CPL_VSIL_CURL_ALLOWED_EXTENSIONS='.tif,.tiff,.TIF,.TIFF,.vrt,.jp2,.img',  # no probes for .aux.xml, .ovr
-    VSI_CACHE=True, VSI_CACHE_SIZE=32 << 20,  # per-file cache of fetched ranges (header, IFDs)
-    GDAL_HTTP_MERGE_CONSECUTIVE_RANGES='YES',  # adjacent tiles of a window: one request
-    GDAL_HTTP_MULTIPLEX='YES',                 # HTTP/2: parallel ranges on one connection
-    GDAL_HTTP_MAX_RETRY=4, GDAL_HTTP_RETRY_DELAY=0.5,  # a 429/503 from object storage is transient
-)
-
-
-def is_remote(path):
-    """True for ``http(s)://``, ``s3://``, ``gs://``, ``az://`` URLs and ``/vsi*`` paths."""
-    path = os.fspath(path)
-    return path.startswith(tuple(_VSI_PREFIXES)) or path.startswith('/vsi')
-
-
-def gdal_path(path):
-    """The name GDAL opens: ``https://h/a.tif`` -> ``/vsicurl/https://h/a.tif``, ``s3://b/k`` ->
-    ``/vsis3/b/k``; local paths and ``/vsi*`` names unchanged.
-
-    Example::
-
-        assert gdal_path('s3://bucket/scene.tif') == '/vsis3/bucket/scene.tif'
-    """
-    path = os.fspath(path)
-    for scheme, prefix in _VSI_PREFIXES.items():
-        if path.startswith(scheme):
-            return prefix + (path if prefix == '/vsicurl/' else path[len(scheme):])
-    return path
-
-
-def raster_env(path):
-    """``rasterio.Env`` with :data:`REMOTE_GDAL_OPTIONS` for a remote path, else a no-op context.
-
-    Example::
-
-        with raster_env(url), rasterio.open(gdal_path(url)) as src:
-            block = src.read(1, window=Window(0, 0, 512, 512))
-    """
-    # A VRT (STAC bands stacked) may point at remote assets: its reads need the options too.
-    if is_remote(path) or os.fspath(path).lower().endswith('.vrt'):
-        return rasterio.Env(**REMOTE_GDAL_OPTIONS)
-    return contextlib.nullcontext()
 
 
 def file_identity(path, sample_bytes=1 << 16):
@@ -253,117 +196,6 @@ def grid_starts(length, crop):
     return list(range(0, length - crop, crop)) + [length - crop]
 
 
-def open_raster(path):
-    """``rasterio.open`` with the two user errors turned into one line naming the file.
-
-    URLs (:func:`is_remote`) open through GDAL's virtual file systems with
-    :data:`REMOTE_GDAL_OPTIONS`.
-    """
-    if is_remote(path):
-        try:
-            with raster_env(path), warnings.catch_warnings():
-                warnings.simplefilter('ignore', NotGeoreferencedWarning)
-                return rasterio.open(gdal_path(path))
-        except rasterio.errors.RasterioIOError as e:
-            raise DataError(f"{path}: cannot open (unreachable URL, no permission, or not a "
-                            f"raster): {e}") from e
-    if not os.path.exists(path):
-        raise DataError(f"{path}: no such file")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore', NotGeoreferencedWarning)  # PNG/JPG patches
-            return rasterio.open(path)
-    except rasterio.errors.RasterioIOError as e:
-        raise DataError(f"{path}: not a readable raster (corrupt or not an image): {e}") from e
-
-
-class StackedRaster:
-    """Co-registered rasters of one scene at several dates, read as one raster of T*C bands.
-
-    Bands are date-major: band ``t * C + b`` (1-based ``b``) is band ``b`` of date ``t``, the
-    layout :class:`GeoTiffScenes` yields for a time series and
-    :class:`~ds_seg.models.temporal.TemporalSegmentor` expects. Enough of a rasterio dataset
-    for whole-scene prediction (``count``, ``dtypes``, ``nodata``, ``profile``, ``read``,
-    ``dataset_mask``, ``mask_flag_enums``).
-
-    Example::
-
-        with StackedRaster(['may.tif', 'aug.tif']) as src:      # 2 dates x 4 bands
-            x = src.read(window=Window(0, 0, 256, 256))          # (8, 256, 256)
-    """
-
-    def __init__(self, paths):
-        self.paths = [os.fspath(p) for p in paths]
-        self.check(self.paths)
-        self._srcs = [open_raster(p) for p in self.paths]
-        first = self._srcs[0]
-        self.per_date = first.count
-        self.count = first.count * len(self._srcs)
-        self.dtypes = tuple(first.dtypes) * len(self._srcs)
-        self.nodata, self.height, self.width = first.nodata, first.height, first.width
-        self.crs, self.transform = first.crs, first.transform
-        self.mask_flag_enums = tuple(first.mask_flag_enums) * len(self._srcs)
-        self.profile = dict(first.profile, count=self.count)
-
-    @staticmethod
-    def check(paths):
-        """Refuse dates that are not on one grid (size, transform, CRS, band count)."""
-        grids = []
-        for p in paths:
-            with open_raster(p) as src:
-                grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.count))
-        for p, g in zip(paths[1:], grids[1:]):
-            if g != grids[0]:
-                raise DataError(f"{p} is not co-registered with {paths[0]} (size, transform, CRS or "
-                                f"band count differ: {g[:2]} {g[2]} {g[3]} {g[4]} vs {grids[0][:2]} "
-                                f"{grids[0][2]} {grids[0][3]} {grids[0][4]}); resample the dates onto one grid")
-
-    def read(self, indexes=None, window=None):
-        idx = list(range(1, self.count + 1)) if indexes is None else [int(i) for i in indexes]
-        out = []
-        for i in idx:
-            t, b = divmod(i - 1, self.per_date)
-            with raster_env(self.paths[t]):
-                out.append(self._srcs[t].read(b + 1, window=window))
-        return np.stack(out)
-
-    def dataset_mask(self, window=None):
-        masks = []
-        for p, s in zip(self.paths, self._srcs):
-            with raster_env(p):
-                masks.append(s.dataset_mask(window=window))
-        return np.minimum.reduce(masks)
-
-    def close(self):
-        for s in self._srcs:
-            s.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-
-@contextlib.contextmanager
-def open_scene(path):
-    """A whole scene for prediction: one raster (path or URL), or a list of dates stacked
-    (:class:`StackedRaster`); remote reads get :data:`REMOTE_GDAL_OPTIONS`.
-
-    Example::
-
-        with open_scene(['may.tif', 'aug.tif']) as src:
-            print(src.count, src.height, src.width)
-    """
-    if isinstance(path, (list, tuple)):
-        with StackedRaster(path) as src:
-            yield src
-        return
-    with raster_env(path), rasterio.open(gdal_path(path)) as src:
-        yield src
-
-
 def inspect_pair(image, label, palette=None):
     """Open an image and its label and check they can be paired (size, geotransform, CRS, label
     bands); returns what the dataset needs to know of the scene. Shared with evaluation."""
@@ -389,11 +221,8 @@ def inspect_pair(image, label, palette=None):
         if palette is not None and lbl.count < 3:
             raise DataError(f"label {label} has {lbl.count} band(s) but `palette` expects RGB "
                             f"colour-coded labels (image {image})")
-        # A GDAL mask band or alpha (not a nodata value) marks invalid pixels on its own.
-        masked = img.nodata is None and any(
-            MaskFlags.per_dataset in f or MaskFlags.alpha in f for f in img.mask_flag_enums)
         return dict(image=image, label=label, width=img.width, height=img.height,
-                    count=img.count, nodata=img.nodata, masked=masked, dtype=img.dtypes[0],
+                    count=img.count, nodata=img.nodata, masked=uses_mask_band(img), dtype=img.dtypes[0],
                     floating=np.dtype(img.dtypes[0]).kind == 'f')
 
 
@@ -597,10 +426,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             if self.palette is not None:
                 raise DataError(f"labels {label}: a vector file has no colours; drop `palette`")
             with open_raster(image) as img:
-                masked = img.nodata is None and any(
-                    MaskFlags.per_dataset in f or MaskFlags.alpha in f for f in img.mask_flag_enums)
                 return dict(image=image, label=label, width=img.width, height=img.height,
-                            count=img.count, nodata=img.nodata, masked=masked, dtype=img.dtypes[0],
+                            count=img.count, nodata=img.nodata, masked=uses_mask_band(img), dtype=img.dtypes[0],
                             floating=np.dtype(img.dtypes[0]).kind == 'f', vector=True,
                             crs=img.crs, transform=img.transform)
         return inspect_pair(image, label, self.palette)
@@ -718,9 +545,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     x = src.read(out_shape=shape).reshape(s['count'], -1).astype(np.float64)
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{s['image']}: cannot be read (corrupt or truncated?): {e}") from e
-            keep = np.isfinite(x).all(0)
-            if s['nodata'] is not None:
-                keep &= ~self._nodata_mask(x, s['nodata'])
+            keep = ~nodata_mask(x, s['nodata'])
             x = x[:, keep]
             total += x.sum(1)
             total_sq += (x * x).sum(1)
@@ -908,23 +733,17 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             self._handles.move_to_end(path)
         return src
 
-    def _read(self, path, window, indexes, masks=False):
+    def _read(self, path, window, indexes, scene=None):
+        """Bands ``indexes`` of ``window``; given the ``scene`` (its dict) the image is read
+        with its nodata mask, as :func:`~ds_seg.data.raster.read_window` returns them."""
         try:
             src = self._open(path)
             with raster_env(path):  # a no-op for local files
-                if masks:
-                    return src.dataset_mask(window=window)
+                if scene is not None:
+                    return read_window(src, window, indexes, scene['nodata'], scene['masked'])
                 return src.read(indexes=indexes, window=window)
         except Exception as e:  # a worker's traceback alone would not say which file broke
             raise RuntimeError(f"{path}: cannot read window {window}: {e}") from e
-
-    @staticmethod
-    def _nodata_mask(raw_CHW, nodata, dates=1):
-        # nodata on every band of any one date: that date is missing, the pixel is invalid
-        x = raw_CHW.reshape((dates, -1) + raw_CHW.shape[1:])
-        if isinstance(nodata, float) and math.isnan(nodata):
-            return np.isnan(x).all(axis=1).any(axis=0)
-        return (x == nodata).all(axis=1).any(axis=0)
 
     def _map_labels(self, raw):
         """File values -> int16 class indices, ignore_index, or -1 where not allowed."""
@@ -939,9 +758,18 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         out[inside] = self._label_lut[values[inside]]
         return out
 
-    def _read_label(self, s, window):
-        """Class indices (``ignore_index`` for off-palette colours) of ``window`` of scene ``s``:
-        a raster read, a palette decode or vector features rasterised in the image's grid."""
+    def read_label(self, scene_index, window):
+        """Class indices (``ignore_index`` for off-palette colours) of ``window`` of scene
+        ``scene_index``, decoded as for training (a raster through ``label_map`` and
+        ``reduce_zero_label``, a palette decode, or vector features rasterised in the image's
+        grid); nodata and ``boundary_ignore`` are not applied. Label values that are no class
+        stop with the file named.
+
+        Example::
+
+            label = ds.read_label(0, Window(0, 0, 512, 512))
+        """
+        s = self._scenes[scene_index]
         if self.palette is not None:
             label = decode_palette(self._read(s['label'], window, [1, 2, 3]), self._palette_lut)
             label[label < 0] = self.ignore_index  # off-palette noise: ignored, not an error
@@ -967,20 +795,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         rh = min(h, s['height'] - y)
         rw = min(w, s['width'] - x)
         window = Window(int(x), int(y), int(rw), int(rh))
-        paths = s.get('dates', (s['image'],))
-        raw = self._read(paths[0], window, self.bands)
-        if len(paths) > 1:
-            raw = np.concatenate([raw] + [self._read(p, window, self.bands) for p in paths[1:]])
-        label = self._read_label(s, window)
+        reads = [self._read(p, window, self.bands, s) for p in s.get('dates', (s['image'],))]
+        raw = reads[0][0] if len(reads) == 1 else np.concatenate([r for r, _ in reads])
         invalid = None
-        if s['nodata'] is not None:
-            invalid = self._nodata_mask(raw, s['nodata'], len(paths))
-        if s['floating']:
-            bad = ~np.isfinite(raw).all(axis=0)
-            invalid = bad if invalid is None else invalid | bad
-        if s['masked']:
-            bad = np.logical_or.reduce([self._read(p, window, None, masks=True) == 0 for p in paths])
-            invalid = bad if invalid is None else invalid | bad
+        for _, bad in reads:  # a pixel that holds no data at any one date is invalid
+            if bad is not None:
+                invalid = bad if invalid is None else invalid | bad
+        label = self.read_label(scene, window)
         if raw.dtype != self.image_dtype:
             raw = raw.astype(self.image_dtype)
         nodata_pixels = 0

@@ -120,9 +120,11 @@ class RangeServer:
                 self.send_header('Content-Length', str(n))
                 self.send_header('Accept-Ranges', 'bytes')
                 self.end_headers()
+                # Counted before the bytes go out: once a client has them, the count includes them
+                # (counted after, a test could read the count while this thread is still writing).
+                server._count(n)
                 with open(path, 'rb') as f:
                     f.seek(start)
                     self.wfile.write(f.read(n))
-                server._count(n)
 
         return Handler

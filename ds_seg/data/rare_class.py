@@ -24,6 +24,8 @@ import os
 import numpy as np
 from rasterio.windows import Window
 
+from .raster import is_remote
+
 _VERSION = 1
 _BAND_ROWS = 1024
 _EXTRA_PER_BAND = 64
@@ -50,7 +52,6 @@ def class_probabilities(counts, temperature):
 def _cache_path(dataset, key):
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     first = dataset._scenes[0]['label']
-    from .geotiff import is_remote
     if not is_remote(first):
         local = os.path.join(os.path.dirname(os.path.abspath(first)), f'.ds_seg_classes_{digest}.npz')
         if os.access(os.path.dirname(local), os.W_OK) or os.path.exists(local):
@@ -59,7 +60,6 @@ def _cache_path(dataset, key):
 
 
 def _key(dataset, stride):
-    from .geotiff import is_remote
     files = []
     for s in dataset._scenes:
         p = s['label']
@@ -108,7 +108,7 @@ def _build(dataset, stride):
     for i, s in enumerate(dataset._scenes):
         for y0 in range(0, s['height'], _BAND_ROWS):
             h = min(_BAND_ROWS, s['height'] - y0)
-            label = np.asarray(dataset._read_label(s, Window(0, y0, s['width'], h)))
+            label = np.asarray(dataset.read_label(i, Window(0, y0, s['width'], h)))
             valid = label[label != ignore].astype(np.int64)
             band_counts = np.bincount(valid, minlength=k)[:k]
             counts += band_counts

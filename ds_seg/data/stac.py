@@ -53,7 +53,7 @@ def _asset(item, name, source, what):
 
 def _stack_vrt(hrefs, item_id, cache_dir):
     """A VRT whose band i is band 1 of ``hrefs[i]``; assets must share one grid."""
-    from .geotiff import gdal_path, open_raster
+    from .raster import gdal_path, open_raster
     grids = []
     for h in hrefs:
         with open_raster(h) as src:

@@ -12,7 +12,7 @@ import torch
 
 from ds_seg.config import REPO_ROOT
 from tests.dist import run_on_ranks
-from tests.unit.test_inference import K, LookupModel, write_scene
+from tests.unit.test_inference import K, LookupModel, predict_classes, write_scene
 
 
 def _predict_on_ranks(tmp, scene, label):
@@ -41,7 +41,7 @@ def test_two_ranks_write_the_same_file_as_one(tmp_path):
     assert ranks[0]['band'] == (0, 96) and ranks[1]['band'] == (96, 150)
     assert torch.equal(ranks[0]['cm'], ranks[1]['cm'])
 
-    kw = dict(mean=[0, 0], std=[1, 1], tile=40, overlap=10, batch_size=3, block=32, rank=0, world_size=1)
+    kw = dict(mean=[0, 0], std=[1, 1], tile=40, overlap=10, batch_size=3, block=32)
     one = inference.predict_scene(LookupModel(), scene, os.path.join(tmp, 'one.tif'), classes=list('abcde'),
                                   probs_path=os.path.join(tmp, 'one_probs.tif'), **kw)
     cm_one = inference.evaluate_scenes(LookupModel(), [(scene, label)], num_classes=K, erode_boundary=2,
@@ -101,8 +101,8 @@ def test_predict_and_evaluate_end_to_end(exported):
                *common)
     assert 'windows/s' in log and 'ETA' in log
     with torch.inference_mode():
-        direct = inference.predict_scene(e['model'], e['scene'], mean=[100.0, 110.0, 90.0], std=[40.0, 40.0, 35.0],
-                                         tile=64, overlap=16, batch_size=4)['classes']
+        direct, _ = predict_classes(e['model'], e['scene'], e['tmp'], mean=[100.0, 110.0, 90.0],
+                                    std=[40.0, 40.0, 35.0], tile=64, overlap=16, batch_size=4)
     with rasterio.open(e['scene']) as src, rasterio.open(os.path.join(out, 'scene_classes.tif')) as dst:
         assert (dst.crs, dst.transform, dst.shape) == (src.crs, src.transform, src.shape)
         classes = dst.read(1)

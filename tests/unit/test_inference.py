@@ -1,6 +1,8 @@
 """Whole-scene inference: stitching reproduces a reference map exactly, outputs are
 georeferenced like the input, blending weights add up, evaluation counts what it should."""
 import json
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -51,6 +53,15 @@ def write_scene(path, height, width, bands=2, nodata=NODATA, seed=0, block=64):
     return img, ref
 
 
+def predict_classes(model, scene, folder, **kw):
+    """The class map ``predict_scene`` writes for ``scene`` (to a new GeoTIFF under ``folder``),
+    read back, and its summary."""
+    out = os.path.join(tempfile.mkdtemp(dir=str(folder)), 'classes.tif')
+    stats = inf.predict_scene(model, scene, out, **kw)
+    with rasterio.open(out) as dst:
+        return dst.read(1), stats
+
+
 @pytest.fixture(scope='module')
 def scene(tmp_path_factory):
     path = str(tmp_path_factory.mktemp('scene') / 'scene.tif')
@@ -74,35 +85,53 @@ def test_window_starts_cover_the_scene_with_the_last_window_flush():
     (512, 128, 4, 'gaussian', 256, 'none'),    # one window larger than the scene, padded
     ((40, 72), 12, 5, 'gaussian', 32, 'none'),  # non-square tiles
 ])
-def test_fake_model_reproduces_reference_at_any_tiling(scene, tile, overlap, batch_size, blend, block, tta):
+def test_fake_model_reproduces_reference_at_any_tiling(scene, tmp_path, tile, overlap, batch_size, blend, block,
+                                                      tta):
     path, _, ref = scene
     model = LookupModel()
-    out = inf.predict_scene(model, path, mean=[0, 0], std=[1, 1], tile=tile, overlap=overlap,
-                            batch_size=batch_size, blend=blend, block=block, tta=tta)
-    np.testing.assert_array_equal(out['classes'], ref)
+    classes, out = predict_classes(model, path, tmp_path, mean=[0, 0], std=[1, 1], tile=tile, overlap=overlap,
+                                   batch_size=batch_size, blend=blend, block=block, tta=tta)
+    np.testing.assert_array_equal(classes, ref)
     flips = {'none': 0, 'h': 1, 'hv': 3}[tta]
     assert model.calls == out['forward_calls'] == np.ceil(out['windows'] / batch_size) * (1 + flips)
     assert max(model.batch_sizes) <= batch_size
 
 
+def _block_rows(model, path, rank, world_size, **kw):
+    """``{y0: (scores, wsum, nodata)}`` of the block rows ``rank`` hands over, and the summary."""
+    rows = {}
+
+    def sink(y0, scores, wsum, nodata):
+        rows[y0] = (scores.copy(), wsum.copy(), nodata.copy())
+
+    return rows, inf.run_scene(model, path, sink, rank=rank, world_size=world_size, **kw)
+
+
 def test_ranks_split_bands_with_equal_forward_calls_and_identical_rows(scene):
-    # In-process "ranks" (no process group): each computes only its band; together they equal
-    # the single-rank map, and every rank makes the same number of forward calls.
+    # In-process "ranks" (no process group): each computes only its band; together their block
+    # rows are the single-rank rows bit for bit, and every rank makes the same number of
+    # forward calls.
     path, _, ref = scene
     kw = dict(mean=[0, 0], std=[1, 1], tile=48, overlap=12, batch_size=5, block=32)
-    single = inf.predict_scene(LookupModel(), path, rank=0, world_size=1, **kw)['classes']
+    single, _ = _block_rows(LookupModel(), path, 0, 1, **kw)
     for world in (2, 3, 8):  # 8 ranks > 7 block rows: some ranks own nothing but still run
-        stitched = np.full_like(single, 7)
+        stitched = {}
         calls = []
         for r in range(world):
             model = LookupModel()
-            out = inf.predict_scene(model, path, rank=r, world_size=world, **kw)
+            rows, out = _block_rows(model, path, r, world, **kw)
             a, b = out['band']
-            stitched[a:b] = out['classes'][a:b]
+            assert all(a <= y0 < b for y0 in rows), (out['band'], sorted(rows))
+            stitched.update(rows)
             calls.append(model.calls)
-        np.testing.assert_array_equal(stitched, single)
+        assert sorted(stitched) == sorted(single)
+        for y0, arrays in single.items():
+            for mine, theirs in zip(stitched[y0], arrays):
+                np.testing.assert_array_equal(mine, theirs)
         assert len(set(calls)) == 1, f'forward calls per rank differ: {calls}'
-    np.testing.assert_array_equal(single, ref)
+    classes = np.concatenate([single[y0][0].argmax(0) for y0 in sorted(single)])
+    classes[np.concatenate([single[y0][2] for y0 in sorted(single)])] = inf.CLASS_NODATA
+    np.testing.assert_array_equal(classes, ref)
 
 
 def test_output_geotiff_keeps_georeference_nodata_and_block_layout(scene, tmp_path):
@@ -137,7 +166,7 @@ def test_float_input_nan_counts_as_nodata(tmp_path):
     with rasterio.open(path, 'w', driver='GTiff', width=30, height=40, count=1, dtype='float32',
                        crs='EPSG:4326', transform=TRANSFORM) as dst:
         dst.write(img)
-    out = inf.predict_scene(LookupModel(), path, mean=[0], std=[1], tile=16, overlap=4, block=16)['classes']
+    out, _ = predict_classes(LookupModel(), path, tmp_path, mean=[0], std=[1], tile=16, overlap=4, block=16)
     assert out[3, 4] == inf.CLASS_NODATA
     ok = np.ones(out.shape, bool)
     ok[3, 4] = False
@@ -177,23 +206,69 @@ def test_weights_positive_everywhere_and_corners_not_faded(tmp_path, blend):
     assert inner.min() > 0 and np.allclose(inner, inner[::-1, ::-1])
 
 
-def test_blended_probabilities_are_a_weighted_mean(tmp_path):
-    # A constant-probability model gives back exactly its probabilities after normalising by
-    # the weight sum, at every pixel, whatever the overlap pattern.
-    path = str(tmp_path / 'c.tif')
-    write_scene(path, 45, 61, bands=1, nodata=None)
-    logits = torch.tensor([0.3, -1.0, 2.0, 0.0, 0.5])
-    expected = torch.softmax(logits, 0).numpy()
-    got = []
+class WindowModel:
+    """Logits that differ between overlapping windows at the same scene pixel: each pixel's own
+    value plus ramps over the window's rows and columns plus the window's mean. A blend that
+    weighs the windows wrongly (or not at all) therefore changes the result, unlike with a
+    model whose output at a pixel is the same in every window."""
 
-    def sink(y0, scores, wsum, nodata):
-        got.append(scores / wsum)
+    def __call__(self, images_BCHW):
+        b, _, h, w = images_BCHW.shape
+        rows = torch.linspace(-1.5, 1.5, h).view(1, h, 1)
+        cols = torch.linspace(-1.5, 1.5, w).view(1, 1, w)
+        mean = images_BCHW.mean(dim=(1, 2, 3)).view(b, 1, 1)
+        x = images_BCHW[:, 0]
+        return torch.stack([x + rows, images_BCHW[:, 1] - cols, 4 * mean + rows * cols], 1)
 
-    inf.run_scene(lambda x: logits.view(1, K, 1, 1).expand(x.shape[0], K, *x.shape[2:]), path, sink,
-                  mean=[0], std=[1], tile=20, overlap=9, blend='gaussian', block=16)
-    probs = np.concatenate(got, axis=1)
-    assert probs.shape == (K, 45, 61)
-    np.testing.assert_allclose(probs, expected[:, None, None] * np.ones((1, 45, 61)), rtol=1e-5)
+
+def _numpy_blend(image_CHW, model, tile, overlap, blend):
+    """Blended probabilities ``[K, H, W]`` computed window by window in float64 NumPy, with the
+    engine's window starts and weights but none of its accumulation code."""
+    _, height, width = image_CHW.shape
+    ys, xs = inf.window_starts(height, tile, overlap), inf.window_starts(width, tile, overlap)
+    scores, wsum = np.zeros((3, height, width)), np.zeros((height, width))
+    for r, y in enumerate(ys):
+        for c, x in enumerate(xs):
+            window = torch.from_numpy(image_CHW[None, :, y:y + tile, x:x + tile].copy())
+            logits = model(window)[0].numpy().astype(np.float64)
+            probs = np.exp(logits - logits.max(0))
+            probs /= probs.sum(0)
+            weights = inf.blend_weights((tile, tile), overlap, blend,
+                                        borders=(r == 0, r == len(ys) - 1, c == 0, c == len(xs) - 1))
+            scores[:, y:y + tile, x:x + tile] += probs * weights
+            wsum[y:y + tile, x:x + tile] += weights
+    return scores / wsum
+
+
+@pytest.mark.parametrize('blend', ['gaussian', 'linear', 'none'])
+def test_blend_equals_a_numpy_blend_of_window_dependent_outputs(tmp_path, blend):
+    # A float GeoTIFF in [0, 1) normalised with mean 0, std 1: the model sees the file's values.
+    # 75 x 61 with tiles of 24 and overlap 10: the last window of each row and column overlaps
+    # its neighbour more than the others do, so the weights do not form a regular pattern.
+    path = str(tmp_path / 'scene.tif')
+    image = np.random.default_rng(1).random((2, 75, 61)).astype(np.float32)
+    with rasterio.open(path, 'w', driver='GTiff', width=61, height=75, count=2, dtype='float32',
+                       crs='EPSG:32632', transform=TRANSFORM) as dst:
+        dst.write(image)
+    kw = dict(mean=[0, 0], std=[1, 1], tile=24, overlap=10, blend=blend, block=16, batch_size=5)
+    expected = _numpy_blend(image, WindowModel(), 24, 10, blend)
+    if blend != 'none':  # the weights matter: the unweighted mean of the windows is far off
+        assert np.abs(expected - _numpy_blend(image, WindowModel(), 24, 10, 'none')).max() > 0.05
+
+    rows, _ = _block_rows(WindowModel(), path, 0, 1, **kw)
+    blended = np.concatenate([rows[y0][0] / rows[y0][1] for y0 in sorted(rows)], axis=1)
+    np.testing.assert_allclose(blended, expected, rtol=0, atol=1e-5)
+
+    # The probabilities GeoTIFF holds round(p * 250): equal to the reference's except where
+    # p * 250 is within float32 noise of a rounding boundary.
+    probs_path = str(tmp_path / 'probs.tif')
+    predict_classes(WindowModel(), path, tmp_path, probs_path=probs_path, **kw)
+    with rasterio.open(probs_path) as src:
+        written = src.read().astype(np.int64)
+    scaled = expected * 250
+    on_boundary = np.abs(scaled - np.floor(scaled) - 0.5) < 1e-3
+    assert (written == np.rint(scaled))[~on_boundary].all()
+    assert np.abs(written - np.rint(scaled)).max() <= 1
 
 
 def test_memory_is_bounded_by_a_band_of_block_rows(tmp_path):

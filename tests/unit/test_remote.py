@@ -93,12 +93,11 @@ def test_unreachable_url_is_one_line_naming_it(cogs):
 
 
 def test_predict_scene_reads_a_url_like_a_file(cogs):
-    from ds_seg import inference
-    from tests.unit.test_inference import LookupModel
+    from tests.unit.test_inference import LookupModel, predict_classes
     tmp, server = cogs['tmp'], cogs['server']
-    kw = dict(mean=[0, 0, 0], std=[1, 1, 1], tile=512, overlap=0, batch_size=4, rank=0, world_size=1)
-    local = inference.predict_scene(LookupModel(), str(tmp / 'img.tif'), **kw)['classes']
+    kw = dict(mean=[0, 0, 0], std=[1, 1, 1], tile=512, overlap=0, batch_size=4)
+    local, _ = predict_classes(LookupModel(), str(tmp / 'img.tif'), tmp, **kw)
     server.reset()
-    remote = inference.predict_scene(LookupModel(), server.url('img.tif'), **kw)['classes']
+    remote, _ = predict_classes(LookupModel(), server.url('img.tif'), tmp, **kw)
     np.testing.assert_array_equal(local, remote)
     assert server.requests > 0

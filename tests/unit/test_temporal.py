@@ -109,12 +109,12 @@ def test_seasonal_synthetic_series_and_misregistered_dates(tmp_path):
 
 
 def test_predict_scene_takes_the_list_of_dates(tmp_path):
-    from ds_seg import inference
+    from tests.unit.test_inference import predict_classes
     (t0, t1), _ = _change_scene(tmp_path, 'p', 2)
     model = build(MODELS, dict(type='TinyTemporalSegFormer', num_dates=2, in_channels=2, num_classes=2)).eval()
-    kw = dict(mean=[127.5, 127.5], std=[64.0, 64.0], tile=48, overlap=16, rank=0, world_size=1)
+    kw = dict(mean=[127.5, 127.5], std=[64.0, 64.0], tile=48, overlap=16)
     with torch.no_grad():
-        out = inference.predict_scene(model, [t0, t1], bands=[1], **kw)['classes']
+        out, _ = predict_classes(model, [t0, t1], tmp_path, bands=[1], **kw)
         images = torch.from_numpy(np.concatenate([rasterio.open(p).read() for p in (t0, t1)])[None].astype(np.float32))
         whole = model((images - 127.5) / 64.0).argmax(1)[0].numpy()
     assert out.shape == (S, S)
@@ -127,8 +127,8 @@ def test_predict_cli_takes_dates_joined_by_commas(tmp_path):
     import subprocess
     import sys
 
-    from ds_seg import inference
     from ds_seg.config import REPO_ROOT
+    from tests.unit.test_inference import predict_classes
     (t0, t1), _ = _change_scene(tmp_path, 'c', 3)
     torch.manual_seed(0)
     cfg = dict(type='TinyTemporalSegFormer', num_dates=2, in_channels=2, num_classes=2, pooling='attention')
@@ -142,7 +142,7 @@ def test_predict_cli_takes_dates_joined_by_commas(tmp_path):
                           env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with torch.no_grad():
-        direct = inference.predict_scene(model, [t0, t1], mean=[127.5, 127.5], std=[64.0, 64.0], bands=[1],
-                                         tile=48, overlap=16, rank=0, world_size=1)['classes']
+        direct, _ = predict_classes(model, [t0, t1], tmp_path, mean=[127.5, 127.5], std=[64.0, 64.0], bands=[1],
+                                    tile=48, overlap=16)
     with rasterio.open(tmp_path / 'out' / 'c_t0_classes.tif') as src:
         np.testing.assert_array_equal(src.read(1), direct)

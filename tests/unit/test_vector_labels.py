@@ -108,7 +108,7 @@ def test_whole_scene_evaluation_reads_vector_labels_like_rasters(scene):
         cls = (images_BCHW[:, 0] * 3).round().long().remainder(4)
         return torch.nn.functional.one_hot(cls, 4).permute(0, 3, 1, 2).float()
 
-    kw = dict(tile=64, overlap=16, batch_size=4, erode_boundary=1, rank=0, world_size=1)
+    kw = dict(tile=64, overlap=16, batch_size=4, erode_boundary=1)
     raster = evaluate_scenes(model, GeoTiffScenes([scene['img']], [scene['lbl']], mode='grid', **KW), **kw)
     vector = evaluate_scenes(model, GeoTiffScenes([scene['img']], scene['vec'], label_field='class',
                                                   mode='grid', **KW), **kw)

@@ -129,12 +129,12 @@ def test_predict_cli_writes_polygons_and_refuses_to_overwrite(exported):
 
     import torch
 
-    from ds_seg import inference
     from ds_seg.config import REPO_ROOT
+    from tests.unit.test_inference import predict_classes
     e = exported
     with torch.inference_mode():  # leave out the class the (random) model predicts most
-        direct = inference.predict_scene(e['model'], e['scene'], mean=[100.0, 110.0, 90.0],
-                                         std=[40.0, 40.0, 35.0], tile=64, overlap=16)['classes']
+        direct, _ = predict_classes(e['model'], e['scene'], e['tmp'], mean=[100.0, 110.0, 90.0],
+                                    std=[40.0, 40.0, 35.0], tile=64, overlap=16)
     top = int(np.bincount(direct[direct != 255]).argmax())
     out, vector = str(e['tmp'] / 'vec'), str(e['tmp'] / 'scene.fgb')
     cmd = [sys.executable, 'launch/predict.py', '--checkpoint', e['weights'], '--input', e['scene'],

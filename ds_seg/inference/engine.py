@@ -1,0 +1,247 @@
+"""The streaming engine: one scene through a model window by window, blended into block rows.
+
+:class:`SceneEngine` reads the scene one window row at a time (a strip of ``tile`` rows),
+batches its windows through the model, adds each window's class probabilities times its
+blending weight into accumulators for the output *block rows* it touches, and hands a block
+row to a sink as soon as no pending window reaches into it. Memory is therefore
+``K x (tile + block) x width`` floats whatever the scene height. :func:`run_scene` opens a
+scene and runs one; :func:`~ds_seg.inference.predict_scene` and
+:func:`~ds_seg.inference.evaluate_scenes` are the sinks' owners.
+"""
+import time
+
+import numpy as np
+import torch
+from rasterio.windows import Window
+
+from .. import distributed
+from ..data.preprocess import BatchPreprocessor, host_dtype
+from ..data.raster import open_scene, read_window, uses_mask_band
+from .tiling import ScenePlan, blend_weights
+
+TTA_FLIPS = {'none': (), 'h': ((-1,),), 'hv': ((-1,), (-2,), (-2, -1))}
+
+
+class _Rows:
+    """Accumulators for one output block row: weighted scores, weight sum and nodata mask."""
+
+    __slots__ = ('scores', 'wsum', 'nodata')
+
+    def __init__(self, h, w):
+        self.scores = None  # allocated at the first window: K is known from the model's output
+        self.wsum = np.zeros((h, w), np.float32)
+        self.nodata = np.zeros((h, w), bool)
+
+
+def _softmax_probs(forward_fn, images_BCHW, device, tta):
+    """Class probabilities (float32 numpy), averaged over flips; one forward per variant."""
+    x = images_BCHW.to(device)
+    probs = torch.softmax(forward_fn(x).float(), dim=1)
+    for dims in TTA_FLIPS[tta]:
+        probs += torch.softmax(forward_fn(x.flip(dims)).float(), dim=1).flip(dims)
+    if TTA_FLIPS[tta]:
+        probs /= 1 + len(TTA_FLIPS[tta])
+    return probs.cpu().numpy()
+
+
+class SceneEngine:
+    """The windows of ``rank``'s band of an open scene ``src``, blended and handed to ``sink``
+    block row by block row (see :func:`run_scene` for ``sink``).
+
+    Windows are added in the global order of :meth:`ScenePlan.windows`, so a rank's rows are
+    bit-identical to a single-rank run's.
+
+    Example::
+
+        with open_scene('scene.tif') as src:
+            plan = ScenePlan(src.height, src.width, tile=256, overlap=64)
+            engine = SceneEngine(src, plan, 0, [1, 2, 3], BatchPreprocessor(mean, std), sink)
+            stats = engine.run(model, batch_size=8)
+    """
+
+    def __init__(self, src, plan, rank, band_idx, prep, sink, blend='gaussian',
+                 accumulate_dtype='float32', num_classes=None):
+        self.src, self.plan, self.rank, self.sink = src, plan, rank, sink
+        self.band_idx, self.prep, self.blend = band_idx, prep, blend
+        self.acc_dtype = np.dtype(accumulate_dtype)
+        self.num_classes = num_classes  # None: from the model's first output
+        self.window_dtype = host_dtype(src.dtypes[0])
+        self.nodata = src.nodata
+        self.masked = uses_mask_band(src)
+        self.a, self.b = plan.band(rank)
+        self.windows = plan.windows(rank)
+        # How many windows of each window row are still to be added: a block row can be
+        # emitted once no pending window row reaches into it.
+        self.remaining = {r: len(plan.xs) for r in plan.window_rows(rank)}
+        self.pending_rows = sorted(self.remaining)
+        self.rows = {}      # block row index -> _Rows
+        self.weights = {}   # window borders -> blend weights
+        self.emitted = self.a  # first row not yet handed to the sink
+
+    def run(self, forward_fn, batch_size=8, device='cpu', tta='none', progress=None):
+        """Every window of the band through ``forward_fn``; returns the numbers of windows and
+        forward calls, the band and the seconds taken."""
+        plan = self.plan
+        th, tw = plan.tile_h, plan.tile_w
+        n_batches = plan.forward_batches(self.rank, batch_size)
+        total_batches = plan.forward_calls(batch_size)
+        calls = 0
+        n_done = 0
+        strip = strip_row = None
+        t0 = time.perf_counter()
+        batch, masks, meta = [], [], []
+        for i, (r, c, y, x) in enumerate(self.windows):
+            if strip_row != r:
+                strip, mask = self._read_strip(r)
+                strip_row = r
+            window, window_mask = self._window_arrays(strip, mask, x)
+            batch.append(window)
+            masks.append(window_mask)
+            meta.append((r, y, x, c))
+            if len(batch) == batch_size or i == len(self.windows) - 1:
+                # Normalised on the device, as in training: the same code, the same numbers.
+                images = self.prep.images(torch.from_numpy(np.stack(batch)), torch.from_numpy(np.stack(masks)),
+                                          device)
+                probs = _softmax_probs(forward_fn, images, device, tta)
+                calls += 1 + len(TTA_FLIPS[tta])
+                if self.num_classes is None:
+                    self.num_classes = probs.shape[1]
+                elif probs.shape[1] != self.num_classes:
+                    raise ValueError(f"the model returns {probs.shape[1]} classes, expected {self.num_classes}")
+                for p, (wr, wy, wx, wc) in zip(probs, meta):
+                    self._add(p, wr, wy, wx, wc)
+                    self.remaining[wr] -= 1
+                    if self.remaining[wr] == 0:
+                        self.pending_rows.remove(wr)
+                n_done += len(batch)
+                batch, masks, meta = [], [], []
+                self._emit_finished(all_done=not self.pending_rows)
+                if progress is not None:
+                    progress(n_done, len(self.windows), time.perf_counter() - t0)
+        self._emit_finished(all_done=True)
+        # ZeRO-3 gathers parameters collectively inside each forward: ranks with fewer
+        # windows run zero batches of the same shape so every rank makes the same calls.
+        for _ in range(total_batches - n_batches):
+            _softmax_probs(forward_fn, torch.zeros(batch_size, len(self.band_idx), th, tw), device, tta)
+            calls += 1 + len(TTA_FLIPS[tta])
+        return dict(windows=len(self.windows), forward_calls=calls, band=(self.a, self.b),
+                    seconds=time.perf_counter() - t0)
+
+    def _block(self, k):
+        blk = self.rows.get(k)
+        if blk is None:
+            h = min((k + 1) * self.plan.block, self.plan.height) - k * self.plan.block
+            blk = self.rows[k] = _Rows(h, self.plan.width)
+        return blk
+
+    def _add(self, probs_KHW, r, y, x, c):
+        # Only the part of the window inside this rank's band and the scene is kept.
+        plan = self.plan
+        th, tw = plan.tile_h, plan.tile_w
+        key = plan.borders(r, c)
+        w = self.weights.get(key)
+        if w is None:
+            w = self.weights[key] = blend_weights((th, tw), plan.overlap, self.blend, key)
+        y_end, x_end = min(y + th, self.b, plan.height), min(x + tw, plan.width)
+        yy = max(y, self.a)
+        while yy < y_end:
+            k = yy // plan.block
+            blk = self._block(k)
+            k0 = k * plan.block
+            y_stop = min(y_end, k0 + blk.wsum.shape[0])
+            wy = w[yy - y:y_stop - y, :x_end - x]
+            if blk.scores is None:
+                blk.scores = np.zeros((self.num_classes,) + blk.wsum.shape, self.acc_dtype)
+            blk.scores[:, yy - k0:y_stop - k0, x:x_end] += (
+                probs_KHW[:, yy - y:y_stop - y, :x_end - x] * wy).astype(self.acc_dtype, copy=False)
+            blk.wsum[yy - k0:y_stop - k0, x:x_end] += wy
+            yy = y_stop
+
+    def _emit_finished(self, all_done):
+        # Rows below the first unfinished window row will receive nothing more.
+        plan, b = self.plan, self.b
+        limit = b if all_done else min(b, plan.ys[self.pending_rows[0]])
+        while self.emitted < b:
+            k = self.emitted // plan.block
+            end = min((k + 1) * plan.block, plan.height)
+            if end > limit:
+                break
+            blk = self.rows.pop(k)
+            self.sink(self.emitted, blk.scores, blk.wsum, blk.nodata)
+            self.emitted = end
+
+    def _read_strip(self, r):
+        plan = self.plan
+        y = plan.ys[r]
+        h = min(plan.tile_h, plan.height - y)
+        window = Window(0, y, plan.width, h)
+        # A stack of dates is read as one raster: a pixel is nodata when it is on every date.
+        raw, mask = read_window(self.src, window, self.band_idx, self.nodata, self.masked)
+        if mask is None:
+            mask = np.zeros(raw.shape[1:], bool)
+        # The nodata mask is a property of the input pixel: record it once per block row.
+        yy = max(y, self.a)
+        while yy < min(y + h, self.b):
+            k = yy // plan.block
+            blk = self._block(k)
+            k0 = k * plan.block
+            y_stop = min(y + h, self.b, k0 + blk.wsum.shape[0])
+            blk.nodata[yy - k0:y_stop - k0] |= mask[yy - y:y_stop - y]
+            yy = y_stop
+        return raw, mask
+
+    def _window_arrays(self, raw, mask, x):
+        # As read, padded past the scene's edge; padding counts as nodata (0 once normalised).
+        th, tw = self.plan.tile_h, self.plan.tile_w
+        part, part_mask = raw[:, :, x:x + tw], mask[:, x:x + tw]
+        out = np.zeros((len(self.band_idx), th, tw), self.window_dtype)
+        out[:, :part.shape[1], :part.shape[2]] = part
+        out_mask = np.ones((th, tw), bool)
+        out_mask[:part.shape[1], :part.shape[2]] = part_mask
+        return out, out_mask
+
+
+def run_scene(forward_fn, image_path, sink, mean, std, bands=None, tile=512, overlap=128,
+              batch_size=8, blend='gaussian', tta='none', block=256, device='cpu',
+              accumulate_dtype='float32', num_classes=None, rank=None, world_size=None,
+              progress=None):
+    """Stream one scene through ``forward_fn`` and hand finished block rows to ``sink``.
+
+    ``forward_fn(images_BCHW) -> logits_BKHW`` (a module, a backend's forward, a ZeRO engine);
+    ``sink(y0, scores_KhW, wsum_hW, nodata_hW)`` is called once per block row of this rank's
+    band, top to bottom; the blended probabilities are ``scores / wsum``. Returns the number
+    of windows and forward calls this rank ran. Most callers want :func:`predict_scene` or
+    :func:`evaluate_scenes`, which build the sink.
+
+    Example::
+
+        rows = []
+        run_scene(model, 'scene.tif', lambda y0, s, w, nd: rows.append((y0, s.argmax(0))),
+                  mean=[120.0] * 3, std=[50.0] * 3, tile=256, overlap=64)
+    """
+    rank = distributed.rank() if rank is None else rank
+    world_size = distributed.world_size() if world_size is None else world_size
+    if tta not in TTA_FLIPS:
+        raise ValueError(f"tta must be one of {sorted(TTA_FLIPS)}, got {tta!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    acc_dtype = np.dtype(accumulate_dtype)
+    with open_scene(image_path) as src:  # a path, a URL, or a list of dates (StackedRaster)
+        band_idx = list(range(1, src.count + 1)) if bands is None else [int(b) for b in bands]
+        dates = src.count // getattr(src, 'per_date', src.count)
+        if bands is not None and dates > 1 and len(band_idx) * dates == np.size(mean):
+            # bands name the bands of one date (as in training): the same bands of every date
+            band_idx = [t * src.per_date + b for t in range(dates) for b in band_idx]
+        if max(band_idx) > src.count or min(band_idx) < 1:
+            raise ValueError(f"{image_path}: has bands 1..{src.count}; bands={band_idx} asked for")
+        mean_c = np.asarray(mean, np.float32).reshape(-1)
+        std_c = np.asarray(std, np.float32).reshape(-1)
+        if mean_c.size != len(band_idx) or std_c.size != len(band_idx):
+            raise ValueError(f"{image_path}: {len(band_idx)} band(s) read but mean/std have "
+                             f"{mean_c.size}/{std_c.size} values (the model was trained on "
+                             f"{mean_c.size} band(s); select bands to match)")
+        prep = BatchPreprocessor(mean_c, std_c)
+        plan = ScenePlan(src.height, src.width, tile, overlap, block, world_size)
+        engine = SceneEngine(src, plan, rank, band_idx, prep, sink, blend=blend, accumulate_dtype=acc_dtype,
+                             num_classes=num_classes)
+        return engine.run(forward_fn, batch_size=batch_size, device=device, tta=tta, progress=progress)

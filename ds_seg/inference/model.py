@@ -1,0 +1,43 @@
+"""A model ready for prediction from an exported weights file or a checkpoint."""
+import os
+
+
+def load_model(path, device='cpu'):
+    """A model ready for prediction from an exported weights file or a checkpoint folder.
+
+    ``path``: a file written by launch/export.py, a ``step_*`` folder, a ``checkpoints``
+    folder or a work dir (the newest complete checkpoint). Returns ``(model, info)`` with
+    ``info = dict(classes, model, data)``; ``data`` holds the training normalisation
+    (``bands``, ``mean``, ``std``) when the checkpoint recorded it, else None.
+
+    Example::
+
+        model, info = load_model('work_dirs/default/weights_step_00000400.pt')
+        predict_scene(model, 'scene.tif', 'out.tif', mean=info['data']['mean'],
+                      std=info['data']['std'], bands=info['data']['bands'], classes=info['classes'])
+    """
+    from .. import models  # noqa: F401  (registers every model)
+    from ..engine import checkpoint
+    from ..inputs import check_checkpoint_option
+    from ..registry import MODELS, build
+    check_checkpoint_option(path)
+    if os.path.isfile(path):
+        payload = checkpoint.load_weights_file(path)
+        state, model_cfg = payload['state_dict'], payload.get('model')
+        classes, data = payload.get('classes'), payload.get('data')
+    else:
+        ckpt = checkpoint.find_checkpoint(path, report=lambda line: print(f'[ds_seg] {line}', flush=True))
+        marker = checkpoint.read_marker(ckpt)
+        state = checkpoint.consolidated_state_dict(ckpt)
+        model_cfg, classes, data = marker.get('model'), marker.get('classes'), marker.get('data')
+    if not model_cfg:
+        raise ValueError(f"{path}: records no model config; re-export it with launch/export.py")
+    model_cfg = dict(model_cfg)
+    model_cfg.pop('pretrained', None)  # the weights below replace them: never read that file again
+    model = build(MODELS, model_cfg, where='model')
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not fit {model_cfg.get('type')}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.to(device).eval()
+    return model, dict(classes=list(classes) if classes else None, model=dict(model_cfg), data=data)

@@ -1,0 +1,82 @@
+"""Whole-scene prediction to GeoTIFF: the engine's block rows become class and probability maps.
+
+Example::
+
+    predict_scene(model.eval(), 'scene.tif', 'scene_classes.tif', mean=m, std=s, classes=names)
+"""
+import numpy as np
+
+from .. import distributed
+from ..data.raster import open_scene
+from .engine import run_scene
+from .tiling import ScenePlan
+from .writer import CLASS_NODATA, GeoTiffRowWriter, join_parts
+
+
+def _to_outputs(scores, wsum, nodata, with_probs):
+    classes = scores.argmax(0).astype(np.uint8)  # argmax of scores = argmax of scores / wsum
+    classes[nodata] = CLASS_NODATA
+    probs = None
+    if with_probs:
+        probs = np.rint(scores.astype(np.float32) / wsum * 250).astype(np.uint8)
+        probs[:, nodata] = 255
+    return classes, probs
+
+
+def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes=None,
+                  probs_path=None, tile=512, overlap=128, batch_size=8, blend='gaussian',
+                  tta='none', block=256, bands=None, device='cpu', accumulate_dtype='float32',
+                  progress=None):
+    """Label one GeoTIFF scene of any size into ``out_path``; returns a summary dict.
+
+    A uint8 class map is written with the input's CRS, transform and size, tiled and
+    ZSTD-compressed, nodata 255 where the input is nodata, class names in the tags and a colour
+    table; ``probs_path`` adds a K-band uint8 GeoTIFF of probabilities x 250. With several
+    ranks every rank calls this; each writes its band to a part file next to ``out_path`` and
+    rank 0 joins them (so ``out_path`` must be on a shared file system).
+
+    Example::
+
+        model = build(MODELS, payload['model']); model.load_state_dict(payload['state_dict'])
+        predict_scene(model.eval(), 'scene.tif', 'scene_classes.tif', mean=m, std=s,
+                      classes=payload['classes'], tile=512, overlap=128, batch_size=8)
+    """
+    if mean is None or std is None:
+        raise ValueError("predict_scene: mean and std (the training normalisation) are required")
+    rank, world_size = distributed.rank(), distributed.world_size()
+    k = len(classes) if classes is not None else None
+    with open_scene(image_path) as src:
+        profile = dict(src.profile)
+    writer = None
+    part = world_size > 1
+    plan = ScenePlan(profile['height'], profile['width'], tile, overlap, block, world_size)
+    a, b = plan.band(rank)
+
+    def sink(y0, scores, wsum, nodata):
+        nonlocal writer
+        cls, probs = _to_outputs(scores, wsum, nodata, probs_path is not None)
+        if writer is None:
+            names = list(classes) if classes is not None else [f'class_{i}' for i in range(scores.shape[0])]
+            if part:
+                writer = GeoTiffRowWriter(f'{out_path}.part{rank}', profile, names,
+                                          f'{probs_path}.part{rank}' if probs_path else None,
+                                          block, row_offset=a, height=b - a)
+            else:
+                writer = GeoTiffRowWriter(out_path, profile, names, probs_path, block)
+        writer.write(y0 - (a if part else 0), cls, probs)
+
+    try:
+        stats = run_scene(forward_fn, image_path, sink, mean, std, bands=bands, tile=tile,
+                          overlap=overlap, batch_size=batch_size, blend=blend, tta=tta, block=block,
+                          device=device, accumulate_dtype=accumulate_dtype, num_classes=k,
+                          rank=rank, world_size=world_size, progress=progress)
+    finally:
+        if writer is not None:
+            writer.close()
+    if part:
+        distributed.barrier()  # every part file is closed
+        if rank == 0:
+            join_parts(out_path, probs_path, profile, plan, block)
+        distributed.barrier()
+    stats['out_path'] = out_path
+    return stats
