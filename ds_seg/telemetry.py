@@ -69,11 +69,6 @@ def max_memory_mb(device):
     return rss / (2**20 if sys.platform == 'darwin' else 1024)
 
 
-def synchronize(device):
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-
-
 class StepTimer:
     """Per-step time and data wait, collected over a logging window, with no host wait per step.
 

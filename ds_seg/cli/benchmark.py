@@ -1,6 +1,6 @@
 """DDP versus DeepSpeed ZeRO stages, measured the same way: same model, data, seed, global batch,
 optimizer implementation and precision; every backend in its own set of processes started with
-the chosen launcher; step times from the trainer's own StepTimer (device synchronised per step).
+the chosen launcher; step times from the trainer's own StepTimer (CUDA events per step, read at log steps).
 
     python launch/benchmark.py --backends ddp,zero0,zero1,zero2,zero3 --steps 40 --warmup 5 \\
         --nproc 2 --work-dir work_dirs/benchmark
