@@ -26,8 +26,7 @@ from ..telemetry import RunLog, forward_flops, peak_flops
 from . import backend as backends
 from . import checkpoint
 from .checkpointer import Checkpointer, data_normalisation
-from .faults import (EXIT_CODES, EXIT_IO_ERROR, EXIT_LOST_RANK, EXIT_NONFINITE, EXIT_PREEMPTED,  # noqa: F401
-                     Faults, LostRankError, RunIOError, default_stop_check_interval, describe_io_error)
+from .faults import Faults, default_stop_check_interval, describe_io_error
 from .run_metrics import RunMetrics
 from .run_spec import describe_run
 from .workdir import WorkDirBusy, WorkDirLock
@@ -79,9 +78,9 @@ class Trainer:
         self.step = 0                 # optimizer steps done
         self.micro_step_offset = 0    # data position - step x accumulation (non-zero after a change of ranks)
         # Built by _setup: log, train_set, val_set, criterion, backend, checkpointer, metrics;
-        # by _start_loop: batches, preprocess.
+        # by _start_loop: batches, preprocess, profiler.
         self.log = self.train_set = self.val_set = self.criterion = self.backend = None
-        self.checkpointer = self.metrics = self.batches = self.preprocess = None
+        self.checkpointer = self.metrics = self.batches = self.preprocess = self.profiler = None
         _check_writable(self.work_dir)  # on every rank: each writes its own checkpoint files
         self.lock = WorkDirLock(self.work_dir)
         self._take_work_dir()
@@ -158,32 +157,28 @@ class Trainer:
         where a stop signal or a run of non-finite losses is agreed on and acted upon.
         """
         t = self.cfg.train
-        self._start_loop()
-        faults, profiler = Faults(), self._profiler()
+        faults = self._start_loop()
         try:
             with self._classified_failures(faults):
                 while self.step < t.max_steps:
                     log_now = (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.max_steps
                     self.metrics.add_step(self.train_step(want_grad_norm=log_now))
                     self.step += 1
-                    if profiler is not None:
-                        profiler.step()
                     if log_now:
                         self.metrics.log_window(self.step)
-                    evaluating = self.val_set is not None and t.eval_interval and (
-                        self.step % t.eval_interval == 0 or self.step == t.max_steps)
-                    saving = self.checkpointer.due(self.step)
+                    evaluating, saving = self._evaluation_due(), self.checkpointer.due(self.step)
                     if not (log_now or evaluating or saving or self.step % self.stop_check_interval == 0):
                         continue  # a plain step: nothing read back from the device, no collective
                     signalled, longest, current = faults.stop.agree(self.metrics.take_nonfinite_counts())
                     if longest >= t.max_nonfinite_steps:
-                        self._stop('nonfinite_loss', f'the loss was not finite for {longest} consecutive steps; the last '
-                                   f'checkpoint in {self.checkpointer.root} is intact (lower the learning rate or check the data).')
+                        self._stop('nonfinite_loss', f'the loss was not finite for {longest} consecutive steps; the '
+                                   f'last checkpoint in {self.checkpointer.root} is intact (lower the learning rate '
+                                   'or check the data).')
                         break
                     if evaluating:
                         self.evaluate()
-                    # A signal always checkpoints (that is its purpose), periodic ones only when due;
-                    # never weights that may already be NaN: keep-N pruning would drop the good ones.
+                    # A signal always checkpoints (its purpose), periodic ones when due; never weights
+                    # that may already be NaN: keep-N pruning would drop the good ones.
                     if current == 0 and (signalled or saving):
                         self.checkpointer.save(self.step, self.step * self.spec.grad_accum + self.micro_step_offset)
                     if signalled:
@@ -194,10 +189,7 @@ class Trainer:
                 else:
                     self.exit_reason = 'completed'
         finally:
-            if profiler is not None:
-                profiler.stop()
-            faults.close()
-            summary = self.metrics.write_summary(self.exit_reason, self.step, self.error, describe_io_error)
+            summary = self._end_loop(faults)
         return summary
 
     def _start_loop(self):
@@ -212,6 +204,19 @@ class Trainer:
                    f' | {self.work_dir}')
         self.backend.train()
         self.metrics.start_loop(self.step)
+        self.profiler = self._profiler()
+        return Faults()
+
+    def _end_loop(self, faults):
+        if self.profiler is not None:
+            self.profiler.stop()
+        faults.close()
+        return self.metrics.write_summary(self.exit_reason, self.step, self.error, describe_io_error)
+
+    def _evaluation_due(self):
+        t = self.cfg.train
+        return self.val_set is not None and bool(t.eval_interval) and (
+            self.step % t.eval_interval == 0 or self.step == t.max_steps)
 
     def _stop(self, exit_reason, why):
         self.exit_reason = exit_reason
@@ -269,6 +274,8 @@ class Trainer:
             loss_total += loss.detach().float()
         images = self.spec.micro_batch * grad_accum * self.world_size
         timer.stop(images=images, pixels=images * images_BCHW.shape[-2] * images_BCHW.shape[-1])
+        if self.profiler is not None:
+            self.profiler.step()
         return loss_total / grad_accum
 
     # ------------------------------------------------------------------------------------------
