@@ -327,19 +327,6 @@ def set_aside_other_branch(work_dir, root, tag):
 # Export: any backend's checkpoint -> one plain fp32 weights file
 # ----------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _only_safe_torch_load(module):
-    """DeepSpeed's zero_to_fp32 unpickles with weights_only=False; route its torch.load through
-    the allow-listed loader so exporting a downloaded checkpoint cannot run code."""
-    from .deepspeed_backend import safe_torch_load
-    original = module.torch.load
-    module.torch.load = lambda path, map_location=None, **_: safe_torch_load(path, map_location=map_location)
-    try:
-        yield
-    finally:
-        module.torch.load = original
-
-
 def consolidated_state_dict(ckpt_dir):
     """Full fp32 state dict (parameters and buffers) from one ``step_*`` folder, offline."""
     ddp_file = os.path.join(ckpt_dir, 'ddp_state.pt')
@@ -352,12 +339,13 @@ def consolidated_state_dict(ckpt_dir):
     if optim_files:
         # ZeRO 1-3 and bf16: the fp32 master weights live in the partitioned optimizer files.
         from deepspeed.utils import zero_to_fp32
+        from .ds_workarounds import only_safe_torch_load
         root, tag = os.path.split(os.path.normpath(ckpt_dir))
-        with _only_safe_torch_load(zero_to_fp32):
+        with only_safe_torch_load(zero_to_fp32):
             state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
         return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     # ZeRO-0 keeps the whole module in the model-states file of rank 0.
-    from .deepspeed_backend import safe_torch_load
+    from .ds_workarounds import safe_torch_load
     state = safe_torch_load(sorted(model_files)[0], map_location='cpu')['module']
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 

@@ -7,20 +7,9 @@ import os
 
 import torch
 
+from . import ds_workarounds
 from .common import average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32, prepare_batchnorm
 from .param_groups import build_param_groups, scale_lr_by_group
-
-
-def safe_torch_load(path, map_location=None):
-    """``torch.load`` that cannot run code from the file: plain tensors and containers plus the
-    few DeepSpeed classes its checkpoints hold (DeepSpeed itself loads with weights_only=False).
-    """
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
-        # torch.serialization.load, not torch.load: export temporarily routes torch.load here.
-        return torch.serialization.load(path, map_location=map_location, weights_only=True)
 
 
 class DeepSpeedBackend:
@@ -45,17 +34,11 @@ class DeepSpeedBackend:
             model=model, model_parameters=build_param_groups(model, optim_cfg), config=ds_config)
         scale_lr_by_group(self.optimizer, self.scheduler)  # optim.layer_decay / paramwise multipliers
         # Resuming reads files that may come from elsewhere: never unpickle arbitrary objects.
-        self.engine.checkpoint_engine.load = safe_torch_load
+        ds_workarounds.use_safe_loader(self.engine)
         self.input_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(precision)
         self._grad_norm = None
-        # DeepSpeed 0.19 scales the loss in engine.backward only for ZeRO optimizers; its ZeRO-0
-        # fp16 optimizers still unscale gradients and check them for overflow in step(), so an
-        # unscaled loss would train with gradients divided by the loss scale and never see an
-        # overflow. We apply the scale ourselves in exactly that case.
-        from deepspeed.runtime.base_optimizer import ZeROOptimizer
-        scale_cfg = getattr(self.optimizer, 'loss_scale_config', None)
-        self._scale_loss_here = (precision == 'fp16' and not isinstance(self.optimizer, ZeROOptimizer)
-                                 and scale_cfg is not None and scale_cfg.use_grad_scaling)
+        self._scale_loss_here = ds_workarounds.needs_loss_scaled_here(self.optimizer, precision)
+        self._norm_here = ds_workarounds.records_no_grad_norm(self.zero_stage, precision)
 
     @property
     def module(self):
@@ -108,8 +91,7 @@ class DeepSpeedBackend:
     def step(self, want_grad_norm=False):
         """Finish a micro-step; at a boundary the optimizer steps. Returns True if it applied."""
         boundary = self.is_boundary()
-        if boundary and want_grad_norm and self.zero_stage == 0 and self.precision in ('fp32', 'bf16-autocast'):
-            # DeepSpeed records no norm for fp32 ZeRO-0; gradients are reduced by now.
+        if boundary and want_grad_norm and self._norm_here:  # gradients are reduced by now
             self._grad_norm = global_grad_norm(self.engine.module.parameters())
         self.engine.step()
         return boundary and self.engine.was_step_applied()

@@ -1,0 +1,63 @@
+"""Every place ds_seg works around DeepSpeed behaviour, in one module.
+
+Each entry names the DeepSpeed version it was written against and has a test in
+tests/distributed/test_ds_workarounds.py that asserts the behaviour is still there: once DeepSpeed
+changes it, that test fails, and the workaround (and its test) can be deleted.
+
+* :func:`safe_torch_load` / :func:`only_safe_torch_load` -- DeepSpeed 0.19 unpickles checkpoint
+  files with ``weights_only=False`` (``TorchCheckpointEngine.load``, ``zero_to_fp32``), so a
+  downloaded checkpoint could run code. ds_seg routes both through an allow-listed loader.
+* :func:`needs_loss_scaled_here` -- DeepSpeed 0.19 applies the fp16 loss scale in
+  ``engine.backward`` only for ZeRO optimizers; its ZeRO-0 fp16 optimizers still unscale the
+  gradients and check them for overflow in ``step()``, so without this the run would train on
+  gradients divided by the scale and never see an overflow.
+* :func:`records_no_grad_norm` -- DeepSpeed 0.19 records no global gradient norm for ZeRO-0
+  without fp16 (``get_global_grad_norm()`` is None); ds_seg computes it for the logs.
+* Universal checkpoints (ds_seg/engine/reshard.py) carry parameters only, no buffers: the
+  BatchNorm running statistics are copied from the original checkpoint there, and loading one
+  means setting the engine's private ``_config.load_universal_checkpoint``.
+"""
+import contextlib
+
+import torch
+
+
+def safe_torch_load(path, map_location=None):
+    """``torch.load`` that cannot run code from the file: plain tensors and containers plus the
+    few DeepSpeed classes its checkpoints hold."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        # torch.serialization.load, not torch.load: only_safe_torch_load routes torch.load here.
+        return torch.serialization.load(path, map_location=map_location, weights_only=True)
+
+
+def use_safe_loader(engine):
+    """Make ``engine.load_checkpoint`` read files with :func:`safe_torch_load`."""
+    engine.checkpoint_engine.load = safe_torch_load
+
+
+@contextlib.contextmanager
+def only_safe_torch_load(module):
+    """Within the block, ``module.torch.load`` (e.g. deepspeed.utils.zero_to_fp32's) is
+    :func:`safe_torch_load`."""
+    original = module.torch.load
+    module.torch.load = lambda path, map_location=None, **_: safe_torch_load(path, map_location=map_location)
+    try:
+        yield
+    finally:
+        module.torch.load = original
+
+
+def needs_loss_scaled_here(optimizer, precision):
+    """Whether ds_seg must multiply an fp16 loss by the loss scale before ``engine.backward``."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    scale_cfg = getattr(optimizer, 'loss_scale_config', None)
+    return (precision == 'fp16' and not isinstance(optimizer, ZeROOptimizer)
+            and scale_cfg is not None and scale_cfg.use_grad_scaling)
+
+
+def records_no_grad_norm(zero_stage, precision):
+    """Whether DeepSpeed leaves ``get_global_grad_norm()`` None, so ds_seg computes the norm."""
+    return zero_stage == 0 and precision in ('fp32', 'bf16-autocast')

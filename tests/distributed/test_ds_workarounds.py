@@ -1,0 +1,93 @@
+"""The DeepSpeed behaviours ds_seg/engine/ds_workarounds.py works around are still there.
+
+Each test asserts DeepSpeed's behaviour itself (not ds_seg's): when one fails after a DeepSpeed
+upgrade, DeepSpeed has changed it, and the matching workaround can be deleted.
+"""
+import inspect
+import os
+
+import pytest
+import torch
+
+from tests.dist import run_on_ranks
+
+
+class _RunsCode:
+    """Unpickling this creates a file: evidence that a loader executed code from the file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, 'w'))
+
+
+def _engine(config, weight):
+    import deepspeed
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor(weight))
+    base = {'train_micro_batch_size_per_gpu': 1, 'gradient_accumulation_steps': 1,
+            'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}, 'zero_optimization': {'stage': 0}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=dict(base, **config))
+    return engine
+
+
+def _observe(tmp):
+    """DeepSpeed's behaviour at each workaround, on one real rank."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.utils import zero_to_fp32
+    from ds_seg.engine import ds_workarounds
+    out = {}
+    # 1. DeepSpeed's checkpoint loader unpickles anything; ds_seg's refuses.
+    bait, marker = os.path.join(tmp, 'bait.pt'), os.path.join(tmp, 'code_ran')
+    torch.save({'module': _RunsCode(marker)}, bait)
+    TorchCheckpointEngine().load(bait, map_location='cpu')
+    out['deepspeed_ran_code'] = os.path.exists(marker)
+    os.remove(marker)
+    try:
+        ds_workarounds.safe_torch_load(bait)
+        out['safe_loader_refused'] = False
+    except Exception:
+        out['safe_loader_refused'] = not os.path.exists(marker)
+    out['zero_to_fp32_weights_only_false'] = 'weights_only=False' in inspect.getsource(zero_to_fp32)
+
+    # 2. fp16 ZeRO-0: engine.backward leaves the loss unscaled (the gradient is x, not x * scale).
+    get_accelerator().is_fp16_supported = lambda: True   # DeepSpeed refuses fp16 on a CPU otherwise
+    engine = _engine({'fp16': {'enabled': True, 'initial_scale_power': 10}}, [[1.0, 1.0]])
+    x = torch.tensor([[3.0, 5.0]], dtype=torch.float16)
+    engine.backward(engine(x).float().sum())
+    out['fp16_zero0_grad'] = engine.module.weight.grad.float().tolist()
+    out['fp16_zero0_scale'] = float(engine.optimizer.loss_scale_config.cur_scale)
+    out['fp16_zero0_needs_scaling'] = ds_workarounds.needs_loss_scaled_here(engine.optimizer, 'fp16')
+
+    # 3. fp32 ZeRO-0 records no global gradient norm.
+    engine = _engine({}, [[1.0, 1.0]])
+    engine.backward(engine(torch.tensor([[3.0, 4.0]])).sum())
+    engine.step()
+    out['fp32_zero0_norm'] = engine.get_global_grad_norm()
+    return out
+
+
+@pytest.fixture(scope='module')
+def observed(tmp_path_factory):
+    return run_on_ranks(_observe, 1, args=(str(tmp_path_factory.mktemp('ds')),))[0]
+
+
+def test_deepspeed_checkpoint_loaders_still_unpickle_code(observed):
+    # Delete safe_torch_load/use_safe_loader/only_safe_torch_load once DeepSpeed loads safely.
+    assert observed['deepspeed_ran_code'] and observed['zero_to_fp32_weights_only_false']
+    assert observed['safe_loader_refused']
+
+
+def test_deepspeed_zero0_fp16_backward_still_leaves_the_loss_unscaled(observed):
+    # Delete needs_loss_scaled_here once engine.backward scales the loss for ZeRO-0 fp16 too.
+    assert observed['fp16_zero0_scale'] == 1024.0
+    assert observed['fp16_zero0_grad'] == [[3.0, 5.0]]
+    assert observed['fp16_zero0_needs_scaling'] is True
+
+
+def test_deepspeed_zero0_fp32_still_records_no_grad_norm(observed):
+    # Delete records_no_grad_norm once DeepSpeed reports the norm here.
+    assert observed['fp32_zero0_norm'] is None
