@@ -20,6 +20,16 @@ class Backend(Protocol):
     @property
     def module(self) -> torch.nn.Module: ...
 
+    # -- resolving the run (class-level: asked before the backend exists) -----------------
+    uses_deepspeed_comm: bool      # the process group is initialised through deepspeed.comm
+
+    @staticmethod
+    def precision_run(precision: str) -> str:
+        """The precision the JSON's ``precision`` runs as under this backend."""
+
+    @staticmethod
+    def zero_stage_of(ds_config: dict) -> Optional[int]: ...
+
     # -- building ------------------------------------------------------------------------
     @staticmethod
     def construction_context(spec) -> ContextManager:
@@ -58,12 +68,18 @@ class Backend(Protocol):
     def load(self, directory: str, tag: str) -> dict: ...
 
 
+BACKENDS = ('deepspeed', 'ddp')
+
+
 def backend_class(name):
+    """The implementation for ``--backend NAME`` (imported on demand: DDP needs no DeepSpeed)."""
     if name == 'ddp':
         from .ddp_backend import DDPBackend
         return DDPBackend
-    from .deepspeed_backend import DeepSpeedBackend
-    return DeepSpeedBackend
+    if name == 'deepspeed':
+        from .deepspeed_backend import DeepSpeedBackend
+        return DeepSpeedBackend
+    raise ValueError(f'backend must be one of {BACKENDS}, not {name!r}')
 
 
 def build_model(spec, build):

@@ -50,6 +50,16 @@ class DDPBackend:
     name = 'ddp'
     state_partitioned = False   # every rank holds the whole state: any world size resumes it
     gather = None               # parameters are never partitioned
+    uses_deepspeed_comm = False
+
+    @staticmethod
+    def precision_run(precision):
+        # Native fp16/bf16 parameters are a DeepSpeed feature; DDP runs them as torch.amp autocast.
+        return f'{precision}-autocast' if precision in ('fp16', 'bf16') else precision
+
+    @staticmethod
+    def zero_stage_of(ds_config):
+        return None
 
     def __init__(self, model, spec, optim_cfg=None):
         ds_config, device = spec.ds_config, spec.device

@@ -14,6 +14,15 @@ from .param_groups import build_param_groups, scale_lr_by_group
 
 class DeepSpeedBackend:
     name = 'deepspeed'
+    uses_deepspeed_comm = True
+
+    @staticmethod
+    def precision_run(precision):
+        return precision
+
+    @staticmethod
+    def zero_stage_of(ds_config):
+        return int(ds_config.get('zero_optimization', {}).get('stage', 0))
 
     def __init__(self, model, spec, optim_cfg=None):
         import deepspeed

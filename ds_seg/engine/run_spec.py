@@ -16,9 +16,6 @@ import torch
 from .. import distributed
 from ..config import resolve_ds_config
 
-BACKENDS = ('deepspeed', 'ddp')
-
-
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     backend: str               # 'deepspeed' or 'ddp'
@@ -50,16 +47,14 @@ class RunSpec:
 def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launcher=None):
     """Resolve ``ds_config`` (a checked DeepSpeed dict) for this process group and hardware.
 
-    Native fp16/bf16 parameters are a DeepSpeed feature; under DDP the same JSON runs as
-    torch.amp autocast, and ``precision`` says so (``bf16-autocast``).
+    The backend class says what the JSON's precision becomes (under DDP native fp16/bf16 runs
+    as torch.amp autocast: ``bf16-autocast``) and which ZeRO stage applies (none under DDP).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f'backend must be one of {BACKENDS}, not {backend!r}')
+    from .backend import backend_class
+    engine = backend_class(backend)
     world_size = distributed.world_size()
     resolved, precision, notes = resolve_ds_config(ds_config, world_size, max_steps, source=source)
-    if backend == 'ddp' and precision in ('fp16', 'bf16'):
-        precision = f'{precision}-autocast'
-    zero_stage = int(resolved.get('zero_optimization', {}).get('stage', 0)) if backend == 'deepspeed' else None
+    precision, zero_stage = engine.precision_run(precision), engine.zero_stage_of(resolved)
     return RunSpec(backend=backend, rank=distributed.rank(), world_size=world_size, device=distributed.device(),
                    launcher=launcher or distributed.detect_launcher(), micro_batch=resolved['train_micro_batch_size_per_gpu'],
                    grad_accum=resolved['gradient_accumulation_steps'], global_batch=resolved['train_batch_size'],

@@ -68,7 +68,8 @@ class Trainer:
                  ds_config_source='DeepSpeed config'):
         self.cfg = cfg
         t_start = time.time()
-        launcher = distributed.init(use_deepspeed=(backend == 'deepspeed'), timeout_s=cfg.train.get('dist_timeout_s'))
+        launcher = distributed.init(use_deepspeed=backends.backend_class(backend).uses_deepspeed_comm,
+                                    timeout_s=cfg.train.get('dist_timeout_s'))
         self.spec = describe_run(ds_config, backend, cfg.train.max_steps, ds_config_source, launcher)
         self.rank, self.world_size, self.device = self.spec.rank, self.spec.world_size, self.spec.device
         self.work_dir = work_dir or default_work_dir(cfg)
