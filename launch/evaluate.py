@@ -1,17 +1,11 @@
-"""``python launch/evaluate.py ...`` in a source checkout = the ``ds-seg-evaluate`` console script.
+"""``python launch/evaluate.py ...`` = the ``ds-seg-evaluate`` console script (ds_seg/cli/evaluate.py).
 
-The code is ds_seg/cli/evaluate.py (installed with the package); this file only runs it, so launchers
-that take a script path (``deepspeed launch/evaluate.py``, ``torchrun launch/evaluate.py``) keep working.
+Kept so that launchers taking a script path (``deepspeed launch/evaluate.py``, ``torchrun
+launch/evaluate.py``) work; it only runs the installed package's command (``pip install -e .``).
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ds_seg
-from ds_seg.cli import evaluate as _impl  # noqa: E402
+from ds_seg.cli.evaluate import main
 
 if __name__ == '__main__':
-    sys.exit(_impl.main())
-# Imported (``from launch import evaluate``, or loaded from this path): the same module object as
-# ds_seg.cli.evaluate, so patching one patches what its functions see.
-globals().update({k: v for k, v in vars(_impl).items() if not k.startswith('__')})
-sys.modules[__name__] = _impl
+    sys.exit(main())

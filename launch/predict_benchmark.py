@@ -71,8 +71,7 @@ def main(argv=None):
     if argv is None and sys.argv[1:2] == ['--child']:
         # predict.py's own main, in a process whose peak memory is measured alone
         _register_pixel_model()
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import predict
+        from ds_seg.cli import predict
         return predict.main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--size', type=int, default=20000, help='scene width and height (default 20000)')

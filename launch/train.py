@@ -1,9 +1,8 @@
-"""``python launch/train.py ...`` in a source checkout = the ``ds-seg-train`` console script.
+"""``python launch/train.py ...`` = the ``ds-seg-train`` console script (ds_seg/cli/train.py).
 
-The code is ds_seg/cli/train.py (installed with the package); this file only runs it, so launchers
-that take a script path (``deepspeed launch/train.py``, ``torchrun launch/train.py``) keep working.
+Kept so that launchers taking a script path (``deepspeed launch/train.py``, ``torchrun
+launch/train.py``) work; it only runs the installed package's command (``pip install -e .``).
 """
-import os
 import signal
 import sys
 
@@ -13,15 +12,7 @@ if __name__ == '__main__':
     _early = []
     for _sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ds_seg
-from ds_seg.cli import train as _impl  # noqa: E402
-
-if __name__ == '__main__':
+    from ds_seg.cli.train import main
     from ds_seg.engine import faults
     faults._early_signal[0] = faults._early_signal[0] or (_early[0] if _early else None)
-    sys.exit(_impl.main())
-# Imported (``from launch import train``, or loaded from this path): the same module object as
-# ds_seg.cli.train, so patching one patches what its functions see.
-globals().update({k: v for k, v in vars(_impl).items() if not k.startswith('__')})
-sys.modules[__name__] = _impl
+    sys.exit(main())

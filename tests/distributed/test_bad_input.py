@@ -2,7 +2,6 @@
 names the file or key: one test per case, all run through the real entry point in one fresh
 process (so the cost of importing DeepSpeed is paid once)."""
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -83,10 +82,9 @@ def _cases(tmp):
 
 
 def _run_cases(tmp, names):
-    """Run launch/train.py's main() for each case in this process; (exit status, stderr lines)."""
-    spec = importlib.util.spec_from_file_location('train_entry', os.path.join(REPO_ROOT, 'launch', 'train.py'))
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
+    """Run the train command's main() (ds_seg/cli/train.py, what launch/train.py runs) for each
+    case in this process; (exit status, stderr lines)."""
+    from ds_seg.cli import train as entry
     cases = _cases(tmp)
     results = {}
     for name in names:

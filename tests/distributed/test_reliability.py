@@ -47,14 +47,12 @@ def _write_tif(path, array_CHW, crs='EPSG:32632', nodata=None):
 
 
 def _entry(name):
-    spec = importlib.util.spec_from_file_location(f'{name}_entry', os.path.join(REPO_ROOT, 'launch', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The command launch/<name>.py runs (ds_seg/cli/<name>.py)."""
+    return importlib.import_module(f'ds_seg.cli.{name}')
 
 
 def _run_main(name, argv):
-    """(exit status, stderr lines, stdout) of launch/<name>.py's main() in this process."""
+    """(exit status, stderr lines, stdout) of the command's main() in this process."""
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = _entry(name).main(argv)
