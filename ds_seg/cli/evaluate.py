@@ -22,6 +22,7 @@ import torch
 from ds_seg.cli.predict import Progress, add_window_args, normalisation, setup, window_kwargs  # noqa: E402
 
 from ds_seg import distributed  # noqa: E402
+from ds_seg.cli import run_command  # noqa: E402
 from ds_seg.inference import default_palette, evaluate_scenes, load_model, scene_pairs  # noqa: E402
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
                            expand_inputs)
@@ -106,6 +107,46 @@ def build_scenes(args, info):
     return list(zip(images, labels)), list(classes)
 
 
+def _run(args):
+    """The command after argument parsing; user errors raise (see ds_seg.cli.run_command)."""
+    window_kwargs(args)  # checks the window options
+    check_checkpoint_option(args.checkpoint)
+    check_output_folder(args.output)
+    check_outputs([os.path.join(args.output, 'eval.json')], [], overwrite=args.overwrite)
+    device = setup(args)
+    model, info = load_model(args.checkpoint, device)
+    scenes, classes = build_scenes(args, info)
+    mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)
+    if len(classes) != (info['model'].get('num_classes') or len(classes)):
+        raise ValueError(f"{len(classes)} classes given but the model predicts {info['model']['num_classes']}")
+    with torch.inference_mode():
+        result = evaluate_scenes(model, scenes, num_classes=len(classes), mean=mean, std=std,
+                                 bands=bands, ignore_index=args.ignore_index, erode_boundary=args.erode,
+                                 device=device, preview_size=512 if args.previews else 0,
+                                 progress=Progress('evaluation'), **window_kwargs(args))
+    cm = result['confusion']
+    metrics = metrics_from_confusion(cm, classes, exclude=tuple(args.exclude))
+    if distributed.is_main():
+        os.makedirs(args.output, exist_ok=True)
+        record = dict(**metrics, confusion=cm.tolist(), classes=classes, exclude=list(args.exclude),
+                      erode_boundary=args.erode, checkpoint=os.path.abspath(args.checkpoint),
+                      scenes=[p[0] for p in scene_pairs(scenes)],
+                      windows=result['windows'], world_size=distributed.world_size(),
+                      settings=window_kwargs(args))
+        with open(os.path.join(args.output, 'eval.json'), 'w') as f:
+            json.dump(record, f, indent=1)
+        save_confusion_png(cm, classes, os.path.join(args.output, 'confusion.png'), args.exclude)
+        for i, preview in enumerate(result['previews'][:args.previews]):
+            save_preview_png(preview, classes, os.path.join(args.output, f'preview_{i}.png'), bands)
+        print(f"[evaluate] mIoU {metrics['mIoU']:.4f} | mF1 {metrics['mF1']:.4f} | OA {metrics['OA']:.4f}"
+              + (f" (mIoU/mF1 without {', '.join(args.exclude)})" if args.exclude else ''))
+        for name, v in metrics['per_class'].items():
+            fmt = lambda x: '  -  ' if x is None else f'{x:.3f}'  # noqa: E731
+            print(f"[evaluate]   {name:>14}: IoU {fmt(v['iou'])} F1 {fmt(v['f1'])} "
+                  f"precision {fmt(v['precision'])} recall {fmt(v['recall'])}")
+        print(f"[evaluate] wrote {os.path.join(args.output, 'eval.json')}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
@@ -124,49 +165,7 @@ def main(argv=None):
     parser.add_argument('--overwrite', action='store_true', help='replace an earlier eval.json in --output')
     add_window_args(parser)
     args = parser.parse_args(argv)
-    try:
-        window_kwargs(args)  # checks the window options
-        check_checkpoint_option(args.checkpoint)
-        check_output_folder(args.output)
-        check_outputs([os.path.join(args.output, 'eval.json')], [], overwrite=args.overwrite)
-        device = setup(args)
-        model, info = load_model(args.checkpoint, device)
-        scenes, classes = build_scenes(args, info)
-        mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)
-        if len(classes) != (info['model'].get('num_classes') or len(classes)):
-            raise ValueError(f"{len(classes)} classes given but the model predicts {info['model']['num_classes']}")
-        with torch.inference_mode():
-            result = evaluate_scenes(model, scenes, num_classes=len(classes), mean=mean, std=std,
-                                     bands=bands, ignore_index=args.ignore_index, erode_boundary=args.erode,
-                                     device=device, preview_size=512 if args.previews else 0,
-                                     progress=Progress('evaluation'), **window_kwargs(args))
-        cm = result['confusion']
-        metrics = metrics_from_confusion(cm, classes, exclude=tuple(args.exclude))
-        if distributed.is_main():
-            os.makedirs(args.output, exist_ok=True)
-            record = dict(**metrics, confusion=cm.tolist(), classes=classes, exclude=list(args.exclude),
-                          erode_boundary=args.erode, checkpoint=os.path.abspath(args.checkpoint),
-                          scenes=[p[0] for p in scene_pairs(scenes)],
-                          windows=result['windows'], world_size=distributed.world_size(),
-                          settings=window_kwargs(args))
-            with open(os.path.join(args.output, 'eval.json'), 'w') as f:
-                json.dump(record, f, indent=1)
-            save_confusion_png(cm, classes, os.path.join(args.output, 'confusion.png'), args.exclude)
-            for i, preview in enumerate(result['previews'][:args.previews]):
-                save_preview_png(preview, classes, os.path.join(args.output, f'preview_{i}.png'), bands)
-            print(f"[evaluate] mIoU {metrics['mIoU']:.4f} | mF1 {metrics['mF1']:.4f} | OA {metrics['OA']:.4f}"
-                  + (f" (mIoU/mF1 without {', '.join(args.exclude)})" if args.exclude else ''))
-            for name, v in metrics['per_class'].items():
-                fmt = lambda x: '  -  ' if x is None else f'{x:.3f}'  # noqa: E731
-                print(f"[evaluate]   {name:>14}: IoU {fmt(v['iou'])} F1 {fmt(v['f1'])} "
-                      f"precision {fmt(v['precision'])} recall {fmt(v['recall'])}")
-            print(f"[evaluate] wrote {os.path.join(args.output, 'eval.json')}")
-    except (FileNotFoundError, ValueError, KeyError) as exc:
-        print(f'evaluate: error: {exc}', file=sys.stderr)
-        return 2
-    finally:
-        distributed.close()
-    return 0
+    return run_command('evaluate', lambda: _run(args), errors=(FileNotFoundError, ValueError, KeyError))
 
 
 if __name__ == '__main__':

@@ -22,6 +22,7 @@ import time
 import torch
 
 from ds_seg import distributed
+from ds_seg.cli import run_command
 from ds_seg.data.geotiff import configure_gdal_for_worker
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
@@ -94,6 +95,64 @@ class Progress:
               f'{rate:.1f} windows/s | ETA {format_eta(eta)}', flush=True)
 
 
+def _run(args):
+    """The command after argument parsing; user errors raise (see ds_seg.cli.run_command)."""
+    # Every check before any work: a refused command changes no file.
+    windows = window_kwargs(args)
+    # 'a_may.tif,a_aug.tif': one scene of several dates (a time series model's input)
+    scenes = []
+    for item in args.input:
+        if ',' in item:
+            scenes.append(expand_inputs(item.split(',')))
+        else:
+            scenes += expand_inputs([item])
+    firsts = [s[0] if isinstance(s, list) else s for s in scenes]  # names outputs
+    inputs = [p for s in scenes for p in (s if isinstance(s, list) else [s])]
+    check_checkpoint_option(args.checkpoint)
+    check_output_folder(args.output)
+    stems = output_stems(firsts)
+    outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
+               for stem in stems]
+    check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
+    vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite)
+    device = setup(args)
+    if args.checkpoint.endswith('.onnx'):  # CPU deployment: onnxruntime, no model code needed
+        from ds_seg.deploy import load_onnx
+        model, info = load_onnx(args.checkpoint, threads=args.cpu_threads)
+    else:
+        model, info = load_model(args.checkpoint, device)
+    mean, std, bands = normalisation(args, info)
+    for scene in scenes:
+        dates = scene if isinstance(scene, list) else [scene]
+        channels = info['model'].get('in_channels')
+        for path in dates:  # the model's channels are the bands of every date
+            check_bands(path, bands, channels // len(dates) if channels else None)
+    os.makedirs(args.output, exist_ok=True)
+    t_all = time.perf_counter()
+    for path, first, (out, *rest), vector in zip(scenes, firsts, outputs, vectors):
+        probs = rest[0] if rest else None
+        if vector and os.path.exists(vector) and args.overwrite and distributed.is_main():
+            os.remove(vector)  # --overwrite said so
+        with torch.inference_mode():
+            stats = predict_scene(model, path, out, mean=mean, std=std, bands=bands,
+                                  classes=info['classes'], probs_path=probs, device=device,
+                                  accumulate_dtype=args.accumulate_dtype,
+                                  progress=Progress(os.path.basename(first)), **windows)
+        if distributed.is_main():
+            print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
+                  f'{stats["windows"]} windows in {stats["seconds"]:.1f} s '
+                  f'({stats["windows"] / max(stats["seconds"], 1e-9):.1f} windows/s)', flush=True)
+        if vector and distributed.is_main():  # the joined class map is complete here
+            t = time.perf_counter()
+            v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],
+                                    simplify=args.simplify, min_area=args.min_area,
+                                    exclude=args.exclude_classes)
+            print(f'[predict] {out} -> {vector} | {v["features"]} polygons in '
+                  f'{time.perf_counter() - t:.1f} s', flush=True)
+    if distributed.is_main():
+        print(f'[predict] done: {len(scenes)} scene(s) in {time.perf_counter() - t_all:.1f} s')
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
@@ -108,67 +167,7 @@ def main(argv=None):
     add_window_args(parser)
     add_vector_args(parser)
     args = parser.parse_args(argv)
-    try:
-        # Every check before any work: a refused command changes no file.
-        windows = window_kwargs(args)
-        # 'a_may.tif,a_aug.tif': one scene of several dates (a time series model's input)
-        scenes = []
-        for item in args.input:
-            if ',' in item:
-                scenes.append(expand_inputs(item.split(',')))
-            else:
-                scenes += expand_inputs([item])
-        firsts = [s[0] if isinstance(s, list) else s for s in scenes]  # names outputs
-        inputs = [p for s in scenes for p in (s if isinstance(s, list) else [s])]
-        check_checkpoint_option(args.checkpoint)
-        check_output_folder(args.output)
-        stems = output_stems(firsts)
-        outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
-                   for stem in stems]
-        check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
-        vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite)
-        device = setup(args)
-        if args.checkpoint.endswith('.onnx'):  # CPU deployment: onnxruntime, no model code needed
-            from ds_seg.deploy import load_onnx
-            model, info = load_onnx(args.checkpoint, threads=args.cpu_threads)
-        else:
-            model, info = load_model(args.checkpoint, device)
-        mean, std, bands = normalisation(args, info)
-        for scene in scenes:
-            dates = scene if isinstance(scene, list) else [scene]
-            channels = info['model'].get('in_channels')
-            for path in dates:  # the model's channels are the bands of every date
-                check_bands(path, bands, channels // len(dates) if channels else None)
-        os.makedirs(args.output, exist_ok=True)
-        t_all = time.perf_counter()
-        for path, first, (out, *rest), vector in zip(scenes, firsts, outputs, vectors):
-            probs = rest[0] if rest else None
-            if vector and os.path.exists(vector) and args.overwrite and distributed.is_main():
-                os.remove(vector)  # --overwrite said so
-            with torch.inference_mode():
-                stats = predict_scene(model, path, out, mean=mean, std=std, bands=bands,
-                                      classes=info['classes'], probs_path=probs, device=device,
-                                      accumulate_dtype=args.accumulate_dtype,
-                                      progress=Progress(os.path.basename(first)), **windows)
-            if distributed.is_main():
-                print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
-                      f'{stats["windows"]} windows in {stats["seconds"]:.1f} s '
-                      f'({stats["windows"] / max(stats["seconds"], 1e-9):.1f} windows/s)', flush=True)
-            if vector and distributed.is_main():  # the joined class map is complete here
-                t = time.perf_counter()
-                v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],
-                                        simplify=args.simplify, min_area=args.min_area,
-                                        exclude=args.exclude_classes)
-                print(f'[predict] {out} -> {vector} | {v["features"]} polygons in '
-                      f'{time.perf_counter() - t:.1f} s', flush=True)
-        if distributed.is_main():
-            print(f'[predict] done: {len(scenes)} scene(s) in {time.perf_counter() - t_all:.1f} s')
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as exc:
-        print(f'predict: error: {exc}', file=sys.stderr)
-        return 2
-    finally:
-        distributed.close()
-    return 0
+    return run_command('predict', lambda: _run(args), errors=(FileNotFoundError, FileExistsError, ValueError, KeyError))
 
 
 if __name__ == '__main__':

@@ -62,7 +62,7 @@ class Backend(Protocol):
         """(module, optimizer, inner torch optimizer) whose tensors ds_seg.memory counts."""
 
     def resume_refusal(self, marker: dict, where: str) -> Optional[str]:
-        """One line saying why this run cannot continue a checkpoint, or None."""
+        """One line saying why this run cannot continue a checkpoint of this backend, or None."""
 
     def save(self, directory: str, tag: str, client_state: dict) -> None: ...
     def load(self, directory: str, tag: str) -> dict: ...

@@ -117,6 +117,9 @@ class Checkpointer:
             raise ConfigError(f"--resume: {where} was trained for {len(classes)} classes but the data has "
                               f"{self.train_set.num_classes}; start a new run (load_from= an exported file "
                               "cannot help either: the classifier shape differs).")
+        if marker.get('backend') != self.spec.backend:
+            raise ConfigError(f"--resume: {where} is a {marker.get('backend')} checkpoint but this run uses "
+                              f"--backend {self.spec.backend}; export it (launch/export.py) and use load_from=.")
         refusal = self.backend.resume_refusal(marker, where)
         if refusal:
             raise ConfigError(refusal)

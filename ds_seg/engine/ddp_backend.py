@@ -102,11 +102,8 @@ class DDPBackend:
         return self.ddp.module, self.optimizer, self.optimizer
 
     def resume_refusal(self, marker, where):
-        """Why this run cannot continue the checkpoint ``marker`` describes, or None."""
-        if marker.get('backend') != self.name:
-            return (f"--resume: {where} is a {marker.get('backend')} checkpoint but this run uses "
-                    f"--backend {self.name}; export it (launch/export.py) and use load_from=.")
-        return None
+        """Why this run cannot continue a DDP checkpoint ``marker`` describes, or None."""
+        return None   # any DDP checkpoint of the same model (the checkpointer checks that)
 
     def train(self):
         self.ddp.train()

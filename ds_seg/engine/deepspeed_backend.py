@@ -68,10 +68,7 @@ class DeepSpeedBackend:
         return self.engine.module, opt, inner
 
     def resume_refusal(self, marker, where):
-        """Why this run cannot continue the checkpoint ``marker`` describes, or None."""
-        if marker.get('backend') != self.name:
-            return (f"--resume: {where} is a {marker.get('backend')} checkpoint but this run uses "
-                    f"--backend {self.name}; export it (launch/export.py) and use load_from=.")
+        """Why this run cannot continue a DeepSpeed checkpoint ``marker`` describes, or None."""
         if marker.get('zero_stage') != self.zero_stage:
             return (f"--resume: {where} was saved under ZeRO-{marker.get('zero_stage')} but the DeepSpeed "
                     f"config uses ZeRO-{self.zero_stage}; export it and use load_from= instead.")
