@@ -50,9 +50,10 @@ class RunMetrics:
 
     # -- check steps ----------------------------------------------------------------------
     def take_nonfinite_counts(self):
-        """The counters for faults.StopRequests.agree; the longest run restarts from the current."""
+        """The counters for faults.StopRequests.agree. The longest run restarts at 0 (a run already
+        reported is not reported again once it has ended); the current run carries on."""
         counts = self._nonfinite
-        self._nonfinite = torch.stack([counts[1], counts[1]])
+        self._nonfinite = torch.stack([torch.zeros_like(counts[1]), counts[1]])
         return counts
 
     # -- log steps ------------------------------------------------------------------------

@@ -1,0 +1,39 @@
+"""Non-finite losses are counted on the device between check steps (ds_seg/engine/run_metrics.py):
+the longest run of consecutive non-finite steps since the last check, and the run still going."""
+import math
+
+import torch
+
+from ds_seg.engine.run_metrics import RunMetrics
+from ds_seg.engine.run_spec import RunSpec
+
+
+def _metrics():
+    spec = RunSpec(backend='ddp', rank=0, world_size=1, device=torch.device('cpu'), launcher='python',
+                   micro_batch=1, grad_accum=1, global_batch=1, zero_stage=None, precision='fp32', ds_config={})
+    return RunMetrics(spec, log=None, backend=None, flops_per_image=None, peak_flops=None, warmup_steps=0,
+                      max_steps=10, train_images=1, report=print, t_start=0.0)
+
+
+def _feed(metrics, losses):
+    for value in losses:
+        metrics.add_step(torch.tensor(value))
+
+
+def test_counts_between_checks_are_the_longest_run_and_the_current_one():
+    m = _metrics()
+    nan, inf = math.nan, math.inf
+    _feed(m, [1.0, nan, inf, nan, 2.0, nan])            # a run of 3 that ended, then one going on
+    assert m.take_nonfinite_counts().tolist() == [3, 1]
+    _feed(m, [nan, nan])                                 # the run continues across the check
+    assert m.take_nonfinite_counts().tolist() == [3, 3]
+    _feed(m, [1.0])                                      # a finite loss ends it; nothing since the check
+    assert m.take_nonfinite_counts().tolist() == [0, 0]
+    _feed(m, [1.0, 1.0])
+    assert m.take_nonfinite_counts().tolist() == [0, 0]
+
+
+def test_loss_sum_stays_a_device_tensor_until_the_log_step():
+    m = _metrics()
+    _feed(m, [1.0, 2.5])
+    assert isinstance(m._loss_sum, torch.Tensor) and float(m._loss_sum) == 3.5
