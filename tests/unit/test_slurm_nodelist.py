@@ -1,7 +1,6 @@
 """MASTER_ADDR from a Slurm node list: every rank of a job must pick the same first host, with
 or without scontrol on the PATH. Expected hosts are Slurm's own expansion (checked against
 `scontrol show hostnames` 23.x), hard-coded, not derived from the code under test."""
-import os
 import shutil
 
 import pytest
