@@ -55,8 +55,22 @@ def _first_slurm_host(nodelist):
                 return out[0]
         except (subprocess.SubprocessError, OSError):
             pass
-    m = re.match(r'([^\[,]+)(?:\[([^\],-]+))?', nodelist)
-    return (m.group(1) + (m.group(2) or '')) if m else '127.0.0.1'
+    # Without scontrol: the first entry of the list, each bracket group replaced by its first
+    # value ("a[1-2],b3" -> "a1", "node[0-1]-[2-3]" -> "node0-2").
+    host, depth, group = '', 0, ''
+    for ch in nodelist:
+        if depth == 0 and ch == ',':
+            break
+        if ch == '[':
+            depth, group = 1, ''
+        elif ch == ']' and depth:
+            host += re.split(r'[,-]', group)[0]
+            depth = 0
+        elif depth:
+            group += ch
+        else:
+            host += ch
+    return host or '127.0.0.1'
 
 
 def setup_env(env=None):

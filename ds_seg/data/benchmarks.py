@@ -180,7 +180,7 @@ class LoveDA(GeoTiffScenes):
 
         ds = LoveDA('data/loveDA', split='train', domain='rural', crop_size=512)
     """
-    CLASSES = ('background', 'building', 'road', 'water', 'barren', 'forest', 'agriculture')
+    CLASSES = ('background', 'building', 'road', 'water', 'barren', 'forest', 'agricultural')  # mmseg's names
     PALETTE = ((255, 255, 255), (255, 0, 0), (255, 255, 0), (0, 0, 255), (159, 129, 183), (0, 255, 0),
                (255, 195, 128))
     METRIC = 'mmseg: 7-class mIoU, label 0 (no-data) ignored'
