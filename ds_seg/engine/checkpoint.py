@@ -331,7 +331,10 @@ def consolidated_state_dict(ckpt_dir):
     """Full fp32 state dict (parameters and buffers) from one ``step_*`` folder, offline."""
     ddp_file = os.path.join(ckpt_dir, 'ddp_state.pt')
     if os.path.isfile(ddp_file):
-        return torch.load(ddp_file, map_location='cpu', weights_only=True)['module']
+        try:
+            return torch.load(ddp_file, map_location='cpu', weights_only=True)['module']
+        except pickle.UnpicklingError as exc:
+            raise UnsafeFileError(ddp_file) from exc
     model_files = glob.glob(os.path.join(ckpt_dir, '*model_states.pt'))
     if not model_files:
         raise FileNotFoundError(f"{ckpt_dir}: neither a DDP nor a DeepSpeed checkpoint.")
@@ -389,6 +392,15 @@ def export(ckpt_dir, out_file, model_cfg=None, classes=None, extra=None):
     return out_file
 
 
+class UnsafeFileError(ValueError):
+    """A checkpoint or weights file holds pickled Python objects other than tensors: loading it
+    could run code, so it is refused (nothing in it was executed)."""
+
+    def __init__(self, path):
+        super().__init__(f"{path}: refused: the file holds Python objects other than tensors (loading "
+                         "it could run code); use checkpoints written by ds_seg or export weights with launch/export.py.")
+
+
 def load_weights_file(path):
     """Read an exported weights file safely (no code execution): returns the payload dict."""
     if not os.path.isfile(path):
@@ -397,8 +409,7 @@ def load_weights_file(path):
         payload = torch.load(path, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as exc:
         # weights_only refuses any pickle that would construct objects or call code.
-        raise ValueError(f"{path}: refused: the file holds Python objects other than tensors (loading "
-                         "it could run code); export weights with launch/export.py.") from exc
+        raise UnsafeFileError(path) from exc
     except (RuntimeError, EOFError, OSError) as exc:
         raise ValueError(f"{path}: not a readable weights file (truncated, or not made by torch.save): "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc

@@ -82,6 +82,12 @@ class Checkpointer:
         return step, offset, set_aside
 
     def _load(self, root, tag):
+        try:
+            return self._load_checked(root, tag)
+        except checkpoint.UnsafeFileError as exc:  # nothing in it ran; one line, not a traceback
+            raise ConfigError(f'--resume: {exc}') from exc
+
+    def _load_checked(self, root, tag):
         self.check_compatible(root, tag)
         marker = checkpoint.read_marker(os.path.join(root, tag))
         spec = self.spec

@@ -6,6 +6,7 @@ policy: so a DDP run and a DeepSpeed run of one config differ only in the engine
 """
 import contextlib
 import os
+import pickle
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -194,8 +195,12 @@ class DDPBackend:
         distributed.barrier()
 
     def load(self, directory, tag):
-        state = torch.load(os.path.join(directory, tag, 'ddp_state.pt'), map_location=self.device,
-                           weights_only=True)
+        path = os.path.join(directory, tag, 'ddp_state.pt')
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            from .checkpoint import UnsafeFileError
+            raise UnsafeFileError(path) from exc
         self.ddp.module.load_state_dict(state['module'])
         self.optimizer.load_state_dict(state['optimizer'])
         if self.scheduler is not None and state['scheduler'] is not None:

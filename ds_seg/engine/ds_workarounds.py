@@ -18,6 +18,7 @@ changes it, that test fails, and the workaround (and its test) can be deleted.
   means setting the engine's private ``_config.load_universal_checkpoint``.
 """
 import contextlib
+import pickle
 
 import torch
 
@@ -28,9 +29,13 @@ def safe_torch_load(path, map_location=None):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
+    from .checkpoint import UnsafeFileError
     with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
-        # torch.serialization.load, not torch.load: only_safe_torch_load routes torch.load here.
-        return torch.serialization.load(path, map_location=map_location, weights_only=True)
+        try:
+            # torch.serialization.load, not torch.load: only_safe_torch_load routes torch.load here.
+            return torch.serialization.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeFileError(path) from exc
 
 
 def use_safe_loader(engine):

@@ -306,7 +306,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _load_weights(self, model, path):
-        payload = checkpoint.load_weights_file(path)
+        try:
+            payload = checkpoint.load_weights_file(path)
+        except ValueError as exc:  # unreadable, not a ds_seg weights file, or carrying code
+            message = str(exc)
+            raise ConfigError(message if message.startswith('load_from') else f'load_from: {message}') from exc
         missing, unexpected = backends.load_weights(self.spec, model, payload['state_dict'])  # ZeRO-3 too
         if missing or unexpected:
             raise ConfigError(f"load_from: {path} does not fit model {self.cfg.model.type}: "

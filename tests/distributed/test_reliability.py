@@ -472,7 +472,7 @@ def _poisoned_work_dir(tmp):
     """A copy of the trained work dir whose newest checkpoint carries code in its model-states
     file, with sizes and SHA-256 recorded to match (a consistent checkpoint from elsewhere, which
     verification alone would accept)."""
-    from ds_seg.engine.deepspeed_backend import safe_torch_load
+    from ds_seg.engine.ds_workarounds import safe_torch_load
     work = os.path.join(tmp, 'poisoned')
     shutil.copytree(os.path.join(tmp, 'trained'), work)
     step = os.path.join(work, 'checkpoints', 'step_00000012')
@@ -551,22 +551,6 @@ def test_prediction_commands_refuse_with_one_line(cli, case, program, fragments)
 
 PICKLE_CASES = ['pickle_evaluate_weights', 'pickle_load_from', 'pickle_export_checkpoint', 'pickle_predict_checkpoint',
                 'pickle_evaluate_checkpoint', 'pickle_resume']
-# Found by this test: only the loaders of exported weights files (load_weights_file) turn a
-# refused pickle into a one-line error. Left xfail for the engine rewrite (ds_seg/engine).
-_TRACEBACK_FROM_CHECKPOINT = pytest.mark.xfail(strict=True, reason=(
-    'a checkpoint folder whose file carries code is refused by safe_torch_load (nothing runs) but the '
-    'pickle.UnpicklingError escapes as a traceback: ds_seg.engine.checkpoint.consolidated_state_dict does not '
-    'turn it into the one-line "refused ... could run code" error that load_weights_file gives'))
-_TRACEBACK_FROM_RESUME = pytest.mark.xfail(strict=True, reason=(
-    'resuming a checkpoint whose file carries code: DeepSpeed\'s load_checkpoint through safe_torch_load '
-    'raises pickle.UnpicklingError, which Trainer._load_checkpoint lets escape as a traceback (no one-line '
-    'exit 2)'))
-_TRACEBACK_FROM_LOAD_FROM = pytest.mark.xfail(strict=True, reason=(
-    'load_from= a weights file carrying code: load_weights_file raises ValueError("... refused ... could run '
-    'code") but Trainer._load_weights does not convert it to ConfigError, so launch/train.py prints a '
-    'traceback instead of one line with exit 2'))
-
-
 def test_a_pickle_carrying_code_is_never_run_by_any_loader(cli):
     """README "Safe loading": evaluate, load_from, export, predict and evaluate of a checkpoint
     folder, and a resume, given a weights file or a checksum-consistent checkpoint that carries
@@ -578,11 +562,11 @@ def test_a_pickle_carrying_code_is_never_run_by_any_loader(cli):
 
 @pytest.mark.parametrize('case, program', [
     ('pickle_evaluate_weights', 'evaluate'),
-    pytest.param('pickle_load_from', 'ds_seg', marks=_TRACEBACK_FROM_LOAD_FROM),
-    pytest.param('pickle_export_checkpoint', 'export', marks=_TRACEBACK_FROM_CHECKPOINT),
-    pytest.param('pickle_predict_checkpoint', 'predict', marks=_TRACEBACK_FROM_CHECKPOINT),
-    pytest.param('pickle_evaluate_checkpoint', 'evaluate', marks=_TRACEBACK_FROM_CHECKPOINT),
-    pytest.param('pickle_resume', 'ds_seg', marks=_TRACEBACK_FROM_RESUME)])
+    pytest.param('pickle_load_from', 'ds_seg'),
+    pytest.param('pickle_export_checkpoint', 'export'),
+    pytest.param('pickle_predict_checkpoint', 'predict'),
+    pytest.param('pickle_evaluate_checkpoint', 'evaluate'),
+    pytest.param('pickle_resume', 'ds_seg')])
 def test_a_pickle_carrying_code_is_refused_in_one_line(cli, case, program):
     line = _one_line(cli[case][0], cli[case][1], program)
     assert 'could run code' in line, line

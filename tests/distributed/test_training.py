@@ -214,7 +214,7 @@ def _engine_offload(tmp, stage, precision, work):
         initial = _full_params(trainer)
         summary = trainer.fit()
         engine = trainer.backend.engine
-        return dict(initial=initial, params=_full_params(trainer), summary=summary, precision=trainer.precision,
+        return dict(initial=initial, params=_full_params(trainer), summary=summary, precision=trainer.spec.precision,
                     dtypes={str(p.dtype) for p in trainer.backend.module.parameters()},
                     offloaded=(bool(engine.zero_offload_optimizer()), bool(engine.zero_offload_param())))
     finally:
