@@ -1,6 +1,10 @@
 """ds_seg: DeepSpeed training for large semantic-segmentation models on aerial imagery."""
 __version__ = '0.1.0'
 
+from .engine.ds_workarounds import keep_autotuner_from_importing_mlflow  # noqa: E402
+
+keep_autotuner_from_importing_mlflow()  # 3 s off every process start (see the function)
+
 # Importing the subpackages registers every model, loss, dataset and transform.
 from . import data, models  # noqa: E402,F401
 from .registry import DATASETS, LOSSES, MODELS, TRANSFORMS  # noqa: E402,F401

@@ -13,12 +13,18 @@ changes it, that test fails, and the workaround (and its test) can be deleted.
   gradients divided by the scale and never see an overflow.
 * :func:`records_no_grad_norm` -- DeepSpeed 0.19 records no global gradient norm for ZeRO-0
   without fp16 (``get_global_grad_norm()`` is None); ds_seg computes it for the logs.
+* :func:`keep_autotuner_from_importing_mlflow` -- DeepSpeed 0.19's autotuner imports mlflow, when
+  it is installed, as ``import deepspeed`` runs: about 3 s of every process's start, for a
+  feature ds_seg never uses. That one import is refused (ds_seg's own MLflow tracker still
+  imports it).
 * Universal checkpoints (ds_seg/engine/reshard.py) carry parameters only, no buffers: the
   BatchNorm running statistics are copied from the original checkpoint there, and loading one
   means setting the engine's private ``_config.load_universal_checkpoint``.
 """
 import contextlib
+import importlib.abc
 import pickle
+import sys
 
 import torch
 
@@ -66,3 +72,20 @@ def needs_loss_scaled_here(optimizer, precision):
 def records_no_grad_norm(zero_stage, precision):
     """Whether DeepSpeed leaves ``get_global_grad_norm()`` None, so ds_seg computes the norm."""
     return zero_stage == 0 and precision in ('fp32', 'bf16-autocast')
+
+
+class _NoMlflowForTheAutotuner(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == 'mlflow':
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_globals.get('__name__') == 'deepspeed.autotuning.autotuner':
+                    raise ImportError('not imported for DeepSpeed autotuning (ds_seg/engine/ds_workarounds.py)')
+                frame = frame.f_back
+        return None   # everyone else imports it normally
+
+
+def keep_autotuner_from_importing_mlflow():
+    """Call before DeepSpeed is first imported (ds_seg/__init__.py does)."""
+    if not any(isinstance(finder, _NoMlflowForTheAutotuner) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _NoMlflowForTheAutotuner())

@@ -91,3 +91,15 @@ def test_deepspeed_zero0_fp16_backward_still_leaves_the_loss_unscaled(observed):
 def test_deepspeed_zero0_fp32_still_records_no_grad_norm(observed):
     # Delete records_no_grad_norm once DeepSpeed reports the norm here.
     assert observed['fp32_zero0_norm'] is None
+
+
+def test_deepspeed_import_still_pulls_in_mlflow_and_ds_seg_stops_it():
+    """Delete keep_autotuner_from_importing_mlflow once ``import deepspeed`` leaves mlflow alone."""
+    import subprocess
+    import sys
+    pytest.importorskip('mlflow')
+    check = "import sys; {}import deepspeed; print('mlflow' in sys.modules); import mlflow"
+    plain = subprocess.run([sys.executable, '-c', check.format('')], capture_output=True, text=True)
+    ours = subprocess.run([sys.executable, '-c', check.format('import ds_seg; ')], capture_output=True, text=True)
+    assert plain.returncode == 0 and plain.stdout.split()[-1:] == ['True'], plain.stderr[-2000:]
+    assert ours.returncode == 0 and ours.stdout.split()[-1:] == ['False'], ours.stderr[-2000:]   # and mlflow still imports
