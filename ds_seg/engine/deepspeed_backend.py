@@ -39,8 +39,9 @@ class DeepSpeedBackend:
             # DeepSpeed casts parameters to half but not buffers: keep BN maths and stats in fp32.
             keep_batchnorm_fp32(model)
         offload = (ds_config.get('zero_optimization', {}).get('offload_optimizer') or {}).get('device') == 'cpu'
-        ds_config = dict(ds_config, optimizer=speed.choose_adam_params(
-            ds_config.get('optimizer'), spec.device, speed.fused_adam_prebuilt(), offload=offload))
+        if 'optimizer' in ds_config:  # a JSON without one trains no optimizer: leave it so
+            ds_config = dict(ds_config, optimizer=speed.choose_adam_params(
+                ds_config['optimizer'], spec.device, speed.fused_adam_prebuilt(), offload=offload))
         # Parameters must stay contiguous (not channels_last): DeepSpeed views them as flat bytes.
         # Only the activations go channels_last (forward()).
         self.channels_last = spec.channels_last
