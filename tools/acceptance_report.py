@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-GROUPS = ['unet64_512', 'unet64_512_compiled', 'unet64_1024', 'vit_large_512', 'segformer_b2_1024', 'max_batch']
+GROUPS = ['unet64_512', 'unet64_512_compiled', 'unet64_512_channels_last', 'unet64_1024', 'vit_large_512', 'segformer_b2_1024', 'max_batch']
 
 
 def _load(path):
@@ -43,7 +43,7 @@ def build_report(out, dry_run, seconds):
     if machine:
         lines += ['', f'Machine: {machine}.']
     lines += ['', '| group | backend | precision | micro-batch | img/s | MFU | peak mem MB | data wait | optimizer '
-              '| compile | compile s | largest micro-batch |', '|---|---|---|---|---|---|---|---|---|---|---|---|']
+              '| compile | compile s | NHWC | largest micro-batch |', '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
     status = {s['step']: s['status'] for s in steps}
     for name, g in groups.items():
         if g is None:
@@ -57,7 +57,8 @@ def build_report(out, dry_run, seconds):
                 f"| {name} | {r['backend']} | {r['precision']} | {r['micro_batch']} | {r['images_per_s']:.2f} "
                 f"| {_fmt(r.get('mfu'), '.1%')} | {_fmt(r.get('max_mem_mb'), '.0f')} | {r['data_wait_frac']:.1%} "
                 f"| {r.get('optimizer_impl') or '-'} | {r.get('compile_mode') or 'off'} "
-                f"| {_fmt(r.get('compile_time_s'), '.1f')} | {r.get('max_micro_batch', '-')} |")
+                f"| {_fmt(r.get('compile_time_s'), '.1f')} | {'yes' if r.get('channels_last') else 'no'} "
+                f"| {r.get('max_micro_batch', '-')} |")
     lines += ['', 'No model-size search exists yet (issue 14: the largest UperNet-ViT depth/width per backend); '
               'max_batch is the largest micro-batch per backend instead.']
     with open(os.path.join(out, 'acceptance.json'), 'w') as f:

@@ -7,7 +7,8 @@
 # Steps: install what the image lacks from the wheel folder carried in the checkout (.whl/, built
 # by ../shared/gpu/make_wheels.sh), `pytest -m gpu tests/gpu`, the main command shortened
 # (images/s), launch/benchmark.py rows in bf16 for ddp, zero2 and zero3 (UNet base 64 at 512 and
-# 1024, UperNetViT vit_large at 512, SegFormer mit_b2 at 1024, compile on and off for UNet at 512),
+# 1024, UperNetViT vit_large at 512, SegFormer mit_b2 at 1024, compile on and off and channels_last
+# on and off for UNet at 512),
 # and the largest micro-batch for ddp and zero3_offload. Writes OUT_DIR/acceptance.md and
 # OUT_DIR/acceptance.json (every row, every step's exit status and time), plus each step's own
 # folder (benchmark.json/benchmark.md per benchmark group, logs).
@@ -141,6 +142,14 @@ if (( DRY )); then
   skip_step unet64_512_compiled "dry run: compiling on a CPU takes minutes"
 else
   bench unet64_512_compiled ddp,zero2 8 "${UNET[@]}" -- "${SMALL[@]}" train.compile=True
+fi
+if (( DRY )); then
+  # The same command as unet64_512 plus one key; tests/distributed/test_speed_features.py checks
+  # the layout on a CPU, where its speed means nothing.
+  skip_step unet64_512_channels_last "dry run: NHWC speed is a GPU question"
+else
+  # NHWC activations (and DDP parameters): the measurement that decides CHANNELS_LAST_BY_MODEL.
+  bench unet64_512_channels_last ddp,zero2 8 "${UNET[@]}" -- "${SMALL[@]}" train.channels_last=True
 fi
 bench unet64_1024 "$(rows ddp,zero2,zero3 zero2)" 4 "${UNET[@]}" -- "${LARGE[@]}"
 bench vit_large_512 "$(rows ddp,zero2,zero3 zero3)" 8 "${VIT[@]}" -- "${SMALL[@]}"

@@ -129,7 +129,7 @@ class RunMetrics:
             mIoU=last['mIoU'] if last else None, OA=last['OA'] if last else None,
             mF1=last['mF1'] if last else None, flops_per_image_fwd=self.flops_per_image,
             state_memory=self.state_memory, error=error,
-            optimizer_impl=getattr(self.backend, 'optimizer_impl', None), compile_mode=self.spec.compile_mode,
+            optimizer_impl=self.backend.optimizer_impl, compile_mode=self.spec.compile_mode,
             compile_time_s=self.compile_time_s, channels_last=self.spec.channels_last)
         try:
             self.log.write_json('summary.json', summary)

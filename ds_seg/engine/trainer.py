@@ -30,11 +30,11 @@ from .faults import Faults, default_stop_check_interval, describe_io_error
 from .run_metrics import RunMetrics
 from .run_spec import describe_run
 from .speed import channels_last_for
+from .workdir import WorkDirBusy, WorkDirLock
 
 # Steps a compiled run keeps out of its throughput whatever train.warmup_log_steps says: the first
 # compiles forward and backward, the second may recompile (gradient accumulation, DDP's sync flag).
 COMPILE_WARMUP_STEPS = 2
-from .workdir import WorkDirBusy, WorkDirLock
 
 
 def _check_writable(work_dir):
