@@ -9,16 +9,15 @@ import pytest
 from tests.dist import run_on_ranks
 from tests.tiny import ds_config, read_jsonl, tiny_cfg
 
-STEPS = 8
+STEPS = 6
 # Measured on this CPU (UNetTiny, AdamW lr 2e-3): channels_last losses equal NCHW ones to ~1e-7
 # relative over 8 steps; 1e-4 leaves room for other CPUs' kernels.
 REL_TOL = 1e-4
 # Compiled vs eager (inductor fuses and reorders float32 reductions), measured: step 1 (a forward
 # of identical weights) 1e-7 relative; then Adam amplifies the rounding: 2e-6 at step 4, 2e-5 at
-# step 6, 5e-4 at step 8. So the first 6 steps: step 1 within 1e-5, the rest within 1e-3; a real
+# step 6, 5e-4 at step 8. So over 6 steps: step 1 within 1e-5, the rest within 1e-3; a real
 # change of computation (a missed step, wrong weights) moves the loss by far more than that.
-COMPILED_STEPS = 6
-COMPILED_TOL = [1e-5] + [1e-3] * (COMPILED_STEPS - 1)
+COMPILED_TOL = [1e-5] + [1e-3] * (STEPS - 1)
 
 
 def _train(tmp, backend, work, train):
@@ -48,6 +47,19 @@ def _losses(tmp, work):
     return [row['loss'] for row in read_jsonl(os.path.join(tmp, work, 'metrics.jsonl'))]
 
 
+@pytest.fixture(scope='module')
+def plain(tmp_path_factory):
+    """plain(backend): the uncompiled NCHW run both tests compare with, run once per backend."""
+    tmp, runs = str(tmp_path_factory.mktemp('plain')), {}
+
+    def run(backend):
+        if backend not in runs:
+            runs[backend] = run_on_ranks(_train, 1, args=(tmp, backend, backend, {}))[0]
+            runs[backend]['losses'] = _losses(tmp, backend)
+        return runs[backend]
+    return run
+
+
 def _assert_same_losses(ref, got, what, tolerances):
     assert len(ref) == len(got) == len(tolerances)
     for step, (a, b, tol) in enumerate(zip(ref, got, tolerances), 1):
@@ -62,14 +74,13 @@ def _compile_works():
 @pytest.mark.slow
 @pytest.mark.skipif(not _compile_works(), reason='torch.compile (inductor) on CPU needs a C++ compiler (g++/c++)')
 @pytest.mark.parametrize('backend', ['ddp', 'deepspeed'])
-def test_compiled_run_gives_the_plain_losses(tmp_path, backend):
+def test_compiled_run_gives_the_plain_losses(tmp_path, plain, backend):
     tmp = str(tmp_path)
-    steps = {'max_steps': COMPILED_STEPS}
-    plain = run_on_ranks(_train, 1, args=(tmp, backend, 'plain', steps))[0]
-    compiled = run_on_ranks(_train, 1, args=(tmp, backend, 'compiled', dict(steps, compile=True)), timeout=420)[0]
+    plain = plain(backend)
+    compiled = run_on_ranks(_train, 1, args=(tmp, backend, 'compiled', {'compile': True}), timeout=420)[0]
     assert plain['graphs'] == 0 and compiled['graphs'] > 0
+    _assert_same_losses(plain['losses'], _losses(tmp, 'compiled'), 'compiled', COMPILED_TOL)
     plain, compiled = plain['summary'], compiled['summary']
-    _assert_same_losses(_losses(tmp, 'plain'), _losses(tmp, 'compiled'), 'compiled', COMPILED_TOL)
     assert plain['compile_mode'] is None and plain['compile_time_s'] is None
     assert compiled['compile_mode'] == 'default' and compiled['compile_time_s'] > 0
     # Compilation is kept out of throughput: the first two steps are warm-up whatever the config says.
@@ -79,11 +90,11 @@ def test_compiled_run_gives_the_plain_losses(tmp_path, backend):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('backend', ['ddp', 'deepspeed'])
-def test_channels_last_run_gives_the_plain_losses(tmp_path, backend):
+def test_channels_last_run_gives_the_plain_losses(tmp_path, plain, backend):
     tmp = str(tmp_path)
-    plain = run_on_ranks(_train, 1, args=(tmp, backend, 'plain', {}))[0]
+    plain = plain(backend)
     nhwc = run_on_ranks(_train, 1, args=(tmp, backend, 'nhwc', {'channels_last': True}))[0]
-    _assert_same_losses(_losses(tmp, 'plain'), _losses(tmp, 'nhwc'), 'channels_last', [REL_TOL] * STEPS)
+    _assert_same_losses(plain['losses'], _losses(tmp, 'nhwc'), 'channels_last', [REL_TOL] * STEPS)
     assert not plain['summary']['channels_last'] and nhwc['summary']['channels_last']
     assert not plain['weight_nhwc'] and plain['input_nhwc'] == {False}
     assert nhwc['input_nhwc'] == {True}
