@@ -78,6 +78,10 @@ DEFAULTS = dict(
         profile_steps=0,           # >0: torch.profiler trace of that many steps after warm-up
         peak_tflops=None,          # device peak for MFU (None: the telemetry table by GPU name)
         dist_timeout_s=None,       # how long a collective waits for a lost rank (default 600 s)
+        compile=False,             # torch.compile the model (DeepSpeed: engine.compile(); DDP: module.compile())
+        compile_mode='default',    # torch.compile mode, the same under both backends
+        channels_last=None,        # conv activations in NHWC (None: the model family's default, see
+                                   # ds_seg/engine/common.py CHANNELS_LAST_BY_MODEL: NCHW until measured)
     ),
     optim=dict(                    # the ViT fine-tuning recipe (ds_seg/engine/param_groups.py); the
                                    # optimizer and LR schedule themselves are the DeepSpeed JSON's
@@ -201,6 +205,9 @@ def _optional_path(v):
     return v is None or (isinstance(v, str) and v.strip() != '')
 
 
+# torch.compile's modes (torch/_inductor/list_mode_options).
+COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
+
 # Every scalar key of the experiment config and what it accepts. A value that passes here
 # cannot crash the run later (train.log_interval=0 used to divide by zero at the first step).
 VALUE_RULES = {
@@ -216,6 +223,9 @@ VALUE_RULES = {
     'train.profile_steps': _int_at_least(0),
     'train.peak_tflops': _number_above(0, allow_none=True),
     'train.dist_timeout_s': _number_above(0, allow_none=True),
+    'train.compile': (lambda v: isinstance(v, bool), 'True or False'),
+    'train.compile_mode': (lambda v: v in COMPILE_MODES, f"one of {', '.join(map(repr, COMPILE_MODES))}"),
+    'train.channels_last': (lambda v: v is None or isinstance(v, bool), 'None (the model family default), True or False'),
     'data.crop_size': _int_at_least(16),
     'data.num_workers': _int_at_least(0),
     'data.eval_batch_size': _optional(_int_at_least(1)),

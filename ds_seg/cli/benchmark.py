@@ -39,12 +39,16 @@ BACKENDS = {
     'zero2_bf16': ('deepspeed', 'zero2_bf16.json'),
     'zero3': ('deepspeed', 'zero3.json'),
     'zero3_offload': ('deepspeed', 'zero3_offload.json'),
+    'zero0_bf16': ('deepspeed', 'zero0_bf16.json'),
+    'zero1_bf16': ('deepspeed', 'zero1_bf16.json'),
+    'zero3_bf16': ('deepspeed', 'zero3_bf16.json'),
+    'zero3_offload_bf16': ('deepspeed', 'zero3_offload_bf16.json'),
 }
 
 # The contract of benchmark.json rows (DESIGN.md), then the state-memory fields.
 ROW_FIELDS = ['backend', 'zero_stage', 'precision', 'world_size', 'micro_batch', 'images_per_s',
               'megapixels_per_s', 'step_time_median_s', 'step_time_p90_s', 'data_wait_frac', 'max_mem_mb',
-              'mfu', 'speedup_vs_ddp']
+              'mfu', 'speedup_vs_ddp', 'optimizer_impl', 'compile_mode', 'compile_time_s', 'channels_last']
 MEMORY_FIELDS = ['num_params', 'params_bytes', 'grads_bytes', 'master_bytes', 'optim_bytes',
                  'comm_buffers_bytes', 'state_bytes', 'formula_params_bytes', 'formula_grads_bytes',
                  'formula_master_bytes', 'formula_optim_bytes', 'formula_state_bytes']
@@ -136,9 +140,10 @@ def derived_ds_config(name, micro_batch, total_steps, precision, on_gpu, ds_cpu_
         elif precision == 'bf16-autocast':
             ds['torch_autocast'] = {'enabled': True, 'dtype': 'bfloat16'}
     params = ds.setdefault('optimizer', {}).setdefault('params', {})
-    if name == 'zero3_offload' and not on_gpu and not ds_cpu_adam:
+    if name.startswith('zero3_offload') and not ds_cpu_adam:
         # Same torch AdamW as every other backend (a fair comparison, and no 2-minute JIT build of
-        # DeepSpeedCPUAdam); DeepSpeed otherwise insists on its CPU optimizer for offload.
+        # DeepSpeedCPUAdam, on a GPU node too: it needs a compiler there); DeepSpeed otherwise
+        # insists on its CPU optimizer for offload.
         params['torch_adam'] = True
         ds['zero_force_ds_cpu_optimizer'] = False
     return ds
@@ -223,7 +228,10 @@ def summarise_run(work_dir, name, warmup):
         max_mem_mb=max(r['max_mem_mb'] for r in rows if r.get('max_mem_mb') is not None),
         # mfu / images_per_s is the trainer's constant 3 x FLOPs / peak: reuse it, do not re-derive.
         mfu=ratio[0] * images / total if ratio else None,
-        speedup_vs_ddp=None)
+        speedup_vs_ddp=None,
+        # Which update ran (fused, foreach, DeepSpeed's FusedAdam...), and compilation, per row.
+        optimizer_impl=summary.get('optimizer_impl'), compile_mode=summary.get('compile_mode'),
+        compile_time_s=summary.get('compile_time_s'), channels_last=summary.get('channels_last'))
     mem = summary.get('state_memory')
     if mem:
         formula = zero_formula(mem['num_params'], summary['zero_stage'] if name != 'ddp' else None,
@@ -299,8 +307,8 @@ def write_markdown(path, rows, meta):
              f"{meta['steps']} timed steps after {meta['warmup']} warm-up steps per backend.", '',
              f"Command: `{meta['command']}`", '',
              '| backend | ZeRO | precision | ranks | micro-batch | img/s | MP/s | step median s | step p90 s '
-             '| data wait | max mem MB | MFU | speed-up vs DDP |',
-             '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+             '| data wait | max mem MB | MFU | speed-up vs DDP | optimizer | compile s | NHWC |',
+             '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
     for r in rows:
         if r.get('error'):
             lines.append(f"| {r['backend']} | failed: {r['error'][:80]} |")
@@ -309,7 +317,9 @@ def write_markdown(path, rows, meta):
             f"| {r['backend']} | {_fmt(r['zero_stage'], 'd')} | {r['precision']} | {r['world_size']} "
             f"| {r['micro_batch']} | {r['images_per_s']:.2f} | {r['megapixels_per_s']:.3f} "
             f"| {r['step_time_median_s']:.4f} | {r['step_time_p90_s']:.4f} | {r['data_wait_frac']:.1%} "
-            f"| {r['max_mem_mb']:.0f} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['speedup_vs_ddp'], '.3f')} |")
+            f"| {r['max_mem_mb']:.0f} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['speedup_vs_ddp'], '.3f')} "
+            f"| {r.get('optimizer_impl') or '-'} | {_fmt(r.get('compile_time_s'), '.1f')} "
+            f"| {'yes' if r.get('channels_last') else 'no'} |")
     if any(r.get('num_params') for r in rows):
         lines += ['', 'Per-rank model state, measured from the live tensors (MB) / ZeRO formula (MB):', '',
                   '| backend | params | grads | fp32 master | Adam moments | total | comm buckets |',

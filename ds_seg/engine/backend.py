@@ -16,6 +16,7 @@ class Backend(Protocol):
     precision: str                 # as run (RunSpec.precision)
     global_batch: int
     state_partitioned: bool        # optimizer state split over ranks (resume elsewhere reshards)
+    optimizer_impl: str            # what runs the update, e.g. 'torch.AdamW fused' (speed.optimizer_impl)
 
     @property
     def module(self) -> torch.nn.Module: ...

@@ -15,13 +15,16 @@ from .. import distributed
 from ..config import ConfigError
 from .common import average_batchnorm_buffers, prepare_batchnorm
 from .param_groups import build_param_groups, scale_lr_by_group
+from . import speed
 
 # Keys of DeepSpeed's optimizer params that choose an implementation, not a hyper-parameter.
-_DS_ONLY_OPTIMIZER_KEYS = ('torch_adam', 'adam_w_mode', 'fused')
+_DS_ONLY_OPTIMIZER_KEYS = ('torch_adam', 'adam_w_mode')
 
 
-def build_optimizer(params, optimizer_cfg):
-    """The torch optimizer DeepSpeed builds for ``optimizer_cfg`` with ``torch_adam: true``."""
+def build_optimizer(params, optimizer_cfg, device='cpu'):
+    """The torch optimizer DeepSpeed builds for ``optimizer_cfg`` with ``torch_adam: true``
+    (fused on CUDA: ds_seg/engine/speed.py)."""
+    optimizer_cfg = speed.choose_adam_params(optimizer_cfg, device)
     kind = optimizer_cfg.get('type', 'AdamW')
     kwargs = {k: v for k, v in optimizer_cfg.get('params', {}).items() if k not in _DS_ONLY_OPTIMIZER_KEYS}
     if 'betas' in kwargs:
@@ -73,10 +76,19 @@ class DDPBackend:
         self.precision = spec.precision
         self.amp_dtype = {'fp16-autocast': torch.float16, 'bf16-autocast': torch.bfloat16}.get(self.precision)
         model = prepare_batchnorm(model, device, spec.world_size).to(device)
+        self.channels_last = spec.channels_last
+        if self.channels_last:
+            # Unlike DeepSpeed, DDP accepts NHWC parameters: no layout change inside convolutions.
+            model = model.to(memory_format=torch.channels_last)
+        if spec.compile_mode:
+            # In place, as DeepSpeed's engine.compile() does: state_dict keys stay unprefixed.
+            model.compile(backend=speed.COMPILE_BACKEND, **speed.compile_kwargs(spec.compile_mode))
         # BN buffers are averaged before evaluation and saving, exactly as for DeepSpeed.
         self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None,
                                            broadcast_buffers=False)
-        self.optimizer = build_optimizer(build_param_groups(model, optim_cfg), ds_config.get('optimizer', {'type': 'AdamW'}))
+        self.optimizer = build_optimizer(build_param_groups(model, optim_cfg), ds_config.get('optimizer', {'type': 'AdamW'}),
+                                         device)
+        self.optimizer_impl = speed.optimizer_impl(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, ds_config.get('scheduler'))
         scale_lr_by_group(self.optimizer, self.scheduler)  # optim.layer_decay / paramwise multipliers
         fp16 = ds_config.get('fp16', {})
@@ -116,6 +128,8 @@ class DDPBackend:
         return (self.micro_step + 1) % self.grad_accum == 0
 
     def forward(self, images_BCHW):
+        if self.channels_last:
+            images_BCHW = speed.to_channels_last(images_BCHW)
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                             enabled=self.amp_dtype is not None):
             if self.ddp.training and not self.is_boundary():

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from . import ds_workarounds
+from . import ds_workarounds, speed
 from .common import average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32, prepare_batchnorm
 from .param_groups import build_param_groups, scale_lr_by_group
 
@@ -38,9 +38,18 @@ class DeepSpeedBackend:
         if precision in ('fp16', 'bf16'):
             # DeepSpeed casts parameters to half but not buffers: keep BN maths and stats in fp32.
             keep_batchnorm_fp32(model)
+        offload = (ds_config.get('zero_optimization', {}).get('offload_optimizer') or {}).get('device') == 'cpu'
+        if 'optimizer' in ds_config:  # a JSON without one trains no optimizer: leave it so
+            ds_config = dict(ds_config, optimizer=speed.choose_adam_params(
+                ds_config['optimizer'], spec.device, speed.fused_adam_prebuilt(), offload=offload))
         # Parameters must stay contiguous (not channels_last): DeepSpeed views them as flat bytes.
+        # Only the activations go channels_last (forward()).
+        self.channels_last = spec.channels_last
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=build_param_groups(model, optim_cfg), config=ds_config)
+        if spec.compile_mode:
+            self.engine.compile(backend=speed.COMPILE_BACKEND, compile_kwargs=speed.compile_kwargs(spec.compile_mode))
+        self.optimizer_impl = speed.optimizer_impl(self.state_holders()[2])
         scale_lr_by_group(self.optimizer, self.scheduler)  # optim.layer_decay / paramwise multipliers
         # Resuming reads files that may come from elsewhere: never unpickle arbitrary objects.
         ds_workarounds.use_safe_loader(self.engine)
@@ -84,6 +93,8 @@ class DeepSpeedBackend:
         # Native fp16/bf16 expect inputs in the parameters' dtype; autocast modes take fp32.
         if self.input_dtype is not None:
             images_BCHW = images_BCHW.to(self.input_dtype)
+        if self.channels_last:
+            images_BCHW = speed.to_channels_last(images_BCHW)
         return self.engine(images_BCHW)
 
     def backward(self, loss):

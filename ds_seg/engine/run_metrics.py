@@ -31,12 +31,18 @@ class RunMetrics:
         self._nonfinite = torch.zeros(2, dtype=torch.int64, device=spec.device)
         self._skipped_at_last_log = 0
         self.t_start = t_start          # when the run began (summary's wall time)
+        self.compile_time_s = None      # compiled runs: loop start to the end of the first step
 
     def start_loop(self, step):
         self.t_loop, self.loop_start_step, self.window_start_step = time.time(), step, step
 
     # -- every step: device operations only -----------------------------------------------
     def add_step(self, loss):
+        if self.spec.compile_mode and self.compile_time_s is None:
+            # The one host read outside check steps, on a compiled run's first step only: waiting
+            # for its loss makes the figure include compilation and the first compiled kernels.
+            float(loss)
+            self.compile_time_s = time.time() - self.t_loop
         self._loss_sum += loss.detach()
         nonfinite = (~torch.isfinite(loss.detach())).to(torch.int64)
         current = (self._nonfinite[1] + 1) * nonfinite          # reset to 0 by a finite loss
@@ -79,7 +85,9 @@ class RunMetrics:
             data_wait_frac=window['data_wait_frac'], max_mem_mb=max_memory_mb(self.spec.device),
             mfu=mfu(self.flops_per_image, window['images_per_s'], self.peak_flops),
             backend=self.spec.backend, zero_stage=self.spec.zero_stage, world_size=self.spec.world_size,
-            precision=self.spec.precision, state_memory=self.state_memory)
+            precision=self.spec.precision, state_memory=self.state_memory,
+            optimizer_impl=backend.optimizer_impl, compile_mode=self.spec.compile_mode,
+            channels_last=self.spec.channels_last)
         self.log.metrics(record)
         skipped = record['skipped_steps'] - self._skipped_at_last_log
         self._skipped_at_last_log = record['skipped_steps']
@@ -121,7 +129,9 @@ class RunMetrics:
             final_loss=rows[-1]['loss'] if rows else None, skipped_steps=self.backend.skipped_steps,
             mIoU=last['mIoU'] if last else None, OA=last['OA'] if last else None,
             mF1=last['mF1'] if last else None, flops_per_image_fwd=self.flops_per_image,
-            state_memory=self.state_memory, error=error)
+            state_memory=self.state_memory, error=error,
+            optimizer_impl=self.backend.optimizer_impl, compile_mode=self.spec.compile_mode,
+            compile_time_s=self.compile_time_s, channels_last=self.spec.channels_last)
         try:
             self.log.write_json('summary.json', summary)
         except OSError as exc:  # the disk that stopped the run may refuse this too

@@ -30,21 +30,26 @@ class RunSpec:
     precision: str             # what runs: fp32, fp16, bf16, fp16-autocast, bf16-autocast
     ds_config: dict            # the resolved DeepSpeed dict (batch triple explicit, precision as run)
     notes: tuple = ()          # one line per adjustment made while resolving (printed by rank 0)
+    compile_mode: object = None  # a torch.compile mode when train.compile is on, else None
+    channels_last: bool = False  # activations (and DDP's parameters) in NHWC memory format
 
     def describe(self):
         """``backend deepspeed ZeRO-2 | fp32 | 2 rank(s) on cpu | micro-batch 2 x accum 1 x 2 = 4``"""
         stage = '' if self.zero_stage is None else f' ZeRO-{self.zero_stage}'
         return (f'backend {self.backend}{stage} | {self.precision} | {self.world_size} rank(s) on '
                 f'{self.device.type} | micro-batch {self.micro_batch} x accum {self.grad_accum} x '
-                f'{self.world_size} = {self.global_batch}')
+                f'{self.world_size} = {self.global_batch}'
+                + (f' | compiled ({self.compile_mode})' if self.compile_mode else '')
+                + (' | channels_last' if self.channels_last else ''))
 
     def as_json(self):
         """What ``ds_config.json`` records under ``ds_seg`` next to the resolved dict."""
         return {'backend': self.backend, 'precision': self.precision, 'world_size': self.world_size,
-                'launcher': self.launcher}
+                'launcher': self.launcher, 'compile_mode': self.compile_mode, 'channels_last': self.channels_last}
 
 
-def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launcher=None):
+def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launcher=None, compile_mode=None,
+                 channels_last=False):
     """Resolve ``ds_config`` (a checked DeepSpeed dict) for this process group and hardware.
 
     The backend class says what the JSON's precision becomes (under DDP native fp16/bf16 runs
@@ -58,4 +63,5 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
     return RunSpec(backend=backend, rank=distributed.rank(), world_size=world_size, device=distributed.device(),
                    launcher=launcher or distributed.detect_launcher(), micro_batch=resolved['train_micro_batch_size_per_gpu'],
                    grad_accum=resolved['gradient_accumulation_steps'], global_batch=resolved['train_batch_size'],
-                   zero_stage=zero_stage, precision=precision, ds_config=resolved, notes=tuple(notes))
+                   zero_stage=zero_stage, precision=precision, ds_config=resolved, notes=tuple(notes),
+                   compile_mode=compile_mode, channels_last=bool(channels_last))

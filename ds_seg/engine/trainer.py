@@ -29,7 +29,12 @@ from .checkpointer import Checkpointer, data_normalisation
 from .faults import Faults, default_stop_check_interval, describe_io_error
 from .run_metrics import RunMetrics
 from .run_spec import describe_run
+from .speed import channels_last_for
 from .workdir import WorkDirBusy, WorkDirLock
+
+# Steps a compiled run keeps out of its throughput whatever train.warmup_log_steps says: the first
+# compiles forward and backward, the second may recompile (gradient accumulation, DDP's sync flag).
+COMPILE_WARMUP_STEPS = 2
 
 
 def _check_writable(work_dir):
@@ -70,7 +75,9 @@ class Trainer:
         t_start = time.time()
         launcher = distributed.init(use_deepspeed=backends.backend_class(backend).uses_deepspeed_comm,
                                     timeout_s=cfg.train.get('dist_timeout_s'))
-        self.spec = describe_run(ds_config, backend, cfg.train.max_steps, ds_config_source, launcher)
+        self.spec = describe_run(ds_config, backend, cfg.train.max_steps, ds_config_source, launcher,
+                                 compile_mode=cfg.train.compile_mode if cfg.train.get('compile') else None,
+                                 channels_last=channels_last_for(cfg.model.type, cfg.train.get('channels_last')))
         self.rank, self.world_size, self.device = self.spec.rank, self.spec.world_size, self.spec.device
         self.work_dir = work_dir or default_work_dir(cfg)
         self.stop_check_interval = cfg.train.get('stop_check_interval') or default_stop_check_interval(self.device)
@@ -144,7 +151,9 @@ class Trainer:
         self.metrics = RunMetrics(spec, self.log, self.backend, report=self.print,
                                   flops_per_image=forward_flops(lambda: build(MODELS, cfg.model), shape),
                                   peak_flops=peak_flops(self.device, cfg.train.get('peak_tflops')),
-                                  warmup_steps=cfg.train.warmup_log_steps, max_steps=cfg.train.max_steps,
+                                  warmup_steps=max(cfg.train.warmup_log_steps,
+                                                   COMPILE_WARMUP_STEPS if spec.compile_mode else 0),
+                                  max_steps=cfg.train.max_steps,
                                   train_images=len(self.train_set), t_start=t_start)
         self.log.write_json('config.json', cfg.to_dict())
         self.log.write_json('ds_config.json', dict(spec.ds_config, ds_seg=spec.as_json()))

@@ -1,0 +1,38 @@
+"""tools/gpu_acceptance.sh --dry-run: the GPU acceptance script's every step on a CPU with tiny
+models (issue 14), so the script that a GPU session runs once never rots in between."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from ds_seg.config import REPO_ROOT
+
+GROUPS = ['unet64_512', 'unet64_1024', 'vit_large_512', 'segformer_b2_1024', 'max_batch']
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_table(tmp_path):
+    out = tmp_path / 'acceptance'
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    proc = subprocess.run(['bash', str(REPO_ROOT / 'tools' / 'gpu_acceptance.sh'), '--dry-run', str(out)],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    report = json.loads((out / 'acceptance.json').read_text())
+    assert report['dry_run'] is True
+    status = {s['step']: s['status'] for s in report['steps']}
+    assert status.pop('unet64_512_compiled').startswith('skipped (dry run')
+    assert status.pop('unet64_512_channels_last').startswith('skipped (dry run')
+    assert status == dict.fromkeys(['install', 'pytest_gpu', 'main'] + GROUPS, 'ok')
+    assert report['main']['exit_reason'] == 'completed' and report['main']['images_per_s_median'] > 0
+    backends = []
+    for name in GROUPS:
+        rows = report['groups'][name]['rows']
+        assert rows and all(not r.get('error') and r['images_per_s'] > 0 and r['optimizer_impl'].startswith('torch.')
+                            and r['precision'] == 'bf16-autocast' for r in rows), (name, rows)
+        backends += [r['backend'] for r in rows]
+    assert set(backends) == {'ddp', 'zero2', 'zero3', 'zero3_offload'}
+    assert report['groups']['max_batch']['rows'][0]['max_micro_batch'] == 1
+    table = (out / 'acceptance.md').read_text()
+    assert '| vit_large_512 | zero3 | bf16-autocast |' in table and '| max_batch | zero3_offload |' in table
+    assert (out / 'unet64_512' / 'benchmark.md').is_file()

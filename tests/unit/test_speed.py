@@ -1,0 +1,65 @@
+"""The choices that decide GPU speed, made on a device argument (no GPU needed): which Adam runs,
+what the run reports it ran, the memory-format default, and the config keys' checks."""
+import pytest
+import torch
+
+from ds_seg.config import ConfigError, load_config
+from ds_seg.engine.ddp_backend import build_optimizer
+from ds_seg.engine.speed import channels_last_for, choose_adam_params, optimizer_impl
+
+ADAMW = {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True}}
+
+
+def test_cuda_gets_torch_fused_adamw_when_fused_adam_is_not_prebuilt():
+    chosen = choose_adam_params(ADAMW, 'cuda:0')
+    assert chosen['params'] == {'lr': 1e-3, 'torch_adam': True, 'fused': True}
+    assert ADAMW['params'] == {'lr': 1e-3, 'torch_adam': True}  # the JSON's dict is not modified
+    # A JSON without torch_adam would make DeepSpeed JIT-build FusedAdam: torch's fused instead.
+    assert choose_adam_params({'type': 'Adam', 'params': {'lr': 1e-3}}, torch.device('cuda'))['params'] == {
+        'lr': 1e-3, 'torch_adam': True, 'fused': True}
+
+
+def test_cuda_gets_deepspeed_fused_adam_when_prebuilt():
+    assert choose_adam_params(ADAMW, 'cuda', fused_adam_prebuilt=True)['params'] == {'lr': 1e-3}
+
+
+@pytest.mark.parametrize('cfg, device, offload', [
+    (ADAMW, 'cpu', False),                                                   # torch picks on a CPU
+    (ADAMW, 'cuda', True),                                                   # the update runs on the CPU
+    ({'type': 'AdamW', 'params': {'lr': 1e-3, 'fused': False}}, 'cuda', False),  # the user's choice
+    ({'type': 'SGD', 'params': {'lr': 1e-3}}, 'cuda', False),
+])
+def test_left_as_the_json_says(cfg, device, offload):
+    assert choose_adam_params(cfg, device, offload=offload) == cfg
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+
+
+def test_ddp_optimizer_on_cpu_reports_torch_default_single_tensor():
+    opt = build_optimizer(_params(), ADAMW, torch.device('cpu'))
+    assert type(opt) is torch.optim.AdamW and optimizer_impl(opt) == 'torch.AdamW single-tensor'
+
+
+def test_reported_implementation_follows_the_optimizer():
+    assert optimizer_impl(torch.optim.AdamW(_params(), foreach=True)) == 'torch.AdamW foreach'
+    assert optimizer_impl(torch.optim.AdamW(_params(), fused=True)) == 'torch.AdamW fused'  # CPU fused exists
+    assert optimizer_impl(torch.optim.SGD(_params(), lr=0.1)) == 'torch.SGD single-tensor'
+    # A 'fused' key in the JSON reaches torch under DDP, as DeepSpeed passes it with torch_adam.
+    fused = build_optimizer(_params(), {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True, 'fused': True}})
+    assert optimizer_impl(fused) == 'torch.AdamW fused'
+
+
+def test_channels_last_default_is_nchw_until_measured_on_a_gpu():
+    assert channels_last_for('UNet', None) is False
+    assert channels_last_for('UNet', True) is True and channels_last_for('UNet', False) is False
+
+
+@pytest.mark.parametrize('option, key', [('train.compile=1', 'train.compile'),
+                                         ('train.compile_mode=fast', 'train.compile_mode'),
+                                         ("train.channels_last='yes'", 'train.channels_last')])
+def test_bad_speed_keys_are_one_line_config_errors(option, key):
+    with pytest.raises(ConfigError, match=f'{key} must be') as info:
+        load_config(None, [option])
+    assert '\n' not in str(info.value)

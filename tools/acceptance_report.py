@@ -1,0 +1,89 @@
+"""OUT_DIR/acceptance.md and acceptance.json from what tools/gpu_acceptance.sh left in OUT_DIR:
+steps.jsonl (each step's status and time), main/summary.json, each benchmark group's
+benchmark.json. Exits 1 when an expected file is missing (the step that writes it failed)."""
+import argparse
+import json
+import os
+import sys
+
+GROUPS = ['unet64_512', 'unet64_512_compiled', 'unet64_512_channels_last', 'unet64_1024', 'vit_large_512', 'segformer_b2_1024', 'max_batch']
+
+
+def _load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _fmt(value, spec):
+    return '-' if value is None else format(value, spec)
+
+
+def build_report(out, dry_run, seconds):
+    with open(os.path.join(out, 'steps.jsonl')) as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    main = _load(os.path.join(out, 'main', 'summary.json'))
+    groups = {name: _load(os.path.join(out, name, 'benchmark.json')) for name in GROUPS}
+    report = dict(dry_run=bool(dry_run), seconds=seconds, steps=steps,
+                  main=None if main is None else {k: main.get(k) for k in (
+                      'exit_reason', 'steps', 'images_per_s_median', 'final_loss', 'precision', 'zero_stage',
+                      'optimizer_impl', 'wall_time_s')},
+                  groups={name: None if g is None else dict(machine=g.get('machine'), rows=g['rows'])
+                          for name, g in groups.items()})
+    lines = [f"# GPU acceptance{' (dry run on a CPU: tiny sizes, not GPU figures)' if dry_run else ''}", '',
+             f'Total {seconds} s.', '', '| step | status | seconds |', '|---|---|---|']
+    lines += [f"| {s['step']} | {s['status']} | {s['seconds']} |" for s in steps]
+    if main:
+        lines += ['', f"Main command (shortened): {main.get('steps')} steps, median "
+                  f"{_fmt(main.get('images_per_s_median'), '.2f')} images/s, exit {main.get('exit_reason')}, "
+                  f"optimizer {main.get('optimizer_impl')}."]
+    machine = next((g.get('machine') for g in groups.values() if g), None)
+    if machine:
+        lines += ['', f'Machine: {machine}.']
+    lines += ['', '| group | backend | precision | micro-batch | img/s | MFU | peak mem MB | data wait | optimizer '
+              '| compile | compile s | NHWC | largest micro-batch |', '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+    status = {s['step']: s['status'] for s in steps}
+    for name, g in groups.items():
+        if g is None:
+            lines.append(f"| {name} | {status.get(name, 'not run')}: no benchmark.json (see {name}.log) |")
+            continue
+        for r in g['rows']:
+            if r.get('error'):
+                lines.append(f"| {name} | {r['backend']} | failed: {r['error'][-80:]!r} |")
+                continue
+            lines.append(
+                f"| {name} | {r['backend']} | {r['precision']} | {r['micro_batch']} | {r['images_per_s']:.2f} "
+                f"| {_fmt(r.get('mfu'), '.1%')} | {_fmt(r.get('max_mem_mb'), '.0f')} | {r['data_wait_frac']:.1%} "
+                f"| {r.get('optimizer_impl') or '-'} | {r.get('compile_mode') or 'off'} "
+                f"| {_fmt(r.get('compile_time_s'), '.1f')} | {'yes' if r.get('channels_last') else 'no'} "
+                f"| {r.get('max_micro_batch', '-')} |")
+    lines += ['', 'No model-size search exists yet (issue 14: the largest UperNet-ViT depth/width per backend); '
+              'max_batch is the largest micro-batch per backend instead.']
+    with open(os.path.join(out, 'acceptance.json'), 'w') as f:
+        json.dump(report, f, indent=2)
+    with open(os.path.join(out, 'acceptance.md'), 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    return report
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument('out')
+    p.add_argument('--dry-run', type=int, default=0)
+    p.add_argument('--seconds', type=int, default=0)
+    args = p.parse_args(argv)
+    report = build_report(args.out, args.dry_run, args.seconds)
+    missing = [name for name, g in report['groups'].items() if g is None]
+    skipped = {s['step'] for s in report['steps'] if s['status'].startswith('skipped')}
+    missing = [m for m in missing if m not in skipped] + ([] if report['main'] or 'main' in skipped else ['main'])
+    print(open(os.path.join(args.out, 'acceptance.md')).read())
+    if missing:
+        print(f'acceptance: no results from {", ".join(missing)}', file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# One call on the GPU machine that proves ds_seg fast and correct there (issue 14, part 2):
+#
+#   bash tools/gpu_acceptance.sh OUT_DIR             # on one GPU, within 9 minutes on an H100
+#   bash tools/gpu_acceptance.sh --dry-run OUT_DIR   # the same steps on a CPU, tiny sizes (CI)
+#
+# Steps: install what the image lacks from the wheel folder carried in the checkout (.whl/, built
+# by ../shared/gpu/make_wheels.sh), `pytest -m gpu tests/gpu`, the main command shortened
+# (images/s), launch/benchmark.py rows in bf16 for ddp, zero2 and zero3 (UNet base 64 at 512 and
+# 1024, UperNetViT vit_large at 512, SegFormer mit_b2 at 1024, compile on and off and channels_last
+# on and off for UNet at 512),
+# and the largest micro-batch for ddp and zero3_offload. Writes OUT_DIR/acceptance.md and
+# OUT_DIR/acceptance.json (every row, every step's exit status and time), plus each step's own
+# folder (benchmark.json/benchmark.md per benchmark group, logs).
+#
+# A step that fails is recorded and the next one still runs: one broken row must not hide the
+# others. The script exits non-zero if any step failed. Steps that would start after the time
+# budget are recorded as skipped instead of overrunning the device lease.
+set -uo pipefail
+
+DRY=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
+OUT=${1:?usage: bash tools/gpu_acceptance.sh [--dry-run] OUT_DIR}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+STEPS_FILE="$OUT/steps.jsonl"
+: > "$STEPS_FILE"
+START=$SECONDS
+
+if (( DRY )); then
+  BUDGET_S=${ACCEPTANCE_BUDGET_S:-300}
+  # Tiny models, few steps, one CPU rank: the same sequence of commands, minutes cheaper.
+  UNET=(--config configs/unet_tiny_synthetic.py)
+  VIT=(--config configs/upernet_vit_tiny_synthetic.py)
+  SEGFORMER=(--config configs/segformer_tiny_synthetic.py)
+  SMALL=(data.crop_size=64) LARGE=(data.crop_size=64) DATA=()
+  BENCH_STEPS=(--steps 1 --warmup 1 --micro-batch 2)
+  MAX_BATCH=1
+  MAIN_STEPS=2
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+else
+  # No step starts after 7.5 minutes, and a step still running at 8.5 is stopped (its partial
+  # output kept): with the install and the report the whole call stays within 9 minutes.
+  BUDGET_S=${ACCEPTANCE_BUDGET_S:-450}
+  DATA=(data.train.num_scenes=2 data.train.scene_size=1024 data.val=None)
+  UNET=(--cfg-options model.base_channels=64)
+  VIT=(--cfg-options model.type=UperNetViT model.variant=vit_large model.in_channels=3 model.num_classes=6
+       model.activation_checkpointing=True)
+  SEGFORMER=(--cfg-options model.type=SegFormer model.variant=mit_b2 model.in_channels=3 model.num_classes=6)
+  SMALL=(data.crop_size=512) LARGE=(data.crop_size=1024)
+  BENCH_STEPS=(--steps 8 --warmup 3)
+  MAX_BATCH=32
+  MAIN_STEPS=30
+fi
+
+# -- 1. what the image lacks, from the carried wheel folder -------------------------------------
+install_missing() {
+  if python3 -c 'import deepspeed, mmengine, rasterio' 2>/dev/null; then
+    echo "deepspeed, mmengine and rasterio already importable"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    return 0
+  fi
+  if ! compgen -G ".whl/*.whl" > /dev/null; then
+    echo "missing packages and no .whl/ folder: build it with bash ../shared/gpu/make_wheels.sh" >&2
+    return 1
+  fi
+  # The command make_wheels.sh's header gives: no index, no dependencies resolved on the device.
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH="/tmp/site:$PWD"
+  python3 -c 'import deepspeed, mmengine, rasterio'
+}
+
+# run_step NAME CMD...: runs one step with its output in OUT/NAME.log, records status and time.
+FAILED=0
+run_step() {
+  local name=$1; shift
+  local elapsed=$((SECONDS - START))
+  if (( elapsed > BUDGET_S )); then
+    echo "[acceptance] $name: skipped (time budget ${BUDGET_S}s spent)"
+    printf '{"step": "%s", "status": "skipped", "seconds": 0}\n' "$name" >> "$STEPS_FILE"
+    return 0
+  fi
+  echo "[acceptance] $name: $*"
+  local t0=$SECONDS
+  timeout --kill-after=10 $((BUDGET_S + 60 - elapsed)) "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local status=ok
+  if (( rc != 0 )); then status="failed (exit $rc)"; FAILED=1; tail -20 "$OUT/$name.log"; fi
+  printf '{"step": "%s", "status": "%s", "seconds": %d}\n' "$name" "$status" $((SECONDS - t0)) >> "$STEPS_FILE"
+  echo "[acceptance] $name: $status in $((SECONDS - t0)) s"
+}
+
+# Without these packages no later step can run: stop here.
+install_missing > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+printf '{"step": "install", "status": "ok", "seconds": %d}\n' $((SECONDS - START)) >> "$STEPS_FILE"
+export PYTHONPATH="${PYTHONPATH:-$PWD}"
+CACHE="$OUT/cache"   # synthetic scenes written once, read by every run
+
+# -- 2. the GPU tests (on a CPU they are collected and skipped) ------------------------------------
+run_step pytest_gpu python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts=
+
+# -- 3. the main command, shortened -----------------------------------------------------------------
+# The README's first command (ZeRO-2 JSON, embedded UNet experiment), on one rank, fewer steps.
+run_step main python3 launch/train.py $( (( DRY )) && echo --config configs/unet_tiny_synthetic.py ) \
+  --deepspeed_config ds_configs/zero2.json --work-dir "$OUT/main" \
+  --cfg-options "train.max_steps=$MAIN_STEPS" train.eval_interval=0 train.checkpoint_interval=0 \
+  train.log_interval=5 "data.train.cache_dir=$CACHE" "data.val.cache_dir=$CACHE"
+
+# -- 4. benchmark rows, bf16, ddp / zero2 / zero3 ----------------------------------------------------
+bench() {  # bench NAME BACKENDS MICRO_BATCH MODEL_ARGS... -- CFG_OPTIONS...   (MICRO_BATCH 0: the JSON's)
+  local name=$1 backends=$2 micro_batch=$3; shift 3
+  local model=() options=()
+  while (( $# )) && [[ "$1" != "--" ]]; do model+=("$1"); shift; done
+  shift
+  options=("$@")
+  # --cfg-options after the model's own: the config's model keys first, then sizes and data.
+  local args=(--backends "$backends" --nproc 1 --launcher python --precision bf16-autocast "${BENCH_STEPS[@]}"
+              --work-dir "$OUT/$name" --timeout 240)
+  if (( micro_batch > 0 )) && (( ! DRY )); then args+=(--micro-batch "$micro_batch"); fi
+  if [[ "${model[0]}" == "--config" ]]; then
+    args+=(--config "${model[1]}" --cfg-options "${options[@]}" "data.train.cache_dir=$CACHE")
+  else
+    args+=(--cfg-options "${model[@]:1}" "${DATA[@]}" "${options[@]}" "data.train.cache_dir=$CACHE")
+  fi
+  if (( DRY )); then args+=("data.val=None"); fi
+  run_step "$name" python3 launch/benchmark.py "${args[@]}"
+}
+
+# rows GPU_BACKENDS DRY_BACKENDS: a dry run starts one process per group, each group another
+# backend, so every backend and every model family is exercised in about a minute and a half.
+rows() { if (( DRY )); then echo "$2"; else echo "$1"; fi; }
+skip_step() {
+  echo "[acceptance] $1: skipped ($2)"
+  printf '{"step": "%s", "status": "skipped (%s)", "seconds": 0}\n' "$1" "$2" >> "$STEPS_FILE"
+}
+# Micro-batch 8 (the JSONs') at 512 px, 4 at 1024 px: the same pixels per step.
+bench unet64_512 "$(rows ddp,zero2,zero3 ddp)" 8 "${UNET[@]}" -- "${SMALL[@]}"
+if (( DRY )); then
+  # Inductor's C++ build of even UNetTiny takes 1-2 minutes on 2 cores; the CPU test
+  # tests/distributed/test_speed_features.py checks compiled runs instead.
+  skip_step unet64_512_compiled "dry run: compiling on a CPU takes minutes"
+else
+  bench unet64_512_compiled ddp,zero2 8 "${UNET[@]}" -- "${SMALL[@]}" train.compile=True
+fi
+if (( DRY )); then
+  # The same command as unet64_512 plus one key; tests/distributed/test_speed_features.py checks
+  # the layout on a CPU, where its speed means nothing.
+  skip_step unet64_512_channels_last "dry run: NHWC speed is a GPU question"
+else
+  # NHWC activations (and DDP parameters): the measurement that decides CHANNELS_LAST_BY_MODEL.
+  bench unet64_512_channels_last ddp,zero2 8 "${UNET[@]}" -- "${SMALL[@]}" train.channels_last=True
+fi
+bench unet64_1024 "$(rows ddp,zero2,zero3 zero2)" 4 "${UNET[@]}" -- "${LARGE[@]}"
+bench vit_large_512 "$(rows ddp,zero2,zero3 zero3)" 8 "${VIT[@]}" -- "${SMALL[@]}"
+bench segformer_b2_1024 "$(rows ddp,zero2,zero3 ddp)" 4 "${SEGFORMER[@]}" -- "${LARGE[@]}"
+
+# -- 5. the largest micro-batch per backend (no model-size search exists yet: see docs/benchmarks.md)
+run_step max_batch python3 launch/benchmark.py --backends "$(rows ddp,zero3_offload zero3_offload)" --nproc 1 --launcher python \
+  --precision bf16-autocast --steps 1 --warmup 1 --find-max-batch --max-batch "$MAX_BATCH" --timeout 240 \
+  --work-dir "$OUT/max_batch" $( (( DRY )) && echo --config configs/unet_tiny_synthetic.py ) \
+  --cfg-options "${SMALL[@]}" "data.train.cache_dir=$CACHE" data.val=None \
+  $( (( DRY )) || echo model.base_channels=64 data.train.num_scenes=2 data.train.scene_size=1024 )
+
+# -- 6. the report ------------------------------------------------------------------------------------
+python3 tools/acceptance_report.py "$OUT" --dry-run "$DRY" --seconds $((SECONDS - START)) || FAILED=1
+echo "[acceptance] done in $((SECONDS - START)) s: $OUT/acceptance.md"
+exit $FAILED
