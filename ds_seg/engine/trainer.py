@@ -59,6 +59,13 @@ def _build_dataset(cfg, where, crop_size, seed):
         raise ConfigError(f'{where} ({cfg.get("type")}): {exc}') from exc
 
 
+def report(message):
+    """One line for the user, from rank 0. (A function, not a method: the parts the trainer hands
+    it to hold no reference back to the trainer.)"""
+    if distributed.is_main():
+        print(f'[ds_seg] {message}', flush=True)
+
+
 class Trainer:
     """Train ``cfg`` (an experiment config) with ``ds_config`` (a checked DeepSpeed dict).
 
@@ -141,14 +148,14 @@ class Trainer:
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
 
         # --- resume ----------------------------------------------------------------------------
-        self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, self.print)
+        self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)
         self.step, self.micro_step_offset, set_aside = self.checkpointer.restore(resume)
         if distributed.is_main():
             self.log.start(resumed_step=self.step or None, set_aside=set_aside)  # no checkpoint has step 0
 
         # --- telemetry -------------------------------------------------------------------------
         shape = (1, self.train_set.in_channels, data_cfg.crop_size, data_cfg.crop_size)
-        self.metrics = RunMetrics(spec, self.log, self.backend, report=self.print,
+        self.metrics = RunMetrics(spec, self.log, self.backend, report=report,
                                   flops_per_image=forward_flops(lambda: build(MODELS, cfg.model), shape),
                                   peak_flops=peak_flops(self.device, cfg.train.get('peak_tflops')),
                                   warmup_steps=max(cfg.train.warmup_log_steps,
@@ -218,6 +225,10 @@ class Trainer:
         return Faults()
 
     def _end_loop(self, faults):
+        # Dropping the loader's iterator stops its worker processes now. Left to interpreter exit,
+        # multiprocessing would terminate() them with SIGTERM, which workers ignore (it is meant
+        # for their rank: ds_seg.data.loader), and wait for them forever.
+        self.batches = None
         if self.profiler is not None:
             self.profiler.stop()
         faults.close()
@@ -355,10 +366,10 @@ class Trainer:
             self.log.trackers = build_trackers(log_cfg, self.work_dir, os.path.basename(os.path.abspath(self.work_dir)))
 
     def print(self, message):
-        if distributed.is_main():
-            print(f'[ds_seg] {message}', flush=True)
+        report(message)
 
     def close(self):
+        self.batches = None   # stops the loader's workers (see _end_loop), also when fit() never ran
         self.log.close()
         self.lock.release()
         distributed.close()

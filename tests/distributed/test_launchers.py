@@ -120,3 +120,16 @@ def test_user_mistakes_stop_before_training_with_one_line(tmp_path):
                           cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Did you mean 'UNet'" in proc.stderr and 'Traceback' not in proc.stderr
     assert not os.path.exists(tmp_path / 'work' / 'metrics.jsonl')
+
+
+def test_a_finished_run_exits_with_its_loader_workers_stopped_even_without_garbage_collection(tmp_path):
+    """The DataLoader workers ignore SIGTERM (it is meant for their rank), so a worker still
+    alive at interpreter exit would be terminate()d in vain and waited for forever. The trainer
+    stops them itself; with the garbage collector off nothing else would."""
+    code = ('import gc, sys; gc.disable(); from ds_seg.cli.train import main; '
+            'sys.exit(main(sys.argv[1:]))')
+    args = ['--config', TINY_CONFIG, '--deepspeed_config', 'ds_configs/zero0.json', '--work-dir',
+            str(tmp_path / 'work'), '--cfg-options', f'data.train.cache_dir={tmp_path}/cache',
+            f'data.val.cache_dir={tmp_path}/cache', 'data.num_workers=1', 'train.max_steps=3',
+            'train.eval_interval=0', 'train.checkpoint_interval=0']
+    _run([sys.executable, '-c', code, *args], _env(), timeout=90)
