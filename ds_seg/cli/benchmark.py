@@ -234,7 +234,7 @@ def summarise_run(work_dir, name, warmup):
         compile_time_s=summary.get('compile_time_s'), channels_last=summary.get('channels_last'))
     mem = summary.get('state_memory')
     if mem:
-        formula = zero_formula(mem['num_params'], summary['zero_stage'] if name != 'ddp' else None,
+        formula = zero_formula(mem['num_params'], summary['zero_stage'],  # None under DDP (RunSpec)
                                summary['world_size'], summary['precision'])
         row.update(num_params=mem['num_params'], params_bytes=mem['params_bytes'], grads_bytes=mem['grads_bytes'],
                    master_bytes=mem['master_bytes'], optim_bytes=mem['optim_bytes'],
