@@ -42,6 +42,12 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def logged_losses(work_dir):
+    """The loss of every row of ``work_dir/metrics.jsonl``."""
+    import os
+    return [row['loss'] for row in read_jsonl(os.path.join(work_dir, 'metrics.jsonl'))]
+
+
 def finished(dataset, index):
     """Sample ``index`` as the model sees it: through the loader's collation and the trainer's
     device step (normalised float32 image, int64 label, flips applied), on the CPU."""

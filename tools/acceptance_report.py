@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from ds_seg.cli.benchmark import format_or_dash  # the benchmark's own cell format (PYTHONPATH: the checkout)
+
 GROUPS = ['unet64_512', 'unet64_512_compiled', 'unet64_512_channels_last', 'unet64_1024', 'vit_large_512', 'segformer_b2_1024', 'max_batch']
 
 
@@ -15,10 +17,6 @@ def _load(path):
             return json.load(f)
     except (OSError, ValueError):
         return None
-
-
-def _fmt(value, spec):
-    return '-' if value is None else format(value, spec)
 
 
 def build_report(out, dry_run, seconds):
@@ -37,7 +35,7 @@ def build_report(out, dry_run, seconds):
     lines += [f"| {s['step']} | {s['status']} | {s['seconds']} |" for s in steps]
     if main:
         lines += ['', f"Main command (shortened): {main.get('steps')} steps, median "
-                  f"{_fmt(main.get('images_per_s_median'), '.2f')} images/s, exit {main.get('exit_reason')}, "
+                  f"{format_or_dash(main.get('images_per_s_median'), '.2f')} images/s, exit {main.get('exit_reason')}, "
                   f"optimizer {main.get('optimizer_impl')}."]
     machine = next((g.get('machine') for g in groups.values() if g), None)
     if machine:
@@ -55,9 +53,9 @@ def build_report(out, dry_run, seconds):
                 continue
             lines.append(
                 f"| {name} | {r['backend']} | {r['precision']} | {r['micro_batch']} | {r['images_per_s']:.2f} "
-                f"| {_fmt(r.get('mfu'), '.1%')} | {_fmt(r.get('max_mem_mb'), '.0f')} | {r['data_wait_frac']:.1%} "
+                f"| {format_or_dash(r.get('mfu'), '.1%')} | {format_or_dash(r.get('max_mem_mb'), '.0f')} | {r['data_wait_frac']:.1%} "
                 f"| {r.get('optimizer_impl') or '-'} | {r.get('compile_mode') or 'off'} "
-                f"| {_fmt(r.get('compile_time_s'), '.1f')} | {'yes' if r.get('channels_last') else 'no'} "
+                f"| {format_or_dash(r.get('compile_time_s'), '.1f')} | {'yes' if r.get('channels_last') else 'no'} "
                 f"| {r.get('max_micro_batch', '-')} |")
     lines += ['', 'No model-size search exists yet (issue 14: the largest UperNet-ViT depth/width per backend); '
               'max_batch is the largest micro-batch per backend instead.']

@@ -296,7 +296,7 @@ def find_max_batch(args, name, start, limit):
     return good, bad is None  # (largest that fits, whether the limit capped the search)
 
 
-def _fmt(value, spec):
+def format_or_dash(value, spec):
     return '-' if value is None else format(value, spec)
 
 
@@ -314,11 +314,11 @@ def write_markdown(path, rows, meta):
             lines.append(f"| {r['backend']} | failed: {r['error'][:80]} |")
             continue
         lines.append(
-            f"| {r['backend']} | {_fmt(r['zero_stage'], 'd')} | {r['precision']} | {r['world_size']} "
+            f"| {r['backend']} | {format_or_dash(r['zero_stage'], 'd')} | {r['precision']} | {r['world_size']} "
             f"| {r['micro_batch']} | {r['images_per_s']:.2f} | {r['megapixels_per_s']:.3f} "
             f"| {r['step_time_median_s']:.4f} | {r['step_time_p90_s']:.4f} | {r['data_wait_frac']:.1%} "
-            f"| {r['max_mem_mb']:.0f} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['speedup_vs_ddp'], '.3f')} "
-            f"| {r.get('optimizer_impl') or '-'} | {_fmt(r.get('compile_time_s'), '.1f')} "
+            f"| {r['max_mem_mb']:.0f} | {format_or_dash(r['mfu'], '.1%')} | {format_or_dash(r['speedup_vs_ddp'], '.3f')} "
+            f"| {r.get('optimizer_impl') or '-'} | {format_or_dash(r.get('compile_time_s'), '.1f')} "
             f"| {'yes' if r.get('channels_last') else 'no'} |")
     if any(r.get('num_params') for r in rows):
         lines += ['', 'Per-rank model state, measured from the live tensors (MB) / ZeRO formula (MB):', '',
@@ -350,7 +350,7 @@ def write_plot(path, rows, meta):
     ax = axes[0]
     ax.bar(names, [r['images_per_s'] for r in ok], color='tab:blue')
     for i, r in enumerate(ok):
-        ax.text(i, r['images_per_s'], _fmt(r['speedup_vs_ddp'], '.2f') + 'x', ha='center', va='bottom', fontsize=8)
+        ax.text(i, r['images_per_s'], format_or_dash(r['speedup_vs_ddp'], '.2f') + 'x', ha='center', va='bottom', fontsize=8)
     ax.set_ylabel('images / s (speed-up vs DDP on top)')
     ax.set_title('throughput')
     ax = axes[1]

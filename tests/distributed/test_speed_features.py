@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from tests.dist import run_on_ranks
-from tests.tiny import ds_config, read_jsonl, tiny_cfg
+from tests.tiny import ds_config, logged_losses, read_jsonl, tiny_cfg
 
 STEPS = 6
 # Measured on this CPU (UNetTiny, AdamW lr 2e-3): channels_last losses equal NCHW ones to ~1e-7
@@ -43,10 +43,6 @@ def _train(tmp, backend, work, train):
         trainer.close()
 
 
-def _losses(tmp, work):
-    return [row['loss'] for row in read_jsonl(os.path.join(tmp, work, 'metrics.jsonl'))]
-
-
 @pytest.fixture(scope='module')
 def plain(tmp_path_factory):
     """plain(backend): the uncompiled NCHW run both tests compare with, run once per backend."""
@@ -55,7 +51,7 @@ def plain(tmp_path_factory):
     def run(backend):
         if backend not in runs:
             runs[backend] = run_on_ranks(_train, 1, args=(tmp, backend, backend, {}))[0]
-            runs[backend]['losses'] = _losses(tmp, backend)
+            runs[backend]['losses'] = logged_losses(os.path.join(tmp, backend))
         return runs[backend]
     return run
 
@@ -79,7 +75,7 @@ def test_compiled_run_gives_the_plain_losses(tmp_path, plain, backend):
     plain = plain(backend)
     compiled = run_on_ranks(_train, 1, args=(tmp, backend, 'compiled', {'compile': True}), timeout=420)[0]
     assert plain['graphs'] == 0 and compiled['graphs'] > 0
-    _assert_same_losses(plain['losses'], _losses(tmp, 'compiled'), 'compiled', COMPILED_TOL)
+    _assert_same_losses(plain['losses'], logged_losses(os.path.join(tmp, 'compiled')), 'compiled', COMPILED_TOL)
     plain, compiled = plain['summary'], compiled['summary']
     assert plain['compile_mode'] is None and plain['compile_time_s'] is None
     assert compiled['compile_mode'] == 'default' and compiled['compile_time_s'] > 0
@@ -94,7 +90,7 @@ def test_channels_last_run_gives_the_plain_losses(tmp_path, plain, backend):
     tmp = str(tmp_path)
     plain = plain(backend)
     nhwc = run_on_ranks(_train, 1, args=(tmp, backend, 'nhwc', {'channels_last': True}))[0]
-    _assert_same_losses(plain['losses'], _losses(tmp, 'nhwc'), 'channels_last', [REL_TOL] * STEPS)
+    _assert_same_losses(plain['losses'], logged_losses(os.path.join(tmp, 'nhwc')), 'channels_last', [REL_TOL] * STEPS)
     assert not plain['summary']['channels_last'] and nhwc['summary']['channels_last']
     assert not plain['weight_nhwc'] and plain['input_nhwc'] == {False}
     assert nhwc['input_nhwc'] == {True}

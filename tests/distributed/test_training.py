@@ -12,7 +12,7 @@ import torch
 
 from ds_seg.config import REPO_ROOT
 from tests.dist import run_on_ranks
-from tests.tiny import ds_config, read_jsonl, tiny_cfg
+from tests.tiny import ds_config, logged_losses, read_jsonl, tiny_cfg
 
 
 def _full_params(trainer):
@@ -46,10 +46,6 @@ def _train(tmp, backend, ds, work, resume=None, steps=12, checkpoint_interval=0,
         trainer.close()
 
 
-def _losses(tmp, work):
-    return [row['loss'] for row in read_jsonl(os.path.join(tmp, work, 'metrics.jsonl'))]
-
-
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     """The same fp32 experiment under DDP and ZeRO 0-3 on 2 ranks (20 steps, accumulation 2)."""
@@ -58,7 +54,7 @@ def runs(tmp_path_factory):
     for name, backend, stage in [('ddp', 'ddp', 0), ('zero0', 'deepspeed', 0), ('zero1', 'deepspeed', 1),
                                  ('zero2', 'deepspeed', 2), ('zero3', 'deepspeed', 3)]:
         ranks = run_on_ranks(_train, 2, args=(tmp, backend, ds_config(stage, grad_accum=2), name, None, 20))
-        out[name] = dict(ranks=ranks, losses=_losses(tmp, name))
+        out[name] = dict(ranks=ranks, losses=logged_losses(os.path.join(tmp, name)))
     return out
 
 
