@@ -20,7 +20,7 @@ setup(
     entry_points={'console_scripts': CONSOLE_SCRIPTS},
     python_requires='>=3.9',
     install_requires=[
-        'torch>=2.4',
+        'torch>=2.6',      # torch.compiler.is_exporting, the torch.export-based ONNX exporter
         'deepspeed>=0.17',
         'mmengine>=0.10',
         'numpy',
@@ -34,9 +34,9 @@ setup(
     ],
     extras_require={
         'test': ['pytest>=7', 'pytest-timeout', 'matplotlib',
-                 'onnx>=1.15', 'onnxruntime>=1.17',   # = the 'onnx' extra (export tests)
+                 'onnx>=1.15', 'onnxscript>=0.3', 'onnxruntime>=1.17',   # = the 'onnx' extra (export tests)
                  'mlflow-skinny>=2.10'],              # = the 'mlflow' extra (tracker test)
-        'onnx': ['onnx>=1.15', 'onnxruntime>=1.17'],  # launch/export.py --format onnx, predict.py on .onnx
+        'onnx': ['onnx>=1.15', 'onnxscript>=0.3', 'onnxruntime>=1.17'],  # export --format onnx, predict.py on .onnx
         'mlflow': ['mlflow-skinny>=2.10'],            # log.trackers=['mlflow']
         'wandb': ['wandb'],                           # log.trackers=['wandb']
     },

@@ -11,6 +11,7 @@ Example::
     export_onnx(model, 'unet.onnx', info)          # + unet.onnx.card.json, unet.onnx.card.md
     forward, info = load_onnx('unet.onnx')          # forward(images_BCHW) -> logits_BKHW
 """
+import contextlib
 import json
 import os
 import time
@@ -25,10 +26,11 @@ TOLERANCE = 1e-4  # max abs difference of logits allowed between the export and 
 
 
 def _sample_sizes(model):
-    """Two input sizes to check an export at: the traced one and another (multiples of the
-    model's size divisor, so models that pad inside trace the same graph)."""
+    """Input sizes for an export: the traced one, then the ones it is checked at (another
+    multiple of the model's size divisor, and a size that is a multiple of nothing, so a graph
+    that kept the traced size's padding or resizing is caught)."""
     divisor = max(32, int(getattr(getattr(model, 'backbone', None), 'size_divisor', 1) or 1))
-    return (2 * divisor, 2 * divisor), (3 * divisor, 4 * divisor)
+    return (2 * divisor, 2 * divisor), (3 * divisor, 4 * divisor), (3 * divisor + 5, 2 * divisor - 3)
 
 
 def _in_channels(model, info):
@@ -111,24 +113,32 @@ def write_card(card, out):
 
 
 def export_onnx(model, out, info, work_dir=None):
-    """Write ``model`` as ONNX (opset 17, TorchScript exporter) with dynamic batch/height/width,
-    the card in its metadata, and the card files beside it. The file is checked with onnxruntime
-    at two sizes against PyTorch (max abs difference < 1e-4) and removed if it differs.
+    """Write ``model`` as ONNX (opset 18, torch.export-based exporter) with dynamic batch, height
+    and width, the card in its metadata, and the card files beside it. The file is checked with
+    onnxruntime against PyTorch (max abs difference < 1e-4) at sizes other than the traced one,
+    including sizes that are not a multiple of the model's size divisor, and removed if it differs.
 
     Example: ``export_onnx(model, 'out/unet.onnx', info, work_dir='work_dirs/default')``
     """
-    import onnx
+    try:
+        import onnx
+        import onnxscript  # noqa: F401  (torch's exporter translates through it)
+    except ImportError as exc:
+        raise ConfigError(f"--format onnx needs the {exc.name} package: pip install -e '.[onnx]'.") from exc
+    from torch.export import Dim
     refuse_existing(out, *card_paths(out))
     model = model.eval().cpu()
-    first, second = _sample_sizes(model)
-    x = torch.randn(1, _in_channels(model, info), *first)
+    first, *others = _sample_sizes(model)
+    # Batch 2: torch.export specialises a dimension traced at size 1.
+    x = torch.randn(2, _in_channels(model, info), *first)
     tmp = f'{out}.tmp'
-    axes = {0: 'B', 2: 'H', 3: 'W'}
     try:
-        with torch.no_grad():
-            torch.onnx.export(model, (x,), tmp, dynamo=False, opset_version=17, input_names=[INPUT],
-                              output_names=[OUTPUT], dynamic_axes={INPUT: axes, OUTPUT: axes})
-    except Exception as exc:  # an op without an ONNX form at dynamic sizes
+        with torch.no_grad(), _quiet_exporter():
+            program = torch.onnx.export(model, (x,), dynamo=True, opset_version=18, input_names=[INPUT],
+                                        output_names=[OUTPUT], verbose=False,
+                                        dynamic_shapes=({0: Dim.DYNAMIC, 2: Dim.DYNAMIC, 3: Dim.DYNAMIC},))
+            program.save(tmp)
+    except Exception as exc:  # an op without an ONNX form, or a size torch.export cannot keep dynamic
         if os.path.exists(tmp):
             os.remove(tmp)
         raise ConfigError(f'--format onnx: {type(model).__name__} ({(info.get("model") or {}).get("type")}) does not '
@@ -139,7 +149,7 @@ def export_onnx(model, out, info, work_dir=None):
     entry.key, entry.value = 'ds_seg', json.dumps(card, default=str)
     onnx.save(proto, tmp)
     try:
-        check_onnx(model, tmp, x.shape[1], (first, second))
+        check_onnx(model, tmp, x.shape[1], others)
     except Exception:
         os.remove(tmp)
         raise
@@ -148,11 +158,18 @@ def export_onnx(model, out, info, work_dir=None):
     return out
 
 
+@contextlib.contextmanager
+def _quiet_exporter():
+    """The exporter prints its progress lines to stdout; keep export's output to its own lines."""
+    with open(os.devnull, 'w') as sink, contextlib.redirect_stdout(sink):
+        yield
+
+
 def check_onnx(model, path, in_channels, sizes):
     """Max abs difference of the ONNX file's logits vs PyTorch at each ``(H, W)``; raises over 1e-4."""
     forward, _ = load_onnx(path)
     worst = 0.0
-    for batch, (h, w) in zip((1, 2), sizes):
+    for batch, (h, w) in zip((1, 3, 2), sizes):
         x = torch.randn(batch, in_channels, h, w)
         with torch.no_grad():
             expected = model(x)
@@ -211,17 +228,19 @@ def export_torch(model, out, info, work_dir=None):
     from torch.export import Dim
     refuse_existing(out, *card_paths(out))
     model = model.eval().cpu()
-    first, second = _sample_sizes(model)
+    first, *others = _sample_sizes(model)
     x = torch.randn(2, _in_channels(model, info), *first)
     try:
         program = torch.export.export(model, (x,), dynamic_shapes=({0: Dim.AUTO, 2: Dim.AUTO, 3: Dim.AUTO},))
     except Exception as exc:
         raise ConfigError(f'--format torch-export: {type(model).__name__} cannot be exported: '
                           f'{str(exc).splitlines()[0][:200]}') from exc
-    y = torch.randn(1, x.shape[1], *second)
     try:
-        with torch.no_grad():
-            worst = float((program.module()(y) - model(y)).abs().max())
+        worst = 0.0
+        for size in others:
+            y = torch.randn(1, x.shape[1], *size)
+            with torch.no_grad():
+                worst = max(worst, float((program.module()(y) - model(y)).abs().max()))
     except Exception as exc:  # torch.export specialised a size (a shape guard failed)
         raise ConfigError(f'--format torch-export: {type(model).__name__} does not keep height/width dynamic '
                           f'({str(exc).splitlines()[0][:160]}).') from exc

@@ -36,8 +36,8 @@ def run_block(block, *inputs, checkpointing=False):
 
 
 def resize(x_BCHW, size):
-    # Under ONNX export the shortcut would bake the traced sizes' equality into the graph.
-    if tuple(x_BCHW.shape[-2:]) == tuple(size) and not torch.onnx.is_in_onnx_export():
+    # Under export the shortcut would bake the traced sizes' equality into the graph.
+    if not torch.compiler.is_exporting() and tuple(x_BCHW.shape[-2:]) == tuple(size):
         return x_BCHW
     return F.interpolate(x_BCHW, size=size, mode='bilinear', align_corners=False)
 

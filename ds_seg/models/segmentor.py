@@ -9,6 +9,7 @@ instead; :func:`ds_seg.models.losses.segmentation_loss` adds the weighted auxili
 A registered model may carry ``variants`` (label -> kwargs): the presets ``launch/models.py``
 lists.
 """
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -59,8 +60,9 @@ class Segmentor(nn.Module):
         H, W = images_BCHW.shape[-2:]
         divisor = getattr(self.backbone, 'size_divisor', 1)
         # Pad bottom/right to the encoder's multiple and crop the logits back: exact at any size.
+        # An exported graph always pads (by 0 at a multiple), so it stays exact at every size.
         pad_h, pad_w = -H % divisor, -W % divisor
-        if pad_h or pad_w:
+        if torch.compiler.is_exporting() or pad_h or pad_w:
             images_BCHW = F.pad(images_BCHW, (0, pad_w, 0, pad_h))
         size = images_BCHW.shape[-2:]
         features = self.backbone(images_BCHW)

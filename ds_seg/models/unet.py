@@ -61,10 +61,11 @@ class Up(nn.Module):
     def forward(self, x_BCHW, skip_BCHW):
         x_BCHW = self.up(x_BCHW)
         # Odd sizes lose a row or column in max-pooling; pad the upsampled map back to the
-        # skip's size (split evenly, as milesial does) so any input size works.
+        # skip's size (split evenly, as milesial does) so any input size works. An exported graph
+        # always pads (by 0 at even sizes): a traced branch would hold only for the traced size.
         dy = skip_BCHW.shape[-2] - x_BCHW.shape[-2]
         dx = skip_BCHW.shape[-1] - x_BCHW.shape[-1]
-        if dy or dx:
+        if torch.compiler.is_exporting() or dy or dx:
             x_BCHW = F.pad(x_BCHW, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
         return self.conv(torch.cat([skip_BCHW, x_BCHW], dim=1))
 

@@ -105,12 +105,44 @@ def test_upernet_pyramid_pooling_and_vit_export_with_dynamic_sizes(tmp_path, nam
         assert np.abs(session.run(None, {'images_BCHW': x.numpy()})[0] - model(x).numpy()).max() < 1e-4
 
 
+@pytest.mark.parametrize('name', ['vit_small_patch14_reg4_dinov2', 'deit3_small_patch16_224'])
+def test_timm_vit_exports_and_stays_exact_off_the_patch_grid(tmp_path, name):
+    """A timm ViT (DINOv2 with registers at patch 14; DeiT-3 without a class position embedding)
+    through UperNet: the ONNX graph pads to the patch multiple and resamples the position
+    embeddings (antialiased bicubic) at whatever size it is given, as PyTorch does."""
+    import onnxruntime as ort
+    from ds_seg import deploy
+    torch.manual_seed(0)
+    model = build(MODELS, dict(type='UperNet', backbone=name, channels=16, aux_head=False,
+                               backbone_kwargs=dict(depth=2, embed_dim=32, num_heads=2))).eval()
+    out = str(tmp_path / 'vit.onnx')
+    deploy.export_onnx(model, out, dict(model=dict(type='UperNet', backbone=name), classes=CLASSES))
+    session = ort.InferenceSession(out, providers=['CPUExecutionProvider'])
+    for shape in [(1, 3, 200, 90), (2, 3, 57, 131)]:  # multiples of neither 14 nor 16
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            expected = model(x).numpy()
+        got = session.run(None, {'images_BCHW': x.numpy()})[0]
+        assert got.shape == expected.shape and np.abs(got - expected).max() < 1e-4
+
+
+class DataDependent(torch.nn.Module):
+    """Control flow on pixel values: no graph can hold it for every input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 6, 1)
+
+    def forward(self, images_BCHW):
+        logits = self.conv(images_BCHW)
+        return logits if float(images_BCHW.mean()) > 0 else -logits
+
+
 def test_export_refuses_what_it_cannot_keep_dynamic_in_one_line(tmp_path):
     from ds_seg import deploy
     from ds_seg.config import ConfigError
-    model = build(MODELS, dict(type='UperNet', backbone='vit_small_patch14_reg4_dinov2', channels=16, aux_head=False,
-                               backbone_kwargs=dict(depth=2, embed_dim=32, num_heads=2)))
-    out = str(tmp_path / 'dino.onnx')
-    with pytest.raises(ConfigError, match='--format onnx: .* does not export to ONNX'):
-        deploy.export_onnx(model, out, dict(model=dict(type='UperNet'), classes=CLASSES))
+    out = str(tmp_path / 'model.onnx')
+    with pytest.raises(ConfigError, match='--format onnx: DataDependent .* does not export to ONNX') as caught:
+        deploy.export_onnx(DataDependent(), out, dict(model=dict(type='DataDependent'), classes=CLASSES))
+    assert '\n' not in str(caught.value)
     assert not os.listdir(tmp_path), 'nothing half-written is left behind'

@@ -10,7 +10,6 @@ quarter of the depth by default; a simple feature pyramid (ViTDet/BEiT-style: tw
 convs, one, identity, max-pool) turns them into strides 4, 8, 16, 32. A patch-14 grid (DINOv2)
 is resampled to the stride-16 grid first, so heads always see strides 4/8/16/32.
 """
-import math
 import re
 
 import torch.nn.functional as F
@@ -132,6 +131,6 @@ class TimmViT(nn.Module):
         features = self.block_features(images_BCHW)
         if self.patch_size != 16:
             # Stride-14 (or 8...) tokens -> the stride-16 grid, so the pyramid gives strides 4..32.
-            size = (math.ceil(H / 16), math.ceil(W / 16))
+            size = ((H + 15) // 16, (W + 15) // 16)  # integer arithmetic stays symbolic under export
             features = [F.interpolate(f, size=size, mode='bilinear', align_corners=False) for f in features]
         return self.neck(features)

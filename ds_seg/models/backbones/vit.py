@@ -151,7 +151,7 @@ class ViT(nn.Module):
     def _pos_embed(self, grid_h, grid_w):
         pos = self.pos_embed[:, 1:]
         old = int(math.sqrt(pos.shape[1]))
-        if (grid_h, grid_w) != (old, old) or torch.onnx.is_in_onnx_export():  # keep the export's H, W dynamic
+        if torch.compiler.is_exporting() or (grid_h, grid_w) != (old, old):  # keep the export's H, W dynamic
             pos = pos.reshape(1, old, old, -1).permute(0, 3, 1, 2)
             pos = F.interpolate(pos, size=(grid_h, grid_w), mode='bicubic', align_corners=False)
             pos = pos.permute(0, 2, 3, 1).reshape(1, grid_h * grid_w, -1)

@@ -34,7 +34,7 @@ def _bins(length, bins, like):
 def adaptive_avg_pool(x_BChw, size):
     """``F.adaptive_avg_pool2d``; under ONNX export the same bins as two averaging matrices,
     because the ONNX exporter has no adaptive pooling for sizes that do not divide the input."""
-    if not torch.onnx.is_in_onnx_export():
+    if not torch.compiler.is_exporting():
         return nn.functional.adaptive_avg_pool2d(x_BChw, size)
     h, w = x_BChw.shape[-2:]
     return torch.einsum('sh,bchw,tw->bcst', _bins(h, size, x_BChw), x_BChw, _bins(w, size, x_BChw))
