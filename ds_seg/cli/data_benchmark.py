@@ -35,7 +35,8 @@ import time
 
 import numpy as np
 
-from ds_seg.config import REPO_ROOT, load_config
+from ds_seg.cli import same_package_env
+from ds_seg.config import load_config
 from ds_seg.data import build_train_loader
 from ds_seg.registry import DATASETS, build
 
@@ -181,17 +182,18 @@ def loader_rate(ds, workers, micro_batch, n):
 
 
 def training_wait(args, data):
-    """data_wait_frac from a short launch/train.py run on the same data."""
+    """data_wait_frac from a short training run (``python -m ds_seg.cli.train``, what
+    launch/train.py runs) on the same data."""
     with tempfile.TemporaryDirectory() as work:
         options = [f'train.max_steps={args.train_steps}', 'train.log_interval=5', 'train.eval_interval=0',
                    'train.checkpoint_interval=0', 'train.warmup_log_steps=2', f'data.crop_size={args.crop}',
                    f'data.num_workers={args.workers}',
                    f'data.train={json.dumps(data)}']
-        cmd = [sys.executable, str(REPO_ROOT / 'launch' / 'train.py'), '--work-dir', work]
+        cmd = [sys.executable, '-m', 'ds_seg.cli.train', '--work-dir', work]
         if args.config:
             cmd += ['--config', args.config]
         cmd += ['--cfg-options'] + options
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', '1'))
+        env = same_package_env(OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', '1'))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         path = os.path.join(work, 'metrics.jsonl')
         if proc.returncode != 0 or not os.path.exists(path):
@@ -201,6 +203,10 @@ def training_wait(args, data):
         waits = [r['data_wait_frac'] for r in rows if r.get('data_wait_frac') is not None]
         steps = [r['step_time_s'] for r in rows if r.get('step_time_s') is not None]
         return (float(np.mean(waits)) if waits else None), (float(np.median(steps)) if steps else None)
+
+
+def passes(rates):
+    return ', '.join(f'{v:.0f}' for v in rates)
 
 
 def measure(ds, label_bands, args):
@@ -231,8 +237,8 @@ def main(argv=None):
         raw_best, mine_best = max(raw), max(mine)
         result['variants'][compress] = dict(raw_windows_per_s=raw_best, dataset_windows_per_s=mine_best,
                                             ratio=mine_best / raw_best)
-        print(f'[{compress:>7}] raw rasterio loop : {raw_best:8.1f} windows/s  (passes: {", ".join(f"{v:.0f}" for v in raw)})')
-        print(f'[{compress:>7}] dataset, 1 worker : {mine_best:8.1f} windows/s  (passes: {", ".join(f"{v:.0f}" for v in mine)})')
+        print(f'[{compress:>7}] raw rasterio loop : {raw_best:8.1f} windows/s  (passes: {passes(raw)})')
+        print(f'[{compress:>7}] dataset, 1 worker : {mine_best:8.1f} windows/s  (passes: {passes(mine)})')
         print(f'[{compress:>7}] ratio dataset/raw : {mine_best / raw_best:8.2f}x   (target >= 0.8x)')
         if args.http:
             rates, per_window = http_rate(target, args)
@@ -240,7 +246,7 @@ def main(argv=None):
             result['variants'][compress].update(http_windows_per_s=max(rates), http_bytes_per_window=per_window,
                                                 files_bytes=size, http_latency_ms=args.latency_ms)
             print(f'[{compress:>7}] dataset over HTTP : {max(rates):8.1f} windows/s  (passes: '
-                  f'{", ".join(f"{v:.0f}" for v in rates)}; {per_window / 1024:.0f} KiB fetched per window, '
+                  f'{passes(rates)}; {per_window / 1024:.0f} KiB fetched per window, '
                   f'files {size / 2 ** 20:.0f} MiB; +{args.latency_ms:g} ms per request)')
     import torch
     device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
