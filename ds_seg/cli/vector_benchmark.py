@@ -6,13 +6,14 @@
 A synthetic class map (4 classes: blobs with ragged edges at two scales, plus a road grid
 whose roads run through every band, so regions cut at band edges must be merged) is written
 once as a tiled ZSTD GeoTIFF; then ``ds_seg.vectorize.vectorize_class_map`` runs in a child
-process whose peak resident memory (``ru_maxrss``) and wall time are reported. No model is
+process whose own peak resident memory (``VmHWM``) and wall time are reported. No model is
 involved: this measures the vectoriser alone.
 """
+# Nothing from ds_seg at module level: the measured child runs this file by path, and importing
+# the package would load torch into it.
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -44,27 +45,42 @@ def make_class_map(path, size, seed=0, band=1024):
     os.replace(tmp, path)
 
 
+def child_command(class_map, out, band_rows, simplify):
+    """The measured process: this file run by path. ``python -m ds_seg.cli.vector_benchmark``
+    would import the ds_seg package first, and with it torch."""
+    return [sys.executable, os.path.abspath(__file__), '--child', '--class-map', class_map, '--out', out,
+            '--band-rows', str(band_rows), '--simplify', str(simplify)]
+
+
+def peak_rss_mb():
+    """This process's own peak resident memory (VmHWM, kB in /proc). Not ru_maxrss: Linux carries
+    into that the peak of the process that started this one, which has imported the ds_seg
+    package and torch (~560 MiB), and would report it instead of the vectoriser's."""
+    with open('/proc/self/status') as f:
+        return next(int(line.split()[1]) for line in f if line.startswith('VmHWM:')) / 1024
+
+
 def child(args):
     # The module alone, not the ds_seg package: importing that loads torch (~800 MB RSS),
     # which would hide the vectoriser's own memory.
     import importlib.util
     spec = importlib.util.spec_from_file_location(
-        'vectorize', os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'ds_seg', 'vectorize.py'))
+        'vectorize', os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'vectorize.py'))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     vectorize_class_map = module.vectorize_class_map
     import pyogrio.raw  # noqa: F401  (imported inside; counted in the baseline, not the run)
     import shapely  # noqa: F401
-    baseline_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    baseline_mb = peak_rss_mb()
     out = args.out
     if os.path.exists(out):
         os.remove(out)
     t = time.perf_counter()
     info = vectorize_class_map(args.class_map, out, band_rows=args.band_rows, simplify=args.simplify)
     seconds = time.perf_counter() - t
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    peak_mb = peak_rss_mb()
     print(json.dumps(dict(features=info['features'], seconds=seconds, baseline_mb=baseline_mb, peak_mb=peak_mb,
-                          out_mb=os.path.getsize(out) / 2 ** 20)))
+                          out_mb=os.path.getsize(out) / 2 ** 20, torch_imported='torch' in sys.modules)))
 
 
 def main(argv=None):
@@ -86,16 +102,14 @@ def main(argv=None):
     os.makedirs(args.dir, exist_ok=True)
     class_map = os.path.join(args.dir, f'classes_{args.size}.tif')
     if not os.path.exists(class_map):
-        # In a process of its own: Linux carries a parent's peak RSS into a child across exec,
-        # so generating the map here would inflate the vectoriser's figure.
+        # In a process of its own (several hundred MiB at 20000 px), so that this process stays
+        # small while the measured child runs beside it.
         t = time.perf_counter()
         subprocess.run([sys.executable, os.path.abspath(__file__), '--make', '--class-map', class_map,
                         '--size', str(args.size)], check=True)
         print(f'[vector_benchmark] wrote {class_map} in {time.perf_counter() - t:.0f} s')
     out = os.path.join(args.dir, f'polygons_{args.size}.{args.format}')
-    cmd = [sys.executable, os.path.abspath(__file__), '--child', '--class-map', class_map, '--out', out,
-           '--band-rows', str(args.band_rows), '--simplify', str(args.simplify)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    proc = subprocess.run(child_command(class_map, out, args.band_rows, args.simplify), capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     if proc.returncode != 0:
         print(proc.stdout, proc.stderr, file=sys.stderr)
         return 1

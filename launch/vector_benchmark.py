@@ -1,0 +1,11 @@
+"""``python launch/vector_benchmark.py ...`` = ``python -m ds_seg.cli.vector_benchmark ...`` (ds_seg/cli/vector_benchmark.py).
+
+Kept so that the command lines in README.md and docs/benchmarks.md work; it only runs the
+installed package's command (``pip install -e .``).
+"""
+import sys
+
+from ds_seg.cli.vector_benchmark import main
+
+if __name__ == '__main__':
+    sys.exit(main())
