@@ -25,6 +25,7 @@ import rasterio
 import torch
 from rasterio.transform import from_origin
 
+from ds_seg.cli import same_package_env
 
 
 def make_scene(path, size, bands=3, block=256, source=2048, seed=0):
@@ -68,11 +69,12 @@ def _register_pixel_model():
 
 
 def main(argv=None):
-    if argv is None and sys.argv[1:2] == ['--child']:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ['--child']:
         # predict.py's own main, in a process whose peak memory is measured alone
         _register_pixel_model()
         from ds_seg.cli import predict
-        return predict.main(sys.argv[2:])
+        return predict.main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--size', type=int, default=20000, help='scene width and height (default 20000)')
     parser.add_argument('--model', default='UNetTiny',
@@ -102,12 +104,12 @@ def main(argv=None):
                     'data': {'bands': [1, 2, 3], 'mean': [110.0, 115.0, 100.0], 'std': [50.0, 45.0, 45.0]}},
                    weights)
         out = os.path.join(tmp, 'out')
-        cmd = [sys.executable, os.path.abspath(__file__), '--child', '--checkpoint', weights,
+        cmd = [sys.executable, '-m', 'ds_seg.cli.predict_benchmark', '--child', '--checkpoint', weights,
                '--input', scene, '--output', out, '--tile', str(args.tile), '--overlap', str(args.overlap),
                '--batch-size', str(args.batch_size), '--device', 'cpu', '--cpu-threads', str(args.threads)]
         cmd += args.extra
         print('[benchmark] ' + ' '.join(cmd), flush=True)
-        env = {**os.environ, 'OMP_NUM_THREADS': str(args.threads)}
+        env = same_package_env(OMP_NUM_THREADS=str(args.threads))
         t1 = time.perf_counter()
         subprocess.run(cmd, check=True, env=env)
         wall = time.perf_counter() - t1
