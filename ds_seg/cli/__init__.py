@@ -1,7 +1,19 @@
 """Command-line programs. Each module's ``main()`` is both a console script (``ds-seg-train``,
 ``ds-seg-predict``, ``ds-seg-evaluate``, ``ds-seg-export``, ``ds-seg-benchmark``,
 ``ds-seg-models``; see setup.py) and what ``launch/<name>.py`` runs in a source checkout."""
+import os
 import sys
+from pathlib import Path
+
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]   # the folder that holds ds_seg/
+
+
+def same_package_env(**overrides):
+    """``os.environ`` for a child ``python -m ds_seg.cli.<name>``, with the folder holding this
+    ds_seg first on PYTHONPATH: the child then imports the same package as this process (the
+    checkout being measured), not another install. ``overrides`` are further variables."""
+    path = str(PACKAGE_PARENT) + os.pathsep + os.environ.get('PYTHONPATH', '')
+    return dict(os.environ, PYTHONPATH=path, **overrides)
 
 
 def run_command(name, body, errors):

@@ -24,10 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from ds_seg.cli import same_package_env
 from ds_seg.config import DS_CONFIGS_DIR
 from ds_seg.memory import zero_formula
-
-PACKAGE_PARENT = Path(__file__).resolve().parents[2]   # the folder that holds ds_seg/
 
 # Backend name -> (train.py --backend, shipped DeepSpeed JSON). DDP reads its optimizer, schedule,
 # batch, clipping and precision from the same JSON family; only ZeRO settings differ between files.
@@ -182,7 +181,7 @@ def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_opt
         '--work-dir', work_dir, '--cfg-options', *options]
     if args.config:
         cmd[cmd.index('--backend'):cmd.index('--backend')] = ['--config', args.config]
-    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    env = same_package_env()
     if not _has_cuda() and 'OMP_NUM_THREADS' not in os.environ:
         # CPU ranks share the cores: without this each rank starts one thread per core and they thrash.
         env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // args.nproc))

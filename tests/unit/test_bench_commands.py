@@ -1,0 +1,63 @@
+"""The three measuring commands that live in ds_seg/cli/ (data_benchmark, vector_benchmark,
+predict_benchmark) run end to end on tiny inputs, their child processes included, and print
+figures that parse and are positive."""
+import json
+import re
+import subprocess
+
+from ds_seg.cli import data_benchmark, predict_benchmark, vector_benchmark
+
+NUMBER = r'([0-9]+(?:\.[0-9]+)?)'
+
+
+def test_data_benchmark_prints_rates_and_a_training_run(tmp_path, capsys):
+    out = tmp_path / 'figures.json'
+    # --train-steps 4: a real `python -m ds_seg.cli.train` child, the only way data_wait_frac is measured
+    assert data_benchmark.main(['--scene-size', '256', '--num-scenes', '1', '--crop', '64', '--windows', '20',
+                                '--repeats', '1', '--workers', '1', '--micro-batch', '2', '--train-steps', '4',
+                                '--compress', 'none', 'deflate', '--cache-dir', str(tmp_path / 'scenes'),
+                                '--out', str(out)]) == 0
+    text = capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    for variant in ('none', 'deflate'):
+        raw = float(re.search(rf'\[\s*{variant}\] raw rasterio loop :\s+{NUMBER} windows/s', text).group(1))
+        mine = float(re.search(rf'\[\s*{variant}\] dataset, 1 worker :\s+{NUMBER} windows/s', text).group(1))
+        ratio = float(re.search(rf'\[\s*{variant}\] ratio dataset/raw :\s+{NUMBER}x', text).group(1))
+        assert raw > 0 and mine > 0 and ratio > 0
+        assert round(figures['variants'][variant]['raw_windows_per_s'], 1) == raw  # --out holds what is printed
+    assert float(re.search(rf'device step on cpu\s+:\s+{NUMBER} windows/s', text).group(1)) > 0
+    assert float(re.search(rf'loader, 1 workers\s+:\s+{NUMBER} windows/s total', text).group(1)) > 0
+    wait = re.search(rf'training, 4 steps\s+: data wait {NUMBER}% of step time \(median step {NUMBER} s', text)
+    assert wait, text  # 'training run : failed' when the child did not start
+    assert 0 <= float(wait.group(1)) <= 100 and float(wait.group(2)) > 0
+    assert 0 <= figures['data_wait_frac'] <= 1 and figures['step_time_s'] > 0
+
+
+def test_vector_benchmark_measures_a_child_without_torch(tmp_path, capsys):
+    assert vector_benchmark.main(['--size', '400', '--band-rows', '64', '--dir', str(tmp_path)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    m = re.search(rf': {NUMBER} polygons in {NUMBER} s, peak RSS {NUMBER} MiB '
+                  rf'\(Python \+ libraries before the run: {NUMBER} MiB\)', line)
+    assert m, line
+    polygons, _, peak, baseline = (float(v) for v in m.groups())
+    assert polygons > 0 and peak >= baseline > 0
+    # The measured process itself: the vectoriser module alone, not the package, so torch
+    # (hundreds of MiB, and in this pytest process already) is not in its peak.
+    cmd = vector_benchmark.child_command(str(tmp_path / 'classes_400.tif'), str(tmp_path / 'again.gpkg'), 64, 0.0)
+    child = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    assert child['torch_imported'] is False
+    assert child['features'] == polygons and child['seconds'] > 0 and child['out_mb'] > 0
+    # The peak is the child's own: the same figure from this pytest process (torch loaded) as
+    # from the benchmark's parent; ru_maxrss would report this process's peak instead.
+    assert child['baseline_mb'] < 0.5 * vector_benchmark.peak_rss_mb()
+
+
+def test_predict_benchmark_reports_a_georeferenced_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv('DS_SEG_CACHE', str(tmp_path))  # where the scene is written; the child inherits it
+    assert predict_benchmark.main(['--size', '512', '--tile', '256', '--overlap', '32', '--model', 'BenchPixelNet',
+                                   '--threads', '1']) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1].removeprefix('[benchmark] '))
+    assert summary['georeferenced_like_input'] is True
+    assert summary['windows'] == 9  # 512 px in 256 px tiles overlapping by 32: 3 x 3
+    for key in ('wall_s', 'windows_per_s', 'megapixels_per_s', 'peak_rss_mb'):
+        assert summary[key] > 0, key
