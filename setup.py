@@ -35,9 +35,9 @@ setup(
     extras_require={
         'test': ['pytest>=7', 'pytest-timeout', 'matplotlib',
                  'onnx>=1.15', 'onnxscript>=0.3', 'onnxruntime>=1.17',   # = the 'onnx' extra (export tests)
-                 'mlflow-skinny>=2.10'],              # = the 'mlflow' extra (tracker test)
+                 'mlflow-skinny>=2.10', 'wandb>=0.19'],  # = the 'mlflow' and 'wandb' extras (tracker test)
         'onnx': ['onnx>=1.15', 'onnxscript>=0.3', 'onnxruntime>=1.17'],  # export --format onnx, predict.py on .onnx
         'mlflow': ['mlflow-skinny>=2.10'],            # log.trackers=['mlflow']
-        'wandb': ['wandb'],                           # log.trackers=['wandb']
+        'wandb': ['wandb>=0.19'],                     # log.trackers=['wandb'] (reinit='create_new')
     },
 )

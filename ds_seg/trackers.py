@@ -78,8 +78,10 @@ class WandbTracker:
         except ImportError as exc:
             raise ConfigError("log.trackers: 'wandb' needs the wandb client; pip install -e '.[wandb]'.") from exc
         self.wandb = wandb
+        # create_new: this run's own handle (every call below goes through it), never a user's
+        # wandb.run of the same process finished or reused behind their back.
         self.run = wandb.init(project=log_cfg.get('wandb_project') or 'ds_seg', name=run_name, dir=work_dir,
-                              reinit=True)
+                              reinit='create_new')
 
     def config(self, cfg):
         self.run.config.update(cfg, allow_val_change=True)

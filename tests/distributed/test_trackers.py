@@ -1,7 +1,10 @@
-"""log.trackers: a short run logs the same scalars, the config and the summary to MLflow's local
-file store (no network), read back with the MLflow client; TensorBoard stays the default."""
+"""log.trackers: one short run logs the same scalars, the config and the summary to MLflow's local
+file store, read back with the MLflow client, and to a W&B offline run (no network), read back
+from the run's own ``.wandb`` file; TensorBoard stays the default."""
+import glob
 import json
 import os
+import struct
 
 import pytest
 
@@ -11,9 +14,10 @@ from tests.tiny import ds_config, read_jsonl, tiny_cfg
 
 def _train(tmp, uri):
     from ds_seg.engine.trainer import Trainer
+    os.environ.update(WANDB_MODE='offline', WANDB_SILENT='true')  # W&B writes its run file, sends nothing
     cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=4, eval_interval=4)
-    cfg.merge_from_dict({'log': dict(trackers=['tensorboard', 'mlflow'], mlflow_tracking_uri=uri,
-                                     experiment='tracker-test')})
+    cfg.merge_from_dict({'log': dict(trackers=['tensorboard', 'mlflow', 'wandb'], mlflow_tracking_uri=uri,
+                                     experiment='tracker-test', wandb_project='tracker-test')})
     trainer = Trainer(cfg, ds_config(0, micro_batch=2), work_dir=os.path.join(tmp, 'run'))
     try:
         return trainer.fit()
@@ -21,12 +25,19 @@ def _train(tmp, uri):
         trainer.close()
 
 
-def test_mlflow_gets_the_scalars_config_and_summary(tmp_path, monkeypatch):
-    from mlflow.tracking import MlflowClient
-    monkeypatch.setenv('MLFLOW_ALLOW_FILE_STORE', 'true')  # this process reads the file store back
-    tmp = str(tmp_path)
+@pytest.fixture(scope='module')
+def tracked_run(tmp_path_factory):
+    """(tmp dir, MLflow URI, summary) of one 4-step, 2-rank run logged to all three trackers."""
+    tmp = str(tmp_path_factory.mktemp('trackers'))
     uri = 'file://' + os.path.join(tmp, 'mlruns')
     summary = run_on_ranks(_train, 2, args=(tmp, uri), timeout=240)[0]
+    return tmp, uri, summary
+
+
+def test_mlflow_gets_the_scalars_config_and_summary(tracked_run, monkeypatch):
+    from mlflow.tracking import MlflowClient
+    monkeypatch.setenv('MLFLOW_ALLOW_FILE_STORE', 'true')  # this process reads the file store back
+    tmp, uri, summary = tracked_run
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name('tracker-test')
     runs = client.search_runs([experiment.experiment_id])
@@ -42,6 +53,55 @@ def test_mlflow_gets_the_scalars_config_and_summary(tmp_path, monkeypatch):
     assert json.load(open(artifacts + 'summary.json'))['steps'] == summary['steps'] == 4
     assert json.load(open(artifacts + 'config.json'))['model']['type'] == 'UNetTiny'
     assert os.listdir(os.path.join(tmp, 'run', 'tb')), 'TensorBoard still written'
+
+
+def wandb_records(path):
+    """The ``Record`` protos of a W&B run file: a ':W&B' header, then LevelDB-log framing (32 KiB
+    blocks; each chunk has a 7-byte header: crc32, length, type FULL=1/FIRST=2/MIDDLE=3/LAST=4)."""
+    from wandb.proto import wandb_internal_pb2
+    data = open(path, 'rb').read()
+    assert data[:4] == b':W&B', f'{path}: not a W&B run file'
+    block, pos, pending = 32768, 7, b''
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
+        if room < 7 or (kind == 0 and length == 0):  # the zero padding at a block's end
+            pos += room
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b''
+            yield record
+
+
+def _key(item):  # W&B writes a key either flat or as a nested path
+    return item.key or '/'.join(item.nested_key)
+
+
+def test_wandb_offline_run_holds_the_same_scalars_config_and_summary(tracked_run):
+    tmp, _, summary = tracked_run
+    files = glob.glob(os.path.join(tmp, 'run', 'wandb', 'offline-run-*', 'run-*.wandb'))
+    assert len(files) == 1, 'one W&B run, from rank 0 only'
+    history, config, final = {}, {}, {}
+    for record in wandb_records(files[0]):
+        kind = record.WhichOneof('record_type')
+        if kind == 'history':
+            row = {_key(item): json.loads(item.value_json) for item in record.history.item}
+            history[row['_step']] = row
+        elif kind == 'config':
+            config.update({_key(item): json.loads(item.value_json) for item in record.config.update})
+        elif kind == 'summary':
+            final.update({_key(item): json.loads(item.value_json) for item in record.summary.update})
+    rows = read_jsonl(os.path.join(tmp, 'run', 'metrics.jsonl'))
+    assert {step: row['train/loss'] for step, row in history.items()} == pytest.approx(
+        {r['step']: r['loss'] for r in rows}) and len(history) == 4
+    evals = read_jsonl(os.path.join(tmp, 'run', 'eval.jsonl'))
+    assert history[4]['val/mIoU'] == pytest.approx(evals[-1]['mIoU'])
+    assert config['train']['max_steps'] == 4 and config['model']['type'] == 'UNetTiny'
+    assert final['steps'] == summary['steps'] == 4 and final['exit_reason'] == summary['exit_reason']
 
 
 def test_unknown_tracker_is_refused_naming_the_known_ones():
