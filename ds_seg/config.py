@@ -62,9 +62,10 @@ def _is_number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _int_at_least(low):
+def _int_at_least(low, zero_means=None):
+    what = 'a positive integer' if low == 1 else f'an integer >= {low}'
     return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low,
-            'a positive integer' if low == 1 else f'an integer >= {low}')
+            f'{what} (0: {zero_means})' if zero_means else what)
 
 
 def _number_above(low, allow_none=False):
@@ -143,11 +144,11 @@ class TrainSection(_Section):
     log_interval: int = setting(10, 'steps between logged training metrics (metrics.jsonl, trackers)',
                                 _int_at_least(1))
     eval_interval: int = setting(100, 'steps between evaluations on data.val (0: no evaluation)',
-                                 (_int_at_least(0)[0], 'an integer >= 0 (0: no evaluation)'))
+                                 _int_at_least(0, zero_means='no evaluation'))
     checkpoint_interval: int = setting(100, 'steps between checkpoints (0: only when signalled)',
-                                       (_int_at_least(0)[0], 'an integer >= 0 (0: only when signalled)'))
+                                       _int_at_least(0, zero_means='only when signalled'))
     keep_checkpoints: int = setting(2, 'newest checkpoints kept in the work dir (0: keep all)',
-                                    (_int_at_least(0)[0], 'an integer >= 0 (0: keep all)'))
+                                    _int_at_least(0, zero_means='keep all'))
     seed: int = setting(0, 'seed of the model initialisation and of the datasets', _int_at_least(0))
     warmup_log_steps: int = setting(2, 'first steps excluded from throughput figures (allocator, JIT)',
                                     _int_at_least(0))
