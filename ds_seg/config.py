@@ -14,7 +14,9 @@ import copy
 import difflib
 import json
 import os
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import List, Optional, Tuple
 
 from mmengine.config import Config
 
@@ -48,58 +50,247 @@ class ConfigError(ValueError):
     """A user mistake in a config file or option; the message names the file or key."""
 
 
+# ----------------------------------------------------------------------------------------------
+# Experiment config: typed sections
+# ----------------------------------------------------------------------------------------------
+
+# A rule is (check, description): ``check(value)`` is true for the values a key accepts, and the
+# description completes the refusal "<key> must be <description>, got <value>.". A value that
+# passes cannot crash the run later (train.log_interval=0 used to divide by zero at the first step).
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int_at_least(low, zero_means=None):
+    what = 'a positive integer' if low == 1 else f'an integer >= {low}'
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low,
+            f'{what} (0: {zero_means})' if zero_means else what)
+
+
+def _number_above(low, allow_none=False):
+    return (lambda v: (allow_none and v is None) or (_is_number(v) and v > low),
+            f'a number > {low}' + (' or None' if allow_none else ''))
+
+
+def _optional(rule):
+    check, what = rule
+    return (lambda v: v is None or check(v), f'{what} or None')
+
+
+def _optional_path(v):
+    return v is None or (isinstance(v, str) and v.strip() != '')
+
+
+def _is_bool(v):
+    return isinstance(v, bool)
+
+
+def _is_scale_range(v):
+    return v is None or (isinstance(v, (list, tuple)) and len(v) == 2
+                         and all(_is_number(x) and x > 0 for x in v) and v[0] <= v[1])
+
+
+def _is_layer_decay(v):
+    return v is None or (_is_number(v) and 0 < v <= 1)
+
+
+# torch.compile's modes (torch/_inductor/list_mode_options).
+COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
+TRACKERS = ('tensorboard', 'mlflow', 'wandb')
+
+
+def setting(default, doc, rule):
+    """One key of a section: its default, what it means and the rule its values must pass."""
+    metadata = dict(doc=doc, rule=rule)
+    if isinstance(default, list):  # a dataclass field cannot share one mutable default
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+class _Section:
+    """What every section shares: building one checks each field against its rule (ConfigError
+    naming the dotted key), and ``from_cfg`` gives the typed view of a loaded or merged config."""
+    KEY = ''  # where the section sits in the experiment config ('' = the top level)
+
+    def __post_init__(self):
+        for f in fields(self):
+            check, what = f.metadata['rule']
+            value = getattr(self, f.name)
+            if not check(value):
+                raise ConfigError(f'{self.key_of(f.name)} must be {what}, got {value!r}.')
+
+    @classmethod
+    def key_of(cls, name):
+        return f'{cls.KEY}.{name}' if cls.KEY else name
+
+    @classmethod
+    def from_cfg(cls, cfg):
+        """This section of ``cfg`` (an mmengine Config or a nested dict), checked."""
+        cfg = cfg.to_dict() if isinstance(cfg, Config) else cfg
+        node = _get(cfg, cls.KEY) if cls.KEY else cfg
+        if not isinstance(node, dict):
+            raise ConfigError(f"{cls.KEY} must be a dict with the keys {', '.join(f.name for f in fields(cls))}, "
+                              f"got {node!r}.")
+        return cls(**{f.name: node[f.name] for f in fields(cls) if f.name in node})
+
+
+@dataclass(frozen=True)
+class TrainSection(_Section):
+    """``train``: run length, logging, evaluation and checkpoint cadence, run-time switches."""
+    KEY = 'train'
+    max_steps: int = setting(400, 'length of the run in optimizer steps; the LR schedule follows it',
+                             _int_at_least(1))
+    log_interval: int = setting(10, 'steps between logged training metrics (metrics.jsonl, trackers)',
+                                _int_at_least(1))
+    eval_interval: int = setting(100, 'steps between evaluations on data.val (0: no evaluation)',
+                                 _int_at_least(0, zero_means='no evaluation'))
+    checkpoint_interval: int = setting(100, 'steps between checkpoints (0: only when signalled)',
+                                       _int_at_least(0, zero_means='only when signalled'))
+    keep_checkpoints: int = setting(2, 'newest checkpoints kept in the work dir (0: keep all)',
+                                    _int_at_least(0, zero_means='keep all'))
+    seed: int = setting(0, 'seed of the model initialisation and of the datasets', _int_at_least(0))
+    warmup_log_steps: int = setting(2, 'first steps excluded from throughput figures (allocator, JIT)',
+                                    _int_at_least(0))
+    max_nonfinite_steps: int = setting(5, 'consecutive non-finite losses that stop the run', _int_at_least(1))
+    stop_check_interval: Optional[int] = setting(
+        None, "steps between the ranks' agreement on stop signals and non-finite losses "
+              '(None: 1 on a CPU, 10 on a GPU: no host sync in between)', _optional(_int_at_least(1)))
+    profile_steps: int = setting(0, '>0: torch.profiler trace of that many steps after warm-up', _int_at_least(0))
+    peak_tflops: Optional[float] = setting(None, 'device peak for MFU (None: the telemetry table by GPU name)',
+                                           _number_above(0, allow_none=True))
+    dist_timeout_s: Optional[float] = setting(None, 'how long a collective waits for a lost rank (None: 600 s)',
+                                              _number_above(0, allow_none=True))
+    compile: bool = setting(False, 'torch.compile the model (DeepSpeed: engine.compile(); DDP: module.compile())',
+                            (_is_bool, 'True or False'))
+    compile_mode: str = setting('default', 'torch.compile mode, the same under both backends',
+                                (lambda v: v in COMPILE_MODES, f"one of {', '.join(map(repr, COMPILE_MODES))}"))
+    channels_last: Optional[bool] = setting(
+        None, "conv activations in NHWC (None: the model family's default, see ds_seg/engine/common.py "
+              'CHANNELS_LAST_BY_MODEL: NCHW until measured)',
+        (lambda v: v is None or _is_bool(v), 'None (the model family default), True or False'))
+
+
+@dataclass(frozen=True)
+class DataSection(_Section):
+    """``data``'s own keys; ``data.train`` and ``data.val`` are registry dicts (see DEFAULTS)."""
+    KEY = 'data'
+    crop_size: int = setting(128, 'side of the square training window in pixels, every dataset is built with it',
+                             _int_at_least(16))
+    num_workers: int = setting(1, 'DataLoader worker processes per rank (0: load in the training process)',
+                               _int_at_least(0))
+    eval_batch_size: Optional[int] = setting(None, 'evaluation batch size (None: the DeepSpeed micro-batch)',
+                                             _optional(_int_at_least(1)))
+    eval_tile: Optional[int] = setting(None, 'whole-scene evaluation window (None: crop_size)',
+                                       _optional(_int_at_least(16)))
+    eval_overlap: Optional[int] = setting(None, 'overlap of evaluation windows (None: a quarter of the tile)',
+                                          _optional(_int_at_least(0)))
+    random_scale: Optional[Tuple[float, float]] = setting(
+        None, 'e.g. (0.5, 2.0): train windows of crop/scale resized to crop, one factor per global micro-step, '
+              'equal on every rank',
+        (_is_scale_range, 'None or (low, high) with 0 < low <= high, e.g. (0.5, 2.0)'))
+
+    def __post_init__(self):
+        super().__post_init__()
+        tile = self.eval_tile or self.crop_size
+        if self.eval_overlap is not None and self.eval_overlap >= tile:
+            raise ConfigError(f"data.eval_overlap ({self.eval_overlap}) must be smaller than the "
+                              f"evaluation tile ({tile}, data.eval_tile or data.crop_size).")
+
+    @classmethod
+    def from_cfg(cls, cfg):
+        section = super().from_cfg(cfg)
+        # The datasets are built with data.crop_size; a crop_size of their own would be ignored.
+        cfg = cfg.to_dict() if isinstance(cfg, Config) else cfg
+        for split in ('train', 'val'):
+            given = (_get(cfg, f'data.{split}') or {}).get('crop_size')
+            if given is not None and given != section.crop_size:
+                raise ConfigError(f"data.{split}.crop_size={given!r} conflicts with data.crop_size="
+                                  f"{section.crop_size!r} (the one every dataset is built with); "
+                                  "set data.crop_size only.")
+        return section
+
+
+@dataclass(frozen=True)
+class ParamwiseSection(_Section):
+    """``optim.paramwise``: per-parameter-group settings of the fine-tuning recipe."""
+    KEY = 'optim.paramwise'
+    no_weight_decay: bool = setting(False, 'True: no weight decay on norms, biases, position embeddings, tokens',
+                                    (_is_bool, 'True or False'))
+    backbone_lr_mult: float = setting(1.0, 'LR of the (pretrained) backbone relative to the heads, e.g. 0.1',
+                                      _number_above(0))
+
+
+@dataclass(frozen=True)
+class OptimSection(_Section):
+    """``optim``: the ViT fine-tuning recipe (ds_seg/engine/param_groups.py); the optimizer and LR
+    schedule themselves are the DeepSpeed JSON's."""
+    KEY = 'optim'
+    layer_decay: Optional[float] = setting(
+        None, 'e.g. 0.75: ViT block i of L trains at lr * decay ** (L - i), embeddings and tokens at '
+              'decay ** (L + 1), the heads at lr',
+        (_is_layer_decay, 'None or a number in (0, 1], e.g. 0.75'))
+    paramwise: ParamwiseSection = setting(
+        ParamwiseSection(), 'per-parameter-group settings (no_weight_decay, backbone_lr_mult)',
+        (lambda v: isinstance(v, ParamwiseSection), 'a dict of no_weight_decay and backbone_lr_mult'))
+
+    def __post_init__(self):
+        if isinstance(self.paramwise, dict):  # from a config: the nested section as a dict
+            object.__setattr__(self, 'paramwise', ParamwiseSection(**self.paramwise))
+        super().__post_init__()
+
+
+@dataclass(frozen=True)
+class LogSection(_Section):
+    """``log``: experiment trackers (ds_seg/trackers.py), rank 0 only."""
+    KEY = 'log'
+    trackers: List[str] = setting(
+        ['tensorboard'], "any of 'tensorboard', 'mlflow', 'wandb': same scalars, config, summary",
+        (lambda v: isinstance(v, (list, tuple)) and all(t in TRACKERS for t in v),
+         "a list drawn from 'tensorboard', 'mlflow', 'wandb'"))
+    mlflow_tracking_uri: Optional[str] = setting(
+        None, "e.g. 'file:///scratch/mlruns' or a server URL (None: <work_dir>/mlruns)",
+        (_optional_path, 'None or a tracking URI'))
+    experiment: Optional[str] = setting(None, "MLflow experiment name (None: 'ds_seg')",
+                                        (_optional_path, 'None or an experiment name'))
+    wandb_project: Optional[str] = setting(None, "W&B project (None: 'ds_seg'); WANDB_MODE=offline needs no network",
+                                           (_optional_path, 'None or a W&B project name'))
+
+
+@dataclass(frozen=True)
+class ExperimentSection(_Section):
+    """The top-level keys that are not sections."""
+    load_from: Optional[str] = setting(None, 'plain weights file (launch/export.py) to start from',
+                                       (_optional_path, 'None or the path of a weights file from launch/export.py'))
+    work_dir: Optional[str] = setting(None, 'where the run writes everything (None: work_dirs/<config name>)',
+                                      (_optional_path, 'None or a directory path'))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.load_from and not os.path.isfile(self.load_from):
+            raise ConfigError(f"load_from={self.load_from!r} does not exist; give a weights file "
+                              "written by launch/export.py.")
+
+
+# Checked in this order; the first refusal is the one reported.
+SECTIONS = (TrainSection, DataSection, OptimSection, LogSection, ExperimentSection)
+
 # The embedded default experiment: a small UNet on synthetic aerial scenes. Every key a config
-# may set appears here; config files and --cfg-options override these values.
+# may set appears here; config files and --cfg-options override these values. The registry
+# sections are plain dicts (their keys are the built class's arguments); the rest comes from
+# the sections above.
 DEFAULTS = dict(
     model=dict(type='UNet', in_channels=3, num_classes=6, base_channels=16, depth=4),
     loss=dict(type='CrossEntropyLoss', ignore_index=255),
     data=dict(
         train=dict(type='SyntheticAerial', split='train'),
         val=dict(type='SyntheticAerial', split='val'),
-        crop_size=128,
-        num_workers=1,
-        eval_batch_size=None,      # None: the DeepSpeed micro-batch
-        eval_tile=None,            # whole-scene evaluation window (None: crop_size)
-        eval_overlap=None,         # overlap of evaluation windows (None: a quarter of the tile)
-        random_scale=None,         # e.g. (0.5, 2.0): train windows of crop/scale resized to crop,
-                                   # one factor per global micro-step, equal on every rank
+        **asdict(DataSection()),
     ),
-    train=dict(
-        max_steps=400,
-        log_interval=10,
-        eval_interval=100,
-        checkpoint_interval=100,
-        keep_checkpoints=2,
-        seed=0,
-        warmup_log_steps=2,        # first steps excluded from throughput figures (allocator, JIT)
-        max_nonfinite_steps=5,     # consecutive non-finite losses that stop the run
-        stop_check_interval=None,  # steps between the ranks' agreement on stop signals and non-finite
-                                   # losses (None: 1 on a CPU, 10 on a GPU: no host sync in between)
-        profile_steps=0,           # >0: torch.profiler trace of that many steps after warm-up
-        peak_tflops=None,          # device peak for MFU (None: the telemetry table by GPU name)
-        dist_timeout_s=None,       # how long a collective waits for a lost rank (default 600 s)
-        compile=False,             # torch.compile the model (DeepSpeed: engine.compile(); DDP: module.compile())
-        compile_mode='default',    # torch.compile mode, the same under both backends
-        channels_last=None,        # conv activations in NHWC (None: the model family's default, see
-                                   # ds_seg/engine/common.py CHANNELS_LAST_BY_MODEL: NCHW until measured)
-    ),
-    optim=dict(                    # the ViT fine-tuning recipe (ds_seg/engine/param_groups.py); the
-                                   # optimizer and LR schedule themselves are the DeepSpeed JSON's
-        layer_decay=None,          # e.g. 0.75: ViT block i of L trains at lr * decay ** (L - i),
-                                   # embeddings and tokens at decay ** (L + 1), the heads at lr
-        paramwise=dict(
-            no_weight_decay=False,  # True: no weight decay on norms, biases, position embeddings, tokens
-            backbone_lr_mult=1.0,   # LR of the (pretrained) backbone relative to the heads, e.g. 0.1
-        ),
-    ),
-    log=dict(                      # experiment trackers (ds_seg/trackers.py), rank 0 only
-        trackers=['tensorboard'],  # any of 'tensorboard', 'mlflow', 'wandb': same scalars, config, summary
-        mlflow_tracking_uri=None,  # e.g. 'file:///scratch/mlruns' or a server URL (None: <work_dir>/mlruns)
-        experiment=None,           # MLflow experiment name (None: 'ds_seg')
-        wandb_project=None,        # W&B project (None: 'ds_seg'); WANDB_MODE=offline needs no network
-    ),
-    load_from=None,                # plain weights file (launch/export.py) to start from
-    work_dir=None,                 # default: work_dirs/<config name>
+    train=asdict(TrainSection()),
+    optim=asdict(OptimSection()),
+    log=asdict(LogSection()),
+    **asdict(ExperimentSection()),
 )
 
 # Sections whose dicts are built from a registry: their keys are the class's arguments, checked
@@ -185,70 +376,6 @@ def load_config(path=None, cfg_options=None):
     return Config(cfg)
 
 
-def _int_at_least(low):
-    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low,
-            'a positive integer' if low == 1 else f'an integer >= {low}')
-
-
-def _number_above(low, allow_none=False):
-    return (lambda v: (allow_none and v is None)
-            or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > low),
-            f'a number > {low}' + (' or None' if allow_none else ''))
-
-
-def _optional(rule):
-    check, what = rule
-    return (lambda v: v is None or check(v), f'{what} or None')
-
-
-def _optional_path(v):
-    return v is None or (isinstance(v, str) and v.strip() != '')
-
-
-# torch.compile's modes (torch/_inductor/list_mode_options).
-COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
-
-# Every scalar key of the experiment config and what it accepts. A value that passes here
-# cannot crash the run later (train.log_interval=0 used to divide by zero at the first step).
-VALUE_RULES = {
-    'train.max_steps': _int_at_least(1),
-    'train.log_interval': _int_at_least(1),
-    'train.eval_interval': (_int_at_least(0)[0], 'an integer >= 0 (0: no evaluation)'),
-    'train.checkpoint_interval': (_int_at_least(0)[0], 'an integer >= 0 (0: only when signalled)'),
-    'train.keep_checkpoints': (_int_at_least(0)[0], 'an integer >= 0 (0: keep all)'),
-    'train.seed': _int_at_least(0),
-    'train.warmup_log_steps': _int_at_least(0),
-    'train.max_nonfinite_steps': _int_at_least(1),
-    'train.stop_check_interval': _optional(_int_at_least(1)),
-    'train.profile_steps': _int_at_least(0),
-    'train.peak_tflops': _number_above(0, allow_none=True),
-    'train.dist_timeout_s': _number_above(0, allow_none=True),
-    'train.compile': (lambda v: isinstance(v, bool), 'True or False'),
-    'train.compile_mode': (lambda v: v in COMPILE_MODES, f"one of {', '.join(map(repr, COMPILE_MODES))}"),
-    'train.channels_last': (lambda v: v is None or isinstance(v, bool), 'None (the model family default), True or False'),
-    'data.crop_size': _int_at_least(16),
-    'data.num_workers': _int_at_least(0),
-    'data.eval_batch_size': _optional(_int_at_least(1)),
-    'data.eval_tile': _optional(_int_at_least(16)),
-    'data.eval_overlap': _optional(_int_at_least(0)),
-    'data.random_scale': (lambda v: v is None or (
-        isinstance(v, (list, tuple)) and len(v) == 2
-        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v) and v[0] <= v[1]),
-        'None or (low, high) with 0 < low <= high, e.g. (0.5, 2.0)'),
-    'optim.layer_decay': (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                  and 0 < v <= 1), 'None or a number in (0, 1], e.g. 0.75'),
-    'optim.paramwise.no_weight_decay': (lambda v: isinstance(v, bool), 'True or False'),
-    'optim.paramwise.backbone_lr_mult': _number_above(0),
-    'log.trackers': (lambda v: isinstance(v, (list, tuple)) and all(t in ('tensorboard', 'mlflow', 'wandb') for t in v),
-                     "a list drawn from 'tensorboard', 'mlflow', 'wandb'"),
-    'log.mlflow_tracking_uri': (_optional_path, 'None or a tracking URI'),
-    'log.experiment': (_optional_path, 'None or an experiment name'),
-    'log.wandb_project': (_optional_path, 'None or a W&B project name'),
-    'load_from': (_optional_path, 'None or the path of a weights file from launch/export.py'),
-    'work_dir': (_optional_path, 'None or a directory path'),
-}
-
-
 def _get(cfg, path):
     node = cfg
     for part in path.split('.'):
@@ -263,23 +390,11 @@ def _check_values(cfg, source):
         node = _get(cfg, path)
         if node is not None and 'type' not in node:
             raise ConfigError(f"{source}: {path!r} must be a dict with a 'type' key, got {node!r}.")
-    for path, (check, what) in VALUE_RULES.items():
-        value = _get(cfg, path)
-        if not check(value):
-            raise ConfigError(f"{source}: {path} must be {what}, got {value!r}.")
-    data = cfg['data']
-    tile = data['eval_tile'] or data['crop_size']
-    if data['eval_overlap'] is not None and data['eval_overlap'] >= tile:
-        raise ConfigError(f"{source}: data.eval_overlap ({data['eval_overlap']}) must be smaller than the "
-                          f"evaluation tile ({tile}, data.eval_tile or data.crop_size).")
-    for split in ('train', 'val'):
-        given = (_get(cfg, f'data.{split}') or {}).get('crop_size')
-        if given is not None and given != data['crop_size']:
-            raise ConfigError(f"{source}: data.{split}.crop_size={given!r} conflicts with data.crop_size="
-                              f"{data['crop_size']!r} (the one every dataset is built with); set data.crop_size only.")
-    if cfg.get('load_from') and not os.path.isfile(cfg['load_from']):
-        raise ConfigError(f"{source}: load_from={cfg['load_from']!r} does not exist; give a weights file "
-                          "written by launch/export.py.")
+    for section in SECTIONS:
+        try:
+            section.from_cfg(cfg)
+        except ConfigError as exc:  # the sections name the key; the file or option is said here
+            raise ConfigError(f'{source}: {exc}') from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,10 +473,6 @@ def check_ds_config(ds, source='DeepSpeed config'):
         if key in ds and (not isinstance(ds[key], int) or isinstance(ds[key], bool) or ds[key] < 1):
             raise ConfigError(f"{source}: {key!r} must be a positive integer, got {ds[key]!r}.")
     _check_ds_values(ds, source)
-
-
-def _is_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # Top-level scalars DeepSpeed reads without checking their type: a string here trains wrongly

@@ -1,0 +1,115 @@
+"""The experiment config's typed sections: every key has its default, documentation and value
+check in one place, and a wrong value is refused with one line naming the dotted key."""
+from dataclasses import MISSING, asdict, fields, is_dataclass
+from typing import List, Optional, Tuple
+
+import pytest
+
+from ds_seg.config import (DEFAULTS, REPO_ROOT, SECTIONS, ConfigError, DataSection, ExperimentSection, LogSection,
+                           OptimSection, ParamwiseSection, TrainSection, load_config)
+
+# Where each section sits in the experiment config, written out here rather than read from the
+# sections, so a section moved or renamed by mistake fails the tests below.
+PREFIXES = {TrainSection: 'train.', DataSection: 'data.', OptimSection: 'optim.',
+            ParamwiseSection: 'optim.paramwise.', LogSection: 'log.', ExperimentSection: ''}
+
+# Values that every key of the declared type must refuse, whatever its range (some int keys
+# accept 0, so 0 is not here; see EDGES).
+BAD_BY_TYPE = {
+    int: [-1, 'two', True, 2.5, None],
+    Optional[int]: [-1, 'two', True, 2.5],
+    float: [0, -1, 'fast', True, None],
+    Optional[float]: [0, -1.5, 'fast', True],
+    bool: [1, 0, 'yes', None],
+    Optional[bool]: [1, 'yes'],
+    str: ['fast', 1, None],
+    Optional[str]: ['', '  ', 3],
+    List[str]: ['tensorboard', ['tensorbord'], None],
+    Optional[Tuple[float, float]]: [(2.0, 0.5), (0, 1), (1.0,), 'big', (True, 2.0)],
+    ParamwiseSection: [3, None, 'lots'],
+}
+
+# Values just outside a key's range, where the type alone does not tell it.
+EDGES = {
+    'train.max_steps': 0, 'train.log_interval': 0, 'train.max_nonfinite_steps': 0,
+    'train.stop_check_interval': 0, 'data.crop_size': 15, 'data.eval_tile': 15, 'data.eval_batch_size': 0,
+    'optim.layer_decay': 1.5,
+}
+
+
+def _all_fields():
+    return [(section, f) for section in PREFIXES for f in fields(section)]
+
+
+def _default(f):
+    return f.default if f.default is not MISSING else f.default_factory()
+
+
+def test_sections_cover_the_config():
+    # ParamwiseSection is checked through OptimSection, which holds it.
+    assert set(SECTIONS) | {ParamwiseSection} == set(PREFIXES)
+
+
+@pytest.mark.parametrize('section, f', _all_fields(), ids=[f'{s.__name__}.{f.name}' for s, f in _all_fields()])
+def test_every_key_has_a_doc_and_a_rule_its_default_passes(section, f):
+    assert isinstance(f.metadata.get('doc'), str) and f.metadata['doc'].strip(), f'{section.__name__}.{f.name}'
+    check, what = f.metadata['rule']
+    assert callable(check) and isinstance(what, str) and what.strip()
+    assert check(_default(f))
+
+
+def _bad_cases():
+    cases = []
+    for section, f in _all_fields():
+        key = PREFIXES[section] + f.name
+        assert f.type in BAD_BY_TYPE, f'{key}: add bad values for {f.type} to BAD_BY_TYPE'
+        values = BAD_BY_TYPE[f.type] + ([EDGES[key]] if key in EDGES else [])
+        cases += [pytest.param(section, f.name, key, value, id=f'{key}={value!r}') for value in values]
+    assert set(EDGES) <= {case.values[2] for case in cases}, 'an EDGES key is no field of any section'
+    return cases
+
+
+@pytest.mark.parametrize('section, name, key, value', _bad_cases())
+def test_a_wrong_value_is_refused_naming_the_key(section, name, key, value):
+    with pytest.raises(ConfigError) as built:
+        section(**{name: value})
+    assert str(built.value) == f'{key} must be {section.__dataclass_fields__[name].metadata["rule"][1]}, ' \
+                               f'got {value!r}.'
+    with pytest.raises(ConfigError) as loaded:  # what a user sees
+        load_config(None, [f'{key}={value!r}'])
+    assert str(loaded.value).startswith(f'default config: {key} must be ') and '\n' not in str(loaded.value)
+    assert str(loaded.value).endswith(f'got {value!r}.')
+
+
+@pytest.mark.parametrize('option, message', [
+    ('train=3', 'default config: train must be a dict with the keys max_steps, log_interval,'),
+    ('optim.paramwise=3', 'default config: optim.paramwise must be a dict of no_weight_decay and backbone_lr_mult'),
+    ('data.eval_overlap=32', 'default config: data.eval_overlap (32) must be smaller than the evaluation tile (32'),
+    ('load_from=nowhere.pt', "default config: load_from='nowhere.pt' does not exist"),
+])
+def test_whole_sections_and_cross_field_checks(option, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ['data.crop_size=32', option])
+    assert str(err.value).startswith(message)
+
+
+def test_typed_view_of_a_loaded_config():
+    cfg = load_config(None, ['train.max_steps=7', 'optim.paramwise.backbone_lr_mult=0.1'])
+    assert TrainSection.from_cfg(cfg).max_steps == 7
+    assert OptimSection.from_cfg(cfg).paramwise == ParamwiseSection(no_weight_decay=False, backbone_lr_mult=0.1)
+
+
+def test_defaults_are_what_the_shipped_default_config_loads_to():
+    loaded = load_config(str(REPO_ROOT / 'configs' / 'unet_synthetic.py')).to_dict()
+    assert loaded.pop('config_name') == 'unet_synthetic'
+    assert loaded == DEFAULTS
+    assert load_config(None).to_dict() == {**DEFAULTS, 'config_name': 'default'}
+    for section, f in _all_fields():
+        node = DEFAULTS
+        for part in (PREFIXES[section] + f.name).split('.'):
+            node = node[part]
+        assert node == (asdict(f.default) if is_dataclass(f.default) else _default(f))
+    # What the shipped file's header promises.
+    assert DEFAULTS['model'] == dict(type='UNet', in_channels=3, num_classes=6, base_channels=16, depth=4)
+    assert (DEFAULTS['data']['crop_size'], DEFAULTS['train']['max_steps']) == (128, 400)
+    assert DEFAULTS['train']['eval_interval'] == DEFAULTS['train']['checkpoint_interval'] == 100
