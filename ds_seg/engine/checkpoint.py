@@ -25,6 +25,7 @@ import shutil
 import torch
 
 from .. import distributed
+from . import faults
 
 TAG_RE = re.compile(r'^step_(\d{8})$')
 COMPLETE = 'COMPLETE'
@@ -143,6 +144,7 @@ def save(backend, root, step, client_state, keep, marker_extra=None):
             backend.save(root, tmp_tag, client_state)
         except Exception as exc:  # torch.save reports a full disk as a RuntimeError without errno
             failure = _describe_write_failure(tmp_path, exc)
+        faults.fault_point('save-files', step)
         failure = distributed.first_failure(failure)  # every rank's files are written, or none
     if failure is None and distributed.is_main():
         try:
@@ -179,6 +181,7 @@ def _seal(root, tmp_tag, tag, step, backend, client_state, marker_extra):
         f.flush()
         os.fsync(f.fileno())
     fsync_path(tmp_path)
+    faults.fault_point('save-marker', step)
     final = os.path.join(root, tag)
     if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it
         shutil.rmtree(final)

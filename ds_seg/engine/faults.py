@@ -10,9 +10,14 @@
   :class:`RunIOError` naming the path and errno (exit 74).
 
 The exit codes are the contract with batch scripts (launch/slurm/*.sbatch requeue on 75).
+
+For replayable failure tests, ``DS_SEG_FAULT=sigkill@<point>:<step>`` makes a process SIGKILL
+itself at a named point of the run (see :func:`fault_point`), instead of a test racing a kill
+against a save that lasts milliseconds.
 """
 import datetime
 import errno as errno_codes
+import os
 import signal
 import threading
 import time
@@ -168,6 +173,37 @@ class Heartbeat:
 
 
 # ---------------------------------------------------------------------------------- the run's guard
+FAULT_ENV = 'DS_SEG_FAULT'
+# Where a planned fault can strike, in the order a checkpoint save passes them.
+FAULT_POINTS = {
+    'save-files': 'every rank has written its checkpoint files; no marker yet (all ranks die)',
+    'save-marker': 'rank 0 has written and fsynced the COMPLETE marker; the folder is not yet '
+                   'renamed into place (only rank 0 gets there)',
+}
+
+
+def planned_fault():
+    """``(point, step)`` from ``DS_SEG_FAULT='sigkill@save-files:40'``, or None when unset; a
+    malformed value is refused in one line before training starts."""
+    value = os.environ.get(FAULT_ENV, '').strip()
+    if not value:
+        return None
+    action, _, where = value.partition('@')
+    point, _, step = where.partition(':')
+    if action != 'sigkill' or point not in FAULT_POINTS or not step.isdigit():
+        from ..config import ConfigError
+        raise ConfigError(f"{FAULT_ENV}={value!r}: expected 'sigkill@<point>:<step>' with <point> one of "
+                          f"{', '.join(FAULT_POINTS)}; unset it for a normal run.")
+    return point, int(step)
+
+
+def fault_point(point, step):
+    """SIGKILL this process if ``DS_SEG_FAULT`` plans a fault at ``point`` of ``step``: the exact,
+    replayable stand-in for a node dying there (no handler, no flush, no cleanup)."""
+    if planned_fault() == (point, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Faults:
     """What the training loop holds while it runs: the stop requests and the heartbeat, and the
     translation of an exception into the run's exit reason.
@@ -185,6 +221,7 @@ class Faults:
     """
 
     def __init__(self):
+        planned_fault()  # a malformed DS_SEG_FAULT stops the run here, before the first step
         self.stop = StopRequests()
         self.heartbeat = Heartbeat()
 

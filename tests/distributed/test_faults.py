@@ -117,8 +117,7 @@ def test_sigusr1_checkpoints_exits_75_and_resume_matches_uninterrupted(tmp_path,
     _assert_same_weights(_final_weights(work), reference[1], bn_stats_rtol=1e-6)
 
 
-KILL_AT_STEP = 27           # between the checkpoints of steps 20 and 30
-KILL_IN_SAVE_OF = (40, 50)  # the first of these saves seen in progress (its temporary folder) is killed
+KILL_AT_STEP = 27  # between the checkpoints of steps 20 and 30
 
 
 def _kill_all(procs):
@@ -127,59 +126,49 @@ def _kill_all(procs):
     _finish(procs)
 
 
-def _kill_during_save(work, steps, procs, timeout=120):
-    """SIGKILL every rank while the checkpoint of one of ``steps`` is being written, i.e. its
-    ``.tmp-step_*`` folder exists and the step folder does not yet. Returns that step. A save of
-    this tiny model lasts milliseconds: the poll is tight, and a save that completes before it is
-    seen is passed over for the next one (the test fails only if all are missed)."""
-    root = os.path.join(work, 'checkpoints')
-    deadline = time.time() + timeout
-    pending = list(steps)
-    while pending and time.time() < deadline:
-        tag = checkpoint.tag_for(pending[0])
-        try:
-            names = os.listdir(root)
-        except FileNotFoundError:
-            names = []
-        if f'.tmp-{tag}' in names and tag not in names:
-            for p in procs:
-                os.kill(p.pid, signal.SIGKILL)
-            _finish(procs)
-            return pending[0]
-        if tag in names:
-            pending.pop(0)  # this save finished between two looks: try the next one
-            continue
-        assert all(p.poll() is None for p in procs), 'a rank exited early'
-        time.sleep(0.0005)
-    _kill_all(procs)
-    raise AssertionError(f'no save of steps {steps} was seen in progress')
-
-
-def test_kill9_at_a_fixed_step_and_during_a_save_then_resume_auto_gives_same_weights(tmp_path, reference):
-    """Two kills at replayable points, each followed by --resume auto: SIGKILL of every rank once
-    metrics.jsonl reaches step 27 (between checkpoints), then, in the resumed run, SIGKILL while a
-    checkpoint is being written. The run that finishes ends bit for bit with the uninterrupted
-    weights, with one metrics.jsonl row per step."""
+def test_kill9_at_a_fixed_step_and_in_each_phase_of_a_save_then_resume_auto_gives_same_weights(tmp_path, reference):
+    """Three kills at replayable points, each followed by --resume auto: SIGKILL of every rank once
+    metrics.jsonl reaches step 27 (between checkpoints); then, planned through DS_SEG_FAULT, every
+    rank dying in the save of step 40 with its files written and no marker; then rank 0 dying in
+    the save of step 50 with the marker written and fsynced but the folder not renamed. The run
+    that finishes ends bit for bit with the uninterrupted weights, one metrics.jsonl row per step."""
     tmp, work, procs = _start_reference_again(tmp_path, reference)
     _wait_for_step(work, KILL_AT_STEP, procs)
     _kill_all(procs)
     root = os.path.join(work, 'checkpoints')
     assert checkpoint.find_latest(root) == 'step_00000020'
 
-    procs = _start_ranks(_args(tmp, 'run', 60, 10), resume='auto')
-    killed_in = _kill_during_save(work, KILL_IN_SAVE_OF, procs)
-    print(f'killed during the save of step {killed_in}')
-    # The killed save left its temporary folder (or, if the kill landed after the rename, a
-    # complete checkpoint); either way nothing later than the previous checkpoint is trusted.
-    assert checkpoint.find_latest(root) in (checkpoint.tag_for(killed_in - 10), checkpoint.tag_for(killed_in))
+    codes, _ = _finish(_start_ranks(_args(tmp, 'run', 60, 10), resume='auto',
+                                    extra_env={'DS_SEG_FAULT': 'sigkill@save-files:40'}))
+    assert codes == [-signal.SIGKILL] * 2
+    assert checkpoint.find_latest(root) == 'step_00000030'
+    assert '.tmp-step_00000040' in os.listdir(root) and 'step_00000040' not in os.listdir(root)
+
+    procs = _start_ranks(_args(tmp, 'run', 60, 10), resume='auto', extra_env={'DS_SEG_FAULT': 'sigkill@save-marker:50'})
+    codes, out = _finish(procs[:1])
+    procs[1].kill()  # rank 1 waits in the save's last agreement for a rank 0 that is gone
+    _finish(procs[1:])
+    assert codes == [-signal.SIGKILL], out[0][-3000:]
+    assert os.path.exists(os.path.join(root, '.tmp-step_00000050', checkpoint.COMPLETE)), 'the marker was written'
+    assert checkpoint.find_latest(root) == 'step_00000040', 'a folder not renamed into place is never trusted'
 
     codes, out = _finish(_start_ranks(_args(tmp, 'run', 60, 10), resume='auto'))
     assert codes == [0, 0], out[0][-3000:]
-    assert 'resumed from' in out[0]
+    assert 'step_00000040 at step 40' in out[0], out[0][-3000:]
     assert not [n for n in os.listdir(root) if n.startswith('.tmp')], 'the next save clears a killed one'
     _assert_same_weights(_final_weights(work), reference[1])
     steps = [r['step'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
     assert steps == list(range(1, 61)), 'logs after the checkpoint are redone, not duplicated'
+
+
+def test_a_malformed_fault_plan_is_refused_in_one_line(monkeypatch):
+    from ds_seg.config import ConfigError
+    from ds_seg.engine import faults
+    monkeypatch.setenv('DS_SEG_FAULT', 'sigkill@save:40')
+    with pytest.raises(ConfigError, match="DS_SEG_FAULT='sigkill@save:40': expected 'sigkill@<point>:<step>'"):
+        faults.Faults()
+    monkeypatch.setenv('DS_SEG_FAULT', 'sigkill@save-files:40')
+    assert faults.planned_fault() == ('save-files', 40)
 
 
 def test_a_killed_rank_makes_the_survivor_exit_in_bounded_time_naming_it(tmp_path):
