@@ -66,11 +66,19 @@ class Segmentor(nn.Module):
             images_BCHW = F.pad(images_BCHW, (0, pad_w, 0, pad_h))
         size = images_BCHW.shape[-2:]
         features = self.backbone(images_BCHW)
-        logits_BKHW = resize(self.decode_head(features), size)[..., :H, :W]
+        logits_BKHW = _crop(resize(self.decode_head(features), size), pad_h, pad_w)
         if self.aux_head is None or not self.training:
             return logits_BKHW
-        aux_BKHW = resize(self.aux_head(features), size)[..., :H, :W]
+        aux_BKHW = _crop(resize(self.aux_head(features), size), pad_h, pad_w)
         return {'logits': logits_BKHW, 'aux': [(self.aux_weight, aux_BKHW)]}
+
+
+def _crop(x_BKHW, pad_h, pad_w):
+    """Drop the padded bottom rows and right columns. Exported, as a negative pad: a slice's
+    "is it the whole dimension" check would bind the graph to the traced size's divisibility."""
+    if torch.compiler.is_exporting():
+        return F.pad(x_BKHW, (0, -pad_w, 0, -pad_h))
+    return x_BKHW[..., :x_BKHW.shape[-2] - pad_h, :x_BKHW.shape[-1] - pad_w]
 
 
 def _aux(aux_head, in_index=-2, channels=256):

@@ -35,11 +35,19 @@ def weights(tmp_path_factory):
     return tmp, path, model
 
 
-def test_onnx_export_matches_pytorch_at_other_sizes_and_carries_a_card(weights):
-    import onnxruntime as ort
-    tmp, path, model = weights
+@pytest.fixture(scope='module')
+def onnx_file(weights):
+    """The weights exported by ``launch/export.py --format onnx`` (once: an export takes seconds)."""
+    tmp, path, _ = weights
     out = str(tmp / 'segformer.onnx')
     _run('export.py', path, '--format', 'onnx', '--out', out)
+    return out
+
+
+def test_onnx_export_matches_pytorch_at_other_sizes_and_carries_a_card(weights, onnx_file):
+    import onnxruntime as ort
+    tmp, path, model = weights
+    out = onnx_file
     session = ort.InferenceSession(out, providers=['CPUExecutionProvider'])
     for shape in [(2, 3, 96, 160), (1, 3, 224, 64)]:          # neither is the traced 64 x 64
         x = torch.randn(*shape)
@@ -58,7 +66,7 @@ def test_onnx_export_matches_pytorch_at_other_sizes_and_carries_a_card(weights):
     assert 'already exists' in again.stderr and 'Traceback' not in again.stderr
 
 
-def test_predict_runs_the_onnx_file_like_the_weights(weights):
+def test_predict_runs_the_onnx_file_like_the_weights(weights, onnx_file):
     tmp, path, _ = weights
     from ds_seg.data.synthetic import generate_scene
     from rasterio.transform import from_origin
@@ -67,8 +75,6 @@ def test_predict_runs_the_onnx_file_like_the_weights(weights):
     with rasterio.open(scene, 'w', driver='GTiff', width=130, height=150, count=3, dtype='uint8', crs='EPSG:25832',
                        transform=from_origin(360_000, 5_700_000, 0.2, 0.2)) as dst:
         dst.write(image)
-    onnx_file = str(tmp / 'predict.onnx')
-    _run('export.py', path, '--format', 'onnx', '--out', onnx_file)
     common = ['--input', scene, '--tile', '64', '--overlap', '16', '--batch-size', '4', '--device', 'cpu']
     _run('predict.py', '--checkpoint', onnx_file, '--output', str(tmp / 'onnx'), *common)
     _run('predict.py', '--checkpoint', path, '--output', str(tmp / 'torch'), *common)
@@ -89,10 +95,10 @@ def test_torch_export_program_runs_at_another_size(weights):
     assert json.loads(open(str(tmp / 'segformer.pt2.card.json')).read())['format'] == 'torch-export'
 
 
-@pytest.mark.parametrize('name', ['UperNetTiny', 'UperNetViTTiny'])
-def test_upernet_pyramid_pooling_and_vit_export_with_dynamic_sizes(tmp_path, name):
-    """PPM's adaptive pooling (bins that do not divide the map) and the ViT's position-embedding
-    resize stay dynamic in the ONNX graph."""
+@pytest.mark.parametrize('name', ['UperNetTiny', 'UperNetViTTiny', 'UNetTiny'])
+def test_upernet_pyramid_pooling_vit_and_unet_export_with_dynamic_sizes(tmp_path, name):
+    """PPM's adaptive pooling (bins that do not divide the map), the ViT's position-embedding
+    resize and the UNet's padding of odd-sized maps stay dynamic in the ONNX graph."""
     import onnxruntime as ort
     from ds_seg import deploy
     torch.manual_seed(0)
@@ -108,8 +114,9 @@ def test_upernet_pyramid_pooling_and_vit_export_with_dynamic_sizes(tmp_path, nam
 @pytest.mark.parametrize('name', ['vit_small_patch14_reg4_dinov2', 'deit3_small_patch16_224'])
 def test_timm_vit_exports_and_stays_exact_off_the_patch_grid(tmp_path, name):
     """A timm ViT (DINOv2 with registers at patch 14; DeiT-3 without a class position embedding)
-    through UperNet: the ONNX graph pads to the patch multiple and resamples the position
-    embeddings (antialiased bicubic) at whatever size it is given, as PyTorch does."""
+    through UperNet: the ONNX graph and the torch.export program pad to the patch multiple,
+    resample the position embeddings (antialiased bicubic) and crop back at whatever size they
+    are given, as PyTorch does."""
     import onnxruntime as ort
     from ds_seg import deploy
     torch.manual_seed(0)
@@ -124,6 +131,12 @@ def test_timm_vit_exports_and_stays_exact_off_the_patch_grid(tmp_path, name):
             expected = model(x).numpy()
         got = session.run(None, {'images_BCHW': x.numpy()})[0]
         assert got.shape == expected.shape and np.abs(got - expected).max() < 1e-4
+    deploy.export_torch(model, str(tmp_path / 'vit.pt2'), dict(model=dict(type='UperNet', backbone=name)))
+    program = torch.export.load(str(tmp_path / 'vit.pt2')).module()
+    for shape in [(1, 3, 200, 90), (1, 3, 112, 128)]:  # the crop is kept at a multiple of the patch too
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            assert (program(x) - model(x)).abs().max() < 1e-4
 
 
 class DataDependent(torch.nn.Module):
