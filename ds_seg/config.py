@@ -166,7 +166,7 @@ class TrainSection(_Section):
     compile_mode: str = setting('default', 'torch.compile mode, the same under both backends',
                                 (lambda v: v in COMPILE_MODES, f"one of {', '.join(map(repr, COMPILE_MODES))}"))
     channels_last: Optional[bool] = setting(
-        None, "conv activations in NHWC (None: the model family's default, see ds_seg/engine/common.py "
+        None, "conv activations in NHWC (None: the model family's default, see ds_seg/engine/speed.py "
               'CHANNELS_LAST_BY_MODEL: NCHW until measured)',
         (lambda v: v is None or _is_bool(v), 'None (the model family default), True or False'))
 

@@ -20,33 +20,55 @@ def _base_optimizer(backend):
     return opt
 
 
-def _run(tmp, backend, stage, steps, resume):
+def _run(tmp, backend, stage, steps, resume, precision='fp32'):
     from ds_seg.engine.trainer import Trainer
     cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=steps)
-    trainer = Trainer(cfg, ds_config(stage), backend=backend, work_dir=os.path.join(tmp, 'work'), resume=resume)
+    trainer = Trainer(cfg, ds_config(stage, precision), backend=backend, work_dir=os.path.join(tmp, 'work'), resume=resume)
     try:
         states = list(_base_optimizer(trainer.backend).state.values())
         adam = dict(steps=sorted({int(torch.as_tensor(s['step']).item()) for s in states}),
                     moments=bool(states) and all(float(s['exp_avg_sq'].abs().sum()) > 0 for s in states))
         start = trainer.step * trainer.spec.grad_accum + trainer.micro_step_offset
+        master_start = _fp32_master(trainer.backend)
         trainer.fit()
-        return dict(adam=adam, start_micro_step=start, world_size=trainer.world_size)
+        return dict(adam=adam, start_micro_step=start, world_size=trainer.world_size,
+                    master_start=master_start, master_end=_fp32_master(trainer.backend))
     finally:
         trainer.close()
 
 
-@pytest.mark.parametrize('backend, stage', [('ddp', 0), ('deepspeed', 0), ('deepspeed', 1), ('deepspeed', 2),
-                                            ('deepspeed', 3)])
-def test_resume_at_another_world_size(tmp_path, backend, stage):
+def _fp32_master(backend):
+    """DeepSpeed's fp32 master copy of every weight (gathered across the ranks' partitions), by
+    name; None under DDP, which has no separate master copy."""
+    if backend.name == 'ddp':
+        return None
+    from deepspeed.utils import safe_get_full_fp32_param
+    return {name: safe_get_full_fp32_param(p).clone() for name, p in backend.engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize('backend, stage, precision', [
+    ('ddp', 0, 'fp32'), ('deepspeed', 0, 'fp32'), ('deepspeed', 1, 'fp32'), ('deepspeed', 2, 'fp32'),
+    ('deepspeed', 3, 'fp32'),
+    ('deepspeed', 2, 'bf16'),  # native bf16: DeepSpeed keeps fp32 master weights beside the bf16 ones
+])
+def test_resume_at_another_world_size(tmp_path, backend, stage, precision):
     tmp = str(tmp_path)
-    run_on_ranks(_run, 2, args=(tmp, backend, stage, 6, None))           # 2 ranks, checkpoint at step 6
-    one = run_on_ranks(_run, 1, args=(tmp, backend, stage, 9, 'auto'))   # 2 -> 1, checkpoint at step 9
-    two = run_on_ranks(_run, 2, args=(tmp, backend, stage, 12, 'auto'))  # 1 -> 2, to step 12
+    saved = run_on_ranks(_run, 2, args=(tmp, backend, stage, 6, None, precision))   # 2 ranks, checkpoint at 6
+    one = run_on_ranks(_run, 1, args=(tmp, backend, stage, 9, 'auto', precision))   # 2 -> 1, checkpoint at 9
+    two = run_on_ranks(_run, 2, args=(tmp, backend, stage, 12, 'auto', precision))  # 1 -> 2, to step 12
     # Adam's state was loaded (a fresh optimizer has none before its first step).
     assert one[0]['adam'] == dict(steps=[6], moments=True), one[0]['adam']
     assert two[0]['adam'] == dict(steps=[9], moments=True) == two[1]['adam'], two
     # Data position: 6 steps x 2 ranks x micro-batch 2 = 24 samples = 12 one-rank micro-steps;
     # then 12 + 3 = 15 one-rank micro-steps = 30 samples = 7.5 two-rank micro-steps: 8, 2 samples skipped.
+    if backend == 'deepspeed':  # the master weights come back exactly, not rebuilt from bf16 copies
+        for before, after in ((saved[0]['master_end'], one[0]['master_start']),
+                              (one[0]['master_end'], two[0]['master_start'])):
+            assert before.keys() == after.keys()
+            assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before
+                                                                          if not torch.equal(before[k], after[k])]
+        if precision == 'bf16':  # ...which matters: they hold more than bf16 can
+            assert any(not torch.equal(w, w.bfloat16().float()) for w in one[0]['master_start'].values())
     assert one[0]['start_micro_step'] == 12
     assert two[0]['start_micro_step'] == 8 == two[1]['start_micro_step']
     rows = read_jsonl(os.path.join(tmp, 'work', 'metrics.jsonl'))
