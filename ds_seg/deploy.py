@@ -28,9 +28,11 @@ TOLERANCE = 1e-4  # max abs difference of logits allowed between the export and 
 def _sample_sizes(model):
     """Input sizes for an export: the traced one, then the ones it is checked at (another
     multiple of the model's size divisor, and a size that is a multiple of nothing, so a graph
-    that kept the traced size's padding or resizing is caught)."""
+    that kept the traced size's padding or resizing is caught). Every side is at least twice the
+    coarsest stride: torch.export takes a dynamic dimension to be at least 2 (sizes 0 and 1 are
+    specialised), so a program traced at 64 px holds from 64 px on."""
     divisor = max(32, int(getattr(getattr(model, 'backbone', None), 'size_divisor', 1) or 1))
-    return (2 * divisor, 2 * divisor), (3 * divisor, 4 * divisor), (3 * divisor + 5, 2 * divisor - 3)
+    return (2 * divisor, 2 * divisor), (3 * divisor, 4 * divisor), (3 * divisor + 5, 2 * divisor + 3)
 
 
 def _in_channels(model, info):

@@ -98,7 +98,8 @@ def test_torch_export_program_runs_at_another_size(weights):
 @pytest.mark.parametrize('name', ['UperNetTiny', 'UperNetViTTiny', 'UNetTiny'])
 def test_upernet_pyramid_pooling_vit_and_unet_export_with_dynamic_sizes(tmp_path, name):
     """PPM's adaptive pooling (bins that do not divide the map), the ViT's position-embedding
-    resize and the UNet's padding of odd-sized maps stay dynamic in the ONNX graph."""
+    resize and the UNet's padding of odd-sized maps stay dynamic in the ONNX graph and in the
+    torch.export program."""
     import onnxruntime as ort
     from ds_seg import deploy
     torch.manual_seed(0)
@@ -109,6 +110,10 @@ def test_upernet_pyramid_pooling_vit_and_unet_export_with_dynamic_sizes(tmp_path
     x = torch.randn(1, 3, 160, 96)                   # map 5 x 3 at stride 32: pooled to 6 x 6
     with torch.no_grad():
         assert np.abs(session.run(None, {'images_BCHW': x.numpy()})[0] - model(x).numpy()).max() < 1e-4
+    deploy.export_torch(model, str(tmp_path / f'{name}.pt2'), dict(model=dict(type=name), classes=CLASSES))
+    program = torch.export.load(str(tmp_path / f'{name}.pt2')).module()
+    with torch.no_grad():
+        assert (program(x) - model(x)).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize('name', ['vit_small_patch14_reg4_dinov2', 'deit3_small_patch16_224'])
