@@ -8,7 +8,8 @@ import sys
 
 from ds_seg.cli.benchmark import format_or_dash  # the benchmark's own cell format (PYTHONPATH: the checkout)
 
-GROUPS = ['unet64_512', 'unet64_512_compiled', 'unet64_512_channels_last', 'unet64_1024', 'vit_large_512', 'segformer_b2_1024', 'max_batch']
+GROUPS = ['unet64_512', 'unet64_512_compiled', 'unet64_512_channels_last', 'unet64_1024', 'vit_large_512',
+          'segformer_b2_1024', 'max_batch', 'max_model']
 
 
 def _load(path):
@@ -57,8 +58,15 @@ def build_report(out, dry_run, seconds):
                 f"| {r.get('optimizer_impl') or '-'} | {r.get('compile_mode') or 'off'} "
                 f"| {format_or_dash(r.get('compile_time_s'), '.1f')} | {'yes' if r.get('channels_last') else 'no'} "
                 f"| {r.get('max_micro_batch', '-')} |")
-    lines += ['', 'No model-size search exists yet (issue 14: the largest UperNet-ViT depth/width per backend); '
-              'max_batch is the largest micro-batch per backend instead.']
+    largest = [r for r in (groups.get('max_model') or {}).get('rows', []) if 'max_model' in r]
+    if largest:
+        lines += ['', '| backend | largest model.depth that fits | parameters |', '|---|---|---|']
+        lines += [f"| {r['backend']} | {r['max_model']}{' (capped)' if r.get('max_model_capped') else ''} "
+                  f"| {format_or_dash(r.get('max_model_params'), ',')} |" for r in largest]
+        params = {r['backend']: r.get('max_model_params') for r in largest}
+        if params.get('ddp') and params.get('zero3_offload'):
+            lines.append(f"\nZeRO-3 with offload trains {params['zero3_offload'] / params['ddp']:.2f}x the parameters "
+                         'DDP fits (target >= 2x).')
     with open(os.path.join(out, 'acceptance.json'), 'w') as f:
         json.dump(report, f, indent=2)
     with open(os.path.join(out, 'acceptance.md'), 'w') as f:

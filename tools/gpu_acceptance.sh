@@ -9,7 +9,7 @@
 # (images/s), launch/benchmark.py rows in bf16 for ddp, zero2 and zero3 (UNet base 64 at 512 and
 # 1024, UperNetViT vit_large at 512, SegFormer mit_b2 at 1024, compile on and off and channels_last
 # on and off for UNet at 512),
-# and the largest micro-batch for ddp and zero3_offload. Writes OUT_DIR/acceptance.md and
+# the largest micro-batch, and the deepest UperNetViT (vit_large width), for ddp and zero3_offload. Writes OUT_DIR/acceptance.md and
 # OUT_DIR/acceptance.json (every row, every step's exit status and time), plus each step's own
 # folder (benchmark.json/benchmark.md per benchmark group, logs).
 #
@@ -155,12 +155,27 @@ bench unet64_1024 "$(rows ddp,zero2,zero3 zero2)" 4 "${UNET[@]}" -- "${LARGE[@]}
 bench vit_large_512 "$(rows ddp,zero2,zero3 zero3)" 8 "${VIT[@]}" -- "${SMALL[@]}"
 bench segformer_b2_1024 "$(rows ddp,zero2,zero3 ddp)" 4 "${SEGFORMER[@]}" -- "${LARGE[@]}"
 
-# -- 5. the largest micro-batch per backend (no model-size search exists yet: see docs/benchmarks.md)
+# -- 5. the largest micro-batch per backend
 run_step max_batch python3 launch/benchmark.py --backends "$(rows ddp,zero3_offload zero3_offload)" --nproc 1 --launcher python \
   --precision bf16-autocast --steps 1 --warmup 1 --find-max-batch --max-batch "$MAX_BATCH" --timeout 240 \
   --work-dir "$OUT/max_batch" $( (( DRY )) && echo --config configs/unet_tiny_synthetic.py ) \
   --cfg-options "${SMALL[@]}" "data.train.cache_dir=$CACHE" data.val=None \
   $( (( DRY )) || echo model.base_channels=64 data.train.num_scenes=2 data.train.scene_size=1024 )
+
+# -- 5b. the largest UperNetViT per backend: model.depth at vit_large's width (1024), 512 px, micro-batch 1,
+# from depth 24 up (doubling, then bisection to 1/8): does ZeRO-3 with offload train >= 2x the
+# parameters DDP fits? In a dry run the tiny ViT's depth from 1 to 2.
+if (( DRY )); then
+  MAX_MODEL=(--config configs/upernet_vit_tiny_synthetic.py --find-max-model model.depth --max-model 2
+             --cfg-options model.type=UperNetViT model.variant=vit_tiny_test model.img_size=64 model.patch_size=8
+             model.channels=32 model.in_channels=3 model.num_classes=6 "${SMALL[@]}")
+else
+  MAX_MODEL=(--find-max-model model.depth --model-start 24 --max-model 256 --micro-batch 1
+             "${VIT[@]}" "${DATA[@]}" "${SMALL[@]}")
+fi
+run_step max_model python3 launch/benchmark.py --backends "$(rows ddp,zero3_offload ddp)" --nproc 1 --launcher python \
+  --precision bf16-autocast --steps 1 --warmup 1 --timeout 240 --work-dir "$OUT/max_model" \
+  "${MAX_MODEL[@]}" "data.train.cache_dir=$CACHE" data.val=None
 
 # -- 6. the report ------------------------------------------------------------------------------------
 python3 tools/acceptance_report.py "$OUT" --dry-run "$DRY" --seconds $((SECONDS - START)) || FAILED=1

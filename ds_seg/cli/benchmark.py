@@ -76,6 +76,14 @@ def parse_args(argv=None):
                    help='also find the largest micro-batch each backend fits (doubling, then bisection)')
     p.add_argument('--max-batch', type=int, default=None,
                    help='upper bound for --find-max-batch (default 1024 on GPU, 32 on CPU where nothing OOMs)')
+    p.add_argument('--find-max-model', default=None, metavar='KEY',
+                   help='also find the largest value of the integer config KEY each backend fits, e.g. '
+                   'model.depth for UperNetViT (doubling from --model-start, then bisection to 1/8); '
+                   'reports the parameter count at that value')
+    p.add_argument('--model-start', type=int, default=None,
+                   help='first value tried by --find-max-model (default: the value in --cfg-options, else 1)')
+    p.add_argument('--max-model', type=int, default=None,
+                   help='upper bound for --find-max-model (default 256 on GPU, 4 on CPU where nothing OOMs)')
     p.add_argument('--profile', type=int, default=0, metavar='STEPS',
                    help='record a torch.profiler trace of STEPS steps per backend (separate, untimed run)')
     p.add_argument('--ds-cpu-adam', action='store_true',
@@ -262,37 +270,77 @@ def _is_oom(text):
     return 'out of memory' in lowered or 'outofmemoryerror' in lowered or 'cannot allocate memory' in lowered
 
 
-def find_max_batch(args, name, start, limit):
-    """Largest micro-batch (<= limit) whose short run succeeds: doubling, then bisection.
-    Only an out-of-memory failure counts as "does not fit"; any other failure is an error."""
-    probe_dir = os.path.join(args.work_dir, f"{name.split('=', 1)[0]}_maxbatch")
+def largest_fitting(fits, start, limit, resolution=lambda good: 1):
+    """The largest ``n <= limit`` for which ``fits(n)`` is true, searched from ``start`` by
+    doubling, then bisection until the gap is at most ``resolution(good)``. Returns
+    ``(n, capped)``: ``n`` is 0 if not even 1 fits; ``capped`` says the limit stopped the search.
 
-    def fits(mb):
-        rc, tail = run_backend(args, name, probe_dir, steps=2, warmup=1, micro_batch=mb)
-        if rc == 0:
-            return True
-        if _is_oom(tail):
-            return False
-        raise RuntimeError(f'{name}: micro-batch {mb} failed for a reason other than memory:\n{tail}')
-
+    Example: ``largest_fitting(lambda n: n <= 37, 8, 100)`` -> ``(37, False)`` (probes 8, 16, 32,
+    64, then 48, 40, 36, 38, 37)."""
     good, bad = 0, None
-    mb = max(1, min(start, limit))
-    while mb <= limit:
-        if not fits(mb):
-            bad = mb
+    n = max(1, min(start, limit))
+    while n <= limit:
+        if not fits(n):
+            bad = n
             break
-        good = mb
-        if mb == limit:
+        good = n
+        if n == limit:
             break
-        mb = min(mb * 2, limit)
-    while bad is not None and bad - good > 1:
+        n = min(n * 2, limit)
+    while bad is not None and bad - good > max(1, resolution(good)):
         mid = (good + bad) // 2
         if fits(mid):
             good = mid
         else:
             bad = mid
+    return good, bad is None
+
+
+def _fits(args, name, probe_dir, what, **run):
+    """Whether a 2-step run of ``name`` succeeds: only an out-of-memory failure counts as "does
+    not fit"; any other failure is an error, not a size."""
+    rc, tail = run_backend(args, name, probe_dir, steps=2, warmup=1, **run)
+    if rc == 0:
+        return True
+    if _is_oom(tail):
+        return False
+    raise RuntimeError(f'{name}: {what} failed for a reason other than memory:\n{tail}')
+
+
+def _option_value(options, key):
+    """The integer ``key=N`` among ``--cfg-options``, or None."""
+    for option in options or []:
+        name, _, value = option.partition('=')
+        if key and name == key and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def find_max_batch(args, name, start, limit):
+    """Largest micro-batch (<= limit) whose short run succeeds: ``(micro_batch, capped)``."""
+    probe_dir = os.path.join(args.work_dir, f"{name.split('=', 1)[0]}_maxbatch")
+    found = largest_fitting(lambda mb: _fits(args, name, probe_dir, f'micro-batch {mb}', micro_batch=mb), start, limit)
     shutil.rmtree(probe_dir, ignore_errors=True)
-    return good, bad is None  # (largest that fits, whether the limit capped the search)
+    return found
+
+
+def find_max_model(args, name, key, start, limit):
+    """Largest value (<= limit) of the integer config ``key`` (e.g. ``model.depth`` of
+    UperNetViT) whose short run of ``name`` succeeds, to within 1/8 of it (each probe is a whole
+    run). Returns ``(value, capped, parameters)``, the parameters counted by that run."""
+    probe_dir = os.path.join(args.work_dir, f"{name.split('=', 1)[0]}_maxmodel")
+    params = {}
+
+    def fits(value):
+        ok = _fits(args, name, probe_dir, f'{key}={value}', extra_options=[f'{key}={value}'])
+        if ok:
+            with open(os.path.join(probe_dir, 'summary.json')) as f:
+                params[value] = (json.load(f).get('state_memory') or {}).get('num_params')
+        return ok
+
+    value, capped = largest_fitting(fits, start, limit, resolution=lambda good: good // 8)
+    shutil.rmtree(probe_dir, ignore_errors=True)
+    return value, capped, params.get(value)
 
 
 def format_or_dash(value, spec):
@@ -336,6 +384,14 @@ def write_markdown(path, rows, meta):
             if 'max_micro_batch' in r:
                 capped = f" (search capped at --max-batch {meta['max_batch']})" if r.get('max_micro_batch_capped') else ''
                 lines.append(f"| {r['backend']} | {r['max_micro_batch']}{capped} |")
+    if any('max_model' in r for r in rows):
+        key = meta['find_max_model']
+        lines += ['', f'| backend | largest {key} that fits | parameters |', '|---|---|---|']
+        for r in rows:
+            if 'max_model' in r:
+                capped = f" (search capped at --max-model {meta['max_model']})" if r.get('max_model_capped') else ''
+                params = '-' if r.get('max_model_params') is None else f"{r['max_model_params'] / 1e6:,.1f} M"
+                lines.append(f"| {r['backend']} | {r['max_model']}{capped} | {params} |")
     Path(path).write_text('\n'.join(lines) + '\n')
 
 
@@ -384,10 +440,14 @@ def main(argv=None):
         args.nproc = torch.cuda.device_count() if on_gpu else 2
     if args.max_batch is None:
         args.max_batch = 1024 if on_gpu else 32
+    if args.max_model is None:
+        args.max_model = 256 if on_gpu else 4
+    model_start = args.model_start or _option_value(args.cfg_options, args.find_max_model) or 1
     os.makedirs(args.work_dir, exist_ok=True)
     meta = dict(config=args.config or 'default (UNet base 16, synthetic 128 px)', machine=machine_description(),
                 launcher=args.launcher, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
                 device='cuda' if on_gpu else 'cpu', max_batch=args.max_batch,
+                find_max_model=args.find_max_model, max_model=args.max_model,
                 command=' '.join([os.path.relpath(sys.argv[0]) if sys.argv else 'launch/benchmark.py'] + (argv or sys.argv[1:])),
                 started=time.strftime('%Y-%m-%d %H:%M:%S'))
     rows, spec = [], {}
@@ -412,6 +472,11 @@ def main(argv=None):
                                                                                args.max_batch)
             print(f"[benchmark] {r['backend']}: largest micro-batch {r['max_micro_batch']}"
                   f"{' (capped by --max-batch)' if r['max_micro_batch_capped'] else ''}", flush=True)
+        if args.find_max_model and not r.get('error'):
+            r['max_model'], r['max_model_capped'], r['max_model_params'] = find_max_model(
+                args, spec[r['backend']], args.find_max_model, model_start, args.max_model)
+            print(f"[benchmark] {r['backend']}: largest {args.find_max_model} {r['max_model']}"
+                  f"{' (capped by --max-model)' if r['max_model_capped'] else ''}", flush=True)
         if args.profile and not r.get('error'):
             rc, tail = run_backend(args, spec[r['backend']], os.path.join(args.work_dir, f"{r['backend']}_profile"),
                                    steps=args.profile, warmup=max(2, min(args.warmup, 5)),

@@ -148,6 +148,43 @@ def test_find_max_batch_doubles_then_bisects(monkeypatch, tmp_path):
         benchmark.find_max_batch(args, 'zero2', 2, 64)
 
 
+def test_largest_fitting_doubles_then_bisects_to_the_resolution():
+    tried = []
+
+    def fits(n):
+        tried.append(n)
+        return n <= 37
+    assert benchmark.largest_fitting(fits, 8, 100) == (37, False)
+    assert tried == [8, 16, 32, 64, 48, 40, 36, 38, 37]
+    tried.clear()
+    assert benchmark.largest_fitting(fits, 8, 100, resolution=lambda good: good // 8) == (36, False)
+    assert tried == [8, 16, 32, 64, 48, 40, 36]          # 36..40 is within 36 // 8
+    assert benchmark.largest_fitting(lambda n: False, 3, 20) == (0, False)
+
+
+def test_find_max_model_searches_a_config_key_and_reports_the_parameters_of_the_largest(monkeypatch, tmp_path):
+    tried = []
+
+    def fake_run(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
+        (option,) = extra_options
+        key, depth = option.split('=')
+        tried.append(int(depth))
+        if int(depth) > 40:
+            return 1, 'torch.OutOfMemoryError: CUDA out of memory.'
+        os.makedirs(work_dir, exist_ok=True)
+        with open(os.path.join(work_dir, 'summary.json'), 'w') as f:
+            json.dump({'state_memory': {'num_params': 1000 * int(depth)}}, f)
+        return 0, 'ok'
+
+    monkeypatch.setattr(benchmark, 'run_backend', fake_run)
+    args = benchmark.parse_args(['--work-dir', str(tmp_path), '--cfg-options', 'model.depth=24'])
+    assert benchmark._option_value(args.cfg_options, 'model.depth') == 24
+    # 24 fits, 48 does not; bisection until the gap is within 1/8 of the depth that fits.
+    assert benchmark.find_max_model(args, 'ddp', 'model.depth', 24, 256) == (39, False, 39000)
+    assert tried == [24, 48, 36, 42, 39]
+    assert not os.path.exists(tmp_path / 'ddp_maxmodel'), 'the probe runs are removed'
+
+
 def test_derived_config_keeps_the_run_comparable():
     ds = benchmark.derived_ds_config('zero3_offload', 4, 12, 'fp32', on_gpu=False, ds_cpu_adam=False)
     assert ds['train_micro_batch_size_per_gpu'] == 4 and 'fp16' not in ds

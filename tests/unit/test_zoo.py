@@ -121,6 +121,26 @@ def test_free_width_and_depth_reach_billions():
     assert 2.4e9 < num_params(model) < 2.7e9
 
 
+@pytest.mark.parametrize('depth', [1, 2, 3])
+def test_a_vit_shallower_than_four_blocks_repeats_blocks_in_its_pyramid(depth):
+    """The depth search of launch/benchmark.py --find-max-model starts anywhere, depth 1 included:
+    each of the four levels is the last block of its quarter of the depth, at least block 0."""
+    torch.manual_seed(0)
+    vit = build(BACKBONES, dict(type='ViT', variant='vit_tiny_test', img_size=64, patch_size=8, depth=depth)).eval()
+    expected = {1: [0, 0, 0, 0], 2: [0, 0, 0, 1], 3: [0, 0, 1, 2]}[depth]
+    assert vit.out_indices == expected
+    seen = []
+    vit.neck.forward = lambda maps: seen.extend(maps) or maps
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        vit(x)
+    assert len(seen) == 4
+    for i, j in zip(range(4), range(1, 4)):  # the same block gives the same map
+        assert torch.equal(seen[i], seen[j]) == (expected[i] == expected[j])
+    with pytest.raises(ValueError, match='ViT depth must be at least 1'):
+        build(BACKBONES, dict(type='ViT', variant='vit_tiny_test', depth=0))
+
+
 def test_adapted_first_layer_sees_a_grey_image_as_rgb_does():
     w = torch.randn(8, 3, 3, 3)
     assert torch.equal(adapt_input_weight(w, 3), w)

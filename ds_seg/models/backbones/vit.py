@@ -129,7 +129,10 @@ class ViT(nn.Module):
         self.patch_size = patch_size
         self.size_divisor = patch_size
         self.activation_checkpointing = activation_checkpointing
-        self.out_indices = list(out_indices or [depth * (i + 1) // 4 - 1 for i in range(4)])
+        if depth < 1:
+            raise ValueError(f'ViT depth must be at least 1, got {depth}.')
+        # The last block of each quarter of the depth; a ViT shallower than 4 repeats blocks.
+        self.out_indices = list(out_indices or [max(0, depth * (i + 1) // 4 - 1) for i in range(4)])
         grid = img_size // patch_size
         self.patch_embed = PatchEmbed(in_channels, dim, patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
@@ -162,9 +165,9 @@ class ViT(nn.Module):
         B, D, h, w = x_BDhw.shape
         x_BND = x_BDhw.flatten(2).transpose(1, 2) + self._pos_embed(h, w)
         x_BND = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(B, -1, -1), x_BND], dim=1)
-        features = []
+        by_index = {}
         for i, block in enumerate(self.blocks):
             x_BND = run_block(block, x_BND, checkpointing=self.activation_checkpointing)
             if i in self.out_indices:
-                features.append(self.norm(x_BND[:, 1:]).transpose(1, 2).reshape(B, D, h, w))
-        return self.neck(features)
+                by_index[i] = self.norm(x_BND[:, 1:]).transpose(1, 2).reshape(B, D, h, w)
+        return self.neck([by_index[i] for i in self.out_indices])
