@@ -467,16 +467,20 @@ def main(argv=None):
         print(f"[benchmark] {name}: {row['images_per_s']:.2f} img/s, median step {row['step_time_median_s']:.4f} s",
               flush=True)
     for r in rows:
-        if args.find_max_batch and not r.get('error'):
-            r['max_micro_batch'], r['max_micro_batch_capped'] = find_max_batch(args, spec[r['backend']], r['micro_batch'],
-                                                                               args.max_batch)
-            print(f"[benchmark] {r['backend']}: largest micro-batch {r['max_micro_batch']}"
-                  f"{' (capped by --max-batch)' if r['max_micro_batch_capped'] else ''}", flush=True)
-        if args.find_max_model and not r.get('error'):
-            r['max_model'], r['max_model_capped'], r['max_model_params'] = find_max_model(
-                args, spec[r['backend']], args.find_max_model, model_start, args.max_model)
-            print(f"[benchmark] {r['backend']}: largest {args.find_max_model} {r['max_model']}"
-                  f"{' (capped by --max-model)' if r['max_model_capped'] else ''}", flush=True)
+        try:
+            if args.find_max_batch and not r.get('error'):
+                r['max_micro_batch'], r['max_micro_batch_capped'] = find_max_batch(
+                    args, spec[r['backend']], r['micro_batch'], args.max_batch)
+                print(f"[benchmark] {r['backend']}: largest micro-batch {r['max_micro_batch']}"
+                      f"{' (capped by --max-batch)' if r['max_micro_batch_capped'] else ''}", flush=True)
+            if args.find_max_model and not r.get('error'):
+                r['max_model'], r['max_model_capped'], r['max_model_params'] = find_max_model(
+                    args, spec[r['backend']], args.find_max_model, model_start, args.max_model)
+                print(f"[benchmark] {r['backend']}: largest {args.find_max_model} {r['max_model']}"
+                      f"{' (capped by --max-model)' if r['max_model_capped'] else ''}", flush=True)
+        except RuntimeError as exc:  # a probe failed for a reason other than memory: a mistake, not a size
+            print(f'[benchmark] size search stopped: {exc}', file=sys.stderr, flush=True)
+            r['error'] = str(exc).strip()[-300:]
         if args.profile and not r.get('error'):
             rc, tail = run_backend(args, spec[r['backend']], os.path.join(args.work_dir, f"{r['backend']}_profile"),
                                    steps=args.profile, warmup=max(2, min(args.warmup, 5)),
