@@ -80,8 +80,14 @@ class WandbTracker:
         self.wandb = wandb
         # create_new: this run's own handle (every call below goes through it), never a user's
         # wandb.run of the same process finished or reused behind their back.
-        self.run = wandb.init(project=log_cfg.get('wandb_project') or 'ds_seg', name=run_name, dir=work_dir,
-                              reinit='create_new')
+        try:
+            self.run = wandb.init(project=log_cfg.get('wandb_project') or 'ds_seg', name=run_name, dir=work_dir,
+                                  reinit='create_new')
+        except Exception as exc:  # no API key, no network, a project the key cannot write to...
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"log.trackers: 'wandb' could not start a run ({first}); run `wandb login`, "
+                              "or set WANDB_MODE=offline to write the run to the work dir and `wandb sync` it "
+                              "later.") from exc
 
     def config(self, cfg):
         self.run.config.update(cfg, allow_val_change=True)

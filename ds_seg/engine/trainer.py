@@ -362,8 +362,16 @@ class Trainer:
         log_cfg = cfg.get('log') or {}
         names = check_trackers(log_cfg)
         self.log.tensorboard = 'tensorboard' in names
+        failure = None
         if distributed.is_main():
-            self.log.trackers = build_trackers(log_cfg, self.work_dir, os.path.basename(os.path.abspath(self.work_dir)))
+            try:
+                self.log.trackers = build_trackers(log_cfg, self.work_dir,
+                                                   os.path.basename(os.path.abspath(self.work_dir)))
+            except ConfigError as exc:  # e.g. W&B without a login: every rank stops with rank 0's line
+                failure = str(exc)
+        failure = distributed.first_failure(failure)
+        if failure:
+            raise ConfigError(failure)
 
     def print(self, message):
         report(message)

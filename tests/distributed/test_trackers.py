@@ -104,6 +104,28 @@ def test_wandb_offline_run_holds_the_same_scalars_config_and_summary(tracked_run
     assert final['steps'] == summary['steps'] == 4 and final['exit_reason'] == summary['exit_reason']
 
 
+def _start_wandb_without_login(tmp):
+    """A Trainer asked for W&B on a machine that never ran `wandb login`: the refusal each rank gets."""
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    for name in ('WANDB_MODE', 'WANDB_API_KEY'):
+        os.environ.pop(name, None)
+    os.environ.update(HOME=os.path.join(tmp, 'home'), WANDB_CONFIG_DIR=os.path.join(tmp, 'home', 'wandb'))
+    cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=2)
+    cfg.merge_from_dict({'log': dict(trackers=['tensorboard', 'wandb'])})
+    try:
+        Trainer(cfg, ds_config(0, micro_batch=2), work_dir=os.path.join(tmp, 'run')).close()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_wandb_without_a_login_stops_every_rank_with_one_line(tmp_path):
+    lines = run_on_ranks(_start_wandb_without_login, 2, args=(str(tmp_path),), timeout=180)
+    assert lines[0] == lines[1] and lines[0].startswith("log.trackers: 'wandb' could not start a run (")
+    assert 'wandb login' in lines[0] and 'WANDB_MODE=offline' in lines[0] and '\n' not in lines[0]
+
+
 def test_unknown_tracker_is_refused_naming_the_known_ones():
     from ds_seg.config import ConfigError
     from ds_seg.trackers import check_trackers
