@@ -39,11 +39,15 @@ def _run(tmp, backend, stage, steps, resume, precision='fp32'):
 
 def _fp32_master(backend):
     """DeepSpeed's fp32 master copy of every weight (gathered across the ranks' partitions), by
-    name; None under DDP, which has no separate master copy."""
+    name: the parameter itself where DeepSpeed keeps none (ZeRO-0 in fp32); None under DDP."""
     if backend.name == 'ddp':
         return None
     from deepspeed.utils import safe_get_full_fp32_param
-    return {name: safe_get_full_fp32_param(p).clone() for name, p in backend.engine.module.named_parameters()}
+
+    def master(p):
+        full = safe_get_full_fp32_param(p)
+        return (p.detach() if full is None else full).float().clone()
+    return {name: master(p) for name, p in backend.engine.module.named_parameters()}
 
 
 @pytest.mark.parametrize('backend, stage, precision', [
