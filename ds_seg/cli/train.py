@@ -35,7 +35,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    if argv is None:  # a program, not a call from Python: a stop signal during start-up is kept, not fatal
+    as_program = argv is None  # not a call from Python: this process's signal handling is ours
+    if as_program:  # a stop signal during start-up is kept, not fatal
         from ds_seg.engine.faults import catch_stop_signals
         catch_stop_signals()
     args = parse_args(argv)
@@ -60,6 +61,9 @@ def main(argv=None):
             print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
         return EXIT_IO_ERROR
     finally:
+        if as_program:  # the outcome is decided: a late stop signal must not change the exit status
+            from ds_seg.engine.faults import ignore_stop_signals
+            ignore_stop_signals()
         trainer.close()
     return EXIT_CODES.get(summary['exit_reason'], 1)
 

@@ -83,6 +83,20 @@ def catch_stop_signals():
         signal.signal(getattr(signal, name), remember)
 
 
+def ignore_stop_signals():
+    """Once a run's outcome is decided (it completed, stopped or failed): ignore SIGUSR1/SIGTERM
+    until the process exits.
+
+    There is nothing left to checkpoint, and Python's finalization puts back the default action
+    (end the process) of every signal it handles: a Slurm time-limit warning landing in the
+    seconds of shutdown would turn a completed run (exit 0) into a rank killed by SIGUSR1, and a
+    batch job into FAILED. Ignored at the C level, the disposition outlives finalization.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for name in STOP_SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
 class StopRequests:
     """Agreement between ranks on whether to stop, and why, at check steps only.
 

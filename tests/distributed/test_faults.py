@@ -98,6 +98,24 @@ def _start_reference_again(tmp_path, reference):
     return tmp, os.path.join(tmp, 'run'), _start_ranks(_args(tmp, 'run', 60, 10))
 
 
+def test_a_stop_signal_after_the_last_checkpoint_leaves_a_completed_run_completed(tmp_path):
+    """A Slurm time-limit warning that lands while a finished run shuts down (its last checkpoint
+    written) has nothing left to save: the exit status stays 0. Python's finalization restores the
+    default action of the signals it handles, so without ignoring them the rank died of SIGUSR1
+    and Slurm marked the job FAILED (seen on the real Slurm of tests/slurm)."""
+    tmp = str(tmp_path)
+    (proc,) = _start_ranks(_args(tmp, 'run', 4, 4), world_size=1)
+    for line in proc.stdout:
+        if 'saved checkpoint' in line and 'step_00000004' in line:
+            break
+    while proc.poll() is None:  # SIGUSR1 through the whole shutdown, every 2 ms
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(0.002)
+    rest = proc.stdout.read()
+    assert proc.returncode == 0, rest[-3000:]
+    assert json.load(open(os.path.join(tmp, 'run', 'summary.json')))['exit_reason'] == 'completed'
+
+
 def test_sigusr1_checkpoints_exits_75_and_resume_matches_uninterrupted(tmp_path, reference):
     tmp, work, procs = _start_reference_again(tmp_path, reference)
     _wait_for_step(work, 3, procs)
