@@ -164,9 +164,9 @@ run_step max_batch python3 launch/benchmark.py --backends "$(rows ddp,zero3_offl
 
 # -- 5b. the largest UperNetViT per backend: model.depth at vit_large's width (1024), 512 px, micro-batch 1,
 # from depth 24 up (doubling, then bisection to 1/8): does ZeRO-3 with offload train >= 2x the
-# parameters DDP fits? In a dry run the tiny ViT's depth from 1 to 2.
+# parameters DDP fits? In a dry run the tiny ViT at depth 1 (the search's one probe).
 if (( DRY )); then
-  MAX_MODEL=(--config configs/upernet_vit_tiny_synthetic.py --find-max-model model.depth --max-model 2
+  MAX_MODEL=(--config configs/upernet_vit_tiny_synthetic.py --find-max-model model.depth --max-model 1
              --cfg-options model.type=UperNetViT model.variant=vit_tiny_test model.img_size=64 model.patch_size=8
              model.channels=32 model.in_channels=3 model.num_classes=6 "${SMALL[@]}")
 else

@@ -33,15 +33,15 @@ def test_dry_run_writes_every_table(tmp_path):
         backends += [r['backend'] for r in rows]
     assert set(backends) == {'ddp', 'zero2', 'zero3', 'zero3_offload'}
     assert report['groups']['max_batch']['rows'][0]['max_micro_batch'] == 1
-    # Nothing runs out of memory on a CPU: the depth search stops at --max-model 2, and the
+    # Nothing runs out of memory on a CPU: the depth search stops at --max-model 1, and the
     # parameters it reports are those of the UperNetViT built at that depth.
     from ds_seg.models.common import num_params
     from ds_seg.registry import MODELS, build
     deepest = report['groups']['max_model']['rows'][0]
-    assert (deepest['max_model'], deepest['max_model_capped']) == (2, True)
+    assert (deepest['max_model'], deepest['max_model_capped']) == (1, True)
     assert deepest['max_model_params'] == num_params(build(MODELS, dict(
-        type='UperNetViT', variant='vit_tiny_test', img_size=64, patch_size=8, channels=32, depth=2)))
+        type='UperNetViT', variant='vit_tiny_test', img_size=64, patch_size=8, channels=32, depth=1)))
     table = (out / 'acceptance.md').read_text()
-    assert f"| ddp | 2 (capped) | {deepest['max_model_params']:,} |" in table
+    assert f"| ddp | 1 (capped) | {deepest['max_model_params']:,} |" in table
     assert '| vit_large_512 | zero3 | bf16-autocast |' in table and '| max_batch | zero3_offload |' in table
     assert (out / 'unet64_512' / 'benchmark.md').is_file()

@@ -30,7 +30,10 @@ from tests.tiny import TINY_CONFIG, ds_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-MAX_STEPS = 120
+# Long enough that a multi-node run on an idle machine outlasts its timed warning: with
+# `--time=1 --signal=B:USR1@45`, slurmctld (checking limits every 30 s) signals 15 to 45 s after
+# the start, and 120 steps were once done before it came (the run completed, nothing to test).
+MAX_STEPS = 480
 SIGNAL_AT = 8          # steps done before the driver sends a signal
 DRIVE_TIMEOUT_S = 540
 SINGLE = ['launch/slurm/train.sbatch', '--nodes=1', '--ntasks-per-node=1', '--cpus-per-task=1']
