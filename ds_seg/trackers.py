@@ -80,14 +80,8 @@ class WandbTracker:
         self.wandb = wandb
         # create_new: this run's own handle (every call below goes through it), never a user's
         # wandb.run of the same process finished or reused behind their back.
-        try:
-            self.run = wandb.init(project=log_cfg.get('wandb_project') or 'ds_seg', name=run_name, dir=work_dir,
-                                  reinit='create_new')
-        except Exception as exc:  # no API key, no network, a project the key cannot write to...
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"log.trackers: 'wandb' could not start a run ({first}); run `wandb login`, "
-                              "or set WANDB_MODE=offline to write the run to the work dir and `wandb sync` it "
-                              "later.") from exc
+        self.run = wandb.init(project=log_cfg.get('wandb_project') or 'ds_seg', name=run_name, dir=work_dir,
+                              reinit='create_new')
 
     def config(self, cfg):
         self.run.config.update(cfg, allow_val_change=True)
@@ -118,4 +112,24 @@ def build_trackers(log_cfg, work_dir, run_name):
     Example: ``build_trackers(dict(trackers=['mlflow']), 'work_dirs/x', 'x')``
     """
     classes = {'mlflow': MLflowTracker, 'wandb': WandbTracker}
-    return [classes[n](log_cfg, work_dir, run_name) for n in check_trackers(log_cfg) if n in classes]
+    trackers = []
+    for name in check_trackers(log_cfg):
+        if name not in classes:
+            continue
+        try:
+            trackers.append(classes[name](log_cfg, work_dir, run_name))
+        except ConfigError:
+            raise
+        except Exception as exc:  # no login, an unwritable store, an unreachable server...
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"log.trackers: {name!r} could not start a run ({first[:200]}); "
+                              f"{START_HINTS[name]}") from exc
+    return trackers
+
+
+# What to do when a tracker cannot start its run, by tracker.
+START_HINTS = {
+    'mlflow': 'give log.mlflow_tracking_uri a writable file:// folder or a reachable server.',
+    'wandb': 'run `wandb login`, or set WANDB_MODE=offline to write the run to the work dir and '
+             '`wandb sync` it later.',
+}

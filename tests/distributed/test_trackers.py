@@ -104,15 +104,15 @@ def test_wandb_offline_run_holds_the_same_scalars_config_and_summary(tracked_run
     assert final['steps'] == summary['steps'] == 4 and final['exit_reason'] == summary['exit_reason']
 
 
-def _start_wandb_without_login(tmp):
-    """A Trainer asked for W&B on a machine that never ran `wandb login`: the refusal each rank gets."""
+def _start_tracker_that_cannot_start(tmp, log):
+    """A Trainer asked for a tracker that cannot start its run: the refusal each rank gets."""
     from ds_seg.config import ConfigError
     from ds_seg.engine.trainer import Trainer
-    for name in ('WANDB_MODE', 'WANDB_API_KEY'):
+    for name in ('WANDB_MODE', 'WANDB_API_KEY'):  # a machine that never ran `wandb login`
         os.environ.pop(name, None)
     os.environ.update(HOME=os.path.join(tmp, 'home'), WANDB_CONFIG_DIR=os.path.join(tmp, 'home', 'wandb'))
     cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=2)
-    cfg.merge_from_dict({'log': dict(trackers=['tensorboard', 'wandb'])})
+    cfg.merge_from_dict({'log': log})
     try:
         Trainer(cfg, ds_config(0, micro_batch=2), work_dir=os.path.join(tmp, 'run')).close()
     except ConfigError as exc:
@@ -120,10 +120,15 @@ def _start_wandb_without_login(tmp):
     return None
 
 
-def test_wandb_without_a_login_stops_every_rank_with_one_line(tmp_path):
-    lines = run_on_ranks(_start_wandb_without_login, 2, args=(str(tmp_path),), timeout=180)
-    assert lines[0] == lines[1] and lines[0].startswith("log.trackers: 'wandb' could not start a run (")
-    assert 'wandb login' in lines[0] and 'WANDB_MODE=offline' in lines[0] and '\n' not in lines[0]
+@pytest.mark.parametrize('log, hint', [
+    (dict(trackers=['tensorboard', 'wandb']), 'wandb login'),                       # no API key
+    (dict(trackers=['mlflow'], mlflow_tracking_uri='file:///proc/ds_seg_mlruns'), 'writable file://'),
+])
+def test_a_tracker_that_cannot_start_stops_every_rank_with_one_line(tmp_path, log, hint):
+    lines = run_on_ranks(_start_tracker_that_cannot_start, 2, args=(str(tmp_path), log), timeout=180)
+    name = log['trackers'][-1]
+    assert lines[0] == lines[1] and lines[0].startswith(f"log.trackers: '{name}' could not start a run (")
+    assert hint in lines[0] and '\n' not in lines[0]
 
 
 def test_unknown_tracker_is_refused_naming_the_known_ones():
