@@ -179,6 +179,10 @@ class DataSection(_Section):
                              _int_at_least(16))
     num_workers: int = setting(1, 'DataLoader worker processes per rank (0: load in the training process)',
                                _int_at_least(0))
+    prefetch_batches: Optional[int] = setting(
+        None, 'batches copied to the device and preprocessed ahead of the step, on a side CUDA stream '
+              '(None: 2 on CUDA, 1 elsewhere; 0: each batch when its step takes it)',
+        _optional(_int_at_least(0)))
     eval_batch_size: Optional[int] = setting(None, 'evaluation batch size (None: the DeepSpeed micro-batch)',
                                              _optional(_int_at_least(1)))
     eval_tile: Optional[int] = setting(None, 'whole-scene evaluation window (None: crop_size)',

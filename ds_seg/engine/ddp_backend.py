@@ -88,7 +88,7 @@ class DDPBackend:
                                            broadcast_buffers=False)
         self.optimizer = build_optimizer(build_param_groups(model, optim_cfg), ds_config.get('optimizer', {'type': 'AdamW'}),
                                          device)
-        self.optimizer_impl = speed.optimizer_impl(self.optimizer)
+        self.optimizer_impl = speed.optimizer_impl(self.optimizer, spec.device)
         self.scheduler = build_scheduler(self.optimizer, ds_config.get('scheduler'))
         scale_lr_by_group(self.optimizer, self.scheduler)  # optim.layer_decay / paramwise multipliers
         fp16 = ds_config.get('fp16', {})

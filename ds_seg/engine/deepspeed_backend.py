@@ -49,7 +49,7 @@ class DeepSpeedBackend:
             model=model, model_parameters=build_param_groups(model, optim_cfg), config=ds_config)
         if spec.compile_mode:
             self.engine.compile(backend=speed.COMPILE_BACKEND, compile_kwargs=speed.compile_kwargs(spec.compile_mode))
-        self.optimizer_impl = speed.optimizer_impl(self.state_holders()[2])
+        self.optimizer_impl = speed.optimizer_impl(self.state_holders()[2], spec.device)
         scale_lr_by_group(self.optimizer, self.scheduler)  # optim.layer_decay / paramwise multipliers
         # Resuming reads files that may come from elsewhere: never unpickle arbitrary objects.
         ds_workarounds.use_safe_loader(self.engine)

@@ -65,9 +65,10 @@ def fused_adam_prebuilt():
         return False
 
 
-def optimizer_impl(optimizer):
+def optimizer_impl(optimizer, device):
     """What actually runs the update, e.g. ``torch.AdamW fused``, ``torch.AdamW single-tensor``,
-    ``deepspeed FusedAdam``: recorded in metrics, summary.json and benchmark rows."""
+    ``deepspeed FusedAdam``: recorded in metrics, summary.json and benchmark rows. ``device``:
+    where the optimizer's parameters live (ZeRO-3 gives it its fp32 partitions only at step time)."""
     cls = type(optimizer)
     if not cls.__module__.startswith('torch.'):
         return f"{cls.__module__.split('.')[0]} {cls.__name__}"
@@ -77,6 +78,8 @@ def optimizer_impl(optimizer):
         # torch's own default: foreach where every parameter lives on CUDA, single-tensor otherwise.
         from torch.optim.optimizer import _default_to_fused_or_foreach
         params = [p for g in optimizer.param_groups for p in g['params']]
+        if not params:  # torch decides at step time from the parameters it then holds
+            params = [torch.nn.Parameter(torch.empty(1, device=device))]
         fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
     how = 'fused' if fused else 'foreach' if foreach else 'single-tensor'
     return f'torch.{cls.__name__} {how}'

@@ -18,6 +18,7 @@ import torch
 from .. import distributed
 from ..config import ConfigError, default_work_dir
 from ..data.loader import build_train_loader
+from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
 from ..metrics import metrics_from_confusion
 from ..models.losses import segmentation_loss
@@ -93,9 +94,9 @@ class Trainer:
         self.step = 0                 # optimizer steps done
         self.micro_step_offset = 0    # data position - step x accumulation (non-zero after a change of ranks)
         # Built by _setup: log, train_set, val_set, criterion, backend, checkpointer, metrics;
-        # by _start_loop: batches, preprocess, profiler.
+        # by _start_loop: batches (on the device, preprocessed), profiler.
         self.log = self.train_set = self.val_set = self.criterion = self.backend = None
-        self.checkpointer = self.metrics = self.batches = self.preprocess = self.profiler = None
+        self.checkpointer = self.metrics = self.batches = self.profiler = None
         _check_writable(self.work_dir)  # on every rank: each writes its own checkpoint files
         self.lock = WorkDirLock(self.work_dir)
         self._take_work_dir()
@@ -214,9 +215,11 @@ class Trainer:
         loader = build_train_loader(self.train_set, self.spec.micro_batch, self.rank, self.world_size,
                                     start_micro_step=self.step * self.spec.grad_accum + self.micro_step_offset,
                                     num_workers=self.cfg.data.num_workers)
-        self.batches = iter(loader)
-        # Normalisation, nodata and flips happen on the device, after the (uint8) batch's copy.
-        self.preprocess = BatchPreprocessor.for_dataset(self.train_set)
+        # Normalisation, nodata and flips happen on the device, after the (uint8) batch's copy,
+        # for the next batches while this step runs (a side stream on CUDA).
+        depth = self.cfg.data.get('prefetch_batches')
+        self.batches = DevicePrefetcher(iter(loader), BatchPreprocessor.for_dataset(self.train_set), self.device,
+                                        default_depth(self.device) if depth is None else depth)
         self.print(f'training {self.cfg.model.type} | {self.spec.describe()} | steps {self.step}->{t.max_steps}'
                    f' | {self.work_dir}')
         self.backend.train()
@@ -282,10 +285,8 @@ class Trainer:
         timer.start()
         loss_total = torch.zeros((), device=self.device)
         for _ in range(grad_accum):
-            t0 = time.perf_counter()
-            batch = next(self.batches)
-            timer.data_wait(time.perf_counter() - t0)
-            images_BCHW, labels_BHW = self.preprocess(batch, self.device)
+            images_BCHW, labels_BHW = next(self.batches)
+            timer.data_wait(self.batches.wait_s)
             logits_BKHW = self.backend.forward(images_BCHW)
             loss = segmentation_loss(self.criterion, logits_BKHW, labels_BHW)  # + auxiliary heads
             self.backend.backward(loss)

@@ -31,3 +31,25 @@ def test_gpu_device_step_equals_cpu(dtype):
     m, sd = (np.asarray(v, np.float32)[:, None, None] for v in (mean, std))
     expect = np.where(nodata[1], np.float32(0), (raw[1].astype(np.float32) - m) / sd)
     np.testing.assert_array_equal(gpu_image[1].cpu().numpy(), expect)
+
+
+def test_gpu_prefetch_on_a_side_stream_equals_the_direct_step():
+    """Batches copied and preprocessed on the prefetcher's stream, while the default stream is
+    busy, equal the direct step: the default stream waited for them (an event, not the host)."""
+    from ds_seg.data.prefetch import DevicePrefetcher
+    rng = np.random.default_rng(1)
+    batches = [dict(image=torch.from_numpy(rng.integers(0, 256, (4, 3, 256, 256)).astype(np.uint8)).pin_memory(),
+                    label=torch.from_numpy(rng.integers(0, 6, (4, 256, 256)).astype(np.uint8)).pin_memory(),
+                    geom=torch.from_numpy(rng.integers(0, 16, 4)))
+               for _ in range(6)]
+    prep = BatchPreprocessor([100.0, 110.0, 120.0], [50.0, 55.0, 60.0])
+    expected = [prep(b, 'cpu') for b in batches]
+    prefetcher = DevicePrefetcher(iter(batches), prep, 'cuda', depth=2)
+    assert prefetcher.stream is not None and prefetcher.stream != torch.cuda.current_stream()
+    busy = torch.randn(4096, 4096, device='cuda')
+    for want_image, want_label in expected:
+        busy = busy @ busy / 4096          # keep the default stream busy while the copies run
+        image, label = next(prefetcher)
+        total = image.sum() + label.sum()  # consumed on the default stream
+        assert torch.equal(image.cpu(), want_image) and torch.equal(label.cpu(), want_label)
+        assert torch.isfinite(total)

@@ -1,5 +1,6 @@
 """The device step of the data pipeline (BatchPreprocessor): normalisation, nodata, geometry."""
 import numpy as np
+import pytest
 import torch
 
 from ds_seg.data import BatchPreprocessor
@@ -59,3 +60,70 @@ def test_geom_moves_image_label_and_nodata_together():
         assert torch.equal(image[i, 0][valid], label[i][valid].float())  # pixel and class travel together
         assert (image[i, 0][~valid] == 0).all() and (~valid).sum() == 2
         np.testing.assert_array_equal(label[i].numpy(), apply_geom(torch.from_numpy(labels[i]), code).numpy())
+
+
+def _loader_batches(n, seed=2):
+    rng = np.random.default_rng(seed)
+    return [dict(image=torch.from_numpy(rng.integers(0, 256, (2, 3, 8, 8)).astype(np.uint8)),
+                 label=torch.from_numpy(rng.integers(0, 4, (2, 8, 8)).astype(np.uint8)),
+                 nodata=torch.from_numpy(rng.random((2, 8, 8)) < 0.1),
+                 geom=torch.from_numpy(rng.integers(0, 16, 2)))
+            for _ in range(n)]
+
+
+class _CountingLoader:
+    """The loader's iterator, counting what has been taken from it."""
+
+    def __init__(self, batches):
+        self.batches, self.taken = batches, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.taken == len(self.batches):
+            raise StopIteration
+        self.taken += 1
+        return self.batches[self.taken - 1]
+
+
+def test_prefetching_hands_out_the_loader_order_with_depth_batches_in_flight():
+    from ds_seg.data.prefetch import DevicePrefetcher
+    batches = _loader_batches(7)
+    prep = BatchPreprocessor([10.0, 20.0, 30.0], [2.0, 3.0, 4.0])
+    expected = [prep(b, 'cpu') for b in batches]
+    for depth in (0, 1, 3):
+        loader = _CountingLoader(batches)
+        prefetcher = DevicePrefetcher(loader, prep, 'cpu', depth)
+        got = []
+        for i in range(len(batches)):
+            got.append(next(prefetcher))
+            # this batch plus `depth` more have been taken, never more (nor fewer: they overlap the step)
+            assert loader.taken == min(i + 1 + depth, len(batches)), (depth, i, loader.taken)
+        for (image, label), (want_image, want_label) in zip(got, expected):
+            assert torch.equal(image, want_image) and torch.equal(label, want_label)
+        with pytest.raises(StopIteration):  # a finite loader ends after its last queued batch
+            next(prefetcher)
+
+
+def test_prefetch_wait_is_the_loader_wait_only(monkeypatch):
+    """On a fake clock: each loader batch costs 1 s, each preprocessing 100 s."""
+    import types
+    from ds_seg.data import prefetch
+    clock = [0.0]
+    monkeypatch.setattr(prefetch, 'time', types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class SlowLoader(_CountingLoader):
+        def __next__(self):
+            clock[0] += 1.0
+            return super().__next__()
+
+    def slow_preprocess(batch, device):
+        clock[0] += 100.0
+        return batch['image'], batch['label']
+
+    prefetcher = prefetch.DevicePrefetcher(SlowLoader(_loader_batches(4)), slow_preprocess, 'cpu', 1)
+    next(prefetcher)
+    assert prefetcher.wait_s == 2.0    # the first call fills the queue: two loads
+    next(prefetcher)
+    assert prefetcher.wait_s == 1.0

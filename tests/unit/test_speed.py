@@ -39,16 +39,23 @@ def _params():
 
 def test_ddp_optimizer_on_cpu_reports_torch_default_single_tensor():
     opt = build_optimizer(_params(), ADAMW, torch.device('cpu'))
-    assert type(opt) is torch.optim.AdamW and optimizer_impl(opt) == 'torch.AdamW single-tensor'
+    assert type(opt) is torch.optim.AdamW and optimizer_impl(opt, 'cpu') == 'torch.AdamW single-tensor'
 
 
 def test_reported_implementation_follows_the_optimizer():
-    assert optimizer_impl(torch.optim.AdamW(_params(), foreach=True)) == 'torch.AdamW foreach'
-    assert optimizer_impl(torch.optim.AdamW(_params(), fused=True)) == 'torch.AdamW fused'  # CPU fused exists
-    assert optimizer_impl(torch.optim.SGD(_params(), lr=0.1)) == 'torch.SGD single-tensor'
+    assert optimizer_impl(torch.optim.AdamW(_params(), foreach=True), 'cpu') == 'torch.AdamW foreach'
+    assert optimizer_impl(torch.optim.AdamW(_params(), fused=True), 'cpu') == 'torch.AdamW fused'  # CPU fused exists
+    assert optimizer_impl(torch.optim.SGD(_params(), lr=0.1), 'cpu') == 'torch.SGD single-tensor'
     # A 'fused' key in the JSON reaches torch under DDP, as DeepSpeed passes it with torch_adam.
     fused = build_optimizer(_params(), {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True, 'fused': True}})
-    assert optimizer_impl(fused) == 'torch.AdamW fused'
+    assert optimizer_impl(fused, 'cpu') == 'torch.AdamW fused'
+
+
+def test_an_optimizer_given_its_parameters_at_step_time_reports_what_torch_will_pick():
+    # ZeRO-3 builds its torch optimizer empty and hands it the fp32 partitions at each step;
+    # torch then picks from their device: the single-tensor loop on a CPU, not "foreach".
+    empty = torch.optim.AdamW([{'params': []}])
+    assert optimizer_impl(empty, 'cpu') == 'torch.AdamW single-tensor'
 
 
 def test_channels_last_default_is_nchw_until_measured_on_a_gpu():
