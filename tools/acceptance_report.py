@@ -8,8 +8,30 @@ import sys
 
 from ds_seg.cli.benchmark import format_or_dash  # the benchmark's own cell format (PYTHONPATH: the checkout)
 
-GROUPS = ['unet64_512', 'unet64_512_compiled', 'unet64_512_channels_last', 'unet64_1024', 'vit_large_512',
-          'segformer_b2_1024', 'max_batch', 'max_model']
+GROUPS = ['unet64_512', 'unet64_512_compiled', 'unet64_512_channels_last', 'upernet_convnext_512',
+          'upernet_convnext_512_channels_last', 'unet64_1024', 'vit_large_512', 'segformer_b2_1024', 'max_batch',
+          'max_model']
+# (family, NCHW group, channels_last group): the pairs that decide speed.CHANNELS_LAST_BY_MODEL.
+LAYOUT_PAIRS = [('UNet', 'unet64_512', 'unet64_512_channels_last'),
+                ('UperNet (ConvNeXt)', 'upernet_convnext_512', 'upernet_convnext_512_channels_last')]
+
+
+def layout_lines(groups):
+    """channels_last / NCHW images/s per family and backend, where both rows ran."""
+    lines = []
+    for family, plain, nhwc in LAYOUT_PAIRS:
+        rates = {}
+        for name in (plain, nhwc):
+            for r in (groups.get(name) or {}).get('rows', []):
+                if not r.get('error') and r.get('images_per_s'):
+                    rates[(name, r['backend'])] = r['images_per_s']
+        for backend in sorted({b for _, b in rates}):
+            if (plain, backend) in rates and (nhwc, backend) in rates:
+                lines.append(f"| {family} | {backend} | {rates[(plain, backend)]:.2f} | {rates[(nhwc, backend)]:.2f} "
+                             f"| {rates[(nhwc, backend)] / rates[(plain, backend)]:.2f}x |")
+    if not lines:
+        return []
+    return ['', '| family | backend | NCHW img/s | channels_last img/s | ratio |', '|---|---|---|---|---|'] + lines
 
 
 def _load(path):
@@ -58,6 +80,7 @@ def build_report(out, dry_run, seconds):
                 f"| {r.get('optimizer_impl') or '-'} | {r.get('compile_mode') or 'off'} "
                 f"| {format_or_dash(r.get('compile_time_s'), '.1f')} | {'yes' if r.get('channels_last') else 'no'} "
                 f"| {r.get('max_micro_batch', '-')} |")
+    lines += layout_lines(groups)
     largest = [r for r in (groups.get('max_model') or {}).get('rows', []) if 'max_model' in r]
     if largest:
         lines += ['', '| backend | largest model.depth that fits | parameters |', '|---|---|---|']

@@ -7,8 +7,8 @@
 # Steps: install what the image lacks from the wheel folder carried in the checkout (.whl/, built
 # by ../shared/gpu/make_wheels.sh), `pytest -m gpu tests/gpu`, the main command shortened
 # (images/s), launch/benchmark.py rows in bf16 for ddp, zero2 and zero3 (UNet base 64 at 512 and
-# 1024, UperNetViT vit_large at 512, SegFormer mit_b2 at 1024, compile on and off and channels_last
-# on and off for UNet at 512),
+# 1024, UperNetViT vit_large at 512, SegFormer mit_b2 at 1024, compile on and off for UNet at 512,
+# channels_last on and off for UNet and a ConvNeXt UperNet at 512),
 # the largest micro-batch, and the deepest UperNetViT (vit_large width), for ddp and zero3_offload. Writes OUT_DIR/acceptance.md and
 # OUT_DIR/acceptance.json (every row, every step's exit status and time), plus each step's own
 # folder (benchmark.json/benchmark.md per benchmark group, logs).
@@ -48,6 +48,7 @@ else
   VIT=(--cfg-options model.type=UperNetViT model.variant=vit_large model.in_channels=3 model.num_classes=6
        model.activation_checkpointing=True)
   SEGFORMER=(--cfg-options model.type=SegFormer model.variant=mit_b2 model.in_channels=3 model.num_classes=6)
+  UPERNET=(--cfg-options model.type=UperNet model.variant=convnext_tiny model.in_channels=3 model.num_classes=6)
   SMALL=(data.crop_size=512) LARGE=(data.crop_size=1024)
   BENCH_STEPS=(--steps 8 --warmup 3)
   MAX_BATCH=32
@@ -146,10 +147,15 @@ fi
 if (( DRY )); then
   # The same command as unet64_512 plus one key; tests/distributed/test_speed_features.py checks
   # the layout on a CPU, where its speed means nothing.
-  skip_step unet64_512_channels_last "dry run: NHWC speed is a GPU question"
+  for group in unet64_512_channels_last upernet_convnext_512 upernet_convnext_512_channels_last; do
+    skip_step "$group" "dry run: NHWC speed is a GPU question"
+  done
 else
-  # NHWC activations (and DDP parameters): the measurement that decides CHANNELS_LAST_BY_MODEL.
+  # NHWC activations (and DDP parameters): the measurements that decide CHANNELS_LAST_BY_MODEL,
+  # for the two convolutional families the issue names (UNet, ConvNeXt UperNet).
   bench unet64_512_channels_last ddp,zero2 8 "${UNET[@]}" -- "${SMALL[@]}" train.channels_last=True
+  bench upernet_convnext_512 ddp,zero2 8 "${UPERNET[@]}" -- "${SMALL[@]}"
+  bench upernet_convnext_512_channels_last ddp,zero2 8 "${UPERNET[@]}" -- "${SMALL[@]}" train.channels_last=True
 fi
 bench unet64_1024 "$(rows ddp,zero2,zero3 zero2)" 4 "${UNET[@]}" -- "${LARGE[@]}"
 bench vit_large_512 "$(rows ddp,zero2,zero3 zero3)" 8 "${VIT[@]}" -- "${SMALL[@]}"

@@ -193,3 +193,19 @@ def test_derived_config_keeps_the_run_comparable():
     ddp, z2 = (benchmark.derived_ds_config(n, None, 40, 'json', False, False) for n in ('ddp', 'zero2'))
     for key in ('optimizer', 'scheduler', 'fp16', 'train_micro_batch_size_per_gpu', 'gradient_clipping'):
         assert ddp[key] == z2[key], key   # DDP and ZeRO differ only in zero_optimization
+
+
+def test_acceptance_report_compares_layouts_per_family_and_backend():
+    """The table that decides speed.CHANNELS_LAST_BY_MODEL: channels_last over NCHW images/s,
+    only where both rows of a family and backend ran."""
+    import importlib.util
+    from ds_seg.config import REPO_ROOT
+    spec = importlib.util.spec_from_file_location('acceptance_report', REPO_ROOT / 'tools' / 'acceptance_report.py')
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    groups = {'unet64_512': {'rows': [{'backend': 'ddp', 'images_per_s': 40.0}, {'backend': 'zero2', 'images_per_s': 38.0}]},
+              'unet64_512_channels_last': {'rows': [{'backend': 'ddp', 'images_per_s': 50.0},
+                                                    {'backend': 'zero2', 'error': 'OOM'}]},
+              'upernet_convnext_512': None}
+    assert report.layout_lines(groups)[3:] == ['| UNet | ddp | 40.00 | 50.00 | 1.25x |']
+    assert report.layout_lines({}) == []
