@@ -443,6 +443,31 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 names = classes if isinstance(classes, (list, tuple)) else None
                 vectors[key] = VectorLabels(s['label'], self.label_field, s['crs'], names)
             s['vector_key'] = key
+        # A file whose features all lie off its images (or no feature in any file) would label
+        # every pixel label_fill: a wrong file, or coordinates read in the wrong CRS. A file
+        # without features is fine on its own (a tile without buildings).
+        everything_empty = bool(vectors) and all(v.bounds() is None for v in vectors.values())
+        for key, v in vectors.items():
+            scenes = [s for s in self._scenes if s.get('vector_key') == key]
+            if (v.bounds() is None and not everything_empty) or any(
+                    v.overlaps(s['transform'], s['width'], s['height']) for s in scenes):
+                continue
+            s = scenes[0]
+            left, top = s['transform'] * (0, 0)
+            right, bottom = s['transform'] * (s['width'], s['height'])
+            box = tuple(round(c, 6) for c in (min(left, right), min(top, bottom), max(left, right), max(top, bottom)))
+            features = f"its features span {tuple(round(b, 6) for b in v.bounds())}" if v.bounds() else "it holds no feature"
+            img_crs = s['crs'].to_string() if s['crs'] else 'pixel coordinates'
+            if v.file_crs is None:
+                how = "; the file declares no CRS, so its coordinates were taken to be the image's"
+            elif s['crs'] is not None and v.file_crs != s['crs']:
+                how = f"; reprojected from the file's CRS {v.file_crs.to_string()}"
+            else:
+                how = ''
+            raise DataError(f"labels {v.path}: no feature lies on image {s['image']}"
+                            f"{f' or the {len(scenes) - 1} other(s)' if len(scenes) > 1 else ''} "
+                            f"({features}, the image spans {box}, both in {img_crs}{how}); "
+                            f"check the vector file and its CRS")
         return vectors
 
     def _vector_window(self, s, window):
