@@ -693,8 +693,16 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                               f"scenes' area) or 'rare_class' (DAFormer rare-class sampling)")
         self.sampling = sampling if self.mode == 'random' else 'uniform'
         self._rcs_classes = None
+        self.rare_class_absent = ()
         if self.sampling != 'rare_class':
             return
+        try:  # before the class index, which reads every label once
+            bad = not float(temperature) > 0
+        except (TypeError, ValueError):
+            bad = True
+        if bad:
+            raise ConfigError(f"rare_class_temperature={temperature!r}: must be a number > 0 (DAFormer "
+                              f"uses 0.01; larger values sample classes more evenly)")
         # An eighth of the crop: any window drawn around a candidate pixel holds ~64 grid
         # points, so the grid finds every region a window could be centred on.
         stride = max(1, min(self.crop_h, self.crop_w) // 8)
@@ -703,7 +711,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if not counts.any():
             raise DataError(f"sampling='rare_class': no labelled pixel in the labels "
                             f"({self._scenes[0]['label']}, ...); use sampling='uniform'")
-        p = class_probabilities(counts, temperature)
+        p = class_probabilities(counts, float(temperature))
+        # Classes without a labelled pixel are never drawn (p = 0): the trainer says so.
+        self.rare_class_absent = tuple(self.classes[c] for c in np.flatnonzero(counts == 0).tolist())
         self.class_frequencies = counts / counts.sum()
         self.class_probabilities = p
         self._rcs_classes = np.flatnonzero(p > 0).tolist()
