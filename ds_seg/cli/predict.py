@@ -30,7 +30,8 @@ from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
                            check_window_options, expand_inputs, output_stems)
 from ds_seg.telemetry import format_eta
-from ds_seg.vectorize import add_vector_args, vector_outputs, vectorize_class_map
+from ds_seg.vectorize import (add_vector_args, check_vector_options, exclude_ids, vector_outputs,
+                              vectorize_class_map)
 
 
 def add_window_args(parser):
@@ -119,6 +120,10 @@ def _run(args):
             StackedRaster.check(scenes[-1])  # one grid for every date, before any work
         else:
             scenes += expand_inputs([item])
+    check_vector_options(args.simplify, args.min_area, prefix='--')
+    if args.vector is None and (args.exclude_classes or args.simplify or args.min_area):
+        raise ConfigError("--exclude-classes, --simplify and --min-area shape the polygons of --vector; "
+                          "add --vector out.gpkg (or .geojson, .fgb)")
     firsts = [s[0] if isinstance(s, list) else s for s in scenes]  # names outputs
     inputs = [p for s in scenes for p in (s if isinstance(s, list) else [s])]
     check_checkpoint_option(args.checkpoint)
@@ -127,7 +132,7 @@ def _run(args):
     outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
                for stem in stems]
     check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
-    vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite)
+    vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite, stems=stems)
     device = setup(args)
     if args.checkpoint.endswith('.onnx'):  # CPU deployment: onnxruntime, no model code needed
         from ds_seg.deploy import load_onnx
@@ -135,6 +140,8 @@ def _run(args):
     else:
         model, info = load_model(args.checkpoint, device)
     mean, std, bands = normalisation(args, info)
+    exclude = exclude_ids(args.exclude_classes, list(info['classes'] or ()), option='--exclude-classes') \
+        if args.vector and info['classes'] else args.exclude_classes
     model_cfg = info.get('model') or {}
     for scene in scenes:
         dates = scene if isinstance(scene, list) else [scene]
@@ -167,7 +174,7 @@ def _run(args):
             t = time.perf_counter()
             v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],
                                     simplify=args.simplify, min_area=args.min_area,
-                                    exclude=args.exclude_classes)
+                                    exclude=exclude)
             print(f'[predict] {out} -> {vector} | {v["features"]} polygons in '
                   f'{time.perf_counter() - t:.1f} s', flush=True)
     if distributed.is_main():
