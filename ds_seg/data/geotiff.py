@@ -456,7 +456,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             left, top = s['transform'] * (0, 0)
             right, bottom = s['transform'] * (s['width'], s['height'])
             box = tuple(round(c, 6) for c in (min(left, right), min(top, bottom), max(left, right), max(top, bottom)))
-            features = f"its features span {tuple(round(b, 6) for b in v.bounds())}" if v.bounds() else "it holds no feature"
+            features = (f"its features span {tuple(round(b, 6) for b in v.bounds())}" if v.bounds()
+                        else "it holds no feature")
             img_crs = s['crs'].to_string() if s['crs'] else 'pixel coordinates'
             if v.file_crs is None:
                 how = "; the file declares no CRS, so its coordinates were taken to be the image's"

@@ -187,4 +187,5 @@ def test_wrong_dates_are_refused_in_one_line_before_any_work(tmp_path, capsys):
                            train_set=series, val_set=None, print=print)
     with pytest.raises(ConfigError, match=r'model.num_dates is 1 but the scenes of data.train have 2 dates'):
         Trainer._check_model_matches_data(fake)
-    Trainer._check_model_matches_data(SimpleNamespace(**dict(vars(fake), cfg=ConfigDict(model=cfg, loss=dict(ignore_index=255)))))
+    matching = ConfigDict(model=cfg, loss=dict(ignore_index=255))
+    Trainer._check_model_matches_data(SimpleNamespace(**dict(vars(fake), cfg=matching)))  # 2 dates: accepted
