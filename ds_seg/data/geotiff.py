@@ -295,7 +295,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         configure_gdal_for_worker()
         if stac is not None:
             if images is not None or labels is not None:
-                raise ConfigError("give either `stac` or `images`/`labels`, not both")
+                raise ConfigError("give either `stac` or `images`/`labels`, not both (over a config that "
+                                  "sets images: --cfg-options data.train.images=None data.train.labels=None)")
             if stac_bands is None:
                 raise ConfigError(f"stac={stac!r}: name the image asset(s) with `stac_bands` "
                                   f"(one multi-band asset, or one asset per band)")

@@ -90,6 +90,10 @@ def test_missing_asset_names_the_assets(catalogue):
     with pytest.raises(ConfigError, match=r"no asset 'nir' \(stac_bands\); its assets are red, green, blue, label"):
         GeoTiffScenes(stac=str(catalogue['tmp'] / 'items.json'), stac_bands=['red', 'nir'], **KW)
     assert os.path.exists(catalogue['tmp'] / 'items.json')
+    with pytest.raises(ConfigError, match=r"not both \(over a config that sets images: --cfg-options "
+                                          r"data.train.images=None data.train.labels=None\)"):
+        GeoTiffScenes(catalogue['stacked'], catalogue['labels'], stac=str(catalogue['tmp'] / 'items.json'),
+                      stac_bands=BANDS, **KW)
 
 
 def test_each_geospatial_input_works_through_cfg_options(catalogue):
