@@ -30,6 +30,8 @@ def expand_inputs(paths, option='--input'):
     """
     import rasterio
     from rasterio.windows import Window
+
+    from .data.raster import gdal_path, is_remote, raster_env, remote_hint
     files = []
     for path in paths:
         if os.path.isdir(path):
@@ -38,7 +40,7 @@ def expand_inputs(paths, option='--input'):
             if not found:
                 raise ConfigError(f"{option}: folder {path} holds no GeoTIFF ({', '.join(GEOTIFF_SUFFIXES)}).")
             files += found
-        elif not os.path.exists(path) and not path.startswith(('/vsi', 'http://', 'https://', 's3://')):
+        elif not os.path.exists(path) and not is_remote(path):
             raise ConfigError(f'{option}: {path} does not exist.')
         else:
             files.append(path)
@@ -46,9 +48,11 @@ def expand_inputs(paths, option='--input'):
         if os.path.isfile(path) and os.path.getsize(path) == 0:
             raise ConfigError(f'{option}: {path} is empty (0 bytes); copy or download it again.')
         try:
-            with rasterio.open(path) as src:
+            with raster_env(path), rasterio.open(gdal_path(path)) as src:
                 src.read(1, window=Window(src.width - 1, src.height - 1, 1, 1))
         except rasterio.errors.RasterioError as exc:
+            if is_remote(path):
+                raise ConfigError(f'{option}: {path} cannot be read: {remote_hint(exc)}') from exc
             raise ConfigError(f'{option}: {path} is not a readable raster (truncated or corrupt?): '
                               f'{str(exc).splitlines()[0]}') from exc
     return files
@@ -128,7 +132,9 @@ def check_checkpoint_option(path, option='--checkpoint'):
 def check_bands(path, bands, in_channels=None, option='--input'):
     """The bands the model was trained on must exist in the raster."""
     import rasterio
-    with rasterio.open(path) as src:
+
+    from .data.raster import gdal_path, raster_env
+    with raster_env(path), rasterio.open(gdal_path(path)) as src:
         count = src.count
     wanted = list(bands) if bands else list(range(1, count + 1))
     if max(wanted) > count:

@@ -46,6 +46,37 @@ def vector_driver(path):
     return DRIVERS[ext]
 
 
+def exclude_ids(exclude, classes, option='exclude'):
+    """Class ids of ``exclude`` (names or ids, ``'3'`` as 3); unknown names and ids out of
+    ``classes`` are refused, so a misspelt class never silently stays in the output.
+
+    Example::
+
+        exclude_ids(['background', '3'], ['background', 'building', 'road', 'tree'])   # [0, 3]
+    """
+    ids = []
+    for e in exclude or ():
+        if isinstance(e, str) and not e.strip().isdigit():
+            if e not in classes:
+                raise ValueError(f"{option}: unknown class {e!r}; classes are {', '.join(classes)}")
+            ids.append(classes.index(e))
+        else:
+            i = int(e)
+            if not 0 <= i < len(classes):
+                raise ValueError(f"{option}: class id {i} is not one of 0..{len(classes) - 1} "
+                                 f"({', '.join(classes)})")
+            ids.append(i)
+    return ids
+
+
+def check_vector_options(simplify, min_area, prefix=''):
+    """Refuse a negative simplification tolerance or minimum area (``prefix``: the CLI's names)."""
+    for name, value in (('simplify', simplify), ('min-area' if prefix else 'min_area', min_area)):
+        if not (float(value) >= 0):  # NaN too
+            raise ValueError(f"{prefix}{name} must be >= 0, got {value} (0: "
+                             f"{'exact pixel edges' if name == 'simplify' else 'keep every polygon'})")
+
+
 def _metres_per_unit(crs):
     """(factor, geographic): map units -> metres; None when the CRS is unknown."""
     if crs is None:
@@ -123,6 +154,7 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
     import shapely
 
     driver = vector_driver(out_path)
+    check_vector_options(simplify, min_area)
     if os.path.exists(out_path):
         raise FileExistsError(f"{out_path} already exists; remove it or choose another name "
                               f"(vector outputs are never overwritten)")
@@ -137,14 +169,7 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
         if classes is None:
             classes = [f'class_{i}' for i in range(int(np.iinfo(src.dtypes[0]).max) + 1)][:256]
         classes = list(classes)
-        skip = set()
-        for e in exclude or ():
-            if isinstance(e, str) and not e.isdigit():
-                if e not in classes:
-                    raise ValueError(f"exclude: unknown class {e!r}; classes are {', '.join(classes)}")
-                skip.add(classes.index(e))
-            else:
-                skip.add(int(e))
+        skip = set(exclude_ids(exclude, classes))
         if psrc is not None and (psrc.width, psrc.height) != (src.width, src.height):
             raise ValueError(f"{probs_path} is {psrc.width}x{psrc.height} but {class_path} is "
                              f"{src.width}x{src.height}")
@@ -309,8 +334,10 @@ def add_vector_args(parser):
                         help='class names or ids not vectorised (e.g. background)')
 
 
-def vector_outputs(vector, inputs, output_dir, overwrite=False):
-    """``--vector`` -> one output path per input; refuses existing files and ambiguous names.
+def vector_outputs(vector, inputs, output_dir, overwrite=False, stems=None):
+    """``--vector`` -> one output path per input; refuses existing files, folders that do not
+    exist and ambiguous names. ``stems``: the inputs' output name stems (``inputs.output_stems``:
+    two inputs named ``x.tif`` in different folders get distinct polygon files, as their rasters do).
 
     Example::
 
@@ -320,15 +347,25 @@ def vector_outputs(vector, inputs, output_dir, overwrite=False):
     if vector is None:
         return [None] * len(inputs)
     if ('.' + vector.lower()) in DRIVERS:
-        stems = [os.path.splitext(os.path.basename(p.split('?')[0]))[0] for p in inputs]  # URLs: no query
+        if stems is None:
+            stems = [os.path.splitext(os.path.basename(p.split('?')[0]))[0] for p in inputs]  # URLs: no query
         paths = [os.path.join(output_dir, f'{stem}_classes.{vector.lower()}') for stem in stems]
     else:
-        vector_driver(vector)
+        try:
+            vector_driver(vector)
+        except ValueError as e:
+            raise ConfigError(f"--vector: {e}") from e
         if len(inputs) > 1:
             raise ConfigError(f"--vector {vector}: one file for {len(inputs)} inputs; give a format "
-                             f"(gpkg, geojson or fgb) to write one file per input into --output")
+                              f"(gpkg, geojson or fgb) to write one file per input into --output")
+        parent = os.path.dirname(os.path.abspath(vector))
+        if not os.path.isdir(parent) and parent != os.path.abspath(output_dir):
+            raise ConfigError(f"--vector: the folder {parent} does not exist; create it first or write "
+                              f"into --output")
         paths = [vector]
     for p in paths:
+        if os.path.isdir(p):
+            raise ConfigError(f"--vector: {p} is a folder; give a file name")
         if os.path.exists(p) and not overwrite:
             raise ConfigError(f"--vector: {p} already exists; choose another name, delete it, or add --overwrite")
     return paths

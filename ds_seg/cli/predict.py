@@ -23,12 +23,15 @@ import torch
 
 from ds_seg import distributed
 from ds_seg.cli import run_command
+from ds_seg.config import ConfigError
 from ds_seg.data.geotiff import configure_gdal_for_worker
+from ds_seg.data.raster import StackedRaster
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
                            check_window_options, expand_inputs, output_stems)
 from ds_seg.telemetry import format_eta
-from ds_seg.vectorize import add_vector_args, vector_outputs, vectorize_class_map
+from ds_seg.vectorize import (add_vector_args, check_vector_options, exclude_ids, vector_outputs,
+                              vectorize_class_map)
 
 
 def add_window_args(parser):
@@ -95,6 +98,12 @@ class Progress:
               f'{rate:.1f} windows/s | ETA {format_eta(eta)}', flush=True)
 
 
+def _band_count(path):
+    from ds_seg.data.raster import open_raster
+    with open_raster(path) as src:
+        return src.count
+
+
 def _run(args):
     """The command after argument parsing; user errors raise (see ds_seg.cli.run_command)."""
     # Every check before any work: a refused command changes no file.
@@ -103,9 +112,18 @@ def _run(args):
     scenes = []
     for item in args.input:
         if ',' in item:
-            scenes.append(expand_inputs(item.split(',')))
+            dates = item.split(',')
+            if not all(d.strip() for d in dates):
+                raise ConfigError(f"--input {item!r}: an empty date; join the dates of one scene with "
+                                  f"commas and no spaces (a_may.tif,a_aug.tif)")
+            scenes.append(expand_inputs(dates))
+            StackedRaster.check(scenes[-1])  # one grid for every date, before any work
         else:
             scenes += expand_inputs([item])
+    check_vector_options(args.simplify, args.min_area, prefix='--')
+    if args.vector is None and (args.exclude_classes or args.simplify or args.min_area):
+        raise ConfigError("--exclude-classes, --simplify and --min-area shape the polygons of --vector; "
+                          "add --vector out.gpkg (or .geojson, .fgb)")
     firsts = [s[0] if isinstance(s, list) else s for s in scenes]  # names outputs
     inputs = [p for s in scenes for p in (s if isinstance(s, list) else [s])]
     check_checkpoint_option(args.checkpoint)
@@ -114,7 +132,7 @@ def _run(args):
     outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
                for stem in stems]
     check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
-    vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite)
+    vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite, stems=stems)
     device = setup(args)
     if args.checkpoint.endswith('.onnx'):  # CPU deployment: onnxruntime, no model code needed
         from ds_seg.deploy import load_onnx
@@ -122,9 +140,19 @@ def _run(args):
     else:
         model, info = load_model(args.checkpoint, device)
     mean, std, bands = normalisation(args, info)
+    exclude = exclude_ids(args.exclude_classes, list(info['classes'] or ()), option='--exclude-classes') \
+        if args.vector and info['classes'] else args.exclude_classes
+    model_cfg = info.get('model') or {}
     for scene in scenes:
         dates = scene if isinstance(scene, list) else [scene]
-        channels = info['model'].get('in_channels')
+        num_dates = model_cfg.get('num_dates')
+        channels = model_cfg.get('in_channels')
+        # One file may hold every date already stacked (as many bands as the model's channels).
+        stacked = len(dates) == 1 and channels and len(bands or range(_band_count(dates[0]))) == channels
+        if num_dates and len(dates) != num_dates and not stacked:
+            raise ConfigError(f"--input {','.join(dates)}: {len(dates)} date(s), but the model "
+                              f"({model_cfg.get('type')}) takes {num_dates}; give the {num_dates} dates "
+                              f"of the scene joined by commas (a_may.tif,a_aug.tif)")
         for path in dates:  # the model's channels are the bands of every date
             check_bands(path, bands, channels // len(dates) if channels else None)
     os.makedirs(args.output, exist_ok=True)
@@ -146,7 +174,7 @@ def _run(args):
             t = time.perf_counter()
             v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],
                                     simplify=args.simplify, min_area=args.min_area,
-                                    exclude=args.exclude_classes)
+                                    exclude=exclude)
             print(f'[predict] {out} -> {vector} | {v["features"]} polygons in '
                   f'{time.perf_counter() - t:.1f} s', flush=True)
     if distributed.is_main():

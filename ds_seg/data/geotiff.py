@@ -295,7 +295,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         configure_gdal_for_worker()
         if stac is not None:
             if images is not None or labels is not None:
-                raise ConfigError("give either `stac` or `images`/`labels`, not both")
+                raise ConfigError("give either `stac` or `images`/`labels`, not both (over a config that "
+                                  "sets images: --cfg-options data.train.images=None data.train.labels=None)")
             if stac_bands is None:
                 raise ConfigError(f"stac={stac!r}: name the image asset(s) with `stac_bands` "
                                   f"(one multi-band asset, or one asset per band)")
@@ -443,6 +444,32 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 names = classes if isinstance(classes, (list, tuple)) else None
                 vectors[key] = VectorLabels(s['label'], self.label_field, s['crs'], names)
             s['vector_key'] = key
+        # A file whose features all lie off its images (or no feature in any file) would label
+        # every pixel label_fill: a wrong file, or coordinates read in the wrong CRS. A file
+        # without features is fine on its own (a tile without buildings).
+        everything_empty = bool(vectors) and all(v.bounds() is None for v in vectors.values())
+        for key, v in vectors.items():
+            scenes = [s for s in self._scenes if s.get('vector_key') == key]
+            if (v.bounds() is None and not everything_empty) or any(
+                    v.overlaps(s['transform'], s['width'], s['height']) for s in scenes):
+                continue
+            s = scenes[0]
+            left, top = s['transform'] * (0, 0)
+            right, bottom = s['transform'] * (s['width'], s['height'])
+            box = tuple(round(c, 6) for c in (min(left, right), min(top, bottom), max(left, right), max(top, bottom)))
+            features = (f"its features span {tuple(round(b, 6) for b in v.bounds())}" if v.bounds()
+                        else "it holds no feature")
+            img_crs = s['crs'].to_string() if s['crs'] else 'pixel coordinates'
+            if v.file_crs is None:
+                how = "; the file declares no CRS, so its coordinates were taken to be the image's"
+            elif s['crs'] is not None and v.file_crs != s['crs']:
+                how = f"; reprojected from the file's CRS {v.file_crs.to_string()}"
+            else:
+                how = ''
+            raise DataError(f"labels {v.path}: no feature lies on image {s['image']}"
+                            f"{f' or the {len(scenes) - 1} other(s)' if len(scenes) > 1 else ''} "
+                            f"({features}, the image spans {box}, both in {img_crs}{how}); "
+                            f"check the vector file and its CRS")
         return vectors
 
     def _vector_window(self, s, window):
@@ -668,8 +695,16 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                               f"scenes' area) or 'rare_class' (DAFormer rare-class sampling)")
         self.sampling = sampling if self.mode == 'random' else 'uniform'
         self._rcs_classes = None
+        self.rare_class_absent = ()
         if self.sampling != 'rare_class':
             return
+        try:  # before the class index, which reads every label once
+            bad = not float(temperature) > 0
+        except (TypeError, ValueError):
+            bad = True
+        if bad:
+            raise ConfigError(f"rare_class_temperature={temperature!r}: must be a number > 0 (DAFormer "
+                              f"uses 0.01; larger values sample classes more evenly)")
         # An eighth of the crop: any window drawn around a candidate pixel holds ~64 grid
         # points, so the grid finds every region a window could be centred on.
         stride = max(1, min(self.crop_h, self.crop_w) // 8)
@@ -678,7 +713,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if not counts.any():
             raise DataError(f"sampling='rare_class': no labelled pixel in the labels "
                             f"({self._scenes[0]['label']}, ...); use sampling='uniform'")
-        p = class_probabilities(counts, temperature)
+        p = class_probabilities(counts, float(temperature))
+        # Classes without a labelled pixel are never drawn (p = 0): the trainer says so.
+        self.rare_class_absent = tuple(self.classes[c] for c in np.flatnonzero(counts == 0).tolist())
         self.class_frequencies = counts / counts.sum()
         self.class_probabilities = p
         self._rcs_classes = np.flatnonzero(p > 0).tolist()

@@ -24,9 +24,10 @@ _RANGE = re.compile(r'^bytes=(\d*)-(\d*)$')
 class RangeServer:
     """Serves ``root`` on 127.0.0.1 (an ephemeral port) from a background thread."""
 
-    def __init__(self, root, latency_s=0.0):
+    def __init__(self, root, latency_s=0.0, honour_range=True):
         self.root = os.path.abspath(root)
         self.latency_s = float(latency_s)
+        self.honour_range = bool(honour_range)  # False: a server that always sends the whole file
         self.bytes_served = 0
         self.requests = 0
         self._lock = threading.Lock()
@@ -87,7 +88,8 @@ class RangeServer:
                     return self._not_found()
                 self.send_response(200)
                 self.send_header('Content-Length', str(os.path.getsize(path)))
-                self.send_header('Accept-Ranges', 'bytes')
+                if server.honour_range:
+                    self.send_header('Accept-Ranges', 'bytes')
                 self.end_headers()
                 server._count(0)
 
@@ -99,7 +101,7 @@ class RangeServer:
                     threading.Event().wait(server.latency_s)
                 size = os.path.getsize(path)
                 start, end = 0, size - 1
-                m = _RANGE.match(self.headers.get('Range', ''))
+                m = _RANGE.match(self.headers.get('Range', '')) if server.honour_range else None
                 if m and (m.group(1) or m.group(2)):
                     if m.group(1):
                         start = int(m.group(1))
@@ -118,7 +120,8 @@ class RangeServer:
                     self.send_response(200)
                 n = end - start + 1
                 self.send_header('Content-Length', str(n))
-                self.send_header('Accept-Ranges', 'bytes')
+                if server.honour_range:
+                    self.send_header('Accept-Ranges', 'bytes')
                 self.end_headers()
                 # Counted before the bytes go out: once a client has them, the count includes them
                 # (counted after, a test could read the count while this thread is still writing).

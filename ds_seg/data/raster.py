@@ -83,6 +83,20 @@ def raster_env(path):
     return contextlib.nullcontext()
 
 
+def remote_hint(exc):
+    """GDAL's error for a URL, with what to do about the usual causes."""
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if 'Range downloading not supported' in message:
+        return (f"{message} (the server ignores HTTP Range requests, so every window would fetch "
+                f"the whole file; serve it from one that honours Range, or download it and give "
+                f"the local path)")
+    if 'response code: 404' in message or 'response code: 410' in message:
+        return f"{message} (no such file at that URL; check the address)"
+    if 'response code: 401' in message or 'response code: 403' in message:
+        return f"{message} (no permission; set GDAL's credentials, e.g. AWS_* for s3://)"
+    return f"{message} (unreachable URL, no permission, or not a raster)"
+
+
 def open_raster(path):
     """``rasterio.open`` with the two user errors turned into one line naming the file.
 
@@ -95,8 +109,7 @@ def open_raster(path):
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
                 return rasterio.open(gdal_path(path))
         except rasterio.errors.RasterioIOError as e:
-            raise DataError(f"{path}: cannot open (unreachable URL, no permission, or not a "
-                            f"raster): {e}") from e
+            raise DataError(f"{path}: cannot open: {remote_hint(e)}") from e
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
     try:

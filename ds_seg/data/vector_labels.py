@@ -78,8 +78,10 @@ class VectorLabels:
                 index = {n: i for i, n in enumerate(classes)}
                 values = np.array([index[n] for n in names], np.int64)
         src_crs = meta.get('crs')
-        if crs is not None and src_crs and rasterio.crs.CRS.from_user_input(src_crs) != crs:
-            geoms = _reproject(geoms, rasterio.crs.CRS.from_user_input(src_crs), crs)
+        self.file_crs = rasterio.crs.CRS.from_user_input(src_crs) if src_crs else None
+        if crs is not None and self.file_crs is not None and self.file_crs != crs:
+            geoms = _reproject(geoms, self.file_crs, crs)
+        self.crs = crs
         self.geoms, self.values = geoms, values
         self._tree = None
 
@@ -92,18 +94,36 @@ class VectorLabels:
         state['_tree'] = None
         return state
 
-    def rasterize(self, transform, window, fill, dtype):
-        """Class values of ``window`` (a rasterio Window of the image grid ``transform``)."""
+    def _hits(self, transform, window):
+        """Indices (file order) of the features that intersect ``window`` of the grid ``transform``."""
         import shapely
         if self._tree is None:
             self._tree = shapely.STRtree(self.geoms)
-        shape = (int(window.height), int(window.width))
         t = transform
-        x0, y0 = window.col_off, window.row_off
+        x0, y0, w, h = window.col_off, window.row_off, window.width, window.height
         # The window's footprint: its four corners in map coordinates (any rotation).
         corners = [(t.a * x + t.b * y + t.c, t.d * x + t.e * y + t.f)
-                   for x, y in ((x0, y0), (x0 + shape[1], y0), (x0 + shape[1], y0 + shape[0]), (x0, y0 + shape[0]))]
-        hits = np.sort(self._tree.query(shapely.Polygon(corners), predicate='intersects'))  # file order: later on top
+                   for x, y in ((x0, y0), (x0 + w, y0), (x0 + w, y0 + h), (x0, y0 + h))]
+        return np.sort(self._tree.query(shapely.Polygon(corners), predicate='intersects'))
+
+    def overlaps(self, transform, width, height):
+        """True when some feature lies (partly) on the ``width`` x ``height`` image of ``transform``."""
+        from rasterio.windows import Window
+        return len(self._hits(transform, Window(0, 0, width, height))) > 0
+
+    def bounds(self):
+        """(xmin, ymin, xmax, ymax) of every feature, in the target CRS (None when there are none)."""
+        import shapely
+        if not len(self.geoms):
+            return None
+        return tuple(float(v) for v in shapely.total_bounds(self.geoms))
+
+    def rasterize(self, transform, window, fill, dtype):
+        """Class values of ``window`` (a rasterio Window of the image grid ``transform``)."""
+        shape = (int(window.height), int(window.width))
+        x0, y0 = window.col_off, window.row_off
+        t = transform
+        hits = self._hits(transform, window)  # file order: later on top
         if not len(hits):
             return np.full(shape, fill, dtype)
         win_transform = t @ rasterio.Affine.translation(x0, y0)

@@ -344,6 +344,16 @@ class Trainer:
             raise ConfigError(f"model.in_channels is {m.in_channels} but data.train yields "
                               f"{self.train_set.in_channels} band(s); set model.in_channels="
                               f"{self.train_set.in_channels} or select bands in the dataset.")
+        data_dates = getattr(self.train_set, 'num_dates', 1)
+        if m.get('num_dates') is not None and data_dates > 1 and m.num_dates != data_dates:
+            raise ConfigError(f"model.num_dates is {m.num_dates} but the scenes of data.train have "
+                              f"{data_dates} dates; set model.num_dates={data_dates} (and model.in_channels="
+                              f"{self.train_set.in_channels}) or give {m.num_dates} dates per scene.")
+        absent = getattr(self.train_set, 'rare_class_absent', ())
+        if absent:
+            self.print(f"data.train.sampling='rare_class': no labelled pixel of {', '.join(map(repr, absent))} "
+                       f"in the training labels; never drawn (rare-class sampling can only pick classes "
+                       f"that occur)")
         loss_ignore = self.cfg.loss.get('ignore_index')
         for name, ds in (('data.train', self.train_set), ('data.val', self.val_set)):
             ds_ignore = getattr(ds, 'ignore_index', None)

@@ -15,7 +15,7 @@ def test_data_benchmark_prints_rates_and_a_training_run(tmp_path, capsys):
     # --train-steps 4: a real `python -m ds_seg.cli.train` child, the only way data_wait_frac is measured
     assert data_benchmark.main(['--scene-size', '256', '--num-scenes', '1', '--crop', '64', '--windows', '20',
                                 '--repeats', '1', '--workers', '1', '--micro-batch', '2', '--train-steps', '4',
-                                '--compress', 'none', '--cache-dir', str(tmp_path / 'scenes'),
+                                '--compress', 'none', '--cache-dir', str(tmp_path / 'scenes'), '--http',
                                 '--out', str(out)]) == 0
     text = capsys.readouterr().out
     figures = json.loads(out.read_text())
@@ -25,6 +25,12 @@ def test_data_benchmark_prints_rates_and_a_training_run(tmp_path, capsys):
         ratio = float(re.search(rf'\[\s*{variant}\] ratio dataset/raw :\s+{NUMBER}x', text).group(1))
         assert raw > 0 and mine > 0 and ratio > 0
         assert round(figures['variants'][variant]['raw_windows_per_s'], 1) == raw  # --out holds what is printed
+        # --http: the same windows from a Range-honouring server on 127.0.0.1, and the bytes they cost
+        http = re.search(rf'\[\s*{variant}\] dataset over HTTP :\s+{NUMBER} windows/s .* {NUMBER} KiB fetched per '
+                         rf'window, files {NUMBER} MiB', text)
+        assert http and float(http.group(1)) > 0 and float(http.group(2)) > 0, text
+        v = figures['variants'][variant]
+        assert v['http_windows_per_s'] > 0 and 0 < v['http_bytes_per_window'] < v['files_bytes']
     assert float(re.search(rf'device step on cpu\s+:\s+{NUMBER} windows/s', text).group(1)) > 0
     assert float(re.search(rf'loader, 1 workers\s+:\s+{NUMBER} windows/s total', text).group(1)) > 0
     wait = re.search(rf'training, 4 steps\s+: data wait {NUMBER}% of step time \(median step {NUMBER} s', text)

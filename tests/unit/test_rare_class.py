@@ -95,3 +95,32 @@ def test_config_key_turns_it_on(tmp_path):
     f, p = ds.class_frequencies, ds.class_probabilities
     present = np.flatnonzero(f > 0)
     assert ds.sampling == 'rare_class' and p.argmax() == present[f[present].argmin()]
+
+
+@pytest.mark.parametrize('temperature', [0, -0.5, 'hot', None])
+def test_bad_temperature_is_one_line_before_the_labels_are_indexed(scene, monkeypatch, temperature):
+    def no_index(*args):
+        raise AssertionError('the labels were indexed before the temperature was checked')
+    monkeypatch.setattr(rare_class, '_build', no_index)
+    with pytest.raises(ConfigError, match=rf"rare_class_temperature={temperature!r}: must be a number > 0"):
+        _ds(scene, crop_size=32, sampling='rare_class', rare_class_temperature=temperature)
+
+
+def test_a_class_absent_from_the_labels_is_named_not_silently_dropped(scene):
+    """A class no label holds gets p = 0; the dataset lists it and the trainer prints it."""
+    from types import SimpleNamespace
+
+    from mmengine.config import ConfigDict
+
+    from ds_seg.engine.trainer import Trainer
+    ds = GeoTiffScenes([scene['img']], [scene['lbl']], classes=('a', 'b', 'c', 'rare', 'water'), mean=[127.5] * 3,
+                       std=[73.9] * 3, mode='random', crop_size=32, sampling='rare_class')
+    assert ds.rare_class_absent == ('water',) and ds.class_probabilities[4] == 0
+    assert _ds(scene, crop_size=32, sampling='rare_class').rare_class_absent == ()
+    printed = []
+    fake = SimpleNamespace(cfg=ConfigDict(model=dict(type='UNetTiny', in_channels=3, num_classes=5),
+                                          loss=dict(ignore_index=255)),
+                           train_set=ds, val_set=None, print=printed.append)
+    Trainer._check_model_matches_data(fake)
+    assert printed == ["data.train.sampling='rare_class': no labelled pixel of 'water' in the training labels; "
+                       "never drawn (rare-class sampling can only pick classes that occur)"]

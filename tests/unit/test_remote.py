@@ -87,9 +87,25 @@ def test_s3_urls_read_through_vsis3(cogs, monkeypatch):
 
 
 def test_unreachable_url_is_one_line_naming_it(cogs):
+    from ds_seg.config import ConfigError
+    from ds_seg.inputs import expand_inputs
     url = cogs['server'].url('missing.tif')
-    with pytest.raises(DataError, match='missing.tif: cannot open'):
+    with pytest.raises(DataError, match=r'missing.tif: cannot open: HTTP response code: 404 \(no such file'):
         GeoTiffScenes([url], [url], classes=2, mean=[0], std=[1], check_labels=0)
+    with pytest.raises(ConfigError, match=r'--input: .*missing.tif cannot be read: .*404 \(no such file'):
+        expand_inputs([url])  # predict.py's check of its inputs
+
+
+def test_a_server_that_ignores_range_is_refused_in_one_line(cogs):
+    """Whole-file answers to ranged GETs would download the COG for every window: refused."""
+    from ds_seg.config import ConfigError
+    from ds_seg.inputs import expand_inputs
+    with RangeServer(cogs['tmp'], honour_range=False) as server:
+        url = server.url('img.tif')
+        with pytest.raises(DataError, match=r'img.tif: cannot open: .*ignores HTTP Range requests'):
+            GeoTiffScenes([url], [server.url('lbl.tif')], classes=4, mean=[0] * 3, std=[1] * 3, check_labels=0)
+        with pytest.raises(ConfigError, match=r'--input: .*img.tif cannot be read: .*ignores HTTP Range'):
+            expand_inputs([url])
 
 
 def test_predict_scene_reads_a_url_like_a_file(cogs):

@@ -90,3 +90,43 @@ def test_missing_asset_names_the_assets(catalogue):
     with pytest.raises(ConfigError, match=r"no asset 'nir' \(stac_bands\); its assets are red, green, blue, label"):
         GeoTiffScenes(stac=str(catalogue['tmp'] / 'items.json'), stac_bands=['red', 'nir'], **KW)
     assert os.path.exists(catalogue['tmp'] / 'items.json')
+    with pytest.raises(ConfigError, match=r"not both \(over a config that sets images: --cfg-options "
+                                          r"data.train.images=None data.train.labels=None\)"):
+        GeoTiffScenes(catalogue['stacked'], catalogue['labels'], stac=str(catalogue['tmp'] / 'items.json'),
+                      stac_bands=BANDS, **KW)
+
+
+def test_each_geospatial_input_works_through_cfg_options(catalogue):
+    """The README's --cfg-options for STAC, vector labels, rare-class sampling and dated scenes
+    reach GeoTiffScenes through the config layer and the trainer's dataset builder."""
+    import pyogrio.raw
+    import shapely
+
+    from ds_seg.config import load_config
+    from ds_seg.engine.trainer import _build_dataset
+    tmp = catalogue['tmp']
+    with rasterio.open(catalogue['stacked'][0]) as src:
+        left, bottom, right, top = src.bounds
+    gpkg = str(tmp / 'houses.gpkg')
+    if not os.path.exists(gpkg):
+        pyogrio.raw.write(gpkg, shapely.to_wkb(np.array([shapely.box(left + 10, top - 40, left + 40, top - 10)])),
+                          field_data=[np.array([2], np.int32)], fields=['kind'], crs='EPSG:32633', driver='GPKG',
+                          geometry_type='Polygon')
+    image, label = catalogue['stacked'][0], catalogue['labels'][0]
+    base = ["data.train.type='GeoTiffScenes'", "data.train.classes=3", "data.train.mean=[127.5, 127.5, 127.5]",
+            "data.train.std=[73.9, 73.9, 73.9]"]
+    cases = {
+        'stac': [f"data.train.stac={str(tmp / 'items.json')!r}", "data.train.stac_bands=['red', 'green', 'blue']",
+                 "data.train.images=None", "data.train.labels=None"],
+        'vector': [f"data.train.images=[{image!r}]", f"data.train.labels={gpkg!r}", "data.train.label_field='kind'"],
+        'rare_class': [f"data.train.images=[{image!r}]", f"data.train.labels=[{label!r}]",
+                       "data.train.sampling='rare_class'", "data.train.rare_class_temperature=0.1"],
+        'dates': [f"data.train.images=[[{image!r}, {image!r}]]", f"data.train.labels=[{label!r}]"],
+    }
+    for name, options in cases.items():
+        cfg = load_config(None, base + options)
+        ds = _build_dataset(dict(cfg.data.train), 'data.train', 32, 0)
+        sample = ds[0]
+        assert sample['image'].shape == (6 if name == 'dates' else 3, 32, 32), name
+        assert {'stac': len(ds.scenes) == 2, 'vector': ds.scenes[0].get('vector'),
+                'rare_class': ds.sampling == 'rare_class', 'dates': ds.num_dates == 2}[name], name

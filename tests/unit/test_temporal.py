@@ -1,4 +1,6 @@
 """Time series: dated rasters stacked T x C, a shared-encoder temporal model, prediction."""
+import re
+
 import numpy as np
 import pytest
 import rasterio
@@ -146,3 +148,44 @@ def test_predict_cli_takes_dates_joined_by_commas(tmp_path):
                                     tile=48, overlap=16)
     with rasterio.open(tmp_path / 'out' / 'c_t0_classes.tif') as src:
         np.testing.assert_array_equal(src.read(1), direct)
+
+
+def test_wrong_dates_are_refused_in_one_line_before_any_work(tmp_path, capsys):
+    """predict.py: a scene of the wrong number of dates, dates on different grids (checked for
+    every scene before the first is predicted) or an empty date; training: model.num_dates
+    other than the data's dates."""
+    from types import SimpleNamespace
+
+    from mmengine.config import ConfigDict
+
+    from ds_seg.cli import predict
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    (t0, t1), label = _change_scene(tmp_path, 'a', 0)
+    (u0, u1), _ = _change_scene(tmp_path, 'b', 1)
+    with rasterio.open(u1, 'r+') as d:  # scene b's second date: shifted by 5 m
+        d.transform = from_origin(5, 0, 1, 1)
+    cfg = dict(type='TinyTemporalSegFormer', num_dates=2, in_channels=2, num_classes=2)
+    weights = str(tmp_path / 'weights.pt')
+    torch.save({'state_dict': build(MODELS, cfg).state_dict(), 'model': cfg, 'classes': ['same', 'changed'],
+                'data': {'bands': [1], 'mean': [127.5, 127.5], 'std': [64.0, 64.0]}}, weights)
+    out = tmp_path / 'out'
+    cases = [([f'{t0},{t1},{t0}'], r'3 date\(s\), but the model \(TinyTemporalSegFormer\) takes 2; give the 2 dates'),
+             ([t0], r'1 date\(s\), but the model .* takes 2'),
+             ([f'{t0},{t1}', f'{u0},{u1}'], r'b_t1.tif is not co-registered with .*b_t0.tif'),
+             ([f'{t0},'], r"an empty date; join the dates of one scene with commas and no spaces")]
+    for inputs, message in cases:
+        code = predict.main(['--checkpoint', weights, '--input', *inputs, '--output', str(out), '--tile', '32',
+                             '--overlap', '8'])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and 'Traceback' not in err, err
+        assert re.search(message, err), err
+        assert not out.exists()  # nothing written, not even scene a's class map
+
+    series = GeoTiffScenes([[t0, t1]], [label], classes=2, mean=[127.5], std=[64.0], crop_size=32)
+    fake = SimpleNamespace(cfg=ConfigDict(model=dict(cfg, num_dates=1), loss=dict(ignore_index=255)),
+                           train_set=series, val_set=None, print=print)
+    with pytest.raises(ConfigError, match=r'model.num_dates is 1 but the scenes of data.train have 2 dates'):
+        Trainer._check_model_matches_data(fake)
+    matching = ConfigDict(model=cfg, loss=dict(ignore_index=255))
+    Trainer._check_model_matches_data(SimpleNamespace(**dict(vars(fake), cfg=matching)))  # 2 dates: accepted

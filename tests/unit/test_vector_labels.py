@@ -113,3 +113,22 @@ def test_whole_scene_evaluation_reads_vector_labels_like_rasters(scene):
     vector = evaluate_scenes(model, GeoTiffScenes([scene['img']], scene['vec'], label_field='class',
                                                   mode='grid', **KW), **kw)
     assert torch.equal(raster['confusion'], vector['confusion']) and raster['confusion'].sum() > 0
+
+
+def test_features_off_the_image_are_refused_not_learnt_as_background(scene):
+    """Polygons that miss every image (another place, or a CRS declared wrong) would make every
+    pixel label_fill: one line naming the file, both extents and the CRS instead."""
+    far = shapely.affinity.translate(shapely.box(0, 0, 20, 20), TRANSFORM.c + 5000, TRANSFORM.f - 50)
+    vec = _write_vector(scene['tmp'] / 'far.gpkg', [far], {'class': np.array([1], np.int32)})
+    with pytest.raises(ConfigError, match=r"far.gpkg: no feature lies on image .*img.tif .*both in EPSG:32632\); "):
+        GeoTiffScenes([scene['img']], vec, label_field='class', **KW)
+    # The scene's own features, but the file says Web Mercator: reprojected off the image.
+    wrong = _write_vector(scene['tmp'] / 'mercator.gpkg', scene['geoms'], {'class': scene['cls'].astype(np.int32)},
+                          crs='EPSG:3857')
+    with pytest.raises(ConfigError, match=r"mercator.gpkg: no feature .*reprojected from the file's CRS EPSG:3857"):
+        GeoTiffScenes([scene['img']], wrong, label_field='class', **KW)
+    # One file per tile: a tile whose file holds no feature is fine (a tile without buildings).
+    empty = _write_vector(scene['tmp'] / 'empty.gpkg', [], {'class': np.array([], np.int32)})
+    ds = GeoTiffScenes([scene['img'], scene['img']], [scene['vec'], empty], label_field='class', mode='grid', **KW)
+    last = ds[len(ds) - 1]['label']  # the second tile's last window: background, or seen before
+    assert ((last == 0) | (last == 255)).all() and (last == 0).any()

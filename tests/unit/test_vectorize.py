@@ -157,3 +157,72 @@ def test_predict_cli_writes_polygons_and_refuses_to_overwrite(exported):
     assert proc.returncode == 2 and 'Traceback' not in proc.stderr
     assert f'--vector: {vector} already exists' in proc.stderr
     assert os.path.getsize(vector) == size and not os.path.exists(out + '_again')
+
+
+@pytest.fixture
+def tiny_weights(tmp_path):
+    """A 3-band scene twice under one file name (a/x.tif, b/x.tif) and UNetTiny weights."""
+    import torch
+
+    from ds_seg.registry import MODELS, build
+    image = np.random.default_rng(0).integers(0, 256, (3, 40, 48), dtype=np.uint8)
+    scenes = []
+    for folder in ('a', 'b'):
+        (tmp_path / folder).mkdir()
+        scenes.append(_write(tmp_path / folder / 'x.tif', image))
+    cfg = dict(type='UNetTiny', in_channels=3, num_classes=4)
+    weights = str(tmp_path / 'w.pt')
+    torch.manual_seed(0)
+    torch.save({'state_dict': build(MODELS, cfg).state_dict(), 'model': cfg, 'classes': CLASSES,
+                'data': {'bands': [1, 2, 3], 'mean': [127.5] * 3, 'std': [73.9] * 3}}, weights)
+    return dict(tmp=tmp_path, scenes=[str(s) for s in scenes], weights=weights)
+
+
+def _predict(t, *args):
+    from ds_seg.cli import predict
+    return predict.main(['--checkpoint', t['weights'], '--output', str(t['tmp'] / 'out'), '--tile', '32',
+                         '--overlap', '8', *args])
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--exclude-classes', 'water'], r"--exclude-classes: unknown class 'water'; classes are background, building"),
+    (['--exclude-classes', '9'], r"--exclude-classes: class id 9 is not one of 0..3"),
+    (['--simplify', '-1'], r"--simplify must be >= 0, got -1.0"),
+    (['--min-area', '-5'], r"--min-area must be >= 0, got -5.0"),
+    (['--vector', '{tmp}/nodir/x.gpkg'], r"--vector: the folder .*nodir does not exist"),
+    (['--vector', 'x.shp'], r"--vector: x.shp: unknown vector format '.shp'"),
+    (['--exclude-classes', 'background'], r"shape the polygons of --vector; add --vector"),  # no --vector
+])
+def test_predict_cli_refuses_bad_polygon_options_before_any_work(tiny_weights, capsys, args, message):
+    """Each is one line and exit 2 before the scene is predicted (was: after it, or a traceback,
+    or an unknown class id silently kept)."""
+    import re
+    t = tiny_weights
+    args = [a.format(tmp=t['tmp']) for a in args]
+    if '--vector' not in args and 'add --vector' not in message:
+        args = ['--vector', str(t['tmp'] / 'x.gpkg')] + args
+    code = _predict(t, '--input', t['scenes'][0], *args)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and 'Traceback' not in err, err
+    assert re.search(message, err), err
+    assert not (t['tmp'] / 'out').exists() and not (t['tmp'] / 'x.gpkg').exists()
+
+
+def test_predict_cli_two_inputs_of_one_name_get_two_polygon_files(tiny_weights):
+    """a/x.tif and b/x.tif: a_x_classes.gpkg and b_x_classes.gpkg, like their rasters (the second
+    scene was refused after the first, both named x_classes.gpkg); ids or names exclude alike."""
+    t = tiny_weights
+    assert _predict(t, '--input', *t['scenes'], '--vector', 'gpkg', '--exclude-classes', '0') == 0
+    out = t['tmp'] / 'out'
+    assert sorted(p.name for p in out.iterdir()) == ['a_x_classes.gpkg', 'a_x_classes.tif',
+                                                     'b_x_classes.gpkg', 'b_x_classes.tif']
+    for name in ('a_x', 'b_x'):
+        with rasterio.open(out / f'{name}_classes.tif') as src:
+            cls, transform = src.read(1), src.transform
+        _, _, geometry, fields = pyogrio.raw.read(out / f'{name}_classes.gpkg')
+        back = rasterize(zip(shapely.from_wkb(geometry), fields[0].tolist()), out_shape=cls.shape,
+                         transform=transform, fill=255, dtype='uint8')
+        np.testing.assert_array_equal(back, np.where(cls == 0, 255, cls))
+    by_name = str(t['tmp'] / 'by_name.gpkg')
+    vectorize_class_map(str(out / 'a_x_classes.tif'), by_name, exclude=['background'])
+    assert pyogrio.raw.read(by_name)[3][0].tolist() == pyogrio.raw.read(out / 'a_x_classes.gpkg')[3][0].tolist()
