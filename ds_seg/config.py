@@ -436,13 +436,31 @@ def load_ds_config(path):
         shipped = sorted(p.stem for p in DS_CONFIGS_DIR.glob('*.json'))
         raise ConfigError(f"--deepspeed_config: {path} does not exist. Shipped: {', '.join(shipped)}.")
     try:
-        ds = json.loads(path.read_text())
+        ds = json.loads(path.read_text(), object_pairs_hook=_refuse_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc}).") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file ({exc.reason} at byte {exc.start}); give a DeepSpeed JSON.") from exc
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: key {exc.args[0]!r} is given twice in one object (JSON keeps only the last, "
+                          "DeepSpeed refuses it); keep one.") from exc
     if not isinstance(ds, dict):
         raise ConfigError(f"{path}: the top level must be a JSON object.")
     check_ds_config(ds, str(path))
     return ds
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_duplicate_keys(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
 
 
 def _find_auto(node, prefix=''):
@@ -497,10 +515,34 @@ _DS_SCALARS = {
 _DS_STRING_PARAMS = {'warmup_type', 'cycle_momentum_type', 'decay_type'}
 
 
+def _param_defaults(where, kind):
+    """Parameter name -> default of the optimizer/scheduler class ``kind`` builds (None where
+    the class is not known here): which parameters are booleans by design."""
+    import inspect
+
+    import torch
+    if where == 'optimizer':
+        lowered = str(kind).lower()
+        cls = {'adam': torch.optim.AdamW, 'adamw': torch.optim.AdamW, 'sgd': torch.optim.SGD}.get(lowered) or \
+            getattr(torch.optim, str(kind), None)
+        extra = {'torch_adam': False, 'adam_w_mode': True}  # read by DeepSpeed itself
+    else:
+        from deepspeed.runtime import lr_schedules
+        cls, extra = getattr(lr_schedules, str(kind), None), {}
+    if not isinstance(cls, type):
+        return None
+    return {**{n: p.default for n, p in inspect.signature(cls.__init__).parameters.items()}, **extra}
+
+
+# Optimizer parameters that are numbers whatever the optimizer (for classes not known here).
+_NUMERIC_PARAMS = {'lr', 'eps', 'weight_decay', 'momentum', 'dampening', 'betas', 'max_coeff', 'min_coeff'}
+
+
 def _check_ds_params(block, where, source):
     params = block.get('params', {})
     if not isinstance(params, dict):
         raise ConfigError(f"{source}: '{where}.params' must be an object, got {params!r}.")
+    defaults = _param_defaults(where, block.get('type'))
     for key, value in params.items():
         ok = (isinstance(value, str) if key in _DS_STRING_PARAMS else
               isinstance(value, bool) or _is_number(value) or value is None
@@ -508,11 +550,23 @@ def _check_ds_params(block, where, source):
         if not ok:
             hint = ' (write it without quotes)' if isinstance(value, str) and _looks_numeric(value) else ''
             raise ConfigError(f"{source}: '{where}.params.{key}' must be a number, got {value!r}{hint}.")
+        # true/false where a number is meant would be read as 1/0 ("lr": true trains at LR 1).
+        boolean = (isinstance(defaults[key], (bool, type(None))) if defaults and key in defaults
+                   else key not in _NUMERIC_PARAMS)
+        if isinstance(value, bool) and not boolean:
+            raise ConfigError(f"{source}: '{where}.params.{key}' must be a number, got {json.dumps(value)}.")
         if key == 'betas' and not (isinstance(value, list) and len(value) == 2 and all(0 <= b < 1 for b in value)):
             raise ConfigError(f"{source}: '{where}.params.betas' must be two numbers in [0, 1), e.g. [0.9, 0.999], "
                               f"got {value!r}.")
         if key == 'lr' and _is_number(value) and value < 0:
             raise ConfigError(f"{source}: '{where}.params.lr' must be >= 0, got {value!r}.")
+        if where == 'scheduler' and _is_number(value) and key != 'last_batch_iteration':
+            # Every DeepSpeed schedule's LRs, momenta, ratios, rates and step counts are >= 0, and
+            # its ratios (fractions of the optimizer's LR) <= 1: a negative one trains at a
+            # negative LR without any error.
+            if value < 0 or (key.endswith('_ratio') and value > 1):
+                what = 'a number in [0, 1]' if key.endswith('_ratio') else 'a number >= 0'
+                raise ConfigError(f"{source}: 'scheduler.params.{key}' must be {what}, got {value!r}.")
 
 
 def _looks_numeric(text):
@@ -606,34 +660,115 @@ def _check_with_deepspeed(ds, source):
         raise ConfigError(f'{source}: {_pydantic_line(exc, ds)}') from exc
     except (ValueError, TypeError, AssertionError, KeyError) as exc:
         raise ConfigError(f'{source}: DeepSpeed refuses this config: {str(exc).splitlines()[0]}') from exc
+    for key, model in _ds_models().items():
+        if isinstance(ds.get(key), dict):
+            _check_json_types(model, ds[key], key, source)
 
 
-# The top-level key each of DeepSpeed's pydantic models validates (for error paths).
-_DS_BLOCK_MODELS = {'DeepSpeedZeroConfig': 'zero_optimization', 'DeepSpeedFP16Config': 'fp16',
-                    'DeepSpeedBF16Config': 'bf16'}
+def _pydantic_models():
+    """Every DeepSpeed config model by class name (a ValidationError names only its model)."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+    found, todo = {}, [DeepSpeedConfigModel]
+    while todo:
+        cls = todo.pop()
+        found.setdefault(cls.__name__, cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def _ds_models():
+    """The top-level blocks DeepSpeed validates with a pydantic model, and the model."""
+    import deepspeed.runtime.precision_config as precision
+    import deepspeed.runtime.zero.config as zero
+    return {'zero_optimization': zero.DeepSpeedZeroConfig, 'fp16': precision.DeepSpeedFP16Config,
+            'bf16': precision.DeepSpeedBF16Config, 'bfloat16': precision.DeepSpeedBF16Config}
+
+
+def _check_json_types(model, block, where, source):
+    """DeepSpeed's models convert leniently ("enabled": "yes" is true, "stage": "2" is 2, a number
+    for a flag is a flag): refuse a JSON value whose type is not the field's, so what trains is
+    what the file plainly says."""
+    import enum
+    import typing
+    fields_by_name = {}
+    for name, info in model.model_fields.items():
+        fields_by_name[name] = info
+        if info.alias:
+            fields_by_name[info.alias] = info
+    for key, value in block.items():
+        info = fields_by_name.get(key)
+        if info is None:
+            continue  # unknown keys: DeepSpeed's own model refused them already
+        path = f'{where}.{key}'
+        kinds = [a for a in (typing.get_args(info.annotation) or (info.annotation,)) if a is not type(None)]
+        sub = next((k for k in kinds if hasattr(k, 'model_fields')), None)
+        if isinstance(value, dict) and sub is not None:
+            _check_json_types(sub, value, path, source)
+            continue
+        enums = [k for k in kinds if isinstance(k, type) and issubclass(k, enum.Enum)]
+        allowed = set()
+        for k in kinds:
+            if k is bool:
+                allowed.add(bool)
+            elif k in (int, float) or (isinstance(k, type) and issubclass(k, (int, float)) and k is not bool):
+                allowed.add('number')
+            elif k is str or (isinstance(k, type) and issubclass(k, str)):
+                allowed.add(str)
+        for e in enums:
+            allowed |= {'number' if isinstance(m.value, (int, float)) else str for m in e}
+        if not allowed:
+            continue  # lists, dicts, paths...: DeepSpeed's own model decides
+        actual = bool if isinstance(value, bool) else 'number' if _is_number(value) else str if isinstance(value, str) \
+            else None
+        if actual is None or actual in allowed:
+            continue
+        what = ' or '.join(sorted({bool: 'true or false', 'number': 'a number', str: 'a string'}[a] for a in allowed))
+        hint = ' (write it without quotes)' if isinstance(value, str) else ''
+        raise ConfigError(f"{source}: {path!r} must be {what}, got {json.dumps(value)}{hint}.")
+
+
+def _block_path(loc, ds):
+    """The path from the top of the JSON of an error at ``loc`` inside some sub-model."""
+    node = ds
+    for part in loc:
+        if not isinstance(node, dict) or part not in node:
+            break
+        node = node[part]
+    else:
+        return list(loc)
+    for key, value in ds.items():  # a model built from one top-level block
+        if isinstance(value, dict) and loc and loc[0] in value:
+            return [key, *loc]
+    return list(loc)
 
 
 def _pydantic_line(exc, ds):
     err = exc.errors()[0]
-    block = _DS_BLOCK_MODELS.get(exc.title, exc.title)
     loc = [str(p) for p in err['loc']]
-    path = '.'.join([block] + loc)
+    named = {'DeepSpeedZeroConfig': 'zero_optimization', 'DeepSpeedFP16Config': 'fp16',
+             'DeepSpeedBF16Config': 'bf16'}
+    full = [named[exc.title], *loc] if exc.title in named else _block_path(loc, ds)
+    path = '.'.join(full)
     if err['type'] == 'extra_forbidden':
-        parent = '.'.join([block] + loc[:-1])
+        parent = '.'.join(full[:-1])
         known = _known_fields(exc.title, loc[:-1])
         close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
-        hint = f"Did you mean '{parent}.{close[0]}'?" if close else f"Known keys of '{parent}': {', '.join(known)}."
-        return f"unknown key {path!r}. {hint}"
+        hint = (f"Did you mean '{parent}.{close[0]}'?" if close else
+                f"Known keys of '{parent}': {', '.join(known)}." if known else '')
+        return f"unknown key {path!r}. {hint}".strip()
+    if err['type'] == 'enum':
+        values = []
+        for v in str(err.get('ctx', {}).get('expected', '')).replace(' or ', ', ').split(', '):
+            if v and v not in values:
+                values.append(v)
+        return f"{path!r} is {err.get('input')!r}: use one of {', '.join(values)}."
     return f"{path!r} is {err.get('input')!r}: {err['msg']}."
 
 
 def _known_fields(model_name, loc):
     """Field names of the pydantic model at ``loc`` inside DeepSpeed's model ``model_name``."""
     import typing
-
-    import deepspeed.runtime.precision_config as precision
-    import deepspeed.runtime.zero.config as zero
-    model = getattr(zero, model_name, None) or getattr(precision, model_name, None)
+    model = _pydantic_models().get(model_name)
     for part in loc:
         field = getattr(model, 'model_fields', {}).get(part)
         if field is None:

@@ -125,6 +125,10 @@ def _run(args):
                                  device=device, preview_size=512 if args.previews else 0,
                                  progress=Progress('evaluation'), **window_kwargs(args))
     cm = result['confusion']
+    if int(cm.sum()) == 0:  # metrics of nothing would be null, or a traceback; nothing is written
+        raise ValueError(f"no pixel of the labels ({', '.join(p[1] for p in scene_pairs(scenes))}) is a class: all are "
+                         f"ignore_index{'' if args.ignore_index is None else ' ' + str(args.ignore_index)}, nodata{' or eroded' if args.erode else ''}; nothing can "
+                         "be measured. Check the label files, --ignore-index or --erode.")
     metrics = metrics_from_confusion(cm, classes, exclude=tuple(args.exclude))
     if distributed.is_main():
         os.makedirs(args.output, exist_ok=True)
@@ -138,7 +142,8 @@ def _run(args):
         save_confusion_png(cm, classes, os.path.join(args.output, 'confusion.png'), args.exclude)
         for i, preview in enumerate(result['previews'][:args.previews]):
             save_preview_png(preview, classes, os.path.join(args.output, f'preview_{i}.png'), bands)
-        print(f"[evaluate] mIoU {metrics['mIoU']:.4f} | mF1 {metrics['mF1']:.4f} | OA {metrics['OA']:.4f}"
+        num = lambda x: 'n/a' if x is None else f'{x:.4f}'  # noqa: E731 -- every class excluded or absent
+        print(f"[evaluate] mIoU {num(metrics['mIoU'])} | mF1 {num(metrics['mF1'])} | OA {num(metrics['OA'])}"
               + (f" (mIoU/mF1 without {', '.join(args.exclude)})" if args.exclude else ''))
         for name, v in metrics['per_class'].items():
             fmt = lambda x: '  -  ' if x is None else f'{x:.3f}'  # noqa: E731

@@ -34,6 +34,12 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def _shown(path):
+    """A path as messages show it: relative where it is under the current folder."""
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith('..') else rel
+
+
 def main(argv=None):
     as_program = argv is None  # not a call from Python: this process's signal handling is ours
     if as_program:  # a stop signal during start-up is kept, not fatal
@@ -45,7 +51,7 @@ def main(argv=None):
         ds_config = load_ds_config(args.deepspeed_config)
         from ds_seg.engine.trainer import Trainer
         trainer = Trainer(cfg, ds_config, backend=args.backend, work_dir=args.work_dir, resume=args.resume,
-                          ds_config_source=os.path.relpath(find_shipped(args.deepspeed_config, DS_CONFIGS_DIR, '.json')))
+                          ds_config_source=_shown(find_shipped(args.deepspeed_config, DS_CONFIGS_DIR, '.json')))
     except (ConfigError, RegistryError, FileNotFoundError) as exc:
         # A user mistake: one line that names the file or key, before any training starts.
         print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)

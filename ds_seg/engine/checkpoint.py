@@ -384,6 +384,7 @@ def export(ckpt_dir, out_file, model_cfg=None, classes=None, extra=None):
         # Bands, mean and std of training: prediction must normalise its inputs the same way.
         payload['data'] = marker['data']
     payload.update(extra or {})
+    payload['sha256'] = weights_digest(state)  # checked on every load: a changed byte is refused
     tmp = f'{out_file}.tmp'
     try:
         torch.save(payload, tmp)
@@ -404,10 +405,35 @@ class UnsafeFileError(ValueError):
                          "it could run code); use checkpoints written by ds_seg or export weights with launch/export.py.")
 
 
+def weights_digest(state_dict):
+    """SHA-256 over every tensor's name, dtype, shape and bytes (in name order): what an exported
+    file records, so that bytes changed on disk are found (torch.load checks no checksum)."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name]
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f'{name}|{tensor.dtype}|{tuple(tensor.shape)}|'.encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b'')
+    return digest.hexdigest()
+
+
+# How the files torch.save writes begin: a zip archive, or (before torch 1.6) a pickle.
+_TORCH_MAGIC = (b'PK\x03\x04', b'\x80')
+
+
 def load_weights_file(path):
     """Read an exported weights file safely (no code execution): returns the payload dict."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_from: {path} does not exist.")
+    with open(path, 'rb') as f:
+        head = f.read(4)
+    if not head.startswith(_TORCH_MAGIC):
+        kind = ('empty (0 bytes)' if not head else 'a TIFF raster' if head in (b'II*\x00', b'MM\x00*')
+                else 'a text file' if head.strip()[:1] in (b'{', b'[', b'#') or head.isascii() else 'another kind of file')
+        raise ValueError(f"{path}: is {kind}, not a weights file (torch.save writes a zip archive); give a file "
+                         "written by launch/export.py.")
     try:
         payload = torch.load(path, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -418,4 +444,8 @@ def load_weights_file(path):
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     if not isinstance(payload, dict) or 'state_dict' not in payload:
         raise ValueError(f"load_from: {path} is not a ds_seg weights file (made by launch/export.py).")
+    recorded = payload.get('sha256')
+    if recorded is not None and weights_digest(payload['state_dict']) != recorded:
+        raise ValueError(f"{path}: the weights do not match the SHA-256 recorded at export (bytes changed on "
+                         "disk or in transfer); export it again or copy it again.")
     return payload

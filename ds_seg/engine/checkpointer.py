@@ -23,6 +23,12 @@ def data_normalisation(train_set):
                 ignore_index=int(getattr(train_set, 'ignore_index', 255)))
 
 
+def optimizer_family(ds_config):
+    """The optimizer whose state a checkpoint holds ('adam' for Adam and AdamW: same state)."""
+    kind = str((ds_config.get('optimizer') or {}).get('type', '')).lower()
+    return 'adam' if kind in ('adam', 'adamw') else kind
+
+
 def _model_dict(model_cfg):
     return model_cfg.to_dict() if hasattr(model_cfg, 'to_dict') else dict(model_cfg)
 
@@ -52,7 +58,8 @@ class Checkpointer:
             world_size=self.spec.world_size, backend=self.spec.backend, zero_stage=self.spec.zero_stage,
             data=data_normalisation(self.train_set))
         tag = checkpoint.save(self.backend, self.root, step, client_state, keep=self.keep,
-                              marker_extra={'param_shapes': self.param_shapes()})
+                              marker_extra={'param_shapes': self.param_shapes(), 'precision': self.spec.precision,
+                                            'optimizer': optimizer_family(self.spec.ds_config)})
         self.report(f'saved checkpoint {self.root}/{tag}')
 
     def param_shapes(self):
@@ -126,6 +133,11 @@ class Checkpointer:
         if marker.get('backend') != self.spec.backend:
             raise ConfigError(f"--resume: {where} is a {marker.get('backend')} checkpoint but this run uses "
                               f"--backend {self.spec.backend}; export it (launch/export.py) and use load_from=.")
+        saved, now = marker.get('optimizer'), optimizer_family(self.spec.ds_config)
+        if saved is not None and saved != now:  # checkpoints from before this was recorded: not checked
+            raise ConfigError(f"--resume: {where} holds the state of optimizer {saved!r} but the DeepSpeed config "
+                              f"uses {now!r}; its state cannot carry over: export it (launch/export.py) and use "
+                              "load_from= to start the new optimizer from its weights.")
         refusal = self.backend.resume_refusal(marker, where)
         if refusal:
             raise ConfigError(refusal)

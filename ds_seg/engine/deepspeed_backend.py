@@ -81,6 +81,15 @@ class DeepSpeedBackend:
         if marker.get('zero_stage') != self.zero_stage:
             return (f"--resume: {where} was saved under ZeRO-{marker.get('zero_stage')} but the DeepSpeed "
                     f"config uses ZeRO-{self.zero_stage}; export it and use load_from= instead.")
+        # Native fp16/bf16 wrap the optimizer in DeepSpeed's mixed-precision optimizers, whose
+        # state (master weights, loss scale) another precision cannot load; fp32 and autocast
+        # runs share the plain optimizer's state.
+        saved = marker.get('precision')
+        native = lambda p: p if p in ('fp16', 'bf16') else 'fp32 or autocast'  # noqa: E731
+        if saved is not None and native(saved) != native(self.precision):
+            return (f"--resume: {where} was saved in {saved} but this run uses {self.precision}; DeepSpeed's "
+                    "optimizer state differs between them: use the precision it was trained with, or export "
+                    "it and use load_from= instead.")
         return None
 
     def train(self):

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from .. import distributed
-from ..config import resolve_ds_config
+from ..config import ConfigError, resolve_ds_config
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -58,6 +58,10 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
     from .backend import backend_class
     engine = backend_class(backend)
     world_size = distributed.world_size()
+    if not ds_config.get('optimizer'):
+        # DeepSpeed would start without one and fail at the first step; DDP would invent one.
+        raise ConfigError(f"{source}: no 'optimizer' block: training needs one, e.g. \"optimizer\": "
+                          "{\"type\": \"AdamW\", \"params\": {\"lr\": 0.001}} (see ds_configs/zero2.json).")
     resolved, precision, notes = resolve_ds_config(ds_config, world_size, max_steps, source=source)
     precision, zero_stage = engine.precision_run(precision), engine.zero_stage_of(resolved)
     return RunSpec(backend=backend, rank=distributed.rank(), world_size=world_size, device=distributed.device(),

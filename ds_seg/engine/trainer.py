@@ -146,6 +146,7 @@ class Trainer:
         if cfg.get('load_from'):
             self._load_weights(model, cfg.load_from)
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
+        self._check_loss_matches_classes()
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
 
         # --- resume ----------------------------------------------------------------------------
@@ -364,6 +365,25 @@ class Trainer:
         if m.get('num_classes') is not None and m.num_classes != self.train_set.num_classes:
             raise ConfigError(f"model.num_classes is {m.num_classes} but data.train has "
                               f"{self.train_set.num_classes} classes ({', '.join(self.train_set.classes)}).")
+
+    # Loss buffers that hold one value per class (CrossEntropy/Ohem class_weight, Focal alpha).
+    _PER_CLASS_BUFFERS = ('class_weight', 'alpha')
+
+    def _check_loss_matches_classes(self):
+        """Per-class loss weights of the wrong length fail only at the first step, after the work
+        dir was written; refuse them now, for every loss (a CombinedLoss included)."""
+        classes = self.train_set.num_classes
+        for module_name, module in self.criterion.named_modules():
+            for name in self._PER_CLASS_BUFFERS:
+                value = getattr(module, name, None)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                key = f"loss{'.' + module_name if module_name else ''}.{name}"
+                if value.dim() != 1 or value.numel() != classes:
+                    raise ConfigError(f"{key} has {value.numel()} value(s) {value.tolist()} but data.train has "
+                                      f"{classes} classes ({', '.join(self.train_set.classes)}): give one per class.")
+                if not (torch.isfinite(value).all() and (value >= 0).all()):
+                    raise ConfigError(f"{key} must hold finite numbers >= 0, got {value.tolist()}.")
 
     # ------------------------------------------------------------------------------------------
     def _start_trackers(self, cfg):

@@ -114,6 +114,65 @@ def test_invalid_json_named(tmp_path):
         load_ds_config(path)
 
 
+def _shipped_zero0(**change):
+    ds = json.loads((DS_CONFIGS_DIR / 'zero0.json').read_text())
+    for path, value in change.items():
+        *parents, key = path.split('__')
+        node = ds
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[key] = value
+    return ds
+
+
+# One step past the obvious in each class of DeepSpeed JSON value: what DeepSpeed's models would
+# convert leniently, a true/false read as 1/0, a schedule that goes negative, a typo in a block
+# other than zero/fp16/bf16. Each is one line naming the key.
+DS_VALUE_REFUSALS = {
+    'stage_quoted': (dict(zero_optimization__stage='2'), "'zero_optimization.stage' must be a number, got \"2\" (write it without quotes)"),
+    'stage_4': (dict(zero_optimization__stage=4), "'zero_optimization.stage' is 4: use one of 0, 1, 2, 3."),
+    'fp16_yes': (dict(fp16__enabled='yes'), "'fp16.enabled' must be true or false, got \"yes\""),
+    'flag_as_number': (dict(zero_optimization__overlap_comm=1), "'zero_optimization.overlap_comm' must be true or false, got 1"),
+    'number_as_flag': (dict(fp16__initial_scale_power=True), "'fp16.initial_scale_power' must be a number, got true"),
+    'nested_quoted': (dict(zero_optimization__stage=3, zero_optimization__offload_param={'device': 'cpu', 'pin_memory': 'true'}),
+                      "'zero_optimization.offload_param.pin_memory' must be true or false"),
+    'lr_true': (dict(optimizer__params__lr=True), "'optimizer.params.lr' must be a number, got true"),
+    'warmup_true': (dict(scheduler__params__warmup_num_steps=True), "'scheduler.params.warmup_num_steps' must be a number, got true"),
+    'ratio_negative': (dict(scheduler__params__warmup_min_ratio=-0.5), "'scheduler.params.warmup_min_ratio' must be a number in [0, 1], got -0.5"),
+    'ratio_above_one': (dict(scheduler__params__cos_min_ratio=2), "'scheduler.params.cos_min_ratio' must be a number in [0, 1], got 2"),
+    'comms_logger_typo': (dict(comms_logger={'enabeld': True}), "unknown key 'comms_logger.enabeld'. Did you mean 'comms_logger.enabled'?"),
+    'tensorboard_typo': (dict(tensorboard={'enabeld': True}), "unknown key 'tensorboard.enabeld'. Did you mean 'tensorboard.enabled'?"),
+}
+
+
+@pytest.mark.parametrize('case', sorted(DS_VALUE_REFUSALS))
+def test_ds_json_values_are_refused_by_type_and_range(tmp_path, case):
+    change, message = DS_VALUE_REFUSALS[case]
+    with pytest.raises(ConfigError) as info:
+        load_ds_config(_write(tmp_path, _shipped_zero0(**change)))
+    assert message in str(info.value) and str(tmp_path) in str(info.value)
+
+
+def test_ds_json_booleans_by_design_are_accepted(tmp_path):
+    load_ds_config(_write(tmp_path, _shipped_zero0(optimizer__params__amsgrad=True, optimizer__params__foreach=False)))
+
+
+def test_ds_json_duplicate_keys_and_binary_files_are_named(tmp_path):
+    path = tmp_path / 'dup.json'
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}')
+    with pytest.raises(ConfigError, match=r"dup.json: key 'train_micro_batch_size_per_gpu' is given twice"):
+        load_ds_config(path)
+    path.write_bytes(b'\xff\xfe\x00 not text')
+    with pytest.raises(ConfigError, match=r'dup.json: not a text file'):
+        load_ds_config(path)
+
+
+def test_a_json_without_optimizer_cannot_train():
+    from ds_seg.engine.run_spec import describe_run
+    with pytest.raises(ConfigError, match=r"x.json: no 'optimizer' block"):
+        describe_run({'train_micro_batch_size_per_gpu': 2}, 'deepspeed', 10, source='x.json')
+
+
 def test_batch_triple():
     assert resolve_batch({'train_micro_batch_size_per_gpu': 4, 'gradient_accumulation_steps': 2}, 3) == (4, 2, 24)
     assert resolve_batch({'train_batch_size': 16, 'train_micro_batch_size_per_gpu': 4}, 2) == (4, 2, 16)

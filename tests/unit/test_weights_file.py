@@ -1,0 +1,44 @@
+"""Exported weights files are verified on every load (load_from, predict, evaluate, export): a
+byte changed inside a tensor, or a file that is not a torch file at all, is one line naming it."""
+import re
+
+import pytest
+import torch
+
+from ds_seg.engine.checkpoint import load_weights_file, weights_digest
+
+
+def _weights(path):
+    state = {'conv.weight': torch.arange(4096, dtype=torch.float32).reshape(64, 64),
+             'conv.bias': torch.ones(64, dtype=torch.bfloat16), 'bn.num_batches_tracked': torch.tensor(3)}
+    torch.save({'state_dict': state, 'model': {'type': 'UNetTiny'}, 'classes': ['a', 'b'],
+                'sha256': weights_digest(state)}, path)
+    return state
+
+
+def test_a_byte_changed_inside_a_tensor_is_refused(tmp_path):
+    path = tmp_path / 'w.pt'
+    state = _weights(path)
+    assert load_weights_file(str(path))['state_dict'].keys() == state.keys()
+    data = bytearray(path.read_bytes())
+    raw = state['conv.weight'].numpy().tobytes()
+    at = data.find(raw)
+    assert at > 0
+    data[at + len(raw) // 2] ^= 0x01  # same size, one bit of one weight: torch.load notices nothing
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r'w.pt: the weights do not match the SHA-256 recorded at export'):
+        load_weights_file(str(path))
+
+
+def test_files_written_without_a_digest_still_load(tmp_path):
+    torch.save({'state_dict': {'w': torch.zeros(2)}}, tmp_path / 'old.pt')
+    assert load_weights_file(str(tmp_path / 'old.pt'))['state_dict']['w'].shape == (2,)
+
+
+@pytest.mark.parametrize('content, kind', [(b'{"train_micro_batch_size_per_gpu": 2}', 'a text file'),
+                                           (b'II*\x00' + bytes(100), 'a TIFF raster'), (b'', 'empty (0 bytes)')])
+def test_a_file_that_is_not_a_torch_file_is_named_as_such(tmp_path, content, kind):
+    path = tmp_path / 'x.pt'
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(f'x.pt: is {kind}, not a weights file')):
+        load_weights_file(str(path))
