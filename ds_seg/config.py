@@ -14,6 +14,7 @@ import copy
 import difflib
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -491,10 +492,92 @@ def check_ds_config(ds, source='DeepSpeed config'):
     if auto:
         raise ConfigError(f"{source}: {auto!r} is \"auto\". \"auto\" is a Hugging Face convention, not a "
                           "DeepSpeed one (DeepSpeed replaces it by a default or crashes): give a value.")
+    _check_block_keys(ds, source)
     for key in ('train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps'):
         if key in ds and (not isinstance(ds[key], int) or isinstance(ds[key], bool) or ds[key] < 1):
             raise ConfigError(f"{source}: {key!r} must be a positive integer, got {ds[key]!r}.")
     _check_ds_values(ds, source)
+
+
+def _constants(module, *prefixes, names=()):
+    """String values of the constants of DeepSpeed's ``module`` named ``prefix...`` (not the
+    ``..._DEFAULT``/``..._FORMAT``/``..._MODES`` ones) and of ``names``: the keys DeepSpeed reads."""
+    import importlib
+    mod = importlib.import_module(module)
+    return {v for n, v in vars(mod).items() if isinstance(v, str) and n.isupper() and (
+        n in names or (n.startswith(prefixes) and not n.endswith(('_DEFAULT', '_FORMAT', '_MODES'))))} \
+        if prefixes else {getattr(mod, n) for n in names}
+
+
+def _block_keys():
+    """Top-level block -> the keys DeepSpeed reads in it, taken from DeepSpeed's own constants
+    modules and config classes, for the blocks DeepSpeed reads as plain dicts (it ignores any
+    other key there). Blocks with a pydantic model are refused by that model itself."""
+    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
+    from deepspeed.runtime.config import get_pipeline_config
+    from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
+    rc = 'deepspeed.runtime.constants'
+    return {
+        'optimizer': _constants(rc, names=('TYPE', 'OPTIMIZER_PARAMS', 'LEGACY_FUSION')),
+        'scheduler': _constants(rc, names=('TYPE', 'SCHEDULER_PARAMS')),
+        'torch_autocast': _constants(rc, 'TORCH_AUTOCAST_'),
+        'data_types': _constants(rc, names=('GRAD_ACCUM_DTYPE', 'PARAM_DTYPE', 'BUFFER_DTYPE', 'KEEP_IN_FP32_MODULES')),
+        'checkpoint': (_constants(rc, 'CHECKPOINT_', names=('LOAD_UNIVERSAL_CHECKPOINT', 'USE_NODE_LOCAL_STORAGE_CHECKPOINT'))
+                       | _constants('deepspeed.runtime.model_checkpointing.constants', 'CHECKPOINT_')) - {'checkpoint'},
+        'activation_checkpointing': set(ACT_CHKPT_DEFAULT),
+        'aio': _constants('deepspeed.runtime.swap_tensor.constants', 'AIO_') - {'aio'},
+        'flops_profiler': _constants('deepspeed.profiling.constants', 'FLOPS_PROFILER_') - {'flops_profiler'},
+        'autotuning': _constants('deepspeed.autotuning.constants', 'AUTOTUNING_', names=('MODEL_INFO',)) - {'autotuning'},
+        'data_efficiency': _constants('deepspeed.runtime.data_pipeline.constants',
+                                      names=('DATA_EFFICIENCY_ENABLED', 'DATA_EFFICIENCY_SEED', 'DATA_SAMPLING',
+                                             'DATA_ROUTING')),
+        'pipeline': set(get_pipeline_config({})),
+        'timers': {'throughput'},
+        'timers.throughput': _pydantic_keys(DeepSpeedThroughputTimerConfig),
+        'zenflow': _pydantic_keys(ZenFlowConfig),
+    }
+
+
+def _pydantic_keys(model):
+    return {k for n, f in model.model_fields.items() for k in (n, f.alias) if k}
+
+
+def _check_block_keys(ds, source):
+    """A typo inside a block DeepSpeed reads as a plain dict is one line, as at the top level."""
+    known = _block_keys()
+    for where, allowed in known.items():
+        node = ds
+        for part in where.split('.'):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        nested = [(where, node)] + ([(f'{where}.{k}', v) for k, v in node.items() if isinstance(v, dict)]
+                                    if where == 'checkpoint' else [])  # checkpoint.writer, .parallel_write
+        for path, block in nested:
+            for key in block:
+                if key not in allowed:
+                    close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
+                    hint = (f"Did you mean '{path}.{close[0]}'?" if close else
+                            f"Known keys of '{where}': {', '.join(sorted(allowed))}.")
+                    raise ConfigError(f"{source}: unknown key '{path}.{key}'. {hint} "
+                                      "DeepSpeed would silently ignore it; fix or remove it.")
+    _check_activation_checkpointing(ds.get('activation_checkpointing'), source)
+
+
+def _check_activation_checkpointing(block, source):
+    """DeepSpeed's activation_checkpointing block configures ``deepspeed.checkpointing``, which
+    no ds_seg model calls: settings there would change nothing. Refused unless all defaults."""
+    if block is None:
+        return
+    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
+    changed = sorted(k for k, v in (block.items() if isinstance(block, dict) else [('', block)])
+                     if k not in ACT_CHKPT_DEFAULT or v != ACT_CHKPT_DEFAULT[k])
+    msg = ("'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg (its models do not use "
+           "deepspeed.checkpointing); set activation_checkpointing=True on the model (or its backbone) in the config instead")
+    if changed:
+        raise ConfigError(f"{source}: {msg} and remove the block (it sets {', '.join(changed) or block!r}).")
+    print(f"ds_seg: warning: {source}: {msg}; the block holds only defaults and is ignored.", file=sys.stderr)
 
 
 # Top-level scalars DeepSpeed reads without checking their type: a string here trains wrongly
@@ -648,7 +731,7 @@ def _check_by_building(ds, source):
 
 def _check_with_deepspeed(ds, source):
     import pydantic
-    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
     probe = copy.deepcopy(ds)
     # The batch triple is resolved later, for the real world size; here any consistent one will do.
     probe.pop('train_batch_size', None)
@@ -658,7 +741,7 @@ def _check_with_deepspeed(ds, source):
         DeepSpeedConfig(probe)
     except pydantic.ValidationError as exc:
         raise ConfigError(f'{source}: {_pydantic_line(exc, ds)}') from exc
-    except (ValueError, TypeError, AssertionError, KeyError) as exc:
+    except (ValueError, TypeError, AssertionError, KeyError, AttributeError, DeepSpeedConfigError) as exc:
         raise ConfigError(f'{source}: DeepSpeed refuses this config: {str(exc).splitlines()[0]}') from exc
     for key, model in _ds_models().items():
         if isinstance(ds.get(key), dict):

@@ -142,6 +142,20 @@ DS_VALUE_REFUSALS = {
     'ratio_above_one': (dict(scheduler__params__cos_min_ratio=2), "'scheduler.params.cos_min_ratio' must be a number in [0, 1], got 2"),
     'comms_logger_typo': (dict(comms_logger={'enabeld': True}), "unknown key 'comms_logger.enabeld'. Did you mean 'comms_logger.enabled'?"),
     'tensorboard_typo': (dict(tensorboard={'enabeld': True}), "unknown key 'tensorboard.enabeld'. Did you mean 'tensorboard.enabled'?"),
+    # Blocks DeepSpeed reads as plain dicts (no pydantic model): keys from its constants modules.
+    'checkpoint_typo': (dict(checkpoint={'tag_validaton': 'Warn'}), "unknown key 'checkpoint.tag_validaton'. Did you mean 'checkpoint.tag_validation'?"),
+    'checkpoint_writer_typo': (dict(checkpoint={'writer': {'tpye': 'fast'}}), "unknown key 'checkpoint.writer.tpye'. Did you mean 'checkpoint.writer.type'?"),
+    'aio_typo': (dict(aio={'queue_dept': 8}), "unknown key 'aio.queue_dept'. Did you mean 'aio.queue_depth'?"),
+    'flops_profiler_typo': (dict(flops_profiler={'enabeld': True}), "unknown key 'flops_profiler.enabeld'. Did you mean 'flops_profiler.enabled'?"),
+    'data_types_typo': (dict(data_types={'grad_acum_dtype': 'fp32'}), "unknown key 'data_types.grad_acum_dtype'. Did you mean 'data_types.grad_accum_dtype'?"),
+    'timers_typo': (dict(timers={'throughput': {'enabld': True}}), "unknown key 'timers.throughput.enabld'. Did you mean 'timers.throughput.enabled'?"),
+    'optimizer_block_typo': (dict(optimizer__parms={}), "unknown key 'optimizer.parms'. Did you mean 'optimizer.params'?"),
+    'torch_autocast_typo': (dict(torch_autocast={'enabeld': True}), "unknown key 'torch_autocast.enabeld'. Did you mean 'torch_autocast.enabled'?"),
+    'act_ckpt_typo': (dict(activation_checkpointing={'partition_activatons': True}),
+                      "unknown key 'activation_checkpointing.partition_activatons'. Did you mean 'activation_checkpointing.partition_activations'?"),
+    'act_ckpt_set': (dict(activation_checkpointing={'partition_activations': True}),
+                     "'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg"),
+    'removed_block': (dict(nebula={'enabled': True}), "DeepSpeed refuses this config: Nebula checkpointing has been removed"),
 }
 
 
@@ -151,6 +165,16 @@ def test_ds_json_values_are_refused_by_type_and_range(tmp_path, case):
     with pytest.raises(ConfigError) as info:
         load_ds_config(_write(tmp_path, _shipped_zero0(**change)))
     assert message in str(info.value) and str(tmp_path) in str(info.value)
+
+
+def test_ds_json_plain_dict_blocks_with_right_keys_are_accepted(tmp_path, capsys):
+    load_ds_config(_write(tmp_path, _shipped_zero0(
+        checkpoint={'tag_validation': 'Warn', 'load_universal': False, 'writer': {'type': 'fast'}},
+        aio={'block_size': 1048576, 'queue_depth': 8}, flops_profiler={'enabled': False, 'profile_step': 1},
+        data_types={'grad_accum_dtype': 'fp32'}, timers={'throughput': {'enabled': True}})))
+    # Only defaults: no effect either way, one warning line instead of a refusal.
+    load_ds_config(_write(tmp_path, _shipped_zero0(activation_checkpointing={'partition_activations': False})))
+    assert capsys.readouterr().err.count("'activation_checkpointing' in the DeepSpeed JSON has no effect") == 1
 
 
 def test_ds_json_booleans_by_design_are_accepted(tmp_path):
