@@ -91,19 +91,32 @@ def build_scenes(args, info):
             ds = build(DATASETS, cfg.data.val, where='data.val', crop_size=cfg.data.crop_size,
                        seed=cfg.train.seed)
         return ds, list(ds.classes)
-    from ds_seg.data.geotiff import expand_paths, inspect_pair
+    from ds_seg.data.geotiff import cached_label_histograms, expand_paths, inspect_pair, label_nodata_message
     images, labels = expand_paths(args.images, '--images'), expand_paths(args.labels or [], '--labels')
     if len(images) != len(labels):
         raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
     expand_inputs(images, '--images')
     expand_inputs(labels, '--labels')
+    scenes = []
     for image, label in zip(images, labels):
-        inspect_pair(image, label)  # size, geotransform, CRS, one label band: as training checks
+        scenes.append(inspect_pair(image, label))  # size, geotransform, CRS, one label band: as training checks
         check_bands(image, args.bands or (info.get('data') or {}).get('bands'), info['model'].get('in_channels'),
                     option='--images')
     classes = args.classes or info['classes']
     if not classes:
         raise ValueError('the checkpoint records no class names; give --classes')
+    # Before any window is predicted: every label value a class or --ignore-index (training's
+    # cached full scan of each label file), and no label nodata tag that is a class.
+    ignore = 255 if args.ignore_index is None else int(args.ignore_index)
+    for scene, histogram in zip(scenes, cached_label_histograms(labels)):
+        nodata = scene.get('label_nodata')
+        if nodata is not None and float(nodata).is_integer() and 0 <= nodata < len(classes) and nodata != ignore:
+            raise ValueError(label_nodata_message(scene['label'], float(nodata), int(nodata), classes[int(nodata)], ignore))
+        bad = sorted(v for v in (histogram or {}) if v != ignore and not (v.is_integer() and 0 <= v < len(classes)))
+        if bad:
+            raise ValueError(f"{scene['label']}: {histogram[bad[0]]} pixel(s) have label value {bad[0]:g}, which is not "
+                             f"a class index 0..{len(classes) - 1} nor --ignore-index {ignore}; nothing was evaluated. "
+                             "Check --labels, --classes or --ignore-index")
     return list(zip(images, labels)), list(classes)
 
 

@@ -170,6 +170,36 @@ def label_histogram(path, band_rows=1024):
     return counts
 
 
+def cached_label_histograms(label_paths):
+    """``[{file value: pixel count}]`` of every label file (None for URLs: a full scan would
+    download them whole), from one full read each (:func:`label_histogram`), cached by file
+    identity in ``.ds_seg_labels.json`` next to the first, so later runs pay nothing. Shared by
+    training's label check and evaluation's."""
+    if not label_paths:
+        return []
+    cache_path = os.path.join(os.path.dirname(os.path.abspath(label_paths[0])), LABELS_CACHE_FILE)
+    cache = _read_cache(cache_path)
+    changed, out = False, []
+    for path in label_paths:
+        if is_remote(path):
+            out.append(None)
+            continue
+        ident = file_identity(path)
+        entry = cache.get(ident['path'])
+        if entry is None or entry.get('identity') != ident:
+            try:
+                histogram = label_histogram(path)
+            except rasterio.errors.RasterioError as e:
+                raise DataError(f"{path}: cannot be read (corrupt or truncated?): {e}") from e
+            entry = {'identity': ident, 'values': {str(v): n for v, n in histogram.items()}}
+            cache[ident['path']] = entry
+            changed = True
+        out.append({float(v): n for v, n in entry['values'].items()})
+    if changed:
+        _write_cache(cache_path, cache)
+    return out
+
+
 def expand_paths(spec, what):
     """A path, a glob or a list of either -> list of paths (each glob sorted); URLs as given."""
     if isinstance(spec, (str, os.PathLike)):
@@ -223,7 +253,15 @@ def inspect_pair(image, label, palette=None):
                             f"colour-coded labels (image {image})")
         return dict(image=image, label=label, width=img.width, height=img.height,
                     count=img.count, nodata=img.nodata, masked=uses_mask_band(img), dtype=img.dtypes[0],
-                    floating=np.dtype(img.dtypes[0]).kind == 'f')
+                    floating=np.dtype(img.dtypes[0]).kind == 'f', label_nodata=lbl.nodata)
+
+
+def label_nodata_message(label, value, class_index, class_name, ignore_index):
+    """The one line for a label file whose nodata tag is also a class (see GeoTiffScenes)."""
+    return (f"{label}: its nodata tag is {value:g}, which is also class {class_index} ({class_name!r}); "
+            f"ds_seg learns and scores pixels by value, GDAL tools (overviews, warps, QGIS) treat them as empty. "
+            f"If {value:g} is that class, remove the tag (gdal_edit.py -unsetnodata {label}); if those pixels "
+            f"hold no label, rewrite them as ignore_index {ignore_index} (or map the value with `label_map`)")
 
 
 @DATASETS.register_module()
@@ -592,6 +630,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         the sample are still checked window by window while training.
         """
         n = len(self._scenes)
+        self._check_label_nodata()
         if check_labels == 0:
             return
         count = n if check_labels is None or check_labels < 0 else min(n, int(check_labels))
@@ -634,32 +673,112 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                         f"check `classes`, or remap with `label_map` / `reduce_zero_label`")
         if self.palette is None:
             self._check_label_values()
+        self._check_labelled_valid_pixels()
+
+    def _check_label_nodata(self):
+        """A label file whose nodata tag is a class value is ambiguous (is that class real, or
+        are those pixels unlabelled?): refused, from the file header alone."""
+        if self.palette is not None:
+            return
+        for s in self._scenes:
+            value = s.get('label_nodata')
+            if value is None or not float(value).is_integer() or not 0 <= value < len(self._label_lut):
+                continue
+            mapped = int(self._label_lut[int(value)])
+            if 0 <= mapped < self.num_classes:
+                raise DataError(label_nodata_message(s['label'], float(value), mapped, self.classes[mapped],
+                                                     self.ignore_index))
+
+    def _labelled_valid(self, s, window=None, out_shape=None):
+        """How many pixels of ``window`` (or of a decimated read to ``out_shape``) of scene ``s``
+        are labelled with a class and valid (not nodata/NaN/masked) at every date."""
+        invalid = None
+        for path in s.get('dates', (s['image'],)):
+            with open_raster(path) as src:
+                raw = src.read(self.bands, window=window, out_shape=None if out_shape is None
+                               else (len(self.bands),) + out_shape)
+                bad = nodata_mask(raw, s['nodata']) if s['nodata'] is not None or raw.dtype.kind == 'f' else None
+                if s['masked']:
+                    m = src.dataset_mask(window=window, out_shape=out_shape) == 0
+                    bad = m if bad is None else bad | m
+            if bad is not None:
+                invalid = bad if invalid is None else invalid | bad
+        with open_raster(s['label']) as src:
+            if self.palette is not None:
+                label = decode_palette(src.read([1, 2, 3], window=window, out_shape=None if out_shape is None
+                                                else (3,) + out_shape), self._palette_lut)
+            else:
+                label = self._map_labels(src.read(1, window=window, out_shape=out_shape))
+        labelled = (label >= 0) & (label != self.ignore_index)
+        if invalid is not None:
+            labelled &= ~invalid
+        return int(np.count_nonzero(labelled))
+
+    def _check_labelled_valid_pixels(self, band_rows=1024):
+        """Refuse a dataset in which no pixel is both labelled with a class and valid in its image
+        (an all-nodata or all-NaN image over its labels would train to loss 0 and report
+        "completed"). A decimated read of image and label per scene settles the usual case at
+        the first scene; only where none shows such a pixel are the scenes read whole, row band
+        by row band, with the count cached by the files' identity next to the labels."""
+        unsure = False
+        for s in self._scenes:
+            if s.get('vector'):
+                unsure = True
+                continue
+            f = max(1.0, max(s['height'], s['width']) / 512)
+            shape = (max(1, int(s['height'] / f)), max(1, int(s['width'] / f)))
+            try:
+                if self._labelled_valid(s, out_shape=shape):
+                    return
+            except rasterio.errors.RasterioError as e:
+                raise DataError(f"{s['image']} / {s['label']}: cannot be read (corrupt or truncated?): {e}") from e
+        cache_path = os.path.join(os.path.dirname(os.path.abspath(self._scenes[0]['label'])), LABELS_CACHE_FILE)
+        cache = _read_cache(cache_path)
+        changed = False
+        for s in self._scenes:
+            if s.get('vector') or any(is_remote(p) for p in (s['label'], *s.get('dates', (s['image'],)))):
+                unsure = True  # a full scan would download them whole
+                continue
+            key = 'labelled_valid:' + os.path.abspath(s['image'])
+            ident = [file_identity(p) for p in (s['label'], *s.get('dates', (s['image'],)))]
+            entry = cache.get(key)
+            if entry is None or entry.get('identity') != ident or entry.get('bands') != self.bands:
+                count = 0
+                for y in range(0, s['height'], band_rows):
+                    count += self._labelled_valid(s, Window(0, y, s['width'], min(band_rows, s['height'] - y)))
+                    if count:
+                        break
+                entry = cache[key] = {'identity': ident, 'bands': self.bands, 'count': count}
+                changed = True
+            if entry['count']:
+                break
+        else:
+            if not unsure:
+                if changed:
+                    _write_cache(cache_path, cache)
+                names = [s['image'] for s in self._scenes[:3]]
+                more = f" and {len(self._scenes) - 3} more" if len(self._scenes) > 3 else ''
+                raise DataError(
+                    f"{', '.join(names)}{more}: no pixel is both labelled with a class and valid in the image "
+                    f"(every labelled pixel is nodata{'/NaN' if any(s['floating'] for s in self._scenes) else ''} "
+                    f"or masked in bands {self.bands}); nothing can be learnt or measured. Check the images' "
+                    "nodata value (gdal_edit.py -unsetnodata / -a_nodata), `bands`, or the image/label pairing")
+        if changed:
+            _write_cache(cache_path, cache)
 
     def _check_label_values(self):
         """Every pixel of every label file, not a sample: a value that is no class anywhere
         stops the run here, and a dataset without a single labelled pixel (which would train to
         loss 0 and report "completed") is refused. One read of each label file, cached by file
         identity next to the labels, so later runs pay nothing."""
-        cache_path = os.path.join(os.path.dirname(os.path.abspath(self._scenes[0]['label'])), LABELS_CACHE_FILE)
-        cache = _read_cache(cache_path)
-        changed, labelled, checked = False, 0, 0
-        for s in self._scenes:
-            # Vector labels were checked when read; remote ones are checked window by window
-            # (a full scan would download them whole).
-            if s.get('vector') or is_remote(s['label']):
+        scanned = [s for s in self._scenes if not s.get('vector')]
+        labelled, checked = 0, 0
+        for s, histogram in zip(scanned, cached_label_histograms([s['label'] for s in scanned])):
+            # Vector labels were checked when read; remote ones are checked window by window.
+            if histogram is None:
                 continue
             checked += 1
-            ident = file_identity(s['label'])
-            entry = cache.get(ident['path'])
-            if entry is None or entry.get('identity') != ident:
-                try:
-                    histogram = label_histogram(s['label'])
-                except rasterio.errors.RasterioError as e:
-                    raise DataError(f"{s['label']}: cannot be read (corrupt or truncated?): {e}") from e
-                entry = {'identity': ident, 'values': {str(v): n for v, n in histogram.items()}}
-                cache[ident['path']] = entry
-                changed = True
-            for value, count in ((float(v), n) for v, n in entry['values'].items()):
+            for value, count in histogram.items():
                 mapped = (int(self._label_lut[int(value)]) if value.is_integer() and 0 <= value < len(self._label_lut)
                           else -1)
                 if mapped < 0:
@@ -669,8 +788,6 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                         f"{', '.join(self.classes)}); check `classes`, or remap with `label_map` / `reduce_zero_label`")
                 if mapped != self.ignore_index:
                     labelled += count
-        if changed:
-            _write_cache(cache_path, cache)
         if labelled == 0 and checked:
             raise DataError(f"{self._scenes[0]['label']}{' and the other label files' if len(self._scenes) > 1 else ''}: "
                             f"no pixel is labelled with a class (all are ignore_index {self.ignore_index}); "

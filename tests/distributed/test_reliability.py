@@ -467,6 +467,12 @@ def _cli_cases(tmp, weights, a, b):
     unlabelled = _write_tif(os.path.join(tmp, 'label_unlabelled.tif'), np.full((1, 48, 48), 255, np.uint8))
     results['eval_unlabelled'] = _run_main('evaluate', ['--checkpoint', weights, '--images', a, '--labels', unlabelled,
                                                         '--output', os.path.join(tmp, 'eval_u')])
+    out_of_range = _write_tif(os.path.join(tmp, 'label_out_of_range.tif'), np.full((1, 48, 48), 9, np.uint8))
+    results['eval_out_of_range'] = _run_main('evaluate', ['--checkpoint', weights, '--images', a, '--labels', out_of_range,
+                                                          '--output', os.path.join(tmp, 'eval_r')])
+    nodata0 = _write_tif(os.path.join(tmp, 'label_nodata0.tif'), np.zeros((1, 48, 48), np.uint8), nodata=0)
+    results['eval_label_nodata'] = _run_main('evaluate', ['--checkpoint', weights, '--images', a, '--labels', nodata0,
+                                                          '--output', os.path.join(tmp, 'eval_n')])
     flipped = os.path.join(tmp, 'flipped.pt')
     state = checkpoint.load_weights_file(weights)['state_dict']
     raw = max(state.values(), key=lambda t: t.numel()).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -568,6 +574,8 @@ def test_inputs_with_the_same_file_name_get_distinct_outputs(cli, exported):
     ('export_missing_parent', 'export', ['does not exist; create it first']),
     ('export_existing', 'export', ['already exists']),
     ('eval_unlabelled', 'evaluate', ['label_unlabelled.tif', 'is a class', 'nothing can be measured']),
+    ('eval_out_of_range', 'evaluate', ['label_out_of_range.tif', 'label value 9', 'nothing was evaluated']),
+    ('eval_label_nodata', 'evaluate', ['label_nodata0.tif', 'nodata tag is 0', 'gdal_edit.py -unsetnodata']),
     ('weights_changed', 'predict', ['flipped.pt', 'do not match the SHA-256 recorded at export']),
     ('json_checkpoint', 'predict', ['zero0_short.json: is a text file, not a weights file']),
 ])
