@@ -272,6 +272,12 @@ class ExperimentSection(_Section):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.load_from and os.path.isdir(self.load_from):
+            import glob
+            found = sorted(glob.glob(os.path.join(glob.escape(self.load_from), 'weights_*.pt')))
+            raise ConfigError(f"load_from={self.load_from!r} is a folder; give the weights file written by "
+                              f"launch/export.py (<work dir>/weights_<step>.pt"
+                              f"{', e.g. ' + repr(found[-1]) if found else ''}); to continue a run use --resume.")
         if self.load_from and not os.path.isfile(self.load_from):
             raise ConfigError(f"load_from={self.load_from!r} does not exist; give a weights file "
                               "written by launch/export.py.")

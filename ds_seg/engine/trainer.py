@@ -356,6 +356,10 @@ class Trainer:
                        f"in the training labels; never drawn (rare-class sampling can only pick classes "
                        f"that occur)")
         loss_ignore = self.cfg.loss.get('ignore_index')
+        if loss_ignore is not None and (isinstance(loss_ignore, bool) or not isinstance(loss_ignore, int)):
+            hint = ' (write it without quotes)' if isinstance(loss_ignore, str) and loss_ignore.strip().lstrip('-').isdigit() else ''
+            raise ConfigError(f"loss.ignore_index must be an integer (the label value of unlabelled pixels, 255 "
+                              f"usually), got {loss_ignore!r}{hint}.")
         for name, ds in (('data.train', self.train_set), ('data.val', self.val_set)):
             ds_ignore = getattr(ds, 'ignore_index', None)
             if ds is not None and loss_ignore is not None and ds_ignore is not None and ds_ignore != loss_ignore:

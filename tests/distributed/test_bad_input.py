@@ -42,6 +42,10 @@ def _cases(tmp):
     img4 = _write_tif(os.path.join(d, 'img4.tif'), rng.integers(0, 255, (4, 64, 64), dtype=np.uint8))
     lbl_bad = _write_tif(os.path.join(d, 'lbl_bad.tif'), np.full((1, 64, 64), 9, dtype=np.uint8))
     lbl_small = _write_tif(os.path.join(d, 'lbl_small.tif'), np.zeros((1, 32, 32), dtype=np.uint8))
+    img_nodata = _write_tif(os.path.join(d, 'img_nodata.tif'), np.zeros((3, 64, 64), dtype=np.uint8), nodata=0)
+    img_nan = _write_tif(os.path.join(d, 'img_nan.tif'), np.full((3, 64, 64), np.nan, dtype=np.float32))
+    lbl_nodata0 = _write_tif(os.path.join(d, 'lbl_nodata0.tif'), rng.integers(0, 6, (1, 64, 64), dtype=np.uint8),
+                             nodata=0)
     corrupt = os.path.join(d, 'corrupt.tif')
     with open(corrupt, 'wb') as f:
         f.write(b'II*\x00' + os.urandom(2000))
@@ -70,6 +74,14 @@ def _cases(tmp):
         'ds_typo': ([], ds_json('typo.json', {**base, 'gradient_clippin': 1.0}), []),
         'ds_auto': ([], ds_json('auto.json', {**base, 'bf16': {'enabled': 'auto'}}), []),
         'ds_batch': ([], ds_json('batch.json', {**base, 'train_batch_size': 7}), []),
+        # no pixel both labelled and valid in its image: would train to loss 0 and "complete"
+        'image_all_nodata': (_geotiff_data([img_nodata], [lbl]), None, []),
+        'image_all_nan': (_geotiff_data([img_nan], [lbl]), None, []),
+        'label_nodata_is_class': (_geotiff_data([img], [lbl_nodata0]), None, []),
+        'ds_block_typo': ([], ds_json('block_typo.json', {**base, 'checkpoint': {'tag_validaton': 'Warn'}}), []),
+        'ds_act_ckpt': ([], ds_json('act_ckpt.json', {**base, 'activation_checkpointing': {'partition_activations': True}}), []),
+        'loss_ignore_str': (['loss.ignore_index=\'255\''], None, []),
+        'load_from_folder': ([f'load_from={tmp}'], None, []),
         'work_dir': ([], None, ['--work-dir', os.path.join(a_file, 'run')]),
         # trained first (see _run_cases), then resumed with another model / class count
         'resume_model': (_geotiff_data([img], [lbl]) + tiny[1:] + ['model.type=UNet', 'model.base_channels=8'],
@@ -121,6 +133,13 @@ EXPECTED = {
     'ds_auto': ["'bf16.enabled' is \"auto\""],
     'ds_batch': ["'train_batch_size' 7"],
     'work_dir': ['--work-dir', 'not writable'],
+    'image_all_nodata': ['img_nodata.tif', 'no pixel is both labelled with a class and valid in the image'],
+    'image_all_nan': ['img_nan.tif', 'no pixel is both labelled with a class and valid', 'NaN'],
+    'label_nodata_is_class': ['lbl_nodata0.tif', 'nodata tag is 0', "class 0 ('class_0')", 'gdal_edit.py -unsetnodata'],
+    'ds_block_typo': ["unknown key 'checkpoint.tag_validaton'", "Did you mean 'checkpoint.tag_validation'?"],
+    'ds_act_ckpt': ["'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg", 'partition_activations'],
+    'loss_ignore_str': ['loss.ignore_index must be an integer', "'255'", 'without quotes'],
+    'load_from_folder': ['load_from=', 'is a folder', 'launch/export.py'],
     'resume_model': ['--resume', 'holds a UNetTiny model', 'builds UNet'],
     'resume_classes': ['--resume', 'trained for 6 classes', 'data has 4'],
 }
