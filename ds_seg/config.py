@@ -510,9 +510,11 @@ def _constants(module, *prefixes, names=()):
     ``..._DEFAULT``/``..._FORMAT``/``..._MODES`` ones) and of ``names``: the keys DeepSpeed reads."""
     import importlib
     mod = importlib.import_module(module)
-    return {v for n, v in vars(mod).items() if isinstance(v, str) and n.isupper() and (
-        n in names or (n.startswith(prefixes) and not n.endswith(('_DEFAULT', '_FORMAT', '_MODES'))))} \
-        if prefixes else {getattr(mod, n) for n in names}
+    keys = {getattr(mod, n) for n in names}
+    if prefixes:
+        keys |= {v for n, v in vars(mod).items() if isinstance(v, str) and n.isupper() and n.startswith(prefixes)
+                 and not n.endswith(('_DEFAULT', '_FORMAT', '_MODES'))}
+    return keys
 
 
 def _block_keys():
@@ -834,8 +836,9 @@ def _block_path(loc, ds):
 def _pydantic_line(exc, ds):
     err = exc.errors()[0]
     loc = [str(p) for p in err['loc']]
-    named = {'DeepSpeedZeroConfig': 'zero_optimization', 'DeepSpeedFP16Config': 'fp16',
-             'DeepSpeedBF16Config': 'bf16'}
+    named = {}
+    for key, model in _ds_models().items():  # the first key of a model ('bf16' before 'bfloat16')
+        named.setdefault(model.__name__, key)
     full = [named[exc.title], *loc] if exc.title in named else _block_path(loc, ds)
     path = '.'.join(full)
     if err['type'] == 'extra_forbidden':

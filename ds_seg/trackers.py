@@ -118,9 +118,11 @@ def build_trackers(log_cfg, work_dir, run_name):
             continue
         try:
             trackers.append(classes[name](log_cfg, work_dir, run_name))
-        except ConfigError:
-            raise
         except Exception as exc:  # no login, an unwritable store, an unreachable server...
+            for started in trackers:  # no run left open in the trackers that did start
+                started.close()
+            if isinstance(exc, ConfigError):
+                raise
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"log.trackers: {name!r} could not start a run ({first[:200]}); "
                               f"{START_HINTS[name]}") from exc

@@ -39,9 +39,9 @@ class DeepSpeedBackend:
             # DeepSpeed casts parameters to half but not buffers: keep BN maths and stats in fp32.
             keep_batchnorm_fp32(model)
         offload = (ds_config.get('zero_optimization', {}).get('offload_optimizer') or {}).get('device') == 'cpu'
-        if 'optimizer' in ds_config:  # a JSON without one trains no optimizer: leave it so
-            ds_config = dict(ds_config, optimizer=speed.choose_adam_params(
-                ds_config['optimizer'], spec.device, speed.fused_adam_prebuilt(), offload=offload))
+        # (describe_run refused a JSON without an optimizer block.)
+        ds_config = dict(ds_config, optimizer=speed.choose_adam_params(
+            ds_config['optimizer'], spec.device, speed.fused_adam_prebuilt(), offload=offload))
         # Parameters must stay contiguous (not channels_last): DeepSpeed views them as flat bytes.
         # Only the activations go channels_last (forward()).
         self.channels_last = spec.channels_last
@@ -85,8 +85,7 @@ class DeepSpeedBackend:
         # state (master weights, loss scale) another precision cannot load; fp32 and autocast
         # runs share the plain optimizer's state.
         saved = marker.get('precision')
-        native = lambda p: p if p in ('fp16', 'bf16') else 'fp32 or autocast'  # noqa: E731
-        if saved is not None and native(saved) != native(self.precision):
+        if saved is not None and _optimizer_state_kind(saved) != _optimizer_state_kind(self.precision):
             return (f"--resume: {where} was saved in {saved} but this run uses {self.precision}; DeepSpeed's "
                     "optimizer state differs between them: use the precision it was trained with, or export "
                     "it and use load_from= instead.")
@@ -182,3 +181,9 @@ def construction_context(spec):
     stack.enter_context(deepspeed.zero.Init(config_dict_or_path=spec.ds_config))
     stack.enter_context(gathering_with(gather_partitioned))
     return stack
+
+
+def _optimizer_state_kind(precision):
+    """Which optimizer state a run in ``precision`` saves: native fp16/bf16 wrap the optimizer in
+    DeepSpeed's mixed-precision optimizers; fp32 and autocast runs keep the plain one."""
+    return precision if precision in ('fp16', 'bf16') else 'fp32 or autocast'

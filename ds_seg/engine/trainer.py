@@ -103,6 +103,8 @@ class Trainer:
         try:
             self._setup(resume, t_start)
         except BaseException:
+            if self.log is not None:
+                self.log.close()  # ends any tracker run already started (a resume refused later)
             self.lock.release()  # a refused run leaves the work dir as it found it
             raise
 
@@ -123,7 +125,6 @@ class Trainer:
     def _setup(self, resume, t_start):
         cfg, spec = self.cfg, self.spec
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
-        self._start_trackers(cfg)
         for note in spec.notes:
             self.print(note)
 
@@ -148,6 +149,8 @@ class Trainer:
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
         self._check_loss_matches_classes()
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
+        # After the config, data and model checks: a refused run leaves no MLflow/W&B run behind.
+        self._start_trackers(cfg)
 
         # --- resume ----------------------------------------------------------------------------
         self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)

@@ -131,6 +131,39 @@ def test_a_tracker_that_cannot_start_stops_every_rank_with_one_line(tmp_path, lo
     assert hint in lines[0] and '\n' not in lines[0]
 
 
+def _refused_with_mlflow(tmp, case):
+    """A run refused while MLflow is asked for: ``wandb_fails`` (MLflow starts, then W&B cannot)
+    or ``config_refused`` (model.num_classes against the data): the MLflow runs left behind."""
+    from mlflow.tracking import MlflowClient
+    uri = 'file://' + os.path.join(tmp, 'mlruns')
+    if case == 'wandb_fails':
+        log, options = dict(trackers=['mlflow', 'wandb'], mlflow_tracking_uri=uri), {}
+    else:
+        log, options = dict(trackers=['mlflow'], mlflow_tracking_uri=uri), {'model': {'num_classes': 3}}
+    for name in ('WANDB_MODE', 'WANDB_API_KEY'):
+        os.environ.pop(name, None)
+    os.environ.update(HOME=os.path.join(tmp, 'home'), WANDB_CONFIG_DIR=os.path.join(tmp, 'home', 'wandb'))
+    cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=2)
+    cfg.merge_from_dict(dict(options, log=log))
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    try:
+        Trainer(cfg, ds_config(0, micro_batch=2), work_dir=os.path.join(tmp, 'run')).close()
+        refused = False
+    except ConfigError:
+        refused = True
+    os.environ['MLFLOW_ALLOW_FILE_STORE'] = 'true'  # this process reads the file store back
+    client = MlflowClient(tracking_uri=uri)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    return refused, [r.info.status for r in runs]
+
+
+@pytest.mark.parametrize('case, statuses', [('wandb_fails', ['FINISHED']), ('config_refused', [])])
+def test_a_refused_run_leaves_no_tracker_run_open(tmp_path, case, statuses):
+    refused, got = run_on_ranks(_refused_with_mlflow, 1, args=(str(tmp_path), case), timeout=180)[0]
+    assert refused and got == statuses
+
+
 def test_unknown_tracker_is_refused_naming_the_known_ones():
     from ds_seg.config import ConfigError
     from ds_seg.trackers import check_trackers
