@@ -53,6 +53,7 @@ import rasterio
 import torch
 from rasterio.enums import Resampling
 from rasterio.errors import NotGeoreferencedWarning
+from rasterio.transform import array_bounds
 from rasterio.windows import Window
 
 from ds_seg.config import ConfigError
@@ -492,9 +493,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     v.overlaps(s['transform'], s['width'], s['height']) for s in scenes):
                 continue
             s = scenes[0]
-            left, top = s['transform'] * (0, 0)
-            right, bottom = s['transform'] * (s['width'], s['height'])
-            box = tuple(round(c, 6) for c in (min(left, right), min(top, bottom), max(left, right), max(top, bottom)))
+            west, south, east, north = array_bounds(s['height'], s['width'], s['transform'])
+            box = tuple(round(c, 6) for c in (min(west, east), min(south, north), max(west, east), max(south, north)))
             features = (f"its features span {tuple(round(b, 6) for b in v.bounds())}" if v.bounds()
                         else "it holds no feature")
             img_crs = s['crs'].to_string() if s['crs'] else 'pixel coordinates'
@@ -734,7 +734,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 raise DataError(f"{s['image']} / {s['label']}: cannot be read (corrupt or truncated?): {e}") from e
         cache_path = os.path.join(os.path.dirname(os.path.abspath(self._scenes[0]['label'])), LABELS_CACHE_FILE)
         cache = _read_cache(cache_path)
-        changed = False
+        changed = found = False
         for s in self._scenes:
             if s.get('vector') or any(is_remote(p) for p in (s['label'], *s.get('dates', (s['image'],)))):
                 unsure = True  # a full scan would download them whole
@@ -751,20 +751,18 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 entry = cache[key] = {'identity': ident, 'bands': self.bands, 'count': count}
                 changed = True
             if entry['count']:
+                found = True
                 break
-        else:
-            if not unsure:
-                if changed:
-                    _write_cache(cache_path, cache)
-                names = [s['image'] for s in self._scenes[:3]]
-                more = f" and {len(self._scenes) - 3} more" if len(self._scenes) > 3 else ''
-                raise DataError(
-                    f"{', '.join(names)}{more}: no pixel is both labelled with a class and valid in the image "
-                    f"(every labelled pixel is nodata{'/NaN' if any(s['floating'] for s in self._scenes) else ''} "
-                    f"or masked in bands {self.bands}); nothing can be learnt or measured. Check the images' "
-                    "nodata value (gdal_edit.py -unsetnodata / -a_nodata), `bands`, or the image/label pairing")
         if changed:
             _write_cache(cache_path, cache)
+        if not (found or unsure):
+            names = [s['image'] for s in self._scenes[:3]]
+            more = f" and {len(self._scenes) - 3} more" if len(self._scenes) > 3 else ''
+            raise DataError(
+                f"{', '.join(names)}{more}: no pixel is both labelled with a class and valid in the image "
+                f"(every labelled pixel is nodata{'/NaN' if any(s['floating'] for s in self._scenes) else ''} "
+                f"or masked in bands {self.bands}); nothing can be learnt or measured. Check the images' "
+                "nodata value (gdal_edit.py -unsetnodata / -a_nodata), `bands`, or the image/label pairing")
 
     def _check_label_values(self):
         """Every pixel of every label file, not a sample: a value that is no class anywhere
