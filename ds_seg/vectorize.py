@@ -334,29 +334,27 @@ def add_vector_args(parser):
                         help='class names or ids not vectorised (e.g. background)')
 
 
-def vector_outputs(vector, inputs, output_dir, overwrite=False, stems=None):
+def vector_outputs(vector, stems, output_dir, overwrite=False):
     """``--vector`` -> one output path per input; refuses existing files, folders that do not
-    exist and ambiguous names. ``stems``: the inputs' output name stems (``inputs.output_stems``:
-    two inputs named ``x.tif`` in different folders get distinct polygon files, as their rasters do).
+    exist and ambiguous names. ``stems``: the inputs' output name stems, as their rasters get them
+    (``ds_seg.inputs.output_stems``: ``a/x.tif`` and ``b/x.tif`` give ``a_x`` and ``b_x``).
 
     Example::
 
-        vector_outputs('gpkg', ['a.tif', 'b.tif'], 'out')  # ['out/a_classes.gpkg', 'out/b_classes.gpkg']
+        vector_outputs('gpkg', ['a', 'b'], 'out')  # ['out/a_classes.gpkg', 'out/b_classes.gpkg']
     """
     from .config import ConfigError  # here: the vectoriser itself runs without the package (benchmark)
     if vector is None:
-        return [None] * len(inputs)
+        return [None] * len(stems)
     if ('.' + vector.lower()) in DRIVERS:
-        if stems is None:
-            stems = [os.path.splitext(os.path.basename(p.split('?')[0]))[0] for p in inputs]  # URLs: no query
         paths = [os.path.join(output_dir, f'{stem}_classes.{vector.lower()}') for stem in stems]
     else:
         try:
             vector_driver(vector)
         except ValueError as e:
             raise ConfigError(f"--vector: {e}") from e
-        if len(inputs) > 1:
-            raise ConfigError(f"--vector {vector}: one file for {len(inputs)} inputs; give a format "
+        if len(stems) > 1:
+            raise ConfigError(f"--vector {vector}: one file for {len(stems)} inputs; give a format "
                               f"(gpkg, geojson or fgb) to write one file per input into --output")
         parent = os.path.dirname(os.path.abspath(vector))
         if not os.path.isdir(parent) and parent != os.path.abspath(output_dir):

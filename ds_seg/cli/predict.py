@@ -132,7 +132,7 @@ def _run(args):
     outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
                for stem in stems]
     check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
-    vectors = vector_outputs(args.vector, firsts, args.output, overwrite=args.overwrite, stems=stems)
+    vectors = vector_outputs(args.vector, stems, args.output, overwrite=args.overwrite)
     device = setup(args)
     if args.checkpoint.endswith('.onnx'):  # CPU deployment: onnxruntime, no model code needed
         from ds_seg.deploy import load_onnx
