@@ -38,7 +38,11 @@ def _observe(tmp):
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.utils import zero_to_fp32
+    from ds_seg import distributed
     from ds_seg.engine import ds_workarounds
+    # ds_seg's process-group start, as training has it: DeepSpeed's own would first JIT-build its
+    # shared-memory all-reduce op (a minute in a fresh TORCH_EXTENSIONS_DIR, as in CI).
+    distributed.init()
     out = {}
     # 1. DeepSpeed's checkpoint loader unpickles anything; ds_seg's refuses.
     bait, marker = os.path.join(tmp, 'bait.pt'), os.path.join(tmp, 'code_ran')
