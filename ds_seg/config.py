@@ -668,14 +668,30 @@ def _looks_numeric(text):
         return False
 
 
+def _ds_scalar_rules():
+    """_DS_SCALARS, plus every other top-level flag DeepSpeed reads with a true/false default
+    (its constants module names each key's default), and ``log_level``, which DeepSpeed only
+    parses inside ``deepspeed.initialize``."""
+    import deepspeed.runtime.constants as constants
+    from deepspeed.utils.logging import log_levels
+    rules = dict(_DS_SCALARS)
+    for name, key in vars(constants).items():
+        if (name.isupper() and isinstance(key, str) and key in DS_TOP_LEVEL_KEYS and key not in rules
+                and isinstance(getattr(constants, f'{name}_DEFAULT', None), bool)):
+            rules[key] = (lambda v: isinstance(v, bool), 'true or false')
+    rules['log_level'] = (lambda v: isinstance(v, str) and v.lower() in log_levels,
+                          f"one of {', '.join(repr(k) for k in log_levels)}")
+    return rules
+
+
 def _check_ds_values(ds, source):
     """Check values, not only keys, before any training: our rules for what DeepSpeed takes
     unchecked, then DeepSpeed's own pydantic models (ZeRO, fp16, bf16... sub-blocks), their
     failures turned into one line naming the key and what it accepts."""
     import torch
-    for key, (check, what) in _DS_SCALARS.items():
+    for key, (check, what) in _ds_scalar_rules().items():
         if key in ds and not check(ds[key]):
-            raise ConfigError(f"{source}: {key!r} must be {what}, got {ds[key]!r}.")
+            raise ConfigError(f"{source}: {key!r} must be {what}, got {json.dumps(ds[key], default=repr)}.")
     optimizer = ds.get('optimizer')
     if optimizer is not None:
         from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS

@@ -156,6 +156,12 @@ DS_VALUE_REFUSALS = {
     'act_ckpt_set': (dict(activation_checkpointing={'partition_activations': True}),
                      "'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg"),
     'removed_block': (dict(nebula={'enabled': True}), "DeepSpeed refuses this config: Nebula checkpointing has been removed"),
+    # Top-level flags DeepSpeed reads without a type check (rule derived from its constants'
+    # true/false defaults): a quoted "false" would be a true value.
+    'drop_last_quoted': (dict(dataloader_drop_last='false'), "'dataloader_drop_last' must be true or false, got \"false\""),
+    'allgather_object': (dict(disable_allgather={}), "'disable_allgather' must be true or false, got {}"),
+    'python_gc_number': (dict(disable_python_gc=1), "'disable_python_gc' must be true or false, got 1"),
+    'log_level_unknown': (dict(log_level='verbose'), "'log_level' must be one of 'debug', 'info', 'warning', 'error', 'critical', got \"verbose\""),
 }
 
 
