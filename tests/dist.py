@@ -16,11 +16,14 @@ import tempfile
 import traceback
 
 # On CPU, ranks are forked from a server that imported these once (multiprocessing's forkserver):
-# a fresh interpreter spends 5-7 s of CPU per rank importing torch and DeepSpeed, about half of a
-# short run on 2 cores. The server starts no thread (checked: one), so a fork of it is as clean
-# as a new interpreter. With a GPU, DeepSpeed's import probes CUDA, which a fork must not
+# a fresh interpreter spends 5-7 s of CPU per rank importing torch and DeepSpeed, and
+# deepspeed.initialize another 4-9 s importing torch._dynamo and inductor (torch.optim's first
+# optimizer, and DeepSpeed's Muon module, compiled at import, that its ZeRO optimizer check
+# imports): most of a short run on 2 cores. The server starts no thread (checked: one), so a
+# fork of it is as clean as a new interpreter. With a GPU, DeepSpeed's import probes CUDA, which a fork must not
 # inherit: a fresh interpreter per rank (spawn) there.
-_PRELOAD = ['torch', 'torch.distributed', 'deepspeed', 'ds_seg.engine.trainer']
+_PRELOAD = ['torch', 'torch.distributed', 'deepspeed', 'ds_seg.engine.trainer', 'torch._dynamo', 'torch._inductor.compile_fx',
+            'deepspeed.runtime.zero.muon.muon_optimizer']
 
 
 def _context():

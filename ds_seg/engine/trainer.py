@@ -139,15 +139,15 @@ class Trainer:
             self.val_set = (_build_dataset(data_cfg.val, 'data.val', data_cfg.crop_size, cfg.train.seed)
                             if data_cfg.get('val') else None)
         self._check_model_matches_data()
+        self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
+        self._check_loss_matches_classes()
 
-        # --- model and loss: identical initial weights on every rank from the seed ------------
+        # --- model: identical initial weights on every rank from the seed ---------------------
         torch.manual_seed(cfg.train.seed)
         # Under ZeRO-3 parameters are partitioned as they are created: no rank holds the model.
         model = backends.build_model(spec, lambda: build(MODELS, cfg.model, where='model'))
         if cfg.get('load_from'):
             self._load_weights(model, cfg.load_from)
-        self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
-        self._check_loss_matches_classes()
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
         # After the config, data and model checks: a refused run leaves no MLflow/W&B run behind.
         self._start_trackers(cfg)
@@ -358,17 +358,6 @@ class Trainer:
             self.print(f"data.train.sampling='rare_class': no labelled pixel of {', '.join(map(repr, absent))} "
                        f"in the training labels; never drawn (rare-class sampling can only pick classes "
                        f"that occur)")
-        loss_ignore = self.cfg.loss.get('ignore_index')
-        if loss_ignore is not None and (isinstance(loss_ignore, bool) or not isinstance(loss_ignore, int)):
-            hint = ' (write it without quotes)' if isinstance(loss_ignore, str) and loss_ignore.strip().lstrip('-').isdigit() else ''
-            raise ConfigError(f"loss.ignore_index must be an integer (the label value of unlabelled pixels, 255 "
-                              f"usually), got {loss_ignore!r}{hint}.")
-        for name, ds in (('data.train', self.train_set), ('data.val', self.val_set)):
-            ds_ignore = getattr(ds, 'ignore_index', None)
-            if ds is not None and loss_ignore is not None and ds_ignore is not None and ds_ignore != loss_ignore:
-                raise ConfigError(f"loss.ignore_index is {loss_ignore} but {name} marks padding and nodata with "
-                                  f"{ds_ignore}: those pixels would be learnt as a class or crash the loss; set "
-                                  f"both to the same value (e.g. {name}.ignore_index={loss_ignore}).")
         if m.get('num_classes') is not None and m.num_classes != self.train_set.num_classes:
             raise ConfigError(f"model.num_classes is {m.num_classes} but data.train has "
                               f"{self.train_set.num_classes} classes ({', '.join(self.train_set.classes)}).")
@@ -378,9 +367,11 @@ class Trainer:
 
     def _check_loss_matches_classes(self):
         """Per-class loss weights of the wrong length fail only at the first step, after the work
-        dir was written; refuse them now, for every loss (a CombinedLoss included)."""
+        dir was written; refuse them now, for every loss (a CombinedLoss included). The same for
+        each loss's ignore_index, the one a member of a CombinedLoss falls back to included."""
         classes = self.train_set.num_classes
         for module_name, module in self.criterion.named_modules():
+            self._check_ignore_index(f"loss{'.' + module_name if module_name else ''}", module)
             for name in self._PER_CLASS_BUFFERS:
                 value = getattr(module, name, None)
                 if not isinstance(value, torch.Tensor):
@@ -391,6 +382,21 @@ class Trainer:
                                       f"{classes} classes ({', '.join(self.train_set.classes)}): give one per class.")
                 if not (torch.isfinite(value).all() and (value >= 0).all()):
                     raise ConfigError(f"{key} must hold finite numbers >= 0, got {value.tolist()}.")
+
+    def _check_ignore_index(self, key, loss):
+        ignore = getattr(loss, 'ignore_index', None)
+        if ignore is None:
+            return
+        if isinstance(ignore, bool) or not isinstance(ignore, int):
+            hint = ' (write it without quotes)' if isinstance(ignore, str) and ignore.strip().lstrip('-').isdigit() else ''
+            raise ConfigError(f"{key}.ignore_index must be an integer (the label value of unlabelled pixels, 255 "
+                              f"usually), got {ignore!r}{hint}.")
+        for name, ds in (('data.train', self.train_set), ('data.val', self.val_set)):
+            ds_ignore = getattr(ds, 'ignore_index', None)
+            if ds is not None and ds_ignore is not None and ds_ignore != ignore:
+                raise ConfigError(f"{key}.ignore_index is {ignore} but {name} marks padding and nodata with "
+                                  f"{ds_ignore}: those pixels would be learnt as a class or crash the loss; set "
+                                  f"both to the same value (e.g. {name}.ignore_index={ignore}).")
 
     # ------------------------------------------------------------------------------------------
     def _start_trackers(self, cfg):

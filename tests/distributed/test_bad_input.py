@@ -61,6 +61,12 @@ def _cases(tmp):
     base = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True}}}
     tiny = ['model.type=UNetTiny', 'train.eval_interval=0', 'train.checkpoint_interval=24',
             'data.crop_size=32']
+    def combined_loss(name, *members):   # a config whose loss is a CombinedLoss of these members
+        path = os.path.join(tmp, name)
+        with open(path, 'w') as f:
+            f.write(f"_base_ = [{TINY_CONFIG!r}]\nloss = dict(_delete_=True, type='CombinedLoss', losses={list(members)!r})\n")
+        return ['--config', path]
+
     a_file = os.path.join(tmp, 'a_file')
     open(a_file, 'w').close()
     return {
@@ -82,6 +88,11 @@ def _cases(tmp):
         'ds_act_ckpt': ([], ds_json('act_ckpt.json', {**base, 'activation_checkpointing': {'partition_activations': True}}), []),
         'loss_ignore_str': (['loss.ignore_index=\'255\''], None, []),
         'load_from_folder': ([f'load_from={tmp}'], None, []),
+        # the members of a CombinedLoss: each one's ignore_index, its class default included
+        'combined_member_ignore_str': ([], None, combined_loss('str.py', dict(type='CrossEntropyLoss'),
+                                                              dict(type='DiceLoss', ignore_index='255'))),
+        'combined_member_ignore_other': ([], None, combined_loss('other.py', dict(type='CrossEntropyLoss', ignore_index=0),
+                                                                dict(type='DiceLoss'))),
         'work_dir': ([], None, ['--work-dir', os.path.join(a_file, 'run')]),
         # trained first (see _run_cases), then resumed with another model / class count
         'resume_model': (_geotiff_data([img], [lbl]) + tiny[1:] + ['model.type=UNet', 'model.base_channels=8'],
@@ -140,6 +151,8 @@ EXPECTED = {
     'ds_act_ckpt': ["'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg", 'partition_activations'],
     'loss_ignore_str': ['loss.ignore_index must be an integer', "'255'", 'without quotes'],
     'load_from_folder': ['load_from=', 'is a folder', 'launch/export.py'],
+    'combined_member_ignore_str': ['loss.losses.1.ignore_index must be an integer', "'255'", 'without quotes'],
+    'combined_member_ignore_other': ['loss.losses.0.ignore_index is 0', 'data.train marks padding and nodata with 255'],
     'resume_model': ['--resume', 'holds a UNetTiny model', 'builds UNet'],
     'resume_classes': ['--resume', 'trained for 6 classes', 'data has 4'],
 }
