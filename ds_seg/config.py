@@ -309,23 +309,38 @@ DEFAULTS = dict(
 _REGISTRY_SECTIONS = {'model', 'loss', 'data.train', 'data.val'}
 
 
+DELETE_KEY = '_delete_'  # mmengine's marker: this dict replaces the default instead of merging into it
+
+
+def _without_delete(value):
+    if isinstance(value, dict):
+        return {k: _without_delete(v) for k, v in value.items() if k != DELETE_KEY}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_delete(v) for v in value)
+    return copy.deepcopy(value)
+
+
 def _merge(base, override, prefix=''):
     out = copy.deepcopy(base)
     for key, value in override.items():
         path = f'{prefix}{key}'
-        if (path in _REGISTRY_SECTIONS and isinstance(value, dict) and isinstance(out.get(key), dict)
+        if isinstance(value, dict) and value.get(DELETE_KEY):
+            out[key] = _without_delete(value)
+        elif (path in _REGISTRY_SECTIONS and isinstance(value, dict) and isinstance(out.get(key), dict)
                 and value.get('type', out[key].get('type')) != out[key].get('type')):
-            out[key] = copy.deepcopy(value)
+            out[key] = _without_delete(value)
         elif isinstance(value, dict) and isinstance(out.get(key), dict) and path not in ('load_from',):
             out[key] = _merge(out[key], value, prefix=f'{path}.')
         else:
-            out[key] = copy.deepcopy(value)
+            out[key] = _without_delete(value)
     return out
 
 
 def _check_keys(cfg, defaults, source, prefix=''):
     for key, value in cfg.items():
         path = f'{prefix}{key}'
+        if key == DELETE_KEY:
+            continue
         if key not in defaults:
             close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.6)
             hint = f" Did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ''

@@ -57,6 +57,21 @@ def test_config_file_merges_over_defaults(tmp_path):
     assert cfg.config_name == 'exp'
 
 
+def test_delete_marker_replaces_the_default_section_as_in_mmengine(tmp_path):
+    """``_delete_=True`` (mmengine's marker) replaces the default instead of merging into it; it
+    never reaches the built object (CombinedLoss has no argument '_delete_')."""
+    path = tmp_path / 'exp.py'
+    path.write_text("loss = dict(_delete_=True, type='CrossEntropyLoss', label_smoothing=0.1)\n"
+                    "model = dict(type='UNet', base_channels=8)\n")
+    cfg = load_config(str(path))
+    assert dict(cfg.loss) == {'type': 'CrossEntropyLoss', 'label_smoothing': 0.1}  # no default ignore_index
+    assert cfg.model.base_channels == 8 and cfg.model.in_channels == DEFAULTS['model']['in_channels']  # merged
+    merged = load_config(None, ['loss.label_smoothing=0.1'])
+    assert merged.loss.ignore_index == DEFAULTS['loss']['ignore_index']
+    path.write_text("loss = dict(_delete_=True, type='CombinedLoss', losses=[dict(_delete_=True, type='DiceLoss')])\n")
+    assert dict(load_config(str(path)).loss) == {'type': 'CombinedLoss', 'losses': [{'type': 'DiceLoss'}]}
+
+
 @pytest.mark.parametrize('options, message', [
     (['train.max_step=3'], r"--cfg-options: unknown key 'train.max_step'. Did you mean 'train.max_steps'"),
     (['trian.max_steps=3'], r"unknown key 'trian'. Did you mean 'train'"),
