@@ -13,7 +13,8 @@ The exit codes are the contract with batch scripts (launch/slurm/*.sbatch requeu
 
 For replayable failure tests, ``DS_SEG_FAULT=sigkill@<point>:<step>`` makes a process SIGKILL
 itself at a named point of the run (see :func:`fault_point`), instead of a test racing a kill
-against a save that lasts milliseconds.
+against a save that lasts milliseconds; ``DS_SEG_FAULT=slow@step:<seconds>`` makes every step
+that much longer (a slow node), so that a test can catch a short run still running.
 """
 import datetime
 import errno as errno_codes
@@ -197,18 +198,21 @@ FAULT_POINTS = {
 
 
 def planned_fault():
-    """``(point, step)`` from ``DS_SEG_FAULT='sigkill@save-files:40'``, or None when unset; a
-    malformed value is refused in one line before training starts."""
+    """``(point, step)`` from ``DS_SEG_FAULT='sigkill@save-files:40'``, ``('slow-step', seconds)``
+    from ``'slow@step:0.3'``, or None when unset; a malformed value is refused in one line
+    before training starts."""
     value = os.environ.get(FAULT_ENV, '').strip()
     if not value:
         return None
     action, _, where = value.partition('@')
-    point, _, step = where.partition(':')
-    if action != 'sigkill' or point not in FAULT_POINTS or not step.isdigit():
-        from ..config import ConfigError
-        raise ConfigError(f"{FAULT_ENV}={value!r}: expected 'sigkill@<point>:<step>' with <point> one of "
-                          f"{', '.join(FAULT_POINTS)}; unset it for a normal run.")
-    return point, int(step)
+    point, _, arg = where.partition(':')
+    if action == 'sigkill' and point in FAULT_POINTS and arg.isdigit():
+        return point, int(arg)
+    if action == 'slow' and point == 'step' and arg.replace('.', '', 1).isdigit():
+        return 'slow-step', float(arg)
+    from ..config import ConfigError
+    raise ConfigError(f"{FAULT_ENV}={value!r}: expected 'sigkill@<point>:<step>' with <point> one of "
+                      f"{', '.join(FAULT_POINTS)}, or 'slow@step:<seconds>'; unset it for a normal run.")
 
 
 def fault_point(point, step):
@@ -216,6 +220,12 @@ def fault_point(point, step):
     replayable stand-in for a node dying there (no handler, no flush, no cleanup)."""
     if planned_fault() == (point, step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def planned_step_delay():
+    """Seconds ``DS_SEG_FAULT=slow@step:<seconds>`` adds to every step; 0 otherwise."""
+    plan = planned_fault()
+    return plan[1] if plan and plan[0] == 'slow-step' else 0.0
 
 
 class Faults:
@@ -235,9 +245,13 @@ class Faults:
     """
 
     def __init__(self):
-        planned_fault()  # a malformed DS_SEG_FAULT stops the run here, before the first step
+        self.step_delay = planned_step_delay()  # a malformed DS_SEG_FAULT stops the run here
         self.stop = StopRequests()
         self.heartbeat = Heartbeat()
+
+    def after_step(self):
+        if self.step_delay:  # a planned slow node (tests)
+            time.sleep(self.step_delay)
 
     def close(self):
         self.heartbeat.close()

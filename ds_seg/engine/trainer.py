@@ -186,6 +186,7 @@ class Trainer:
                     log_now = (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.max_steps
                     self.metrics.add_step(self.train_step(want_grad_norm=log_now))
                     self.step += 1
+                    faults.after_step()
                     if log_now:
                         self.metrics.log_window(self.step)
                     evaluating, saving = self._evaluation_due(), self.checkpointer.due(self.step)

@@ -186,7 +186,12 @@ def test_a_malformed_fault_plan_is_refused_in_one_line(monkeypatch):
     with pytest.raises(ConfigError, match="DS_SEG_FAULT='sigkill@save:40': expected 'sigkill@<point>:<step>'"):
         faults.Faults()
     monkeypatch.setenv('DS_SEG_FAULT', 'sigkill@save-files:40')
-    assert faults.planned_fault() == ('save-files', 40)
+    assert faults.planned_fault() == ('save-files', 40) and faults.planned_step_delay() == 0
+    monkeypatch.setenv('DS_SEG_FAULT', 'slow@step:-1')
+    with pytest.raises(ConfigError, match="or 'slow@step:<seconds>'"):
+        faults.Faults()
+    monkeypatch.setenv('DS_SEG_FAULT', 'slow@step:0.25')
+    assert faults.planned_step_delay() == 0.25
 
 
 def test_a_killed_rank_makes_the_survivor_exit_in_bounded_time_naming_it(tmp_path):

@@ -30,10 +30,12 @@ from tests.tiny import TINY_CONFIG, ds_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-# Long enough that a multi-node run on an idle machine outlasts its timed warning: with
-# `--time=1 --signal=B:USR1@45`, slurmctld (checking limits every 30 s) signals 15 to 45 s after
-# the start, and 120 steps were once done before it came (the run completed, nothing to test).
-MAX_STEPS = 480
+# With `--time=1 --signal=B:USR1@45`, slurmctld (checking limits every 30 s) signals 15 to 45 s
+# after the start; unpaced, 120 steps were once done before it came (the run completed, nothing to
+# test). So (a) runs as a slow node, 0.4 s per step (DS_SEG_FAULT, ds_seg.engine.faults): 160
+# steps outlast the warning by 20 s, while the other jobs, at full speed, stay short.
+MAX_STEPS = 160
+A_STEP_DELAY = 'slow@step:0.4'
 SIGNAL_AT = 8          # steps done before the driver sends a signal
 DRIVE_TIMEOUT_S = 540
 SINGLE = ['launch/slurm/train.sbatch', '--nodes=1', '--ntasks-per-node=1', '--cpus-per-task=1']
@@ -42,7 +44,8 @@ CASES = {
     'reference': dict(submit=SINGLE, action=None, signal=None),
     'b_term_full': dict(submit=SINGLE, action=['scancel', '--signal=TERM', '--full'], signal='SIGTERM'),
     'd_requeue': dict(submit=SINGLE, action=['scontrol', 'requeue'], signal='SIGTERM'),
-    'a_time_warning': dict(submit=MULTI + ['--time=1', '--signal=B:USR1@45'], action=None, signal='SIGUSR1'),
+    'a_time_warning': dict(submit=MULTI + ['--time=1', '--signal=B:USR1@45'], action=None, signal='SIGUSR1',
+                           env={'DS_SEG_FAULT': A_STEP_DELAY}),
     'c_usr1_full': dict(submit=MULTI, action=['scancel', '--signal=USR1', '--full'], signal='SIGUSR1'),
 }
 TERMINAL = {'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL', 'OUT_OF_MEMORY', 'BOOT_FAIL', 'DEADLINE', 'PREEMPTED'}
@@ -67,7 +70,7 @@ def _submit(tmp, name, case):
     ds_path = os.path.join(tmp, 'ds.json')
     script, *sbatch_opts = case['submit']
     env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', PYTHON=sys.executable,
-               NPROC_PER_NODE='2', WORK_DIR=work, DS_CONFIG=ds_path, CONFIG=TINY_CONFIG)
+               NPROC_PER_NODE='2', WORK_DIR=work, DS_CONFIG=ds_path, CONFIG=TINY_CONFIG, **case.get('env', {}))
     cache = os.path.join(tmp, 'cache')
     options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
                f'train.max_steps={MAX_STEPS}', 'train.eval_interval=0', f'train.checkpoint_interval={MAX_STEPS}',
