@@ -70,6 +70,10 @@ def test_delete_marker_replaces_the_default_section_as_in_mmengine(tmp_path):
     assert merged.loss.ignore_index == DEFAULTS['loss']['ignore_index']
     path.write_text("loss = dict(_delete_=True, type='CombinedLoss', losses=[dict(_delete_=True, type='DiceLoss')])\n")
     assert dict(load_config(str(path)).loss) == {'type': 'CombinedLoss', 'losses': [{'type': 'DiceLoss'}]}
+    # A section without a type has nothing to be replaced by: its other keys would go missing.
+    path.write_text("train = dict(_delete_=True, max_steps=5)\n")
+    with pytest.raises(ConfigError, match=r"'train._delete_': only a section with a 'type' .* in train give only"):
+        load_config(str(path))
 
 
 @pytest.mark.parametrize('options, message', [
