@@ -324,6 +324,8 @@ def _merge(base, override, prefix=''):
     out = copy.deepcopy(base)
     for key, value in override.items():
         path = f'{prefix}{key}'
+        if key == DELETE_KEY:  # _delete_=False: merge, as without it
+            continue
         if isinstance(value, dict) and value.get(DELETE_KEY):
             out[key] = _without_delete(value)
         elif (path in _REGISTRY_SECTIONS and isinstance(value, dict) and isinstance(out.get(key), dict)

@@ -68,6 +68,8 @@ def test_delete_marker_replaces_the_default_section_as_in_mmengine(tmp_path):
     assert cfg.model.base_channels == 8 and cfg.model.in_channels == DEFAULTS['model']['in_channels']  # merged
     merged = load_config(None, ['loss.label_smoothing=0.1'])
     assert merged.loss.ignore_index == DEFAULTS['loss']['ignore_index']
+    path.write_text("loss = dict(_delete_=False, label_smoothing=0.1)\n")
+    assert dict(load_config(str(path)).loss) == dict(DEFAULTS['loss'], label_smoothing=0.1)
     path.write_text("loss = dict(_delete_=True, type='CombinedLoss', losses=[dict(_delete_=True, type='DiceLoss')])\n")
     assert dict(load_config(str(path)).loss) == {'type': 'CombinedLoss', 'losses': [{'type': 'DiceLoss'}]}
     # A section without a type has nothing to be replaced by: its other keys would go missing.
