@@ -342,9 +342,9 @@ def _check_keys(cfg, defaults, source, prefix=''):
     for key, value in cfg.items():
         path = f'{prefix}{key}'
         if key == DELETE_KEY:  # registry sections (model, loss, data.train...) are not walked here
-            raise ConfigError(f"{source}: {path!r}: only a section with a 'type' ({', '.join(sorted(_REGISTRY_SECTIONS))}) "
-                              f"can be replaced with _delete_=True; in {prefix.rstrip('.') or 'the top level'} give "
-                              f"only the keys to change.")
+            raise ConfigError(f"{source}: {path!r}: only a section with a 'type' "
+                              f"({', '.join(sorted(_REGISTRY_SECTIONS))}) can be replaced with _delete_=True; "
+                              f"in {prefix.rstrip('.') or 'the top level'} give only the keys to change.")
         if key not in defaults:
             close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.6)
             hint = f" Did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ''

@@ -20,10 +20,10 @@ import traceback
 # deepspeed.initialize another 4-9 s importing torch._dynamo and inductor (torch.optim's first
 # optimizer, and DeepSpeed's Muon module, compiled at import, that its ZeRO optimizer check
 # imports): most of a short run on 2 cores. The server starts no thread (checked: one), so a
-# fork of it is as clean as a new interpreter. With a GPU, DeepSpeed's import probes CUDA, which a fork must not
-# inherit: a fresh interpreter per rank (spawn) there.
-_PRELOAD = ['torch', 'torch.distributed', 'deepspeed', 'ds_seg.engine.trainer', 'torch._dynamo', 'torch._inductor.compile_fx',
-            'deepspeed.runtime.zero.muon.muon_optimizer']
+# fork of it is as clean as a new interpreter. With a GPU, DeepSpeed's import probes CUDA, which
+# a fork must not inherit: a fresh interpreter per rank (spawn) there.
+_PRELOAD = ['torch', 'torch.distributed', 'torch._dynamo', 'torch._inductor.compile_fx', 'deepspeed',
+            'deepspeed.runtime.zero.muon.muon_optimizer', 'ds_seg.engine.trainer']
 
 
 def _context():
