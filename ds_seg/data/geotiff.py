@@ -60,8 +60,8 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (DataError, StackedRaster, gdal_path, is_remote, nodata_mask, open_raster, raster_env,
-                     read_window, uses_mask_band)
+from .raster import (DataError, StackedRaster, file_identity, gdal_path, is_remote, nodata_mask, open_raster,
+                     raster_env, read_window, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -113,22 +113,6 @@ def _keep_large_buffers_in_heap():
 def _dtype_range(dtype):
     info = np.iinfo(dtype) if np.dtype(dtype).kind in 'iu' else np.finfo(dtype)
     return info.min, info.max
-
-
-def file_identity(path, sample_bytes=1 << 16):
-    """What a cache keyed to a file compares: absolute path, size, modification time and a
-    SHA-256 of its first and last ``sample_bytes`` (a file rewritten in place with the same
-    name, even with its old mtime restored, is recognised as new)."""
-    import hashlib
-    path = os.path.abspath(path)
-    st = os.stat(path)
-    digest = hashlib.sha256()
-    with open(path, 'rb') as f:
-        digest.update(f.read(sample_bytes))
-        if st.st_size > sample_bytes:
-            f.seek(max(sample_bytes, st.st_size - sample_bytes))
-            digest.update(f.read(sample_bytes))
-    return {'path': path, 'size': st.st_size, 'mtime_ns': st.st_mtime_ns, 'sample_sha256': digest.hexdigest()}
 
 
 def _read_cache(path):
@@ -586,16 +570,19 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         return mean.astype(np.float32), std.astype(np.float32)
 
     def _cached_or_computed_stats(self, images):
-        # Keyed to the files' identity, not their names: rewritten images get new statistics.
-        # URLs have no local identity: their cache is a user cache keyed to the URLs.
-        key = [p if is_remote(p) else file_identity(p) for p in images[:4]]
-        if is_remote(images[0]):
+        # Keyed to the files' identity, not their names: rewritten images (or a republished URL:
+        # its ETag / Last-Modified) get new statistics. A URL's cache is a user cache; a URL
+        # whose version the server does not tell is read again every time.
+        key = [file_identity(p) for p in images[:4]]
+        if None in key:
+            cache = None
+        elif is_remote(images[0]):
             digest = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
             cache = os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg', f'stats-{digest}.json')
             os.makedirs(os.path.dirname(cache), exist_ok=True)
         else:
             cache = os.path.join(os.path.dirname(key[0]['path']), STATS_CACHE_FILE)
-        cached = _read_cache(cache)
+        cached = _read_cache(cache) if cache else {}
         if cached.get('images') == key:
             return cached
         total = np.zeros(self.num_file_bands)
@@ -618,7 +605,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         mean = total / max(n, 1)
         std = np.sqrt(np.maximum(total_sq / max(n, 1) - mean * mean, 0))
         result = dict(images=key, mean=mean.tolist(), std=std.tolist())
-        _write_cache(cache, result)
+        if cache:
+            _write_cache(cache, result)
         return result
 
     def _check_files(self, check_labels):

@@ -24,10 +24,12 @@ _RANGE = re.compile(r'^bytes=(\d*)-(\d*)$')
 class RangeServer:
     """Serves ``root`` on 127.0.0.1 (an ephemeral port) from a background thread."""
 
-    def __init__(self, root, latency_s=0.0, honour_range=True):
+    def __init__(self, root, latency_s=0.0, honour_range=True, stall=False):
         self.root = os.path.abspath(root)
         self.latency_s = float(latency_s)
         self.honour_range = bool(honour_range)  # False: a server that always sends the whole file
+        self.stall = bool(stall)  # True: accepts connections, never answers (until closed)
+        self._closing = threading.Event()
         self.bytes_served = 0
         self.requests = 0
         self._lock = threading.Lock()
@@ -57,6 +59,7 @@ class RangeServer:
         return self
 
     def __exit__(self, *exc):
+        self._closing.set()
         self._httpd.shutdown()
         self._httpd.server_close()
         return False
@@ -77,23 +80,39 @@ class RangeServer:
                     return None
                 return path
 
+            def _version_headers(self, path):
+                # What object storage and web servers send, and what caches key a URL's version to.
+                st = os.stat(path)
+                self.send_header('ETag', f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
+                self.send_header('Last-Modified', self.date_time_string(st.st_mtime))
+
+            def _stalled(self):
+                if server.stall:
+                    server._closing.wait()
+                return server.stall
+
             def _not_found(self):
                 self.send_response(404)
                 self.send_header('Content-Length', '0')
                 self.end_headers()
 
             def do_HEAD(self):
+                if self._stalled():
+                    return
                 path = self._file()
                 if path is None:
                     return self._not_found()
                 self.send_response(200)
                 self.send_header('Content-Length', str(os.path.getsize(path)))
+                self._version_headers(path)
                 if server.honour_range:
                     self.send_header('Accept-Ranges', 'bytes')
                 self.end_headers()
                 server._count(0)
 
             def do_GET(self):
+                if self._stalled():
+                    return
                 path = self._file()
                 if path is None:
                     return self._not_found()
@@ -120,6 +139,7 @@ class RangeServer:
                     self.send_response(200)
                 n = end - start + 1
                 self.send_header('Content-Length', str(n))
+                self._version_headers(path)
                 if server.honour_range:
                     self.send_header('Accept-Ranges', 'bytes')
                 self.end_headers()

@@ -10,7 +10,8 @@ Where the pixels of each class are is indexed once: the labels are read block ro
 ``stride`` (an eighth of the crop) are kept as candidate positions per class, plus up to
 ``_EXTRA_PER_BAND`` pixels of any class the grid misses in a band (a small object between grid
 points is still found). The index is cached next to the labels (or in ``~/.cache/ds_seg``)
-keyed by the label files, their size and time, and the decoding, like the band statistics.
+keyed by the label and image files' identity (size, time, sampled content; a URL's ETag) and
+the decoding, like the band statistics.
 
 Example::
 
@@ -24,9 +25,9 @@ import os
 import numpy as np
 from rasterio.windows import Window
 
-from .raster import is_remote
+from .raster import file_identity, is_remote
 
-_VERSION = 1
+_VERSION = 2  # 2: keyed to the images too
 _BAND_ROWS = 1024
 _EXTRA_PER_BAND = 64
 _MAX_PER_CLASS = 200_000
@@ -60,14 +61,15 @@ def _cache_path(dataset, key):
 
 
 def _key(dataset, stride):
+    """What the index depends on, or None where a file's version is unknown (not cached): the
+    label files and the images (a vector label is burned into its image's grid, so one label
+    file over a new image is a new index), and the decoding."""
     files = []
     for s in dataset._scenes:
-        p = s['label']
-        if is_remote(p):
-            files.append([p])
-        else:
-            st = os.stat(p)
-            files.append([os.path.abspath(p), st.st_size, st.st_mtime_ns])
+        ident = [file_identity(p) for p in (s['label'], s['image'])]
+        if None in ident:
+            return None
+        files.append(ident)
     lut = dataset._label_lut
     decoding = hashlib.sha1((lut.tobytes() if lut is not None else b'') +
                             repr((dataset.palette, getattr(dataset, 'label_field', None),
@@ -80,6 +82,8 @@ def class_index(dataset, stride):
     """``(counts[K], locations)``: pixel counts per class and, per class, an ``(n, 3)`` int32
     array of candidate ``(scene, row, column)`` positions; cached (see the module docstring)."""
     key = _key(dataset, stride)
+    if key is None:
+        return _build(dataset, stride)
     path = _cache_path(dataset, key)
     try:
         with np.load(path, allow_pickle=False) as z:

@@ -13,6 +13,7 @@ Example::
                                       uses_mask_band(src))
 """
 import contextlib
+import hashlib
 import math
 import os
 import warnings
@@ -37,15 +38,26 @@ class DataError(ConfigError):
 # under a window travel, so a 10 GB cloud-optimised GeoTIFF is never downloaded whole.
 _VSI_PREFIXES = {'http://': '/vsicurl/', 'https://': '/vsicurl/', 's3://': '/vsis3/',
                  'gs://': '/vsigs/', 'az://': '/vsiaz/'}
-# What remote reads need, in one place (rasterio.Env around every remote open and read):
+# What remote reads need, in one place (rasterio.Env around every remote open and read). A GDAL
+# option the user sets in the environment wins over these (raster_env).
 REMOTE_GDAL_OPTIONS = dict(
-    GDAL_DISABLE_READDIR_ON_OPEN='EMPTY_DIR',  # no directory listing (one request, not hundreds)
-    CPL_VSIL_CURL_ALLOWED_EXTENSIONS='.tif,.tiff,.TIF,.TIFF,.vrt,.jp2,.img',  # no probes for .aux.xml, .ovr
+    # No directory listing, so no probes for .aux.xml/.ovr sidecars either: one request to open,
+    # whatever the file is called (.tif, .gtiff, no suffix, a signed URL).
+    GDAL_DISABLE_READDIR_ON_OPEN='EMPTY_DIR',
     VSI_CACHE=True, VSI_CACHE_SIZE=32 << 20,  # per-file cache of fetched ranges (header, IFDs)
+    # GDAL also keeps what it fetched of a URL for the life of the process, across opens: a file
+    # republished under the same URL would be read as old and new bytes mixed. Per handle only.
+    CPL_VSIL_CURL_NON_CACHED='/vsicurl/:/vsis3/:/vsigs/:/vsiaz/',
     GDAL_HTTP_MERGE_CONSECUTIVE_RANGES='YES',  # adjacent tiles of a window: one request
     GDAL_HTTP_MULTIPLEX='YES',                 # HTTP/2: parallel ranges on one connection
     GDAL_HTTP_MAX_RETRY=4, GDAL_HTTP_RETRY_DELAY=0.5,  # a 429/503 from object storage is transient
+    # A server that accepts the connection and then sends nothing would hold a read (and a run's
+    # start-up, which defers Slurm's stop signals) forever: give up after a minute without a byte.
+    # A slow but live link is not cut, as a total-time limit would cut a large window.
+    GDAL_HTTP_CONNECTTIMEOUT=30, GDAL_HTTP_LOW_SPEED_TIME=60, GDAL_HTTP_LOW_SPEED_LIMIT=1,
 )
+# The same limits for the plain HTTP requests ds_seg makes itself (STAC documents, HEAD for caches).
+HTTP_TIMEOUT_S = 60
 
 
 def is_remote(path):
@@ -79,7 +91,7 @@ def raster_env(path):
     """
     # A VRT (STAC bands stacked) may point at remote assets: its reads need the options too.
     if is_remote(path) or os.fspath(path).lower().endswith('.vrt'):
-        return rasterio.Env(**REMOTE_GDAL_OPTIONS)
+        return rasterio.Env(**{k: v for k, v in REMOTE_GDAL_OPTIONS.items() if k not in os.environ})
     return contextlib.nullcontext()
 
 
@@ -94,7 +106,48 @@ def remote_hint(exc):
         return f"{message} (no such file at that URL; check the address)"
     if 'response code: 401' in message or 'response code: 403' in message:
         return f"{message} (no permission; set GDAL's credentials, e.g. AWS_* for s3://)"
+    if 'Operation too slow' in message or 'timed out' in message.lower():
+        return (f"{message} (the server stopped answering; check it, or allow a slower one with "
+                f"GDAL_HTTP_LOW_SPEED_TIME / GDAL_HTTP_CONNECTTIMEOUT in the environment)")
     return f"{message} (unreachable URL, no permission, or not a raster)"
+
+
+def file_identity(path, sample_bytes=1 << 16):
+    """What a cache keyed to a file compares, or None where nothing identifies its version.
+
+    A local file: absolute path, size, modification time and a SHA-256 of its first and last
+    ``sample_bytes`` (a file rewritten in place with the same name, even with its old mtime
+    restored, is recognised as new). An ``http(s)://`` URL: the server's ETag, Last-Modified and
+    size from one HEAD request (a republished file gets new ones); None when the server gives
+    neither ETag nor Last-Modified, and for other schemes (s3://...), whose version ds_seg cannot
+    ask for without GDAL's credentials: callers then compute instead of trusting a cache.
+    """
+    path = os.fspath(path)
+    if is_remote(path):
+        return _http_identity(path) if path.startswith(('http://', 'https://')) else None
+    path = os.path.abspath(path)
+    st = os.stat(path)
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        digest.update(f.read(sample_bytes))
+        if st.st_size > sample_bytes:
+            f.seek(max(sample_bytes, st.st_size - sample_bytes))
+            digest.update(f.read(sample_bytes))
+    return {'path': path, 'size': st.st_size, 'mtime_ns': st.st_mtime_ns, 'sample_sha256': digest.hexdigest()}
+
+
+def _http_identity(url):
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method='HEAD'), timeout=HTTP_TIMEOUT_S) as r:
+            headers = r.headers
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+    etag, modified = headers.get('ETag'), headers.get('Last-Modified')
+    if not (etag or modified):
+        return None
+    return {'path': url, 'etag': etag, 'last_modified': modified, 'size': headers.get('Content-Length')}
 
 
 def open_raster(path):
@@ -150,16 +203,28 @@ class StackedRaster:
 
     @staticmethod
     def check(paths):
-        """Refuse dates that are not on one grid (size, transform, CRS, band count)."""
-        grids = []
+        """Refuse dates that are not on one grid (size, transform, CRS, band count) or do not
+        encode pixels alike (band types, nodata value, mask band): one date's values would be
+        cast to another's type, and its nodata read as data."""
+        grids, codings = [], []
         for p in paths:
             with open_raster(p) as src:
                 grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.count))
+                nodata = None if src.nodata is None else ('nan' if math.isnan(src.nodata) else src.nodata)
+                codings.append((tuple(src.dtypes), nodata, uses_mask_band(src)))
         for p, g in zip(paths[1:], grids[1:]):
             if g != grids[0]:
                 raise DataError(f"{p} is not co-registered with {paths[0]} (size, transform, CRS or "
                                 f"band count differ: {g[:2]} {g[2]} {g[3]} {g[4]} vs {grids[0][:2]} "
                                 f"{grids[0][2]} {grids[0][3]} {grids[0][4]}); resample the dates onto one grid")
+        for p, c in zip(paths[1:], codings[1:]):
+            if c != codings[0]:
+                def say(c):
+                    return (f"types {'/'.join(sorted(set(c[0])))}, nodata {c[1]}, "
+                            f"{'a mask band' if c[2] else 'no mask band'}")
+                raise DataError(f"{p} does not encode pixels like {paths[0]} ({say(c)} vs {say(codings[0])}); "
+                                f"give every date the same type and nodata (gdal_translate -ot, "
+                                f"gdal_edit.py -a_nodata)")
 
     def read(self, indexes=None, window=None):
         idx = list(range(1, self.count + 1)) if indexes is None else [int(i) for i in indexes]
@@ -234,7 +299,8 @@ def nodata_mask(raw_CHW, nodata):
 
 def read_window(src, window, indexes, nodata, masked):
     """``(pixels, invalid)`` of ``window`` of an open raster: bands ``indexes`` in the file's
-    dtype, and the pixels that hold no data (:func:`nodata_mask`, and with ``masked``
+    dtype, and the pixels that hold no data (:func:`nodata_mask`, date by date for a
+    :class:`StackedRaster`; and with ``masked``
     (:func:`uses_mask_band`) those the mask band marks), or None where no pixel can be
     invalid (no nodata value, integer bands, no mask band).
 
@@ -245,7 +311,14 @@ def read_window(src, window, indexes, nodata, masked):
     raw = src.read(indexes=indexes, window=window)
     invalid = None
     if nodata is not None or raw.dtype.kind == 'f':
-        invalid = nodata_mask(raw, nodata)
+        per_date = getattr(src, 'per_date', None)
+        if per_date:  # a stack of dates: no data at any one date makes the pixel invalid (as in training)
+            dates = np.array([(int(i) - 1) // per_date for i in indexes])
+            invalid = np.zeros(raw.shape[1:], bool)
+            for t in np.unique(dates):
+                invalid |= nodata_mask(raw[dates == t], nodata)
+        else:
+            invalid = nodata_mask(raw, nodata)
     if masked:
         bad = src.dataset_mask(window=window) == 0
         invalid = bad if invalid is None else invalid | bad

@@ -1,8 +1,8 @@
 """STAC input: scenes from a STAC Item or ItemCollection, assets picked by name.
 
 Each item is one scene. Its image is one multi-band asset (``image_assets='visual'``) or
-several single-band assets stacked in the order given (``image_assets=['B04', 'B03', 'B02']``,
-Sentinel-2 style: one COG per band). Stacked bands become a small GDAL VRT that points at the
+several assets stacked in the order given (``image_assets=['B04', 'B03', 'B02']``, Sentinel-2
+style: one COG per band; every band of a multi-band asset, so ``['visual', 'B08']`` is RGB+NIR). Stacked bands become a small GDAL VRT that points at the
 assets, so windows are still read straight from each asset, over HTTP if that is where they
 are. The label is one asset (a class raster, or a vector file: see ``label_field``).
 
@@ -13,25 +13,55 @@ Example::
 """
 import hashlib
 import os
+import re
 from xml.sax.saxutils import escape
 
 from ds_seg.config import ConfigError
 
 
+def _read_json(source):
+    """The JSON document at a path or an http(s) URL, with a time limit on the URL."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from .raster import HTTP_TIMEOUT_S
+    try:
+        if source.startswith(('http://', 'https://')):
+            with urllib.request.urlopen(source, timeout=HTTP_TIMEOUT_S) as r:
+                text = r.read()
+        else:
+            with open(source, 'rb') as f:
+                text = f.read()
+    except urllib.error.HTTPError as e:
+        raise ConfigError(f"stac={source!r}: cannot read a STAC JSON document (HTTP {e.code} {e.reason})") from e
+    except (OSError, urllib.error.URLError) as e:  # timeouts are OSErrors
+        reason = getattr(e, 'reason', None) or e
+        raise ConfigError(f"stac={source!r}: cannot read a STAC JSON document ({reason})") from e
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"stac={source!r}: not a JSON document ({e}); give a STAC Item or ItemCollection") from e
+
+
 def _read_items(source):
     import pystac
-    try:  # pystac's reader: local files and http(s) URLs alike
-        doc = pystac.StacIO.default().read_json(source)
-    except Exception as e:  # pystac wraps HTTP errors in a bare Exception
-        raise ConfigError(f"stac={source!r}: cannot read a STAC JSON document ({e})") from e
-    kind = doc.get('type')
-    if kind == 'Feature':
-        items = [pystac.Item.from_dict(doc)]
-    elif kind == 'FeatureCollection':
-        items = list(pystac.ItemCollection.from_dict(doc).items)
-    else:
-        raise ConfigError(f"stac={source!r}: expected a STAC Item or ItemCollection (GeoJSON "
-                          f"'Feature' or 'FeatureCollection'), found type {kind!r}")
+    doc = _read_json(source)
+    kind = doc.get('type') if isinstance(doc, dict) else type(doc).__name__
+    try:
+        if kind == 'Feature':
+            items = [pystac.Item.from_dict(doc)]
+        elif kind == 'FeatureCollection':
+            items = list(pystac.ItemCollection.from_dict(doc).items)
+        else:
+            raise ConfigError(f"stac={source!r}: expected a STAC Item or ItemCollection (GeoJSON "
+                              f"'Feature' or 'FeatureCollection'), found type {kind!r}")
+    except (KeyError, TypeError, ValueError, AttributeError, pystac.STACError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        detail = f"missing {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
+        raise ConfigError(f"stac={source!r}: not a valid STAC {kind} ({type(e).__name__}: {detail}); "
+                          f"every item needs an id and assets with an href") from e
     if not items:
         raise ConfigError(f"stac={source!r}: the ItemCollection holds no items")
     base = source if source.startswith(('http://', 'https://')) else os.path.abspath(source)
@@ -52,36 +82,50 @@ def _asset(item, name, source, what):
 
 
 def _stack_vrt(hrefs, item_id, cache_dir):
-    """A VRT whose band i is band 1 of ``hrefs[i]``; assets must share one grid."""
+    """A VRT of the bands of ``hrefs`` in order (every band of a multi-band asset), read as one
+    type (the narrowest that holds them all, so no asset's values wrap); assets must share one
+    grid and one nodata value."""
+    import numpy as np
+    from rasterio import Affine
+    from rasterio.dtypes import dtype_rev, typename_fwd
+
     from .raster import gdal_path, open_raster
     grids = []
     for h in hrefs:
         with open_raster(h) as src:
-            grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.dtypes[0],
+            grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.dtypes,
                           src.nodata))
-    w, hgt, transform, crs, dtype, nodata = grids[0]
+    w, hgt, transform, crs, _, nodata = grids[0]
     for h, g in zip(hrefs[1:], grids[1:]):
         if g[:4] != grids[0][:4]:
             raise ConfigError(f"STAC item {item_id!r}: asset {h} ({g[0]}x{g[1]}, {g[2]}) is not on the "
                               f"grid of {hrefs[0]} ({w}x{hgt}, {transform}); stack bands of one "
                               f"resolution, or resample them first")
-    gdal_types = dict(uint8='Byte', uint16='UInt16', int16='Int16', uint32='UInt32', int32='Int32',
-                      float32='Float32', float64='Float64')
-    from rasterio import Affine
+        if not (g[5] == nodata or (g[5] is not None and nodata is not None and np.isnan(g[5]) and np.isnan(nodata))):
+            raise ConfigError(f"STAC item {item_id!r}: asset {h} has nodata {g[5]} but {hrefs[0]} has "
+                              f"{nodata}; stacked bands need one nodata value")
+    dtype = np.result_type(*[np.dtype(d) for g in grids for d in g[4]]).name
+    if dtype not in dtype_rev:
+        raise ConfigError(f"STAC item {item_id!r}: its bands ({', '.join(sorted({d for g in grids for d in g[4]}))}) "
+                          f"have no common raster type ({dtype}); convert the assets to one type")
+    gdal_type = typename_fwd[dtype_rev[dtype]]
     gt = Affine(*transform).to_gdal()
     bands = []
-    for i, (h, g) in enumerate(zip(hrefs, grids), 1):
+    for h, g in zip(hrefs, grids):
         nd = f'<NoDataValue>{g[5]}</NoDataValue>' if g[5] is not None else ''
-        bands.append(
-            f'<VRTRasterBand dataType="{gdal_types[g[4]]}" band="{i}">{nd}<SimpleSource>'
-            f'<SourceFilename relativeToVRT="0">{escape(gdal_path(h))}</SourceFilename>'
-            f'<SourceBand>1</SourceBand><SrcRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/>'
-            f'<DstRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/></SimpleSource></VRTRasterBand>')
+        for b in range(1, len(g[4]) + 1):
+            bands.append(
+                f'<VRTRasterBand dataType="{gdal_type}" band="{len(bands) + 1}">{nd}<SimpleSource>'
+                f'<SourceFilename relativeToVRT="0">{escape(gdal_path(h))}</SourceFilename>'
+                f'<SourceBand>{b}</SourceBand><SrcRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/>'
+                f'<DstRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/></SimpleSource></VRTRasterBand>')
     xml = (f'<VRTDataset rasterXSize="{w}" rasterYSize="{hgt}">'
            f'<SRS>{escape(crs.to_wkt()) if crs else ""}</SRS>'
            f'<GeoTransform>{", ".join(repr(float(v)) for v in gt)}</GeoTransform>{"".join(bands)}</VRTDataset>')
     digest = hashlib.sha1(xml.encode()).hexdigest()[:12]
-    path = os.path.join(cache_dir, f'{item_id}_{digest}.vrt')
+    # An item id is the publisher's text ('T33/2024', '../x'): only safe characters in the name.
+    safe_id = re.sub(r'[^A-Za-z0-9._-]', '_', str(item_id)).lstrip('.')[:80] or 'item'
+    path = os.path.join(cache_dir, f'{safe_id}_{digest}.vrt')
     if not os.path.exists(path):
         os.makedirs(cache_dir, exist_ok=True)
         tmp = f'{path}.{os.getpid()}.tmp'

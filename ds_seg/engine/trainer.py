@@ -362,6 +362,23 @@ class Trainer:
         if m.get('num_classes') is not None and m.num_classes != self.train_set.num_classes:
             raise ConfigError(f"model.num_classes is {m.num_classes} but data.train has "
                               f"{self.train_set.num_classes} classes ({', '.join(self.train_set.classes)}).")
+        if self.val_set is not None:
+            self._check_val_matches_train()
+
+    def _check_val_matches_train(self):
+        """The validation scenes go through the trained model as the training scenes do: the same
+        dates, bands and classes, or evaluation fails (or scores the wrong classes) after training."""
+        t, v = self.train_set, self.val_set
+        t_dates, v_dates = getattr(t, 'num_dates', 1), getattr(v, 'num_dates', 1)
+        if v_dates != t_dates:
+            raise ConfigError(f"data.val has {v_dates} date(s) per scene but data.train has {t_dates}; "
+                              f"give the validation scenes the same dates.")
+        if v.in_channels != t.in_channels:
+            raise ConfigError(f"data.val yields {v.in_channels} band(s) but data.train {t.in_channels}; "
+                              f"select the same `bands` (and band count) in both.")
+        if tuple(v.classes) != tuple(t.classes):
+            raise ConfigError(f"data.val's classes ({', '.join(v.classes)}) are not data.train's "
+                              f"({', '.join(t.classes)}); give both the same `classes`.")
 
     # Loss buffers that hold one value per class (CrossEntropy/Ohem class_weight, Focal alpha).
     _PER_CLASS_BUFFERS = ('class_weight', 'alpha')

@@ -175,7 +175,7 @@ class SceneEngine:
         y = plan.ys[r]
         h = min(plan.tile_h, plan.height - y)
         window = Window(0, y, plan.width, h)
-        # A stack of dates is read as one raster: a pixel is nodata when it is on every date.
+        # A stack of dates is read as one raster: a pixel with no data at any one date is nodata.
         raw, mask = read_window(self.src, window, self.band_idx, self.nodata, self.masked)
         if mask is None:
             mask = np.zeros(raw.shape[1:], bool)

@@ -32,6 +32,12 @@ def _geotiff_data(images, labels, classes=6):
     return [f'data.train={data}', 'data.val=None']
 
 
+def _train_val(train, val):
+    """data.train and data.val GeoTiffScenes of (images, labels, classes)."""
+    return [f"data.{name}={dict(type='GeoTiffScenes', images=i, labels=l, classes=c)!r}"
+            for name, (i, l, c) in (('train', train), ('val', val))]
+
+
 def _cases(tmp):
     rng = np.random.default_rng(0)
     d = os.path.join(tmp, 'data')
@@ -94,6 +100,10 @@ def _cases(tmp):
         'combined_member_ignore_other': ([], None, combined_loss('other.py', dict(type='CrossEntropyLoss', ignore_index=0),
                                                                 dict(type='DiceLoss'))),
         'work_dir': ([], None, ['--work-dir', os.path.join(a_file, 'run')]),
+        # a validation set the trained model cannot take: found after training, before this check
+        'val_bands': (_train_val(([img], [lbl], 6), ([img4], [lbl], 6)), None, []),
+        'val_classes': (_train_val(([img], [lbl], 6), ([img], [lbl4], 4)), None, []),
+        'val_dates': (_train_val(([img], [lbl], 6), ([[img, img]], [lbl], 6)), None, []),
         # trained first (see _run_cases), then resumed with another model / class count
         'resume_model': (_geotiff_data([img], [lbl]) + tiny[1:] + ['model.type=UNet', 'model.base_channels=8'],
                          None, ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
@@ -153,6 +163,9 @@ EXPECTED = {
     'load_from_folder': ['load_from=', 'is a folder', 'launch/export.py'],
     'combined_member_ignore_str': ['loss.losses.1.ignore_index must be an integer', "'255'", 'without quotes'],
     'combined_member_ignore_other': ['loss.losses.0.ignore_index is 0', 'data.train marks padding and nodata with 255'],
+    'val_bands': ['data.val yields 4 band(s) but data.train 3'],
+    'val_classes': ["data.val's classes (class_0, class_1, class_2, class_3) are not data.train's"],
+    'val_dates': ['data.val has 2 date(s) per scene but data.train has 1'],
     'resume_model': ['--resume', 'holds a UNetTiny model', 'builds UNet'],
     'resume_classes': ['--resume', 'trained for 6 classes', 'data has 4'],
 }

@@ -124,3 +124,27 @@ def test_a_class_absent_from_the_labels_is_named_not_silently_dropped(scene):
     Trainer._check_model_matches_data(fake)
     assert printed == ["data.train.sampling='rare_class': no labelled pixel of 'water' in the training labels; "
                        "never drawn (rare-class sampling can only pick classes that occur)"]
+
+
+def test_one_vector_label_file_over_another_image_gets_its_own_index(tmp_path):
+    """A vector label is burned into its image's grid: the same polygons over a tile 40 m further
+    east cover other pixels, so the cached index of the first tile must not be reused."""
+    import pyogrio.raw
+    import shapely
+    common = dict(driver='GTiff', width=100, height=100, crs='EPSG:32632', count=3, dtype='uint8')
+    tiles = []
+    for name, west in (('tile_a', 0), ('tile_b', 40)):
+        tiles.append(str(tmp_path / f'{name}.tif'))
+        with rasterio.open(tiles[-1], 'w', transform=from_origin(west, 100, 1, 1), **common) as d:
+            d.write(np.zeros((3, 100, 100), np.uint8))
+    houses = str(tmp_path / 'houses.geojson')  # 50 x 50 m: all of it in tile a, 20 x 50 m in tile b
+    pyogrio.raw.write(houses, shapely.to_wkb(np.array([shapely.box(10, 10, 60, 60)])),
+                      field_data=[np.array([1], np.int32)], fields=['kind'], crs='EPSG:32632', driver='GeoJSON',
+                      geometry_type='Polygon')
+
+    def frequencies(tile):
+        return GeoTiffScenes([tile], houses, label_field='kind', classes=('other', 'house'), crop_size=16,
+                             sampling='rare_class', mean=[0] * 3, std=[1] * 3).class_frequencies
+
+    np.testing.assert_allclose(frequencies(tiles[0]), [0.75, 0.25])
+    np.testing.assert_allclose(frequencies(tiles[1]), [0.9, 0.1])

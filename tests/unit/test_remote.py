@@ -14,6 +14,7 @@ from rasterio.transform import from_origin
 
 from ds_seg.data import GeoTiffScenes
 from ds_seg.data.geotiff import DataError, gdal_path
+from ds_seg.data.raster import open_raster
 from ds_seg.data.rangeserver import RangeServer
 
 SIZE, TILE = 2048, 128
@@ -117,3 +118,70 @@ def test_predict_scene_reads_a_url_like_a_file(cogs):
     remote, _ = predict_classes(LookupModel(), server.url('img.tif'), tmp, **kw)
     np.testing.assert_array_equal(local, remote)
     assert server.requests > 0
+
+
+def test_urls_with_any_suffix_or_none_read_like_tif(cogs, tmp_path):
+    """GDAL's sidecar probes are off by the empty-directory option, not by a suffix list that
+    would turn .gtiff, .cog or no suffix at all into 'does not exist'."""
+    import shutil
+    for name in ('img.gtiff', 'img.cog', 'img_no_suffix'):
+        shutil.copy(cogs['tmp'] / 'img.tif', tmp_path / name)
+    window = rasterio.windows.Window(300, 200, 256, 256)
+    with rasterio.open(cogs['tmp'] / 'img.tif') as src:
+        expected = src.read(window=window)
+    with RangeServer(tmp_path) as server:
+        for name in ('img.gtiff', 'img.cog', 'img_no_suffix'):
+            server.reset()
+            with open_raster(server.url(name)) as src:
+                np.testing.assert_array_equal(src.read(window=window), expected)
+            assert server.bytes_served < os.path.getsize(tmp_path / name) / 4  # ranges, not the file
+
+
+def test_a_server_that_stops_answering_is_one_line_not_a_hang(cogs, monkeypatch):
+    """A server that accepts the connection and sends nothing: the read gives up (GDAL's low-speed
+    limit; the user's GDAL_HTTP_LOW_SPEED_TIME wins over ds_seg's minute) and says what happened;
+    a STAC document from it likewise (ds_seg's own HTTP time limit)."""
+    import time
+
+    from ds_seg.config import ConfigError
+    from ds_seg.data import raster
+    from ds_seg.data.stac import stac_scenes
+    monkeypatch.setenv('GDAL_HTTP_LOW_SPEED_TIME', '2')
+    monkeypatch.setattr(raster, 'HTTP_TIMEOUT_S', 2)
+    with RangeServer(cogs['tmp'], stall=True) as server:
+        t0 = time.monotonic()
+        with pytest.raises(DataError, match=r'img.tif: cannot open: .*stopped answering'):
+            open_raster(server.url('img.tif'))
+        with pytest.raises(ConfigError, match=r"stac='http.*items.json': cannot read a STAC JSON document \(timed out"):
+            stac_scenes(server.url('items.json'), ['red'], 'label')
+        assert time.monotonic() - t0 < 30
+
+
+def test_a_republished_url_gets_new_band_statistics(tmp_path, monkeypatch):
+    """The statistics cache of a URL is keyed to the server's ETag / Last-Modified: a file
+    republished under the same URL (new values) is measured again, not served old numbers."""
+    monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+    rng = np.random.default_rng(1)
+    common = dict(driver='GTiff', width=256, height=256, crs='EPSG:32632', transform=from_origin(0, 0, 1, 1),
+                  dtype='uint16', tiled=True, blockxsize=64, blockysize=64)
+
+    def publish(values):
+        with rasterio.open(tmp_path / 'new.tif', 'w', count=3, **common) as d:
+            d.write(values)
+        os.replace(tmp_path / 'new.tif', tmp_path / 'img.tif')
+
+    with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, **common) as d:
+        d.write(rng.integers(0, 4, (1, 256, 256), dtype=np.uint16))
+    image = rng.integers(0, 1000, (3, 256, 256), dtype=np.uint16)
+    publish(image)
+    with RangeServer(tmp_path) as server:
+        url, label = server.url('img.tif'), server.url('lbl.tif')
+        kw = dict(classes=4, crop_size=64, check_labels=0)
+        first = GeoTiffScenes([url], [label], **kw).mean
+        np.testing.assert_allclose(first, image.reshape(3, -1).mean(1), rtol=1e-6)
+        server.reset()
+        assert np.array_equal(GeoTiffScenes([url], [label], **kw).mean, first)
+        assert server.bytes_served < image.nbytes / 4  # the cache answered: the pixels were not read again
+        publish(image * 20)  # same size, same name, new values (a new ETag)
+        second = GeoTiffScenes([url], [label], **kw).mean
+    np.testing.assert_allclose(second, first * 20, rtol=1e-6)

@@ -130,3 +130,47 @@ def test_each_geospatial_input_works_through_cfg_options(catalogue):
         assert sample['image'].shape == (6 if name == 'dates' else 3, 32, 32), name
         assert {'stac': len(ds.scenes) == 2, 'vector': ds.scenes[0].get('vector'),
                 'rare_class': ds.sampling == 'rare_class', 'dates': ds.num_dates == 2}[name], name
+
+
+def test_multi_band_and_mixed_type_assets_stack_every_band_without_wrapping(catalogue, tmp_path):
+    """['rgb', 'nir']: the three bands of a multi-band asset, then a uint16 band, read as uint16
+    (the type that holds both), so no value wraps; an int8 band beside uint8 ones reads as int16."""
+    from ds_seg.data.raster import open_raster
+    from ds_seg.data.stac import stac_scenes
+    with rasterio.open(catalogue['stacked'][0]) as src:
+        profile, rgb = src.profile, src.read()
+    nir = (np.arange(rgb[0].size, dtype=np.uint16).reshape(rgb[0].shape) * 7)[None]
+    signed = (rgb[:1].astype(np.int16) - 128).astype(np.int8)
+    for name, values in (('nir', nir), ('signed', signed)):
+        with rasterio.open(tmp_path / f'{name}.tif', 'w', **dict(profile, count=1, dtype=values.dtype.name,
+                                                                   photometric='MINISBLACK')) as d:
+            d.write(values)
+    item = pystac.Item(id='T33/2024-05-01', geometry=None, bbox=None, properties={},  # a '/' in the id
+                       datetime=datetime.datetime(2024, 5, 1))
+    for name, href in (('rgb', catalogue['stacked'][0]), ('nir', 'nir.tif'), ('signed', 'signed.tif'),
+                       ('label', catalogue['labels'][0])):
+        item.add_asset(name, pystac.Asset(href=str(href)))
+    with open(tmp_path / 'item.json', 'w') as f:
+        json.dump(item.to_dict(transform_hrefs=False), f)
+    (stack,), _ = stac_scenes(str(tmp_path / 'item.json'), ['rgb', 'nir'], 'label')
+    assert os.path.dirname(stack) == str(tmp_path / '.ds_seg_stac')  # the id's '/' did not make a folder
+    with open_raster(stack) as src:
+        assert src.count == 4 and set(src.dtypes) == {'uint16'}
+        np.testing.assert_array_equal(src.read(), np.concatenate([rgb.astype(np.uint16), nir]))
+    (stack,), _ = stac_scenes(str(tmp_path / 'item.json'), ['rgb', 'signed'], 'label')
+    with open_raster(stack) as src:
+        assert set(src.dtypes) == {'int16'}
+        np.testing.assert_array_equal(src.read(4), signed[0])
+
+
+@pytest.mark.parametrize('document, message', [
+    ([{'type': 'Feature'}], r"expected a STAC Item or ItemCollection .*found type 'list'"),
+    ({'type': 'Feature', 'stac_version': '1.0.0', 'id': 'x', 'geometry': None, 'properties': {'datetime': None},
+      'links': [], 'assets': {'red': {'title': 'no href'}}}, r"not a valid STAC Feature \(KeyError: missing 'href'\)"),
+    ('not json {', r'not a JSON document'),
+])
+def test_documents_that_are_not_stac_are_one_line(tmp_path, document, message):
+    path = tmp_path / 'doc.json'
+    path.write_text(document if isinstance(document, str) else json.dumps(document))
+    with pytest.raises(ConfigError, match=message):
+        GeoTiffScenes(stac=str(path), stac_bands=['red'], **KW)

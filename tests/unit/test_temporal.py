@@ -189,3 +189,42 @@ def test_wrong_dates_are_refused_in_one_line_before_any_work(tmp_path, capsys):
         Trainer._check_model_matches_data(fake)
     matching = ConfigDict(model=cfg, loss=dict(ignore_index=255))
     Trainer._check_model_matches_data(SimpleNamespace(**dict(vars(fake), cfg=matching)))  # 2 dates: accepted
+
+
+def test_dates_that_encode_pixels_differently_are_refused(tmp_path):
+    """A date with another band type (its values would be cast to the first date's) or another
+    nodata tag (its empty pixels would be read as data) is refused, for training and prediction."""
+    from ds_seg.data.raster import StackedRaster
+    (t0, t1), label = _change_scene(tmp_path, 'a', 0)
+    wide = str(tmp_path / 'a_t1_uint16.tif')
+    with rasterio.open(t1) as src:
+        profile, values = src.profile, src.read()
+    with rasterio.open(wide, 'w', **dict(profile, dtype='uint16')) as d:
+        d.write(values.astype(np.uint16) * 100)
+    with rasterio.open(t1, 'r+') as d:
+        d.nodata = 0
+    for second, message in ((wide, r'a_t1_uint16.tif does not encode pixels like .*a_t0.tif \(types uint16'),
+                            (t1, r'a_t1.tif does not encode pixels like .*a_t0.tif \(types uint8, nodata 0\.0')):
+        with pytest.raises(DataError, match=message):
+            GeoTiffScenes([[t0, second]], [label], classes=2, mean=[0], std=[1])
+        with pytest.raises(DataError, match=message):
+            StackedRaster([t0, second])
+
+
+def test_prediction_marks_a_pixel_empty_at_any_one_date_as_nodata_like_training(tmp_path):
+    from tests.unit.test_inference import predict_classes
+    (t0, t1), label = _change_scene(tmp_path, 'n', 4)
+    for path in (t0, t1):
+        with rasterio.open(path, 'r+') as d:
+            d.nodata = 0
+    with rasterio.open(t1, 'r+') as d:  # the second date has no data over its left half
+        values = d.read()
+        values[:, :, :S // 2] = 0
+        d.write(values)
+    model = build(MODELS, dict(type='TinyTemporalSegFormer', num_dates=2, in_channels=2, num_classes=2)).eval()
+    with torch.no_grad():
+        out, _ = predict_classes(model, [t0, t1], tmp_path, bands=[1], mean=[127.5] * 2, std=[64.0] * 2,
+                                 tile=48, overlap=16)
+    assert (out[:, :S // 2] == 255).all() and (out[:, S // 2:] != 255).all()
+    ds = GeoTiffScenes([[t0, t1]], [label], classes=2, mean=[127.5], std=[64.0], crop_size=S, mode='grid')
+    np.testing.assert_array_equal(ds[0]['nodata'].numpy(), out == 255)
