@@ -40,6 +40,16 @@ def _shown(path):
     return str(path) if rel.startswith('..') else rel
 
 
+def _worker_message(exc):
+    """The message a DataLoader worker's exception was raised with: the main process gets it
+    wrapped in the worker's traceback text ("Caught DataError in DataLoader worker ...")."""
+    text = str(exc)
+    if 'Original Traceback' in text:
+        last = text.strip().splitlines()[-1]
+        text = last.split(': ', 1)[1] if ': ' in last else last
+    return text
+
+
 def main(argv=None):
     as_program = argv is None  # not a call from Python: this process's signal handling is ours
     if as_program:  # a stop signal during start-up is kept, not fatal
@@ -56,9 +66,17 @@ def main(argv=None):
         # A user mistake: one line that names the file or key, before any training starts.
         print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
         return 2
-    from ds_seg.engine.faults import EXIT_CODES, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError, RunIOError
+    from ds_seg.data.raster import DataError
+    from ds_seg.engine.faults import (EXIT_CODES, EXIT_DATA_ERROR, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError,
+                                      RunIOError)
     try:
         summary = trainer.fit()
+    except DataError as exc:
+        # A window the start-up checks did not sample. The other ranks wait in a collective for
+        # this one: they stop as for a lost rank, and this rank skips the teardown that would wait.
+        print(f'ds_seg: error: {_worker_message(exc)} (at step {trainer.step}; the last checkpoint is '
+              f'intact: fix the file, then --resume auto)', file=sys.stderr, flush=True)
+        os._exit(EXIT_DATA_ERROR)
     except LostRankError as exc:
         print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
         os._exit(EXIT_LOST_RANK)  # skip process-group teardown: it would wait on the dead rank

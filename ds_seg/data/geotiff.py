@@ -61,7 +61,7 @@ from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
 from .raster import (DataError, StackedRaster, file_identity, gdal_path, is_remote, nodata_mask, open_raster,
-                     raster_env, read_window, uses_mask_band)
+                     raster_env, read_window, remote_hint, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -883,7 +883,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     return read_window(src, window, indexes, scene['nodata'], scene['masked'])
                 return src.read(indexes=indexes, window=window)
         except Exception as e:  # a worker's traceback alone would not say which file broke
-            raise RuntimeError(f"{path}: cannot read window {window}: {e}") from e
+            detail = remote_hint(e) if is_remote(path) else e
+            raise DataError(f"{path}: cannot read window {window}: {detail}") from e
 
     def _map_labels(self, raw):
         """File values -> int16 class indices, ignore_index, or -1 where not allowed."""
@@ -918,7 +919,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                      else self._read(s['label'], window, 1))
             if label.min(initial=0) < 0:
                 raw_label = self._read(s['label'], window, 1)
-                raise ValueError(
+                raise DataError(
                     f"{s['label']}: label value {raw_label[label < 0].flat[0]} in window {window} is "
                     f"not a class index 0..{self.num_classes - 1} nor ignore_index "
                     f"{self.ignore_index}; check `classes` or remap the labels")

@@ -97,6 +97,8 @@ def raster_env(path):
 
 def remote_hint(exc):
     """GDAL's error for a URL, with what to do about the usual causes."""
+    while exc.__cause__ is not None and 'See previous exception' in str(exc):  # rasterio's wrapper
+        exc = exc.__cause__
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if 'Range downloading not supported' in message:
         return (f"{message} (the server ignores HTTP Range requests, so every window would fetch "
@@ -190,6 +192,7 @@ class StackedRaster:
 
     def __init__(self, paths):
         self.paths = [os.fspath(p) for p in paths]
+        self.name = ','.join(self.paths)  # as predict.py's --input names the scene
         self.check(self.paths)
         self._srcs = [open_raster(p) for p in self.paths]
         first = self._srcs[0]
@@ -295,6 +298,16 @@ def nodata_mask(raw_CHW, nodata):
     if raw_CHW.dtype.kind == 'f':
         out |= ~np.isfinite(raw_CHW).all(axis=0)
     return out
+
+
+def source_name(src):
+    """The path or URL (dates joined by commas) an open raster was given as, for messages."""
+    name = getattr(src, 'name', '?')
+    for scheme, prefix in _VSI_PREFIXES.items():
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            return rest if prefix == '/vsicurl/' else scheme + rest
+    return name
 
 
 def read_window(src, window, indexes, nodata, masked):

@@ -32,6 +32,7 @@ EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by a signal after a checkpoint; res
 EXIT_NONFINITE = 3    # the loss stayed non-finite; the last checkpoint is intact
 EXIT_LOST_RANK = 4    # another rank died or stopped answering
 EXIT_IO_ERROR = 74    # EX_IOERR: a write or read failed (disk full, read-only, I/O error)
+EXIT_DATA_ERROR = 65  # EX_DATAERR: a window of the data broke mid-run (a label value, a truncated tile)
 EXIT_CODES = {'completed': 0, 'preempted': EXIT_PREEMPTED, 'nonfinite_loss': EXIT_NONFINITE,
               'lost_rank': EXIT_LOST_RANK, 'io_error': EXIT_IO_ERROR}
 STOP_SIGNALS = ('SIGUSR1', 'SIGTERM')
@@ -280,6 +281,6 @@ def default_stop_check_interval(device):
     return 1 if device.type != 'cuda' else 10
 
 
-__all__ = ['EXIT_CODES', 'EXIT_IO_ERROR', 'EXIT_LOST_RANK', 'EXIT_NONFINITE', 'EXIT_PREEMPTED', 'Faults',
+__all__ = ['EXIT_CODES', 'EXIT_DATA_ERROR', 'EXIT_IO_ERROR', 'EXIT_LOST_RANK', 'EXIT_NONFINITE', 'EXIT_PREEMPTED', 'Faults',
            'Heartbeat', 'LostRankError', 'RunIOError', 'StopRequests', 'catch_stop_signals',
            'default_stop_check_interval', 'describe_io_error', 'is_collective_failure']

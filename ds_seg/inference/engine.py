@@ -11,12 +11,13 @@ scene and runs one; :func:`~ds_seg.inference.predict_scene` and
 import time
 
 import numpy as np
+import rasterio
 import torch
 from rasterio.windows import Window
 
 from .. import distributed
 from ..data.preprocess import BatchPreprocessor, host_dtype
-from ..data.raster import open_scene, read_window, uses_mask_band
+from ..data.raster import DataError, open_scene, read_window, remote_hint, source_name, uses_mask_band
 from .tiling import ScenePlan, blend_weights
 
 TTA_FLIPS = {'none': (), 'h': ((-1,),), 'hv': ((-1,), (-2,), (-2, -1))}
@@ -176,7 +177,10 @@ class SceneEngine:
         h = min(plan.tile_h, plan.height - y)
         window = Window(0, y, plan.width, h)
         # A stack of dates is read as one raster: a pixel with no data at any one date is nodata.
-        raw, mask = read_window(self.src, window, self.band_idx, self.nodata, self.masked)
+        try:
+            raw, mask = read_window(self.src, window, self.band_idx, self.nodata, self.masked)
+        except rasterio.errors.RasterioError as e:  # a truncated file, a server that went away
+            raise DataError(f"{source_name(self.src)}: cannot read rows {y}-{y + h}: {remote_hint(e)}") from e
         if mask is None:
             mask = np.zeros(raw.shape[1:], bool)
         # The nodata mask is a property of the input pixel: record it once per block row.

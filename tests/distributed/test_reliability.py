@@ -293,6 +293,34 @@ def test_a_non_finite_loss_stops_with_exit_3_and_keeps_the_last_checkpoint(train
     assert summary['exit_reason'] == 'nonfinite_loss' and summary['steps'] == 4
 
 
+def test_a_bad_window_found_mid_run_is_one_line_with_exit_65_not_a_traceback(trained):
+    """A label served over HTTP is not scanned whole at start-up (that would download it): a
+    stray value the decimated check does not sample is found by the window that holds it. The
+    run stops with one line naming the URL, the window and the value (a DataLoader worker's
+    traceback unwrapped) and exit status 65 (EX_DATAERR)."""
+    from ds_seg.data.rangeserver import RangeServer
+    tmp, _ = trained
+    served = os.path.join(tmp, 'served')
+    os.makedirs(served, exist_ok=True)
+    rng = np.random.default_rng(3)
+    _write_tif(os.path.join(served, 'img.tif'), rng.integers(0, 255, (3, 512, 512), dtype=np.uint8))
+    label = rng.integers(0, 6, (1, 512, 512), dtype=np.uint8)
+    label[0, 6::16, 9::16] = 7  # even rows only: a nearest read at half size samples odd ones
+    _write_tif(os.path.join(served, 'lbl.tif'), label)
+    work = os.path.join(tmp, 'bad_window')
+    with RangeServer(served) as server:
+        data = dict(type='GeoTiffScenes', images=[server.url('img.tif')], labels=[server.url('lbl.tif')],
+                    classes=6, mean=[127.0] * 3, std=[73.0] * 3)
+        argv = _train_argv(tmp, work, 'train.max_steps=8', f'data.train={data!r}', 'data.val=None',
+                           'data.num_workers=1')
+        proc = subprocess.run([sys.executable, 'launch/train.py', *argv], cwd=REPO_ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if 'error' in line.lower()]
+    assert proc.returncode == 65, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert 'Traceback' not in proc.stderr and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith('ds_seg: error: http://127.0.0.1:') and 'lbl.tif: label value 7 in window' in errors[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # Rollback: the abandoned branch is moved aside, and every command agrees on the live one
 # ------------------------------------------------------------------------------------------------
