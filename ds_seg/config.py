@@ -13,6 +13,7 @@ Example::
 import copy
 import difflib
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -70,8 +71,9 @@ def _int_at_least(low, zero_means=None):
 
 
 def _number_above(low, allow_none=False):
-    return (lambda v: (allow_none and v is None) or (_is_number(v) and v > low),
-            f'a number > {low}' + (' or None' if allow_none else ''))
+    # Finite: 1e999 parses as inf, which passes "> 0" and then fails deep inside (a timeout of inf s).
+    return (lambda v: (allow_none and v is None) or (_is_number(v) and math.isfinite(v) and v > low),
+            f'a finite number > {low}' + (' or None' if allow_none else ''))
 
 
 def _optional(rule):
@@ -371,8 +373,11 @@ def parse_cfg_options(options):
             value = {'true': True, 'false': False, 'none': None, 'null': None}.get(raw.lower(), raw)
         node = nested
         parts = key.split('.')
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):  # 'train=1 train.max_steps=2': a value, then a key inside it
+                raise ConfigError(f"--cfg-options: {item!r} sets a key inside {'.'.join(parts[:i + 1])}, which "
+                                  f"an earlier option set to {node!r}; give one or the other.")
         node[parts[-1]] = value
     return nested
 

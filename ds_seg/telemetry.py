@@ -178,7 +178,10 @@ class RunLog:
                         f.writelines(keep)
                     os.replace(path + '.tmp', path)
             return
-        old = [n for n in self.LOGS + ('tb',) if os.path.exists(os.path.join(self.work_dir, n))]
+        # A fresh run in a used work dir: the earlier run's logs and the configs that made them
+        # move to previous/<time>/ together, so neither is lost nor mistaken for this run's.
+        old = [n for n in self.LOGS + ('tb', 'config.json', 'ds_config.json')
+               if os.path.exists(os.path.join(self.work_dir, n))]
         if old:
             archive = os.path.join(self.work_dir, 'previous', time.strftime('%Y%m%d-%H%M%S'))
             os.makedirs(archive, exist_ok=True)

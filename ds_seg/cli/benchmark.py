@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument('--work-dir', '--work_dir', dest='work_dir', default='work_dirs/benchmark')
     p.add_argument('--nproc', type=int, default=None, help='ranks per run (default: GPUs, or 2 on a CPU)')
     p.add_argument('--launcher', choices=['torchrun', 'deepspeed', 'python'], default='torchrun')
-    p.add_argument('--cfg-options', '--cfg_options', nargs='+', default=[], metavar='KEY=VALUE',
+    p.add_argument('--cfg-options', '--cfg_options', nargs='+', action='extend', default=[], metavar='KEY=VALUE',
                    help='passed to every run (e.g. data.crop_size=256 model.base_channels=64)')
     p.add_argument('--micro-batch', type=int, default=None, help='override the JSON micro-batch for all backends')
     p.add_argument('--precision', choices=['json', 'fp32', 'bf16', 'fp16', 'bf16-autocast'],

@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--config', default=None, help='experiment config whose data.train is measured; '
                    'default: SyntheticAerial with --num-scenes scenes of --scene-size px')
-    p.add_argument('--cfg-options', nargs='+', default=[], metavar='KEY=VALUE')
+    p.add_argument('--cfg-options', nargs='+', action='extend', default=[], metavar='KEY=VALUE')
     p.add_argument('--crop', type=int, default=256)
     p.add_argument('--scene-size', type=int, default=2048)
     p.add_argument('--num-scenes', type=int, default=4)

@@ -172,7 +172,7 @@ def main(argv=None):
     parser.add_argument('--labels', nargs='+', default=None, help='label rasters, paired with --images in order')
     parser.add_argument('--config', default=None, help="experiment config whose data.val is evaluated "
                         "(default without --images: the embedded default)")
-    parser.add_argument('--cfg-options', nargs='+', default=None, help='overrides for --config')
+    parser.add_argument('--cfg-options', nargs='+', action='extend', default=None, help='overrides for --config')
     parser.add_argument('--classes', nargs='+', default=None, help='class names (default: the checkpoint)')
     parser.add_argument('--exclude', nargs='+', default=(), help='classes left out of mIoU/mF1, e.g. clutter')
     parser.add_argument('--erode', type=int, default=None,

@@ -24,8 +24,9 @@ def parse_args(argv=None):
                         'or the name of a shipped one (zero0 ... zero3_offload); also used by --backend ddp')
     parser.add_argument('--deepspeed', action='store_true', help='accepted for DeepSpeed compatibility')
     parser.add_argument('--backend', choices=['deepspeed', 'ddp'], default='deepspeed')
-    parser.add_argument('--cfg-options', '--cfg_options', nargs='+', default=[], metavar='KEY=VALUE',
-                        help='override config keys, e.g. train.max_steps=20 data.crop_size=256')
+    parser.add_argument('--cfg-options', '--cfg_options', nargs='+', action='extend', default=[],
+                        metavar='KEY=VALUE', help='override config keys, e.g. train.max_steps=20 data.crop_size=256 '
+                                                  '(given twice: both sets apply, the later wins on a key)')
     parser.add_argument('--work-dir', '--work_dir', dest='work_dir', default=None)
     parser.add_argument('--resume', default=None,
                         help="'auto' (newest complete checkpoint in the work dir) or a checkpoint path")

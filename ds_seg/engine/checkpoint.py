@@ -288,8 +288,6 @@ def resolve_resume(resume, work_dir, report=None):
         if skipped and report is not None:
             report(f'--resume auto: {describe_skipped(skipped)}'
                    + (f'; resuming from {tag}' if tag else '; no good checkpoint left, starting fresh'))
-        if tag is None and skipped:
-            return None
         return (root, tag) if tag else None
     try:
         found = find_checkpoint(resume, report=report)
@@ -298,21 +296,25 @@ def resolve_resume(resume, work_dir, report=None):
     return os.path.dirname(found), os.path.basename(found)
 
 
-def set_aside_other_branch(work_dir, root, tag):
+def set_aside_other_branch(work_dir, root, tag, partial=True):
     """A resume from ``root/tag`` abandons whatever the work dir holds beyond it: every later
-    checkpoint of the work dir (a rollback), or all of them when ``root`` is another run's.
-    Move them (never delete) to ``<work_dir>/abandoned/<time>-after-<tag>/checkpoints``; return
-    that folder, or None when nothing had to move. Rank 0 only."""
+    checkpoint of the work dir (a rollback, or damaged ones ``--resume auto`` passed over), or
+    all of them when ``root`` is another run's or ``tag`` is None (a fresh start over damaged
+    ones). Move them (never delete: a damaged one may still hold intact weights) to
+    ``<work_dir>/abandoned/<time>-after-<tag>/checkpoints``, where the run's later saves cannot
+    overwrite them; return that folder, or None when nothing had to move. ``partial``: a killed
+    save's ``.tmp-`` folder goes along (else the next save clears it: after a preemption it
+    holds nothing a complete checkpoint does not). Rank 0 only."""
     live = os.path.join(work_dir, 'checkpoints')
     if not os.path.isdir(live):
         return None
-    same = os.path.isdir(root) and os.path.samefile(root, live)
-    names = [n for n in os.listdir(live)  # a killed save's .tmp- folder goes along: it is partial
-             if n.startswith('.tmp-step_') or TAG_RE.match(n) and (not same or n > tag)]
+    same = tag is not None and os.path.isdir(root) and os.path.samefile(root, live)
+    names = [n for n in os.listdir(live)
+             if partial and n.startswith('.tmp-step_') or TAG_RE.match(n) and (not same or n > tag)]
     if not names:
         return None
     import time
-    base = os.path.join(work_dir, 'abandoned', f"{time.strftime('%Y%m%d-%H%M%S')}-after-{tag}")
+    base = os.path.join(work_dir, 'abandoned', f"{time.strftime('%Y%m%d-%H%M%S')}-after-{tag or 'nothing'}")
     dest, n = base, 1
     while os.path.exists(dest):  # two rollbacks to one tag within a second
         dest, n = f'{base}-{n}', n + 1

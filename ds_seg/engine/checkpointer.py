@@ -72,20 +72,35 @@ class Checkpointer:
         set_aside)``: the step to continue from, the data position minus step x accumulation
         (non-zero after a change of ranks), and where an abandoned branch was moved (or None)."""
         found = checkpoint.resolve_resume(resume, self.work_dir, report=self.report)
-        if found is None:
-            if checkpoint.complete_tags(self.root):
+        if found is None and resume != 'auto':
+            if any(checkpoint.TAG_RE.match(n) for n in (os.listdir(self.root) if os.path.isdir(self.root) else ())):
                 raise ConfigError(f"--work-dir: {self.work_dir} already holds checkpoints of an earlier run; "
                                   "add --resume auto to continue it, or choose another --work-dir.")
             return 0, 0, None
-        root, tag = found
-        step, offset = self._load(root, tag)
+        root, tag = found or (self.root, None)
+        step, offset = self._load(root, tag) if tag else (0, 0)
+        if step > self.cfg.train.max_steps:  # it would "complete" at once, logging a run that went backwards
+            raise ConfigError(f"--resume: {os.path.join(root, tag)} is at step {step}, past train.max_steps="
+                              f"{self.cfg.train.max_steps}; raise train.max_steps to train on, or export it "
+                              f"as it is (launch/export.py).")
+        # Whatever the work dir holds beyond the checkpoint resumed from (a rollback's later
+        # branch, damaged newer ones --resume auto passed over, or all of them when none was
+        # good) moves aside: the run's own saves would otherwise overwrite them.
         set_aside = None
-        if distributed.is_main() and resume != 'auto':
-            set_aside = checkpoint.set_aside_other_branch(self.work_dir, root, tag)
+        if distributed.is_main():
+            set_aside = checkpoint.set_aside_other_branch(self.work_dir, root, tag, partial=resume != 'auto')
         distributed.barrier()
-        if set_aside:
+        if set_aside and tag and resume != 'auto':
             self.report(f'resuming {tag} abandons a later branch: its checkpoints and log rows '
                         f'after step {step} were moved to {set_aside} (nothing deleted)')
+        elif set_aside and tag:
+            self.report(f'the damaged checkpoints passed over and the log rows after step {step} were moved '
+                        f'to {set_aside} (nothing deleted)')
+        elif set_aside:
+            self.report(f"starting fresh: the earlier run's checkpoints, none of which verifies, were moved to "
+                        f"{set_aside} (nothing deleted)")
+        elif resume == 'auto' and not tag:
+            self.report(f'--resume auto: no checkpoint in {self.root}; starting from step 0')
         return step, offset, set_aside
 
     def _load(self, root, tag):

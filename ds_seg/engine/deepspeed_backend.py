@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from ..config import ConfigError
 from . import ds_workarounds, speed
 from .common import average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32, prepare_batchnorm
 from .param_groups import build_param_groups, scale_lr_by_group
@@ -45,8 +46,18 @@ class DeepSpeedBackend:
         # Parameters must stay contiguous (not channels_last): DeepSpeed views them as flat bytes.
         # Only the activations go channels_last (forward()).
         self.channels_last = spec.channels_last
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=build_param_groups(model, optim_cfg), config=ds_config)
+        try:
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, model_parameters=build_param_groups(model, optim_cfg), config=ds_config)
+        except torch.OutOfMemoryError:
+            raise
+        except (AssertionError, ValueError, NotImplementedError, RuntimeError) as exc:
+            # A combination ds_seg's own checks let through and DeepSpeed refuses while building
+            # the engine (an untested ZeRO optimizer, an op not built for this device): its words,
+            # on one line, before any step.
+            detail = (str(exc).strip().splitlines() or [''])[0] or type(exc).__name__
+            raise ConfigError(f"--deepspeed_config: DeepSpeed cannot build this engine ({type(exc).__name__}: "
+                              f"{detail}); change the JSON (see ds_configs/ for working ones).") from exc
         if spec.compile_mode:
             self.engine.compile(backend=speed.COMPILE_BACKEND, compile_kwargs=speed.compile_kwargs(spec.compile_mode))
         self.optimizer_impl = speed.optimizer_impl(self.state_holders()[2], spec.device)

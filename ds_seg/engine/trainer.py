@@ -337,7 +337,11 @@ class Trainer:
         except ValueError as exc:  # unreadable, not a ds_seg weights file, or carrying code
             message = str(exc)
             raise ConfigError(message if message.startswith('load_from') else f'load_from: {message}') from exc
-        missing, unexpected = backends.load_weights(self.spec, model, payload['state_dict'])  # ZeRO-3 too
+        try:
+            missing, unexpected = backends.load_weights(self.spec, model, payload['state_dict'])  # ZeRO-3 too
+        except ValueError as exc:  # a tensor of another shape: another model size or class count
+            raise ConfigError(f"load_from: {path} does not fit model {self.cfg.model.type}: {exc} "
+                              f"load_from needs weights of the same architecture and class count.") from exc
         if missing or unexpected:
             raise ConfigError(f"load_from: {path} does not fit model {self.cfg.model.type}: "
                               f"missing {missing[:5]}, unexpected {unexpected[:5]}.")

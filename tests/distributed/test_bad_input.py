@@ -91,9 +91,16 @@ def _cases(tmp):
         'image_all_nan': (_geotiff_data([img_nan], [lbl]), None, []),
         'label_nodata_is_class': (_geotiff_data([img], [lbl_nodata0]), None, []),
         'ds_block_typo': ([], ds_json('block_typo.json', {**base, 'checkpoint': {'tag_validaton': 'Warn'}}), []),
+        # passes ds_seg's checks; DeepSpeed refuses it while building the engine
+        'ds_engine_refuses': ([], ds_json('untested.json', {
+            **base, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.01}},
+            'zero_optimization': {'stage': 3, 'offload_optimizer': {'device': 'cpu'}}}), []),
         'ds_act_ckpt': ([], ds_json('act_ckpt.json', {**base, 'activation_checkpointing': {'partition_activations': True}}), []),
         'loss_ignore_str': (['loss.ignore_index=\'255\''], None, []),
         'load_from_folder': ([f'load_from={tmp}'], None, []),
+        # the 6-class run's exported weights, to fine-tune for 4 classes (see _run_cases)
+        'load_from_classes': (_geotiff_data([img], [lbl4], classes=4) + tiny[1:] +
+                              ['model.num_classes=4', f"load_from={os.path.join(tmp, 'trained6.pt')!r}"], None, []),
         # the members of a CombinedLoss: each one's ignore_index, its class default included
         'combined_member_ignore_str': ([], None, combined_loss('str.py', dict(type='CrossEntropyLoss'),
                                                               dict(type='DiceLoss', ignore_index='255'))),
@@ -122,6 +129,9 @@ def _run_cases(tmp, names):
     results = {}
     for name in names:
         options, ds, extra = cases[name]
+        if name == 'load_from_classes':
+            from ds_seg.cli import export
+            assert export.main([os.path.join(tmp, 'trained6'), '--out', os.path.join(tmp, 'trained6.pt')]) == 0
         argv = ['--config', TINY_CONFIG, '--deepspeed_config', ds or str(REPO_ROOT / 'ds_configs' / 'zero0.json')]
         argv += ['--work-dir', os.path.join(tmp, 'work', name)] if '--work-dir' not in extra else []
         argv += extra + ['--cfg-options', f'data.train.cache_dir={tmp}/cache', f'data.val.cache_dir={tmp}/cache',
@@ -158,9 +168,13 @@ EXPECTED = {
     'image_all_nan': ['img_nan.tif', 'no pixel is both labelled with a class and valid', 'NaN'],
     'label_nodata_is_class': ['lbl_nodata0.tif', 'nodata tag is 0', "class 0 ('class_0')", 'gdal_edit.py -unsetnodata'],
     'ds_block_typo': ["unknown key 'checkpoint.tag_validaton'", "Did you mean 'checkpoint.tag_validation'?"],
+    'ds_engine_refuses': ['--deepspeed_config: DeepSpeed cannot build this engine (AssertionError: You are using '
+                          'an untested ZeRO Optimizer'],
     'ds_act_ckpt': ["'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg", 'partition_activations'],
     'loss_ignore_str': ['loss.ignore_index must be an integer', "'255'", 'without quotes'],
     'load_from_folder': ['load_from=', 'is a folder', 'launch/export.py'],
+    'load_from_classes': ['load_from: ', 'trained6.pt does not fit model UNetTiny', 'in the weights',
+                          'same architecture and class count'],
     'combined_member_ignore_str': ['loss.losses.1.ignore_index must be an integer', "'255'", 'without quotes'],
     'combined_member_ignore_other': ['loss.losses.0.ignore_index is 0', 'data.train marks padding and nodata with 255'],
     'val_bands': ['data.val yields 4 band(s) but data.train 3'],

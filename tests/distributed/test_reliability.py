@@ -144,6 +144,7 @@ REFUSALS = {
     'resume_precision': ['but this run uses bf16', 'load_from='],
     'loss_class_weight': ['loss.class_weight has 2 value(s)', 'data.train has 6 classes'],
     'ds_no_optimizer': ["no 'optimizer' block"],
+    'resume_past_max_steps': ['--resume: ', 'step_00000012 is at step 12, past train.max_steps=8'],
 }
 
 
@@ -185,6 +186,7 @@ def _refusal_argv(tmp, trained, case):
         'resume_shape': ['model.bilinear=True'],
         'model_num_classes': ['model.num_classes=4'],
         'loss_class_weight': ['loss.class_weight=[1.0, 2.0]'],
+        'resume_past_max_steps': ['train.max_steps=8'],
     }.get(case, [])
     argv = _train_argv(tmp, work, 'train.max_steps=12', *options, ds=ds, resume='auto')
     return argv + (['--backend', 'ddp'] if case == 'resume_backend' else []), work
