@@ -60,8 +60,8 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (DataError, StackedRaster, file_identity, gdal_path, is_remote, nodata_mask, open_raster,
-                     raster_env, read_window, remote_hint, uses_mask_band)
+from .raster import (DataError, StackedRaster, alpha_bands, file_identity, gdal_message, gdal_path, is_remote,
+                     nodata_mask, open_raster, raster_env, read_window, remote_hint, same_pixels, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -223,7 +223,7 @@ def inspect_pair(image, label, palette=None):
         # has the identity transform: it can only be aligned pixel for pixel, as checked
         # above. Two georeferenced rasters must also agree on where those pixels are.
         georeferenced = all(r.crs is not None or not r.transform.is_identity for r in (img, lbl))
-        if georeferenced and not img.transform.almost_equals(lbl.transform):
+        if georeferenced and not same_pixels(img.transform, lbl.transform, img.width, img.height):
             raise DataError(f"image {image} and label {label} have different geotransforms "
                             f"({tuple(img.transform)[:6]} vs {tuple(lbl.transform)[:6]}); "
                             f"they must cover the same pixels")
@@ -237,7 +237,7 @@ def inspect_pair(image, label, palette=None):
             raise DataError(f"label {label} has {lbl.count} band(s) but `palette` expects RGB "
                             f"colour-coded labels (image {image})")
         return dict(image=image, label=label, width=img.width, height=img.height,
-                    count=img.count, nodata=img.nodata, masked=uses_mask_band(img), dtype=img.dtypes[0],
+                    count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img), dtype=img.dtypes[0],
                     floating=np.dtype(img.dtypes[0]).kind == 'f', label_nodata=lbl.nodata)
 
 
@@ -382,6 +382,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self.bands = list(range(1, count + 1)) if bands is None else [int(b) for b in bands]
         if not self.bands or min(self.bands) < 1 or max(self.bands) > count:
             raise DataError(f"bands={bands!r}: {images[0]} has bands 1..{count} (1-based)")
+        self._check_band_coding(bands)
         self.in_channels = len(self.bands)
 
         stats = self._stats_file(images[0])
@@ -445,13 +446,30 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._init_sampling(sampling, rare_class_temperature)
 
     # ------------------------------------------------------------------ construction helpers
+    def _check_band_coding(self, bands):
+        """One band type for every scene (one mean/std, one cast: a uint16 scene among uint8 ones
+        would be normalised with the wrong statistics), and no selected band that the file tags
+        as alpha (GDAL reads its zeros as nodata: a NIR band tagged so hides every dark pixel)."""
+        first = self._scenes[0]
+        for s in self._scenes:
+            if s['dtype'] != first['dtype']:
+                raise DataError(f"{s['image']} holds {s['dtype']} pixels but {first['image']} {first['dtype']}; "
+                                f"give every scene of a dataset one type (gdal_translate -ot)")
+            both = sorted(set(s.get('alpha', ())) & set(self.bands))
+            if both:
+                b = both[0]
+                raise DataError(f"{s['image']}: band {b} is tagged as alpha, so its 0 pixels read as nodata, but "
+                                f"bands={bands if bands is not None else 'all'} takes it as data. If it is data "
+                                f"(NIR...), untag it: gdal_edit.py -colorinterp_{b} undefined {s['image']}; if "
+                                f"it is a mask, leave it out of `bands`")
+
     def _inspect(self, image, label):
         if is_vector(label):
             if self.palette is not None:
                 raise DataError(f"labels {label}: a vector file has no colours; drop `palette`")
             with open_raster(image) as img:
                 return dict(image=image, label=label, width=img.width, height=img.height,
-                            count=img.count, nodata=img.nodata, masked=uses_mask_band(img), dtype=img.dtypes[0],
+                            count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img), dtype=img.dtypes[0],
                             floating=np.dtype(img.dtypes[0]).kind == 'f', vector=True,
                             crs=img.crs, transform=img.transform)
         return inspect_pair(image, label, self.palette)
@@ -883,7 +901,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     return read_window(src, window, indexes, scene['nodata'], scene['masked'])
                 return src.read(indexes=indexes, window=window)
         except Exception as e:  # a worker's traceback alone would not say which file broke
-            detail = remote_hint(e) if is_remote(path) else e
+            detail = remote_hint(e) if is_remote(path) else gdal_message(e)
             raise DataError(f"{path}: cannot read window {window}: {detail}") from e
 
     def _map_labels(self, raw):

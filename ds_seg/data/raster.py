@@ -20,7 +20,7 @@ import warnings
 
 import numpy as np
 import rasterio
-from rasterio.enums import MaskFlags
+from rasterio.enums import ColorInterp, MaskFlags
 from rasterio.errors import NotGeoreferencedWarning
 
 from ds_seg.config import ConfigError
@@ -95,11 +95,17 @@ def raster_env(path):
     return contextlib.nullcontext()
 
 
+def gdal_message(exc):
+    """The first line of GDAL's own error: rasterio's "Read failed. See previous exception"
+    wraps it as the cause."""
+    while exc.__cause__ is not None and 'See previous exception' in str(exc):
+        exc = exc.__cause__
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def remote_hint(exc):
     """GDAL's error for a URL, with what to do about the usual causes."""
-    while exc.__cause__ is not None and 'See previous exception' in str(exc):  # rasterio's wrapper
-        exc = exc.__cause__
-    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    message = gdal_message(exc)
     if 'Range downloading not supported' in message:
         return (f"{message} (the server ignores HTTP Range requests, so every window would fetch "
                 f"the whole file; serve it from one that honours Range, or download it and give "
@@ -150,6 +156,19 @@ def _http_identity(url):
     if not (etag or modified):
         return None
     return {'path': url, 'etag': etag, 'last_modified': modified, 'size': headers.get('Content-Length')}
+
+
+def same_pixels(a, b, width, height, tol_px=0.01):
+    """True when geotransforms ``a`` and ``b`` put the pixels of a ``width`` x ``height`` raster
+    in the same places, to ``tol_px`` of a pixel at every corner. Measured in pixels, not map
+    units: a fixed tolerance in map units (Affine.almost_equals: 1e-5) is several pixels of a
+    raster in degrees."""
+    inverse = ~a
+    for x, y in ((0, 0), (width, 0), (0, height), (width, height)):
+        px, py = inverse * (b * (x, y))
+        if abs(px - x) > tol_px or abs(py - y) > tol_px:
+            return False
+    return True
 
 
 def open_raster(path):
@@ -276,9 +295,15 @@ def open_scene(path):
 
 
 def uses_mask_band(src):
-    """True where a GDAL mask band or alpha, not a nodata value, marks the invalid pixels."""
-    return src.nodata is None and any(MaskFlags.per_dataset in f or MaskFlags.alpha in f
-                                      for f in src.mask_flag_enums)
+    """True where a GDAL mask band or alpha marks invalid pixels. With a nodata value as well,
+    both count (GDAL and QGIS give the mask band precedence; reading only the nodata value
+    would predict and score pixels the mask hides)."""
+    return any(MaskFlags.per_dataset in f or MaskFlags.alpha in f for f in src.mask_flag_enums)
+
+
+def alpha_bands(src):
+    """1-based bands the file tags as alpha (masks, not data)."""
+    return [i + 1 for i, c in enumerate(src.colorinterp) if c == ColorInterp.alpha]
 
 
 def nodata_mask(raw_CHW, nodata):

@@ -389,3 +389,60 @@ def test_training_runs_on_each_layout(name, trees, tmp_path):
     evals = read_jsonl(tmp_path / 'work' / 'eval.jsonl')
     assert evals and 0 <= evals[-1]['mIoU'] <= 1
     assert trainer.train_set.random_scale == (0.5, 2.0)
+
+
+@pytest.mark.parametrize('shift_px, accepted', [(3, False), (0.5, False), (0.001, True)])
+def test_labels_off_by_pixels_are_refused_in_degrees_too(tmp_path, shift_px, accepted):
+    """EPSG:4326 at 2.7e-6 degrees a pixel (0.3 m): a label 3 pixels east is 8e-6 degrees off,
+    inside a fixed 1e-5 tolerance in map units. The check is in pixels, whatever the CRS;
+    rounding noise far below a pixel still pairs."""
+    from rasterio.transform import Affine
+    px = 2.7e-6
+    common = dict(driver='GTiff', width=40, height=40, crs='EPSG:4326', dtype='uint8')
+    with rasterio.open(tmp_path / 'img.tif', 'w', count=3, transform=Affine(px, 0, 10.0, 0, -px, 47.0),
+                       **common) as d:
+        d.write(np.ones((3, 40, 40), np.uint8))
+    with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, transform=Affine(px, 0, 10.0 + shift_px * px, 0, -px, 47.0),
+                       **common) as d:
+        d.write(np.zeros((1, 40, 40), np.uint8))
+    build = lambda: GeoTiffScenes([str(tmp_path / 'img.tif')], [str(tmp_path / 'lbl.tif')], classes=2,  # noqa: E731
+                                  crop_size=16, mean=[0] * 3, std=[1] * 3)
+    if accepted:
+        build()
+    else:
+        with pytest.raises(DataError, match='different geotransforms'):
+            build()
+
+
+def test_a_mask_band_counts_beside_a_nodata_value_and_a_data_band_tagged_alpha_is_refused(tmp_path):
+    """GDAL gives an internal mask precedence over the nodata value: both mark invalid pixels
+    here. A 4th band tagged alpha (a NIR band written as RGB + ALPHA=YES) selected as data
+    would hide every pixel where it is 0: refused, with both ways out. Scenes of two pixel
+    types in one dataset are refused (one mean/std, one cast)."""
+    values = np.full((3, 40, 40), 100, np.uint8)
+    values[:, :, 30:] = 0  # nodata, right
+    common = dict(driver='GTiff', width=40, height=40, crs='EPSG:32632', transform=from_origin(500_000, 5_500_000, 0.1, 0.1))
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True):
+        with rasterio.open(tmp_path / 'img.tif', 'w', count=3, dtype='uint8', nodata=0, **common) as d:
+            d.write(values)
+            mask = np.full((40, 40), 255, np.uint8)
+            mask[:, :10] = 0  # masked, left
+            d.write_mask(mask)
+    label = write_tif(tmp_path / 'lbl.tif', np.ones((40, 40), np.uint8))
+    ds = GeoTiffScenes([str(tmp_path / 'img.tif')], [label], classes=2, crop_size=40, mode='grid',
+                       mean=[0] * 3, std=[1] * 3)
+    invalid = ds[0]['nodata'].numpy()
+    assert invalid[:, :10].all() and invalid[:, 30:].all() and not invalid[:, 10:30].any()
+
+    with rasterio.open(tmp_path / 'rgbn.tif', 'w', count=4, dtype='uint8', photometric='RGB', alpha='YES',
+                       **common) as d:
+        d.write(np.full((4, 40, 40), 50, np.uint8))
+    with pytest.raises(DataError, match=r'rgbn.tif: band 4 is tagged as alpha.*gdal_edit.py -colorinterp_4 undefined'):
+        GeoTiffScenes([str(tmp_path / 'rgbn.tif')], [label], classes=2, crop_size=40, mean=[0] * 4, std=[1] * 4)
+    GeoTiffScenes([str(tmp_path / 'rgbn.tif')], [label], classes=2, crop_size=40, bands=[1, 2, 3],
+                  mean=[0] * 3, std=[1] * 3)  # the alpha band left out: its mask applies, as it should
+
+    wide = write_tif(tmp_path / 'wide.tif', np.full((3, 40, 40), 1000, np.uint16))
+    with pytest.raises(DataError, match=r'wide.tif holds uint16 pixels but .*img.tif uint8'):
+        GeoTiffScenes([str(tmp_path / 'img.tif'), wide], [label, label], classes=2, crop_size=40,
+                      mean=[0] * 3, std=[1] * 3)
