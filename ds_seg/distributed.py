@@ -91,10 +91,36 @@ def setup_env(env=None):
         env.setdefault('RANK', '0')
         env.setdefault('WORLD_SIZE', '1')
         env.setdefault('LOCAL_RANK', '0')
+    env.setdefault('LOCAL_RANK', '0')
+    _check_env(env, launcher)
+    if env['WORLD_SIZE'] == '1':  # one process meets only itself: any free local port will do
         env.setdefault('MASTER_ADDR', '127.0.0.1')
         env.setdefault('MASTER_PORT', str(free_port()))
-    env.setdefault('LOCAL_RANK', '0')
     return launcher
+
+
+def _check_env(env, launcher):
+    """Refuse rank variables that cannot describe this process (leftovers of another job, a
+    typo), in one line, instead of a rendezvous that fails or waits for ranks that never come."""
+    from ds_seg.config import ConfigError
+    names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')
+    values = {}
+    for name in names:
+        raw = env.get(name, '')
+        if not raw.isdigit():
+            raise ConfigError(f"launcher environment ({launcher}): {name}={raw!r} is not a non-negative integer; "
+                              f"unset the stale rank variables, or start through deepspeed, torchrun or srun.")
+        values[name] = int(raw)
+    if values['WORLD_SIZE'] < 1 or values['RANK'] >= values['WORLD_SIZE']:
+        raise ConfigError(f"launcher environment ({launcher}): RANK={values['RANK']} with WORLD_SIZE="
+                          f"{values['WORLD_SIZE']}; a rank must be below the world size. Unset the stale rank "
+                          f"variables, or start through deepspeed, torchrun or srun.")
+    if values['WORLD_SIZE'] > 1 and not env.get('DS_SEG_INIT_METHOD'):
+        missing = [n for n in ('MASTER_ADDR', 'MASTER_PORT') if not env.get(n)]
+        if missing:
+            raise ConfigError(f"launcher environment ({launcher}): WORLD_SIZE={values['WORLD_SIZE']} but "
+                              f"{' and '.join(missing)} not set; the ranks cannot meet. Start through "
+                              f"deepspeed, torchrun or srun, which set them.")
 
 
 def device():
@@ -143,15 +169,22 @@ def init(use_deepspeed=True, timeout_s=None):
     # A file:// rendezvous (tests) avoids races for free ports between concurrent jobs.
     init_method = os.environ.get('DS_SEG_INIT_METHOD') or None
     ranks = dict(rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))
-    if use_deepspeed:
-        # DeepSpeed JIT-builds a shared-memory all-reduce op on first use on CPU (~40 s); it only
-        # speeds up inference all-reduce, so training skips the build.
-        importlib.import_module('deepspeed.comm.torch').build_shm_op = lambda: None
-        import deepspeed
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
-                                   init_method=init_method, **ranks)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout, init_method=init_method, **ranks)
+    try:
+        if use_deepspeed:
+            # DeepSpeed JIT-builds a shared-memory all-reduce op on first use on CPU (~40 s); it only
+            # speeds up inference all-reduce, so training skips the build.
+            importlib.import_module('deepspeed.comm.torch').build_shm_op = lambda: None
+            import deepspeed
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
+                                       init_method=init_method, **ranks)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, init_method=init_method, **ranks)
+    except (dist.DistNetworkError, dist.DistStoreError) as exc:  # a port in use, ranks that never came
+        from ds_seg.config import ConfigError
+        where = init_method or f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"rank {ranks['rank']} of {ranks['world_size']} could not meet the others at {where}: "
+                          f"{detail} (another job on that port, or fewer ranks started than WORLD_SIZE)") from exc
     return launcher
 
 

@@ -1,0 +1,44 @@
+"""Rank variables that cannot describe this process are one line before any rendezvous: a
+stale RANK/WORLD_SIZE of another job, a typo, a missing MASTER_ADDR, a port in use."""
+import socket
+
+import pytest
+
+from ds_seg import distributed
+from ds_seg.config import ConfigError
+
+
+@pytest.mark.parametrize('env, message', [
+    (dict(RANK='3', WORLD_SIZE='2'), r'RANK=3 with WORLD_SIZE=2; a rank must be below the world size'),
+    (dict(RANK='0', WORLD_SIZE='abc'), r"WORLD_SIZE='abc' is not a non-negative integer"),
+    (dict(RANK='0', WORLD_SIZE='1', LOCAL_RANK='-1'), r"LOCAL_RANK='-1' is not a non-negative integer"),
+    (dict(RANK='0', WORLD_SIZE='2'), r'WORLD_SIZE=2 but MASTER_ADDR and MASTER_PORT not set'),
+    (dict(SLURM_PROCID='2', SLURM_NTASKS='2', SLURM_JOB_NODELIST='n1'), r'\(slurm\): RANK=2 with WORLD_SIZE=2'),
+])
+def test_stale_or_broken_rank_variables_are_one_line(env, message):
+    with pytest.raises(ConfigError, match=message):
+        distributed.setup_env(dict(env))
+
+
+def test_one_process_with_rank_variables_but_no_master_gets_a_local_one():
+    env = dict(RANK='0', WORLD_SIZE='1', LOCAL_RANK='5')
+    assert distributed.setup_env(env) == 'deepspeed'
+    assert env['MASTER_ADDR'] == '127.0.0.1' and env['MASTER_PORT'].isdigit()
+
+
+def test_a_master_port_in_use_is_one_line(monkeypatch):
+    with socket.socket() as busy:
+        busy.bind(('127.0.0.1', 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for name in ('TORCHELASTIC_RUN_ID', 'DS_SEG_INIT_METHOD'):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in (('RANK', '0'), ('WORLD_SIZE', '1'), ('LOCAL_RANK', '0')):  # restored afterwards
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv('MASTER_ADDR', '127.0.0.1')
+        monkeypatch.setenv('MASTER_PORT', str(port))
+        try:
+            with pytest.raises(ConfigError, match=rf'rank 0 of 1 could not meet the others at 127.0.0.1:{port}'):
+                distributed.init(use_deepspeed=False, timeout_s=20)
+        finally:
+            distributed.close()
