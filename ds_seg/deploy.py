@@ -214,7 +214,12 @@ def load_onnx(path, threads=None):
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f'--checkpoint: {path} does not exist')
-    forward = OnnxForward(path, threads)
+    try:
+        forward = OnnxForward(path, threads)
+    except Exception as exc:  # onnxruntime's InvalidProtobuf, InvalidGraph, Fail: not a model it runs
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(f'--checkpoint: {path} is not an ONNX model onnxruntime can load ({reason}); give a '
+                          'file from launch/export.py --format onnx') from None
     meta = forward.session.get_modelmeta().custom_metadata_map
     card = json.loads(meta['ds_seg']) if 'ds_seg' in meta else {}
     data = {k: card.get(k) for k in ('bands', 'mean', 'std', 'ignore_index')} if card.get('mean') else None

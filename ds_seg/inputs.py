@@ -105,6 +105,25 @@ def check_output_folder(folder, option='--output'):
         raise ConfigError(f'{option}: the parent folder {parent} does not exist; create it first.')
 
 
+def check_writable(folder, option='--output'):
+    """Refuse, before any work, a folder this process cannot write into (a read-only mount, a
+    path under a file, /proc): a probe file (or, for a folder still to be made, a probe folder
+    in its parent) is created and removed, so root is judged by what the file system does,
+    not by permission bits. Nothing is left behind."""
+    import tempfile
+    where = folder if os.path.isdir(folder) else os.path.dirname(os.path.abspath(folder))
+    try:
+        if os.path.isdir(folder):
+            fd, probe = tempfile.mkstemp(prefix='.ds_seg_write_test', dir=folder)
+            os.close(fd)
+            os.remove(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix='.ds_seg_write_test', dir=where))
+    except OSError as exc:
+        raise ConfigError(f'{option}: {folder} is not writable ({exc.strerror or exc}); choose a folder you '
+                          'can write to.') from exc
+
+
 def check_window_options(tile, overlap, batch_size, block=None):
     if tile < 16:
         raise ConfigError(f'--tile must be at least 16 pixels, got {tile}.')

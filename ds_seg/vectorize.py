@@ -129,13 +129,15 @@ def _component_ids(cls_hW, valid_hW):
 
 
 def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, simplify=0.0,
-                        min_area=0.0, exclude=(), band_rows=256, layer=None):
+                        min_area=0.0, exclude=(), band_rows=256, layer=None, overwrite=False):
     """Write the class regions of a class-map GeoTIFF as polygons; returns a summary dict.
 
     Args:
         class_path: single-band integer class map (``predict.py``'s ``*_classes.tif``); its
             nodata value (255 there) is left out.
-        out_path: ``.gpkg``, ``.geojson`` or ``.fgb``; an existing file is refused.
+        out_path: ``.gpkg``, ``.geojson`` or ``.fgb``; an existing file is refused unless
+            ``overwrite``. Written under ``<name>.partial<ext>`` and renamed when complete, so
+            an interrupted run neither leaves a partial file nor loses an older one.
         probs_path: K-band uint8 probabilities x 250 (``*_probs.tif``): adds ``mean_prob``.
         classes: class names (default: the ``classes`` tag of the class map, else ``class_<i>``).
         simplify: Douglas-Peucker tolerance in map units (0: exact pixel edges). Each polygon is
@@ -150,14 +152,36 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
         info = vectorize_class_map('a_classes.tif', 'a.fgb', exclude=['background'])
         print(info['features'], 'polygons')
     """
+    driver = vector_driver(out_path)
+    check_vector_options(simplify, min_area)
+    if os.path.exists(out_path) and not overwrite:
+        raise FileExistsError(f"{out_path} already exists; remove it or choose another name "
+                              f"(vector outputs are never overwritten)")
+    final_path, out_path = out_path, _partial_path(out_path)
+    if os.path.exists(out_path):
+        os.remove(out_path)  # left by a run that was killed: the appends below would extend it
+    try:
+        summary = _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, exclude,
+                             band_rows, layer, driver)
+        os.replace(out_path, final_path)
+    except BaseException:
+        if os.path.exists(out_path):
+            os.remove(out_path)
+        raise
+    return dict(summary, out_path=final_path)
+
+
+def _partial_path(path):
+    """``a.gpkg`` -> ``a.partial.gpkg``: the format's extension stays for the OGR driver."""
+    root, ext = os.path.splitext(path)
+    return f'{root}.partial{ext}'
+
+
+def _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, exclude, band_rows,
+               layer, driver):
     import pyogrio.raw
     import shapely
 
-    driver = vector_driver(out_path)
-    check_vector_options(simplify, min_area)
-    if os.path.exists(out_path):
-        raise FileExistsError(f"{out_path} already exists; remove it or choose another name "
-                              f"(vector outputs are never overwritten)")
     with rasterio.open(class_path) as src, \
             (rasterio.open(probs_path) if probs_path else _NullContext()) as psrc:
         if src.count != 1 or src.dtypes[0] not in ('uint8', 'uint16', 'int16', 'int32', 'uint32'):

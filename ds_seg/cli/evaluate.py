@@ -12,6 +12,7 @@ r px of a class boundary (ISPRS's eroded ground truth, r = 3); ``--exclude`` lea
 of mIoU and mF1 (not out of OA).
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
 from ds_seg.inference import default_palette, evaluate_scenes, load_model, scene_pairs  # noqa: E402
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
-                           expand_inputs)
+                           check_writable, expand_inputs)
 from ds_seg.metrics import metrics_from_confusion  # noqa: E402
 
 
@@ -90,6 +91,7 @@ def build_scenes(args, info):
         with distributed.main_process_first():  # a synthetic set is written once, by rank 0
             ds = build(DATASETS, cfg.data.val, where='data.val', crop_size=cfg.data.crop_size,
                        seed=cfg.train.seed)
+        check_ignore_index(args.ignore_index, list(ds.classes))
         return ds, list(ds.classes)
     from ds_seg.data.geotiff import cached_label_histograms, expand_paths, inspect_pair, label_nodata_message
     images, labels = expand_paths(args.images, '--images'), expand_paths(args.labels or [], '--labels')
@@ -105,6 +107,7 @@ def build_scenes(args, info):
     classes = args.classes or info['classes']
     if not classes:
         raise ValueError('the checkpoint records no class names; give --classes')
+    check_ignore_index(args.ignore_index, list(classes))
     # Before any window is predicted: every label value a class or --ignore-index (training's
     # cached full scan of each label file), and no label nodata tag that is a class.
     ignore = 255 if args.ignore_index is None else int(args.ignore_index)
@@ -120,12 +123,44 @@ def build_scenes(args, info):
     return list(zip(images, labels)), list(classes)
 
 
+def output_files(args):
+    """eval.json, confusion.png and preview_0.png .. preview_<--previews - 1>.png in --output."""
+    names = ['eval.json', 'confusion.png'] + [f'preview_{i}.png' for i in range(max(args.previews, 0))]
+    return [os.path.join(args.output, n) for n in names]
+
+
+@contextlib.contextmanager
+def _written(path):
+    """A temporary name in ``path``'s folder, renamed to ``path`` when the block succeeds and
+    removed when it fails: --overwrite never leaves a half-written file in place of a good one."""
+    root, ext = os.path.splitext(path)
+    tmp = f'{root}.partial{ext}'  # the extension stays: matplotlib picks the format from it
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def check_ignore_index(ignore_index, classes):
+    """As training refuses it: an --ignore-index that is a class index would drop that class
+    from every metric without a word."""
+    if ignore_index is not None and 0 <= ignore_index < len(classes):
+        raise ValueError(f"--ignore-index {ignore_index} is class {ignore_index} ({classes[ignore_index]!r}): "
+                         f"its pixels would never be counted; use a value outside 0..{len(classes) - 1} "
+                         "(default 255)")
+
+
 def _run(args):
     """The command after argument parsing; user errors raise (see ds_seg.cli.run_command)."""
     window_kwargs(args)  # checks the window options
     check_checkpoint_option(args.checkpoint)
     check_output_folder(args.output)
-    check_outputs([os.path.join(args.output, 'eval.json')], [], overwrite=args.overwrite)
+    # Every file this run may write, not only eval.json: an earlier run's pictures are results too.
+    check_outputs(output_files(args), [], overwrite=args.overwrite)
+    check_writable(args.output)
     device = setup(args)
     model, info = load_model(args.checkpoint, device)
     scenes, classes = build_scenes(args, info)
@@ -150,11 +185,13 @@ def _run(args):
                       scenes=[p[0] for p in scene_pairs(scenes)],
                       windows=result['windows'], world_size=distributed.world_size(),
                       settings=window_kwargs(args))
-        with open(os.path.join(args.output, 'eval.json'), 'w') as f:
+        with _written(os.path.join(args.output, 'eval.json')) as tmp, open(tmp, 'w') as f:
             json.dump(record, f, indent=1)
-        save_confusion_png(cm, classes, os.path.join(args.output, 'confusion.png'), args.exclude)
+        with _written(os.path.join(args.output, 'confusion.png')) as tmp:
+            save_confusion_png(cm, classes, tmp, args.exclude)
         for i, preview in enumerate(result['previews'][:args.previews]):
-            save_preview_png(preview, classes, os.path.join(args.output, f'preview_{i}.png'), bands)
+            with _written(os.path.join(args.output, f'preview_{i}.png')) as tmp:
+                save_preview_png(preview, classes, tmp, bands)
         num = lambda x: 'n/a' if x is None else f'{x:.4f}'  # noqa: E731 -- every class excluded or absent
         print(f"[evaluate] mIoU {num(metrics['mIoU'])} | mF1 {num(metrics['mF1'])} | OA {num(metrics['OA'])}"
               + (f" (mIoU/mF1 without {', '.join(args.exclude)})" if args.exclude else ''))
@@ -180,7 +217,7 @@ def main(argv=None):
     parser.add_argument('--ignore-index', type=int, default=None, help='label value not counted (default 255)')
     parser.add_argument('--previews', type=int, default=3, help='side-by-side PNGs to write (default 3)')
     parser.add_argument('--output', required=True, help='output folder')
-    parser.add_argument('--overwrite', action='store_true', help='replace an earlier eval.json in --output')
+    parser.add_argument('--overwrite', action='store_true', help='replace earlier outputs (eval.json, confusion.png, preview_N.png) in --output')
     add_window_args(parser)
     args = parser.parse_args(argv)
     return run_command('evaluate', lambda: _run(args), errors=(FileNotFoundError, ValueError, KeyError))

@@ -21,6 +21,7 @@ import sys
 
 from ds_seg import deploy
 from ds_seg.engine import checkpoint
+from ds_seg.inputs import check_writable
 
 
 def check_out(out):
@@ -31,6 +32,20 @@ def check_out(out):
     if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
         raise ValueError(f'--out: the folder {os.path.dirname(os.path.abspath(out))} does not exist; create it first.')
     deploy.refuse_existing(out, *deploy.card_paths(out))
+    check_writable(os.path.dirname(os.path.abspath(out)), '--out')
+
+
+# What a file name says it holds: a name that says another format than --format would make the
+# next reader (torch.load, onnxruntime, a colleague) fail on it, or worse, half-succeed.
+SUFFIX_FORMATS = {'.pt': 'weights', '.pth': 'weights', '.onnx': 'onnx', '.pt2': 'torch-export'}
+
+
+def check_suffix(out, fmt):
+    said = SUFFIX_FORMATS.get(os.path.splitext(out)[1].lower())
+    if said and said != fmt:
+        wanted = '.pt' if fmt == 'weights' else deploy.FORMATS[fmt]
+        raise ValueError(f'--out {out}: the name says {said} ({os.path.splitext(out)[1]}) but --format {fmt} writes '
+                         f'{fmt} files; name it {os.path.splitext(out)[0]}{wanted} or give --format {said}.')
 
 
 def main(argv=None):
@@ -44,6 +59,8 @@ def main(argv=None):
                              'onnx; torch-export')
     args = parser.parse_args(argv)
     try:
+        if args.out:
+            check_suffix(args.out, args.format)
         if args.format == 'weights':
             ckpt = checkpoint.find_checkpoint(args.checkpoint, report=lambda line: print(f'export: {line}'))
             out = args.out or os.path.join(os.path.dirname(os.path.dirname(ckpt)), f'weights_{os.path.basename(ckpt)}.pt')
@@ -74,9 +91,10 @@ def export_deployable(source, fmt, out=None):
         tag = os.path.basename(ckpt)
     # The run's folder (config.json, summary.json, eval.jsonl) for the model card, where it exists.
     work_dir = os.path.dirname(os.path.dirname(ckpt)) if os.path.isdir(ckpt) else None
+    out = out or os.path.join(work_dir or os.path.dirname(os.path.abspath(source)), f'model_{tag}{deploy.FORMATS[fmt]}')
+    check_out(out)  # before the model is loaded and traced
     model, info = load_model(source if os.path.isfile(source) else ckpt, 'cpu')
     info['source'] = os.path.abspath(ckpt)
-    out = out or os.path.join(work_dir or os.path.dirname(os.path.abspath(source)), f'model_{tag}{deploy.FORMATS[fmt]}')
     (deploy.export_onnx if fmt == 'onnx' else deploy.export_torch)(model, out, info, work_dir=work_dir)
     return ckpt, out
 

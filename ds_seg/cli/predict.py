@@ -15,6 +15,7 @@ launch/export.py, a ``step_*`` folder, a checkpoints folder or a work dir, or an
 from ``launch/export.py --format onnx`` (run with onnxruntime on the CPU).
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -28,7 +29,7 @@ from ds_seg.data.geotiff import configure_gdal_for_worker
 from ds_seg.data.raster import StackedRaster
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
-                           check_window_options, expand_inputs, output_stems)
+                           check_window_options, check_writable, expand_inputs, output_stems)
 from ds_seg.telemetry import format_eta
 from ds_seg.vectorize import (add_vector_args, check_vector_options, exclude_ids, vector_outputs,
                               vectorize_class_map)
@@ -65,8 +66,26 @@ def setup(args):
         torch.set_num_threads(args.cpu_threads)
     configure_gdal_for_worker(cache_mb=256)
     if args.device:
-        return torch.device(args.device)
+        return check_device(args.device)
     return distributed.device()
+
+
+def check_device(name):
+    """``--device`` as a torch device that exists here; a misspelt one or a GPU this machine
+    does not have is one line, not a traceback at the first forward."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name}: not a device; give cpu, cuda or cuda:N") from None
+    if device.type == 'cuda':
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"--device {name}: no CUDA GPU is visible on this machine; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}")
+    elif device.type not in ('cpu', 'meta') and not getattr(torch, device.type).is_available():
+        raise ConfigError(f"--device {name}: no {device.type} device is available here; use --device cpu")
+    return device
 
 
 def normalisation(args, info, fallback=None):
@@ -79,6 +98,19 @@ def normalisation(args, info, fallback=None):
         raise ValueError('the checkpoint does not record the training normalisation (made before it '
                          'was saved); give --mean and --std per band, e.g. from stats.json of the '
                          'training data')
+    # (value - mean) / std: a std <= 0 or a NaN turns every window into garbage or infinities.
+    for name, given, values in (('--mean', args.mean, mean), ('--std', args.std, std)):
+        where = name if given else f'the {name[2:]} recorded in the checkpoint'
+        if not all(math.isfinite(float(v)) for v in values) or name == '--std' and min(values) <= 0:
+            raise ConfigError(f"{where} ({' '.join(f'{float(v):g}' for v in values)}): every value must be "
+                              f"finite{' and > 0' if name == '--std' else ''}")
+    channels = (info.get('model') or {}).get('in_channels')
+    for name, given, values in (('--mean', args.mean, mean), ('--std', args.std, std)):
+        if given and channels and len(values) != channels:
+            raise ConfigError(f"{name} has {len(values)} value(s) but the model takes {channels} band(s); "
+                              f"give one {name[2:]} per band")
+    if len(mean) != len(std):
+        raise ConfigError(f"--mean has {len(mean)} value(s) but --std {len(std)}; give one of each per band")
     return [float(v) for v in mean], [float(v) for v in std], bands
 
 
@@ -96,6 +128,18 @@ class Progress:
         eta = (total - done) / rate if rate > 0 else None
         print(f'[predict] {self.name}: {done}/{total} windows ({100 * done / max(total, 1):.0f}%) | '
               f'{rate:.1f} windows/s | ETA {format_eta(eta)}', flush=True)
+
+
+def check_vector_georeference(path):
+    """Polygons are written in the class map's geotransform: a scene located only by ground
+    control points or RPCs has none, and its polygons would land in pixel coordinates."""
+    from ds_seg.data.raster import open_raster
+    with open_raster(path) as src:
+        located = bool(src.gcps[0]) or src.rpcs is not None
+        if src.transform.is_identity and located:
+            raise ConfigError(f"--vector: {path} is located by {'GCPs' if src.gcps[0] else 'RPCs'}, not a "
+                              "geotransform, so polygons would be in pixel coordinates; warp the scene first "
+                              "(gdalwarp -t_srs EPSG:<code> in.tif warped.tif) and predict on the warped scene")
 
 
 def _band_count(path):
@@ -133,6 +177,11 @@ def _run(args):
                for stem in stems]
     check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
     vectors = vector_outputs(args.vector, stems, args.output, overwrite=args.overwrite)
+    for folder in sorted({args.output} | {os.path.dirname(os.path.abspath(v)) for v in vectors if v}):
+        check_writable(folder, '--output' if folder == args.output else '--vector')
+    if args.vector:
+        for first in firsts:
+            check_vector_georeference(first)
     device = setup(args)
     if args.checkpoint.endswith('.onnx'):  # CPU deployment: onnxruntime, no model code needed
         from ds_seg.deploy import load_onnx
@@ -159,8 +208,6 @@ def _run(args):
     t_all = time.perf_counter()
     for path, first, (out, *rest), vector in zip(scenes, firsts, outputs, vectors):
         probs = rest[0] if rest else None
-        if vector and os.path.exists(vector) and args.overwrite and distributed.is_main():
-            os.remove(vector)  # --overwrite said so
         with torch.inference_mode():
             stats = predict_scene(model, path, out, mean=mean, std=std, bands=bands,
                                   classes=info['classes'], probs_path=probs, device=device,
@@ -174,7 +221,7 @@ def _run(args):
             t = time.perf_counter()
             v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],
                                     simplify=args.simplify, min_area=args.min_area,
-                                    exclude=exclude)
+                                    exclude=exclude, overwrite=args.overwrite)
             print(f'[predict] {out} -> {vector} | {v["features"]} polygons in '
                   f'{time.perf_counter() - t:.1f} s', flush=True)
     if distributed.is_main():

@@ -241,9 +241,10 @@ def run_scene(forward_fn, image_path, sink, mean, std, bands=None, tile=512, ove
         mean_c = np.asarray(mean, np.float32).reshape(-1)
         std_c = np.asarray(std, np.float32).reshape(-1)
         if mean_c.size != len(band_idx) or std_c.size != len(band_idx):
+            # Not "the model was trained on N bands": mean/std may be a user's --mean/--std.
             raise ValueError(f"{image_path}: {len(band_idx)} band(s) read but mean/std have "
-                             f"{mean_c.size}/{std_c.size} values (the model was trained on "
-                             f"{mean_c.size} band(s); select bands to match)")
+                             f"{mean_c.size}/{std_c.size} values; give one mean and std per band read "
+                             f"(bands select the bands)")
         prep = BatchPreprocessor(mean_c, std_c)
         plan = ScenePlan(src.height, src.width, tile, overlap, block, world_size)
         engine = SceneEngine(src, plan, rank, band_idx, prep, sink, blend=blend, accumulate_dtype=acc_dtype,

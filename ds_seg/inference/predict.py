@@ -4,13 +4,15 @@ Example::
 
     predict_scene(model.eval(), 'scene.tif', 'scene_classes.tif', mean=m, std=s, classes=names)
 """
+import os
+
 import numpy as np
 
 from .. import distributed
 from ..data.raster import open_scene
 from .engine import run_scene
 from .tiling import ScenePlan
-from .writer import CLASS_NODATA, GeoTiffRowWriter, join_parts
+from .writer import CLASS_NODATA, GeoTiffRowWriter, join_parts, partial_path, remove_quietly
 
 
 def _to_outputs(scores, wsum, nodata, with_probs):
@@ -47,10 +49,17 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
     k = len(classes) if classes is not None else None
     with open_scene(image_path) as src:
         profile = dict(src.profile)
+        if src.transform.is_identity:  # located by GCPs or RPCs instead (a stack of dates has none)
+            profile.update(gcps=getattr(src, 'gcps', None), rpcs=getattr(src, 'rpcs', None))
     writer = None
     part = world_size > 1
     plan = ScenePlan(profile['height'], profile['width'], tile, overlap, block, world_size)
     a, b = plan.band(rank)
+    # Written under a temporary name and renamed when complete (see writer.partial_path); the
+    # ranks' part files are named after it, and rank 0 joins them into it.
+    tmp_out = partial_path(out_path)
+    tmp_probs = partial_path(probs_path) if probs_path else None
+    parts = (f'{tmp_out}.part{rank}', f'{tmp_probs}.part{rank}' if probs_path else None)
 
     def sink(y0, scores, wsum, nodata):
         nonlocal writer
@@ -58,25 +67,32 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
         if writer is None:
             names = list(classes) if classes is not None else [f'class_{i}' for i in range(scores.shape[0])]
             if part:
-                writer = GeoTiffRowWriter(f'{out_path}.part{rank}', profile, names,
-                                          f'{probs_path}.part{rank}' if probs_path else None,
-                                          block, row_offset=a, height=b - a)
+                writer = GeoTiffRowWriter(parts[0], profile, names, parts[1], block, row_offset=a, height=b - a)
             else:
-                writer = GeoTiffRowWriter(out_path, profile, names, probs_path, block)
+                writer = GeoTiffRowWriter(tmp_out, profile, names, tmp_probs, block)
         writer.write(y0 - (a if part else 0), cls, probs)
 
     try:
-        stats = run_scene(forward_fn, image_path, sink, mean, std, bands=bands, tile=tile,
-                          overlap=overlap, batch_size=batch_size, blend=blend, tta=tta, block=block,
-                          device=device, accumulate_dtype=accumulate_dtype, num_classes=k,
-                          rank=rank, world_size=world_size, progress=progress)
-    finally:
-        if writer is not None:
-            writer.close()
+        try:
+            stats = run_scene(forward_fn, image_path, sink, mean, std, bands=bands, tile=tile,
+                              overlap=overlap, batch_size=batch_size, blend=blend, tta=tta, block=block,
+                              device=device, accumulate_dtype=accumulate_dtype, num_classes=k,
+                              rank=rank, world_size=world_size, progress=progress)
+        finally:
+            if writer is not None:
+                writer.close()
+        if part:
+            distributed.barrier()  # every part file is closed
+            if rank == 0:
+                join_parts(tmp_out, tmp_probs, profile, plan, block)
+        if rank == 0:  # complete: now (and only now) the final names
+            if probs_path:
+                os.replace(tmp_probs, probs_path)
+            os.replace(tmp_out, out_path)
+    except BaseException:  # an error, Ctrl-C: nothing half-written stays, an older output is intact
+        remove_quietly(*parts, *((tmp_out, tmp_probs) if rank == 0 else ()))
+        raise
     if part:
-        distributed.barrier()  # every part file is closed
-        if rank == 0:
-            join_parts(out_path, probs_path, profile, plan, block)
         distributed.barrier()
     stats['out_path'] = out_path
     return stats

@@ -31,6 +31,22 @@ def _tab20():
     return [tuple(int(h[i:i + 2], 16) / 255 for i in (0, 2, 4)) for h in hexes]
 
 
+def partial_path(path):
+    """Where an output is written until it is complete (``a_classes.tif`` ->
+    ``a_classes.partial.tif``, same folder, same extension for the format's driver): an
+    interrupted run leaves no valid-looking file under the final name, and ``--overwrite``
+    replaces the old file only by the rename of a finished one."""
+    root, ext = os.path.splitext(path)
+    return f'{root}.partial{ext}'
+
+
+def remove_quietly(*paths):
+    """Remove what a failed write left (files that may not exist)."""
+    for path in paths:
+        if path and os.path.exists(path):
+            os.remove(path)
+
+
 class GeoTiffRowWriter:
     """A class-map GeoTIFF (and optionally a probabilities GeoTIFF) written block row by row.
 
@@ -52,11 +68,19 @@ class GeoTiffRowWriter:
         k = len(self.classes)
         if k > 255:
             raise ValueError(f"{k} classes do not fit a uint8 class map with nodata {CLASS_NODATA}")
+        whole = height is None or (row_offset == 0 and height == src_profile['height'])
         height = src_profile['height'] if height is None else height
         transform = src_profile['transform'] @ rasterio.Affine.translation(0, row_offset)
-        common = dict(driver='GTiff', width=src_profile['width'], height=height,
-                      crs=src_profile.get('crs'), transform=transform, tiled=True,
-                      blockxsize=block, blockysize=block, compress='zstd', BIGTIFF='IF_SAFER')
+        georef = dict(crs=src_profile.get('crs'), transform=transform)
+        # A scene located by ground control points or RPCs (no geotransform) gives its class map
+        # the same, so it opens in place in QGIS; a rank's part file (rows of it) needs none.
+        gcps, gcp_crs = src_profile.get('gcps') or ((), None)
+        if whole and gcps:
+            georef = dict(gcps=gcps, crs=gcp_crs)
+        if whole and src_profile.get('rpcs'):
+            georef['rpcs'] = src_profile['rpcs']
+        common = dict(driver='GTiff', width=src_profile['width'], height=height, tiled=True,
+                      blockxsize=block, blockysize=block, compress='zstd', BIGTIFF='IF_SAFER', **georef)
         self.block = block
         self.dst = rasterio.open(path, 'w', count=1, dtype='uint8', nodata=CLASS_NODATA,
                                  photometric='PALETTE', **common)

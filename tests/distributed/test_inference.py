@@ -135,3 +135,105 @@ def test_predict_reports_a_missing_input_without_a_traceback(exported):
                            'nope.tif', '--output', str(exported['tmp'] / 'x')], cwd=REPO_ROOT,
                           capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert proc.returncode == 2 and 'nope.tif' in proc.stderr and 'Traceback' not in proc.stderr
+
+
+def _refusal_cases(tmp, weights, scene, label):
+    """(exit status, stderr lines, files under tmp before, after) of each mistaken command, run
+    in this process through the commands' main()."""
+    import contextlib
+    import importlib
+    import io
+    from rasterio.control import GroundControlPoint
+    tmp = str(tmp)
+    with rasterio.open(scene) as src:
+        img, profile = src.read(), dict(src.profile)
+    gcp_scene = os.path.join(tmp, 'gcp_scene.tif')
+    gcps = [GroundControlPoint(r, c, 360_000 + c * 0.2, 5_700_000 - r * 0.2) for r, c in ((0, 0), (0, 130), (150, 0))]
+    profile.pop('transform')
+    with rasterio.open(gcp_scene, 'w', **dict(profile, gcps=gcps)) as dst:
+        dst.write(img)
+    garbage = os.path.join(tmp, 'garbage.onnx')
+    with open(garbage, 'wb') as f:
+        f.write(os.urandom(2000))
+    old_eval = os.path.join(tmp, 'old_eval')
+    os.makedirs(old_eval, exist_ok=True)
+    with open(os.path.join(old_eval, 'confusion.png'), 'wb') as f:
+        f.write(b'an earlier run')
+    a_file = os.path.join(tmp, 'a_file')
+    open(a_file, 'w').close()
+    pred = ['--checkpoint', weights, '--input', scene, '--tile', '64', '--device', 'cpu']
+    ev = ['--checkpoint', weights, '--images', scene, '--labels', label, '--tile', '64', '--device', 'cpu']
+    cases = {
+        'std_zero': ('predict', pred + ['--output', os.path.join(tmp, 'p1'), '--mean', '1', '1', '1', '--std', '0', '0', '0']),
+        'std_nan': ('predict', pred + ['--output', os.path.join(tmp, 'p2'), '--std', '1', 'nan', '1']),
+        'mean_count': ('predict', pred + ['--output', os.path.join(tmp, 'p3'), '--mean', '1', '2', '--std', '1', '1']),
+        'device_typo': ('predict', pred + ['--output', os.path.join(tmp, 'p4'), '--device', 'gpu']),
+        'eval_device_typo': ('evaluate', ev + ['--output', os.path.join(tmp, 'e1'), '--device', 'gpu']),
+        'output_unwritable': ('predict', pred + ['--output', '/proc/ds_seg_out']),
+        'output_readonly': ('predict', pred + ['--output', '/proc/self']),
+        'vector_unwritable': ('predict', pred + ['--output', os.path.join(tmp, 'p5'), '--vector', '/proc/self/x.gpkg']),
+        'eval_unwritable': ('evaluate', ev + ['--output', '/proc/ds_seg_eval']),
+        'eval_under_file': ('evaluate', ev + ['--output', os.path.join(a_file, 'sub')]),
+        'export_unwritable': ('export', [weights, '--format', 'onnx', '--out', '/proc/self/w.onnx']),
+        'eval_existing_png': ('evaluate', ev + ['--output', old_eval]),
+        'ignore_is_class': ('evaluate', ev + ['--output', os.path.join(tmp, 'e2'), '--ignore-index', '0']),
+        'gcp_vector': ('predict', ['--checkpoint', weights, '--input', gcp_scene, '--output', os.path.join(tmp, 'p6'),
+                                   '--vector', 'gpkg']),
+        'onnx_garbage': ('predict', ['--checkpoint', garbage, '--input', scene, '--output', os.path.join(tmp, 'p7')]),
+        'export_onnx_as_pt': ('export', [weights, '--format', 'onnx', '--out', os.path.join(tmp, 'model.pt')]),
+        'export_weights_as_onnx': ('export', [weights, '--out', os.path.join(tmp, 'w.onnx')]),
+    }
+    if not torch.cuda.is_available():
+        cases['no_gpu'] = ('predict', pred + ['--output', os.path.join(tmp, 'p8'), '--device', 'cuda'])
+        cases['eval_no_gpu'] = ('evaluate', ev + ['--output', os.path.join(tmp, 'e3'), '--device', 'cuda'])
+    results = {}
+    for case, (program, argv) in cases.items():
+        before = sorted(os.walk(tmp))
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = importlib.import_module(f'ds_seg.cli.{program}').main(argv)
+        results[case] = (code, err.getvalue().strip().splitlines(), before == sorted(os.walk(tmp)))
+    results['old_png'] = open(os.path.join(old_eval, 'confusion.png'), 'rb').read()
+    return results
+
+
+@pytest.fixture(scope='module')
+def refusals(exported):
+    e = exported
+    tmp = e['tmp'] / 'refusals'
+    tmp.mkdir()
+    return run_on_ranks(_refusal_cases, 1, args=(tmp, e['weights'], e['scene'], e['label']), timeout=300)[0]
+
+
+@pytest.mark.parametrize('case, program, fragments', [
+    ('std_zero', 'predict', ['--std (0 0 0)', 'finite and > 0']),
+    ('std_nan', 'predict', ['--std (1 nan 1)', 'finite']),
+    ('mean_count', 'predict', ['--mean has 2 value(s) but the model takes 3 band(s)']),
+    ('device_typo', 'predict', ['--device gpu: not a device']),
+    ('eval_device_typo', 'evaluate', ['--device gpu: not a device']),
+    ('no_gpu', 'predict', ['--device cuda: no CUDA GPU']),
+    ('eval_no_gpu', 'evaluate', ['--device cuda: no CUDA GPU']),
+    ('output_unwritable', 'predict', ['--output: /proc/ds_seg_out is not writable']),
+    ('output_readonly', 'predict', ['--output: /proc/self is not writable']),
+    ('vector_unwritable', 'predict', ['--vector: /proc/self is not writable']),
+    ('eval_unwritable', 'evaluate', ['--output: /proc/ds_seg_eval is not writable']),
+    ('eval_under_file', 'evaluate', ['a_file']),
+    ('export_unwritable', 'export', ['--out: /proc/self is not writable']),
+    ('eval_existing_png', 'evaluate', ['confusion.png already exists', '--overwrite']),
+    ('ignore_is_class', 'evaluate', ["--ignore-index 0 is class 0 ('grass')"]),
+    ('gcp_vector', 'predict', ['gcp_scene.tif is located by GCPs', 'gdalwarp']),
+    ('onnx_garbage', 'predict', ['garbage.onnx is not an ONNX model']),
+    ('export_onnx_as_pt', 'export', ['model.pt: the name says weights', '--format onnx']),
+    ('export_weights_as_onnx', 'export', ['w.onnx: the name says onnx', '--format weights']),
+])
+def test_mistaken_options_are_one_line_before_any_work(refusals, case, program, fragments):
+    if case not in refusals:
+        pytest.skip('a CUDA GPU is visible here')
+    code, lines, unchanged = refusals[case]
+    assert code == 2, lines
+    errors = [line for line in lines if line.startswith(f'{program}: error:')]
+    assert len(errors) == 1 and not any('Traceback' in line for line in lines), lines
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert unchanged, 'a refused command wrote nothing'
+    assert refusals['old_png'] == b'an earlier run'

@@ -159,6 +159,56 @@ def test_output_geotiff_keeps_georeference_nodata_and_block_layout(scene, tmp_pa
         assert (prob[:, ~valid] == 255).all()
 
 
+class _BreaksAfter(LookupModel):
+    """LookupModel that fails at its ``n``-th forward call: a run interrupted mid-scene."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def __call__(self, images_BCHW):
+        if self.calls + 1 >= self.n:
+            raise KeyboardInterrupt('interrupted')
+        return super().__call__(images_BCHW)
+
+
+def test_an_interrupted_prediction_keeps_the_old_output_and_leaves_no_partial_file(scene, tmp_path):
+    path, _, ref = scene
+    out, probs = str(tmp_path / 'classes.tif'), str(tmp_path / 'probs.tif')
+    kw = dict(mean=[0, 0], std=[1, 1], classes=list('abcde'), probs_path=probs, tile=64, overlap=16, block=64,
+              batch_size=2)
+    inf.predict_scene(LookupModel(), path, out, **kw)
+    before = {n: open(tmp_path / n, 'rb').read() for n in ('classes.tif', 'probs.tif')}
+    # Block rows have been written when the model breaks: the old files must still be the old ones.
+    with pytest.raises(KeyboardInterrupt):
+        inf.predict_scene(_BreaksAfter(5), path, out, **kw)
+    assert sorted(os.listdir(tmp_path)) == ['classes.tif', 'probs.tif'], 'no partial file is left'
+    assert {n: open(tmp_path / n, 'rb').read() for n in before} == before
+    # Into a new name: nothing at all appears under the final name.
+    with pytest.raises(KeyboardInterrupt):
+        inf.predict_scene(_BreaksAfter(5), path, str(tmp_path / 'new.tif'), **kw)
+    assert sorted(os.listdir(tmp_path)) == ['classes.tif', 'probs.tif']
+
+
+def test_a_gcp_located_scene_gives_its_gcps_to_the_outputs(tmp_path):
+    from rasterio.control import GroundControlPoint
+    gcps = [GroundControlPoint(row, col, 500000 + col * 0.5, 5000000 - row * 0.5)
+            for row, col in ((0, 0), (0, 60), (70, 0), (70, 60))]
+    path = str(tmp_path / 'gcp.tif')
+    img = np.random.default_rng(0).integers(0, 3000, (2, 70, 60)).astype(np.uint16)
+    with rasterio.open(path, 'w', driver='GTiff', width=60, height=70, count=2, dtype='uint16', gcps=gcps,
+                       crs='EPSG:32632') as dst:
+        dst.write(img)
+    out, probs = str(tmp_path / 'classes.tif'), str(tmp_path / 'probs.tif')
+    inf.predict_scene(LookupModel(), path, out, mean=[0, 0], std=[1, 1], classes=list('abcde'),
+                      probs_path=probs, tile=32, overlap=8, block=32)
+    for written in (out, probs):
+        with rasterio.open(written) as dst:
+            got, crs = dst.gcps
+            assert crs == 'EPSG:32632' and [(g.row, g.col, g.x, g.y) for g in got] == \
+                [(g.row, g.col, g.x, g.y) for g in gcps]
+
+
 def test_float_input_nan_counts_as_nodata(tmp_path):
     path = str(tmp_path / 'f.tif')
     img = np.arange(40 * 30, dtype=np.float32).reshape(1, 40, 30) % 7
