@@ -11,6 +11,7 @@ Tensor names carry their layout: ``images_BCHW`` (batch, channels, height, width
 """
 import contextlib
 import os
+import shutil
 import time
 
 import torch
@@ -48,6 +49,17 @@ def _check_writable(work_dir):
     except OSError as exc:
         raise ConfigError(f"--work-dir: {work_dir} is not writable ({exc.strerror or exc}); "
                           "choose a directory you can write to.") from exc
+
+
+def _first_missing(path):
+    """The outermost folder of ``path`` that does not exist yet (what makedirs would create), or None."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.exists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
 
 
 def _build_dataset(cfg, where, crop_size, seed):
@@ -97,15 +109,18 @@ class Trainer:
         # by _start_loop: batches (on the device, preprocessed), profiler.
         self.log = self.train_set = self.val_set = self.criterion = self.backend = None
         self.checkpointer = self.metrics = self.batches = self.profiler = None
+        created = _first_missing(self.work_dir) if distributed.is_main() else None
         _check_writable(self.work_dir)  # on every rank: each writes its own checkpoint files
         self.lock = WorkDirLock(self.work_dir)
-        self._take_work_dir()
+        self._take_work_dir()  # refused: another run's work dir (so not one this run created)
         try:
             self._setup(resume, t_start)
         except BaseException:
             if self.log is not None:
                 self.log.close()  # ends any tracker run already started (a resume refused later)
             self.lock.release()  # a refused run leaves the work dir as it found it
+            if created:  # ... and one it created, as if it had never run
+                shutil.rmtree(created, ignore_errors=True)
             raise
 
     def _take_work_dir(self):

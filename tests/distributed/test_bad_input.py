@@ -139,7 +139,8 @@ def _run_cases(tmp, names):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = entry.main(argv)
-        results[name] = (code, err.getvalue().strip().splitlines())
+        fresh_work_dir = None if '--work-dir' in extra else os.path.exists(os.path.join(tmp, 'work', name))
+        results[name] = (code, err.getvalue().strip().splitlines(), fresh_work_dir)
     return results
 
 
@@ -191,7 +192,8 @@ def test_the_reference_run_trains(outcomes):
 
 @pytest.mark.parametrize('case', sorted(EXPECTED))
 def test_bad_input_stops_with_one_line_naming_it(outcomes, case):
-    code, lines = outcomes[case]
+    code, lines, work_dir_exists = outcomes[case]
+    assert not work_dir_exists, 'a refused run left the work dir it created behind'
     assert code == 2, lines
     errors = [line for line in lines if line.startswith('ds_seg: error:')]
     assert len(errors) == 1 and not any('Traceback' in line for line in lines), lines
