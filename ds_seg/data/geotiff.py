@@ -258,11 +258,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             ``labels`` may be a vector file (``.gpkg``, ``.geojson``, ``.fgb``, ``.shp``), one
             for all images or one each: rasterised per window in the image's grid.
         stac, stac_bands, stac_label: instead of images/labels, a STAC Item or ItemCollection
-            (JSON file or URL), the image asset name(s) (one multi-band asset, or single-band
-            assets stacked in order) and the label asset name; see :mod:`ds_seg.data.stac`.
+            (JSON file or URL), the image asset name(s) (one asset, or several stacked in order,
+            every band of each) and the label asset name; see :mod:`ds_seg.data.stac`.
         label_field: vector labels: the attribute with the class (index, or name in
             ``classes``); None: every feature is class 1. ``label_fill``: class of pixels
             under no feature (default 0; ``ignore_index`` to learn only from labelled areas).
+            ``label_layer``: the layer of a file with several (a GeoPackage), else refused.
         crop_size: int or (height, width) of every sample; smaller scenes are padded.
         mode: ``'random'`` or ``'grid'``; None: random for split 'train', grid otherwise.
         classes: tuple of class names or a class count; None: from ``stats.json`` next to the
@@ -312,7 +313,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                  label_map=None, reduce_zero_label=False, palette=None, palette_ignore=(),
                  palette_tolerance=None, palette_max_unmatched=0.02, transforms=None,
                  random_scale=None, cat_max_ratio=None, max_nodata_ratio=None, max_retries=10,
-                 boundary_ignore=0, check_labels=16, label_field=None, label_fill=0,
+                 boundary_ignore=0, check_labels=16, label_field=None, label_layer=None, label_fill=0,
                  sampling='uniform', rare_class_temperature=0.01, stac=None, stac_bands=None,
                  stac_label='label'):
         configure_gdal_for_worker()
@@ -371,7 +372,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             for s, d in zip(self._scenes, dates):
                 StackedRaster.check(d)
                 s['dates'] = tuple(d)
-        self.label_field, self.label_fill = label_field, int(label_fill)
+        self.label_field, self.label_layer, self.label_fill = label_field, label_layer, int(label_fill)
         self._vectors = self._load_vectors(classes)
         count = self._scenes[0]['count']
         for s in self._scenes:
@@ -483,7 +484,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             key = (s['label'], s['crs'].to_wkt() if s['crs'] else None)
             if key not in vectors:
                 names = classes if isinstance(classes, (list, tuple)) else None
-                vectors[key] = VectorLabels(s['label'], self.label_field, s['crs'], names)
+                vectors[key] = VectorLabels(s['label'], self.label_field, s['crs'], names, self.label_layer)
             s['vector_key'] = key
         # A file whose features all lie off its images (or no feature in any file) would label
         # every pixel label_fill: a wrong file, or coordinates read in the wrong CRS. A file
@@ -558,10 +559,17 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             lut[self.ignore_index] = self.ignore_index
         for k, v in (label_map or {}).items():
             v = int(v)
+            # A negative key would index the table from its end (-1 remapping 65535). JSON/YAML
+            # configs give keys as text: '255' is 255.
+            key = int(k) if isinstance(k, (int, np.integer)) and not isinstance(k, bool) or \
+                str(k).strip().isdigit() else -1
+            if not 0 <= key < 65536:
+                raise ValueError(f"label_map key {k!r}: keys are label file values 0..65535; convert labels "
+                                 f"outside that range first (gdal_calc.py, or gdal_translate -scale)")
             if not (0 <= v < self.num_classes or v == self.ignore_index):
                 raise ValueError(f"label_map maps {k} to {v}, which is neither a class index "
                                  f"0..{self.num_classes - 1} nor ignore_index {self.ignore_index}")
-            lut[int(k)] = v
+            lut[key] = v
         return lut
 
     def _select(self, values, what):

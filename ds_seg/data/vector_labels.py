@@ -35,6 +35,7 @@ class VectorLabels:
             ``classes``); None: every feature is class 1 (binary, e.g. buildings).
         crs: the image CRS the geometries are brought to (None: taken as they are).
         classes: class names, for name-valued fields.
+        layer: the layer of a file that holds several (a GeoPackage); None: its only layer.
 
     Example::
 
@@ -42,21 +43,28 @@ class VectorLabels:
         label_HW = v.rasterize(src.transform, Window(0, 0, 256, 256), fill=0, dtype='uint8')
     """
 
-    def __init__(self, path, field=None, crs=None, classes=None):
+    def __init__(self, path, field=None, crs=None, classes=None, layer=None):
         import pyogrio
         import pyogrio.raw
         import shapely
         self.path = os.fspath(path)
         what = f"labels {self.path}"
         try:
-            info = pyogrio.read_info(self.path)
+            layers = [str(name) for name, _ in pyogrio.list_layers(self.path)]
         except Exception as e:  # pyogrio's DataSourceError and friends: not a readable vector
             raise ConfigError(f"{what}: cannot read it as a vector file ({e})") from e
+        # GDAL would read the first of several layers (an AOI outline, say) without a word.
+        if layer is None and len(layers) > 1:
+            raise ConfigError(f"{what}: holds {len(layers)} layers ({', '.join(layers)}); set label_layer to "
+                              f"the one with the labels")
+        if layer is not None and str(layer) not in layers:
+            raise ConfigError(f"{what}: no layer {layer!r}; its layers are {', '.join(layers)}")
+        info = pyogrio.read_info(self.path, layer=layer)
         fields = list(info['fields'])
         if field is not None and field not in fields:
             raise ConfigError(f"{what}: no field {field!r}; its fields are "
                               f"{', '.join(fields) or '(none)'}; set label_field to one of them")
-        meta, _, wkb, data = pyogrio.raw.read(self.path, columns=[] if field is None else [field])
+        meta, _, wkb, data = pyogrio.raw.read(self.path, layer=layer, columns=[] if field is None else [field])
         geoms = shapely.from_wkb(wkb)
         keep = ~shapely.is_missing(geoms) & ~shapely.is_empty(geoms)
         geoms = geoms[keep]
@@ -64,6 +72,12 @@ class VectorLabels:
             values = np.ones(len(geoms), np.int64)
         else:
             raw = data[0][keep]
+            missing = np.isnan(raw) if raw.dtype.kind == 'f' else np.array([v is None for v in raw], bool)
+            if missing.any():
+                raise ConfigError(f"{what}: {int(missing.sum())} feature(s) have no {field!r} value (null); "
+                                  f"give each a class, or drop them")
+            if raw.dtype.kind == 'O' and all(str(v).strip().isdigit() for v in raw):
+                raw = np.array([int(str(v).strip()) for v in raw], np.int64)  # class indices stored as text
             if raw.dtype.kind in 'iu' or (raw.dtype.kind == 'f' and np.all(np.mod(raw, 1) == 0)):
                 values = raw.astype(np.int64)
             else:

@@ -100,6 +100,11 @@ def test_label_map_and_reduce_zero_label(tmp_path):
     np.testing.assert_array_equal(zero[0]['label'][0, :4].numpy(), [IGNORE, 0, 1, IGNORE])
     mapped = GeoTiffScenes([img], [lbl], crop_size=16, mode='grid', classes=2, label_map={255: 1, 2: IGNORE})
     np.testing.assert_array_equal(mapped[0]['label'][0, :4].numpy(), [0, 1, IGNORE, 1])
+    as_text = GeoTiffScenes([img], [lbl], crop_size=16, mode='grid', classes=2, label_map={'255': 1, '2': IGNORE})
+    np.testing.assert_array_equal(as_text[0]['label'][0, :4].numpy(), [0, 1, IGNORE, 1])  # keys of a JSON config
+    for key in (-1, 70000, 'nodata', 1.5):  # -1 used to remap 65535; 70000 was an IndexError
+        with pytest.raises(ValueError, match=rf"label_map key {key!r}: keys are label file values 0..65535"):
+            GeoTiffScenes([img], [lbl], crop_size=16, classes=2, label_map={key: IGNORE})
 
 
 # ------------------------------------------------------------------ bad input

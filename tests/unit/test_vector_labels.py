@@ -132,3 +132,35 @@ def test_features_off_the_image_are_refused_not_learnt_as_background(scene):
     ds = GeoTiffScenes([scene['img'], scene['img']], [scene['vec'], empty], label_field='class', mode='grid', **KW)
     last = ds[len(ds) - 1]['label']  # the second tile's last window: background, or seen before
     assert ((last == 0) | (last == 255)).all() and (last == 0).any()
+
+
+def test_a_geopackage_of_several_layers_needs_label_layer_and_null_or_text_classes_are_handled(scene):
+    """GDAL reads the first layer of several without a word (here an AOI outline that would
+    label the whole tile): refused, listing the layers; label_layer picks one. A feature with
+    no class value is refused; class indices stored as text ('2') read as indices."""
+    path = scene['tmp'] / 'two.gpkg'
+    x0, y0 = TRANSFORM.c, TRANSFORM.f
+    pyogrio.raw.write(str(path), shapely.to_wkb(np.array([shapely.box(x0, y0 - H, x0 + W, y0)], dtype=object)),
+                      field_data=[np.array([1], np.int32)], fields=['class'], crs='EPSG:32632', driver='GPKG',
+                      geometry_type='Polygon', layer='aoi')
+    pyogrio.raw.write(str(path), shapely.to_wkb(np.array(scene['geoms'], dtype=object)),
+                      field_data=[scene['cls'].astype(np.int32)], fields=['class'], crs='EPSG:32632', driver='GPKG',
+                      geometry_type='Unknown', layer='labels', append=True)
+    with pytest.raises(ConfigError, match=r'two.gpkg: holds 2 layers \(aoi, labels\); set label_layer'):
+        GeoTiffScenes([scene['img']], str(path), label_field='class', **KW)
+    with pytest.raises(ConfigError, match=r"no layer 'buildings'; its layers are aoi, labels"):
+        GeoTiffScenes([scene['img']], str(path), label_field='class', label_layer='buildings', **KW)
+    chosen = GeoTiffScenes([scene['img']], str(path), label_field='class', label_layer='labels', mode='grid',
+                           crop_size=(H, W), classes=NAMES, mean=[0] * 3, std=[1] * 3)
+    np.testing.assert_array_equal(chosen[0]['label'].numpy(), scene['ref'])
+
+    values = scene['cls'].astype(np.float64)
+    values[3] = np.nan
+    nulls = _write_vector(scene['tmp'] / 'nulls.gpkg', scene['geoms'], {'class': values})
+    with pytest.raises(ConfigError, match=r"nulls.gpkg: 1 feature\(s\) have no 'class' value \(null\)"):
+        GeoTiffScenes([scene['img']], nulls, label_field='class', **KW)
+    text = _write_vector(scene['tmp'] / 'text.gpkg', scene['geoms'],
+                         {'class': np.array([str(c) for c in scene['cls']], object)})
+    as_text = GeoTiffScenes([scene['img']], text, label_field='class', mode='grid', crop_size=(H, W),
+                            classes=4, mean=[0] * 3, std=[1] * 3)
+    np.testing.assert_array_equal(as_text[0]['label'].numpy(), scene['ref'])
