@@ -394,19 +394,34 @@ def load_config(path=None, cfg_options=None):
         path = find_shipped(path, CONFIGS_DIR, '.py')
         if not path.is_file():
             candidates = sorted(p.name for p in CONFIGS_DIR.glob('*.py'))
-            raise ConfigError(f"--config: {path} does not exist. Configs shipped in configs/: "
+            what = 'is a folder, not a config file' if path.is_dir() else 'does not exist'
+            raise ConfigError(f"--config: {path} {what}. Configs shipped in configs/: "
                               f"{', '.join(candidates) or 'none'}.")
         try:
             loaded = Config.fromfile(str(path)).to_dict()
+        except RecursionError as exc:  # mmengine follows _base_ without noticing a cycle
+            raise ConfigError(f"{path}: cannot be loaded: its _base_ files inherit from each other "
+                              f"(a cycle); break it") from exc
         except Exception as exc:  # syntax errors, bad _base_ paths...
             raise ConfigError(f"{path}: cannot be loaded: {exc}") from exc
         _check_keys(loaded, DEFAULTS, str(path))
         cfg = _merge(cfg, loaded)
         name = path.stem
+    from_file = cfg
     options = parse_cfg_options(cfg_options)
     _check_keys(options, DEFAULTS, '--cfg-options')
     cfg = _merge(cfg, options)
-    _check_values(cfg, str(path) if path else 'default config')
+    try:
+        _check_values(cfg)
+    except ConfigError as exc:
+        # Name where the bad value came from: the option, unless the file alone is refused alike.
+        try:
+            _check_values(from_file)
+            source = '--cfg-options'
+        except ConfigError as without_options:
+            source = (str(path) if path else 'default config') if str(without_options) == str(exc) \
+                else '--cfg-options'
+        raise ConfigError(f'{source}: {exc}') from None
     cfg['config_name'] = name
     return Config(cfg)
 
@@ -420,16 +435,15 @@ def _get(cfg, path):
     return node
 
 
-def _check_values(cfg, source):
+def _check_values(cfg):
+    """Every registry section has a type and every typed section's keys pass their rules; the
+    message names the key (load_config adds the file or option it came from)."""
     for path in sorted(_REGISTRY_SECTIONS):
         node = _get(cfg, path)
         if node is not None and 'type' not in node:
-            raise ConfigError(f"{source}: {path!r} must be a dict with a 'type' key, got {node!r}.")
+            raise ConfigError(f"{path!r} must be a dict with a 'type' key, got {node!r}.")
     for section in SECTIONS:
-        try:
-            section.from_cfg(cfg)
-        except ConfigError as exc:  # the sections name the key; the file or option is said here
-            raise ConfigError(f'{source}: {exc}') from None
+        section.from_cfg(cfg)
 
 
 # ----------------------------------------------------------------------------------------------

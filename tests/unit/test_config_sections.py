@@ -77,20 +77,40 @@ def test_a_wrong_value_is_refused_naming_the_key(section, name, key, value):
                                f'got {value!r}.'
     with pytest.raises(ConfigError) as loaded:  # what a user sees
         load_config(None, [f'{key}={value!r}'])
-    assert str(loaded.value).startswith(f'default config: {key} must be ') and '\n' not in str(loaded.value)
+    assert str(loaded.value).startswith(f'--cfg-options: {key} must be ') and '\n' not in str(loaded.value)
     assert str(loaded.value).endswith(f'got {value!r}.')
 
 
 @pytest.mark.parametrize('option, message', [
-    ('train=3', 'default config: train must be a dict with the keys max_steps, log_interval,'),
-    ('optim.paramwise=3', 'default config: optim.paramwise must be a dict of no_weight_decay and backbone_lr_mult'),
-    ('data.eval_overlap=32', 'default config: data.eval_overlap (32) must be smaller than the evaluation tile (32'),
-    ('load_from=nowhere.pt', "default config: load_from='nowhere.pt' does not exist"),
+    ('train=3', '--cfg-options: train must be a dict with the keys max_steps, log_interval,'),
+    ('optim.paramwise=3', '--cfg-options: optim.paramwise must be a dict of no_weight_decay and backbone_lr_mult'),
+    ('data.eval_overlap=32', '--cfg-options: data.eval_overlap (32) must be smaller than the evaluation tile (32'),
+    ('load_from=nowhere.pt', "--cfg-options: load_from='nowhere.pt' does not exist"),
 ])
 def test_whole_sections_and_cross_field_checks(option, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, ['data.crop_size=32', option])
     assert str(err.value).startswith(message)
+
+
+def test_a_bad_value_is_blamed_on_where_it_came_from(tmp_path):
+    """The file that set it, or --cfg-options; an option that fixes the file's value is accepted."""
+    path = tmp_path / 'mine.py'
+    path.write_text("train = dict(log_interval=0)\n")
+    with pytest.raises(ConfigError, match=rf'^{path}: train.log_interval must be a positive integer, got 0'):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match=r'^--cfg-options: train.keep_checkpoints must be'):
+        load_config(str(path), ['train.log_interval=5', "train.keep_checkpoints='two'"])
+    assert load_config(str(path), ['train.log_interval=5']).train.log_interval == 5
+
+
+def test_a_folder_or_a_cycle_of_bases_is_named(tmp_path):
+    (tmp_path / 'a.py').write_text("_base_ = ['b.py']\n")
+    (tmp_path / 'b.py').write_text("_base_ = ['a.py']\n")
+    with pytest.raises(ConfigError, match=r'a.py: cannot be loaded: its _base_ files inherit from each other'):
+        load_config(str(tmp_path / 'a.py'))
+    with pytest.raises(ConfigError, match=r'is a folder, not a config file'):
+        load_config(str(tmp_path))
 
 
 def test_typed_view_of_a_loaded_config():
