@@ -200,3 +200,17 @@ def test_model_facts_command_lists_the_zoo(capsys):
     assert main(['--size', '512', '--filter', 'SegFormerTiny']) == 0
     row = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert row[0] == 'SegFormerTiny' and float(row[1]) == pytest.approx(0.09, abs=0.01) and float(row[2]) > 0
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--size', '0'], '--size must be at least 16, got 0'),
+    (['--in-channels', '-1'], '--in-channels must be at least 1, got -1'),
+    (['--num-classes', '0'], '--num-classes must be at least 1, got 0'),
+    (['--filter', 'Nope'], "--filter 'Nope' matches no model; the models are DeepLabV3Plus"),
+])
+def test_model_facts_refuse_what_describes_no_model(argv, message, capsys):
+    from ds_seg.cli import models
+    with pytest.raises(SystemExit) as stop:
+        models.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and 'Traceback' not in err, err
