@@ -57,13 +57,21 @@ def parse_args(argv=None):
     p.add_argument('--micro-batch', type=int, default=8)
     p.add_argument('--train-steps', type=int, default=30, help='0: skip the training run')
     p.add_argument('--cache-dir', default=None, help='where synthetic scenes are written')
-    p.add_argument('--compress', nargs='+', default=['none', 'deflate'],
+    p.add_argument('--compress', nargs='+', default=['none', 'deflate'], choices=['none', 'deflate', 'zstd', 'lzw'],
                    help="file variants measured: 'none' = the files as they are; 'deflate', 'zstd', "
                    "'lzw' = tiled copies with that compression (real scenes usually are compressed)")
     p.add_argument('--http', action='store_true', help='also read every variant over HTTP from 127.0.0.1')
     p.add_argument('--latency-ms', type=float, default=0.0, help='--http: delay added to each request')
     p.add_argument('--out', default=None, help='also write the figures to this JSON file')
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, low in (('crop', 16), ('scene_size', 16), ('num_scenes', 1), ('bands', 1), ('windows', 1),
+                      ('repeats', 1), ('workers', 0), ('micro_batch', 1), ('train_steps', 0), ('latency_ms', 0)):
+        if getattr(args, flag) < low:
+            p.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
+    if args.cfg_options and not args.config:  # they would be dropped: the synthetic set has its own flags
+        p.error('--cfg-options needs --config; without one the scenes are set by --scene-size, '
+                '--num-scenes, --bands and --dtype')
+    return args
 
 
 def build_dataset(args):
@@ -222,8 +230,14 @@ def measure(ds, label_bands, args):
 
 
 def main(argv=None):
+    from ds_seg.config import ConfigError
+    from ds_seg.registry import RegistryError
     args = parse_args(argv)
-    ds, data = build_dataset(args)
+    try:
+        ds, data = build_dataset(args)
+    except (ConfigError, RegistryError, ValueError, OSError) as exc:  # the data a user pointed at
+        print(f'data_benchmark: error: {exc}', file=sys.stderr)
+        return 2
     scenes = ds.scenes
     label_bands = [1, 2, 3] if getattr(ds, 'palette', None) is not None else 1
     total_px = sum(s['width'] * s['height'] for s in scenes)

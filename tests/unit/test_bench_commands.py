@@ -5,6 +5,8 @@ import json
 import re
 import subprocess
 
+import pytest
+
 from ds_seg.cli import data_benchmark, predict_benchmark, vector_benchmark
 
 NUMBER = r'([0-9]+(?:\.[0-9]+)?)'
@@ -67,3 +69,17 @@ def test_predict_benchmark_reports_a_georeferenced_run(tmp_path, capsys, monkeyp
     assert summary['windows'] == 9  # 512 px in 256 px tiles overlapping by 32: 3 x 3
     for key in ('wall_s', 'windows_per_s', 'megapixels_per_s', 'peak_rss_mb'):
         assert summary[key] > 0, key
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--crop', '0'], '--crop must be at least 16, got 0'),
+    (['--workers', '-1'], '--workers must be at least 0, got -1'),
+    (['--compress', 'BOGUS'], "invalid choice: 'BOGUS'"),
+    (['--cfg-options', 'data.crop_size=2'], '--cfg-options needs --config'),
+])
+def test_data_benchmark_refuses_what_it_would_drop_or_crash_on(argv, message, capsys):
+    from ds_seg.cli import data_benchmark
+    with pytest.raises(SystemExit) as stop:
+        data_benchmark.main(['--train-steps', '0', '--scene-size', '128', '--num-scenes', '1', *argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and 'Traceback' not in err, err
