@@ -424,16 +424,49 @@ def write_plot(path, rows, meta):
     plt.close(fig)
 
 
+def _check_args(args):
+    """What makes every run fail (or overwrite another's folder), as one line; None if fine."""
+    from ds_seg.config import ConfigError, load_config, load_ds_config
+    from ds_seg.registry import MODELS, RegistryError
+    names = [n.strip() for n in args.backends.split(',') if n.strip()]
+    if not names:
+        return f"--backends {args.backends!r} names no backend; known: {', '.join(BACKENDS)}"
+    missing = [n for n in names if '=' in n and not os.path.isfile(n.split('=', 1)[1])]
+    if missing:
+        return f"--backends {missing[0]}: no such DeepSpeed JSON file"
+    unknown = [n for n in names if n not in BACKENDS and '=' not in n]
+    if unknown:
+        return f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}, or LABEL=file.json"
+    labels = [n.split('=', 1)[0] for n in names]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        return f"--backends names {', '.join(twice)} twice; each run writes <work-dir>/<label>/"
+    if args.steps < 1 or args.warmup < 0:
+        return '--steps must be >= 1 and --warmup >= 0'
+    for flag in ('nproc', 'micro_batch', 'max_batch', 'max_model', 'model_start'):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            return f"--{flag.replace('_', '-')} must be at least 1, got {value}"
+    try:
+        cfg = load_config(args.config, args.cfg_options)
+        if cfg.model.type not in MODELS.module_dict:
+            raise ConfigError(f"model.type {cfg.model.type!r} is not a registered model; known: "
+                              f"{', '.join(sorted(MODELS.module_dict))}")
+        for n in names:
+            if '=' in n:
+                load_ds_config(n.split('=', 1)[1])
+    except (ConfigError, RegistryError) as exc:
+        return str(exc)
+    return None
+
+
 def main(argv=None):
     args = parse_args(argv)
+    problem = _check_args(args)
+    if problem:  # before any run starts: each would fail the same way, minutes later
+        print(f'benchmark: error: {problem}', file=sys.stderr)
+        return 2
     names = [n.strip() for n in args.backends.split(',') if n.strip()]
-    unknown = [n for n in names if n not in BACKENDS and not ('=' in n and os.path.isfile(n.split('=', 1)[1]))]
-    if unknown:
-        print(f"benchmark: unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}", file=sys.stderr)
-        return 2
-    if args.steps < 1 or args.warmup < 0:
-        print('benchmark: --steps must be >= 1 and --warmup >= 0', file=sys.stderr)
-        return 2
     on_gpu = _has_cuda()
     if args.nproc is None:
         import torch

@@ -209,3 +209,20 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
               'upernet_convnext_512': None}
     assert report.layout_lines(groups)[3:] == ['| UNet | ddp | 40.00 | 50.00 | 1.25x |']
     assert report.layout_lines({}) == []
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--backends', ''], "--backends '' names no backend"),
+    (['--backends', 'mine=/nonexistent/zero9.json'], '--backends mine=/nonexistent/zero9.json: no such DeepSpeed JSON'),
+    (['--backends', 'ddp,zero2,ddp'], '--backends names ddp twice'),
+    (['--backends', 'zero4'], 'unknown backend(s) zero4'),
+    (['--nproc', '0'], '--nproc must be at least 1, got 0'),
+    (['--micro-batch', '0'], '--micro-batch must be at least 1, got 0'),
+    (['--cfg-options', 'model.type=Nope'], "model.type 'Nope' is not a registered model"),
+    (['--cfg-options', 'train.log_interval=0'], '--cfg-options: train.log_interval must be a positive integer'),
+])
+def test_what_would_fail_every_run_is_one_line_before_any(argv, message, tmp_path, capsys):
+    assert benchmark.main(['--work-dir', str(tmp_path / 'bench'), '--launcher', 'python', *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('benchmark: error: ') and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / 'bench').exists()  # no run was started, no folder made
