@@ -20,7 +20,8 @@ import sys
 import numpy as np
 import torch
 
-from ds_seg.cli.predict import Progress, add_window_args, normalisation, setup, window_kwargs  # noqa: E402
+from ds_seg.cli.predict import (Progress, add_window_args, check_pixel_type, normalisation, setup,  # noqa: E402
+                               window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
@@ -165,6 +166,11 @@ def _run(args):
     model, info = load_model(args.checkpoint, device)
     scenes, classes = build_scenes(args, info)
     mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)
+    # Scenes of a dataset (--config) or (image, label) pairs (--images/--labels).
+    images = [p for s in scenes.scenes for p in s.get('dates', (s['image'],))] if hasattr(scenes, 'scenes') \
+        else [image for image, _ in scenes]
+    for path in images:
+        check_pixel_type(path, info, args)
     if len(classes) != (info['model'].get('num_classes') or len(classes)):
         raise ValueError(f"{len(classes)} classes given but the model predicts {info['model']['num_classes']}")
     with torch.inference_mode():

@@ -142,6 +142,21 @@ def check_vector_georeference(path):
                               "(gdalwarp -t_srs EPSG:<code> in.tif warped.tif) and predict on the warped scene")
 
 
+def check_pixel_type(path, info, args):
+    """The recorded mean/std are in the units of the training scenes' pixel type: a uint16 scene
+    through a uint8 model's statistics predicts garbage without a word. Refused, unless the
+    command line gives the statistics for this scene's units."""
+    from ds_seg.data.raster import open_raster
+    trained = (info.get('data') or {}).get('dtype')
+    if not trained or (args.mean and args.std):
+        return
+    with open_raster(path) as src:
+        if src.dtypes[0] != trained:
+            raise ConfigError(f"--input {path} holds {src.dtypes[0]} pixels but the model was trained on {trained} "
+                              f"(its mean/std are in those units); convert the scene (gdal_translate -ot), or "
+                              f"give --mean and --std for its units")
+
+
 def _band_count(path):
     from ds_seg.data.raster import open_raster
     with open_raster(path) as src:
@@ -204,6 +219,7 @@ def _run(args):
                               f"of the scene joined by commas (a_may.tif,a_aug.tif)")
         for path in dates:  # the model's channels are the bands of every date
             check_bands(path, bands, channels // len(dates) if channels else None)
+            check_pixel_type(path, info, args)
     os.makedirs(args.output, exist_ok=True)
     t_all = time.perf_counter()
     for path, first, (out, *rest), vector in zip(scenes, firsts, outputs, vectors):

@@ -421,6 +421,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if self.num_dates > 1 and self.mean.size == self.in_channels:  # the same per band for every date
             self.mean, self.std = np.tile(self.mean, self.num_dates), np.tile(self.std, self.num_dates)
         self.in_channels = self.mean.size
+        self.file_dtype = str(self._scenes[0]['dtype'])  # one for every scene (_check_band_coding)
         self.image_dtype = host_dtype(np.result_type(*[s['dtype'] for s in self._scenes]))
         # What padding, and nodata before a resize, are filled with: the band mean, i.e. 0
         # once normalised, so neither darkens the valid pixels a resize blends them with.

@@ -16,11 +16,13 @@ from . import checkpoint, reshard
 
 
 def data_normalisation(train_set):
-    """Bands and per-band mean/std the model's inputs were normalised with (saved in checkpoints
-    and exported weights so prediction repeats them exactly)."""
+    """Bands, per-band mean/std the model's inputs were normalised with and the pixel type they
+    are in the units of (saved in checkpoints and exported weights so prediction repeats them
+    exactly, and refuses a scene of another type)."""
     return dict(bands=[int(b) for b in getattr(train_set, 'bands', range(1, train_set.in_channels + 1))],
                 mean=[float(v) for v in train_set.mean], std=[float(v) for v in train_set.std],
-                ignore_index=int(getattr(train_set, 'ignore_index', 255)))
+                ignore_index=int(getattr(train_set, 'ignore_index', 255)),
+                dtype=getattr(train_set, 'file_dtype', None))
 
 
 def optimizer_family(ds_config):

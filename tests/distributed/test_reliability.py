@@ -480,6 +480,9 @@ def _cli_cases(tmp, weights, a, b):
         f.truncate(os.path.getsize(truncated) // 2)
     results['truncated_input'] = _run_main('predict', [*common, '--input', truncated, '--output', out + '4'])
     results['raster_checkpoint'] = _run_main('predict', ['--checkpoint', a, '--input', a, '--output', out + '5'])
+    wide = _write_tif(os.path.join(tmp, 'wide.tif'), (np.random.default_rng(3).integers(0, 255, (3, 64, 64)) * 200)
+                      .astype(np.uint16))  # the model was trained on uint8: its statistics are in those units
+    results['other_pixel_type'] = _run_main('predict', [*common, '--input', wide, '--output', out + '7'])
 
     class Evil:
         def __reduce__(self):
@@ -598,6 +601,8 @@ def test_inputs_with_the_same_file_name_get_distinct_outputs(cli, exported):
     ('empty_input', 'predict', ['empty.tif is empty (0 bytes)']),
     ('truncated_input', 'predict', ['truncated.tif is not a readable raster']),
     ('raster_checkpoint', 'predict', ['is a TIFF raster, not model weights']),
+    ('other_pixel_type', 'predict', ['wide.tif holds uint16 pixels but the model was trained on uint8',
+                                     '--mean and --std']),
     ('code_pickle', 'predict', ['evil.pt: refused', 'could run code']),
     ('eval_crs', 'evaluate', ['label_other_crs.tif', 'different CRS']),
     ('export_onto_folder', 'export', ['is a folder']),
