@@ -11,7 +11,8 @@ last row. Memory is therefore a band of rows plus the regions still open at the 
 the scene; pixel counts and probability sums travel with the pieces, so areas and mean
 probabilities are exact whatever the band height.
 
-Attributes: ``class_id``, ``class_name``, ``area_m2`` (pixel count x pixel area, before any
+Attributes: ``class_id``, ``class_name``, ``area_m2`` (pixel count x pixel area in ground square
+metres: degrees and Mercator units converted at the region's latitude; before any
 simplification) and, given the probabilities GeoTIFF ``predict.py --probs`` writes, ``mean_prob``
 (the mean probability of the region's class over its pixels).
 
@@ -28,6 +29,7 @@ import os
 import cv2
 import numpy as np
 import rasterio
+import rasterio.warp
 from rasterio.features import shapes
 from rasterio.windows import Window
 
@@ -88,6 +90,17 @@ def _metres_per_unit(crs):
     except Exception:  # e.g. an engineering CRS without units: metres is the usual meaning
         factor = 1.0
     return float(factor), False
+
+
+def _is_mercator(crs):
+    """Web Mercator (EPSG:3857) and the other Mercator projections, whose units are metres only
+    at the equator (at 47 degrees N a square 'metre' of the map is 0.46 m2 of ground)."""
+    if crs is None or crs.is_geographic:
+        return False
+    try:
+        return (crs.to_dict() or {}).get('proj') == 'merc' or crs.to_epsg() in (3857, 3395, 900913)
+    except Exception:
+        return False
 
 
 class _Region:
@@ -201,9 +214,14 @@ def _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, ex
         T = src.transform
         pixel_area = abs(T.a * T.e - T.b * T.d)  # map units^2
         factor, geographic = _metres_per_unit(src.crs)
+        mercator = _is_mercator(src.crs)
         nodata = src.nodata
 
         def area_m2(region):
+            if mercator:  # a Mercator metre is 1/cos(latitude) ground metres: areas scale by cos^2
+                x, y = T * (W / 2, (region.ymin + region.ymax) / 2)
+                lat = rasterio.warp.transform(src.crs, 'EPSG:4326', [x], [y])[1][0]
+                return region.count * pixel_area * factor * factor * math.cos(math.radians(lat)) ** 2
             if factor is not None:
                 return region.count * pixel_area * factor * factor
             if geographic:  # degrees^2 -> m^2 at the region's latitude (spherical earth)

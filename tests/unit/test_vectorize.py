@@ -226,3 +226,26 @@ def test_predict_cli_two_inputs_of_one_name_get_two_polygon_files(tiny_weights):
     by_name = str(t['tmp'] / 'by_name.gpkg')
     vectorize_class_map(str(out / 'a_x_classes.tif'), by_name, exclude=['background'])
     assert pyogrio.raw.read(by_name)[3][0].tolist() == pyogrio.raw.read(out / 'a_x_classes.gpkg')[3][0].tolist()
+
+
+def test_area_is_ground_square_metres_in_web_mercator_as_in_utm(tmp_path):
+    """The same 100 m x 100 m field at 47 degrees N, in UTM 32N and in EPSG:3857 (where it spans
+    100 / cos(47) 'metres' a side): both report about 10,000 m2 (UTM's own scale is within 0.1%)."""
+    from rasterio.warp import transform as warp
+    (e,), (n,) = warp('EPSG:4326', 'EPSG:32632', [9.0], [47.0])
+    (mx,), (my,) = warp('EPSG:4326', 'EPSG:3857', [9.0], [47.0])
+    areas = {}
+    for crs, x0, y0, pixel in (('EPSG:32632', e, n, 1.0), ('EPSG:3857', mx, my, 1.0 / np.cos(np.radians(47.0)))):
+        cls = np.zeros((120, 120), np.uint8)
+        cls[10:110, 10:110] = 1
+        path = str(tmp_path / f"{crs.replace(':', '')}.tif")
+        with rasterio.open(path, 'w', driver='GTiff', height=120, width=120, count=1, dtype='uint8', crs=crs,
+                           transform=from_origin(x0, y0, pixel, pixel), nodata=255) as dst:
+            dst.write(cls, 1)
+            dst.update_tags(classes=json.dumps(CLASSES[:2]))
+        vectorize_class_map(path, str(tmp_path / f"{crs.replace(':', '')}.gpkg"))
+        _, _, _, (class_id, _, area) = pyogrio.raw.read(str(tmp_path / f"{crs.replace(':', '')}.gpkg"),
+                                                          columns=['class_id', 'class_name', 'area_m2'])
+        areas[crs] = float(area[class_id == 1][0])
+    assert areas['EPSG:32632'] == pytest.approx(10_000, rel=1e-6)
+    assert areas['EPSG:3857'] == pytest.approx(10_000, rel=0.01), areas
