@@ -34,8 +34,14 @@ def load_model(path, device='cpu'):
         raise ValueError(f"{path}: records no model config; re-export it with launch/export.py")
     model_cfg = dict(model_cfg)
     model_cfg.pop('pretrained', None)  # the weights below replace them: never read that file again
-    model = build(MODELS, model_cfg, where='model')
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        model = build(MODELS, model_cfg, where='model')
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except (RuntimeError, TypeError) as exc:  # tensors of other shapes than the config it records builds
+        detail = next((line.strip() for line in str(exc).splitlines() if 'size mismatch' in line),
+                      (str(exc).splitlines() or [type(exc).__name__])[0]).rstrip('.')
+        raise ValueError(f"{path}: its weights do not fit the model it records ({model_cfg.get('type')}): "
+                         f"{detail}; the file was edited or assembled by hand: export it again") from exc
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not fit {model_cfg.get('type')}: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
