@@ -56,3 +56,11 @@ def finished(dataset, index):
     batch = torch.utils.data.default_collate([dataset[index]])
     image, label = BatchPreprocessor.for_dataset(dataset)(batch, 'cpu')
     return image[0], label[0]
+
+
+def argparse_refusal(main, argv, capsys):
+    """``(exit status, stderr)`` of a command's ``main(argv)`` that argparse stops (SystemExit)."""
+    import pytest
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    return stop.value.code, capsys.readouterr().err

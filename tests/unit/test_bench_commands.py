@@ -78,8 +78,7 @@ def test_predict_benchmark_reports_a_georeferenced_run(tmp_path, capsys, monkeyp
     (['--cfg-options', 'data.crop_size=2'], '--cfg-options needs --config'),
 ])
 def test_data_benchmark_refuses_what_it_would_drop_or_crash_on(argv, message, capsys):
-    from ds_seg.cli import data_benchmark
-    with pytest.raises(SystemExit) as stop:
-        data_benchmark.main(['--train-steps', '0', '--scene-size', '128', '--num-scenes', '1', *argv])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and message in err and 'Traceback' not in err, err
+    from tests.tiny import argparse_refusal
+    code, err = argparse_refusal(data_benchmark.main, ['--train-steps', '0', '--scene-size', '128', '--num-scenes', '1',
+                                                       *argv], capsys)
+    assert code == 2 and message in err and 'Traceback' not in err, err

@@ -210,7 +210,6 @@ def test_model_facts_command_lists_the_zoo(capsys):
 ])
 def test_model_facts_refuse_what_describes_no_model(argv, message, capsys):
     from ds_seg.cli import models
-    with pytest.raises(SystemExit) as stop:
-        models.main(argv)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and message in err and 'Traceback' not in err, err
+    from tests.tiny import argparse_refusal
+    code, err = argparse_refusal(models.main, argv, capsys)
+    assert code == 2 and message in err and 'Traceback' not in err, err
