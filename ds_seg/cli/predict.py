@@ -213,6 +213,10 @@ def _run(args):
         channels = model_cfg.get('in_channels')
         # One file may hold every date already stacked (as many bands as the model's channels).
         stacked = len(dates) == 1 and channels and len(bands or range(_band_count(dates[0]))) == channels
+        if not num_dates and len(dates) > 1:  # else its band check would blame --bands
+            raise ConfigError(f"--input {','.join(dates)}: {len(dates)} dates, but the model "
+                              f"({model_cfg.get('type')}) takes one scene of one date; give the scenes "
+                              f"separated by spaces, not commas")
         if num_dates and len(dates) != num_dates and not stacked:
             raise ConfigError(f"--input {','.join(dates)}: {len(dates)} date(s), but the model "
                               f"({model_cfg.get('type')}) takes {num_dates}; give the {num_dates} dates "

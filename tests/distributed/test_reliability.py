@@ -483,6 +483,7 @@ def _cli_cases(tmp, weights, a, b):
     wide = _write_tif(os.path.join(tmp, 'wide.tif'), (np.random.default_rng(3).integers(0, 255, (3, 64, 64)) * 200)
                       .astype(np.uint16))  # the model was trained on uint8: its statistics are in those units
     results['other_pixel_type'] = _run_main('predict', [*common, '--input', wide, '--output', out + '7'])
+    results['dates_for_one_date_model'] = _run_main('predict', [*common, '--input', f'{a},{b}', '--output', out + '9'])
     payload = torch.load(weights, map_location='cpu', weights_only=True)
     payload['model'] = dict(payload['model'], num_classes=3)  # the tensors (and their SHA-256) unchanged
     edited = os.path.join(tmp, 'edited.pt')
@@ -607,6 +608,8 @@ def test_inputs_with_the_same_file_name_get_distinct_outputs(cli, exported):
     ('empty_input', 'predict', ['empty.tif is empty (0 bytes)']),
     ('truncated_input', 'predict', ['truncated.tif is not a readable raster']),
     ('raster_checkpoint', 'predict', ['is a TIFF raster, not model weights']),
+    ('dates_for_one_date_model', 'predict', ['2 dates, but the model (UNetTiny) takes one scene of one date',
+                                             'separated by spaces']),
     ('weights_model_edited', 'predict', ['edited.pt: its weights do not fit the model it records',
                                          'size mismatch', 'export it again']),
     ('other_pixel_type', 'predict', ['wide.tif holds uint16 pixels but the model was trained on uint8',
