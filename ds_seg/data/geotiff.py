@@ -232,7 +232,8 @@ def inspect_pair(image, label, palette=None):
                             f"different CRS; reproject one of them")
         if palette is None and lbl.count != 1:
             raise DataError(f"label {label} has {lbl.count} bands; expected one band of class "
-                            f"indices (image {image}); colour-coded labels need `palette`")
+                            f"indices (image {image}); colour-coded labels need the dataset's `palette` "
+                            f"(evaluate.py: --config with data.val.palette)")
         if palette is not None and lbl.count < 3:
             raise DataError(f"label {label} has {lbl.count} band(s) but `palette` expects RGB "
                             f"colour-coded labels (image {image})")
