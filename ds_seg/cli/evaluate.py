@@ -14,6 +14,7 @@ of mIoU and mF1 (not out of OA).
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -116,7 +117,10 @@ def build_scenes(args, info):
         nodata = scene.get('label_nodata')
         if nodata is not None and float(nodata).is_integer() and 0 <= nodata < len(classes) and nodata != ignore:
             raise ValueError(label_nodata_message(scene['label'], float(nodata), int(nodata), classes[int(nodata)], ignore))
-        bad = sorted(v for v in (histogram or {}) if v != ignore and not (v.is_integer() and 0 <= v < len(classes)))
+        unlabelled = (lambda v: False) if nodata is None else (  # the file's nodata value: ignored
+            lambda v: v == nodata or (math.isnan(v) and math.isnan(nodata)))
+        bad = sorted(v for v in (histogram or {}) if v != ignore and not unlabelled(v)
+                     and not (v.is_integer() and 0 <= v < len(classes)))
         if bad:
             raise ValueError(f"{scene['label']}: {histogram[bad[0]]} pixel(s) have label value {bad[0]:g}, which is not "
                              f"a class index 0..{len(classes) - 1} nor --ignore-index {ignore}; nothing was evaluated. "

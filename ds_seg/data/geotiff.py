@@ -43,6 +43,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import math
 import os
 import random
 import warnings
@@ -61,7 +62,8 @@ from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
 from .raster import (DataError, StackedRaster, alpha_bands, file_identity, gdal_message, gdal_path, is_remote,
-                     nodata_mask, open_raster, raster_env, read_window, remote_hint, same_pixels, uses_mask_band)
+                     label_nodata, nodata_mask, open_raster, raster_env, read_window, remote_hint, same_pixels,
+                     uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -680,7 +682,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                         f"colour (most common: {colour}); palette is {self.palette}; fix `palette`, "
                         f"`palette_ignore` or `palette_tolerance`")
             else:
-                decoded = self._map_labels(raw)
+                decoded = self._map_labels(raw, s.get('label_nodata'))
                 if (decoded < 0).any():
                     value = raw[decoded < 0].flat[0]
                     raise DataError(
@@ -724,7 +726,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 label = decode_palette(src.read([1, 2, 3], window=window, out_shape=None if out_shape is None
                                                 else (3,) + out_shape), self._palette_lut)
             else:
-                label = self._map_labels(src.read(1, window=window, out_shape=out_shape))
+                label = self._map_labels(src.read(1, window=window, out_shape=out_shape), s.get('label_nodata'))
         labelled = (label >= 0) & (label != self.ignore_index)
         if invalid is not None:
             labelled &= ~invalid
@@ -792,7 +794,10 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             if histogram is None:
                 continue
             checked += 1
+            nodata = s.get('label_nodata')
             for value, count in histogram.items():
+                if nodata is not None and (value == nodata or math.isnan(value) and math.isnan(nodata)):
+                    continue  # unlabelled (see _map_labels)
                 mapped = (int(self._label_lut[int(value)]) if value.is_integer() and 0 <= value < len(self._label_lut)
                           else -1)
                 if mapped < 0:
@@ -914,8 +919,14 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             detail = remote_hint(e) if is_remote(path) else gdal_message(e)
             raise DataError(f"{path}: cannot read window {window}: {detail}") from e
 
-    def _map_labels(self, raw):
-        """File values -> int16 class indices, ignore_index, or -1 where not allowed."""
+    def _map_labels(self, raw, nodata=None):
+        """File values -> int16 class indices, ignore_index, or -1 where not allowed; the label
+        file's ``nodata`` value (one that is no class: see _check_label_nodata) -> ignore_index."""
+        unlabelled = label_nodata(raw, nodata)
+        if unlabelled is not None:
+            mapped = self._map_labels(np.where(unlabelled, 0, raw)).astype(np.int16)
+            mapped[unlabelled] = self.ignore_index
+            return mapped
         if (self._identity_labels and raw.dtype.kind == 'u' and self.ignore_index <= np.iinfo(raw.dtype).max
                 and raw.max(initial=0) < self.num_classes):
             return raw  # the common case, without a per-pixel table lookup
@@ -943,8 +954,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             label = decode_palette(self._read(s['label'], window, [1, 2, 3]), self._palette_lut)
             label[label < 0] = self.ignore_index  # off-palette noise: ignored, not an error
         else:
-            label = self._map_labels(self._vector_window(s, window) if s.get('vector')
-                                     else self._read(s['label'], window, 1))
+            label = (self._map_labels(self._vector_window(s, window)) if s.get('vector')
+                     else self._map_labels(self._read(s['label'], window, 1), s.get('label_nodata')))
             if label.min(initial=0) < 0:
                 raw_label = self._read(s['label'], window, 1)
                 raise DataError(

@@ -335,6 +335,15 @@ def source_name(src):
     return name
 
 
+def label_nodata(raw, nodata):
+    """Pixels of a label raster that hold its nodata value (NaN-aware): unlabelled, so
+    ``ignore_index``, whatever the value (-9999, NaN, 65535). None where there are none."""
+    if nodata is None:
+        return None
+    hit = np.isnan(raw) if math.isnan(nodata) else raw == nodata
+    return hit if hit.any() else None
+
+
 def read_window(src, window, indexes, nodata, masked):
     """``(pixels, invalid)`` of ``window`` of an open raster: bands ``indexes`` in the file's
     dtype, and the pixels that hold no data (:func:`nodata_mask`, date by date for a

@@ -451,3 +451,26 @@ def test_a_mask_band_counts_beside_a_nodata_value_and_a_data_band_tagged_alpha_i
     with pytest.raises(DataError, match=r'wide.tif holds uint16 pixels but .*img.tif uint8'):
         GeoTiffScenes([str(tmp_path / 'img.tif'), wide], [label, label], classes=2, crop_size=40,
                       mean=[0] * 3, std=[1] * 3)
+
+
+@pytest.mark.parametrize('dtype, nodata', [('float32', -9999.0), ('float32', float('nan')), ('int16', -1),
+                                           ('uint16', 65535)])
+def test_a_label_files_nodata_value_is_unlabelled_in_training_and_evaluation(tmp_path, dtype, nodata):
+    """Labels exported from a GIS carry a nodata value no class has (-9999, NaN, -1): those pixels
+    are ignore_index, in training and in evaluation of the pair, not 'a value that is no class'
+    with a label_map hint that cannot work (label_map keys are 0..65535)."""
+    from ds_seg.inference.evaluate import _label_source
+    from rasterio.windows import Window
+    values = np.tile(np.array([0, 1, 2, 0], np.float64), (16, 4))
+    values[:8, :8] = nodata
+    label = str(tmp_path / 'lbl.tif')
+    with rasterio.open(label, 'w', driver='GTiff', width=16, height=16, count=1, dtype=dtype, nodata=nodata,
+                       crs='EPSG:32632', transform=from_origin(500_000, 5_500_000, 0.1, 0.1)) as d:
+        d.write(values.astype(dtype)[None])
+    img = write_tif(tmp_path / 'img.tif', np.ones((3, 16, 16), np.uint8))
+    ds = GeoTiffScenes([img], [label], classes=3, crop_size=16, mode='grid', mean=[0] * 3, std=[1] * 3)
+    expected = values.copy()
+    expected[:8, :8] = IGNORE
+    np.testing.assert_array_equal(ds[0]['label'].numpy(), expected)
+    with _label_source(None, 0, label, IGNORE, 3) as read:
+        np.testing.assert_array_equal(read(Window(0, 0, 16, 16)), expected)
