@@ -62,8 +62,9 @@ def model_card(info, fmt, out, work_dir=None):
                            dynamic=['B', 'H', 'W']),
                 output=dict(name=OUTPUT, layout='B, K, H, W float32 logits (argmax over K = class index)'),
                 classes=list(info.get('classes') or []), bands=data.get('bands'), mean=data.get('mean'),
-                std=data.get('std'), ignore_index=data.get('ignore_index'), dtype=data.get('dtype'), model=info.get('model'),
-                source=info.get('source'), training_config=None, final_metrics=None, torch=torch.__version__)
+                std=data.get('std'), ignore_index=data.get('ignore_index'), dtype=data.get('dtype'),
+                model=info.get('model'), source=info.get('source'), training_config=None, final_metrics=None,
+                torch=torch.__version__)
     if work_dir:
         config = os.path.join(work_dir, 'config.json')
         if os.path.isfile(config):

@@ -90,7 +90,6 @@ def setup_env(env=None):
     elif launcher == 'none':
         env.setdefault('RANK', '0')
         env.setdefault('WORLD_SIZE', '1')
-        env.setdefault('LOCAL_RANK', '0')
     env.setdefault('LOCAL_RANK', '0')
     _check_env(env, launcher)
     if env['WORLD_SIZE'] == '1':  # one process meets only itself: any free local port will do

@@ -1,8 +1,10 @@
 """Checks of the files and options predict, evaluate and export are given, before any work.
 
 Each raises ``ConfigError`` with one line naming the option or file and what to do; none of
-them writes anything, so a refused command leaves every file as it was.
+them writes anything, so a refused command leaves every file as it was. Also how outputs are
+written (:func:`replaced_when_done`): under a temporary name, renamed when complete.
 """
+import contextlib
 import os
 
 from .config import ConfigError
@@ -105,14 +107,17 @@ def check_output_folder(folder, option='--output'):
         raise ConfigError(f'{option}: the parent folder {parent} does not exist; create it first.')
 
 
-def check_writable(folder, option='--output'):
+def check_writable(folder, option='--output', create=False):
     """Refuse, before any work, a folder this process cannot write into (a read-only mount, a
     path under a file, /proc): a probe file (or, for a folder still to be made, a probe folder
     in its parent) is created and removed, so root is judged by what the file system does,
-    not by permission bits. Nothing is left behind."""
+    not by permission bits. Nothing is left behind, unless ``create``: the folder (and its
+    parents) is made first, as a training run's work dir is."""
     import tempfile
     where = folder if os.path.isdir(folder) else os.path.dirname(os.path.abspath(folder))
     try:
+        if create:
+            os.makedirs(folder, exist_ok=True)
         if os.path.isdir(folder):
             fd, probe = tempfile.mkstemp(prefix='.ds_seg_write_test', dir=folder)
             os.close(fd)
@@ -122,6 +127,42 @@ def check_writable(folder, option='--output'):
     except OSError as exc:
         raise ConfigError(f'{option}: {folder} is not writable ({exc.strerror or exc}); choose a folder you '
                           'can write to.') from exc
+
+
+def partial_path(path):
+    """Where an output is written until it is complete (``a_classes.tif`` ->
+    ``a_classes.partial.tif``: same folder, and the extension stays for the format's driver)."""
+    root, ext = os.path.splitext(path)
+    return f'{root}.partial{ext}'
+
+
+def remove_quietly(*paths):
+    """Remove what a failed write left (files that may not exist)."""
+    for path in paths:
+        if path and os.path.exists(path):
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def replaced_when_done(path):
+    """Yield :func:`partial_path` of ``path`` to write; rename it to ``path`` when the block
+    succeeds, remove it when it fails (an error, Ctrl-C). An interrupted run leaves no
+    valid-looking file under the final name, and an older file (``--overwrite``) is replaced
+    only by the rename of a finished one.
+
+    Example::
+
+        with replaced_when_done('out/eval.json') as tmp, open(tmp, 'w') as f:
+            json.dump(record, f)
+    """
+    tmp = partial_path(path)
+    remove_quietly(tmp)  # left by a run that was killed: a writer that appends would extend it
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
 
 
 def check_window_options(tile, overlap, batch_size, block=None):

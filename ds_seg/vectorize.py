@@ -170,24 +170,11 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
     if os.path.exists(out_path) and not overwrite:
         raise FileExistsError(f"{out_path} already exists; remove it or choose another name "
                               f"(vector outputs are never overwritten)")
-    final_path, out_path = out_path, _partial_path(out_path)
-    if os.path.exists(out_path):
-        os.remove(out_path)  # left by a run that was killed: the appends below would extend it
-    try:
-        summary = _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, exclude,
+    from .inputs import replaced_when_done
+    with replaced_when_done(out_path) as tmp:
+        summary = _vectorize(class_path, tmp, probs_path, classes, simplify, min_area, exclude,
                              band_rows, layer, driver)
-        os.replace(out_path, final_path)
-    except BaseException:
-        if os.path.exists(out_path):
-            os.remove(out_path)
-        raise
-    return dict(summary, out_path=final_path)
-
-
-def _partial_path(path):
-    """``a.gpkg`` -> ``a.partial.gpkg``: the format's extension stays for the OGR driver."""
-    root, ext = os.path.splitext(path)
-    return f'{root}.partial{ext}'
+    return dict(summary, out_path=out_path)
 
 
 def _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, exclude, band_rows,

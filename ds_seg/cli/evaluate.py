@@ -12,9 +12,7 @@ r px of a class boundary (ISPRS's eroded ground truth, r = 3); ``--exclude`` lea
 of mIoU and mF1 (not out of OA).
 """
 import argparse
-import contextlib
 import json
-import math
 import os
 import sys
 
@@ -28,7 +26,7 @@ from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
 from ds_seg.inference import default_palette, evaluate_scenes, load_model, scene_pairs  # noqa: E402
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
-                           check_writable, expand_inputs)
+                           check_writable, expand_inputs, replaced_when_done)
 from ds_seg.metrics import metrics_from_confusion  # noqa: E402
 
 
@@ -96,6 +94,7 @@ def build_scenes(args, info):
         check_ignore_index(args.ignore_index, list(ds.classes))
         return ds, list(ds.classes)
     from ds_seg.data.geotiff import cached_label_histograms, expand_paths, inspect_pair, label_nodata_message
+    from ds_seg.data.raster import same_value
     images, labels = expand_paths(args.images, '--images'), expand_paths(args.labels or [], '--labels')
     if len(images) != len(labels):
         raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
@@ -117,9 +116,7 @@ def build_scenes(args, info):
         nodata = scene.get('label_nodata')
         if nodata is not None and float(nodata).is_integer() and 0 <= nodata < len(classes) and nodata != ignore:
             raise ValueError(label_nodata_message(scene['label'], float(nodata), int(nodata), classes[int(nodata)], ignore))
-        unlabelled = (lambda v: False) if nodata is None else (  # the file's nodata value: ignored
-            lambda v: v == nodata or (math.isnan(v) and math.isnan(nodata)))
-        bad = sorted(v for v in (histogram or {}) if v != ignore and not unlabelled(v)
+        bad = sorted(v for v in (histogram or {}) if v != ignore and not same_value(v, nodata)  # nodata: unlabelled
                      and not (v.is_integer() and 0 <= v < len(classes)))
         if bad:
             raise ValueError(f"{scene['label']}: {histogram[bad[0]]} pixel(s) have label value {bad[0]:g}, which is not "
@@ -132,21 +129,6 @@ def output_files(args):
     """eval.json, confusion.png and preview_0.png .. preview_<--previews - 1>.png in --output."""
     names = ['eval.json', 'confusion.png'] + [f'preview_{i}.png' for i in range(max(args.previews, 0))]
     return [os.path.join(args.output, n) for n in names]
-
-
-@contextlib.contextmanager
-def _written(path):
-    """A temporary name in ``path``'s folder, renamed to ``path`` when the block succeeds and
-    removed when it fails: --overwrite never leaves a half-written file in place of a good one."""
-    root, ext = os.path.splitext(path)
-    tmp = f'{root}.partial{ext}'  # the extension stays: matplotlib picks the format from it
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def check_ignore_index(ignore_index, classes):
@@ -195,12 +177,12 @@ def _run(args):
                       scenes=[p[0] for p in scene_pairs(scenes)],
                       windows=result['windows'], world_size=distributed.world_size(),
                       settings=window_kwargs(args))
-        with _written(os.path.join(args.output, 'eval.json')) as tmp, open(tmp, 'w') as f:
+        with replaced_when_done(os.path.join(args.output, 'eval.json')) as tmp, open(tmp, 'w') as f:
             json.dump(record, f, indent=1)
-        with _written(os.path.join(args.output, 'confusion.png')) as tmp:
+        with replaced_when_done(os.path.join(args.output, 'confusion.png')) as tmp:
             save_confusion_png(cm, classes, tmp, args.exclude)
         for i, preview in enumerate(result['previews'][:args.previews]):
-            with _written(os.path.join(args.output, f'preview_{i}.png')) as tmp:
+            with replaced_when_done(os.path.join(args.output, f'preview_{i}.png')) as tmp:
                 save_preview_png(preview, classes, tmp, bands)
         num = lambda x: 'n/a' if x is None else f'{x:.4f}'  # noqa: E731 -- every class excluded or absent
         print(f"[evaluate] mIoU {num(metrics['mIoU'])} | mF1 {num(metrics['mF1'])} | OA {num(metrics['OA'])}"
@@ -227,7 +209,8 @@ def main(argv=None):
     parser.add_argument('--ignore-index', type=int, default=None, help='label value not counted (default 255)')
     parser.add_argument('--previews', type=int, default=3, help='side-by-side PNGs to write (default 3)')
     parser.add_argument('--output', required=True, help='output folder')
-    parser.add_argument('--overwrite', action='store_true', help='replace earlier outputs (eval.json, confusion.png, preview_N.png) in --output')
+    parser.add_argument('--overwrite', action='store_true', help='replace earlier outputs (eval.json, confusion.png, preview_N.png) in '
+                        '--output')
     add_window_args(parser)
     args = parser.parse_args(argv)
     return run_command('evaluate', lambda: _run(args), errors=(FileNotFoundError, ValueError, KeyError))

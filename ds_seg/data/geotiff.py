@@ -43,7 +43,6 @@ import contextlib
 import glob
 import hashlib
 import json
-import math
 import os
 import random
 import warnings
@@ -61,8 +60,8 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (DataError, StackedRaster, alpha_bands, file_identity, gdal_message, gdal_path, is_remote,
-                     label_nodata, nodata_mask, open_raster, raster_env, read_window, remote_hint, same_pixels,
+from .raster import (DataError, StackedRaster, alpha_bands, file_identity, gdal_path, is_remote, label_nodata,
+                     nodata_mask, open_raster, raster_env, read_error, read_window, same_pixels, same_value,
                      uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
@@ -240,8 +239,8 @@ def inspect_pair(image, label, palette=None):
             raise DataError(f"label {label} has {lbl.count} band(s) but `palette` expects RGB "
                             f"colour-coded labels (image {image})")
         return dict(image=image, label=label, width=img.width, height=img.height,
-                    count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img), dtype=img.dtypes[0],
-                    floating=np.dtype(img.dtypes[0]).kind == 'f', label_nodata=lbl.nodata)
+                    count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img),
+                    dtype=img.dtypes[0], floating=np.dtype(img.dtypes[0]).kind == 'f', label_nodata=lbl.nodata)
 
 
 def label_nodata_message(label, value, class_index, class_name, ignore_index):
@@ -425,7 +424,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             self.mean, self.std = np.tile(self.mean, self.num_dates), np.tile(self.std, self.num_dates)
         self.in_channels = self.mean.size
         self.file_dtype = str(self._scenes[0]['dtype'])  # one for every scene (_check_band_coding)
-        self.image_dtype = host_dtype(np.result_type(*[s['dtype'] for s in self._scenes]))
+        self.image_dtype = host_dtype(self.file_dtype)
         # What padding, and nodata before a resize, are filled with: the band mean, i.e. 0
         # once normalised, so neither darkens the valid pixels a resize blends them with.
         self._fill = (self.mean if self.image_dtype.kind == 'f' else np.clip(
@@ -474,8 +473,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 raise DataError(f"labels {label}: a vector file has no colours; drop `palette`")
             with open_raster(image) as img:
                 return dict(image=image, label=label, width=img.width, height=img.height,
-                            count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img), dtype=img.dtypes[0],
-                            floating=np.dtype(img.dtypes[0]).kind == 'f', vector=True,
+                            count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img),
+                            dtype=img.dtypes[0], floating=np.dtype(img.dtypes[0]).kind == 'f', vector=True,
                             crs=img.crs, transform=img.transform)
         return inspect_pair(image, label, self.palette)
 
@@ -796,7 +795,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             checked += 1
             nodata = s.get('label_nodata')
             for value, count in histogram.items():
-                if nodata is not None and (value == nodata or math.isnan(value) and math.isnan(nodata)):
+                if same_value(value, nodata):
                     continue  # unlabelled (see _map_labels)
                 mapped = (int(self._label_lut[int(value)]) if value.is_integer() and 0 <= value < len(self._label_lut)
                           else -1)
@@ -916,8 +915,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     return read_window(src, window, indexes, scene['nodata'], scene['masked'])
                 return src.read(indexes=indexes, window=window)
         except Exception as e:  # a worker's traceback alone would not say which file broke
-            detail = remote_hint(e) if is_remote(path) else gdal_message(e)
-            raise DataError(f"{path}: cannot read window {window}: {detail}") from e
+            raise DataError(f"{path}: cannot read window {window}: {read_error(path, e)}") from e
 
     def _map_labels(self, raw, nodata=None):
         """File values -> int16 class indices, ignore_index, or -1 where not allowed; the label

@@ -103,6 +103,18 @@ def gdal_message(exc):
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def same_value(a, b):
+    """Equality of two nodata values or pixel values, where NaN equals NaN (as a nodata tag means it)."""
+    if a is None or b is None:
+        return a is b
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def read_error(path, exc):
+    """What to say of a failed read of ``path``: GDAL's own words, and for a URL what to do."""
+    return remote_hint(exc) if is_remote(path) else gdal_message(exc)
+
+
 def remote_hint(exc):
     """GDAL's error for a URL, with what to do about the usual causes."""
     message = gdal_message(exc)
@@ -145,12 +157,11 @@ def file_identity(path, sample_bytes=1 << 16):
 
 
 def _http_identity(url):
-    import urllib.error
     import urllib.request
     try:
         with urllib.request.urlopen(urllib.request.Request(url, method='HEAD'), timeout=HTTP_TIMEOUT_S) as r:
             headers = r.headers
-    except (OSError, ValueError, urllib.error.URLError):
+    except (OSError, ValueError):  # URLError and timeouts are OSErrors: no identity, no cache
         return None
     etag, modified = headers.get('ETag'), headers.get('Last-Modified')
     if not (etag or modified):
@@ -232,15 +243,14 @@ class StackedRaster:
         for p in paths:
             with open_raster(p) as src:
                 grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.count))
-                nodata = None if src.nodata is None else ('nan' if math.isnan(src.nodata) else src.nodata)
-                codings.append((tuple(src.dtypes), nodata, uses_mask_band(src)))
+                codings.append((tuple(src.dtypes), src.nodata, uses_mask_band(src)))
         for p, g in zip(paths[1:], grids[1:]):
             if g != grids[0]:
                 raise DataError(f"{p} is not co-registered with {paths[0]} (size, transform, CRS or "
                                 f"band count differ: {g[:2]} {g[2]} {g[3]} {g[4]} vs {grids[0][:2]} "
                                 f"{grids[0][2]} {grids[0][3]} {grids[0][4]}); resample the dates onto one grid")
         for p, c in zip(paths[1:], codings[1:]):
-            if c != codings[0]:
+            if c[0] != codings[0][0] or not same_value(c[1], codings[0][1]) or c[2] != codings[0][2]:
                 def say(c):
                     return (f"types {'/'.join(sorted(set(c[0])))}, nodata {c[1]}, "
                             f"{'a mask band' if c[2] else 'no mask band'}")
@@ -340,7 +350,7 @@ def label_nodata(raw, nodata):
     ``ignore_index``, whatever the value (-9999, NaN, 65535). None where there are none."""
     if nodata is None:
         return None
-    hit = np.isnan(raw) if math.isnan(nodata) else raw == nodata
+    hit = np.isnan(raw) if math.isnan(nodata) else raw == nodata  # an array: same_value is for scalars
     return hit if hit.any() else None
 
 

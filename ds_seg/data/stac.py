@@ -2,9 +2,9 @@
 
 Each item is one scene. Its image is one multi-band asset (``image_assets='visual'``) or
 several assets stacked in the order given (``image_assets=['B04', 'B03', 'B02']``, Sentinel-2
-style: one COG per band; every band of a multi-band asset, so ``['visual', 'B08']`` is RGB+NIR). Stacked bands become a small GDAL VRT that points at the
-assets, so windows are still read straight from each asset, over HTTP if that is where they
-are. The label is one asset (a class raster, or a vector file: see ``label_field``).
+style: one COG per band; every band of a multi-band asset, so ``['visual', 'B08']`` is RGB+NIR).
+Stacked bands become a small GDAL VRT that points at the assets, so windows are still read
+straight from each asset, over HTTP if that is where they are. The label is one asset (a class raster, or a vector file: see ``label_field``).
 
 Example::
 
@@ -89,7 +89,7 @@ def _stack_vrt(hrefs, item_id, cache_dir):
     from rasterio import Affine
     from rasterio.dtypes import dtype_rev, typename_fwd
 
-    from .raster import gdal_path, open_raster
+    from .raster import gdal_path, open_raster, same_value
     grids = []
     for h in hrefs:
         with open_raster(h) as src:
@@ -101,7 +101,7 @@ def _stack_vrt(hrefs, item_id, cache_dir):
             raise ConfigError(f"STAC item {item_id!r}: asset {h} ({g[0]}x{g[1]}, {g[2]}) is not on the "
                               f"grid of {hrefs[0]} ({w}x{hgt}, {transform}); stack bands of one "
                               f"resolution, or resample them first")
-        if not (g[5] == nodata or (g[5] is not None and nodata is not None and np.isnan(g[5]) and np.isnan(nodata))):
+        if not same_value(g[5], nodata):
             raise ConfigError(f"STAC item {item_id!r}: asset {h} has nodata {g[5]} but {hrefs[0]} has "
                               f"{nodata}; stacked bands need one nodata value")
     dtype = np.result_type(*[np.dtype(d) for g in grids for d in g[4]]).name

@@ -75,7 +75,8 @@ class Checkpointer:
         (non-zero after a change of ranks), and where an abandoned branch was moved (or None)."""
         found = checkpoint.resolve_resume(resume, self.work_dir, report=self.report)
         if found is None and resume != 'auto':
-            if any(checkpoint.TAG_RE.match(n) for n in (os.listdir(self.root) if os.path.isdir(self.root) else ())):
+            held = os.listdir(self.root) if os.path.isdir(self.root) else ()
+            if any(checkpoint.TAG_RE.match(n) for n in held):  # verified or not: never written over
                 raise ConfigError(f"--work-dir: {self.work_dir} already holds checkpoints of an earlier run; "
                                   "add --resume auto to continue it, or choose another --work-dir.")
             return 0, 0, None

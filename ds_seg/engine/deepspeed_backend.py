@@ -49,7 +49,7 @@ class DeepSpeedBackend:
         try:
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, model_parameters=build_param_groups(model, optim_cfg), config=ds_config)
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, torch.distributed.DistError):  # the device or the ranks, not the JSON
             raise
         except (AssertionError, ValueError, NotImplementedError, RuntimeError) as exc:
             # A combination ds_seg's own checks let through and DeepSpeed refuses while building

@@ -281,6 +281,6 @@ def default_stop_check_interval(device):
     return 1 if device.type != 'cuda' else 10
 
 
-__all__ = ['EXIT_CODES', 'EXIT_DATA_ERROR', 'EXIT_IO_ERROR', 'EXIT_LOST_RANK', 'EXIT_NONFINITE', 'EXIT_PREEMPTED', 'Faults',
-           'Heartbeat', 'LostRankError', 'RunIOError', 'StopRequests', 'catch_stop_signals',
+__all__ = ['EXIT_CODES', 'EXIT_DATA_ERROR', 'EXIT_IO_ERROR', 'EXIT_LOST_RANK', 'EXIT_NONFINITE', 'EXIT_PREEMPTED',
+           'Faults', 'Heartbeat', 'LostRankError', 'RunIOError', 'StopRequests', 'catch_stop_signals',
            'default_stop_check_interval', 'describe_io_error', 'is_collective_failure']

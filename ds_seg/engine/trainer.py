@@ -21,6 +21,7 @@ from ..config import ConfigError, default_work_dir
 from ..data.loader import build_train_loader
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
+from ..inputs import check_writable
 from ..metrics import metrics_from_confusion
 from ..models.losses import segmentation_loss
 from ..registry import DATASETS, LOSSES, MODELS, RegistryError, build
@@ -37,18 +38,6 @@ from .workdir import WorkDirBusy, WorkDirLock
 # Steps a compiled run keeps out of its throughput whatever train.warmup_log_steps says: the first
 # compiles forward and backward, the second may recompile (gradient accumulation, DDP's sync flag).
 COMPILE_WARMUP_STEPS = 2
-
-
-def _check_writable(work_dir):
-    try:
-        os.makedirs(work_dir, exist_ok=True)
-        probe = os.path.join(work_dir, f'.write_test.{os.getpid()}')
-        with open(probe, 'w') as f:
-            f.write('ok')
-        os.remove(probe)
-    except OSError as exc:
-        raise ConfigError(f"--work-dir: {work_dir} is not writable ({exc.strerror or exc}); "
-                          "choose a directory you can write to.") from exc
 
 
 def _first_missing(path):
@@ -110,7 +99,7 @@ class Trainer:
         self.log = self.train_set = self.val_set = self.criterion = self.backend = None
         self.checkpointer = self.metrics = self.batches = self.profiler = None
         created = _first_missing(self.work_dir) if distributed.is_main() else None
-        _check_writable(self.work_dir)  # on every rank: each writes its own checkpoint files
+        check_writable(self.work_dir, '--work-dir', create=True)  # every rank: each writes checkpoint files
         self.lock = WorkDirLock(self.work_dir)
         self._take_work_dir()  # refused: another run's work dir (so not one this run created)
         try:

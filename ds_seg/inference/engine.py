@@ -17,7 +17,7 @@ from rasterio.windows import Window
 
 from .. import distributed
 from ..data.preprocess import BatchPreprocessor, host_dtype
-from ..data.raster import DataError, open_scene, read_window, remote_hint, source_name, uses_mask_band
+from ..data.raster import DataError, open_scene, read_error, read_window, source_name, uses_mask_band
 from .tiling import ScenePlan, blend_weights
 
 TTA_FLIPS = {'none': (), 'h': ((-1,),), 'hv': ((-1,), (-2,), (-2, -1))}
@@ -180,7 +180,8 @@ class SceneEngine:
         try:
             raw, mask = read_window(self.src, window, self.band_idx, self.nodata, self.masked)
         except rasterio.errors.RasterioError as e:  # a truncated file, a server that went away
-            raise DataError(f"{source_name(self.src)}: cannot read rows {y}-{y + h}: {remote_hint(e)}") from e
+            name = source_name(self.src)
+            raise DataError(f"{name}: cannot read rows {y}-{y + h}: {read_error(name, e)}") from e
         if mask is None:
             mask = np.zeros(raw.shape[1:], bool)
         # The nodata mask is a property of the input pixel: record it once per block row.

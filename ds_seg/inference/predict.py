@@ -12,7 +12,8 @@ from .. import distributed
 from ..data.raster import open_scene
 from .engine import run_scene
 from .tiling import ScenePlan
-from .writer import CLASS_NODATA, GeoTiffRowWriter, join_parts, partial_path, remove_quietly
+from ..inputs import partial_path, remove_quietly
+from .writer import CLASS_NODATA, GeoTiffRowWriter, join_parts
 
 
 def _to_outputs(scores, wsum, nodata, with_probs):
@@ -55,7 +56,7 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
     part = world_size > 1
     plan = ScenePlan(profile['height'], profile['width'], tile, overlap, block, world_size)
     a, b = plan.band(rank)
-    # Written under a temporary name and renamed when complete (see writer.partial_path); the
+    # Written under a temporary name and renamed when complete (see inputs.partial_path); the
     # ranks' part files are named after it, and rank 0 joins them into it.
     tmp_out = partial_path(out_path)
     tmp_probs = partial_path(probs_path) if probs_path else None

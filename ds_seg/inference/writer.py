@@ -31,22 +31,6 @@ def _tab20():
     return [tuple(int(h[i:i + 2], 16) / 255 for i in (0, 2, 4)) for h in hexes]
 
 
-def partial_path(path):
-    """Where an output is written until it is complete (``a_classes.tif`` ->
-    ``a_classes.partial.tif``, same folder, same extension for the format's driver): an
-    interrupted run leaves no valid-looking file under the final name, and ``--overwrite``
-    replaces the old file only by the rename of a finished one."""
-    root, ext = os.path.splitext(path)
-    return f'{root}.partial{ext}'
-
-
-def remove_quietly(*paths):
-    """Remove what a failed write left (files that may not exist)."""
-    for path in paths:
-        if path and os.path.exists(path):
-            os.remove(path)
-
-
 class GeoTiffRowWriter:
     """A class-map GeoTIFF (and optionally a probabilities GeoTIFF) written block row by row.
 

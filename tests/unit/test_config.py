@@ -84,7 +84,8 @@ def test_delete_marker_replaces_the_default_section_as_in_mmengine(tmp_path):
     (['train.max_steps=0'], r'train.max_steps must be a positive integer'),
     (['data.crop_size=8'], r'data.crop_size must be an integer >= 16'),
     (['model=3'], r"'model' must be a dict with a 'type' key"),
-    (['train=1', 'train.max_steps=2'], r"'train.max_steps=2' sets a key inside train, which an earlier option set to 1"),
+    (['train=1', 'train.max_steps=2'],
+     r"'train.max_steps=2' sets a key inside train, which an earlier option set to 1"),
     (['train.dist_timeout_s=1e999'], r'train.dist_timeout_s must be a finite number > 0 or None, got inf'),
 ])
 def test_bad_options_are_named(options, message):

@@ -426,7 +426,8 @@ def test_a_mask_band_counts_beside_a_nodata_value_and_a_data_band_tagged_alpha_i
     types in one dataset are refused (one mean/std, one cast)."""
     values = np.full((3, 40, 40), 100, np.uint8)
     values[:, :, 30:] = 0  # nodata, right
-    common = dict(driver='GTiff', width=40, height=40, crs='EPSG:32632', transform=from_origin(500_000, 5_500_000, 0.1, 0.1))
+    common = dict(driver='GTiff', width=40, height=40, crs='EPSG:32632',
+                  transform=from_origin(500_000, 5_500_000, 0.1, 0.1))
     with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True):
         with rasterio.open(tmp_path / 'img.tif', 'w', count=3, dtype='uint8', nodata=0, **common) as d:
             d.write(values)
