@@ -61,14 +61,15 @@ def peak_rss_mb():
 
 
 def child(args):
-    # The module alone, not the ds_seg package: importing that loads torch (~800 MB RSS),
-    # which would hide the vectoriser's own memory.
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        'vectorize', os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'vectorize.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    vectorize_class_map = module.vectorize_class_map
+    # The vectoriser's modules without the package's __init__: that imports every model, and so
+    # torch (~800 MB RSS), which would hide the vectoriser's own memory. A bare package object
+    # stands in for it, so that the vectoriser's own relative imports (.inputs, .config) work.
+    import importlib
+    import types
+    package = types.ModuleType('ds_seg')
+    package.__path__ = [os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')]
+    sys.modules['ds_seg'] = package
+    vectorize_class_map = importlib.import_module('ds_seg.vectorize').vectorize_class_map
     import pyogrio.raw  # noqa: F401  (imported inside; counted in the baseline, not the run)
     import shapely  # noqa: F401
     baseline_mb = peak_rss_mb()
