@@ -205,6 +205,42 @@ def expand_paths(spec, what):
     return paths
 
 
+def _name_keys(paths):
+    """The part of each file name that varies along the list: the stems (no folder, extension or
+    URL query) without what they all begin and end with. ``x1.tif, x10.tif`` -> ``1, 10``;
+    ``x10_mask.tif, x1_mask.tif`` -> ``10, 1``."""
+    stems = [os.path.splitext(os.path.basename(os.fspath(p).split('?')[0]))[0] for p in paths]
+    prefix = os.path.commonprefix(stems)
+    rests = [s[len(prefix):] for s in stems]
+    suffix = os.path.commonprefix([r[::-1] for r in rests])[::-1]
+    return [r[:len(r) - len(suffix)] for r in rests]
+
+
+def pair_by_name(images, labels):
+    """``labels`` in the order of ``images``, matched by name where the names say how.
+
+    Lists are paired by position, but a sorted glob orders ``x1, x10, x2`` and
+    ``x10_mask, x1_mask, x2_mask`` differently: when the varying parts of the names
+    (:func:`_name_keys`) are the same set on both sides, labels are reordered to match. When only
+    some match, a label is missing or extra: refused, naming one of each. Names that share
+    nothing (``img_001`` with ``gt_a``) keep the position pairing."""
+    if len(images) < 2 or len(set(labels)) < 2:  # one scene, or one vector file for all
+        return labels
+    image_keys, label_keys = _name_keys(images), _name_keys(labels)
+    if len(set(image_keys)) < len(images) or len(set(label_keys)) < len(labels):
+        return labels  # the same name in several folders: the names cannot say
+    if set(image_keys) == set(label_keys):
+        by_key = dict(zip(label_keys, labels))
+        return [by_key[k] for k in image_keys]
+    unmatched_images = [i for i, k in zip(images, image_keys) if k not in set(label_keys)]
+    unmatched_labels = [lbl for lbl, k in zip(labels, label_keys) if k not in set(image_keys)]
+    if len(unmatched_images) < len(images):
+        raise DataError(f"images and labels are named alike but do not match one to one: image "
+                        f"{unmatched_images[0]!r} has no label named like it, and label {unmatched_labels[0]!r} "
+                        f"no image ({len(unmatched_images)} of {len(images)} unmatched); give one label per image")
+    return labels
+
+
 def grid_starts(length, crop):
     """Window starts with stride ``crop`` covering ``[0, length)``; the last one flush with the end."""
     if length <= crop:
@@ -256,7 +292,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
     """Crops of ``crop_size`` from image scenes paired with a label raster each.
 
     Args:
-        images, labels: paths, URLs or glob patterns (globs are sorted); paired by position.
+        images, labels: paths, URLs or glob patterns (globs are sorted); paired by position, or by
+            name where the names differ only in a common prefix/suffix (see :func:`pair_by_name`).
             ``labels`` may be a vector file (``.gpkg``, ``.geojson``, ``.fgb``, ``.shp``), one
             for all images or one each: rasterised per window in the image's grid.
         stac, stac_bands, stac_label: instead of images/labels, a STAC Item or ItemCollection
@@ -345,6 +382,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if len(images) != len(labels):
             raise DataError(f"{len(images)} images but {len(labels)} labels: they are paired by "
                             f"position, give one label file per image (first image {images[0]!r})")
+        labels = pair_by_name(images, labels)
         if mode is None:
             mode = 'random' if split == 'train' else 'grid'
         if mode not in ('random', 'grid'):

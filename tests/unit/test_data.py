@@ -267,3 +267,42 @@ def test_concurrent_creation_in_one_cache_dir(tmp_path):
     assert results[0] == results[1]
     # One finished directory, no leftover temporary ones.
     assert os.listdir(tmp_path / 'synthetic') == [os.path.basename(results[0][0])]
+
+
+def _tiles(tmp_path, image_names, label_names, spacing=100):
+    """One 32x32 tile per name pair, each ``spacing`` m east of the last; the label of tile k is
+    class k."""
+    (tmp_path / 'img').mkdir()
+    (tmp_path / 'lbl').mkdir()
+    for k, (image, label) in enumerate(zip(image_names, label_names)):
+        where = from_origin(500_000 + spacing * k, 5_500_000, 0.1, 0.1)
+        write_tif(tmp_path / 'img' / image, np.full((3, 32, 32), 10 * k, np.uint8), where)
+        write_tif(tmp_path / 'lbl' / label, np.full((32, 32), k, np.uint8), where)
+    return str(tmp_path / 'img' / '*.tif'), str(tmp_path / 'lbl' / '*.tif')
+
+
+def test_globs_that_sort_differently_are_paired_by_name(tmp_path):
+    # sorted: x1, x10, x2 against x10_mask, x1_mask, x2_mask: by position, x1 got x10's label.
+    images, labels = _tiles(tmp_path, ['x1.tif', 'x10.tif', 'x2.tif'], ['x1_mask.tif', 'x10_mask.tif', 'x2_mask.tif'])
+    ds = GeoTiffScenes(images, labels, crop_size=32, classes=3, mode='grid', mean=[0] * 3, std=[1] * 3)
+    pairs = [(os.path.basename(s['image']), os.path.basename(s['label'])) for s in ds.scenes]
+    assert pairs == [('x1.tif', 'x1_mask.tif'), ('x10.tif', 'x10_mask.tif'), ('x2.tif', 'x2_mask.tif')]
+    for i in range(3):
+        sample = ds[i]
+        assert int(sample['label'].unique()) == int(sample['image'][0, 0, 0]) // 10
+
+
+def test_names_that_match_only_in_part_are_refused_naming_one_of_each(tmp_path):
+    images, labels = _tiles(tmp_path, ['x1.tif', 'x2.tif', 'x3.tif'], ['x1_mask.tif', 'x2_mask.tif', 'x4_mask.tif'])
+    with pytest.raises(DataError) as err:
+        GeoTiffScenes(images, labels, crop_size=32, classes=3, mean=[0] * 3, std=[1] * 3)
+    message = str(err.value)
+    assert 'x3.tif' in message and 'x4_mask.tif' in message and '1 of 3 unmatched' in message
+
+
+def test_names_that_share_nothing_keep_the_position_pairing(tmp_path):
+    # Chips in one place (the grids agree whatever the pairing): only the names could reorder them.
+    images, labels = _tiles(tmp_path, ['scene_b.tif', 'scene_c.tif'], ['gt_2.tif', 'gt_1.tif'], spacing=0)
+    ds = GeoTiffScenes(images, labels, crop_size=32, classes=2, mean=[0] * 3, std=[1] * 3)
+    pairs = [(os.path.basename(s['image']), os.path.basename(s['label'])) for s in ds.scenes]
+    assert pairs == [('scene_b.tif', 'gt_1.tif'), ('scene_c.tif', 'gt_2.tif')]
