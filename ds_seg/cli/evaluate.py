@@ -93,11 +93,13 @@ def build_scenes(args, info):
                        seed=cfg.train.seed)
         check_ignore_index(args.ignore_index, list(ds.classes))
         return ds, list(ds.classes)
-    from ds_seg.data.geotiff import cached_label_histograms, expand_paths, inspect_pair, label_nodata_message
+    from ds_seg.data.geotiff import (cached_label_histograms, expand_paths, inspect_pair, label_nodata_message,
+                                     pair_by_name)
     from ds_seg.data.raster import same_value
     images, labels = expand_paths(args.images, '--images'), expand_paths(args.labels or [], '--labels')
     if len(images) != len(labels):
         raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
+    labels = pair_by_name(images, labels)  # as training pairs them
     expand_inputs(images, '--images')
     expand_inputs(labels, '--labels')
     scenes = []
