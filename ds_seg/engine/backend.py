@@ -90,10 +90,11 @@ def build_model(spec, build):
         return build()
 
 
-def load_weights(spec, model, state_dict):
-    """Fill ``model`` (built by :func:`build_model`) from a state dict; (missing, unexpected)."""
+def load_weights(spec, model, state_dict, adapt=None):
+    """Fill ``model`` (built by :func:`build_model`) from a state dict; (missing, unexpected).
+    ``adapt``: as in :func:`ds_seg.models.pretrained.load_state_dict_into`."""
     from ..models.pretrained import load_state_dict_into
-    return load_state_dict_into(model, state_dict, gather=backend_class(spec.backend).gather)
+    return load_state_dict_into(model, state_dict, adapt=adapt, gather=backend_class(spec.backend).gather)
 
 
 def build_backend(spec, model, optim_cfg=None) -> Backend:

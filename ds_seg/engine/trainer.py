@@ -341,15 +341,35 @@ class Trainer:
         except ValueError as exc:  # unreadable, not a ds_seg weights file, or carrying code
             message = str(exc)
             raise ConfigError(message if message.startswith('load_from') else f'load_from: {message}') from exc
+        # Fine-tuning for another class set (mmseg's load_from does the same, with a warning per
+        # tensor): the classifier tensors, whose first dimension is the class count, keep their
+        # fresh initialisation; any other difference is another architecture and is refused.
+        weight_classes, run_classes = len(payload.get('classes') or []), self.train_set.num_classes
+        fresh = []
+
+        def keep_fresh_classifier(key, value, shape):
+            if (weight_classes and weight_classes != run_classes and value.dim() == len(shape)
+                    and (value.shape[0], shape[0]) == (weight_classes, run_classes)
+                    and tuple(value.shape[1:]) == tuple(shape[1:])):
+                fresh.append(key)
+                return None
+            raise ValueError(f'{key}: shape {tuple(value.shape)} in the weights, {tuple(shape)} in the model.')
+
         try:
-            missing, unexpected = backends.load_weights(self.spec, model, payload['state_dict'])  # ZeRO-3 too
-        except ValueError as exc:  # a tensor of another shape: another model size or class count
+            missing, unexpected = backends.load_weights(self.spec, model, payload['state_dict'],  # ZeRO-3 too
+                                                        adapt=keep_fresh_classifier)
+        except ValueError as exc:  # a tensor of another shape: another model size or band count
             raise ConfigError(f"load_from: {path} does not fit model {self.cfg.model.type}: {exc} "
-                              f"load_from needs weights of the same architecture and class count.") from exc
+                              f"load_from needs weights of the same architecture (the class count may "
+                              f"differ: the classifier then starts fresh).") from exc
         if missing or unexpected:
             raise ConfigError(f"load_from: {path} does not fit model {self.cfg.model.type}: "
                               f"missing {missing[:5]}, unexpected {unexpected[:5]}.")
-        self.print(f'loaded weights from {path}')
+        if fresh:
+            self.print(f'loaded weights from {path}; its {weight_classes} classes are not this run\'s '
+                       f'{run_classes}, so the classifier ({", ".join(fresh)}) starts fresh')
+        else:
+            self.print(f'loaded weights from {path}')
 
     def _check_model_matches_data(self):
         m = self.cfg.model

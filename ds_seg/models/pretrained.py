@@ -185,8 +185,8 @@ def load_state_dict_into(model, state_dict, adapt=None, gather=None):
     (peak memory is the largest single module, not the model), filled, and re-partitioned.
 
     Every rank must call it when parameters are partitioned (the gathers are collectives).
-    ``adapt(key, tensor, shape)`` may return a tensor of the model's shape for a mismatching one
-    (or raise). ``gather`` defaults to the one set by :func:`gathering_with`. Returns
+    ``adapt(key, tensor, shape)`` may return a tensor of the model's shape for a mismatching one,
+    None to keep the model's own (freshly initialised) tensor, or raise. ``gather`` defaults to the one set by :func:`gathering_with`. Returns
     ``(missing, unexpected)`` key lists.
 
     Example::
@@ -214,6 +214,8 @@ def load_state_dict_into(model, state_dict, adapt=None, gather=None):
                             raise ValueError(f'{key}: shape {tuple(value.shape)} in the weights, '
                                              f'{tuple(tensor.shape)} in the model.')
                         value = adapt(key, value, tensor.shape)
+                        if value is None:
+                            continue
                     tensor.copy_(value.to(tensor.dtype))
     missing = sorted(expected - set(state_dict))
     unexpected = sorted(set(state_dict) - expected)

@@ -1,6 +1,7 @@
 """Training invariants on 2 real CPU ranks (gloo): the same experiment under DDP and every
 ZeRO stage gives the same losses, ranks agree on weights, resume equals uninterrupted, export
 round-trips, fp16 overflow steps are skipped and counted."""
+import contextlib
 import json
 import math
 import os
@@ -115,13 +116,25 @@ def test_resume_equals_uninterrupted(tmp_path, backend, stage):
     assert steps == list(range(1, 13)), 'metrics.jsonl keeps one row per step across the resume'
 
 
-def _check_load_from(tmp, weights_file, backend, stage):
+def _check_load_from(tmp, weights_file, backend, stage, classes=None):
+    """The parameters right after ``load_from`` (flat, or by name when fine-tuning for ``classes``:
+    a subset of the synthetic scenes' class names, so the class count differs from the file's)."""
     from ds_seg.engine.trainer import Trainer
     cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=4)
     cfg.load_from = weights_file
-    trainer = Trainer(cfg, ds_config(stage), backend=backend, work_dir=os.path.join(tmp, f'load_{backend}{stage}'))
+    if classes:
+        cfg.model.num_classes = len(classes)
+        cfg.data.train.classes = cfg.data.val.classes = list(classes)
+    work_dir = os.path.join(tmp, f'load_{backend}{stage}{len(classes or ())}')
+    trainer = Trainer(cfg, ds_config(stage), backend=backend, work_dir=work_dir)
     try:
-        return _full_params(trainer)
+        if not classes:
+            return _full_params(trainer)
+        named = dict(trainer.backend.module.named_parameters())
+        import deepspeed
+        with (deepspeed.zero.GatheredParameters(list(named.values())) if trainer.backend.zero_stage == 3
+              else contextlib.nullcontext()):
+            return {name: p.detach().clone() for name, p in named.items()}
     finally:
         trainer.close()
 
@@ -147,6 +160,17 @@ def test_export_round_trip_under_zero3_and_load_from(tmp_path):
     for backend, stage in [('ddp', 0), ('deepspeed', 3)]:
         loaded = run_on_ranks(_check_load_from, 2, args=(tmp, out, backend, stage))
         assert torch.equal(loaded[0], flat)
+    # Fine-tuning for 3 of the 6 classes: every tensor but the classifier comes from the file;
+    # the classifier keeps the fresh initialisation that the seed gives a 3-class model.
+    torch.manual_seed(tiny_cfg(os.path.join(tmp, 'cache')).train.seed)
+    fresh = dict(build(MODELS, dict(payload['model'], num_classes=3)).named_parameters())
+    for backend, stage in [('ddp', 0), ('deepspeed', 3)]:
+        tuned = run_on_ranks(_check_load_from, 2, args=(tmp, out, backend, stage, ('grass', 'building', 'road')))
+        for rank in (0, 1):
+            changed = {name for name, p in tuned[rank].items() if p.shape != payload['state_dict'][name].shape}
+            assert changed and all(p.shape[0] == 3 for name, p in tuned[rank].items() if name in changed)
+            for name, p in tuned[rank].items():
+                assert torch.equal(p, fresh[name] if name in changed else payload['state_dict'][name]), name
 
 
 def _warmup_cosine_lr(ds, applied):
