@@ -76,6 +76,20 @@ def test_polygons_rasterise_back_to_the_class_map_across_bands(tmp_path, ext):
     assert [CLASSES[c] for c in class_id] == list(names)
 
 
+@pytest.mark.parametrize('ext', ['gpkg', 'fgb', 'geojson'])
+@pytest.mark.parametrize('empty', [False, True])
+def test_the_layer_is_named_after_the_file_not_its_temporary_name(tmp_path, ext, empty):
+    """a_classes.gpkg holds layer 'a_classes' (was 'a_classes.partial', the name the file is
+    written under until complete: read_file(path, layer='a_classes') failed), also when every
+    class is excluded and the layer is empty."""
+    src = _write(tmp_path / 'a_classes.tif', _class_map(40, 40))
+    out = tmp_path / f'a_classes.{ext}'
+    vectorize_class_map(src, str(out), exclude=CLASSES if empty else ())
+    assert [name for name, _ in pyogrio.list_layers(out)] == ['a_classes']
+    if ext == 'geojson':
+        assert json.loads(out.read_text())['name'] == 'a_classes'
+
+
 def test_mean_probability_min_area_exclude_and_simplify(tmp_path):
     cls = _class_map(seed=1)
     rng = np.random.default_rng(2)
