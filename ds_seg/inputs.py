@@ -62,13 +62,24 @@ def expand_inputs(paths, option='--input'):
 
 def output_stems(inputs):
     """One output name stem per input, unique even when two inputs share a file name (parent
-    folder names are prepended to the clashing ones: ``a/x.tif``, ``b/x.tif`` -> ``a_x``, ``b_x``)."""
+    folder names are prepended to the clashing ones: ``a/x.tif``, ``b/x.tif`` -> ``a_x``, ``b_x``)
+    or differ only in the extension (``x.tif``, ``x.png`` -> ``x_tif``, ``x_png``). Only the
+    same file given twice is refused."""
     parts = [os.path.normpath(os.path.abspath(p)).split(os.sep) for p in inputs]
+    same = [os.path.realpath(p) if os.path.exists(p) else os.sep.join(q) for p, q in zip(inputs, parts)]
+    for i, path in enumerate(same):
+        twice = [inputs[j] for j, other in enumerate(same) if other == path]
+        if len(twice) > 1:
+            raise ConfigError(f'--input: {", ".join(twice)} are the same file given twice; give it once.')
+    # x.tif next to x.png: no parent folder tells them apart, the extension does
+    roots = [os.path.splitext(os.sep.join(q))[0] for q in parts]
+    keep_ext = [roots.count(r) > 1 for r in roots]
     depth = [1] * len(inputs)
 
     def stem(i):
         names = parts[i][-depth[i]:]
-        names[-1] = os.path.splitext(names[-1])[0]
+        root, ext = os.path.splitext(names[-1])
+        names[-1] = root + (ext.replace('.', '_') if keep_ext[i] else '')
         return '_'.join(n for n in names if n)
 
     while True:
@@ -78,11 +89,8 @@ def output_stems(inputs):
             break
         for i in clashing:
             depth[i] += 1
-    if len(set(stems)) != len(stems):
-        dup = next(s for s in stems if stems.count(s) > 1)
-        raise ConfigError(f'--input: {", ".join(p for p, s in zip(inputs, stems) if s == dup)} are the same file '
-                          'given twice; give it once.')
-    return stems
+    # Different files whose joined names still clash (/d/a/x.tif, /d/a_x.tif): numbered.
+    return [f'{s}_{stems[:i].count(s) + 1}' if s in stems[:i] else s for i, s in enumerate(stems)]
 
 
 def check_outputs(outputs, inputs, overwrite=False, option='--output'):

@@ -242,6 +242,26 @@ def test_predict_cli_two_inputs_of_one_name_get_two_polygon_files(tiny_weights):
     assert pyogrio.raw.read(by_name)[3][0].tolist() == pyogrio.raw.read(out / 'a_x_classes.gpkg')[3][0].tolist()
 
 
+def test_predict_cli_scenes_differing_only_in_extension_get_one_class_map_each(tiny_weights):
+    """x.tif and x.png (the same pixels, one without georeferencing) in one folder: two class
+    maps, x_tif_classes.tif and x_png_classes.tif, with equal classes (was: refused as "the same
+    file given twice"). Names that still clash after every parent folder are numbered."""
+    from ds_seg.inputs import output_stems
+    t = tiny_weights
+    with rasterio.open(t['scenes'][0]) as src:
+        pixels = src.read()
+    png = str(t['tmp'] / 'a' / 'x.png')
+    with rasterio.open(png, 'w', driver='PNG', width=pixels.shape[2], height=pixels.shape[1], count=3,
+                       dtype='uint8') as dst:
+        dst.write(pixels)
+    assert _predict(t, '--input', t['scenes'][0], png) == 0
+    out = t['tmp'] / 'out'
+    assert sorted(p.name for p in out.iterdir()) == ['x_png_classes.tif', 'x_tif_classes.tif']
+    with rasterio.open(out / 'x_tif_classes.tif') as a, rasterio.open(out / 'x_png_classes.tif') as b:
+        np.testing.assert_array_equal(a.read(1), b.read(1))
+    assert output_stems(['/d/a/x.tif', '/e/a/x.tif', '/d/a_x.tif']) == ['d_a_x', 'e_a_x', 'd_a_x_2']
+
+
 def test_area_is_ground_square_metres_in_web_mercator_as_in_utm(tmp_path):
     """The same 100 m x 100 m field at 47 degrees N, in UTM 32N and in EPSG:3857 (where it spans
     100 / cos(47) 'metres' a side): both report about 10,000 m2 (UTM's own scale is within 0.1%)."""
