@@ -132,7 +132,9 @@ class Progress:
 
 def check_vector_georeference(path):
     """Polygons are written in the class map's geotransform: a scene located only by ground
-    control points or RPCs has none, and its polygons would land in pixel coordinates."""
+    control points or RPCs has none, nor has a plain image (PNG, JPEG, a TIFF without
+    georeferencing), and its polygons would land in pixel coordinates (y down, so upside down
+    in a GIS) with ``area_m2`` counting pixels."""
     from ds_seg.data.raster import open_raster
     with open_raster(path) as src:
         located = bool(src.gcps[0]) or src.rpcs is not None
@@ -140,6 +142,10 @@ def check_vector_georeference(path):
             raise ConfigError(f"--vector: {path} is located by {'GCPs' if src.gcps[0] else 'RPCs'}, not a "
                               "geotransform, so polygons would be in pixel coordinates; warp the scene first "
                               "(gdalwarp -t_srs EPSG:<code> in.tif warped.tif) and predict on the warped scene")
+        if src.transform.is_identity:
+            raise ConfigError(f"--vector: {path} has no georeferencing (no geotransform, GCPs or RPCs), so "
+                              "polygons would be in pixel coordinates and area_m2 in pixels; georeference the "
+                              "scene (gdal_translate -a_srs EPSG:<code> -a_ullr ...) or leave out --vector")
 
 
 def check_pixel_type(path, info, args):

@@ -222,6 +222,27 @@ def test_predict_cli_refuses_bad_polygon_options_before_any_work(tiny_weights, c
     assert not (t['tmp'] / 'out').exists() and not (t['tmp'] / 'x.gpkg').exists()
 
 
+@pytest.mark.parametrize('driver, name', [('PNG', 'x.png'), ('JPEG', 'x.jpg'), ('GTiff', 'plain.tif')])
+def test_predict_cli_refuses_polygons_of_a_scene_without_georeferencing(tiny_weights, capsys, driver, name):
+    """A PNG, JPEG or TIFF with no geotransform, GCPs or RPCs and --vector: one line, nothing
+    written (was: polygons in pixel coordinates, upside down in a GIS, with area_m2 = pixel
+    counts, like the GCP-located scene that was already refused)."""
+    t = tiny_weights
+    with rasterio.open(t['scenes'][0]) as src:
+        pixels = src.read()
+    path = str(t['tmp'] / name)
+    with rasterio.open(path, 'w', driver=driver, width=pixels.shape[2], height=pixels.shape[1], count=3,
+                       dtype='uint8') as dst:
+        dst.write(pixels)
+    code = _predict(t, '--input', path, '--vector', 'gpkg')
+    err = capsys.readouterr().err
+    assert code == 2 and 'Traceback' not in err, err
+    errors = [line for line in err.splitlines() if line.startswith('predict: error:')]
+    assert len(errors) == 1 and f'--vector: {path} has no georeferencing' in errors[0], err
+    assert not (t['tmp'] / 'out').exists()
+    assert _predict(t, '--input', path) == 0  # the class map alone is still made
+
+
 def test_predict_cli_two_inputs_of_one_name_get_two_polygon_files(tiny_weights):
     """a/x.tif and b/x.tif: a_x_classes.gpkg and b_x_classes.gpkg, like their rasters (the second
     scene was refused after the first, both named x_classes.gpkg); ids or names exclude alike."""
