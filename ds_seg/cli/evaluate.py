@@ -19,8 +19,8 @@ import sys
 import numpy as np
 import torch
 
-from ds_seg.cli.predict import (Progress, add_window_args, check_pixel_type, normalisation, setup,  # noqa: E402
-                               window_kwargs)
+from ds_seg.cli.predict import (Progress, add_window_args, check_pixel_type, check_tile_fits,  # noqa: E402
+                               normalisation, setup, window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
@@ -161,6 +161,7 @@ def _run(args):
         check_pixel_type(path, info, args)
     if len(classes) != (info['model'].get('num_classes') or len(classes)):
         raise ValueError(f"{len(classes)} classes given but the model predicts {info['model']['num_classes']}")
+    check_tile_fits(model, info, args.tile, bands, device)
     with torch.inference_mode():
         result = evaluate_scenes(model, scenes, num_classes=len(classes), mean=mean, std=std,
                                  bands=bands, ignore_index=args.ignore_index, erode_boundary=args.erode,

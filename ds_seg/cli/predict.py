@@ -148,6 +148,25 @@ def check_vector_georeference(path):
                               "scene (gdal_translate -a_srs EPSG:<code> -a_ullr ...) or leave out --vector")
 
 
+def check_tile_fits(forward_fn, info, tile, bands, device):
+    """One forward of a blank ``tile`` x ``tile`` window before any scene is read. Every window
+    the engine runs has that size (edges are padded), so a model that cannot take it (SegFormer's
+    attention reduction below 32 px, an ONNX graph of one fixed size) is one line here, not a
+    traceback after the first scenes were written."""
+    channels = (info.get('model') or {}).get('in_channels') or (len(bands) if bands else None)
+    if not channels:
+        return
+    try:
+        with torch.inference_mode():
+            forward_fn(torch.zeros(1, int(channels), tile, tile, device=device))
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # RuntimeError from torch, onnxruntime's own classes
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+        raise ConfigError(f"--tile {tile}: the model ({(info.get('model') or {}).get('type', 'ONNX')}) cannot take "
+                          f"{tile}x{tile} windows ({reason}); use a larger --tile (default 512)") from None
+
+
 def check_pixel_type(path, info, args):
     """The recorded mean/std are in the units of the training scenes' pixel type: a uint16 scene
     through a uint8 model's statistics predicts garbage without a word. Refused, unless the
@@ -230,6 +249,7 @@ def _run(args):
         for path in dates:  # the model's channels are the bands of every date
             check_bands(path, bands, channels // len(dates) if channels else None)
             check_pixel_type(path, info, args)
+    check_tile_fits(model, info, args.tile, bands, device)
     os.makedirs(args.output, exist_ok=True)
     t_all = time.perf_counter()
     for path, first, (out, *rest), vector in zip(scenes, firsts, outputs, vectors):

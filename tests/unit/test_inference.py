@@ -415,3 +415,36 @@ def test_evaluation_ignores_eroded_boundaries(tmp_path):
     eroded = inf.evaluate_scenes(model, [(ip, lp)], erode_boundary=1, **kw)['confusion'].numpy()
     # columns 3 and 4 (the pixels within 1 px of the boundary) are no longer counted
     assert eroded.tolist() == [[18, 0], [0, 18]]
+
+
+@pytest.mark.parametrize('program', ['predict', 'evaluate'])
+def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, capsys, program):
+    """SegFormer's attention reduction needs windows of at least 32 px: --tile 24 was a torch
+    traceback at the first window (after earlier scenes of the list were written); now one line
+    naming --tile and the model, before anything is written. 32 px works."""
+    from ds_seg.cli import evaluate, predict
+    from ds_seg.registry import MODELS, build
+    cfg = dict(type='SegFormerTiny', in_channels=3, num_classes=K)
+    weights = str(tmp_path / 'w.pt')
+    torch.manual_seed(0)
+    torch.save({'state_dict': build(MODELS, cfg).state_dict(), 'model': cfg, 'classes': list('abcde'),
+                'data': {'bands': [1, 2, 3], 'mean': [1500.0] * 3, 'std': [900.0] * 3, 'dtype': 'uint16'}},
+               weights)
+    scene = str(tmp_path / 'scene.tif')
+    write_scene(scene, 70, 50, bands=3)
+    label = str(tmp_path / 'label.tif')
+    _write_label(label, np.arange(70 * 50).reshape(70, 50) % K)
+    out = str(tmp_path / 'out')
+
+    def run(tile):
+        common = ['--checkpoint', weights, '--output', out, '--tile', str(tile), '--overlap', '0']
+        if program == 'predict':
+            return predict.main(common + ['--input', scene])
+        return evaluate.main(common + ['--images', scene, '--labels', label, '--previews', '0'])
+
+    assert run(24) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and 'Traceback' not in err, err
+    assert err.startswith(f'{program}: error: --tile 24: the model (SegFormerTiny) cannot take 24x24 windows'), err
+    assert not os.path.exists(out)
+    assert run(32) == 0
