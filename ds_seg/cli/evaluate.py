@@ -91,7 +91,7 @@ def build_scenes(args, info):
         with distributed.main_process_first():  # a synthetic set is written once, by rank 0
             ds = build(DATASETS, cfg.data.val, where='data.val', crop_size=cfg.data.crop_size,
                        seed=cfg.train.seed)
-        check_ignore_index(args.ignore_index, list(ds.classes))
+        check_classes(args, list(ds.classes), info)
         return ds, list(ds.classes)
     from ds_seg.data.geotiff import (cached_label_histograms, expand_paths, inspect_pair, label_nodata_message,
                                      pair_by_name)
@@ -110,7 +110,7 @@ def build_scenes(args, info):
     classes = args.classes or info['classes']
     if not classes:
         raise ValueError('the checkpoint records no class names; give --classes')
-    check_ignore_index(args.ignore_index, list(classes))
+    check_classes(args, list(classes), info)
     # Before any window is predicted: every label value a class or --ignore-index (training's
     # cached full scan of each label file), and no label nodata tag that is a class.
     ignore = 255 if args.ignore_index is None else int(args.ignore_index)
@@ -133,6 +133,20 @@ def output_files(args):
     return [os.path.join(args.output, n) for n in names]
 
 
+def check_classes(args, classes, info):
+    """The options that name classes, against the classes evaluated, before any window is
+    predicted (an unknown --exclude name was refused only when the metrics were computed, after
+    the whole evaluation; a --classes list of another length was blamed on the label values)."""
+    predicted = info['model'].get('num_classes')
+    if predicted and len(classes) != predicted:
+        raise ValueError(f"{len(classes)} classes given ({', '.join(classes)}) but the model predicts {predicted}; "
+                         f"give one --classes name per class the model predicts")
+    unknown = [name for name in args.exclude if name not in classes]
+    if unknown:
+        raise ValueError(f"--exclude: unknown class {unknown[0]!r}; classes are {', '.join(classes)}")
+    check_ignore_index(args.ignore_index, classes)
+
+
 def check_ignore_index(ignore_index, classes):
     """As training refuses it: an --ignore-index that is a class index would drop that class
     from every metric without a word."""
@@ -145,6 +159,9 @@ def check_ignore_index(ignore_index, classes):
 def _run(args):
     """The command after argument parsing; user errors raise (see ds_seg.cli.run_command)."""
     window_kwargs(args)  # checks the window options
+    if args.erode is not None and args.erode < 0:  # was an IndexError traceback after the first window
+        raise ValueError(f"--erode must be >= 0 (label pixels within that many px of a class boundary are "
+                         f"not counted; ISPRS uses 3), got {args.erode}")
     check_checkpoint_option(args.checkpoint)
     check_output_folder(args.output)
     # Every file this run may write, not only eval.json: an earlier run's pictures are results too.
@@ -159,8 +176,6 @@ def _run(args):
         else [image for image, _ in scenes]
     for path in images:
         check_pixel_type(path, info, args)
-    if len(classes) != (info['model'].get('num_classes') or len(classes)):
-        raise ValueError(f"{len(classes)} classes given but the model predicts {info['model']['num_classes']}")
     check_tile_fits(model, info, args.tile, bands, device)
     with torch.inference_mode():
         result = evaluate_scenes(model, scenes, num_classes=len(classes), mean=mean, std=std,

@@ -417,14 +417,11 @@ def test_evaluation_ignores_eroded_boundaries(tmp_path):
     assert eroded.tolist() == [[18, 0], [0, 18]]
 
 
-@pytest.mark.parametrize('program', ['predict', 'evaluate'])
-def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, capsys, program):
-    """SegFormer's attention reduction needs windows of at least 32 px: --tile 24 was a torch
-    traceback at the first window (after earlier scenes of the list were written); now one line
-    naming --tile and the model, before anything is written. 32 px works."""
-    from ds_seg.cli import evaluate, predict
+def _cli_files(tmp_path, model_type):
+    """Weights of an untrained ``model_type`` (3 bands, K classes 'a'..'e'), a 3-band uint16
+    scene and its label, as the command-line programs take them."""
     from ds_seg.registry import MODELS, build
-    cfg = dict(type='SegFormerTiny', in_channels=3, num_classes=K)
+    cfg = dict(type=model_type, in_channels=3, num_classes=K)
     weights = str(tmp_path / 'w.pt')
     torch.manual_seed(0)
     torch.save({'state_dict': build(MODELS, cfg).state_dict(), 'model': cfg, 'classes': list('abcde'),
@@ -434,6 +431,16 @@ def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, cap
     write_scene(scene, 70, 50, bands=3)
     label = str(tmp_path / 'label.tif')
     _write_label(label, np.arange(70 * 50).reshape(70, 50) % K)
+    return weights, scene, label
+
+
+@pytest.mark.parametrize('program', ['predict', 'evaluate'])
+def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, capsys, program):
+    """SegFormer's attention reduction needs windows of at least 32 px: --tile 24 was a torch
+    traceback at the first window (after earlier scenes of the list were written); now one line
+    naming --tile and the model, before anything is written. 32 px works."""
+    from ds_seg.cli import evaluate, predict
+    weights, scene, label = _cli_files(tmp_path, 'SegFormerTiny')
     out = str(tmp_path / 'out')
 
     def run(tile):
@@ -448,3 +455,23 @@ def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, cap
     assert err.startswith(f'{program}: error: --tile 24: the model (SegFormerTiny) cannot take 24x24 windows'), err
     assert not os.path.exists(out)
     assert run(32) == 0
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--exclude', 'clutter'], "--exclude: unknown class 'clutter'; classes are a, b, c, d, e"),
+    (['--erode', '-2'], '--erode must be >= 0'),
+    (['--classes', 'x', 'y', 'z'], '3 classes given (x, y, z) but the model predicts 5'),
+])
+def test_evaluate_refuses_class_and_erosion_options_before_any_window(tmp_path, capsys, args, message):
+    """An unknown --exclude name was refused only when the metrics were computed, after every
+    scene was predicted; --erode -2 was an IndexError traceback; three --classes for a 5-class
+    model were blamed on the label values. Now one line each, before any window is predicted."""
+    from ds_seg.cli import evaluate
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    out = str(tmp_path / 'out')
+    code = evaluate.main(['--checkpoint', weights, '--images', scene, '--labels', label, '--output', out,
+                          '--tile', '32', *args])
+    captured = capsys.readouterr()
+    assert code == 2 and len(captured.err.strip().splitlines()) == 1 and 'Traceback' not in captured.err
+    assert captured.err.startswith(f'evaluate: error: {message}'), captured.err
+    assert 'windows' not in captured.out and not os.path.exists(out), captured.out
