@@ -54,6 +54,8 @@ def add_window_args(parser):
 
 def window_kwargs(args):
     check_window_options(args.tile, args.overlap, args.batch_size, args.block)
+    if args.cpu_threads is not None and args.cpu_threads < 1:  # was torch's traceback at setup
+        raise ConfigError(f"--cpu-threads must be at least 1, got {args.cpu_threads} (leave it out for torch's default)")
     return dict(tile=args.tile, overlap=args.tile // 4 if args.overlap is None else args.overlap,
                 batch_size=args.batch_size, blend=args.blend, tta=args.tta, block=args.block)
 
@@ -156,15 +158,17 @@ def check_tile_fits(forward_fn, info, tile, bands, device):
     channels = (info.get('model') or {}).get('in_channels') or (len(bands) if bands else None)
     if not channels:
         return
+    name = (info.get('model') or {}).get('type', 'ONNX')
     try:
         with torch.inference_mode():
             forward_fn(torch.zeros(1, int(channels), tile, tile, device=device))
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:  # RuntimeError from torch, onnxruntime's own classes
+    except Exception as exc:  # RuntimeError from torch, onnxruntime's own classes, out of memory
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
-        raise ConfigError(f"--tile {tile}: the model ({(info.get('model') or {}).get('type', 'ONNX')}) cannot take "
-                          f"{tile}x{tile} windows ({reason}); use a larger --tile (default 512)") from None
+        if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or 'allocate' in reason.lower():
+            raise ConfigError(f"--tile {tile}: one {tile}x{tile} window of the model ({name}) does not fit in "
+                              f"the memory of {device} ({reason}); use a smaller --tile (default 512)") from None
+        raise ConfigError(f"--tile {tile}: the model ({name}) cannot take {tile}x{tile} windows ({reason}); "
+                          f"use a larger --tile (default 512)") from None
 
 
 def check_pixel_type(path, info, args):

@@ -475,3 +475,25 @@ def test_evaluate_refuses_class_and_erosion_options_before_any_window(tmp_path, 
     assert code == 2 and len(captured.err.strip().splitlines()) == 1 and 'Traceback' not in captured.err
     assert captured.err.startswith(f'evaluate: error: {message}'), captured.err
     assert 'windows' not in captured.out and not os.path.exists(out), captured.out
+
+
+def test_cpu_threads_below_one_is_one_line_and_a_window_out_of_memory_says_smaller(tmp_path, capsys):
+    """--cpu-threads -1 was torch's RuntimeError traceback; a --tile whose one window does not
+    fit in memory (a CUDA out-of-memory error, raised here by the forward as torch raises it) was a
+    traceback too, and must not be told to use a *larger* tile."""
+    from ds_seg.cli import predict
+    from ds_seg.config import ConfigError
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    for threads in ('-1', '0'):
+        code = predict.main(['--checkpoint', weights, '--input', scene, '--output', str(tmp_path / 'out'),
+                             '--tile', '32', '--cpu-threads', threads])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f'predict: error: --cpu-threads must be at least 1, got {threads}'), err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / 'out').exists()
+
+    def out_of_memory(x):
+        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 96.00 GiB')
+    with pytest.raises(ConfigError, match=r'--tile 4096: one 4096x4096 window of the model \(UNetTiny\) does not fit '
+                                          r'in the memory of meta .*use a smaller --tile'):
+        predict.check_tile_fits(out_of_memory, {'model': {'type': 'UNetTiny', 'in_channels': 3}}, 4096, None,
+                                'meta')
