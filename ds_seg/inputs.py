@@ -202,12 +202,17 @@ def check_bands(path, bands, in_channels=None, option='--input'):
     import rasterio
 
     from .data.raster import gdal_path, raster_env
+    from rasterio.enums import ColorInterp
     with raster_env(path), rasterio.open(gdal_path(path)) as src:
         count = src.count
+        # One band of colour-table indices: the colours the model was trained on are in the table
+        palette = count == 1 and src.colorinterp[0] == ColorInterp.palette
     wanted = list(bands) if bands else list(range(1, count + 1))
-    if max(wanted) > count:
-        raise ConfigError(f'{option}: {path} has {count} band(s) but the model reads bands {wanted} '
-                          '(recorded at training; --bands selects others).')
+    if min(wanted) < 1 or max(wanted) > count:
+        hint = (' It is a palette image (one band of colour-table indices): expand it to RGB first '
+                f'(gdal_translate -expand rgb {path} rgb.tif).' if palette else '')
+        raise ConfigError(f'{option}: {path} has band(s) 1..{count} but the model reads bands {wanted} '
+                          f'(recorded at training, or --bands).{hint}')
     if in_channels is not None and len(wanted) != in_channels:
         raise ConfigError(f'{option}: the model takes {in_channels} band(s) but {len(wanted)} are selected from '
                           f'{path} ({wanted}); give --bands with {in_channels} band numbers.')

@@ -497,3 +497,25 @@ def test_cpu_threads_below_one_is_one_line_and_a_window_out_of_memory_says_small
                                           r'in the memory of meta .*use a smaller --tile'):
         predict.check_tile_fits(out_of_memory, {'model': {'type': 'UNetTiny', 'in_channels': 3}}, 4096, None,
                                 'meta')
+
+
+def test_a_palette_image_and_band_zero_are_refused_with_what_to_do(tmp_path, capsys):
+    """A one-band colour-table (palette) image for an RGB model was refused as 'has 1 band(s)',
+    without saying why the colours are not bands; --bands 0 passed the check and was refused only
+    inside the engine. Both are one line before the model runs, the palette one saying how to
+    expand it."""
+    from ds_seg.cli import predict
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    palette = str(tmp_path / 'palette.tif')
+    with rasterio.open(palette, 'w', driver='GTiff', width=20, height=20, count=1, dtype='uint8', crs='EPSG:32632',
+                       transform=TRANSFORM, photometric='PALETTE') as dst:
+        dst.write(np.arange(400, dtype=np.uint8).reshape(1, 20, 20))
+        dst.write_colormap(1, {i: (i, 255 - i, 0, 255) for i in range(256)})
+    for args, message in ((['--input', palette], f'{palette} has band(s) 1..1 but the model reads bands [1, 2, 3]'
+                                                 f' (recorded at training, or --bands). It is a palette image'),
+                          (['--input', scene, '--bands', '0', '1', '2'], 'reads bands [0, 1, 2]')):
+        code = predict.main(['--checkpoint', weights, '--output', str(tmp_path / 'out'), '--tile', '32', *args])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+        assert 'gdal_translate -expand rgb' in err or '--bands' in args
+    assert not (tmp_path / 'out').exists()
