@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ds_seg.cli.predict import (Progress, add_window_args, check_pixel_type, check_tile_fits,  # noqa: E402
-                               normalisation, setup, window_kwargs)
+                               normalisation, quiet_about_plain_images, setup, window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
@@ -231,7 +231,7 @@ def main(argv=None):
                         '--output')
     add_window_args(parser)
     args = parser.parse_args(argv)
-    return run_command('evaluate', lambda: _run(args), errors=(FileNotFoundError, ValueError, KeyError))
+    return run_command('evaluate', quiet_about_plain_images(lambda: _run(args)), errors=(FileNotFoundError, ValueError, KeyError))
 
 
 if __name__ == '__main__':

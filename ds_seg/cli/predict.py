@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -50,6 +51,19 @@ def add_window_args(parser):
     parser.add_argument('--bands', type=int, nargs='+', default=None, help='1-based bands to read')
     parser.add_argument('--device', default=None, help='cpu, cuda, cuda:1 (default: cuda if available)')
     parser.add_argument('--cpu-threads', type=int, default=None, help='torch threads on CPU')
+
+
+def quiet_about_plain_images(body):
+    """``body`` with rasterio's NotGeoreferencedWarning silenced: a PNG, JPEG or plain TIFF is a
+    valid input (its class map has no georeferencing either; --vector refuses it), and each open
+    of it printed two lines of warning with rasterio's source path, which read like an error."""
+    from rasterio.errors import NotGeoreferencedWarning
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', NotGeoreferencedWarning)
+            return body()
+    return run
 
 
 def window_kwargs(args):
@@ -292,7 +306,7 @@ def main(argv=None):
     add_window_args(parser)
     add_vector_args(parser)
     args = parser.parse_args(argv)
-    return run_command('predict', lambda: _run(args), errors=(FileNotFoundError, FileExistsError, ValueError, KeyError))
+    return run_command('predict', quiet_about_plain_images(lambda: _run(args)), errors=(FileNotFoundError, FileExistsError, ValueError, KeyError))
 
 
 if __name__ == '__main__':

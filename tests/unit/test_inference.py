@@ -519,3 +519,27 @@ def test_a_palette_image_and_band_zero_are_refused_with_what_to_do(tmp_path, cap
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
         assert 'gdal_translate -expand rgb' in err or '--bands' in args
     assert not (tmp_path / 'out').exists()
+
+
+def test_a_png_scene_is_predicted_without_warning_lines(tmp_path):
+    """A PNG has no georeferencing, which is fine for a class map: predict.py printed rasterio's
+    NotGeoreferencedWarning (two lines each, with rasterio's source path) three times, which
+    read like an error. Run as a user runs it, in its own process."""
+    import subprocess
+    import sys
+
+    from ds_seg.config import REPO_ROOT
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    with rasterio.open(scene) as src:
+        pixels = src.read()
+    png = str(tmp_path / 'scene.png')
+    with rasterio.open(png, 'w', driver='PNG', width=pixels.shape[2], height=pixels.shape[1], count=3,
+                       dtype='uint16') as dst:
+        dst.write(pixels)
+    proc = subprocess.run([sys.executable, 'launch/predict.py', '--checkpoint', weights, '--input', png,
+                           '--output', str(tmp_path / 'out'), '--tile', '32', '--device', 'cpu'],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert 'NotGeoreferencedWarning' not in proc.stderr + proc.stdout, proc.stderr
+    assert (tmp_path / 'out' / 'scene_classes.tif').exists()
