@@ -543,3 +543,25 @@ def test_a_png_scene_is_predicted_without_warning_lines(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert 'NotGeoreferencedWarning' not in proc.stderr + proc.stdout, proc.stderr
     assert (tmp_path / 'out' / 'scene_classes.tif').exists()
+
+
+@pytest.mark.parametrize('option, key', [('data.eval_tile=24', 'data.eval_tile 24'),
+                                         ('data.crop_size=24', 'data.crop_size 24')])
+def test_training_refuses_windows_the_model_cannot_take_before_any_step(tmp_path, option, key):
+    """SegFormerTiny with 24 px evaluation windows trained every step and then died with a torch
+    traceback at the first periodic evaluation, no checkpoint written (24 px crops: at the first
+    step). Now one line naming the key, before the work dir is made. 32 px trains."""
+    from ds_seg.config import ConfigError, load_config
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import TINY_CONFIG, ds_config
+    cache = str(tmp_path / 'cache')
+    common = [f'data.train.cache_dir={cache!r}', f'data.val.cache_dir={cache!r}', 'data.num_workers=0',
+              f'model={dict(type="SegFormerTiny", in_channels=3, num_classes=6)!r}', 'data.eval_overlap=0']
+    work = tmp_path / 'work'
+    with pytest.raises(ConfigError, match=rf'^{key}: the model \(SegFormerTiny\) cannot take 24x24 windows .*'
+                                          rf'use a larger {key.split()[0]}$'):
+        Trainer(load_config(TINY_CONFIG, common + [option]), ds_config(0), backend='ddp', work_dir=str(work))
+    assert not work.exists()
+    trainer = Trainer(load_config(TINY_CONFIG, common + ['data.crop_size=32', 'data.eval_tile=32']), ds_config(0),
+                      backend='ddp', work_dir=str(work))
+    trainer.close()
