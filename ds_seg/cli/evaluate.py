@@ -147,6 +147,16 @@ def check_classes(args, classes, info):
     check_ignore_index(args.ignore_index, classes)
 
 
+def remove_stale_previews(folder, written):
+    """After an --overwrite run: the preview_<n>.png of an earlier evaluation of more scenes (or
+    with more --previews) would stay beside the new eval.json as if they were this run's."""
+    import re
+    for name in os.listdir(folder):
+        match = re.fullmatch(r'preview_(\d+)\.png', name)
+        if match and int(match.group(1)) >= written:
+            os.remove(os.path.join(folder, name))
+
+
 def check_ignore_index(ignore_index, classes):
     """As training refuses it: an --ignore-index that is a class index would drop that class
     from every metric without a word."""
@@ -199,9 +209,12 @@ def _run(args):
             json.dump(record, f, indent=1)
         with replaced_when_done(os.path.join(args.output, 'confusion.png')) as tmp:
             save_confusion_png(cm, classes, tmp, args.exclude)
-        for i, preview in enumerate(result['previews'][:args.previews]):
+        written = result['previews'][:args.previews]
+        for i, preview in enumerate(written):
             with replaced_when_done(os.path.join(args.output, f'preview_{i}.png')) as tmp:
                 save_preview_png(preview, classes, tmp, bands)
+        if args.overwrite:
+            remove_stale_previews(args.output, len(written))
         num = lambda x: 'n/a' if x is None else f'{x:.4f}'  # noqa: E731 -- every class excluded or absent
         print(f"[evaluate] mIoU {num(metrics['mIoU'])} | mF1 {num(metrics['mF1'])} | OA {num(metrics['OA'])}"
               + (f" (mIoU/mF1 without {', '.join(args.exclude)})" if args.exclude else ''))

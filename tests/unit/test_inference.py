@@ -565,3 +565,32 @@ def test_training_refuses_windows_the_model_cannot_take_before_any_step(tmp_path
     trainer = Trainer(load_config(TINY_CONFIG, common + ['data.crop_size=32', 'data.eval_tile=32']), ds_config(0),
                       backend='ddp', work_dir=str(work))
     trainer.close()
+
+
+def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path):
+    """An evaluation of 3 scenes, then --overwrite with 1: preview_1.png and preview_2.png of the
+    first run stayed beside the new eval.json, as if they were its scenes. Without --overwrite
+    (a new folder) a preview_<n>.png that is not this run's is left alone."""
+    from ds_seg.cli import evaluate
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    out = tmp_path / 'out'
+    common = ['--checkpoint', weights, '--output', str(out), '--tile', '32']
+    copies = []
+    for i in range(3):
+        (tmp_path / f's{i}').mkdir()
+        copies.append((str(tmp_path / f's{i}' / 'scene.tif'), str(tmp_path / f's{i}' / 'label.tif')))
+        for src, dst in zip((scene, label), copies[-1]):
+            with open(src, 'rb') as f, open(dst, 'wb') as g:
+                g.write(f.read())
+    assert evaluate.main(common + ['--images', *[c[0] for c in copies], '--labels', *[c[1] for c in copies]]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ['confusion.png', 'eval.json', 'preview_0.png',
+                                                     'preview_1.png', 'preview_2.png']
+    assert evaluate.main(common + ['--images', scene, '--labels', label, '--overwrite']) == 0
+    assert sorted(p.name for p in out.iterdir()) == ['confusion.png', 'eval.json', 'preview_0.png']
+    assert json.loads((out / 'eval.json').read_text())['scenes'] == [scene]
+    other = tmp_path / 'other'
+    other.mkdir()
+    (other / 'preview_7.png').write_bytes(b'mine')
+    assert evaluate.main(['--checkpoint', weights, '--output', str(other), '--tile', '32', '--images', scene,
+                          '--labels', label]) == 0
+    assert (other / 'preview_7.png').read_bytes() == b'mine'
