@@ -99,6 +99,16 @@ def build_scenes(args, info):
     images, labels = expand_paths(args.images, '--images'), expand_paths(args.labels or [], '--labels')
     if len(images) != len(labels):
         raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
+    # Overlapping globs ('val/*.tif' 'val/a*.tif') or a path given twice: that scene's pixels
+    # would be counted twice in every metric.
+    seen = {}
+    for image in images:
+        key = os.path.realpath(image) if os.path.exists(image) else image
+        if key in seen:
+            also = f' (also as {seen[key]})' if seen[key] != image else ''
+            raise ValueError(f"--images: {image} is given twice{also}, by overlapping globs or paths; its pixels "
+                             f"would count twice in every metric. Give each scene once")
+        seen[key] = image
     labels = pair_by_name(images, labels)  # as training pairs them
     expand_inputs(images, '--images')
     expand_inputs(labels, '--labels')

@@ -594,3 +594,27 @@ def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path)
     assert evaluate.main(['--checkpoint', weights, '--output', str(other), '--tile', '32', '--images', scene,
                           '--labels', label]) == 0
     assert (other / 'preview_7.png').read_bytes() == b'mine'
+
+
+def test_evaluate_refuses_a_scene_given_twice(tmp_path, capsys):
+    """Overlapping globs ('img/*.tif' 'img/a*.tif') evaluated a1.tif twice: its pixels counted
+    twice in the confusion matrix and every metric, without a word. Now one line, nothing
+    written; the same file under another spelling (a/../a1.tif) too."""
+    from ds_seg.cli import evaluate
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    for folder in ('img', 'lbl'):
+        (tmp_path / folder).mkdir()
+        for name in ('a1', 'b1'):
+            with open(scene if folder == 'img' else label, 'rb') as f:
+                (tmp_path / folder / f'{name}.tif').write_bytes(f.read())
+    out = tmp_path / 'out'
+    for images, labels in (([f'{tmp_path}/img/*.tif', f'{tmp_path}/img/a*.tif'],
+                            [f'{tmp_path}/lbl/*.tif', f'{tmp_path}/lbl/a*.tif']),
+                           ([f'{tmp_path}/img/a1.tif', f'{tmp_path}/img/../img/a1.tif'],
+                            [f'{tmp_path}/lbl/a1.tif', f'{tmp_path}/lbl/b1.tif'])):
+        code = evaluate.main(['--checkpoint', weights, '--output', str(out), '--tile', '32',
+                              '--images', *images, '--labels', *labels])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert 'a1.tif is given twice' in err and 'count twice in every metric' in err, err
+        assert not out.exists()
