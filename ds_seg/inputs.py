@@ -33,7 +33,7 @@ def expand_inputs(paths, option='--input'):
     import rasterio
     from rasterio.windows import Window
 
-    from .data.raster import gdal_path, is_remote, raster_env, remote_hint
+    from .data.raster import gdal_message, gdal_path, is_remote, raster_env, remote_hint
     files = []
     for path in paths:
         if os.path.isdir(path):
@@ -55,8 +55,9 @@ def expand_inputs(paths, option='--input'):
         except rasterio.errors.RasterioError as exc:
             if is_remote(path):
                 raise ConfigError(f'{option}: {path} cannot be read: {remote_hint(exc)}') from exc
+            # GDAL's own words (a VRT's missing source file), not rasterio's "See previous exception"
             raise ConfigError(f'{option}: {path} is not a readable raster (truncated or corrupt?): '
-                              f'{str(exc).splitlines()[0]}') from exc
+                              f'{gdal_message(exc)}') from exc
     return files
 
 

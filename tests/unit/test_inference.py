@@ -618,3 +618,21 @@ def test_evaluate_refuses_a_scene_given_twice(tmp_path, capsys):
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert 'a1.tif is given twice' in err and 'count twice in every metric' in err, err
         assert not out.exists()
+
+
+def test_a_vrt_whose_source_is_missing_names_the_missing_file(tmp_path, capsys):
+    """A VRT mosaic whose tile was moved: the one line said rasterio's 'Read failed. See previous
+    exception for details.', not which file; now GDAL's own words, naming the missing source."""
+    from ds_seg.cli import predict
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    vrt = tmp_path / 'mosaic.vrt'
+    bands = ''.join(f'<VRTRasterBand dataType="UInt16" band="{b}"><SimpleSource><SourceFilename relativeToVRT="1">'
+                    f'moved.tif</SourceFilename><SourceBand>{b}</SourceBand></SimpleSource></VRTRasterBand>'
+                    for b in (1, 2, 3))
+    vrt.write_text(f'<VRTDataset rasterXSize="50" rasterYSize="70"><SRS>EPSG:32632</SRS>'
+                   f'<GeoTransform>431000, 0.25, 0, 5412000, 0, -0.25</GeoTransform>{bands}</VRTDataset>')
+    code = predict.main(['--checkpoint', weights, '--input', str(vrt), '--output', str(tmp_path / 'out'),
+                         '--tile', '32'])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f'{vrt} is not a readable raster' in err and 'moved.tif: No such file or directory' in err, err
