@@ -108,9 +108,17 @@ def check_outputs(outputs, inputs, overwrite=False, option='--output'):
                               'add --overwrite.')
 
 
+# Names that say "a file": given as a folder that does not exist yet, a folder of that name would
+# be made (pred.tif/scene_classes.tif), which is not what the name asked for.
+_FILE_SUFFIXES = GEOTIFF_SUFFIXES + ('.png', '.jpg', '.jpeg', '.vrt', '.json', '.gpkg', '.geojson', '.fgb')
+
+
 def check_output_folder(folder, option='--output'):
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(f'{option}: {folder} is a file, not a folder; give a folder for the outputs.')
+    if not os.path.exists(folder) and folder.lower().endswith(_FILE_SUFFIXES):
+        raise ConfigError(f'{option}: {folder} names a file, but {option} is the folder the outputs are written '
+                          f'into; give a folder, e.g. {os.path.splitext(folder)[0]}/')
     parent = os.path.dirname(os.path.abspath(folder))
     if not os.path.isdir(parent):
         raise ConfigError(f'{option}: the parent folder {parent} does not exist; create it first.')

@@ -636,3 +636,19 @@ def test_a_vrt_whose_source_is_missing_names_the_missing_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f'{vrt} is not a readable raster' in err and 'moved.tif: No such file or directory' in err, err
+
+
+@pytest.mark.parametrize('program, name', [('predict', 'pred.tif'), ('evaluate', 'eval.json')])
+def test_an_output_that_names_a_file_is_refused_not_made_a_folder(tmp_path, capsys, program, name):
+    """--output pred.tif (as mmseg's --out takes a file) made a folder called pred.tif holding
+    scene_classes.tif; --output eval.json a folder eval.json holding eval.json. One line now."""
+    from ds_seg.cli import evaluate, predict
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    out = str(tmp_path / name)
+    common = ['--checkpoint', weights, '--output', out, '--tile', '32']
+    code = (predict.main(common + ['--input', scene]) if program == 'predict'
+            else evaluate.main(common + ['--images', scene, '--labels', label]))
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f'--output: {out} names a file, but --output is the folder' in err, err
+    assert not os.path.exists(out)
