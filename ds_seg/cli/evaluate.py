@@ -96,7 +96,9 @@ def build_scenes(args, info):
     from ds_seg.data.geotiff import (cached_label_histograms, expand_paths, inspect_pair, label_nodata_message,
                                      pair_by_name)
     from ds_seg.data.raster import same_value
-    images, labels = expand_paths(args.images, '--images'), expand_paths(args.labels or [], '--labels')
+    # Globs, and folders (their GeoTIFFs, as predict.py's --input): every file readable to its end
+    images = expand_inputs(expand_paths(args.images, '--images'), '--images')
+    labels = expand_inputs(expand_paths(args.labels or [], '--labels'), '--labels')
     if len(images) != len(labels):
         raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
     # Overlapping globs ('val/*.tif' 'val/a*.tif') or a path given twice: that scene's pixels
@@ -110,8 +112,6 @@ def build_scenes(args, info):
                              f"would count twice in every metric. Give each scene once")
         seen[key] = image
     labels = pair_by_name(images, labels)  # as training pairs them
-    expand_inputs(images, '--images')
-    expand_inputs(labels, '--labels')
     scenes = []
     for image, label in zip(images, labels):
         scenes.append(inspect_pair(image, label))  # size, geotransform, CRS, one label band: as training checks
@@ -238,7 +238,7 @@ def _run(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
-    parser.add_argument('--images', nargs='+', default=None, help='image scenes (paths or globs)')
+    parser.add_argument('--images', nargs='+', default=None, help='image scenes (paths, globs or folders)')
     parser.add_argument('--labels', nargs='+', default=None, help='label rasters, paired with --images in order')
     parser.add_argument('--config', default=None, help="experiment config whose data.val is evaluated "
                         "(default without --images: the embedded default)")

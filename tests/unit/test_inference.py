@@ -652,3 +652,24 @@ def test_an_output_that_names_a_file_is_refused_not_made_a_folder(tmp_path, caps
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f'--output: {out} names a file, but --output is the folder' in err, err
     assert not os.path.exists(out)
+
+
+def test_evaluate_takes_folders_as_predict_does(tmp_path, capsys):
+    """--images img/ --labels lbl/ was refused as "img: not a readable raster (corrupt or not an
+    image)"; a folder means the GeoTIFFs in it, as predict.py's --input, and gives the metrics of
+    the same files given by globs."""
+    from ds_seg.cli import evaluate
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    for folder in ('img', 'lbl'):
+        (tmp_path / folder).mkdir()
+        for name in ('a1', 'b1'):
+            with open(scene if folder == 'img' else label, 'rb') as f:
+                (tmp_path / folder / f'{name}.tif').write_bytes(f.read())
+    common = ['--checkpoint', weights, '--tile', '32', '--previews', '0']
+    assert evaluate.main(common + ['--output', str(tmp_path / 'by_folder'), '--images', str(tmp_path / 'img'),
+                                   '--labels', str(tmp_path / 'lbl')]) == 0, capsys.readouterr().err
+    assert evaluate.main(common + ['--output', str(tmp_path / 'by_glob'), '--images', f'{tmp_path}/img/*.tif',
+                                   '--labels', f'{tmp_path}/lbl/*.tif']) == 0
+    by_folder, by_glob = (json.loads((tmp_path / o / 'eval.json').read_text()) for o in ('by_folder', 'by_glob'))
+    assert by_folder['scenes'] == by_glob['scenes'] == [str(tmp_path / 'img' / 'a1.tif'), str(tmp_path / 'img' / 'b1.tif')]
+    assert by_folder['confusion'] == by_glob['confusion']
