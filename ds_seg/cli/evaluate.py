@@ -179,6 +179,17 @@ def check_ignore_index(ignore_index, classes):
 def _run(args):
     """The command after argument parsing; user errors raise (see ds_seg.cli.run_command)."""
     window_kwargs(args)  # checks the window options
+    # --config evaluates its data.val: --images/--labels beside it were ignored without a word
+    # (another set of scenes scored), as were --cfg-options beside --images.
+    if args.config and (args.images or args.labels):
+        raise ValueError("--config evaluates its data.val, so --images/--labels would be ignored; give either "
+                         "--images/--labels, or --config (its scenes set with --cfg-options data.val.images=... "
+                         "data.val.labels=... to decode labels as that config does)")
+    if args.cfg_options and not args.config and args.images:
+        raise ValueError("--cfg-options change --config's data.val, which --images/--labels replace, so they "
+                         "would be ignored; leave them out, or give --config instead of --images/--labels")
+    if args.labels and not args.images:
+        raise ValueError("--labels without --images: give the image scenes with --images (paired by name)")
     if args.erode is not None and args.erode < 0:  # was an IndexError traceback after the first window
         raise ValueError(f"--erode must be >= 0 (label pixels within that many px of a class boundary are "
                          f"not counted; ISPRS uses 3), got {args.erode}")

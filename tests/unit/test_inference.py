@@ -673,3 +673,26 @@ def test_evaluate_takes_folders_as_predict_does(tmp_path, capsys):
     by_folder, by_glob = (json.loads((tmp_path / o / 'eval.json').read_text()) for o in ('by_folder', 'by_glob'))
     assert by_folder['scenes'] == by_glob['scenes'] == [str(tmp_path / 'img' / 'a1.tif'), str(tmp_path / 'img' / 'b1.tif')]
     assert by_folder['confusion'] == by_glob['confusion']
+
+
+@pytest.mark.parametrize('extra, message', [
+    (['--config', 'configs/unet_tiny_synthetic.py'], '--config evaluates its data.val, so --images/--labels would be '
+                                                     'ignored'),
+    (['--cfg-options', 'data.val.split=val'], "--cfg-options change --config's data.val"),
+    (['--drop-images'], '--labels without --images'),
+])
+def test_evaluate_refuses_options_it_would_ignore(tmp_path, capsys, extra, message):
+    """--config beside --images/--labels evaluated the config's data.val (the synthetic scenes)
+    and reported their metrics as if they were the scenes given; --cfg-options beside --images,
+    and --labels alone (the default experiment's data.val then), were ignored the same way."""
+    from ds_seg.cli import evaluate
+    from ds_seg.config import REPO_ROOT
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    images = [] if extra == ['--drop-images'] else ['--images', scene]
+    extra = [str(REPO_ROOT / e) if e.startswith('configs/') else e for e in extra if e != '--drop-images']
+    out = tmp_path / 'out'
+    code = evaluate.main(['--checkpoint', weights, '--output', str(out), '--tile', '32', *images,
+                          '--labels', label, *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f'evaluate: error: {message}' in err, err
+    assert not out.exists()
