@@ -188,6 +188,9 @@ def _run(args):
     if args.cfg_options and not args.config and args.images:
         raise ValueError("--cfg-options change --config's data.val, which --images/--labels replace, so they "
                          "would be ignored; leave them out, or give --config instead of --images/--labels")
+    if args.classes and not args.images:  # the dataset's own classes were used, these ignored
+        raise ValueError("--classes names the classes of --images/--labels; --config's data.val has its own "
+                         "(set data.val.classes with --cfg-options)")
     if args.labels and not args.images:
         raise ValueError("--labels without --images: give the image scenes with --images (paired by name)")
     if args.erode is not None and args.erode < 0:  # was an IndexError traceback after the first window

@@ -680,19 +680,21 @@ def test_evaluate_takes_folders_as_predict_does(tmp_path, capsys):
                                                      'ignored'),
     (['--cfg-options', 'data.val.split=val'], "--cfg-options change --config's data.val"),
     (['--drop-images'], '--labels without --images'),
+    (['--drop-images', '--drop-labels', '--classes', 'a', 'b', 'c', 'd', 'e'], '--classes names the classes of'),
 ])
 def test_evaluate_refuses_options_it_would_ignore(tmp_path, capsys, extra, message):
     """--config beside --images/--labels evaluated the config's data.val (the synthetic scenes)
     and reported their metrics as if they were the scenes given; --cfg-options beside --images,
-    and --labels alone (the default experiment's data.val then), were ignored the same way."""
+    --labels alone (the default experiment's data.val then) and --classes for a config's data.val
+    were ignored the same way."""
     from ds_seg.cli import evaluate
     from ds_seg.config import REPO_ROOT
     weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
-    images = [] if extra == ['--drop-images'] else ['--images', scene]
-    extra = [str(REPO_ROOT / e) if e.startswith('configs/') else e for e in extra if e != '--drop-images']
+    images = [] if '--drop-images' in extra else ['--images', scene]
+    labels = [] if '--drop-labels' in extra else ['--labels', label]
+    extra = [str(REPO_ROOT / e) if e.startswith('configs/') else e for e in extra if not e.startswith('--drop-')]
     out = tmp_path / 'out'
-    code = evaluate.main(['--checkpoint', weights, '--output', str(out), '--tile', '32', *images,
-                          '--labels', label, *extra])
+    code = evaluate.main(['--checkpoint', weights, '--output', str(out), '--tile', '32', *images, *labels, *extra])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and f'evaluate: error: {message}' in err, err
     assert not out.exists()
