@@ -204,6 +204,10 @@ def check_checkpoint_option(path, option='--checkpoint'):
                           '--input?')
     if os.path.isfile(path) and os.path.getsize(path) == 0:
         raise ConfigError(f'{option}: {path} is empty (0 bytes).')
+    if os.path.isfile(path) and path.lower().endswith('.pt2'):  # was "corrupted" (torch.load's words)
+        raise ConfigError(f'{option}: {path} is a torch.export program (export.py --format torch-export), which '
+                          'predict/evaluate do not run; give the weights file (export.py --format weights), an '
+                          '.onnx export, or the run, or load it in your code with torch.export.load(path).module()')
 
 
 def check_bands(path, bands, in_channels=None, option='--input'):

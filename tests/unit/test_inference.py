@@ -698,3 +698,18 @@ def test_evaluate_refuses_options_it_would_ignore(tmp_path, capsys, extra, messa
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and f'evaluate: error: {message}' in err, err
     assert not out.exists()
+
+
+def test_a_torch_export_program_as_checkpoint_is_named_not_called_corrupt(tmp_path, capsys):
+    """export.py --format torch-export writes a .pt2 program; given to predict.py it was refused
+    as 'not a readable weights file ... your checkpoint file is corrupted' (torch.load's words).
+    Now one line saying what it is and what predict.py runs."""
+    from ds_seg.cli import predict
+    _, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    program = str(tmp_path / 'model.pt2')
+    conv = torch.nn.Conv2d(3, K, 1).eval()
+    torch.export.save(torch.export.export(conv, (torch.zeros(1, 3, 32, 32),)), program)
+    code = predict.main(['--checkpoint', program, '--input', scene, '--output', str(tmp_path / 'out')])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f'--checkpoint: {program} is a torch.export program' in err and 'corrupted' not in err, err
