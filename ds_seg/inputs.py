@@ -68,7 +68,7 @@ def output_stems(inputs):
     same file given twice is refused."""
     parts = [os.path.normpath(os.path.abspath(p)).split(os.sep) for p in inputs]
     same = [os.path.realpath(p) if os.path.exists(p) else os.sep.join(q) for p, q in zip(inputs, parts)]
-    for i, path in enumerate(same):
+    for path in same:
         twice = [inputs[j] for j, other in enumerate(same) if other == path]
         if len(twice) > 1:
             raise ConfigError(f'--input: {", ".join(twice)} are the same file given twice; give it once.')

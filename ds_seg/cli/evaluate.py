@@ -268,7 +268,8 @@ def main(argv=None):
                         '--output')
     add_window_args(parser)
     args = parser.parse_args(argv)
-    return run_command('evaluate', quiet_about_plain_images(lambda: _run(args)), errors=(FileNotFoundError, ValueError, KeyError))
+    return run_command('evaluate', quiet_about_plain_images(lambda: _run(args)),
+                       errors=(FileNotFoundError, ValueError, KeyError))
 
 
 if __name__ == '__main__':

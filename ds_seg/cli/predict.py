@@ -69,7 +69,8 @@ def quiet_about_plain_images(body):
 def window_kwargs(args):
     check_window_options(args.tile, args.overlap, args.batch_size, args.block)
     if args.cpu_threads is not None and args.cpu_threads < 1:  # was torch's traceback at setup
-        raise ConfigError(f"--cpu-threads must be at least 1, got {args.cpu_threads} (leave it out for torch's default)")
+        raise ConfigError(f"--cpu-threads must be at least 1, got {args.cpu_threads} "
+                          f"(leave it out for torch's default)")
     return dict(tile=args.tile, overlap=args.tile // 4 if args.overlap is None else args.overlap,
                 batch_size=args.batch_size, blend=args.blend, tta=args.tta, block=args.block)
 
@@ -306,7 +307,8 @@ def main(argv=None):
     add_window_args(parser)
     add_vector_args(parser)
     args = parser.parse_args(argv)
-    return run_command('predict', quiet_about_plain_images(lambda: _run(args)), errors=(FileNotFoundError, FileExistsError, ValueError, KeyError))
+    return run_command('predict', quiet_about_plain_images(lambda: _run(args)),
+                       errors=(FileNotFoundError, FileExistsError, ValueError, KeyError))
 
 
 if __name__ == '__main__':

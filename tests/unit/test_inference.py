@@ -671,7 +671,7 @@ def test_evaluate_takes_folders_as_predict_does(tmp_path, capsys):
     assert evaluate.main(common + ['--output', str(tmp_path / 'by_glob'), '--images', f'{tmp_path}/img/*.tif',
                                    '--labels', f'{tmp_path}/lbl/*.tif']) == 0
     by_folder, by_glob = (json.loads((tmp_path / o / 'eval.json').read_text()) for o in ('by_folder', 'by_glob'))
-    assert by_folder['scenes'] == by_glob['scenes'] == [str(tmp_path / 'img' / 'a1.tif'), str(tmp_path / 'img' / 'b1.tif')]
+    assert by_folder['scenes'] == by_glob['scenes'] == [str(tmp_path / 'img' / f'{n}.tif') for n in ('a1', 'b1')]
     assert by_folder['confusion'] == by_glob['confusion']
 
 
