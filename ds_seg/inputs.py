@@ -33,7 +33,7 @@ def expand_inputs(paths, option='--input'):
     import rasterio
     from rasterio.windows import Window
 
-    from .data.raster import gdal_path, is_remote, raster_env, remote_hint
+    from .data.raster import gdal_message, gdal_path, is_remote, raster_env, remote_hint
     files = []
     for path in paths:
         if os.path.isdir(path):
@@ -55,20 +55,32 @@ def expand_inputs(paths, option='--input'):
         except rasterio.errors.RasterioError as exc:
             if is_remote(path):
                 raise ConfigError(f'{option}: {path} cannot be read: {remote_hint(exc)}') from exc
+            # GDAL's own words (a VRT's missing source file), not rasterio's "See previous exception"
             raise ConfigError(f'{option}: {path} is not a readable raster (truncated or corrupt?): '
-                              f'{str(exc).splitlines()[0]}') from exc
+                              f'{gdal_message(exc)}') from exc
     return files
 
 
 def output_stems(inputs):
     """One output name stem per input, unique even when two inputs share a file name (parent
-    folder names are prepended to the clashing ones: ``a/x.tif``, ``b/x.tif`` -> ``a_x``, ``b_x``)."""
+    folder names are prepended to the clashing ones: ``a/x.tif``, ``b/x.tif`` -> ``a_x``, ``b_x``)
+    or differ only in the extension (``x.tif``, ``x.png`` -> ``x_tif``, ``x_png``). Only the
+    same file given twice is refused."""
     parts = [os.path.normpath(os.path.abspath(p)).split(os.sep) for p in inputs]
+    same = [os.path.realpath(p) if os.path.exists(p) else os.sep.join(q) for p, q in zip(inputs, parts)]
+    for path in same:
+        twice = [inputs[j] for j, other in enumerate(same) if other == path]
+        if len(twice) > 1:
+            raise ConfigError(f'--input: {", ".join(twice)} are the same file given twice; give it once.')
+    # x.tif next to x.png: no parent folder tells them apart, the extension does
+    roots = [os.path.splitext(os.sep.join(q))[0] for q in parts]
+    keep_ext = [roots.count(r) > 1 for r in roots]
     depth = [1] * len(inputs)
 
     def stem(i):
         names = parts[i][-depth[i]:]
-        names[-1] = os.path.splitext(names[-1])[0]
+        root, ext = os.path.splitext(names[-1])
+        names[-1] = root + (ext.replace('.', '_') if keep_ext[i] else '')
         return '_'.join(n for n in names if n)
 
     while True:
@@ -78,11 +90,8 @@ def output_stems(inputs):
             break
         for i in clashing:
             depth[i] += 1
-    if len(set(stems)) != len(stems):
-        dup = next(s for s in stems if stems.count(s) > 1)
-        raise ConfigError(f'--input: {", ".join(p for p, s in zip(inputs, stems) if s == dup)} are the same file '
-                          'given twice; give it once.')
-    return stems
+    # Different files whose joined names still clash (/d/a/x.tif, /d/a_x.tif): numbered.
+    return [f'{s}_{stems[:i].count(s) + 1}' if s in stems[:i] else s for i, s in enumerate(stems)]
 
 
 def check_outputs(outputs, inputs, overwrite=False, option='--output'):
@@ -99,9 +108,17 @@ def check_outputs(outputs, inputs, overwrite=False, option='--output'):
                               'add --overwrite.')
 
 
+# Names that say "a file": given as a folder that does not exist yet, a folder of that name would
+# be made (pred.tif/scene_classes.tif), which is not what the name asked for.
+_FILE_SUFFIXES = GEOTIFF_SUFFIXES + ('.png', '.jpg', '.jpeg', '.vrt', '.json', '.gpkg', '.geojson', '.fgb')
+
+
 def check_output_folder(folder, option='--output'):
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(f'{option}: {folder} is a file, not a folder; give a folder for the outputs.')
+    if not os.path.exists(folder) and folder.lower().endswith(_FILE_SUFFIXES):
+        raise ConfigError(f'{option}: {folder} names a file, but {option} is the folder the outputs are written '
+                          f'into; give a folder, e.g. {os.path.splitext(folder)[0]}/')
     parent = os.path.dirname(os.path.abspath(folder))
     if not os.path.isdir(parent):
         raise ConfigError(f'{option}: the parent folder {parent} does not exist; create it first.')
@@ -187,6 +204,10 @@ def check_checkpoint_option(path, option='--checkpoint'):
                           '--input?')
     if os.path.isfile(path) and os.path.getsize(path) == 0:
         raise ConfigError(f'{option}: {path} is empty (0 bytes).')
+    if os.path.isfile(path) and path.lower().endswith('.pt2'):  # was "corrupted" (torch.load's words)
+        raise ConfigError(f'{option}: {path} is a torch.export program (export.py --format torch-export), which '
+                          'predict/evaluate do not run; give the weights file (export.py --format weights), an '
+                          '.onnx export, or the run, or load it in your code with torch.export.load(path).module()')
 
 
 def check_bands(path, bands, in_channels=None, option='--input'):
@@ -194,12 +215,17 @@ def check_bands(path, bands, in_channels=None, option='--input'):
     import rasterio
 
     from .data.raster import gdal_path, raster_env
+    from rasterio.enums import ColorInterp
     with raster_env(path), rasterio.open(gdal_path(path)) as src:
         count = src.count
+        # One band of colour-table indices: the colours the model was trained on are in the table
+        palette = count == 1 and src.colorinterp[0] == ColorInterp.palette
     wanted = list(bands) if bands else list(range(1, count + 1))
-    if max(wanted) > count:
-        raise ConfigError(f'{option}: {path} has {count} band(s) but the model reads bands {wanted} '
-                          '(recorded at training; --bands selects others).')
+    if min(wanted) < 1 or max(wanted) > count:
+        hint = (' It is a palette image (one band of colour-table indices): expand it to RGB first '
+                f'(gdal_translate -expand rgb {path} rgb.tif).' if palette else '')
+        raise ConfigError(f'{option}: {path} has band(s) 1..{count} but the model reads bands {wanted} '
+                          f'(recorded at training, or --bands).{hint}')
     if in_channels is not None and len(wanted) != in_channels:
         raise ConfigError(f'{option}: the model takes {in_channels} band(s) but {len(wanted)} are selected from '
                           f'{path} ({wanted}); give --bands with {in_channels} band numbers.')

@@ -19,8 +19,8 @@ import sys
 import numpy as np
 import torch
 
-from ds_seg.cli.predict import (Progress, add_window_args, check_pixel_type, normalisation, setup,  # noqa: E402
-                               window_kwargs)
+from ds_seg.cli.predict import (Progress, add_window_args, check_pixel_type, check_tile_fits,  # noqa: E402
+                               normalisation, quiet_about_plain_images, setup, window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
@@ -91,17 +91,27 @@ def build_scenes(args, info):
         with distributed.main_process_first():  # a synthetic set is written once, by rank 0
             ds = build(DATASETS, cfg.data.val, where='data.val', crop_size=cfg.data.crop_size,
                        seed=cfg.train.seed)
-        check_ignore_index(args.ignore_index, list(ds.classes))
+        check_classes(args, list(ds.classes), info)
         return ds, list(ds.classes)
     from ds_seg.data.geotiff import (cached_label_histograms, expand_paths, inspect_pair, label_nodata_message,
                                      pair_by_name)
     from ds_seg.data.raster import same_value
-    images, labels = expand_paths(args.images, '--images'), expand_paths(args.labels or [], '--labels')
+    # Globs, and folders (their GeoTIFFs, as predict.py's --input): every file readable to its end
+    images = expand_inputs(expand_paths(args.images, '--images'), '--images')
+    labels = expand_inputs(expand_paths(args.labels or [], '--labels'), '--labels')
     if len(images) != len(labels):
         raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
+    # Overlapping globs ('val/*.tif' 'val/a*.tif') or a path given twice: that scene's pixels
+    # would be counted twice in every metric.
+    seen = {}
+    for image in images:
+        key = os.path.realpath(image) if os.path.exists(image) else image
+        if key in seen:
+            also = f' (also as {seen[key]})' if seen[key] != image else ''
+            raise ValueError(f"--images: {image} is given twice{also}, by overlapping globs or paths; its pixels "
+                             f"would count twice in every metric. Give each scene once")
+        seen[key] = image
     labels = pair_by_name(images, labels)  # as training pairs them
-    expand_inputs(images, '--images')
-    expand_inputs(labels, '--labels')
     scenes = []
     for image, label in zip(images, labels):
         scenes.append(inspect_pair(image, label))  # size, geotransform, CRS, one label band: as training checks
@@ -110,7 +120,7 @@ def build_scenes(args, info):
     classes = args.classes or info['classes']
     if not classes:
         raise ValueError('the checkpoint records no class names; give --classes')
-    check_ignore_index(args.ignore_index, list(classes))
+    check_classes(args, list(classes), info)
     # Before any window is predicted: every label value a class or --ignore-index (training's
     # cached full scan of each label file), and no label nodata tag that is a class.
     ignore = 255 if args.ignore_index is None else int(args.ignore_index)
@@ -133,6 +143,30 @@ def output_files(args):
     return [os.path.join(args.output, n) for n in names]
 
 
+def check_classes(args, classes, info):
+    """The options that name classes, against the classes evaluated, before any window is
+    predicted (an unknown --exclude name was refused only when the metrics were computed, after
+    the whole evaluation; a --classes list of another length was blamed on the label values)."""
+    predicted = info['model'].get('num_classes')
+    if predicted and len(classes) != predicted:
+        raise ValueError(f"{len(classes)} classes given ({', '.join(classes)}) but the model predicts {predicted}; "
+                         f"give one --classes name per class the model predicts")
+    unknown = [name for name in args.exclude if name not in classes]
+    if unknown:
+        raise ValueError(f"--exclude: unknown class {unknown[0]!r}; classes are {', '.join(classes)}")
+    check_ignore_index(args.ignore_index, classes)
+
+
+def remove_stale_previews(folder, written):
+    """After an --overwrite run: the preview_<n>.png of an earlier evaluation of more scenes (or
+    with more --previews) would stay beside the new eval.json as if they were this run's."""
+    import re
+    for name in os.listdir(folder):
+        match = re.fullmatch(r'preview_(\d+)\.png', name)
+        if match and int(match.group(1)) >= written:
+            os.remove(os.path.join(folder, name))
+
+
 def check_ignore_index(ignore_index, classes):
     """As training refuses it: an --ignore-index that is a class index would drop that class
     from every metric without a word."""
@@ -145,6 +179,23 @@ def check_ignore_index(ignore_index, classes):
 def _run(args):
     """The command after argument parsing; user errors raise (see ds_seg.cli.run_command)."""
     window_kwargs(args)  # checks the window options
+    # --config evaluates its data.val: --images/--labels beside it were ignored without a word
+    # (another set of scenes scored), as were --cfg-options beside --images.
+    if args.config and (args.images or args.labels):
+        raise ValueError("--config evaluates its data.val, so --images/--labels would be ignored; give either "
+                         "--images/--labels, or --config (its scenes set with --cfg-options data.val.images=... "
+                         "data.val.labels=... to decode labels as that config does)")
+    if args.cfg_options and not args.config and args.images:
+        raise ValueError("--cfg-options change --config's data.val, which --images/--labels replace, so they "
+                         "would be ignored; leave them out, or give --config instead of --images/--labels")
+    if args.classes and not args.images:  # the dataset's own classes were used, these ignored
+        raise ValueError("--classes names the classes of --images/--labels; --config's data.val has its own "
+                         "(set data.val.classes with --cfg-options)")
+    if args.labels and not args.images:
+        raise ValueError("--labels without --images: give the image scenes with --images (paired by name)")
+    if args.erode is not None and args.erode < 0:  # was an IndexError traceback after the first window
+        raise ValueError(f"--erode must be >= 0 (label pixels within that many px of a class boundary are "
+                         f"not counted; ISPRS uses 3), got {args.erode}")
     check_checkpoint_option(args.checkpoint)
     check_output_folder(args.output)
     # Every file this run may write, not only eval.json: an earlier run's pictures are results too.
@@ -159,8 +210,7 @@ def _run(args):
         else [image for image, _ in scenes]
     for path in images:
         check_pixel_type(path, info, args)
-    if len(classes) != (info['model'].get('num_classes') or len(classes)):
-        raise ValueError(f"{len(classes)} classes given but the model predicts {info['model']['num_classes']}")
+    check_tile_fits(model, info, args.tile, bands, device)
     with torch.inference_mode():
         result = evaluate_scenes(model, scenes, num_classes=len(classes), mean=mean, std=std,
                                  bands=bands, ignore_index=args.ignore_index, erode_boundary=args.erode,
@@ -183,9 +233,12 @@ def _run(args):
             json.dump(record, f, indent=1)
         with replaced_when_done(os.path.join(args.output, 'confusion.png')) as tmp:
             save_confusion_png(cm, classes, tmp, args.exclude)
-        for i, preview in enumerate(result['previews'][:args.previews]):
+        written = result['previews'][:args.previews]
+        for i, preview in enumerate(written):
             with replaced_when_done(os.path.join(args.output, f'preview_{i}.png')) as tmp:
                 save_preview_png(preview, classes, tmp, bands)
+        if args.overwrite:
+            remove_stale_previews(args.output, len(written))
         num = lambda x: 'n/a' if x is None else f'{x:.4f}'  # noqa: E731 -- every class excluded or absent
         print(f"[evaluate] mIoU {num(metrics['mIoU'])} | mF1 {num(metrics['mF1'])} | OA {num(metrics['OA'])}"
               + (f" (mIoU/mF1 without {', '.join(args.exclude)})" if args.exclude else ''))
@@ -199,7 +252,7 @@ def _run(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
-    parser.add_argument('--images', nargs='+', default=None, help='image scenes (paths or globs)')
+    parser.add_argument('--images', nargs='+', default=None, help='image scenes (paths, globs or folders)')
     parser.add_argument('--labels', nargs='+', default=None, help='label rasters, paired with --images in order')
     parser.add_argument('--config', default=None, help="experiment config whose data.val is evaluated "
                         "(default without --images: the embedded default)")
@@ -215,7 +268,8 @@ def main(argv=None):
                         '--output')
     add_window_args(parser)
     args = parser.parse_args(argv)
-    return run_command('evaluate', lambda: _run(args), errors=(FileNotFoundError, ValueError, KeyError))
+    return run_command('evaluate', quiet_about_plain_images(lambda: _run(args)),
+                       errors=(FileNotFoundError, ValueError, KeyError))
 
 
 if __name__ == '__main__':

@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -52,8 +53,24 @@ def add_window_args(parser):
     parser.add_argument('--cpu-threads', type=int, default=None, help='torch threads on CPU')
 
 
+def quiet_about_plain_images(body):
+    """``body`` with rasterio's NotGeoreferencedWarning silenced: a PNG, JPEG or plain TIFF is a
+    valid input (its class map has no georeferencing either; --vector refuses it), and each open
+    of it printed two lines of warning with rasterio's source path, which read like an error."""
+    from rasterio.errors import NotGeoreferencedWarning
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', NotGeoreferencedWarning)
+            return body()
+    return run
+
+
 def window_kwargs(args):
     check_window_options(args.tile, args.overlap, args.batch_size, args.block)
+    if args.cpu_threads is not None and args.cpu_threads < 1:  # was torch's traceback at setup
+        raise ConfigError(f"--cpu-threads must be at least 1, got {args.cpu_threads} "
+                          f"(leave it out for torch's default)")
     return dict(tile=args.tile, overlap=args.tile // 4 if args.overlap is None else args.overlap,
                 batch_size=args.batch_size, blend=args.blend, tta=args.tta, block=args.block)
 
@@ -132,7 +149,9 @@ class Progress:
 
 def check_vector_georeference(path):
     """Polygons are written in the class map's geotransform: a scene located only by ground
-    control points or RPCs has none, and its polygons would land in pixel coordinates."""
+    control points or RPCs has none, nor has a plain image (PNG, JPEG, a TIFF without
+    georeferencing), and its polygons would land in pixel coordinates (y down, so upside down
+    in a GIS) with ``area_m2`` counting pixels."""
     from ds_seg.data.raster import open_raster
     with open_raster(path) as src:
         located = bool(src.gcps[0]) or src.rpcs is not None
@@ -140,6 +159,31 @@ def check_vector_georeference(path):
             raise ConfigError(f"--vector: {path} is located by {'GCPs' if src.gcps[0] else 'RPCs'}, not a "
                               "geotransform, so polygons would be in pixel coordinates; warp the scene first "
                               "(gdalwarp -t_srs EPSG:<code> in.tif warped.tif) and predict on the warped scene")
+        if src.transform.is_identity:
+            raise ConfigError(f"--vector: {path} has no georeferencing (no geotransform, GCPs or RPCs), so "
+                              "polygons would be in pixel coordinates and area_m2 in pixels; georeference the "
+                              "scene (gdal_translate -a_srs EPSG:<code> -a_ullr ...) or leave out --vector")
+
+
+def check_tile_fits(forward_fn, info, tile, bands, device):
+    """One forward of a blank ``tile`` x ``tile`` window before any scene is read. Every window
+    the engine runs has that size (edges are padded), so a model that cannot take it (SegFormer's
+    attention reduction below 32 px, an ONNX graph of one fixed size) is one line here, not a
+    traceback after the first scenes were written."""
+    channels = (info.get('model') or {}).get('in_channels') or (len(bands) if bands else None)
+    if not channels:
+        return
+    name = (info.get('model') or {}).get('type', 'ONNX')
+    try:
+        with torch.inference_mode():
+            forward_fn(torch.zeros(1, int(channels), tile, tile, device=device))
+    except Exception as exc:  # RuntimeError from torch, onnxruntime's own classes, out of memory
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+        if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or 'allocate' in reason.lower():
+            raise ConfigError(f"--tile {tile}: one {tile}x{tile} window of the model ({name}) does not fit in "
+                              f"the memory of {device} ({reason}); use a smaller --tile (default 512)") from None
+        raise ConfigError(f"--tile {tile}: the model ({name}) cannot take {tile}x{tile} windows ({reason}); "
+                          f"use a larger --tile (default 512)") from None
 
 
 def check_pixel_type(path, info, args):
@@ -224,6 +268,7 @@ def _run(args):
         for path in dates:  # the model's channels are the bands of every date
             check_bands(path, bands, channels // len(dates) if channels else None)
             check_pixel_type(path, info, args)
+    check_tile_fits(model, info, args.tile, bands, device)
     os.makedirs(args.output, exist_ok=True)
     t_all = time.perf_counter()
     for path, first, (out, *rest), vector in zip(scenes, firsts, outputs, vectors):
@@ -262,7 +307,8 @@ def main(argv=None):
     add_window_args(parser)
     add_vector_args(parser)
     args = parser.parse_args(argv)
-    return run_command('predict', lambda: _run(args), errors=(FileNotFoundError, FileExistsError, ValueError, KeyError))
+    return run_command('predict', quiet_about_plain_images(lambda: _run(args)),
+                       errors=(FileNotFoundError, FileExistsError, ValueError, KeyError))
 
 
 if __name__ == '__main__':

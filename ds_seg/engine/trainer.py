@@ -143,6 +143,7 @@ class Trainer:
             self.val_set = (_build_dataset(data_cfg.val, 'data.val', data_cfg.crop_size, cfg.train.seed)
                             if data_cfg.get('val') else None)
         self._check_model_matches_data()
+        self._check_model_takes_windows()
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
         self._check_loss_matches_classes()
 
@@ -392,6 +393,39 @@ class Trainer:
                               f"{self.train_set.num_classes} classes ({', '.join(self.train_set.classes)}).")
         if self.val_set is not None:
             self._check_val_matches_train()
+
+    def _check_model_takes_windows(self):
+        """One forward on the meta device (no memory, no compute) of a training crop and of an
+        evaluation window: a size the model cannot take (SegFormer's attention reduction below
+        32 px) was a traceback at the first step, or at the first evaluation after hours of
+        training, with no checkpoint written."""
+        d, m = self.cfg.data, self.cfg.model
+        sizes = {'data.crop_size': d.crop_size}
+        if self.val_set is not None:
+            sizes['data.eval_tile' if d.get('eval_tile') else 'data.crop_size (the evaluation tile)'] = \
+                d.get('eval_tile') or d.crop_size
+        try:
+            with torch.device('meta'):
+                model = build(MODELS, m, where='model').eval()
+        except Exception:  # cannot be built on meta: the real build below says what is wrong
+            return
+
+        def error(size):
+            try:
+                with torch.no_grad():
+                    model(torch.empty(1, self.train_set.in_channels, size, size, device='meta'))
+            except Exception as exc:
+                return exc
+            return None
+
+        for key, size in sizes.items():
+            exc = error(size)
+            # Only the size's fault when a large window runs (not an op without a meta kernel,
+            # not a data-dependent .item()).
+            if exc is not None and error(max(512, 2 * size)) is None:
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+                raise ConfigError(f"{key} {size}: the model ({m.type}) cannot take {size}x{size} windows "
+                                  f"({reason}); use a larger {key.split()[0]}")
 
     def _check_val_matches_train(self):
         """The validation scenes go through the trained model as the training scenes do: the same

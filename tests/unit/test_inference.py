@@ -415,3 +415,301 @@ def test_evaluation_ignores_eroded_boundaries(tmp_path):
     eroded = inf.evaluate_scenes(model, [(ip, lp)], erode_boundary=1, **kw)['confusion'].numpy()
     # columns 3 and 4 (the pixels within 1 px of the boundary) are no longer counted
     assert eroded.tolist() == [[18, 0], [0, 18]]
+
+
+def _cli_files(tmp_path, model_type):
+    """Weights of an untrained ``model_type`` (3 bands, K classes 'a'..'e'), a 3-band uint16
+    scene and its label, as the command-line programs take them."""
+    from ds_seg.registry import MODELS, build
+    cfg = dict(type=model_type, in_channels=3, num_classes=K)
+    weights = str(tmp_path / 'w.pt')
+    torch.manual_seed(0)
+    torch.save({'state_dict': build(MODELS, cfg).state_dict(), 'model': cfg, 'classes': list('abcde'),
+                'data': {'bands': [1, 2, 3], 'mean': [1500.0] * 3, 'std': [900.0] * 3, 'dtype': 'uint16'}},
+               weights)
+    scene = str(tmp_path / 'scene.tif')
+    write_scene(scene, 70, 50, bands=3)
+    label = str(tmp_path / 'label.tif')
+    _write_label(label, np.arange(70 * 50).reshape(70, 50) % K)
+    return weights, scene, label
+
+
+@pytest.mark.parametrize('program', ['predict', 'evaluate'])
+def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, capsys, program):
+    """SegFormer's attention reduction needs windows of at least 32 px: --tile 24 was a torch
+    traceback at the first window (after earlier scenes of the list were written); now one line
+    naming --tile and the model, before anything is written. 32 px works."""
+    from ds_seg.cli import evaluate, predict
+    weights, scene, label = _cli_files(tmp_path, 'SegFormerTiny')
+    out = str(tmp_path / 'out')
+
+    def run(tile):
+        common = ['--checkpoint', weights, '--output', out, '--tile', str(tile), '--overlap', '0']
+        if program == 'predict':
+            return predict.main(common + ['--input', scene])
+        return evaluate.main(common + ['--images', scene, '--labels', label, '--previews', '0'])
+
+    assert run(24) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and 'Traceback' not in err, err
+    assert err.startswith(f'{program}: error: --tile 24: the model (SegFormerTiny) cannot take 24x24 windows'), err
+    assert not os.path.exists(out)
+    assert run(32) == 0
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--exclude', 'clutter'], "--exclude: unknown class 'clutter'; classes are a, b, c, d, e"),
+    (['--erode', '-2'], '--erode must be >= 0'),
+    (['--classes', 'x', 'y', 'z'], '3 classes given (x, y, z) but the model predicts 5'),
+])
+def test_evaluate_refuses_class_and_erosion_options_before_any_window(tmp_path, capsys, args, message):
+    """An unknown --exclude name was refused only when the metrics were computed, after every
+    scene was predicted; --erode -2 was an IndexError traceback; three --classes for a 5-class
+    model were blamed on the label values. Now one line each, before any window is predicted."""
+    from ds_seg.cli import evaluate
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    out = str(tmp_path / 'out')
+    code = evaluate.main(['--checkpoint', weights, '--images', scene, '--labels', label, '--output', out,
+                          '--tile', '32', *args])
+    captured = capsys.readouterr()
+    assert code == 2 and len(captured.err.strip().splitlines()) == 1 and 'Traceback' not in captured.err
+    assert captured.err.startswith(f'evaluate: error: {message}'), captured.err
+    assert 'windows' not in captured.out and not os.path.exists(out), captured.out
+
+
+def test_cpu_threads_below_one_is_one_line_and_a_window_out_of_memory_says_smaller(tmp_path, capsys):
+    """--cpu-threads -1 was torch's RuntimeError traceback; a --tile whose one window does not
+    fit in memory (a CUDA out-of-memory error, raised here by the forward as torch raises it) was a
+    traceback too, and must not be told to use a *larger* tile."""
+    from ds_seg.cli import predict
+    from ds_seg.config import ConfigError
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    for threads in ('-1', '0'):
+        code = predict.main(['--checkpoint', weights, '--input', scene, '--output', str(tmp_path / 'out'),
+                             '--tile', '32', '--cpu-threads', threads])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f'predict: error: --cpu-threads must be at least 1, got {threads}'), err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / 'out').exists()
+
+    def out_of_memory(x):
+        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 96.00 GiB')
+    with pytest.raises(ConfigError, match=r'--tile 4096: one 4096x4096 window of the model \(UNetTiny\) does not fit '
+                                          r'in the memory of meta .*use a smaller --tile'):
+        predict.check_tile_fits(out_of_memory, {'model': {'type': 'UNetTiny', 'in_channels': 3}}, 4096, None,
+                                'meta')
+
+
+def test_a_palette_image_and_band_zero_are_refused_with_what_to_do(tmp_path, capsys):
+    """A one-band colour-table (palette) image for an RGB model was refused as 'has 1 band(s)',
+    without saying why the colours are not bands; --bands 0 passed the check and was refused only
+    inside the engine. Both are one line before the model runs, the palette one saying how to
+    expand it."""
+    from ds_seg.cli import predict
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    palette = str(tmp_path / 'palette.tif')
+    with rasterio.open(palette, 'w', driver='GTiff', width=20, height=20, count=1, dtype='uint8', crs='EPSG:32632',
+                       transform=TRANSFORM, photometric='PALETTE') as dst:
+        dst.write(np.arange(400, dtype=np.uint8).reshape(1, 20, 20))
+        dst.write_colormap(1, {i: (i, 255 - i, 0, 255) for i in range(256)})
+    for args, message in ((['--input', palette], f'{palette} has band(s) 1..1 but the model reads bands [1, 2, 3]'
+                                                 f' (recorded at training, or --bands). It is a palette image'),
+                          (['--input', scene, '--bands', '0', '1', '2'], 'reads bands [0, 1, 2]')):
+        code = predict.main(['--checkpoint', weights, '--output', str(tmp_path / 'out'), '--tile', '32', *args])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+        assert 'gdal_translate -expand rgb' in err or '--bands' in args
+    assert not (tmp_path / 'out').exists()
+
+
+def test_a_png_scene_is_predicted_without_warning_lines(tmp_path):
+    """A PNG has no georeferencing, which is fine for a class map: predict.py printed rasterio's
+    NotGeoreferencedWarning (two lines each, with rasterio's source path) three times, which
+    read like an error. Run as a user runs it, in its own process."""
+    import subprocess
+    import sys
+
+    from ds_seg.config import REPO_ROOT
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    with rasterio.open(scene) as src:
+        pixels = src.read()
+    png = str(tmp_path / 'scene.png')
+    with rasterio.open(png, 'w', driver='PNG', width=pixels.shape[2], height=pixels.shape[1], count=3,
+                       dtype='uint16') as dst:
+        dst.write(pixels)
+    proc = subprocess.run([sys.executable, 'launch/predict.py', '--checkpoint', weights, '--input', png,
+                           '--output', str(tmp_path / 'out'), '--tile', '32', '--device', 'cpu'],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert 'NotGeoreferencedWarning' not in proc.stderr + proc.stdout, proc.stderr
+    assert (tmp_path / 'out' / 'scene_classes.tif').exists()
+
+
+@pytest.mark.parametrize('option, key', [('data.eval_tile=24', 'data.eval_tile 24'),
+                                         ('data.crop_size=24', 'data.crop_size 24')])
+def test_training_refuses_windows_the_model_cannot_take_before_any_step(tmp_path, option, key):
+    """SegFormerTiny with 24 px evaluation windows trained every step and then died with a torch
+    traceback at the first periodic evaluation, no checkpoint written (24 px crops: at the first
+    step). Now one line naming the key, before the work dir is made. 32 px trains."""
+    from ds_seg.config import ConfigError, load_config
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import TINY_CONFIG, ds_config
+    cache = str(tmp_path / 'cache')
+    common = [f'data.train.cache_dir={cache!r}', f'data.val.cache_dir={cache!r}', 'data.num_workers=0',
+              f'model={dict(type="SegFormerTiny", in_channels=3, num_classes=6)!r}', 'data.eval_overlap=0']
+    work = tmp_path / 'work'
+    with pytest.raises(ConfigError, match=rf'^{key}: the model \(SegFormerTiny\) cannot take 24x24 windows .*'
+                                          rf'use a larger {key.split()[0]}$'):
+        Trainer(load_config(TINY_CONFIG, common + [option]), ds_config(0), backend='ddp', work_dir=str(work))
+    assert not work.exists()
+    trainer = Trainer(load_config(TINY_CONFIG, common + ['data.crop_size=32', 'data.eval_tile=32']), ds_config(0),
+                      backend='ddp', work_dir=str(work))
+    trainer.close()
+
+
+def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path):
+    """An evaluation of 3 scenes, then --overwrite with 1: preview_1.png and preview_2.png of the
+    first run stayed beside the new eval.json, as if they were its scenes. Without --overwrite
+    (a new folder) a preview_<n>.png that is not this run's is left alone."""
+    from ds_seg.cli import evaluate
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    out = tmp_path / 'out'
+    common = ['--checkpoint', weights, '--output', str(out), '--tile', '32']
+    copies = []
+    for i in range(3):
+        (tmp_path / f's{i}').mkdir()
+        copies.append((str(tmp_path / f's{i}' / 'scene.tif'), str(tmp_path / f's{i}' / 'label.tif')))
+        for src, dst in zip((scene, label), copies[-1]):
+            with open(src, 'rb') as f, open(dst, 'wb') as g:
+                g.write(f.read())
+    assert evaluate.main(common + ['--images', *[c[0] for c in copies], '--labels', *[c[1] for c in copies]]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ['confusion.png', 'eval.json', 'preview_0.png',
+                                                     'preview_1.png', 'preview_2.png']
+    assert evaluate.main(common + ['--images', scene, '--labels', label, '--overwrite']) == 0
+    assert sorted(p.name for p in out.iterdir()) == ['confusion.png', 'eval.json', 'preview_0.png']
+    assert json.loads((out / 'eval.json').read_text())['scenes'] == [scene]
+    other = tmp_path / 'other'
+    other.mkdir()
+    (other / 'preview_7.png').write_bytes(b'mine')
+    assert evaluate.main(['--checkpoint', weights, '--output', str(other), '--tile', '32', '--images', scene,
+                          '--labels', label]) == 0
+    assert (other / 'preview_7.png').read_bytes() == b'mine'
+
+
+def test_evaluate_refuses_a_scene_given_twice(tmp_path, capsys):
+    """Overlapping globs ('img/*.tif' 'img/a*.tif') evaluated a1.tif twice: its pixels counted
+    twice in the confusion matrix and every metric, without a word. Now one line, nothing
+    written; the same file under another spelling (a/../a1.tif) too."""
+    from ds_seg.cli import evaluate
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    for folder in ('img', 'lbl'):
+        (tmp_path / folder).mkdir()
+        for name in ('a1', 'b1'):
+            with open(scene if folder == 'img' else label, 'rb') as f:
+                (tmp_path / folder / f'{name}.tif').write_bytes(f.read())
+    out = tmp_path / 'out'
+    for images, labels in (([f'{tmp_path}/img/*.tif', f'{tmp_path}/img/a*.tif'],
+                            [f'{tmp_path}/lbl/*.tif', f'{tmp_path}/lbl/a*.tif']),
+                           ([f'{tmp_path}/img/a1.tif', f'{tmp_path}/img/../img/a1.tif'],
+                            [f'{tmp_path}/lbl/a1.tif', f'{tmp_path}/lbl/b1.tif'])):
+        code = evaluate.main(['--checkpoint', weights, '--output', str(out), '--tile', '32',
+                              '--images', *images, '--labels', *labels])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert 'a1.tif is given twice' in err and 'count twice in every metric' in err, err
+        assert not out.exists()
+
+
+def test_a_vrt_whose_source_is_missing_names_the_missing_file(tmp_path, capsys):
+    """A VRT mosaic whose tile was moved: the one line said rasterio's 'Read failed. See previous
+    exception for details.', not which file; now GDAL's own words, naming the missing source."""
+    from ds_seg.cli import predict
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    vrt = tmp_path / 'mosaic.vrt'
+    bands = ''.join(f'<VRTRasterBand dataType="UInt16" band="{b}"><SimpleSource><SourceFilename relativeToVRT="1">'
+                    f'moved.tif</SourceFilename><SourceBand>{b}</SourceBand></SimpleSource></VRTRasterBand>'
+                    for b in (1, 2, 3))
+    vrt.write_text(f'<VRTDataset rasterXSize="50" rasterYSize="70"><SRS>EPSG:32632</SRS>'
+                   f'<GeoTransform>431000, 0.25, 0, 5412000, 0, -0.25</GeoTransform>{bands}</VRTDataset>')
+    code = predict.main(['--checkpoint', weights, '--input', str(vrt), '--output', str(tmp_path / 'out'),
+                         '--tile', '32'])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f'{vrt} is not a readable raster' in err and 'moved.tif: No such file or directory' in err, err
+
+
+@pytest.mark.parametrize('program, name', [('predict', 'pred.tif'), ('evaluate', 'eval.json')])
+def test_an_output_that_names_a_file_is_refused_not_made_a_folder(tmp_path, capsys, program, name):
+    """--output pred.tif (as mmseg's --out takes a file) made a folder called pred.tif holding
+    scene_classes.tif; --output eval.json a folder eval.json holding eval.json. One line now."""
+    from ds_seg.cli import evaluate, predict
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    out = str(tmp_path / name)
+    common = ['--checkpoint', weights, '--output', out, '--tile', '32']
+    code = (predict.main(common + ['--input', scene]) if program == 'predict'
+            else evaluate.main(common + ['--images', scene, '--labels', label]))
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f'--output: {out} names a file, but --output is the folder' in err, err
+    assert not os.path.exists(out)
+
+
+def test_evaluate_takes_folders_as_predict_does(tmp_path, capsys):
+    """--images img/ --labels lbl/ was refused as "img: not a readable raster (corrupt or not an
+    image)"; a folder means the GeoTIFFs in it, as predict.py's --input, and gives the metrics of
+    the same files given by globs."""
+    from ds_seg.cli import evaluate
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    for folder in ('img', 'lbl'):
+        (tmp_path / folder).mkdir()
+        for name in ('a1', 'b1'):
+            with open(scene if folder == 'img' else label, 'rb') as f:
+                (tmp_path / folder / f'{name}.tif').write_bytes(f.read())
+    common = ['--checkpoint', weights, '--tile', '32', '--previews', '0']
+    assert evaluate.main(common + ['--output', str(tmp_path / 'by_folder'), '--images', str(tmp_path / 'img'),
+                                   '--labels', str(tmp_path / 'lbl')]) == 0, capsys.readouterr().err
+    assert evaluate.main(common + ['--output', str(tmp_path / 'by_glob'), '--images', f'{tmp_path}/img/*.tif',
+                                   '--labels', f'{tmp_path}/lbl/*.tif']) == 0
+    by_folder, by_glob = (json.loads((tmp_path / o / 'eval.json').read_text()) for o in ('by_folder', 'by_glob'))
+    assert by_folder['scenes'] == by_glob['scenes'] == [str(tmp_path / 'img' / f'{n}.tif') for n in ('a1', 'b1')]
+    assert by_folder['confusion'] == by_glob['confusion']
+
+
+@pytest.mark.parametrize('extra, message', [
+    (['--config', 'configs/unet_tiny_synthetic.py'], '--config evaluates its data.val, so --images/--labels would be '
+                                                     'ignored'),
+    (['--cfg-options', 'data.val.split=val'], "--cfg-options change --config's data.val"),
+    (['--drop-images'], '--labels without --images'),
+    (['--drop-images', '--drop-labels', '--classes', 'a', 'b', 'c', 'd', 'e'], '--classes names the classes of'),
+])
+def test_evaluate_refuses_options_it_would_ignore(tmp_path, capsys, extra, message):
+    """--config beside --images/--labels evaluated the config's data.val (the synthetic scenes)
+    and reported their metrics as if they were the scenes given; --cfg-options beside --images,
+    --labels alone (the default experiment's data.val then) and --classes for a config's data.val
+    were ignored the same way."""
+    from ds_seg.cli import evaluate
+    from ds_seg.config import REPO_ROOT
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    images = [] if '--drop-images' in extra else ['--images', scene]
+    labels = [] if '--drop-labels' in extra else ['--labels', label]
+    extra = [str(REPO_ROOT / e) if e.startswith('configs/') else e for e in extra if not e.startswith('--drop-')]
+    out = tmp_path / 'out'
+    code = evaluate.main(['--checkpoint', weights, '--output', str(out), '--tile', '32', *images, *labels, *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f'evaluate: error: {message}' in err, err
+    assert not out.exists()
+
+
+def test_a_torch_export_program_as_checkpoint_is_named_not_called_corrupt(tmp_path, capsys):
+    """export.py --format torch-export writes a .pt2 program; given to predict.py it was refused
+    as 'not a readable weights file ... your checkpoint file is corrupted' (torch.load's words).
+    Now one line saying what it is and what predict.py runs."""
+    from ds_seg.cli import predict
+    _, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    program = str(tmp_path / 'model.pt2')
+    conv = torch.nn.Conv2d(3, K, 1).eval()
+    torch.export.save(torch.export.export(conv, (torch.zeros(1, 3, 32, 32),)), program)
+    code = predict.main(['--checkpoint', program, '--input', scene, '--output', str(tmp_path / 'out')])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f'--checkpoint: {program} is a torch.export program' in err and 'corrupted' not in err, err

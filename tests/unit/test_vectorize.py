@@ -76,6 +76,20 @@ def test_polygons_rasterise_back_to_the_class_map_across_bands(tmp_path, ext):
     assert [CLASSES[c] for c in class_id] == list(names)
 
 
+@pytest.mark.parametrize('ext', ['gpkg', 'fgb', 'geojson'])
+@pytest.mark.parametrize('empty', [False, True])
+def test_the_layer_is_named_after_the_file_not_its_temporary_name(tmp_path, ext, empty):
+    """a_classes.gpkg holds layer 'a_classes' (was 'a_classes.partial', the name the file is
+    written under until complete: read_file(path, layer='a_classes') failed), also when every
+    class is excluded and the layer is empty."""
+    src = _write(tmp_path / 'a_classes.tif', _class_map(40, 40))
+    out = tmp_path / f'a_classes.{ext}'
+    vectorize_class_map(src, str(out), exclude=CLASSES if empty else ())
+    assert [name for name, _ in pyogrio.list_layers(out)] == ['a_classes']
+    if ext == 'geojson':
+        assert json.loads(out.read_text())['name'] == 'a_classes'
+
+
 def test_mean_probability_min_area_exclude_and_simplify(tmp_path):
     cls = _class_map(seed=1)
     rng = np.random.default_rng(2)
@@ -208,6 +222,27 @@ def test_predict_cli_refuses_bad_polygon_options_before_any_work(tiny_weights, c
     assert not (t['tmp'] / 'out').exists() and not (t['tmp'] / 'x.gpkg').exists()
 
 
+@pytest.mark.parametrize('driver, name', [('PNG', 'x.png'), ('JPEG', 'x.jpg'), ('GTiff', 'plain.tif')])
+def test_predict_cli_refuses_polygons_of_a_scene_without_georeferencing(tiny_weights, capsys, driver, name):
+    """A PNG, JPEG or TIFF with no geotransform, GCPs or RPCs and --vector: one line, nothing
+    written (was: polygons in pixel coordinates, upside down in a GIS, with area_m2 = pixel
+    counts, like the GCP-located scene that was already refused)."""
+    t = tiny_weights
+    with rasterio.open(t['scenes'][0]) as src:
+        pixels = src.read()
+    path = str(t['tmp'] / name)
+    with rasterio.open(path, 'w', driver=driver, width=pixels.shape[2], height=pixels.shape[1], count=3,
+                       dtype='uint8') as dst:
+        dst.write(pixels)
+    code = _predict(t, '--input', path, '--vector', 'gpkg')
+    err = capsys.readouterr().err
+    assert code == 2 and 'Traceback' not in err, err
+    errors = [line for line in err.splitlines() if line.startswith('predict: error:')]
+    assert len(errors) == 1 and f'--vector: {path} has no georeferencing' in errors[0], err
+    assert not (t['tmp'] / 'out').exists()
+    assert _predict(t, '--input', path) == 0  # the class map alone is still made
+
+
 def test_predict_cli_two_inputs_of_one_name_get_two_polygon_files(tiny_weights):
     """a/x.tif and b/x.tif: a_x_classes.gpkg and b_x_classes.gpkg, like their rasters (the second
     scene was refused after the first, both named x_classes.gpkg); ids or names exclude alike."""
@@ -226,6 +261,26 @@ def test_predict_cli_two_inputs_of_one_name_get_two_polygon_files(tiny_weights):
     by_name = str(t['tmp'] / 'by_name.gpkg')
     vectorize_class_map(str(out / 'a_x_classes.tif'), by_name, exclude=['background'])
     assert pyogrio.raw.read(by_name)[3][0].tolist() == pyogrio.raw.read(out / 'a_x_classes.gpkg')[3][0].tolist()
+
+
+def test_predict_cli_scenes_differing_only_in_extension_get_one_class_map_each(tiny_weights):
+    """x.tif and x.png (the same pixels, one without georeferencing) in one folder: two class
+    maps, x_tif_classes.tif and x_png_classes.tif, with equal classes (was: refused as "the same
+    file given twice"). Names that still clash after every parent folder are numbered."""
+    from ds_seg.inputs import output_stems
+    t = tiny_weights
+    with rasterio.open(t['scenes'][0]) as src:
+        pixels = src.read()
+    png = str(t['tmp'] / 'a' / 'x.png')
+    with rasterio.open(png, 'w', driver='PNG', width=pixels.shape[2], height=pixels.shape[1], count=3,
+                       dtype='uint8') as dst:
+        dst.write(pixels)
+    assert _predict(t, '--input', t['scenes'][0], png) == 0
+    out = t['tmp'] / 'out'
+    assert sorted(p.name for p in out.iterdir()) == ['x_png_classes.tif', 'x_tif_classes.tif']
+    with rasterio.open(out / 'x_tif_classes.tif') as a, rasterio.open(out / 'x_png_classes.tif') as b:
+        np.testing.assert_array_equal(a.read(1), b.read(1))
+    assert output_stems(['/d/a/x.tif', '/e/a/x.tif', '/d/a_x.tif']) == ['d_a_x', 'e_a_x', 'd_a_x_2']
 
 
 def test_area_is_ground_square_metres_in_web_mercator_as_in_utm(tmp_path):
