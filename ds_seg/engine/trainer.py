@@ -404,9 +404,11 @@ class Trainer:
         if self.val_set is not None:
             sizes['data.eval_tile' if d.get('eval_tile') else 'data.crop_size (the evaluation tile)'] = \
                 d.get('eval_tile') or d.crop_size
+        # Without its pretrained weights: the real build reads (or downloads) them once.
+        meta_cfg = dict(m, pretrained=None) if m.get('pretrained') else m
         try:
             with torch.device('meta'):
-                model = build(MODELS, m, where='model').eval()
+                model = build(MODELS, meta_cfg, where='model').eval()
         except Exception:  # cannot be built on meta: the real build below says what is wrong
             return
 
