@@ -508,20 +508,25 @@ def _refuse_duplicate_keys(pairs):
     return seen
 
 
-def _find_auto(node, prefix=''):
+def _find_auto(node, prefix='', match=lambda v: isinstance(v, str) and v.strip().lower() == 'auto'):
+    """The dotted path of the first value in ``node`` that ``match`` accepts (``"auto"``), or None."""
     if isinstance(node, dict):
         for key, value in node.items():
-            found = _find_auto(value, f'{prefix}.{key}' if prefix else key)
+            found = _find_auto(value, f'{prefix}.{key}' if prefix else key, match)
             if found:
                 return found
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            found = _find_auto(value, f'{prefix}[{i}]')
+            found = _find_auto(value, f'{prefix}[{i}]', match)
             if found:
                 return found
-    elif isinstance(node, str) and node.strip().lower() == 'auto':
+    elif match(node):
         return prefix
     return None
+
+
+def _is_nonfinite(value):
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def check_ds_config(ds, source='DeepSpeed config'):
@@ -536,11 +541,40 @@ def check_ds_config(ds, source='DeepSpeed config'):
     if auto:
         raise ConfigError(f"{source}: {auto!r} is \"auto\". \"auto\" is a Hugging Face convention, not a "
                           "DeepSpeed one (DeepSpeed replaces it by a default or crashes): give a value.")
+    # Python's JSON reader takes Infinity, NaN and 1e999 (inf), which no JSON standard has: an
+    # "lr": Infinity passed every check and turned the weights to NaN at the first step.
+    nonfinite = _find_auto(ds, match=_is_nonfinite)
+    if nonfinite:
+        value = _get(ds, nonfinite) if '[' not in nonfinite else None
+        raise ConfigError(f"{source}: {nonfinite!r} is {json.dumps(value) if value is not None else 'not finite'}; "
+                          "give a finite number.")
+    if 'bf16' in ds and 'bfloat16' in ds:
+        # DeepSpeed reads 'bf16' and ignores 'bfloat16' (its old name) when both are there.
+        raise ConfigError(f"{source}: both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'.")
+    _check_torch_autocast(ds.get('torch_autocast'), source)
     _check_block_keys(ds, source)
     for key in ('train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps'):
         if key in ds and (not isinstance(ds[key], int) or isinstance(ds[key], bool) or ds[key] < 1):
             raise ConfigError(f"{source}: {key!r} must be a positive integer, got {ds[key]!r}.")
     _check_ds_values(ds, source)
+
+
+def _check_torch_autocast(block, source):
+    """DeepSpeed reads the torch_autocast block as a plain dict and takes "enabled" by truth
+    value: "enabled": "false" would turn autocast on (and ds_seg would record it as on)."""
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise ConfigError(f"{source}: 'torch_autocast' must be an object, e.g. "
+                          f"{{\"enabled\": true, \"dtype\": \"bfloat16\"}}, got {json.dumps(block)}.")
+    rules = {'enabled': (lambda v: isinstance(v, bool), 'true or false'),
+             'dtype': (lambda v: isinstance(v, str), 'a string such as "bfloat16" or "float16"'),
+             'lower_precision_safe_modules': (lambda v: isinstance(v, list) and all(isinstance(m, str) for m in v),
+                                              'a list of module class names (strings)')}
+    for key, (check, what) in rules.items():
+        if key in block and not check(block[key]):
+            hint = ' (write it without quotes)' if key == 'enabled' and isinstance(block[key], str) else ''
+            raise ConfigError(f"{source}: 'torch_autocast.{key}' must be {what}, got {json.dumps(block[key])}{hint}.")
 
 
 def _constants(module, *prefixes, names=()):
@@ -998,6 +1032,14 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
             params['warmup_num_steps'] = max(1, max_steps // 5)
             notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup} is not shorter than the run "
                          f"({max_steps} steps); warming up over {params['warmup_num_steps']} step(s) instead.")
+        elif not from_run and _is_number(params['total_num_steps']) and params['total_num_steps'] < max_steps:
+            # Past its length a schedule stays at its last LR (0 for WarmupDecayLR, the cosine
+            # floor for WarmupCosineLR): the rest of the run would train at it without a word.
+            total = params['total_num_steps']
+            raise ConfigError(f"{source}: scheduler.params.total_num_steps ({total}) is shorter than the run "
+                              f"(train.max_steps={max_steps}): its last {max_steps - total} step(s) would train at "
+                              f"the schedule's final LR; remove total_num_steps so the schedule follows "
+                              f"train.max_steps, or set train.max_steps={total}.")
         elif warmup >= params['total_num_steps']:
             raise ConfigError(f"{source}: scheduler.params.warmup_num_steps ({params.get('warmup_num_steps')}) "
                               f"must be smaller than the run length ({params['total_num_steps']} steps).")

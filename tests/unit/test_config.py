@@ -193,6 +193,20 @@ DS_VALUE_REFUSALS = {
     'allgather_object': (dict(disable_allgather={}), "'disable_allgather' must be true or false, got {}"),
     'python_gc_number': (dict(disable_python_gc=1), "'disable_python_gc' must be true or false, got 1"),
     'log_level_unknown': (dict(log_level='verbose'), "'log_level' must be one of 'debug', 'info', 'warning', 'error', 'critical', got \"verbose\""),
+    # Infinity, NaN and 1e999 are read by Python's JSON reader: "lr": Infinity passed every
+    # check and turned the weights to NaN at the first step.
+    'lr_infinity': (dict(optimizer__params__lr=float('inf')), "'optimizer.params.lr' is Infinity; give a finite number."),
+    'clip_infinity': (dict(gradient_clipping=float('inf')), "'gradient_clipping' is Infinity; give a finite number."),
+    'betas_nan': (dict(optimizer__params__betas=[0.9, float('nan')]), "'optimizer.params.betas[1]' is not finite"),
+    # DeepSpeed reads torch_autocast as a plain dict by truth value: "false" turned autocast on.
+    'autocast_quoted': (dict(torch_autocast={'enabled': 'false'}),
+                        "'torch_autocast.enabled' must be true or false, got \"false\" (write it without quotes)"),
+    'autocast_number': (dict(torch_autocast={'enabled': 1}), "'torch_autocast.enabled' must be true or false, got 1"),
+    'autocast_modules': (dict(torch_autocast={'enabled': True, 'lower_precision_safe_modules': 'torch.nn.Linear'}),
+                         "'torch_autocast.lower_precision_safe_modules' must be a list"),
+    # ds_seg took 'bfloat16' (off) where DeepSpeed takes 'bf16' (on): the two disagreed.
+    'bf16_twice': (dict(bf16={'enabled': True}, bfloat16={'enabled': False}),
+                   "both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'."),
 }
 
 
@@ -268,6 +282,20 @@ def test_scheduler_length_from_max_steps_and_warmup_check():
              'scheduler': {'type': 'WarmupCosineLR', 'params': {'warmup_num_steps': 5, 'total_num_steps': 5}}}
     with pytest.raises(ConfigError, match='warmup_num_steps'):
         resolve_ds_config(fixed, 1, 5)
+
+
+@pytest.mark.parametrize('kind', ['WarmupDecayLR', 'WarmupCosineLR'])
+def test_a_schedule_shorter_than_the_run_is_refused(kind):
+    """total_num_steps 4 with train.max_steps 10 trained the last 6 steps at the schedule's final
+    LR (0 for WarmupDecayLR) without a word; a longer schedule (cut short on purpose) is kept."""
+    ds = {'train_micro_batch_size_per_gpu': 2,
+          'scheduler': {'type': kind, 'params': {'warmup_num_steps': 1, 'total_num_steps': 4}}}
+    with pytest.raises(ConfigError, match=r"x.json: scheduler.params.total_num_steps \(4\) is shorter than the run "
+                                          r"\(train.max_steps=10\): its last 6 step\(s\) would train at"):
+        resolve_ds_config(ds, 1, 10, source='x.json')
+    for max_steps in (4, 3):
+        resolved, _, _ = resolve_ds_config(ds, 1, max_steps)
+        assert resolved['scheduler']['params']['total_num_steps'] == 4
 
 
 @pytest.mark.parametrize('name', sorted(p.stem for p in DS_CONFIGS_DIR.glob('*.json')))
