@@ -91,7 +91,7 @@ def _is_bool(v):
 
 def _is_scale_range(v):
     return v is None or (isinstance(v, (list, tuple)) and len(v) == 2
-                         and all(_is_number(x) and x > 0 for x in v) and v[0] <= v[1])
+                         and all(_is_number(x) and math.isfinite(x) and x > 0 for x in v) and v[0] <= v[1])
 
 
 def _is_layer_decay(v):

@@ -332,6 +332,40 @@ def test_transforms_are_registered_and_joint(tmp_path):
     assert inside.mean() > 0.9 and np.abs(out_raw[inside] - expect[inside]).max() <= 0.5 + 1e-3
 
 
+@pytest.mark.parametrize('transform, named', [
+    (dict(type='RandomFlip', direction='horizonal'), "RandomFlip direction must be one or both of 'horizontal', "
+                                                     "'vertical', got 'horizonal'"),
+    (dict(type='RandomFlip', direction=[]), 'RandomFlip direction must be one or both'),
+    (dict(type='RandomFlip', prob=1.5), 'RandomFlip prob must be a number in [0, 1], got 1.5'),
+    (dict(type='RandomRotate90', prob=-0.1), 'RandomRotate90 prob must be a number in [0, 1]'),
+    (dict(type='PhotoMetricDistortion', contrast=1.5), 'PhotoMetricDistortion contrast must be a number in [0, 1]'),
+    (dict(type='PhotoMetricDistortion', saturation=2), 'PhotoMetricDistortion saturation must be a number in [0, 1]'),
+    (dict(type='PhotoMetricDistortion', brightness=-0.2), 'PhotoMetricDistortion brightness must be a number >= 0'),
+    (dict(type='PhotoMetricDistortion', prob='0.5'), "PhotoMetricDistortion prob must be a number in [0, 1], got '0.5'"),
+])
+def test_transform_settings_out_of_range_are_refused_when_the_dataset_is_built(tmp_path, transform, named):
+    """A misspelt flip direction never flipped, a contrast or saturation above 1 drew negative
+    factors that inverted the bands, a prob above 1 was silently 1: each is now one line when the
+    training set is built, naming the transform."""
+    from tests.unit.test_data import write_tif
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'img.tif', rng.integers(0, 255, (3, 64, 64), dtype=np.uint8))
+    lbl = write_tif(tmp_path / 'lbl.tif', rng.integers(0, 3, (1, 64, 64), dtype=np.uint8))
+    with pytest.raises(ConfigError, match=r'transforms\[0\] \(') as info:
+        GeoTiffScenes([img], [lbl], classes=3, crop_size=32, transforms=[transform])
+    assert named in str(info.value)
+
+
+def test_random_scale_must_be_finite(tmp_path):
+    """random_scale=(0.5, 1e999) passed the checks and crashed numpy's draw at the first step."""
+    from ds_seg.data.transforms import check_random_scale
+    with pytest.raises(ConfigError, match=r'data.random_scale must be None or \(low, high\)'):
+        load_config(None, ['data.random_scale=(0.5, 1e999)'])
+    with pytest.raises(ValueError, match='random_scale must be'):
+        check_random_scale((0.5, float('inf')))
+    assert check_random_scale((0.5, 2)) == (0.5, 2.0)
+
+
 # ------------------------------------------------------------------ benchmark layouts
 def test_benchmark_trees_use_official_names_and_conventions(trees):
     p = Potsdam(trees['Potsdam'], split='train', crop_size=64)
