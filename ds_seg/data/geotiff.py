@@ -582,9 +582,19 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 if valid.size:
                     top = max(top, int(valid.max()))
             classes = top + 1
+        if isinstance(classes, str):
+            # ('building') without its comma is a string: tuple() would make one class per letter.
+            raise ValueError(f"classes={classes!r} is a string, which would be {len(classes)} one-letter classes; "
+                             f"give a tuple of names (one name needs a trailing comma: ({classes!r},)) or a count")
+        if isinstance(classes, bool) or (isinstance(classes, int) and classes < 1):
+            raise ValueError(f"classes must be a tuple of names or a class count >= 1, got {classes!r}")
         if isinstance(classes, int):
             classes = tuple(f'class_{i}' for i in range(classes))
-        return tuple(classes)
+        classes = tuple(classes)
+        twice = sorted({c for c in classes if classes.count(c) > 1})
+        if twice:  # eval.jsonl's per_class is keyed by name: one would overwrite the other
+            raise ValueError(f"classes names {', '.join(map(repr, twice))} more than once; give each class its own name")
+        return classes
 
     def _build_label_lut(self, label_map, reduce_zero_label):
         """File value -> class index / ignore_index / -1 (not allowed), for values 0..65535."""

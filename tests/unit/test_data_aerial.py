@@ -356,6 +356,25 @@ def test_transform_settings_out_of_range_are_refused_when_the_dataset_is_built(t
     assert named in str(info.value)
 
 
+@pytest.mark.parametrize('classes, named', [
+    ('building', "classes='building' is a string, which would be 8 one-letter classes; give a tuple of names "
+                 "(one name needs a trailing comma: ('building',))"),
+    (('a', 'b', 'a'), "classes names 'a' more than once"),
+    (0, 'classes must be a tuple of names or a class count >= 1, got 0'),
+    (True, 'classes must be a tuple of names or a class count >= 1, got True'),
+])
+def test_classes_that_are_not_a_list_of_distinct_names_are_refused(tmp_path, classes, named):
+    """classes=('building') (no comma) became 8 one-letter classes, and a name given twice
+    merged two classes' rows in eval.jsonl's per_class."""
+    from tests.unit.test_data import write_tif
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'img.tif', rng.integers(0, 255, (3, 32, 32), dtype=np.uint8))
+    lbl = write_tif(tmp_path / 'lbl.tif', np.zeros((1, 32, 32), dtype=np.uint8))
+    with pytest.raises(ValueError) as info:
+        GeoTiffScenes([img], [lbl], classes=classes, crop_size=32)
+    assert named in str(info.value)
+
+
 def test_random_scale_must_be_finite(tmp_path):
     """random_scale=(0.5, 1e999) passed the checks and crashed numpy's draw at the first step."""
     from ds_seg.data.transforms import check_random_scale
