@@ -43,6 +43,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import math
 import os
 import random
 import warnings
@@ -287,6 +288,17 @@ def label_nodata_message(label, value, class_index, class_name, ignore_index):
             f"hold no label, rewrite them as ignore_index {ignore_index} (or map the value with `label_map`)")
 
 
+def _ratio(name, value, low_open):
+    """None or a share in (0, 1] (``low_open``) or [0, 1], as a float; else a ValueError."""
+    if value is None:
+        return None
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (0 < value if low_open else 0 <= value) and value <= 1):
+        raise ValueError(f"{name} must be None or a share in {'(0, 1]' if low_open else '[0, 1]'} "
+                         f"(e.g. 0.75, not 75), got {value!r}")
+    return float(value)
+
+
 @DATASETS.register_module()
 class GeoTiffScenes(torch.utils.data.Dataset):
     """Crops of ``crop_size`` from image scenes paired with a label raster each.
@@ -396,12 +408,18 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self.seed = int(seed)
         # Evaluation windows are never augmented or rescaled: their labels are compared pixel
         # for pixel with the scene.
-        self.augment = mode == 'random' and (augment is None or bool(augment))
+        if augment is not None and not isinstance(augment, bool):  # augment='false' was truthy: on
+            raise ValueError(f"augment must be True, False or None (on in random mode), got {augment!r}")
+        self.augment = mode == 'random' and (augment is None or augment)
         self.transforms = Compose(transforms) if mode == 'random' else Compose(None)
         self.random_scale = check_random_scale(random_scale) if mode == 'random' else None
-        self.cat_max_ratio = None if cat_max_ratio is None else float(cat_max_ratio)
-        self.max_nodata_ratio = None if max_nodata_ratio is None else float(max_nodata_ratio)
-        self.max_retries = int(max_retries)
+        # Shares, not percentages: cat_max_ratio=75 or max_nodata_ratio=50 would never reject a
+        # window (no effect at all), a ratio <= 0 every window (each sample read max_retries + 1 times).
+        self.cat_max_ratio = _ratio('cat_max_ratio', cat_max_ratio, low_open=True)
+        self.max_nodata_ratio = _ratio('max_nodata_ratio', max_nodata_ratio, low_open=False)
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+        self.max_retries = max_retries
         self.boundary_ignore = int(boundary_ignore)
         self.palette = None if palette is None else [tuple(int(v) for v in c) for c in palette]
         self._world_size, self._micro_batch = 1, 1

@@ -375,6 +375,28 @@ def test_classes_that_are_not_a_list_of_distinct_names_are_refused(tmp_path, cla
     assert named in str(info.value)
 
 
+@pytest.mark.parametrize('option, named', [
+    (dict(cat_max_ratio=75), 'cat_max_ratio must be None or a share in (0, 1] (e.g. 0.75, not 75), got 75'),
+    (dict(cat_max_ratio=0), 'cat_max_ratio must be None or a share in (0, 1]'),
+    (dict(max_nodata_ratio=50), 'max_nodata_ratio must be None or a share in [0, 1] (e.g. 0.75, not 75), got 50'),
+    (dict(max_nodata_ratio=-0.1), 'max_nodata_ratio must be None or a share in [0, 1]'),
+    (dict(max_retries=-1), 'max_retries must be an integer >= 0, got -1'),
+    (dict(augment='false'), "augment must be True, False or None (on in random mode), got 'false'"),
+])
+def test_window_options_out_of_range_are_refused(tmp_path, option, named):
+    """cat_max_ratio=75 or max_nodata_ratio=50 (percentages) never rejected a window, a ratio of
+    0 rejected every one (each sample read 11 times), augment='false' augmented."""
+    from tests.unit.test_data import write_tif
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'img.tif', rng.integers(0, 255, (3, 32, 32), dtype=np.uint8))
+    lbl = write_tif(tmp_path / 'lbl.tif', rng.integers(0, 2, (1, 32, 32), dtype=np.uint8))
+    with pytest.raises(ValueError) as info:
+        GeoTiffScenes([img], [lbl], classes=2, crop_size=32, **option)
+    assert named in str(info.value)
+    for ok in (dict(cat_max_ratio=1.0, max_nodata_ratio=0.0, max_retries=0, augment=None), dict(augment=False)):
+        GeoTiffScenes([img], [lbl], classes=2, crop_size=32, **ok)
+
+
 def test_random_scale_must_be_finite(tmp_path):
     """random_scale=(0.5, 1e999) passed the checks and crashed numpy's draw at the first step."""
     from ds_seg.data.transforms import check_random_scale
