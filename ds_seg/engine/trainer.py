@@ -323,11 +323,17 @@ class Trainer:
         tile = d.get('eval_tile') or d.crop_size
         overlap = d.get('eval_overlap')
         norm = data_normalisation(self.train_set)
+        # The validation set's padding/nodata label, which every loss (each CombinedLoss member
+        # included) was checked to share: a CombinedLoss has no ignore_index of its own, and the
+        # 255 it defaulted to made a run with ignore_index=250 crash at its first evaluation.
+        ignore_index = getattr(self.val_set, 'ignore_index', None)
+        if ignore_index is None:
+            ignore_index = self.cfg.loss.get('ignore_index', 255)
         result = evaluate_scenes(
             self.backend.forward, self.val_set, num_classes=self.val_set.num_classes,
             # the training set's statistics: the model saw inputs normalised with them
             mean=norm['mean'], std=norm['std'], bands=self.val_set.bands,
-            ignore_index=self.cfg.loss.get('ignore_index', 255), tile=tile,
+            ignore_index=ignore_index, tile=tile,
             overlap=tile // 4 if overlap is None else overlap,
             batch_size=d.get('eval_batch_size') or self.spec.micro_batch, device=self.device)
         record = self.metrics.log_eval(self.step, metrics_from_confusion(result['confusion'], self.val_set.classes))
