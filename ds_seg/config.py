@@ -470,6 +470,14 @@ DS_TOP_LEVEL_KEYS = {
     'zenflow', 'amp',
 }
 
+# Top-level blocks DeepSpeed reads as objects (dicts or pydantic models): any other JSON value
+# there is refused in one line.
+_DS_OBJECT_BLOCKS = {
+    'optimizer', 'scheduler', 'fp16', 'bf16', 'bfloat16', 'torch_autocast', 'data_types', 'zero_optimization',
+    'flops_profiler', 'tensorboard', 'wandb', 'csv_monitor', 'comet', 'comms_logger', 'activation_checkpointing',
+    'aio', 'checkpoint', 'autotuning', 'data_efficiency', 'pipeline', 'compile', 'timers', 'zenflow',
+}
+
 # Schedulers whose length we fill from train.max_steps when the JSON leaves it out.
 _SCHEDULERS_WITH_TOTAL = {'WarmupDecayLR', 'WarmupCosineLR'}
 
@@ -548,6 +556,13 @@ def check_ds_config(ds, source='DeepSpeed config'):
         value = _get(ds, nonfinite) if '[' not in nonfinite else None
         raise ConfigError(f"{source}: {nonfinite!r} is {json.dumps(value) if value is not None else 'not finite'}; "
                           "give a finite number.")
+    for key in sorted(_DS_OBJECT_BLOCKS & set(ds)):
+        if not isinstance(ds[key], dict):
+            # "scheduler": null to mean "no scheduler" crashed (bf16: null with a traceback) or
+            # drew DeepSpeed's "'NoneType' object has no attribute 'keys'".
+            what = ('give one such as {"type": "AdamW", "params": {"lr": 0.001}}' if key == 'optimizer'
+                    else f'remove the key to leave {key} out')
+            raise ConfigError(f"{source}: {key!r} must be an object ({{...}}), got {json.dumps(ds[key])}; {what}.")
     if 'bf16' in ds and 'bfloat16' in ds:
         # DeepSpeed reads 'bf16' and ignores 'bfloat16' (its old name) when both are there.
         raise ConfigError(f"{source}: both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'.")
@@ -564,9 +579,6 @@ def _check_torch_autocast(block, source):
     value: "enabled": "false" would turn autocast on (and ds_seg would record it as on)."""
     if block is None:
         return
-    if not isinstance(block, dict):
-        raise ConfigError(f"{source}: 'torch_autocast' must be an object, e.g. "
-                          f"{{\"enabled\": true, \"dtype\": \"bfloat16\"}}, got {json.dumps(block)}.")
     rules = {'enabled': (lambda v: isinstance(v, bool), 'true or false'),
              'dtype': (lambda v: isinstance(v, str), 'a string such as "bfloat16" or "float16"'),
              'lower_precision_safe_modules': (lambda v: isinstance(v, list) and all(isinstance(m, str) for m in v),

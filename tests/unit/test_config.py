@@ -204,6 +204,13 @@ DS_VALUE_REFUSALS = {
     'autocast_number': (dict(torch_autocast={'enabled': 1}), "'torch_autocast.enabled' must be true or false, got 1"),
     'autocast_modules': (dict(torch_autocast={'enabled': True, 'lower_precision_safe_modules': 'torch.nn.Linear'}),
                          "'torch_autocast.lower_precision_safe_modules' must be a list"),
+    # A block given as null/true/a list: "bf16": null crashed with a traceback, "scheduler": null
+    # (meaning "none") drew DeepSpeed's "'NoneType' object has no attribute 'keys'".
+    'bf16_null': (dict(bf16=None), "'bf16' must be an object ({...}), got null; remove the key to leave bf16 out."),
+    'scheduler_null': (dict(scheduler=None), "'scheduler' must be an object ({...}), got null; remove the key"),
+    'zero_number': (dict(zero_optimization=2), "'zero_optimization' must be an object ({...}), got 2"),
+    'optimizer_list': (dict(optimizer=[]), "'optimizer' must be an object ({...}), got []; give one such as"),
+    'autocast_true': (dict(torch_autocast=True), "'torch_autocast' must be an object ({...}), got true"),
     # ds_seg took 'bfloat16' (off) where DeepSpeed takes 'bf16' (on): the two disagreed.
     'bf16_twice': (dict(bf16={'enabled': True}, bfloat16={'enabled': False}),
                    "both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'."),
