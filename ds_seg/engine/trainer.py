@@ -429,11 +429,16 @@ class Trainer:
                 if not isinstance(value, torch.Tensor):
                     continue
                 key = f"loss{'.' + module_name if module_name else ''}.{name}"
-                if value.dim() != 1 or value.numel() != classes:
+                if value.dim() != 1:
+                    raise ConfigError(f"{key} must be a flat list of numbers, one per class, got {value.tolist()}.")
+                if value.numel() != classes:
                     raise ConfigError(f"{key} has {value.numel()} value(s) {value.tolist()} but data.train has "
                                       f"{classes} classes ({', '.join(self.train_set.classes)}): give one per class.")
                 if not (torch.isfinite(value).all() and (value >= 0).all()):
                     raise ConfigError(f"{key} must hold finite numbers >= 0, got {value.tolist()}.")
+                if not (value > 0).any():  # every pixel weighs 0: the loss is 0 for the whole run
+                    raise ConfigError(f"{key} is 0 for every class, so the loss is 0 and nothing is learnt; "
+                                      f"give the classes to learn a weight > 0.")
 
     def _check_ignore_index(self, key, loss):
         ignore = getattr(loss, 'ignore_index', None)

@@ -105,6 +105,9 @@ def _cases(tmp):
         # DeepSpeed reads "false" as true
         'ds_autocast_quoted': ([], ds_json('autocast.json', {**base, 'torch_autocast': {'enabled': 'false'}}), []),
         'ds_scheduler_null': ([], ds_json('null.json', {**base, 'scheduler': None}), []),
+        # every pixel weighs 0: trained at loss 0 for the whole run
+        'class_weight_zero': (['loss.class_weight=[0, 0, 0, 0, 0, 0]'], None, []),
+        'class_weight_nested': (['loss.class_weight=[[1, 1, 1, 1, 1, 2]]'], None, []),
         # a misspelt flip direction never flipped
         'flip_typo': (["data.train.transforms=[{'type': 'RandomFlip', 'direction': 'horizonal'}]"], None, []),
         'load_from_folder': ([f'load_from={tmp}'], None, []),
@@ -189,6 +192,8 @@ EXPECTED = {
     'ds_schedule_short': ['short.json: scheduler.params.total_num_steps (4) is shorter than the run (train.max_steps=24)'],
     'ds_autocast_quoted': ["autocast.json: 'torch_autocast.enabled' must be true or false, got \"false\""],
     'ds_scheduler_null': ["null.json: 'scheduler' must be an object ({...}), got null"],
+    'class_weight_zero': ['loss.class_weight is 0 for every class, so the loss is 0'],
+    'class_weight_nested': ['loss.class_weight must be a flat list of numbers, one per class'],
     'flip_typo': ['transforms[0] (RandomFlip)', "direction must be one or both of 'horizontal', 'vertical'"],
     'load_from_folder': ['load_from=', 'is a folder', 'launch/export.py'],
     'load_from_width': ['load_from: ', 'trained6.pt does not fit model UNet:', 'in the weights',
