@@ -478,6 +478,9 @@ _DS_OBJECT_BLOCKS = {
     'aio', 'checkpoint', 'autotuning', 'data_efficiency', 'pipeline', 'compile', 'timers', 'zenflow',
 }
 
+# DeepSpeed's WarmupLR warmup_num_steps default (deepspeed/runtime/lr_schedules.py).
+_WARMUP_LR_DEFAULT_STEPS = 1000
+
 # Schedulers whose length we fill from train.max_steps when the JSON leaves it out.
 _SCHEDULERS_WITH_TOTAL = {'WarmupDecayLR', 'WarmupCosineLR'}
 
@@ -1055,6 +1058,17 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
         elif warmup >= params['total_num_steps']:
             raise ConfigError(f"{source}: scheduler.params.warmup_num_steps ({params.get('warmup_num_steps')}) "
                               f"must be smaller than the run length ({params['total_num_steps']} steps).")
+    elif sched and sched.get('type') == 'WarmupLR':
+        # WarmupLR has no length, and warms up over 1000 steps unless told: a shorter run never
+        # reached warmup_max_lr. Shortened as for the schedules above.
+        params = sched.setdefault('params', {})
+        given = 'warmup_num_steps' in params
+        warmup = params.get('warmup_num_steps', _WARMUP_LR_DEFAULT_STEPS)
+        if _is_number(warmup) and warmup >= max_steps:
+            params['warmup_num_steps'] = max(1, max_steps // 5)
+            notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup}{'' if given else ' (the WarmupLR default)'} "
+                         f"is not shorter than the run ({max_steps} steps); warming up over "
+                         f"{params['warmup_num_steps']} step(s) instead.")
 
     if 'bfloat16' in ds:  # DeepSpeed's old spelling
         ds['bf16'] = ds.pop('bfloat16')

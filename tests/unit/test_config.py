@@ -305,6 +305,20 @@ def test_a_schedule_shorter_than_the_run_is_refused(kind):
         assert resolved['scheduler']['params']['total_num_steps'] == 4
 
 
+def test_warmup_lr_longer_than_the_run_is_shortened_with_a_note():
+    """WarmupLR has no length and warms up over 1000 steps unless told: a 400-step run never
+    reached warmup_max_lr. It now warms up over a fifth of the run, as the other schedules."""
+    for params, note in (({'warmup_max_lr': 1e-3}, 'warmup_num_steps 1000 (the WarmupLR default) is not shorter'),
+                         ({'warmup_num_steps': 500}, 'warmup_num_steps 500 is not shorter')):
+        ds = {'train_micro_batch_size_per_gpu': 2, 'scheduler': {'type': 'WarmupLR', 'params': dict(params)}}
+        resolved, _, notes = resolve_ds_config(ds, 1, 400, source='x.json')
+        assert resolved['scheduler']['params']['warmup_num_steps'] == 80
+        assert notes == [f'x.json: scheduler.params.{note} than the run (400 steps); warming up over 80 step(s) instead.']
+    kept = {'train_micro_batch_size_per_gpu': 2, 'scheduler': {'type': 'WarmupLR', 'params': {'warmup_num_steps': 50}}}
+    resolved, _, notes = resolve_ds_config(kept, 1, 400)
+    assert resolved['scheduler']['params']['warmup_num_steps'] == 50 and not notes
+
+
 @pytest.mark.parametrize('name', sorted(p.stem for p in DS_CONFIGS_DIR.glob('*.json')))
 @pytest.mark.parametrize('max_steps', [1, 5])
 def test_short_runs_shorten_the_warmup_of_every_shipped_json(name, max_steps):
