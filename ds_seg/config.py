@@ -215,6 +215,12 @@ class DataSection(_Section):
                 raise ConfigError(f"data.{split}.crop_size={given!r} conflicts with data.crop_size="
                                   f"{section.crop_size!r} (the one every dataset is built with); "
                                   "set data.crop_size only.")
+        # Likewise data.random_scale replaces the training set's own random_scale when set.
+        given = (_get(cfg, 'data.train') or {}).get('random_scale')
+        if (given is not None and section.random_scale is not None
+                and tuple(given if isinstance(given, (list, tuple)) else (given, given)) != tuple(section.random_scale)):
+            raise ConfigError(f"data.train.random_scale={given!r} conflicts with data.random_scale="
+                              f"{section.random_scale!r} (which replaces it); set one of them.")
         return section
 
 

@@ -87,6 +87,9 @@ def test_delete_marker_replaces_the_default_section_as_in_mmengine(tmp_path):
     (['train=1', 'train.max_steps=2'],
      r"'train.max_steps=2' sets a key inside train, which an earlier option set to 1"),
     (['train.dist_timeout_s=1e999'], r'train.dist_timeout_s must be a finite number > 0 or None, got inf'),
+    # data.random_scale silently replaced the training set's own
+    (['data.random_scale=(0.5, 2.0)', 'data.train.random_scale=(1.0, 1.5)'],
+     r'data.train.random_scale=\(1.0, 1.5\) conflicts with data.random_scale=\(0.5, 2.0\) \(which replaces it\)'),
 ])
 def test_bad_options_are_named(options, message):
     with pytest.raises(ConfigError, match=message):
