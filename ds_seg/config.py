@@ -484,8 +484,10 @@ _DS_OBJECT_BLOCKS = {
     'aio', 'checkpoint', 'autotuning', 'data_efficiency', 'pipeline', 'compile', 'timers', 'zenflow',
 }
 
-# DeepSpeed's WarmupLR warmup_num_steps default (deepspeed/runtime/lr_schedules.py).
+# DeepSpeed's WarmupLR warmup_num_steps default and WarmupDecayLR warmup_max_lr default
+# (deepspeed/runtime/lr_schedules.py).
 _WARMUP_LR_DEFAULT_STEPS = 1000
+_WARMUP_DECAY_DEFAULT_MAX_LR = 0.001
 
 # Schedulers whose length we fill from train.max_steps when the JSON leaves it out.
 _SCHEDULERS_WITH_TOTAL = {'WarmupDecayLR', 'WarmupCosineLR'}
@@ -809,8 +811,21 @@ def _check_ds_values(ds, source):
             raise ConfigError(f"{source}: 'scheduler.type' {kind!r} is not a DeepSpeed scheduler.{hint} "
                               f"Use one of {', '.join(VALID_LR_SCHEDULES)}.")
         _check_ds_params(scheduler, 'scheduler', source)
+        _check_decay_peak(ds, source)
     _check_by_building(ds, source)
     _check_with_deepspeed(ds, source)
+
+
+def _check_decay_peak(ds, source):
+    """DeepSpeed's WarmupDecayLR peaks at its own warmup_max_lr default (0.001), not at the
+    optimizer's lr as WarmupLR does: "lr": 1e-4 with it trained at 1e-3 without a word."""
+    scheduler, optimizer = ds.get('scheduler') or {}, ds.get('optimizer') or {}
+    params, lr = scheduler.get('params') or {}, (optimizer.get('params') or {}).get('lr')
+    if (scheduler.get('type') == 'WarmupDecayLR' and 'warmup_max_lr' not in params and _is_number(lr)
+            and lr != _WARMUP_DECAY_DEFAULT_MAX_LR):
+        raise ConfigError(f"{source}: WarmupDecayLR without 'scheduler.params.warmup_max_lr' peaks at DeepSpeed's "
+                          f"default {_WARMUP_DECAY_DEFAULT_MAX_LR}, not at 'optimizer.params.lr' ({lr}); give "
+                          f"\"warmup_max_lr\": {lr} (or the peak you want) in scheduler.params.")
 
 
 def _check_by_building(ds, source):

@@ -214,6 +214,10 @@ DS_VALUE_REFUSALS = {
     'zero_number': (dict(zero_optimization=2), "'zero_optimization' must be an object ({...}), got 2"),
     'optimizer_list': (dict(optimizer=[]), "'optimizer' must be an object ({...}), got []; give one such as"),
     'autocast_true': (dict(torch_autocast=True), "'torch_autocast' must be an object ({...}), got true"),
+    # WarmupDecayLR peaks at DeepSpeed's 0.001 whatever the optimizer's lr: 10x the 1e-4 written.
+    'decay_peak': (dict(optimizer__params__lr=1e-4, scheduler={'type': 'WarmupDecayLR', 'params': {'warmup_num_steps': 2}}),
+                   "WarmupDecayLR without 'scheduler.params.warmup_max_lr' peaks at DeepSpeed's default 0.001, "
+                   "not at 'optimizer.params.lr' (0.0001); give \"warmup_max_lr\": 0.0001"),
     # ds_seg took 'bfloat16' (off) where DeepSpeed takes 'bf16' (on): the two disagreed.
     'bf16_twice': (dict(bf16={'enabled': True}, bfloat16={'enabled': False}),
                    "both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'."),
