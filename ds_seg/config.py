@@ -484,10 +484,14 @@ _DS_OBJECT_BLOCKS = {
     'aio', 'checkpoint', 'autotuning', 'data_efficiency', 'pipeline', 'compile', 'timers', 'zenflow',
 }
 
-# DeepSpeed's WarmupLR warmup_num_steps default and WarmupDecayLR warmup_max_lr default
-# (deepspeed/runtime/lr_schedules.py).
-_WARMUP_LR_DEFAULT_STEPS = 1000
-_WARMUP_DECAY_DEFAULT_MAX_LR = 0.001
+def _schedule_default(kind, param):
+    """The default of ``param`` in DeepSpeed's scheduler class ``kind`` (read from its signature,
+    so a DeepSpeed that changes it is followed): WarmupLR warms up over 1000 steps, WarmupDecayLR
+    peaks at 0.001."""
+    import inspect
+
+    from deepspeed.runtime import lr_schedules
+    return inspect.signature(getattr(lr_schedules, kind).__init__).parameters[param].default
 
 # Schedulers whose length we fill from train.max_steps when the JSON leaves it out.
 _SCHEDULERS_WITH_TOTAL = {'WarmupDecayLR', 'WarmupCosineLR'}
@@ -821,10 +825,12 @@ def _check_decay_peak(ds, source):
     optimizer's lr as WarmupLR does: "lr": 1e-4 with it trained at 1e-3 without a word."""
     scheduler, optimizer = ds.get('scheduler') or {}, ds.get('optimizer') or {}
     params, lr = scheduler.get('params') or {}, (optimizer.get('params') or {}).get('lr')
-    if (scheduler.get('type') == 'WarmupDecayLR' and 'warmup_max_lr' not in params and _is_number(lr)
-            and lr != _WARMUP_DECAY_DEFAULT_MAX_LR):
+    if scheduler.get('type') != 'WarmupDecayLR' or 'warmup_max_lr' in params or not _is_number(lr):
+        return
+    peak = _schedule_default('WarmupDecayLR', 'warmup_max_lr')
+    if peak is not None and lr != peak:
         raise ConfigError(f"{source}: WarmupDecayLR without 'scheduler.params.warmup_max_lr' peaks at DeepSpeed's "
-                          f"default {_WARMUP_DECAY_DEFAULT_MAX_LR}, not at 'optimizer.params.lr' ({lr}); give "
+                          f"default {peak}, not at 'optimizer.params.lr' ({lr}); give "
                           f"\"warmup_max_lr\": {lr} (or the peak you want) in scheduler.params.")
 
 
@@ -1084,7 +1090,7 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
         # reached warmup_max_lr. Shortened as for the schedules above.
         params = sched.setdefault('params', {})
         given = 'warmup_num_steps' in params
-        warmup = params.get('warmup_num_steps', _WARMUP_LR_DEFAULT_STEPS)
+        warmup = params.get('warmup_num_steps', _schedule_default('WarmupLR', 'warmup_num_steps'))
         if _is_number(warmup) and warmup >= max_steps:
             params['warmup_num_steps'] = max(1, max_steps // 5)
             notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup}{'' if given else ' (the WarmupLR default)'} "
