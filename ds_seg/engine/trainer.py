@@ -378,6 +378,17 @@ class Trainer:
             self.print(f'loaded weights from {path}')
 
     def _check_model_matches_data(self):
+        mode = getattr(self.train_set, 'mode', 'random')
+        if mode != 'random':
+            # The training stream is endless; a grid yields each window once and answers every
+            # later index with all-ignore padding (meant for evaluation shards): the run went on
+            # at loss 0 after its first pass. Grid mode is the default for any split but 'train'
+            # (mmseg's ADE20K folders are called 'training').
+            split = getattr(self.train_set, 'split', None)
+            why = f"mode={mode!r}" if self.cfg.data.train.get('mode') else f"split={split!r} is not 'train'"
+            raise ConfigError(f"data.train reads windows in {mode} mode ({why}): a grid gives each window once, "
+                              f"then only ignored padding, so training would stop learning after "
+                              f"{len(self.train_set)} samples; set data.train.mode='random'.")
         m = self.cfg.model
         if m.get('in_channels') is not None and m.in_channels != self.train_set.in_channels:
             raise ConfigError(f"model.in_channels is {m.in_channels} but data.train yields "

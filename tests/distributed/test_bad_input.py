@@ -108,6 +108,10 @@ def _cases(tmp):
         # every pixel weighs 0: trained at loss 0 for the whole run
         'class_weight_zero': (['loss.class_weight=[0, 0, 0, 0, 0, 0]'], None, []),
         'class_weight_nested': (['loss.class_weight=[[1, 1, 1, 1, 1, 2]]'], None, []),
+        # a grid gives each window once, then all-ignore padding: trained at loss 0 after that
+        # (grid is the default for a split other than 'train', e.g. mmseg's ADE20K 'training')
+        'train_grid': ([f"data.train={dict(type='GeoTiffScenes', images=[img], labels=[lbl], classes=6, split='training')!r}",
+                        'data.val=None'], None, []),
         # a misspelt flip direction never flipped
         'flip_typo': (["data.train.transforms=[{'type': 'RandomFlip', 'direction': 'horizonal'}]"], None, []),
         'load_from_folder': ([f'load_from={tmp}'], None, []),
@@ -194,6 +198,8 @@ EXPECTED = {
     'ds_scheduler_null': ["null.json: 'scheduler' must be an object ({...}), got null"],
     'class_weight_zero': ['loss.class_weight is 0 for every class, so the loss is 0'],
     'class_weight_nested': ['loss.class_weight must be a flat list of numbers, one per class'],
+    'train_grid': ["data.train reads windows in grid mode (split='training' is not 'train')",
+                   "set data.train.mode='random'"],
     'flip_typo': ['transforms[0] (RandomFlip)', "direction must be one or both of 'horizontal', 'vertical'"],
     'load_from_folder': ['load_from=', 'is a folder', 'launch/export.py'],
     'load_from_width': ['load_from: ', 'trained6.pt does not fit model UNet:', 'in the weights',
