@@ -884,6 +884,20 @@ def _check_with_deepspeed(ds, source):
     for key, model in _ds_models().items():
         if isinstance(ds.get(key), dict):
             _check_json_types(model, ds[key], key, source)
+    _check_offload_stage(ds.get('zero_optimization') or {}, source)
+
+
+def _check_offload_stage(zero, source):
+    """DeepSpeed ignores an offload block its ZeRO stage does not implement: parameters are
+    offloaded only by stage 3, the optimizer only by stages 1-3. The run then trains without the
+    memory saving the JSON asks for, and runs out of memory where it was meant to fit."""
+    stage = zero.get('stage', 0)
+    for block, needs, ok in (('offload_param', 'stage 3', stage == 3), ('offload_optimizer', 'stage 1, 2 or 3', stage >= 1)):
+        device = (zero.get(block) or {}).get('device', 'none')
+        if not ok and str(device) != 'none':
+            raise ConfigError(f"{source}: 'zero_optimization.{block}' (device {device!r}) needs ZeRO {needs}, and "
+                              f"DeepSpeed ignores it at stage {stage}: nothing would be offloaded; raise "
+                              f"'zero_optimization.stage' or remove the block.")
 
 
 def _pydantic_models():

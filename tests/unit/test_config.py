@@ -218,6 +218,12 @@ DS_VALUE_REFUSALS = {
     'decay_peak': (dict(optimizer__params__lr=1e-4, scheduler={'type': 'WarmupDecayLR', 'params': {'warmup_num_steps': 2}}),
                    "WarmupDecayLR without 'scheduler.params.warmup_max_lr' peaks at DeepSpeed's default 0.001, "
                    "not at 'optimizer.params.lr' (0.0001); give \"warmup_max_lr\": 0.0001"),
+    # DeepSpeed ignores offload blocks its stage does not implement: no offload, no word.
+    'offload_param_stage2': (dict(zero_optimization={'stage': 2, 'offload_param': {'device': 'cpu'}}),
+                             "'zero_optimization.offload_param' (device 'cpu') needs ZeRO stage 3, and DeepSpeed "
+                             "ignores it at stage 2"),
+    'offload_optimizer_stage0': (dict(zero_optimization={'stage': 0, 'offload_optimizer': {'device': 'cpu'}}),
+                                 "'zero_optimization.offload_optimizer' (device 'cpu') needs ZeRO stage 1, 2 or 3"),
     # ds_seg took 'bfloat16' (off) where DeepSpeed takes 'bf16' (on): the two disagreed.
     'bf16_twice': (dict(bf16={'enabled': True}, bfloat16={'enabled': False}),
                    "both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'."),
