@@ -413,10 +413,10 @@ def load_config(path=None, cfg_options=None):
         _check_keys(loaded, DEFAULTS, str(path))
         cfg = _merge(cfg, loaded)
         name = path.stem
-    from_file = cfg
+    from_file = cfg = _expand_user(cfg)
     options = parse_cfg_options(cfg_options)
     _check_keys(options, DEFAULTS, '--cfg-options')
-    cfg = _merge(cfg, options)
+    cfg = _expand_user(_merge(cfg, options))
     try:
         _check_values(cfg)
     except ConfigError as exc:
@@ -430,6 +430,15 @@ def load_config(path=None, cfg_options=None):
         raise ConfigError(f'{source}: {exc}') from None
     cfg['config_name'] = name
     return Config(cfg)
+
+
+def _expand_user(cfg):
+    """A config is not a shell: work_dir='~/runs/x' created a folder named '~' in the current
+    directory (one `rm -rf ~` away from the home directory) and load_from='~/w.pt' was missing."""
+    for key in ('work_dir', 'load_from'):
+        if isinstance(cfg.get(key), str):
+            cfg[key] = os.path.expanduser(cfg[key])
+    return cfg
 
 
 def _get(cfg, path):

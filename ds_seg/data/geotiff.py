@@ -194,6 +194,8 @@ def expand_paths(spec, what):
     paths = []
     for item in spec:
         item = os.fspath(item)
+        if not is_remote(item):
+            item = os.path.expanduser(item)  # '~/data/*.tif' in a config: no shell expands it
         if glob.has_magic(item) and not is_remote(item):  # '?' in a URL is a query, not a glob
             matches = sorted(glob.glob(item))
             if not matches:

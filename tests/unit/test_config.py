@@ -96,6 +96,17 @@ def test_bad_options_are_named(options, message):
         load_config(None, options)
 
 
+def test_home_in_work_dir_and_load_from_is_expanded(tmp_path, monkeypatch):
+    """work_dir='~/runs/x' in a config made a folder literally named '~' in the current directory;
+    load_from='~/w.pt' was reported missing. Both now mean the home directory, as in a shell."""
+    monkeypatch.setenv('HOME', str(tmp_path))
+    (tmp_path / 'w.pt').write_bytes(b'')
+    config = tmp_path / 'c.py'
+    config.write_text("work_dir = '~/runs/x'\nload_from = '~/w.pt'\n")
+    for cfg in (load_config(str(config)), load_config(None, ["work_dir='~/runs/x'", "load_from='~/w.pt'"])):
+        assert cfg.work_dir == str(tmp_path / 'runs' / 'x') and cfg.load_from == str(tmp_path / 'w.pt')
+
+
 def test_cfg_options_given_twice_both_apply():
     from ds_seg.cli.train import parse_args
     args = parse_args(['--cfg-options', 'train.max_steps=2', '--cfg-options', 'train.checkpoint_interval=2'])

@@ -397,6 +397,17 @@ def test_window_options_out_of_range_are_refused(tmp_path, option, named):
         GeoTiffScenes([img], [lbl], classes=2, crop_size=32, **ok)
 
 
+def test_home_in_image_and_label_paths_is_expanded(tmp_path, monkeypatch):
+    """images='~/scenes/*.tif' in a config matched nothing: no shell expands '~' there."""
+    from tests.unit.test_data import write_tif
+    monkeypatch.setenv('HOME', str(tmp_path))
+    rng = np.random.default_rng(0)
+    write_tif(tmp_path / 'img.tif', rng.integers(0, 255, (3, 32, 32), dtype=np.uint8))
+    write_tif(tmp_path / 'lbl.tif', rng.integers(0, 2, (1, 32, 32), dtype=np.uint8))
+    ds = GeoTiffScenes('~/img*.tif', ['~/lbl.tif'], classes=2, crop_size=32)
+    assert [s['image'] for s in ds.scenes] == [str(tmp_path / 'img.tif')]
+
+
 def test_random_scale_must_be_finite(tmp_path):
     """random_scale=(0.5, 1e999) passed the checks and crashed numpy's draw at the first step."""
     from ds_seg.data.transforms import check_random_scale
