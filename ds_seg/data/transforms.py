@@ -148,6 +148,8 @@ class Compose:
     """Apply transforms built from config dicts in order, with one shared generator."""
 
     def __init__(self, transforms):
+        if isinstance(transforms, (dict, str)):  # one transform without its list: iterated as keys
+            raise ValueError(f"transforms must be a list of dicts, e.g. [dict(type='RandomFlip')], got {transforms!r}")
         self.transforms = [t if callable(t) else build(TRANSFORMS, t, where=f'transforms[{i}]')
                            for i, t in enumerate(transforms or [])]
 

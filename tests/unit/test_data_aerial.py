@@ -356,6 +356,15 @@ def test_transform_settings_out_of_range_are_refused_when_the_dataset_is_built(t
     assert named in str(info.value)
 
 
+def test_a_transform_without_its_list_is_named():
+    """transforms=dict(type='RandomFlip') was iterated as its keys: "transforms[0]: expected a
+    dict with a 'type' key, got 'type'"."""
+    from ds_seg.data.transforms import Compose
+    with pytest.raises(ValueError, match=r"transforms must be a list of dicts, e.g. \[dict\(type='RandomFlip'\)\], "
+                                         r"got \{'type': 'RandomFlip'\}"):
+        Compose(dict(type='RandomFlip'))
+
+
 @pytest.mark.parametrize('classes, named', [
     ('building', "classes='building' is a string, which would be 8 one-letter classes; give a tuple of names "
                  "(one name needs a trailing comma: ('building',))"),
