@@ -232,6 +232,9 @@ class CombinedLoss(nn.Module):
         from ds_seg.registry import build
         if not losses:
             raise ValueError('CombinedLoss needs at least one loss in losses=[...].')
+        if isinstance(losses, (dict, str)):  # one loss without its list: iterated as its keys
+            raise ValueError(f"CombinedLoss losses must be a list of dicts, e.g. [dict(type='CrossEntropyLoss'), "
+                             f"dict(type='DiceLoss')], got {losses!r}")
         self.losses = nn.ModuleList(build(LOSSES, dict(cfg), where=f'loss.losses[{i}]') for i, cfg in enumerate(losses))
 
     def forward(self, logits_BKHW, labels_BHW):

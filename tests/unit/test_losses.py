@@ -133,6 +133,8 @@ def test_shape_mismatch_is_a_clear_error():
     (dict(type='OhemCrossEntropyLoss', min_kept=1e5), 'min_kept must be an integer >= 0'),
     (dict(type='CombinedLoss', losses=[dict(type='CrossEntropyLoss'), dict(type='FocalLoss', loss_weight=float('inf'))]),
      'loss.losses[1] (FocalLoss)'),
+    # one member without its list was iterated as its keys ("dictionary update sequence element...")
+    (dict(type='CombinedLoss', losses=dict(type='DiceLoss')), "CombinedLoss losses must be a list of dicts"),
 ])
 def test_loss_hyperparameters_out_of_range_are_refused_when_built(cfg, named):
     """A string or out-of-range loss setting used to fail only at the first step (after the work
