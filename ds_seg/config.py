@@ -217,8 +217,8 @@ class DataSection(_Section):
                                   "set data.crop_size only.")
         # Likewise data.random_scale replaces the training set's own random_scale when set.
         given = (_get(cfg, 'data.train') or {}).get('random_scale')
-        if (given is not None and section.random_scale is not None
-                and tuple(given if isinstance(given, (list, tuple)) else (given, given)) != tuple(section.random_scale)):
+        pair = tuple(given) if isinstance(given, (list, tuple)) else (given, given)
+        if given is not None and section.random_scale is not None and pair != tuple(section.random_scale):
             raise ConfigError(f"data.train.random_scale={given!r} conflicts with data.random_scale="
                               f"{section.random_scale!r} (which replaces it); set one of them.")
         return section
@@ -540,16 +540,20 @@ def _refuse_duplicate_keys(pairs):
     return seen
 
 
-def _find_auto(node, prefix='', match=lambda v: isinstance(v, str) and v.strip().lower() == 'auto'):
+def _is_auto(value):
+    return isinstance(value, str) and value.strip().lower() == 'auto'
+
+
+def _find_value(node, prefix='', match=_is_auto):
     """The dotted path of the first value in ``node`` that ``match`` accepts (``"auto"``), or None."""
     if isinstance(node, dict):
         for key, value in node.items():
-            found = _find_auto(value, f'{prefix}.{key}' if prefix else key, match)
+            found = _find_value(value, f'{prefix}.{key}' if prefix else key, match)
             if found:
                 return found
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            found = _find_auto(value, f'{prefix}[{i}]', match)
+            found = _find_value(value, f'{prefix}[{i}]', match)
             if found:
                 return found
     elif match(node):
@@ -569,13 +573,13 @@ def check_ds_config(ds, source='DeepSpeed config'):
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ''
             raise ConfigError(f"{source}: unknown top-level key {key!r}.{hint} "
                               "DeepSpeed would silently ignore it; fix or remove it.")
-    auto = _find_auto(ds)
+    auto = _find_value(ds)
     if auto:
         raise ConfigError(f"{source}: {auto!r} is \"auto\". \"auto\" is a Hugging Face convention, not a "
                           "DeepSpeed one (DeepSpeed replaces it by a default or crashes): give a value.")
     # Python's JSON reader takes Infinity, NaN and 1e999 (inf), which no JSON standard has: an
     # "lr": Infinity passed every check and turned the weights to NaN at the first step.
-    nonfinite = _find_auto(ds, match=_is_nonfinite)
+    nonfinite = _find_value(ds, match=_is_nonfinite)
     if nonfinite:
         value = _get(ds, nonfinite) if '[' not in nonfinite else None
         raise ConfigError(f"{source}: {nonfinite!r} is {json.dumps(value) if value is not None else 'not finite'}; "
@@ -901,7 +905,8 @@ def _check_offload_stage(zero, source):
     offloaded only by stage 3, the optimizer only by stages 1-3. The run then trains without the
     memory saving the JSON asks for, and runs out of memory where it was meant to fit."""
     stage = zero.get('stage', 0)
-    for block, needs, ok in (('offload_param', 'stage 3', stage == 3), ('offload_optimizer', 'stage 1, 2 or 3', stage >= 1)):
+    for block, needs, ok in (('offload_param', 'stage 3', stage == 3),
+                             ('offload_optimizer', 'stage 1, 2 or 3', stage >= 1)):
         device = (zero.get(block) or {}).get('device', 'none')
         if not ok and str(device) != 'none':
             raise ConfigError(f"{source}: 'zero_optimization.{block}' (device {device!r}) needs ZeRO {needs}, and "
@@ -1116,9 +1121,9 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
         warmup = params.get('warmup_num_steps', _schedule_default('WarmupLR', 'warmup_num_steps'))
         if _is_number(warmup) and warmup >= max_steps:
             params['warmup_num_steps'] = max(1, max_steps // 5)
-            notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup}{'' if given else ' (the WarmupLR default)'} "
-                         f"is not shorter than the run ({max_steps} steps); warming up over "
-                         f"{params['warmup_num_steps']} step(s) instead.")
+            default = '' if given else ' (the WarmupLR default)'
+            notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup}{default} is not shorter than the run "
+                         f"({max_steps} steps); warming up over {params['warmup_num_steps']} step(s) instead.")
 
     if 'bfloat16' in ds:  # DeepSpeed's old spelling
         ds['bf16'] = ds.pop('bfloat16')

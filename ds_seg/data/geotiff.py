@@ -613,7 +613,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         classes = tuple(classes)
         twice = sorted({c for c in classes if classes.count(c) > 1})
         if twice:  # eval.jsonl's per_class is keyed by name: one would overwrite the other
-            raise ValueError(f"classes names {', '.join(map(repr, twice))} more than once; give each class its own name")
+            raise ValueError(f"classes gives {', '.join(map(repr, twice))} more than once; "
+                             "give each class its own name")
         return classes
 
     def _build_label_lut(self, label_map, reduce_zero_label):

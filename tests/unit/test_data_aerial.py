@@ -368,7 +368,7 @@ def test_a_transform_without_its_list_is_named():
 @pytest.mark.parametrize('classes, named', [
     ('building', "classes='building' is a string, which would be 8 one-letter classes; give a tuple of names "
                  "(one name needs a trailing comma: ('building',))"),
-    (('a', 'b', 'a'), "classes names 'a' more than once"),
+    (('a', 'b', 'a'), "classes gives 'a' more than once"),
     (0, 'classes must be a tuple of names or a class count >= 1, got 0'),
     (True, 'classes must be a tuple of names or a class count >= 1, got True'),
 ])
