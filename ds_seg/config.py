@@ -91,7 +91,7 @@ def _is_bool(v):
 
 def _is_scale_range(v):
     return v is None or (isinstance(v, (list, tuple)) and len(v) == 2
-                         and all(_is_number(x) and x > 0 for x in v) and v[0] <= v[1])
+                         and all(_is_number(x) and math.isfinite(x) and x > 0 for x in v) and v[0] <= v[1])
 
 
 def _is_layer_decay(v):
@@ -215,6 +215,12 @@ class DataSection(_Section):
                 raise ConfigError(f"data.{split}.crop_size={given!r} conflicts with data.crop_size="
                                   f"{section.crop_size!r} (the one every dataset is built with); "
                                   "set data.crop_size only.")
+        # Likewise data.random_scale replaces the training set's own random_scale when set.
+        given = (_get(cfg, 'data.train') or {}).get('random_scale')
+        pair = tuple(given) if isinstance(given, (list, tuple)) else (given, given)
+        if given is not None and section.random_scale is not None and pair != tuple(section.random_scale):
+            raise ConfigError(f"data.train.random_scale={given!r} conflicts with data.random_scale="
+                              f"{section.random_scale!r} (which replaces it); set one of them.")
         return section
 
 
@@ -407,10 +413,10 @@ def load_config(path=None, cfg_options=None):
         _check_keys(loaded, DEFAULTS, str(path))
         cfg = _merge(cfg, loaded)
         name = path.stem
-    from_file = cfg
+    from_file = cfg = _expand_user(cfg)
     options = parse_cfg_options(cfg_options)
     _check_keys(options, DEFAULTS, '--cfg-options')
-    cfg = _merge(cfg, options)
+    cfg = _expand_user(_merge(cfg, options))
     try:
         _check_values(cfg)
     except ConfigError as exc:
@@ -424,6 +430,15 @@ def load_config(path=None, cfg_options=None):
         raise ConfigError(f'{source}: {exc}') from None
     cfg['config_name'] = name
     return Config(cfg)
+
+
+def _expand_user(cfg):
+    """A config is not a shell: work_dir='~/runs/x' created a folder named '~' in the current
+    directory (one `rm -rf ~` away from the home directory) and load_from='~/w.pt' was missing."""
+    for key in ('work_dir', 'load_from'):
+        if isinstance(cfg.get(key), str):
+            cfg[key] = os.path.expanduser(cfg[key])
+    return cfg
 
 
 def _get(cfg, path):
@@ -470,6 +485,23 @@ DS_TOP_LEVEL_KEYS = {
     'zenflow', 'amp',
 }
 
+# Top-level blocks DeepSpeed reads as objects (dicts or pydantic models): any other JSON value
+# there is refused in one line.
+_DS_OBJECT_BLOCKS = {
+    'optimizer', 'scheduler', 'fp16', 'bf16', 'bfloat16', 'torch_autocast', 'data_types', 'zero_optimization',
+    'flops_profiler', 'tensorboard', 'wandb', 'csv_monitor', 'comet', 'comms_logger', 'activation_checkpointing',
+    'aio', 'checkpoint', 'autotuning', 'data_efficiency', 'pipeline', 'compile', 'timers', 'zenflow',
+}
+
+def _schedule_default(kind, param):
+    """The default of ``param`` in DeepSpeed's scheduler class ``kind`` (read from its signature,
+    so a DeepSpeed that changes it is followed): WarmupLR warms up over 1000 steps, WarmupDecayLR
+    peaks at 0.001."""
+    import inspect
+
+    from deepspeed.runtime import lr_schedules
+    return inspect.signature(getattr(lr_schedules, kind).__init__).parameters[param].default
+
 # Schedulers whose length we fill from train.max_steps when the JSON leaves it out.
 _SCHEDULERS_WITH_TOTAL = {'WarmupDecayLR', 'WarmupCosineLR'}
 
@@ -508,20 +540,29 @@ def _refuse_duplicate_keys(pairs):
     return seen
 
 
-def _find_auto(node, prefix=''):
+def _is_auto(value):
+    return isinstance(value, str) and value.strip().lower() == 'auto'
+
+
+def _find_value(node, prefix='', match=_is_auto):
+    """The dotted path of the first value in ``node`` that ``match`` accepts (``"auto"``), or None."""
     if isinstance(node, dict):
         for key, value in node.items():
-            found = _find_auto(value, f'{prefix}.{key}' if prefix else key)
+            found = _find_value(value, f'{prefix}.{key}' if prefix else key, match)
             if found:
                 return found
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            found = _find_auto(value, f'{prefix}[{i}]')
+            found = _find_value(value, f'{prefix}[{i}]', match)
             if found:
                 return found
-    elif isinstance(node, str) and node.strip().lower() == 'auto':
+    elif match(node):
         return prefix
     return None
+
+
+def _is_nonfinite(value):
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def check_ds_config(ds, source='DeepSpeed config'):
@@ -532,15 +573,48 @@ def check_ds_config(ds, source='DeepSpeed config'):
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ''
             raise ConfigError(f"{source}: unknown top-level key {key!r}.{hint} "
                               "DeepSpeed would silently ignore it; fix or remove it.")
-    auto = _find_auto(ds)
+    auto = _find_value(ds)
     if auto:
         raise ConfigError(f"{source}: {auto!r} is \"auto\". \"auto\" is a Hugging Face convention, not a "
                           "DeepSpeed one (DeepSpeed replaces it by a default or crashes): give a value.")
+    # Python's JSON reader takes Infinity, NaN and 1e999 (inf), which no JSON standard has: an
+    # "lr": Infinity passed every check and turned the weights to NaN at the first step.
+    nonfinite = _find_value(ds, match=_is_nonfinite)
+    if nonfinite:
+        value = _get(ds, nonfinite) if '[' not in nonfinite else None
+        raise ConfigError(f"{source}: {nonfinite!r} is {json.dumps(value) if value is not None else 'not finite'}; "
+                          "give a finite number.")
+    for key in sorted(_DS_OBJECT_BLOCKS & set(ds)):
+        if not isinstance(ds[key], dict):
+            # "scheduler": null to mean "no scheduler" crashed (bf16: null with a traceback) or
+            # drew DeepSpeed's "'NoneType' object has no attribute 'keys'".
+            what = ('give one such as {"type": "AdamW", "params": {"lr": 0.001}}' if key == 'optimizer'
+                    else f'remove the key to leave {key} out')
+            raise ConfigError(f"{source}: {key!r} must be an object ({{...}}), got {json.dumps(ds[key])}; {what}.")
+    if 'bf16' in ds and 'bfloat16' in ds:
+        # DeepSpeed reads 'bf16' and ignores 'bfloat16' (its old name) when both are there.
+        raise ConfigError(f"{source}: both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'.")
+    _check_torch_autocast(ds.get('torch_autocast'), source)
     _check_block_keys(ds, source)
     for key in ('train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps'):
         if key in ds and (not isinstance(ds[key], int) or isinstance(ds[key], bool) or ds[key] < 1):
             raise ConfigError(f"{source}: {key!r} must be a positive integer, got {ds[key]!r}.")
     _check_ds_values(ds, source)
+
+
+def _check_torch_autocast(block, source):
+    """DeepSpeed reads the torch_autocast block as a plain dict and takes "enabled" by truth
+    value: "enabled": "false" would turn autocast on (and ds_seg would record it as on)."""
+    if block is None:
+        return
+    rules = {'enabled': (lambda v: isinstance(v, bool), 'true or false'),
+             'dtype': (lambda v: isinstance(v, str), 'a string such as "bfloat16" or "float16"'),
+             'lower_precision_safe_modules': (lambda v: isinstance(v, list) and all(isinstance(m, str) for m in v),
+                                              'a list of module class names (strings)')}
+    for key, (check, what) in rules.items():
+        if key in block and not check(block[key]):
+            hint = ' (write it without quotes)' if key == 'enabled' and isinstance(block[key], str) else ''
+            raise ConfigError(f"{source}: 'torch_autocast.{key}' must be {what}, got {json.dumps(block[key])}{hint}.")
 
 
 def _constants(module, *prefixes, names=()):
@@ -754,8 +828,23 @@ def _check_ds_values(ds, source):
             raise ConfigError(f"{source}: 'scheduler.type' {kind!r} is not a DeepSpeed scheduler.{hint} "
                               f"Use one of {', '.join(VALID_LR_SCHEDULES)}.")
         _check_ds_params(scheduler, 'scheduler', source)
+        _check_decay_peak(ds, source)
     _check_by_building(ds, source)
     _check_with_deepspeed(ds, source)
+
+
+def _check_decay_peak(ds, source):
+    """DeepSpeed's WarmupDecayLR peaks at its own warmup_max_lr default (0.001), not at the
+    optimizer's lr as WarmupLR does: "lr": 1e-4 with it trained at 1e-3 without a word."""
+    scheduler, optimizer = ds.get('scheduler') or {}, ds.get('optimizer') or {}
+    params, lr = scheduler.get('params') or {}, (optimizer.get('params') or {}).get('lr')
+    if scheduler.get('type') != 'WarmupDecayLR' or 'warmup_max_lr' in params or not _is_number(lr):
+        return
+    peak = _schedule_default('WarmupDecayLR', 'warmup_max_lr')
+    if peak is not None and lr != peak:
+        raise ConfigError(f"{source}: WarmupDecayLR without 'scheduler.params.warmup_max_lr' peaks at DeepSpeed's "
+                          f"default {peak}, not at 'optimizer.params.lr' ({lr}); give "
+                          f"\"warmup_max_lr\": {lr} (or the peak you want) in scheduler.params.")
 
 
 def _check_by_building(ds, source):
@@ -808,6 +897,21 @@ def _check_with_deepspeed(ds, source):
     for key, model in _ds_models().items():
         if isinstance(ds.get(key), dict):
             _check_json_types(model, ds[key], key, source)
+    _check_offload_stage(ds.get('zero_optimization') or {}, source)
+
+
+def _check_offload_stage(zero, source):
+    """DeepSpeed ignores an offload block its ZeRO stage does not implement: parameters are
+    offloaded only by stage 3, the optimizer only by stages 1-3. The run then trains without the
+    memory saving the JSON asks for, and runs out of memory where it was meant to fit."""
+    stage = zero.get('stage', 0)
+    for block, needs, ok in (('offload_param', 'stage 3', stage == 3),
+                             ('offload_optimizer', 'stage 1, 2 or 3', stage >= 1)):
+        device = (zero.get(block) or {}).get('device', 'none')
+        if not ok and str(device) != 'none':
+            raise ConfigError(f"{source}: 'zero_optimization.{block}' (device {device!r}) needs ZeRO {needs}, and "
+                              f"DeepSpeed ignores it at stage {stage}: nothing would be offloaded; raise "
+                              f"'zero_optimization.stage' or remove the block.")
 
 
 def _pydantic_models():
@@ -998,9 +1102,28 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
             params['warmup_num_steps'] = max(1, max_steps // 5)
             notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup} is not shorter than the run "
                          f"({max_steps} steps); warming up over {params['warmup_num_steps']} step(s) instead.")
+        elif not from_run and _is_number(params['total_num_steps']) and params['total_num_steps'] < max_steps:
+            # Past its length a schedule stays at its last LR (0 for WarmupDecayLR, the cosine
+            # floor for WarmupCosineLR): the rest of the run would train at it without a word.
+            total = params['total_num_steps']
+            raise ConfigError(f"{source}: scheduler.params.total_num_steps ({total}) is shorter than the run "
+                              f"(train.max_steps={max_steps}): its last {max_steps - total} step(s) would train at "
+                              f"the schedule's final LR; remove total_num_steps so the schedule follows "
+                              f"train.max_steps, or set train.max_steps={total}.")
         elif warmup >= params['total_num_steps']:
             raise ConfigError(f"{source}: scheduler.params.warmup_num_steps ({params.get('warmup_num_steps')}) "
                               f"must be smaller than the run length ({params['total_num_steps']} steps).")
+    elif sched and sched.get('type') == 'WarmupLR':
+        # WarmupLR has no length, and warms up over 1000 steps unless told: a shorter run never
+        # reached warmup_max_lr. Shortened as for the schedules above.
+        params = sched.setdefault('params', {})
+        given = 'warmup_num_steps' in params
+        warmup = params.get('warmup_num_steps', _schedule_default('WarmupLR', 'warmup_num_steps'))
+        if _is_number(warmup) and warmup >= max_steps:
+            params['warmup_num_steps'] = max(1, max_steps // 5)
+            default = '' if given else ' (the WarmupLR default)'
+            notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup}{default} is not shorter than the run "
+                         f"({max_steps} steps); warming up over {params['warmup_num_steps']} step(s) instead.")
 
     if 'bfloat16' in ds:  # DeepSpeed's old spelling
         ds['bf16'] = ds.pop('bfloat16')

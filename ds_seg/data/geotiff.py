@@ -43,6 +43,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import math
 import os
 import random
 import warnings
@@ -193,6 +194,8 @@ def expand_paths(spec, what):
     paths = []
     for item in spec:
         item = os.fspath(item)
+        if not is_remote(item):
+            item = os.path.expanduser(item)  # '~/data/*.tif' in a config: no shell expands it
         if glob.has_magic(item) and not is_remote(item):  # '?' in a URL is a query, not a glob
             matches = sorted(glob.glob(item))
             if not matches:
@@ -285,6 +288,17 @@ def label_nodata_message(label, value, class_index, class_name, ignore_index):
             f"ds_seg learns and scores pixels by value, GDAL tools (overviews, warps, QGIS) treat them as empty. "
             f"If {value:g} is that class, remove the tag (gdal_edit.py -unsetnodata {label}); if those pixels "
             f"hold no label, rewrite them as ignore_index {ignore_index} (or map the value with `label_map`)")
+
+
+def _ratio(name, value, low_open):
+    """None or a share in (0, 1] (``low_open``) or [0, 1], as a float; else a ValueError."""
+    if value is None:
+        return None
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (0 < value if low_open else 0 <= value) and value <= 1):
+        raise ValueError(f"{name} must be None or a share in {'(0, 1]' if low_open else '[0, 1]'} "
+                         f"(e.g. 0.75, not 75), got {value!r}")
+    return float(value)
 
 
 @DATASETS.register_module()
@@ -396,12 +410,18 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self.seed = int(seed)
         # Evaluation windows are never augmented or rescaled: their labels are compared pixel
         # for pixel with the scene.
-        self.augment = mode == 'random' and (augment is None or bool(augment))
+        if augment is not None and not isinstance(augment, bool):  # augment='false' was truthy: on
+            raise ValueError(f"augment must be True, False or None (on in random mode), got {augment!r}")
+        self.augment = mode == 'random' and (augment is None or augment)
         self.transforms = Compose(transforms) if mode == 'random' else Compose(None)
         self.random_scale = check_random_scale(random_scale) if mode == 'random' else None
-        self.cat_max_ratio = None if cat_max_ratio is None else float(cat_max_ratio)
-        self.max_nodata_ratio = None if max_nodata_ratio is None else float(max_nodata_ratio)
-        self.max_retries = int(max_retries)
+        # Shares, not percentages: cat_max_ratio=75 or max_nodata_ratio=50 would never reject a
+        # window (no effect at all), a ratio <= 0 every window (each sample read max_retries + 1 times).
+        self.cat_max_ratio = _ratio('cat_max_ratio', cat_max_ratio, low_open=True)
+        self.max_nodata_ratio = _ratio('max_nodata_ratio', max_nodata_ratio, low_open=False)
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+        self.max_retries = max_retries
         self.boundary_ignore = int(boundary_ignore)
         self.palette = None if palette is None else [tuple(int(v) for v in c) for c in palette]
         self._world_size, self._micro_batch = 1, 1
@@ -582,9 +602,20 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 if valid.size:
                     top = max(top, int(valid.max()))
             classes = top + 1
+        if isinstance(classes, str):
+            # ('building') without its comma is a string: tuple() would make one class per letter.
+            raise ValueError(f"classes={classes!r} is a string, which would be {len(classes)} one-letter classes; "
+                             f"give a tuple of names (one name needs a trailing comma: ({classes!r},)) or a count")
+        if isinstance(classes, bool) or (isinstance(classes, int) and classes < 1):
+            raise ValueError(f"classes must be a tuple of names or a class count >= 1, got {classes!r}")
         if isinstance(classes, int):
             classes = tuple(f'class_{i}' for i in range(classes))
-        return tuple(classes)
+        classes = tuple(classes)
+        twice = sorted({c for c in classes if classes.count(c) > 1})
+        if twice:  # eval.jsonl's per_class is keyed by name: one would overwrite the other
+            raise ValueError(f"classes gives {', '.join(map(repr, twice))} more than once; "
+                             "give each class its own name")
+        return classes
 
     def _build_label_lut(self, label_map, reduce_zero_label):
         """File value -> class index / ignore_index / -1 (not allowed), for values 0..65535."""

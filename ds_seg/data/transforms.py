@@ -14,9 +14,22 @@ Example::
     t = build(TRANSFORMS, dict(type='PhotoMetricDistortion', brightness=0.2))
     image, label = t(image_CHW, label_HW, np.random.default_rng(0))
 """
+import math
+
 import numpy as np
 
 from ds_seg.registry import TRANSFORMS, build
+
+
+def _checked(owner, name, value, low=0.0, high=1.0):
+    """``value`` as a float if it is a finite number in [low, high], else a ValueError (one line
+    naming the transform through ``build``). Out of range, a setting trains silently otherwise:
+    a prob of 1.5 is 1, a contrast of 1.5 draws negative factors that invert the image."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and low <= value <= high):
+        bounds = f'in [{low:g}, {high:g}]' if high != math.inf else f'>= {low:g}'
+        raise ValueError(f'{owner} {name} must be a number {bounds}, got {value!r}')
+    return float(value)
 
 
 # ---------------------------------------------------------------------- joint transforms
@@ -29,9 +42,16 @@ class RandomFlip:
         image, label = RandomFlip(prob=0.5, direction=('horizontal', 'vertical'))(img, lbl, rng)
     """
 
+    DIRECTIONS = ('horizontal', 'vertical')
+
     def __init__(self, prob=0.5, direction=('horizontal', 'vertical')):
-        self.prob = float(prob)
+        self.prob = _checked('RandomFlip', 'prob', prob)
         self.direction = (direction,) if isinstance(direction, str) else tuple(direction)
+        # A misspelt direction ('horizonal') would simply never flip.
+        unknown = [d for d in self.direction if d not in self.DIRECTIONS]
+        if unknown or not self.direction:
+            raise ValueError(f"RandomFlip direction must be one or both of {', '.join(map(repr, self.DIRECTIONS))}, "
+                             f"got {direction!r}")
 
     def __call__(self, image, label, rng):
         # One draw per direction whether or not it is used: the stream of draws (and so every
@@ -55,7 +75,7 @@ class RandomRotate90:
     """
 
     def __init__(self, prob=0.75):
-        self.prob = float(prob)
+        self.prob = _checked('RandomRotate90', 'prob', prob)
 
     def __call__(self, image, label, rng):
         apply, k = rng.random() < self.prob, int(rng.integers(1, 4))
@@ -85,8 +105,12 @@ class PhotoMetricDistortion:
     """
 
     def __init__(self, brightness=0.2, contrast=0.2, saturation=0.2, prob=0.5):
-        self.brightness, self.contrast, self.saturation = float(brightness), float(contrast), float(saturation)
-        self.prob = float(prob)
+        # contrast and saturation are the half-widths of factors around 1: above 1 a factor can be
+        # negative and invert the bands.
+        self.brightness = _checked('PhotoMetricDistortion', 'brightness', brightness, high=math.inf)
+        self.contrast = _checked('PhotoMetricDistortion', 'contrast', contrast)
+        self.saturation = _checked('PhotoMetricDistortion', 'saturation', saturation)
+        self.prob = _checked('PhotoMetricDistortion', 'prob', prob)
         self.mean = self.std = None
 
     def bind_image_stats(self, mean, std):
@@ -124,8 +148,10 @@ class Compose:
     """Apply transforms built from config dicts in order, with one shared generator."""
 
     def __init__(self, transforms):
-        self.transforms = [t if callable(t) else build(TRANSFORMS, t, where='transforms')
-                           for t in (transforms or [])]
+        if isinstance(transforms, (dict, str)):  # one transform without its list: iterated as keys
+            raise ValueError(f"transforms must be a list of dicts, e.g. [dict(type='RandomFlip')], got {transforms!r}")
+        self.transforms = [t if callable(t) else build(TRANSFORMS, t, where=f'transforms[{i}]')
+                           for i, t in enumerate(transforms or [])]
 
     def __call__(self, image, label, rng):
         for t in self.transforms:
@@ -150,7 +176,7 @@ def check_random_scale(random_scale):
     if isinstance(random_scale, (int, float)):
         random_scale = (random_scale, random_scale)
     lo, hi = (float(v) for v in random_scale)
-    if not 0 < lo <= hi:
+    if not 0 < lo <= hi < math.inf:  # inf (1e999) crashed numpy's draw at the first step
         raise ValueError(f"random_scale must be (low, high) with 0 < low <= high, got {random_scale!r}")
     return lo, hi
 

@@ -324,11 +324,17 @@ class Trainer:
         tile = d.get('eval_tile') or d.crop_size
         overlap = d.get('eval_overlap')
         norm = data_normalisation(self.train_set)
+        # The validation set's padding/nodata label, which every loss (each CombinedLoss member
+        # included) was checked to share: a CombinedLoss has no ignore_index of its own, and the
+        # 255 it defaulted to made a run with ignore_index=250 crash at its first evaluation.
+        ignore_index = getattr(self.val_set, 'ignore_index', None)
+        if ignore_index is None:
+            ignore_index = self.cfg.loss.get('ignore_index', 255)
         result = evaluate_scenes(
             self.backend.forward, self.val_set, num_classes=self.val_set.num_classes,
             # the training set's statistics: the model saw inputs normalised with them
             mean=norm['mean'], std=norm['std'], bands=self.val_set.bands,
-            ignore_index=self.cfg.loss.get('ignore_index', 255), tile=tile,
+            ignore_index=ignore_index, tile=tile,
             overlap=tile // 4 if overlap is None else overlap,
             batch_size=d.get('eval_batch_size') or self.spec.micro_batch, device=self.device)
         record = self.metrics.log_eval(self.step, metrics_from_confusion(result['confusion'], self.val_set.classes))
@@ -373,6 +379,17 @@ class Trainer:
             self.print(f'loaded weights from {path}')
 
     def _check_model_matches_data(self):
+        mode = getattr(self.train_set, 'mode', 'random')
+        if mode != 'random':
+            # The training stream is endless; a grid yields each window once and answers every
+            # later index with all-ignore padding (meant for evaluation shards): the run went on
+            # at loss 0 after its first pass. Grid mode is the default for any split but 'train'
+            # (mmseg's ADE20K folders are called 'training').
+            split = getattr(self.train_set, 'split', None)
+            why = f"mode={mode!r}" if self.cfg.data.train.get('mode') else f"split={split!r} is not 'train'"
+            raise ConfigError(f"data.train reads windows in {mode} mode ({why}): a grid gives each window once, "
+                              f"then only ignored padding, so training would stop learning after "
+                              f"{len(self.train_set)} samples; set data.train.mode='random'.")
         m = self.cfg.model
         if m.get('in_channels') is not None and m.in_channels != self.train_set.in_channels:
             raise ConfigError(f"model.in_channels is {m.in_channels} but data.train yields "
@@ -459,11 +476,16 @@ class Trainer:
                 if not isinstance(value, torch.Tensor):
                     continue
                 key = f"loss{'.' + module_name if module_name else ''}.{name}"
-                if value.dim() != 1 or value.numel() != classes:
+                if value.dim() != 1:
+                    raise ConfigError(f"{key} must be a flat list of numbers, one per class, got {value.tolist()}.")
+                if value.numel() != classes:
                     raise ConfigError(f"{key} has {value.numel()} value(s) {value.tolist()} but data.train has "
                                       f"{classes} classes ({', '.join(self.train_set.classes)}): give one per class.")
                 if not (torch.isfinite(value).all() and (value >= 0).all()):
                     raise ConfigError(f"{key} must hold finite numbers >= 0, got {value.tolist()}.")
+                if not (value > 0).any():  # every pixel weighs 0: the loss is 0 for the whole run
+                    raise ConfigError(f"{key} is 0 for every class, so the loss is 0 and nothing is learnt; "
+                                      f"give the classes to learn a weight > 0.")
 
     def _check_ignore_index(self, key, loss):
         ignore = getattr(loss, 'ignore_index', None)

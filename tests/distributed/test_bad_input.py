@@ -97,6 +97,23 @@ def _cases(tmp):
             'zero_optimization': {'stage': 3, 'offload_optimizer': {'device': 'cpu'}}}), []),
         'ds_act_ckpt': ([], ds_json('act_ckpt.json', {**base, 'activation_checkpointing': {'partition_activations': True}}), []),
         'loss_ignore_str': (['loss.ignore_index=\'255\''], None, []),
+        # trained at loss 0 (no pixel kept) for the whole run
+        'loss_ohem_thresh': (['loss.type=OhemCrossEntropyLoss', 'loss.thresh=-1'], None, []),
+        # the last 20 steps trained at the schedule's final LR
+        'ds_schedule_short': ([], ds_json('short.json', {**base, 'scheduler': {
+            'type': 'WarmupDecayLR', 'params': {'warmup_num_steps': 1, 'total_num_steps': 4}}}), []),
+        # DeepSpeed reads "false" as true
+        'ds_autocast_quoted': ([], ds_json('autocast.json', {**base, 'torch_autocast': {'enabled': 'false'}}), []),
+        'ds_scheduler_null': ([], ds_json('null.json', {**base, 'scheduler': None}), []),
+        # every pixel weighs 0: trained at loss 0 for the whole run
+        'class_weight_zero': (['loss.class_weight=[0, 0, 0, 0, 0, 0]'], None, []),
+        'class_weight_nested': (['loss.class_weight=[[1, 1, 1, 1, 1, 2]]'], None, []),
+        # a grid gives each window once, then all-ignore padding: trained at loss 0 after that
+        # (grid is the default for a split other than 'train', e.g. mmseg's ADE20K 'training')
+        'train_grid': ([f"data.train={dict(type='GeoTiffScenes', images=[img], labels=[lbl], classes=6, split='training')!r}",
+                        'data.val=None'], None, []),
+        # a misspelt flip direction never flipped
+        'flip_typo': (["data.train.transforms=[{'type': 'RandomFlip', 'direction': 'horizonal'}]"], None, []),
         'load_from_folder': ([f'load_from={tmp}'], None, []),
         # the 6-class run's exported weights (see _run_cases) into a wider UNet: another
         # architecture (another class count is fine-tuning: tests/distributed/test_training.py)
@@ -175,6 +192,15 @@ EXPECTED = {
                           'an untested ZeRO Optimizer'],
     'ds_act_ckpt': ["'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg", 'partition_activations'],
     'loss_ignore_str': ['loss.ignore_index must be an integer', "'255'", 'without quotes'],
+    'loss_ohem_thresh': ['loss (OhemCrossEntropyLoss)', 'thresh must be a number > 0 and <= 1, got -1'],
+    'ds_schedule_short': ['short.json: scheduler.params.total_num_steps (4) is shorter than the run (train.max_steps=24)'],
+    'ds_autocast_quoted': ["autocast.json: 'torch_autocast.enabled' must be true or false, got \"false\""],
+    'ds_scheduler_null': ["null.json: 'scheduler' must be an object ({...}), got null"],
+    'class_weight_zero': ['loss.class_weight is 0 for every class, so the loss is 0'],
+    'class_weight_nested': ['loss.class_weight must be a flat list of numbers, one per class'],
+    'train_grid': ["data.train reads windows in grid mode (split='training' is not 'train')",
+                   "set data.train.mode='random'"],
+    'flip_typo': ['transforms[0] (RandomFlip)', "direction must be one or both of 'horizontal', 'vertical'"],
     'load_from_folder': ['load_from=', 'is a folder', 'launch/export.py'],
     'load_from_width': ['load_from: ', 'trained6.pt does not fit model UNet:', 'in the weights',
                         'same architecture (the class count may differ'],

@@ -276,3 +276,39 @@ def test_offload_is_active_and_bf16_casts_the_model(modes):
     assert modes['offload']['ranks'][0]['offloaded'] == (True, True)
     assert modes['bf16']['ranks'][0]['offloaded'] == (False, False)
     assert modes['bf16']['ranks'][0]['dtypes'] == {'torch.bfloat16'}
+
+
+def _train_cli(argv):
+    from ds_seg.cli import train as entry
+    return entry.main(argv)
+
+
+def test_evaluation_ignores_the_data_ignore_index_of_a_combined_loss(tmp_path):
+    """A CombinedLoss carries ignore_index in its members only; evaluation took the default 255
+    instead, so a run whose data and losses agreed on ignore_index=250 trained and then crashed
+    at its first evaluation ("label value 250 ... is not a class index 0..2 nor ignore_index 255")."""
+    import numpy as np
+
+    from tests.unit.test_data import write_tif
+    rng = np.random.default_rng(0)
+    label = rng.integers(0, 3, (1, 64, 64)).astype(np.uint8)
+    label[:, :8] = 250  # unlabelled rows
+    img = write_tif(tmp_path / 'img.tif', rng.integers(0, 255, (3, 64, 64), dtype=np.uint8))
+    lbl = write_tif(tmp_path / 'lbl.tif', label)
+    scenes = dict(type='GeoTiffScenes', images=[img], labels=[lbl], classes=3, ignore_index=250)
+    config = tmp_path / 'combined.py'
+    config.write_text(
+        "model = dict(type='UNetTiny', in_channels=3, num_classes=3)\n"
+        "loss = dict(_delete_=True, type='CombinedLoss', losses=[dict(type='CrossEntropyLoss', ignore_index=250), "
+        "dict(type='DiceLoss', ignore_index=250)])\n"
+        f"data = dict(train=dict({scenes!r}, split='train'), val=dict({scenes!r}, split='val'), "
+        "crop_size=32, num_workers=0)\n"
+        "train = dict(max_steps=2, eval_interval=2, checkpoint_interval=0)\n")
+    work = str(tmp_path / 'work')
+    ds = tmp_path / 'ds.json'
+    ds.write_text(json.dumps(ds_config(0)))
+    code = run_on_ranks(_train_cli, 1, args=(['--config', str(config), '--deepspeed_config', str(ds),
+                                               '--work-dir', work],), timeout=300)[0]
+    assert code == 0
+    rows = read_jsonl(os.path.join(work, 'eval.jsonl'))
+    assert [r['step'] for r in rows] == [2] and 0 <= rows[0]['OA'] <= 1

@@ -87,10 +87,24 @@ def test_delete_marker_replaces_the_default_section_as_in_mmengine(tmp_path):
     (['train=1', 'train.max_steps=2'],
      r"'train.max_steps=2' sets a key inside train, which an earlier option set to 1"),
     (['train.dist_timeout_s=1e999'], r'train.dist_timeout_s must be a finite number > 0 or None, got inf'),
+    # data.random_scale silently replaced the training set's own
+    (['data.random_scale=(0.5, 2.0)', 'data.train.random_scale=(1.0, 1.5)'],
+     r'data.train.random_scale=\(1.0, 1.5\) conflicts with data.random_scale=\(0.5, 2.0\) \(which replaces it\)'),
 ])
 def test_bad_options_are_named(options, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, options)
+
+
+def test_home_in_work_dir_and_load_from_is_expanded(tmp_path, monkeypatch):
+    """work_dir='~/runs/x' in a config made a folder literally named '~' in the current directory;
+    load_from='~/w.pt' was reported missing. Both now mean the home directory, as in a shell."""
+    monkeypatch.setenv('HOME', str(tmp_path))
+    (tmp_path / 'w.pt').write_bytes(b'')
+    config = tmp_path / 'c.py'
+    config.write_text("work_dir = '~/runs/x'\nload_from = '~/w.pt'\n")
+    for cfg in (load_config(str(config)), load_config(None, ["work_dir='~/runs/x'", "load_from='~/w.pt'"])):
+        assert cfg.work_dir == str(tmp_path / 'runs' / 'x') and cfg.load_from == str(tmp_path / 'w.pt')
 
 
 def test_cfg_options_given_twice_both_apply():
@@ -193,6 +207,37 @@ DS_VALUE_REFUSALS = {
     'allgather_object': (dict(disable_allgather={}), "'disable_allgather' must be true or false, got {}"),
     'python_gc_number': (dict(disable_python_gc=1), "'disable_python_gc' must be true or false, got 1"),
     'log_level_unknown': (dict(log_level='verbose'), "'log_level' must be one of 'debug', 'info', 'warning', 'error', 'critical', got \"verbose\""),
+    # Infinity, NaN and 1e999 are read by Python's JSON reader: "lr": Infinity passed every
+    # check and turned the weights to NaN at the first step.
+    'lr_infinity': (dict(optimizer__params__lr=float('inf')), "'optimizer.params.lr' is Infinity; give a finite number."),
+    'clip_infinity': (dict(gradient_clipping=float('inf')), "'gradient_clipping' is Infinity; give a finite number."),
+    'betas_nan': (dict(optimizer__params__betas=[0.9, float('nan')]), "'optimizer.params.betas[1]' is not finite"),
+    # DeepSpeed reads torch_autocast as a plain dict by truth value: "false" turned autocast on.
+    'autocast_quoted': (dict(torch_autocast={'enabled': 'false'}),
+                        "'torch_autocast.enabled' must be true or false, got \"false\" (write it without quotes)"),
+    'autocast_number': (dict(torch_autocast={'enabled': 1}), "'torch_autocast.enabled' must be true or false, got 1"),
+    'autocast_modules': (dict(torch_autocast={'enabled': True, 'lower_precision_safe_modules': 'torch.nn.Linear'}),
+                         "'torch_autocast.lower_precision_safe_modules' must be a list"),
+    # A block given as null/true/a list: "bf16": null crashed with a traceback, "scheduler": null
+    # (meaning "none") drew DeepSpeed's "'NoneType' object has no attribute 'keys'".
+    'bf16_null': (dict(bf16=None), "'bf16' must be an object ({...}), got null; remove the key to leave bf16 out."),
+    'scheduler_null': (dict(scheduler=None), "'scheduler' must be an object ({...}), got null; remove the key"),
+    'zero_number': (dict(zero_optimization=2), "'zero_optimization' must be an object ({...}), got 2"),
+    'optimizer_list': (dict(optimizer=[]), "'optimizer' must be an object ({...}), got []; give one such as"),
+    'autocast_true': (dict(torch_autocast=True), "'torch_autocast' must be an object ({...}), got true"),
+    # WarmupDecayLR peaks at DeepSpeed's 0.001 whatever the optimizer's lr: 10x the 1e-4 written.
+    'decay_peak': (dict(optimizer__params__lr=1e-4, scheduler={'type': 'WarmupDecayLR', 'params': {'warmup_num_steps': 2}}),
+                   "WarmupDecayLR without 'scheduler.params.warmup_max_lr' peaks at DeepSpeed's default 0.001, "
+                   "not at 'optimizer.params.lr' (0.0001); give \"warmup_max_lr\": 0.0001"),
+    # DeepSpeed ignores offload blocks its stage does not implement: no offload, no word.
+    'offload_param_stage2': (dict(zero_optimization={'stage': 2, 'offload_param': {'device': 'cpu'}}),
+                             "'zero_optimization.offload_param' (device 'cpu') needs ZeRO stage 3, and DeepSpeed "
+                             "ignores it at stage 2"),
+    'offload_optimizer_stage0': (dict(zero_optimization={'stage': 0, 'offload_optimizer': {'device': 'cpu'}}),
+                                 "'zero_optimization.offload_optimizer' (device 'cpu') needs ZeRO stage 1, 2 or 3"),
+    # ds_seg took 'bfloat16' (off) where DeepSpeed takes 'bf16' (on): the two disagreed.
+    'bf16_twice': (dict(bf16={'enabled': True}, bfloat16={'enabled': False}),
+                   "both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'."),
 }
 
 
@@ -268,6 +313,34 @@ def test_scheduler_length_from_max_steps_and_warmup_check():
              'scheduler': {'type': 'WarmupCosineLR', 'params': {'warmup_num_steps': 5, 'total_num_steps': 5}}}
     with pytest.raises(ConfigError, match='warmup_num_steps'):
         resolve_ds_config(fixed, 1, 5)
+
+
+@pytest.mark.parametrize('kind', ['WarmupDecayLR', 'WarmupCosineLR'])
+def test_a_schedule_shorter_than_the_run_is_refused(kind):
+    """total_num_steps 4 with train.max_steps 10 trained the last 6 steps at the schedule's final
+    LR (0 for WarmupDecayLR) without a word; a longer schedule (cut short on purpose) is kept."""
+    ds = {'train_micro_batch_size_per_gpu': 2,
+          'scheduler': {'type': kind, 'params': {'warmup_num_steps': 1, 'total_num_steps': 4}}}
+    with pytest.raises(ConfigError, match=r"x.json: scheduler.params.total_num_steps \(4\) is shorter than the run "
+                                          r"\(train.max_steps=10\): its last 6 step\(s\) would train at"):
+        resolve_ds_config(ds, 1, 10, source='x.json')
+    for max_steps in (4, 3):
+        resolved, _, _ = resolve_ds_config(ds, 1, max_steps)
+        assert resolved['scheduler']['params']['total_num_steps'] == 4
+
+
+def test_warmup_lr_longer_than_the_run_is_shortened_with_a_note():
+    """WarmupLR has no length and warms up over 1000 steps unless told: a 400-step run never
+    reached warmup_max_lr. It now warms up over a fifth of the run, as the other schedules."""
+    for params, note in (({'warmup_max_lr': 1e-3}, 'warmup_num_steps 1000 (the WarmupLR default) is not shorter'),
+                         ({'warmup_num_steps': 500}, 'warmup_num_steps 500 is not shorter')):
+        ds = {'train_micro_batch_size_per_gpu': 2, 'scheduler': {'type': 'WarmupLR', 'params': dict(params)}}
+        resolved, _, notes = resolve_ds_config(ds, 1, 400, source='x.json')
+        assert resolved['scheduler']['params']['warmup_num_steps'] == 80
+        assert notes == [f'x.json: scheduler.params.{note} than the run (400 steps); warming up over 80 step(s) instead.']
+    kept = {'train_micro_batch_size_per_gpu': 2, 'scheduler': {'type': 'WarmupLR', 'params': {'warmup_num_steps': 50}}}
+    resolved, _, notes = resolve_ds_config(kept, 1, 400)
+    assert resolved['scheduler']['params']['warmup_num_steps'] == 50 and not notes
 
 
 @pytest.mark.parametrize('name', sorted(p.stem for p in DS_CONFIGS_DIR.glob('*.json')))

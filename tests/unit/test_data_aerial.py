@@ -332,6 +332,101 @@ def test_transforms_are_registered_and_joint(tmp_path):
     assert inside.mean() > 0.9 and np.abs(out_raw[inside] - expect[inside]).max() <= 0.5 + 1e-3
 
 
+@pytest.mark.parametrize('transform, named', [
+    (dict(type='RandomFlip', direction='horizonal'), "RandomFlip direction must be one or both of 'horizontal', "
+                                                     "'vertical', got 'horizonal'"),
+    (dict(type='RandomFlip', direction=[]), 'RandomFlip direction must be one or both'),
+    (dict(type='RandomFlip', prob=1.5), 'RandomFlip prob must be a number in [0, 1], got 1.5'),
+    (dict(type='RandomRotate90', prob=-0.1), 'RandomRotate90 prob must be a number in [0, 1]'),
+    (dict(type='PhotoMetricDistortion', contrast=1.5), 'PhotoMetricDistortion contrast must be a number in [0, 1]'),
+    (dict(type='PhotoMetricDistortion', saturation=2), 'PhotoMetricDistortion saturation must be a number in [0, 1]'),
+    (dict(type='PhotoMetricDistortion', brightness=-0.2), 'PhotoMetricDistortion brightness must be a number >= 0'),
+    (dict(type='PhotoMetricDistortion', prob='0.5'), "PhotoMetricDistortion prob must be a number in [0, 1], got '0.5'"),
+])
+def test_transform_settings_out_of_range_are_refused_when_the_dataset_is_built(tmp_path, transform, named):
+    """A misspelt flip direction never flipped, a contrast or saturation above 1 drew negative
+    factors that inverted the bands, a prob above 1 was silently 1: each is now one line when the
+    training set is built, naming the transform."""
+    from tests.unit.test_data import write_tif
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'img.tif', rng.integers(0, 255, (3, 64, 64), dtype=np.uint8))
+    lbl = write_tif(tmp_path / 'lbl.tif', rng.integers(0, 3, (1, 64, 64), dtype=np.uint8))
+    with pytest.raises(ConfigError, match=r'transforms\[0\] \(') as info:
+        GeoTiffScenes([img], [lbl], classes=3, crop_size=32, transforms=[transform])
+    assert named in str(info.value)
+
+
+def test_a_transform_without_its_list_is_named():
+    """transforms=dict(type='RandomFlip') was iterated as its keys: "transforms[0]: expected a
+    dict with a 'type' key, got 'type'"."""
+    from ds_seg.data.transforms import Compose
+    with pytest.raises(ValueError, match=r"transforms must be a list of dicts, e.g. \[dict\(type='RandomFlip'\)\], "
+                                         r"got \{'type': 'RandomFlip'\}"):
+        Compose(dict(type='RandomFlip'))
+
+
+@pytest.mark.parametrize('classes, named', [
+    ('building', "classes='building' is a string, which would be 8 one-letter classes; give a tuple of names "
+                 "(one name needs a trailing comma: ('building',))"),
+    (('a', 'b', 'a'), "classes gives 'a' more than once"),
+    (0, 'classes must be a tuple of names or a class count >= 1, got 0'),
+    (True, 'classes must be a tuple of names or a class count >= 1, got True'),
+])
+def test_classes_that_are_not_a_list_of_distinct_names_are_refused(tmp_path, classes, named):
+    """classes=('building') (no comma) became 8 one-letter classes, and a name given twice
+    merged two classes' rows in eval.jsonl's per_class."""
+    from tests.unit.test_data import write_tif
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'img.tif', rng.integers(0, 255, (3, 32, 32), dtype=np.uint8))
+    lbl = write_tif(tmp_path / 'lbl.tif', np.zeros((1, 32, 32), dtype=np.uint8))
+    with pytest.raises(ValueError) as info:
+        GeoTiffScenes([img], [lbl], classes=classes, crop_size=32)
+    assert named in str(info.value)
+
+
+@pytest.mark.parametrize('option, named', [
+    (dict(cat_max_ratio=75), 'cat_max_ratio must be None or a share in (0, 1] (e.g. 0.75, not 75), got 75'),
+    (dict(cat_max_ratio=0), 'cat_max_ratio must be None or a share in (0, 1]'),
+    (dict(max_nodata_ratio=50), 'max_nodata_ratio must be None or a share in [0, 1] (e.g. 0.75, not 75), got 50'),
+    (dict(max_nodata_ratio=-0.1), 'max_nodata_ratio must be None or a share in [0, 1]'),
+    (dict(max_retries=-1), 'max_retries must be an integer >= 0, got -1'),
+    (dict(augment='false'), "augment must be True, False or None (on in random mode), got 'false'"),
+])
+def test_window_options_out_of_range_are_refused(tmp_path, option, named):
+    """cat_max_ratio=75 or max_nodata_ratio=50 (percentages) never rejected a window, a ratio of
+    0 rejected every one (each sample read 11 times), augment='false' augmented."""
+    from tests.unit.test_data import write_tif
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'img.tif', rng.integers(0, 255, (3, 32, 32), dtype=np.uint8))
+    lbl = write_tif(tmp_path / 'lbl.tif', rng.integers(0, 2, (1, 32, 32), dtype=np.uint8))
+    with pytest.raises(ValueError) as info:
+        GeoTiffScenes([img], [lbl], classes=2, crop_size=32, **option)
+    assert named in str(info.value)
+    for ok in (dict(cat_max_ratio=1.0, max_nodata_ratio=0.0, max_retries=0, augment=None), dict(augment=False)):
+        GeoTiffScenes([img], [lbl], classes=2, crop_size=32, **ok)
+
+
+def test_home_in_image_and_label_paths_is_expanded(tmp_path, monkeypatch):
+    """images='~/scenes/*.tif' in a config matched nothing: no shell expands '~' there."""
+    from tests.unit.test_data import write_tif
+    monkeypatch.setenv('HOME', str(tmp_path))
+    rng = np.random.default_rng(0)
+    write_tif(tmp_path / 'img.tif', rng.integers(0, 255, (3, 32, 32), dtype=np.uint8))
+    write_tif(tmp_path / 'lbl.tif', rng.integers(0, 2, (1, 32, 32), dtype=np.uint8))
+    ds = GeoTiffScenes('~/img*.tif', ['~/lbl.tif'], classes=2, crop_size=32)
+    assert [s['image'] for s in ds.scenes] == [str(tmp_path / 'img.tif')]
+
+
+def test_random_scale_must_be_finite(tmp_path):
+    """random_scale=(0.5, 1e999) passed the checks and crashed numpy's draw at the first step."""
+    from ds_seg.data.transforms import check_random_scale
+    with pytest.raises(ConfigError, match=r'data.random_scale must be None or \(low, high\)'):
+        load_config(None, ['data.random_scale=(0.5, 1e999)'])
+    with pytest.raises(ValueError, match='random_scale must be'):
+        check_random_scale((0.5, float('inf')))
+    assert check_random_scale((0.5, 2)) == (0.5, 2.0)
+
+
 # ------------------------------------------------------------------ benchmark layouts
 def test_benchmark_trees_use_official_names_and_conventions(trees):
     p = Potsdam(trees['Potsdam'], split='train', crop_size=64)

@@ -119,3 +119,35 @@ def test_low_precision_logits_are_computed_in_fp32(loss_cls, dtype):
 def test_shape_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match='labels'):
         CrossEntropyLoss()(torch.randn(2, 3, 8, 8), torch.zeros(2, 4, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize('cfg, named', [
+    (dict(type='CrossEntropyLoss', loss_weight='1.0'), "loss_weight must be a number >= 0, got '1.0'"),
+    (dict(type='CrossEntropyLoss', loss_weight=-1.0), 'loss_weight must be a number >= 0'),
+    (dict(type='CrossEntropyLoss', label_smoothing=1.5), 'label_smoothing must be a number >= 0 and <= 1'),
+    (dict(type='DiceLoss', smooth=0), 'smooth must be a number > 0'),
+    (dict(type='FocalLoss', gamma=-2), 'gamma must be a number >= 0'),
+    (dict(type='FocalLoss', gamma='2'), "gamma must be a number >= 0, got '2'"),
+    (dict(type='OhemCrossEntropyLoss', thresh=-1), 'thresh must be a number > 0 and <= 1'),
+    (dict(type='OhemCrossEntropyLoss', min_kept=-5), 'min_kept must be an integer >= 0'),
+    (dict(type='OhemCrossEntropyLoss', min_kept=1e5), 'min_kept must be an integer >= 0'),
+    (dict(type='CombinedLoss', losses=[dict(type='CrossEntropyLoss'), dict(type='FocalLoss', loss_weight=float('inf'))]),
+     'loss.losses[1] (FocalLoss)'),
+    # one member without its list was iterated as its keys ("dictionary update sequence element...")
+    (dict(type='CombinedLoss', losses=dict(type='DiceLoss')), "CombinedLoss losses must be a list of dicts"),
+])
+def test_loss_hyperparameters_out_of_range_are_refused_when_built(cfg, named):
+    """A string or out-of-range loss setting used to fail only at the first step (after the work
+    dir was written: '1.0' * tensor, label_smoothing 1.5) or to train silently wrong (an OHEM
+    thresh of -1 keeps no pixel: loss 0 for the whole run; a negative gamma). Now building the
+    loss, before any training, is one line naming the key."""
+    from ds_seg.config import ConfigError
+    with pytest.raises(ConfigError, match='check the values under loss') as info:
+        build(LOSSES, cfg, where='loss')
+    assert named in str(info.value) and '\n' not in str(info.value)
+
+
+def test_loss_hyperparameters_in_range_build():
+    for cfg in (dict(type='CrossEntropyLoss', loss_weight=0, label_smoothing=1.0), dict(type='FocalLoss', gamma=0),
+                dict(type='OhemCrossEntropyLoss', thresh=1.0, min_kept=0), dict(type='DiceLoss', smooth=1e-6)):
+        build(LOSSES, cfg, where='loss')
