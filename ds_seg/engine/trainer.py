@@ -142,6 +142,7 @@ class Trainer:
             self.train_set = _build_dataset(train_cfg, 'data.train', data_cfg.crop_size, cfg.train.seed)
             self.val_set = (_build_dataset(data_cfg.val, 'data.val', data_cfg.crop_size, cfg.train.seed)
                             if data_cfg.get('val') else None)
+        self._check_train_set_is_endless()
         self._check_model_matches_data()
         self._check_model_takes_windows()
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
@@ -378,7 +379,7 @@ class Trainer:
         else:
             self.print(f'loaded weights from {path}')
 
-    def _check_model_matches_data(self):
+    def _check_train_set_is_endless(self):
         mode = getattr(self.train_set, 'mode', 'random')
         if mode != 'random':
             # The training stream is endless; a grid yields each window once and answers every
@@ -390,6 +391,8 @@ class Trainer:
             raise ConfigError(f"data.train reads windows in {mode} mode ({why}): a grid gives each window once, "
                               f"then only ignored padding, so training would stop learning after "
                               f"{len(self.train_set)} samples; set data.train.mode='random'.")
+
+    def _check_model_matches_data(self):
         m = self.cfg.model
         if m.get('in_channels') is not None and m.in_channels != self.train_set.in_channels:
             raise ConfigError(f"model.in_channels is {m.in_channels} but data.train yields "
