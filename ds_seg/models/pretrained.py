@@ -48,6 +48,28 @@ def read_state_dict(path):
     return payload
 
 
+def create_timm_model(name, **kwargs):
+    """``timm.create_model(name, pretrained=False, **kwargs)`` with timm's refusals as one line
+    naming ``model.backbone``: an unknown name (with close matches), or a model that cannot give
+    what is asked (``features_only`` on a classifier timm has no feature wrapper for)."""
+    import difflib
+
+    import timm
+
+    from ..config import ConfigError
+    if not isinstance(name, str) or not timm.is_model(name):
+        close = difflib.get_close_matches(str(name), timm.list_models(), n=3, cutoff=0.75)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ''
+        raise ConfigError(f"model.backbone: timm has no model {name!r}.{hint} "
+                          "List them with python -c \"import timm; print(timm.list_models('convnext*'))\".")
+    try:
+        return timm.create_model(name, pretrained=False, **kwargs)
+    except RuntimeError as exc:  # e.g. "features_only not implemented for ..."
+        raise ConfigError(f"model.backbone: timm cannot build {name!r} as an encoder here: "
+                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
+                          "choose a backbone with feature maps (ResNet, ConvNeXt, Swin, EfficientNet, a ViT).") from exc
+
+
 def timm_state_dict(name):
     """Download (or take from the cache) the default pretrained weights timm knows for ``name``,
     as a state dict, without building a model (so it also works while ZeRO-3 partitions)."""

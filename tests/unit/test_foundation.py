@@ -140,3 +140,27 @@ def test_fpn_over_a_vit_any_crop():
     model = build(MODELS, dict(type='FPN', backbone='deit3_small_patch16_224', channels=16, backbone_kwargs=TINY))
     with torch.no_grad():
         assert model.eval()(torch.randn(1, 3, 200, 136)).shape == (1, 6, 200, 136)
+
+
+@pytest.mark.parametrize('family', ['UperNet', 'FPN', 'DeepLabV3Plus'])
+@pytest.mark.parametrize('backbone', ['test_convnext', 'test_efficientnet', 'test_byobnet', 'test_resnet'])
+def test_every_head_takes_the_stride_4_to_32_levels_of_any_timm_family(family, backbone):
+    """The levels a head gets are chosen by stride, not by index: FPN/DeepLabV3+ over a ConvNeXt
+    (4 levels, stride 4 first) failed with an IndexError, and UperNet over a family not named
+    resnet*/efficientnet* (stride-2 stem level first) fused its head at stride 2."""
+    model = build(MODELS, dict(type=family, backbone=backbone, channels=16)).eval()
+    want = [4, 16] if family == 'DeepLabV3Plus' else [4, 8, 16, 32]   # DeepLabV3+ at output stride 16
+    assert model.backbone.strides == want
+    x = torch.randn(1, 3, 128, 128)
+    with torch.no_grad():
+        features = model.backbone(x)
+        assert [128 // f.shape[-1] for f in features] == want
+        assert model(x).shape == (1, 6, 128, 128)
+
+
+def test_an_unknown_or_featureless_timm_name_is_one_line():
+    with pytest.raises(ConfigError, match=r"model\.backbone: timm has no model 'convnxt_tiny'\. Did you mean "
+                                          r"'convnext_tiny'"):
+        build(MODELS, dict(type='UperNet', backbone='convnxt_tiny'))
+    with pytest.raises(ConfigError, match=r"levels must be one of"):
+        build(BACKBONES, dict(type='TimmBackbone', name='test_resnet', levels='pyramid', out_indices=(1, 2)))

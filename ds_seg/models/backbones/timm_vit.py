@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..common import BACKBONES
-from ..pretrained import load_pretrained, timm_state_dict
+from ..pretrained import create_timm_model, load_pretrained, timm_state_dict
 from .vit import SimplePyramid
 
 # timm modules whose models are plain (single-stride) ViTs with forward_intermediates; names from
@@ -76,10 +76,9 @@ class TimmViT(nn.Module):
     def __init__(self, name='vit_base_patch16_224', in_channels=3, out_indices=None, pretrained=False,
                  band_map=None, activation_checkpointing=False, **timm_kwargs):
         super().__init__()
-        import timm
         kwargs = dict(timm_kwargs)
         kwargs.setdefault('dynamic_img_size', True)  # position embeddings follow the token grid
-        self.model = timm.create_model(name, pretrained=False, num_classes=0, in_chans=in_channels, **kwargs)
+        self.model = create_timm_model(name, num_classes=0, in_chans=in_channels, **kwargs)
         depth = len(self.model.blocks)
         self.out_indices = [max(0, i) for i in (out_indices or [depth * (q + 1) // 4 - 1 for q in range(4)])]
         # The blocks after the last feature block and the classifier are never run: drop them
