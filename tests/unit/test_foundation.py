@@ -164,3 +164,18 @@ def test_an_unknown_or_featureless_timm_name_is_one_line():
         build(MODELS, dict(type='UperNet', backbone='convnxt_tiny'))
     with pytest.raises(ConfigError, match=r"levels must be one of"):
         build(BACKBONES, dict(type='TimmBackbone', name='test_resnet', levels='pyramid', out_indices=(1, 2)))
+
+
+def test_negative_out_indices_count_from_the_last_block_and_out_of_range_is_one_line():
+    """``out_indices=(-4, -3, -2, -1)`` (timm's convention) was clamped to block 0 for all four
+    levels: it trained, on the first block's features only."""
+    cfg = dict(type='UperNet', backbone='deit3_small_patch16_224', channels=16)
+    negative = build(MODELS, dict(cfg, backbone_kwargs=dict(TINY, out_indices=(-4, -3, -2, -1))))
+    assert negative.backbone.out_indices == [0, 1, 2, 3]
+    ours = build(BACKBONES, dict(type='ViT', variant='vit_tiny_test', depth=6, out_indices=[-3, -2, -1, 5]))
+    assert ours.out_indices == [3, 4, 5, 5]
+    with torch.no_grad():
+        assert [f.shape[1] for f in ours(torch.randn(1, 3, 64, 64))] == [ours.out_channels[0]] * 4
+    for bad in ((1, 2, 3, 4), (0, 1, 2), (0, 1, 2, 'x')):
+        with pytest.raises(ConfigError, match=r'out_indices must be 4 block indices in -4\.\.3'):
+            build(MODELS, dict(cfg, backbone_kwargs=dict(TINY, out_indices=bad)))

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..common import BACKBONES
 from ..pretrained import create_timm_model, load_pretrained, timm_state_dict
-from .vit import SimplePyramid
+from .vit import SimplePyramid, pyramid_block_indices
 
 # timm modules whose models are plain (single-stride) ViTs with forward_intermediates; names from
 # these route to TimmViT in UperNet/FPN/SegFormer-style factories (hierarchical models such as
@@ -80,7 +80,7 @@ class TimmViT(nn.Module):
         kwargs.setdefault('dynamic_img_size', True)  # position embeddings follow the token grid
         self.model = create_timm_model(name, num_classes=0, in_chans=in_channels, **kwargs)
         depth = len(self.model.blocks)
-        self.out_indices = [max(0, i) for i in (out_indices or [depth * (q + 1) // 4 - 1 for q in range(4)])]
+        self.out_indices = pyramid_block_indices(name, out_indices, depth)
         # The blocks after the last feature block and the classifier are never run: drop them
         # (DDP and ZeRO would otherwise see parameters without gradients).
         self.model.prune_intermediate_layers(sorted(set(self.out_indices)), prune_norm=False, prune_head=True)
