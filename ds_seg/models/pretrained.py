@@ -34,17 +34,42 @@ def adapt_input_weight(weight_OIhw, in_channels):
     return torch.cat([kept, extra], dim=1) * (source / in_channels)
 
 
-def read_state_dict(path):
-    """A state dict from ``.pth``/``.pt``/``.bin``/``.safetensors``; unwraps ``state_dict``/``model``."""
+def read_state_dict(path, where='pretrained'):
+    """A state dict from ``.pth``/``.pt``/``.bin``/``.safetensors``; unwraps ``state_dict``/``model``
+    (as released files nest them) and strips the ``module.`` prefix of a file saved from a
+    DDP-wrapped model (as timm's and mmengine's loaders do).
+
+    A folder, a truncated file or one of another format is one line naming ``where`` and the
+    file (ConfigError), not the reader's traceback."""
+    import pickle
+
+    from ..config import ConfigError
+    if os.path.isdir(path):
+        raise ConfigError(f'{where}: {path} is a folder; give the weights file in it (.pth, .pt, .bin or '
+                          '.safetensors).')
     if not os.path.isfile(path):
-        raise FileNotFoundError(f'pretrained: {path} does not exist.')
-    if path.endswith('.safetensors'):
-        from safetensors.torch import load_file
-        return load_file(path)
-    payload = torch.load(path, map_location='cpu', weights_only=True)
+        raise FileNotFoundError(f'{where}: {path} does not exist.')
+    try:
+        if path.endswith('.safetensors'):
+            from safetensors.torch import load_file
+            payload = load_file(path)
+        else:
+            payload = torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as exc:  # weights_only refused an object that could run code
+        raise ConfigError(f'{where}: {path} holds Python objects other than tensors (loading it could run '
+                          'code); refused. Save its state_dict() alone, or convert it to .safetensors.') from exc
+    except Exception as exc:  # torch's zip reader, safetensors' header check, EOF: truncated or not weights
+        detail = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+        raise ConfigError(f'{where}: {path} is not a readable weights file (truncated, or another format: '
+                          f'{detail}); download it again.') from exc
     for key in ('state_dict', 'model', 'module'):
         if isinstance(payload, dict) and isinstance(payload.get(key), dict):
             payload = payload[key]
+    if not isinstance(payload, dict) or not payload or not all(isinstance(v, torch.Tensor) for v in payload.values()):
+        raise ConfigError(f'{where}: {path} holds no state dict of tensors (found {type(payload).__name__}'
+                          f'{" with keys " + ", ".join(map(str, list(payload)[:5])) if isinstance(payload, dict) else ""}).')
+    if all(k.startswith('module.') for k in payload):
+        payload = {k[len('module.'):]: v for k, v in payload.items()}
     return payload
 
 
@@ -116,7 +141,7 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
         load_pretrained(vit, 'weights/vit_base.pth', allow_missing=('neck.',))
     """
     from ..config import ConfigError
-    state = read_state_dict(source) if isinstance(source, (str, os.PathLike)) else dict(source)
+    state = read_state_dict(source, where) if isinstance(source, (str, os.PathLike)) else dict(source)
     if band_map is not None:
         if input_key not in state:
             raise ConfigError(f'{where}: band_map needs the first-layer weight {input_key!r}, which the '
@@ -148,8 +173,11 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
     missing, _ = load_state_dict_into(module, mapped, adapt=adapt)
     missing = [k for k in missing if not k.endswith('num_batches_tracked') and not k.startswith(tuple(allow_missing))]
     if missing:
+        # Where nothing matched at all the file's keys carry another prefix ('backbone.' of an
+        # mmseg/mmpretrain checkpoint, 'encoder.'...): show one beside the model's.
+        hint = '' if mapped else f" (none matched: the file's keys look like {next(iter(state))!r})"
         raise ConfigError(f'{where}: the weights lack {len(missing)} tensor(s) of the model, '
-                          f'e.g. {missing[:5]}.')
+                          f'e.g. {missing[:5]}{hint}.')
 
 
 def map_input_bands(weight_OIhw, band_map, where='band_map'):

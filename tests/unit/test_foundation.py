@@ -179,3 +179,47 @@ def test_negative_out_indices_count_from_the_last_block_and_out_of_range_is_one_
     for bad in ((1, 2, 3, 4), (0, 1, 2), (0, 1, 2, 'x')):
         with pytest.raises(ConfigError, match=r'out_indices must be 4 block indices in -4\.\.3'):
             build(MODELS, dict(cfg, backbone_kwargs=dict(TINY, out_indices=bad)))
+
+
+def test_a_file_of_a_richer_cnn_is_refused_not_trimmed(tmp_path):
+    """seresnet-like tensors (squeeze-excitation inside the kept stages) loaded into a plain
+    ResNet were dropped without a word; the classifier head and final layers still are."""
+    import timm
+    plain = timm.create_model('resnet18', pretrained=False)
+    state = plain.state_dict()
+    torch.save(state, tmp_path / 'resnet18.pth')
+    model = build(MODELS, dict(type='UperNet', backbone='resnet18', pretrained=str(tmp_path / 'resnet18.pth')))
+    torch.testing.assert_close(model.backbone.model.layer4[1].conv2.weight, plain.layer4[1].conv2.weight)
+    richer = timm.create_model('seresnet18', pretrained=False).state_dict()
+    assert set(state) < set(richer)
+    torch.save(richer, tmp_path / 'seresnet18.pth')
+    with pytest.raises(ConfigError, match=r'have no place in the model .*layer1\.0\.se\.fc1'):
+        build(MODELS, dict(type='UperNet', backbone='resnet18', pretrained=str(tmp_path / 'seresnet18.pth')))
+
+
+def test_pretrained_files_as_released_load_and_broken_ones_are_one_line(tmp_path):
+    """A DDP-saved file ('module.' keys, nested under 'model') loads; a folder, a truncated
+    .pth/.safetensors and a file of no tensors are one line naming the file (they were the
+    reader's traceback, and a folder was said not to exist)."""
+    import timm
+    from safetensors.torch import save_file
+    state = timm.create_model('test_resnet', pretrained=False).state_dict()
+    torch.save({'epoch': 3, 'model': {f'module.{k}': v for k, v in state.items()}}, tmp_path / 'ddp.pth')
+    model = build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / 'ddp.pth')))
+    torch.testing.assert_close(model.backbone.model.layer1[0].conv1.weight, state['layer1.0.conv1.weight'])
+    save_file(state, str(tmp_path / 'w.safetensors'))
+    torch.save(state, tmp_path / 'w.pth')
+    for name in ('w.safetensors', 'w.pth'):
+        data = (tmp_path / name).read_bytes()
+        (tmp_path / f'cut_{name}').write_bytes(data[:len(data) // 2])
+    torch.save([1, 2], tmp_path / 'list.pth')
+    torch.save({'backbone.' + k: v for k, v in state.items()}, tmp_path / 'prefixed.pth')
+    (tmp_path / 'folder').mkdir()
+    for name, message in (('folder', 'is a folder; give the weights file in it'),
+                          ('cut_w.safetensors', 'is not a readable weights file'),
+                          ('cut_w.pth', 'is not a readable weights file'),
+                          ('list.pth', 'holds no state dict of tensors'),
+                          ('prefixed.pth', "the file's keys look like 'backbone.conv1")):
+        with pytest.raises(ConfigError, match=rf'test_resnet pretrained: .*{message}') as info:
+            build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / name)))
+        assert '\n' not in str(info.value)

@@ -29,9 +29,9 @@ def _original_key(key):
 
 
 def _pruned_by_wrapper(feature_net):
-    """A predicate on a pretrained file's keys: True for tensors of modules timm's feature wrapper
-    removed (everything after the last feature stage: final norm, classifier, later blocks).
-    A tensor whose module the wrapper kept but which that module lacks is not excused."""
+    """A predicate on a pretrained file's keys: True for tensors of the parts timm's feature
+    wrapper removed (everything after the last feature stage: final norm, classifier, later
+    stages). A tensor under a part the wrapper kept but which the model lacks is not excused."""
     if hasattr(feature_net, 'model') and hasattr(feature_net.model, 'blocks'):
         # FeatureGetterNet (ViTs) prunes in place: blocks after the last feature one, the final
         # norm (replaced by an Identity) and the head.
@@ -42,8 +42,12 @@ def _pruned_by_wrapper(feature_net):
             found = block(key)
             return key.startswith('norm.') or bool(found) and int(found[1]) >= depth
         return pruned
-    kept = {_original_key(f'{name}.x')[:-2] for name, _ in feature_net.named_modules()}
-    return lambda key: key.rpartition('.')[0] not in kept
+    # The wrapper drops whole top-level parts of the classifier (its head, final norm, the stages
+    # after the last feature level). A tensor under a part it kept must land in the model: judged
+    # per module instead, a file of a richer architecture (seresnet18's squeeze-excitation
+    # tensors into resnet18) lost those tensors without a word.
+    units = tuple(_original_key(f'{name}.x')[:-2] for name, _ in feature_net.named_children())
+    return lambda key: not any(key == unit or key.startswith(f'{unit}.') for unit in units)
 
 
 @BACKBONES.register_module()

@@ -103,7 +103,7 @@ class TimmViT(nn.Module):
     def load_pretrained(self, source, band_map=None, where='pretrained'):
         """Load a timm (or DINOv2-layout) state dict into the ViT; the pyramid neck starts fresh."""
         from ..pretrained import read_state_dict
-        state = _convert_dinov2(read_state_dict(source) if isinstance(source, str) else source)
+        state = _convert_dinov2(read_state_dict(source, where) if isinstance(source, str) else source)
         kept = len(self.model.blocks)
         match = re.compile(r'blocks\.(\d+)\.').match
 
