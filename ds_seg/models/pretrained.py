@@ -95,17 +95,48 @@ def create_timm_model(name, **kwargs):
                           "choose a backbone with feature maps (ResNet, ConvNeXt, Swin, EfficientNet, a ViT).") from exc
 
 
+@contextlib.contextmanager
+def _hub_offline_unless_reachable(host='huggingface.co'):
+    """Where the hub's host name does not even resolve (no network), ask the hub for its local
+    cache only: a cached file still loads, and a missing one fails at once instead of after
+    huggingface_hub's retries (about a minute of 'Retrying in 8s')."""
+    import socket
+
+    from huggingface_hub import constants
+    try:
+        socket.getaddrinfo(host, 443)
+        reachable = True
+    except OSError:
+        reachable = False
+    previous = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = previous or not reachable
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = previous
+
+
 def timm_state_dict(name):
     """Download (or take from the cache) the default pretrained weights timm knows for ``name``,
     as a state dict, without building a model (so it also works while ZeRO-3 partitions)."""
     import timm
+
+    from ..config import ConfigError
     cfg = timm.models.get_pretrained_cfg(name)
     if cfg is None:
         raise ValueError(f"pretrained=True: timm has no pretrained weights for {name!r}; pass a file path.")
-    if cfg.hf_hub_id:
-        from timm.models._hub import load_state_dict_from_hf
-        return load_state_dict_from_hf(cfg.hf_hub_id)
-    return torch.hub.load_state_dict_from_url(cfg.url, map_location='cpu')
+    source = f'https://huggingface.co/{cfg.hf_hub_id}' if cfg.hf_hub_id else cfg.url
+    try:
+        if cfg.hf_hub_id:
+            from timm.models._hub import load_state_dict_from_hf
+            with _hub_offline_unless_reachable():
+                return load_state_dict_from_hf(cfg.hf_hub_id)
+        return torch.hub.load_state_dict_from_url(cfg.url, map_location='cpu')
+    except Exception as exc:  # no network, a proxy, a server error: the hub's own words, then what to do
+        detail = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)[:200]
+        raise ConfigError(f"model.pretrained=True: could not fetch timm's weights for {name!r} from {source} "
+                          f"({detail}); run once where there is network (they are cached), or download them and "
+                          "give pretrained='path/to/the/file' (.safetensors or .pth).") from exc
 
 
 # Tensors of a pretrained file that a segmentation backbone never uses and a load may drop: the
