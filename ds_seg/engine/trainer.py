@@ -387,9 +387,19 @@ class Trainer:
             self.print(f"data.train.sampling='rare_class': no labelled pixel of {', '.join(map(repr, absent))} "
                        f"in the training labels; never drawn (rare-class sampling can only pick classes "
                        f"that occur)")
+        if self.train_set.num_classes < 2:
+            # Softmax over one class is 1 everywhere: loss 0 and mIoU 1 whatever the model does, so
+            # such a run "trains" and reports perfection. Binary is two classes here (softmax).
+            raise ConfigError(f"data.train has one class ({', '.join(self.train_set.classes)}): the loss is 0 and "
+                              f"mIoU 1 whatever the model learns; segmentation needs at least 2 classes: give "
+                              f"classes=('background', {self.train_set.classes[0]!r}) with background pixels "
+                              f"labelled 0 (label_map can remap file values).")
         if m.get('num_classes') is not None and m.num_classes != self.train_set.num_classes:
+            binary = (' (binary segmentation is 2 classes here, with a softmax, not one sigmoid output)'
+                      if m.num_classes == 1 else '')
             raise ConfigError(f"model.num_classes is {m.num_classes} but data.train has "
-                              f"{self.train_set.num_classes} classes ({', '.join(self.train_set.classes)}).")
+                              f"{self.train_set.num_classes} classes ({', '.join(self.train_set.classes)}); "
+                              f"set model.num_classes={self.train_set.num_classes}{binary}.")
         if self.val_set is not None:
             self._check_val_matches_train()
 
