@@ -223,7 +223,8 @@ def map_input_bands(weight_OIhw, band_map, where='band_map'):
     """
     from ..config import ConfigError
     source = weight_OIhw.shape[1]
-    bad = [b for b in band_map if b is not None and not (isinstance(b, int) and 0 <= b < source)]
+    bad = [b for b in band_map if b is not None and not (isinstance(b, int) and not isinstance(b, bool)
+                                                         and 0 <= b < source)]
     if bad:
         raise ConfigError(f'{where}: {bad} are not band indices of the weights (0..{source - 1}); give one '
                           'file band index (or None) per band of the data.')

@@ -223,3 +223,16 @@ def test_pretrained_files_as_released_load_and_broken_ones_are_one_line(tmp_path
         with pytest.raises(ConfigError, match=rf'test_resnet pretrained: .*{message}') as info:
             build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / name)))
         assert '\n' not in str(info.value)
+
+
+def test_a_band_map_not_of_one_entry_per_data_band_is_refused(tmp_path):
+    """band_map=[0, 1, 2] on 4-band data built a 3-band weight that was then adapted to 4 bands as
+    if it were RGB, and 5 entries were averaged away: the mapping asked for was silently lost."""
+    path = _save(tmp_path, _timm('vit_small_patch16_224', in_chans=6))
+    cfg = dict(type='UperNet', backbone='vit_small_patch16_224', in_channels=4, pretrained=path, channels=16,
+               backbone_kwargs=TINY)
+    for band_map, entries in (([0, 1, 2], 3), ([0, 1, 2, 3, 4], 5), (3, 'no')):
+        with pytest.raises(ConfigError, match=rf'model\.band_map: .* has {entries} entries for in_channels=4'):
+            build(MODELS, dict(cfg, band_map=band_map))
+    with pytest.raises(ConfigError, match=r'\[True\] are not band indices'):
+        build(MODELS, dict(cfg, band_map=[0, 1, 2, True]))

@@ -76,6 +76,13 @@ class TimmViT(nn.Module):
     def __init__(self, name='vit_base_patch16_224', in_channels=3, out_indices=None, pretrained=False,
                  band_map=None, activation_checkpointing=False, **timm_kwargs):
         super().__init__()
+        if band_map is not None and (not isinstance(band_map, (list, tuple)) or len(band_map) != in_channels):
+            # Of another length, the mapped weight was then adapted to in_channels like an RGB
+            # one: a band map meant for the data silently became something else.
+            from ...config import ConfigError
+            raise ConfigError(f'model.band_map: {band_map!r} has {len(band_map) if isinstance(band_map, (list, tuple)) else "no"} '
+                              f'entries for in_channels={in_channels}; give one file band index (or None) per band '
+                              'of the data.')
         kwargs = dict(timm_kwargs)
         kwargs.setdefault('dynamic_img_size', True)  # position embeddings follow the token grid
         self.model = create_timm_model(name, num_classes=0, in_chans=in_channels, **kwargs)
