@@ -236,3 +236,23 @@ def test_a_band_map_not_of_one_entry_per_data_band_is_refused(tmp_path):
             build(MODELS, dict(cfg, band_map=band_map))
     with pytest.raises(ConfigError, match=r'\[True\] are not band indices'):
         build(MODELS, dict(cfg, band_map=[0, 1, 2, True]))
+
+
+@pytest.mark.parametrize('name', ['test_resnet', 'test_convnext', 'test_efficientnet'])
+def test_cnn_features_equal_timm_with_the_same_weights(tmp_path, name):
+    """The CNN counterpart of the DINOv2 check: the encoder of UperNet over a timm CNN, loaded from
+    the classifier's file, gives the maps timm's own features_only model loaded by timm from the
+    same file gives at strides 4-32, bit for bit."""
+    import timm
+    torch.manual_seed(5)
+    path = _save(tmp_path, timm.create_model(name, pretrained=False))
+    model = build(MODELS, dict(type='UperNet', backbone=name, pretrained=path, channels=16)).eval()
+    reference = timm.create_model(name, features_only=True, pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=path)).eval()
+    x = torch.randn(2, 3, 96, 96)
+    with torch.no_grad():
+        theirs = [f for f, s in zip(reference(x), reference.feature_info.reduction()) if s >= 4]
+        ours = model.backbone(x)
+    assert len(ours) == 4 and [f.shape for f in ours] == [f.shape for f in theirs]
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
