@@ -249,3 +249,13 @@ def test_pretrained_true_without_network_is_quick_one_line_and_still_uses_the_ca
     save_file(reference, str(snapshot / 'model.safetensors'))
     model = build(MODELS, cfg)
     torch.testing.assert_close(model.backbone.model.layer2[0].conv1.weight, reference['layer2.0.conv1.weight'])
+
+
+def test_an_aux_head_level_the_encoder_lacks_is_one_line():
+    """aux_head=dict(type='FCNHead', in_index=5) on a 4-level encoder was an IndexError traceback."""
+    from ds_seg.config import ConfigError
+    for in_index in (5, -5, '2'):
+        with pytest.raises(ConfigError, match=r"model\.aux_head \(FCNHead\): .*in_index must pick one of the "
+                                              r"encoder's 4 feature levels \(-4\.\.3\)"):
+            make('UperNet', backbone='test_convnext', channels=16, aux_head=dict(type='FCNHead', in_index=in_index))
+    assert make('UperNet', backbone='test_convnext', channels=16, aux_head=dict(type='FCNHead', in_index=-1)).aux_head
