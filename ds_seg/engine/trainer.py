@@ -227,7 +227,14 @@ class Trainer:
         # Normalisation, nodata and flips happen on the device, after the (uint8) batch's copy,
         # for the next batches while this step runs (a side stream on CUDA).
         depth = self.cfg.data.get('prefetch_batches')
-        self.batches = DevicePrefetcher(iter(loader), BatchPreprocessor.for_dataset(self.train_set), self.device,
+        # Starting a DataLoader iterator draws its workers' base seed from the global torch RNG. A
+        # resumed run starts one after the checkpoint's RNG state is restored, the uninterrupted
+        # run did so before that state was saved: one draw apart, every later dropout mask
+        # differed (resume was exact only for models without dropout). The draw is put back.
+        rng = torch.get_rng_state()
+        batches = iter(loader)
+        torch.set_rng_state(rng)
+        self.batches = DevicePrefetcher(batches, BatchPreprocessor.for_dataset(self.train_set), self.device,
                                         default_depth(self.device) if depth is None else depth)
         self.print(f'training {self.cfg.model.type} | {self.spec.describe()} | steps {self.step}->{t.max_steps}'
                    f' | {self.work_dir}')
