@@ -310,3 +310,23 @@ def test_resume_equals_uninterrupted_for_a_model_with_dropout(tmp_path, stage):
     _lose_last_checkpoint(tmp, 'interrupted')
     resumed = run_on_ranks(_train_fpn, 1, args=(tmp, 'interrupted', 'auto', stage))[0]
     assert torch.equal(straight, resumed)
+
+
+def test_resume_and_load_from_need_no_pretrained_file(tmp_path):
+    """--resume auto (every sbatch requeue) and load_from take every weight from their file, yet
+    the model was built reading model.pretrained again: a pretrained file purged from scratch, or
+    missing on the requeued node, refused the resume of a run whose checkpoint held everything."""
+    import timm
+    tmp = str(tmp_path)
+    pretrained = os.path.join(tmp, 'resnet.pth')
+    torch.save(timm.create_model('test_resnet', pretrained=False).state_dict(), pretrained)
+    straight = run_on_ranks(_train_fpn, 1, args=(tmp, 'straight', None, 3, pretrained))[0]
+    run_on_ranks(_train_fpn, 1, args=(tmp, 'interrupted', None, 3, pretrained))
+    _lose_last_checkpoint(tmp, 'interrupted')
+    os.remove(pretrained)
+    resumed = run_on_ranks(_train_fpn, 1, args=(tmp, 'interrupted', 'auto', 3, pretrained))[0]
+    assert torch.equal(straight, resumed)
+    from ds_seg.cli import export
+    weights = os.path.join(tmp, 'straight.pt')
+    assert export.main([os.path.join(tmp, 'straight'), '--out', weights]) == 0
+    run_on_ranks(_train_fpn, 1, args=(tmp, 'from_weights', None, 3, pretrained, weights))
