@@ -44,6 +44,10 @@ def read_state_dict(path, where='pretrained'):
     import pickle
 
     from ..config import ConfigError
+    if '://' in str(path):  # mmseg configs name released weights by URL; ds_seg reads local files only
+        raise ConfigError(f'{where}: {path} is a URL; download the file and give its local path (or '
+                          'pretrained=True for timm\'s own weights).')
+    path = os.path.expanduser(str(path))  # '~/weights/x.pth' as written in a config
     if os.path.isdir(path):
         raise ConfigError(f'{where}: {path} is a folder; give the weights file in it (.pth, .pt, .bin or '
                           '.safetensors).')

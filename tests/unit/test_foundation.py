@@ -197,7 +197,7 @@ def test_a_file_of_a_richer_cnn_is_refused_not_trimmed(tmp_path):
         build(MODELS, dict(type='UperNet', backbone='resnet18', pretrained=str(tmp_path / 'seresnet18.pth')))
 
 
-def test_pretrained_files_as_released_load_and_broken_ones_are_one_line(tmp_path):
+def test_pretrained_files_as_released_load_and_broken_ones_are_one_line(tmp_path, monkeypatch):
     """A DDP-saved file ('module.' keys, nested under 'model') loads; a folder, a truncated
     .pth/.safetensors and a file of no tensors are one line naming the file (they were the
     reader's traceback, and a folder was said not to exist)."""
@@ -223,6 +223,11 @@ def test_pretrained_files_as_released_load_and_broken_ones_are_one_line(tmp_path
         with pytest.raises(ConfigError, match=rf'test_resnet pretrained: .*{message}') as info:
             build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / name)))
         assert '\n' not in str(info.value)
+    # '~' as written in a config is the home folder; a URL (as mmseg configs give) is named as one
+    monkeypatch.setenv('HOME', str(tmp_path))
+    build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained='~/w.pth'))
+    with pytest.raises(ConfigError, match=r'https://host/r50\.pth is a URL; download the file'):
+        build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained='https://host/r50.pth'))
 
 
 def test_a_band_map_not_of_one_entry_per_data_band_is_refused(tmp_path):
