@@ -70,8 +70,8 @@ def read_state_dict(path, where='pretrained'):
         if isinstance(payload, dict) and isinstance(payload.get(key), dict):
             payload = payload[key]
     if not isinstance(payload, dict) or not payload or not all(isinstance(v, torch.Tensor) for v in payload.values()):
-        raise ConfigError(f'{where}: {path} holds no state dict of tensors (found {type(payload).__name__}'
-                          f'{" with keys " + ", ".join(map(str, list(payload)[:5])) if isinstance(payload, dict) else ""}).')
+        keys = f' with keys {", ".join(map(str, list(payload)[:5]))}' if isinstance(payload, dict) else ''
+        raise ConfigError(f'{where}: {path} holds no state dict of tensors (found {type(payload).__name__}{keys}).')
     if all(k.startswith('module.') for k in payload):
         payload = {k[len('module.'):]: v for k, v in payload.items()}
     return payload

@@ -80,9 +80,9 @@ class TimmViT(nn.Module):
             # Of another length, the mapped weight was then adapted to in_channels like an RGB
             # one: a band map meant for the data silently became something else.
             from ...config import ConfigError
-            raise ConfigError(f'model.band_map: {band_map!r} has {len(band_map) if isinstance(band_map, (list, tuple)) else "no"} '
-                              f'entries for in_channels={in_channels}; give one file band index (or None) per band '
-                              'of the data.')
+            entries = len(band_map) if isinstance(band_map, (list, tuple)) else 'no'
+            raise ConfigError(f'model.band_map: {band_map!r} has {entries} entries for in_channels={in_channels}; '
+                              'give one file band index (or None) per band of the data.')
         kwargs = dict(timm_kwargs)
         kwargs.setdefault('dynamic_img_size', True)  # position embeddings follow the token grid
         self.model = create_timm_model(name, num_classes=0, in_chans=in_channels, **kwargs)
