@@ -61,6 +61,20 @@ def _build_dataset(cfg, where, crop_size, seed):
         raise ConfigError(f'{where} ({cfg.get("type")}): {exc}') from exc
 
 
+def without_pretrained(model_cfg):
+    """The model config with its pretrained weights (``pretrained`` and the ``band_map`` that maps
+    the file's bands, at the top or under ``backbone``) left out: for a model whose weights come
+    from elsewhere, or that is only measured. Neither changes the architecture."""
+    def strip(section):
+        if not section.get('pretrained'):
+            return section
+        return {k: v for k, v in section.items() if k != 'band_map'} | {'pretrained': None}
+    model_cfg = strip(dict(model_cfg))
+    if isinstance(model_cfg.get('backbone'), dict):
+        model_cfg['backbone'] = strip(dict(model_cfg['backbone']))
+    return model_cfg
+
+
 def report(message):
     """One line for the user, from rank 0. (A function, not a method: the parts the trainer hands
     it to hold no reference back to the trainer.)"""
@@ -149,9 +163,15 @@ class Trainer:
         self._check_loss_matches_classes()
 
         # --- model: identical initial weights on every rank from the seed ---------------------
+        # Resolved before the model is built: weights that come from a checkpoint (or load_from)
+        # replace every pretrained tensor, so the pretrained file is not read. A requeued job
+        # (--resume auto) whose pretrained file was purged from scratch, or is not on this node,
+        # was refused although its checkpoint held every weight.
+        found = checkpoint.resolve_resume(resume, self.work_dir, report=report)
+        model_cfg = without_pretrained(cfg.model) if found or cfg.get('load_from') else cfg.model
         torch.manual_seed(cfg.train.seed)
         # Under ZeRO-3 parameters are partitioned as they are created: no rank holds the model.
-        model = backends.build_model(spec, lambda: build(MODELS, cfg.model, where='model'))
+        model = backends.build_model(spec, lambda: build(MODELS, model_cfg, where='model'))
         if cfg.get('load_from'):
             self._load_weights(model, cfg.load_from)
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
@@ -160,14 +180,15 @@ class Trainer:
 
         # --- resume ----------------------------------------------------------------------------
         self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)
-        self.step, self.micro_step_offset, set_aside = self.checkpointer.restore(resume)
+        self.step, self.micro_step_offset, set_aside = self.checkpointer.restore(resume, found)
         if distributed.is_main():
             self.log.start(resumed_step=self.step or None, set_aside=set_aside)  # no checkpoint has step 0
 
         # --- telemetry -------------------------------------------------------------------------
         shape = (1, self.train_set.in_channels, data_cfg.crop_size, data_cfg.crop_size)
         self.metrics = RunMetrics(spec, self.log, self.backend, report=report,
-                                  flops_per_image=forward_flops(lambda: build(MODELS, cfg.model), shape),
+                                  flops_per_image=forward_flops(lambda: build(MODELS, without_pretrained(cfg.model)),
+                                                                shape),
                                   peak_flops=peak_flops(self.device, cfg.train.get('peak_tflops')),
                                   warmup_steps=max(cfg.train.warmup_log_steps,
                                                    COMPILE_WARMUP_STEPS if spec.compile_mode else 0),
@@ -229,7 +250,14 @@ class Trainer:
         # Normalisation, nodata and flips happen on the device, after the (uint8) batch's copy,
         # for the next batches while this step runs (a side stream on CUDA).
         depth = self.cfg.data.get('prefetch_batches')
-        self.batches = DevicePrefetcher(iter(loader), BatchPreprocessor.for_dataset(self.train_set), self.device,
+        # Starting a DataLoader iterator draws its workers' base seed from the global torch RNG. A
+        # resumed run starts one after the checkpoint's RNG state is restored, the uninterrupted
+        # run did so before that state was saved: one draw apart, every later dropout mask
+        # differed (resume was exact only for models without dropout). The draw is put back.
+        rng = torch.get_rng_state()
+        batches = iter(loader)
+        torch.set_rng_state(rng)
+        self.batches = DevicePrefetcher(batches, BatchPreprocessor.for_dataset(self.train_set), self.device,
                                         default_depth(self.device) if depth is None else depth)
         self.print(f'training {self.cfg.model.type} | {self.spec.describe()} | steps {self.step}->{t.max_steps}'
                    f' | {self.work_dir}')
@@ -408,9 +436,19 @@ class Trainer:
             self.print(f"data.train.sampling='rare_class': no labelled pixel of {', '.join(map(repr, absent))} "
                        f"in the training labels; never drawn (rare-class sampling can only pick classes "
                        f"that occur)")
+        if self.train_set.num_classes < 2:
+            # Softmax over one class is 1 everywhere: loss 0 and mIoU 1 whatever the model does, so
+            # such a run "trains" and reports perfection. Binary is two classes here (softmax).
+            raise ConfigError(f"data.train has one class ({', '.join(self.train_set.classes)}): the loss is 0 and "
+                              f"mIoU 1 whatever the model learns; segmentation needs at least 2 classes: give "
+                              f"classes=('background', {self.train_set.classes[0]!r}) with background pixels "
+                              f"labelled 0 (label_map can remap file values).")
         if m.get('num_classes') is not None and m.num_classes != self.train_set.num_classes:
+            binary = (' (binary segmentation is 2 classes here, with a softmax, not one sigmoid output)'
+                      if m.num_classes == 1 else '')
             raise ConfigError(f"model.num_classes is {m.num_classes} but data.train has "
-                              f"{self.train_set.num_classes} classes ({', '.join(self.train_set.classes)}).")
+                              f"{self.train_set.num_classes} classes ({', '.join(self.train_set.classes)}); "
+                              f"set model.num_classes={self.train_set.num_classes}{binary}.")
         if self.val_set is not None:
             self._check_val_matches_train()
 

@@ -34,31 +34,113 @@ def adapt_input_weight(weight_OIhw, in_channels):
     return torch.cat([kept, extra], dim=1) * (source / in_channels)
 
 
-def read_state_dict(path):
-    """A state dict from ``.pth``/``.pt``/``.bin``/``.safetensors``; unwraps ``state_dict``/``model``."""
+def read_state_dict(path, where='pretrained'):
+    """A state dict from ``.pth``/``.pt``/``.bin``/``.safetensors``; unwraps ``state_dict``/``model``
+    (as released files nest them) and strips the ``module.`` prefix of a file saved from a
+    DDP-wrapped model (as timm's and mmengine's loaders do).
+
+    A folder, a truncated file or one of another format is one line naming ``where`` and the
+    file (ConfigError), not the reader's traceback."""
+    import pickle
+
+    from ..config import ConfigError
+    if '://' in str(path):  # mmseg configs name released weights by URL; ds_seg reads local files only
+        raise ConfigError(f'{where}: {path} is a URL; download the file and give its local path (or '
+                          'pretrained=True for timm\'s own weights).')
+    path = os.path.expanduser(str(path))  # '~/weights/x.pth' as written in a config
+    if os.path.isdir(path):
+        raise ConfigError(f'{where}: {path} is a folder; give the weights file in it (.pth, .pt, .bin or '
+                          '.safetensors).')
     if not os.path.isfile(path):
-        raise FileNotFoundError(f'pretrained: {path} does not exist.')
-    if path.endswith('.safetensors'):
-        from safetensors.torch import load_file
-        return load_file(path)
-    payload = torch.load(path, map_location='cpu', weights_only=True)
+        raise FileNotFoundError(f'{where}: {path} does not exist.')
+    try:
+        if path.endswith('.safetensors'):
+            from safetensors.torch import load_file
+            payload = load_file(path)
+        else:
+            payload = torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as exc:  # weights_only refused an object that could run code
+        raise ConfigError(f'{where}: {path} holds Python objects other than tensors (loading it could run '
+                          'code); refused. Save its state_dict() alone, or convert it to .safetensors.') from exc
+    except Exception as exc:  # torch's zip reader, safetensors' header check, EOF: truncated or not weights
+        detail = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+        raise ConfigError(f'{where}: {path} is not a readable weights file (truncated, or another format: '
+                          f'{detail}); download it again.') from exc
     for key in ('state_dict', 'model', 'module'):
         if isinstance(payload, dict) and isinstance(payload.get(key), dict):
             payload = payload[key]
+    if not isinstance(payload, dict) or not payload or not all(isinstance(v, torch.Tensor) for v in payload.values()):
+        keys = f' with keys {", ".join(map(str, list(payload)[:5]))}' if isinstance(payload, dict) else ''
+        raise ConfigError(f'{where}: {path} holds no state dict of tensors (found {type(payload).__name__}{keys}).')
+    if all(k.startswith('module.') for k in payload):
+        payload = {k[len('module.'):]: v for k, v in payload.items()}
     return payload
+
+
+def create_timm_model(name, **kwargs):
+    """``timm.create_model(name, pretrained=False, **kwargs)`` with timm's refusals as one line
+    naming ``model.backbone``: an unknown name (with close matches), or a model that cannot give
+    what is asked (``features_only`` on a classifier timm has no feature wrapper for)."""
+    import difflib
+
+    import timm
+
+    from ..config import ConfigError
+    if not isinstance(name, str) or not timm.is_model(name):
+        close = difflib.get_close_matches(str(name), timm.list_models(), n=3, cutoff=0.75)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ''
+        raise ConfigError(f"model.backbone: timm has no model {name!r}.{hint} "
+                          "List them with python -c \"import timm; print(timm.list_models('convnext*'))\".")
+    try:
+        return timm.create_model(name, pretrained=False, **kwargs)
+    except RuntimeError as exc:  # e.g. "features_only not implemented for ..."
+        raise ConfigError(f"model.backbone: timm cannot build {name!r} as an encoder here: "
+                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
+                          "choose a backbone with feature maps (ResNet, ConvNeXt, Swin, EfficientNet, a ViT).") from exc
+
+
+@contextlib.contextmanager
+def _hub_offline_unless_reachable(host='huggingface.co'):
+    """Where the hub's host name does not even resolve (no network), ask the hub for its local
+    cache only: a cached file still loads, and a missing one fails at once instead of after
+    huggingface_hub's retries (about a minute of 'Retrying in 8s')."""
+    import socket
+
+    from huggingface_hub import constants
+    try:
+        socket.getaddrinfo(host, 443)
+        reachable = True
+    except OSError:
+        reachable = False
+    previous = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = previous or not reachable
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = previous
 
 
 def timm_state_dict(name):
     """Download (or take from the cache) the default pretrained weights timm knows for ``name``,
     as a state dict, without building a model (so it also works while ZeRO-3 partitions)."""
     import timm
+
+    from ..config import ConfigError
     cfg = timm.models.get_pretrained_cfg(name)
     if cfg is None:
         raise ValueError(f"pretrained=True: timm has no pretrained weights for {name!r}; pass a file path.")
-    if cfg.hf_hub_id:
-        from timm.models._hub import load_state_dict_from_hf
-        return load_state_dict_from_hf(cfg.hf_hub_id)
-    return torch.hub.load_state_dict_from_url(cfg.url, map_location='cpu')
+    source = f'https://huggingface.co/{cfg.hf_hub_id}' if cfg.hf_hub_id else cfg.url
+    try:
+        if cfg.hf_hub_id:
+            from timm.models._hub import load_state_dict_from_hf
+            with _hub_offline_unless_reachable():
+                return load_state_dict_from_hf(cfg.hf_hub_id)
+        return torch.hub.load_state_dict_from_url(cfg.url, map_location='cpu')
+    except Exception as exc:  # no network, a proxy, a server error: the hub's own words, then what to do
+        detail = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)[:200]
+        raise ConfigError(f"model.pretrained=True: could not fetch timm's weights for {name!r} from {source} "
+                          f"({detail}); run once where there is network (they are cached), or download them and "
+                          "give pretrained='path/to/the/file' (.safetensors or .pth).") from exc
 
 
 # Tensors of a pretrained file that a segmentation backbone never uses and a load may drop: the
@@ -94,7 +176,7 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
         load_pretrained(vit, 'weights/vit_base.pth', allow_missing=('neck.',))
     """
     from ..config import ConfigError
-    state = read_state_dict(source) if isinstance(source, (str, os.PathLike)) else dict(source)
+    state = read_state_dict(source, where) if isinstance(source, (str, os.PathLike)) else dict(source)
     if band_map is not None:
         if input_key not in state:
             raise ConfigError(f'{where}: band_map needs the first-layer weight {input_key!r}, which the '
@@ -126,8 +208,11 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
     missing, _ = load_state_dict_into(module, mapped, adapt=adapt)
     missing = [k for k in missing if not k.endswith('num_batches_tracked') and not k.startswith(tuple(allow_missing))]
     if missing:
+        # Where nothing matched at all the file's keys carry another prefix ('backbone.' of an
+        # mmseg/mmpretrain checkpoint, 'encoder.'...): show one beside the model's.
+        hint = '' if mapped else f" (none matched: the file's keys look like {next(iter(state))!r})"
         raise ConfigError(f'{where}: the weights lack {len(missing)} tensor(s) of the model, '
-                          f'e.g. {missing[:5]}.')
+                          f'e.g. {missing[:5]}{hint}.')
 
 
 def map_input_bands(weight_OIhw, band_map, where='band_map'):
@@ -142,7 +227,8 @@ def map_input_bands(weight_OIhw, band_map, where='band_map'):
     """
     from ..config import ConfigError
     source = weight_OIhw.shape[1]
-    bad = [b for b in band_map if b is not None and not (isinstance(b, int) and 0 <= b < source)]
+    bad = [b for b in band_map if b is not None and not (isinstance(b, int) and not isinstance(b, bool)
+                                                         and 0 <= b < source)]
     if bad:
         raise ConfigError(f'{where}: {bad} are not band indices of the weights (0..{source - 1}); give one '
                           'file band index (or None) per band of the data.')

@@ -166,11 +166,6 @@ def _timm(backbone, pretrained, img_size=None, band_map=None, backbone_kwargs=No
     return dict(type='TimmBackbone', name=backbone, pretrained=pretrained, **kwargs, **extra)
 
 
-def _is_vit(backbone):
-    from .backbones.timm_vit import is_plain_vit
-    return is_plain_vit(backbone)
-
-
 @MODELS.register_module()
 def UperNet(backbone='convnext_tiny', in_channels=3, num_classes=6, channels=512, aux_head=True,
             pretrained=False, img_size=None, band_map=None, backbone_kwargs=None, activation_checkpointing=False):
@@ -184,8 +179,7 @@ def UperNet(backbone='convnext_tiny', in_channels=3, num_classes=6, channels=512
     Example: ``build(MODELS, dict(type='UperNet', backbone='vit_large_patch14_reg4_dinov2',
     pretrained='weights/dinov2_vitl14_reg4.pth'))``
     """
-    out_indices = (1, 2, 3, 4) if backbone.startswith(('resnet', 'efficientnet')) else None
-    return Segmentor(backbone=_timm(backbone, pretrained, img_size, band_map, backbone_kwargs, out_indices=out_indices),
+    return Segmentor(backbone=_timm(backbone, pretrained, img_size, band_map, backbone_kwargs, levels='pyramid'),
                      decode_head=dict(type='UperHead', channels=channels), aux_head=_aux(aux_head),
                      in_channels=in_channels, num_classes=num_classes,
                      activation_checkpointing=activation_checkpointing)
@@ -209,8 +203,7 @@ def FPN(backbone='resnet50', in_channels=3, num_classes=6, channels=256, aux_hea
 
     Example: ``build(MODELS, dict(type='FPN', backbone='efficientnet_b3', in_channels=13))``
     """
-    out_indices = None if _is_vit(backbone) else (1, 2, 3, 4)
-    return Segmentor(backbone=_timm(backbone, pretrained, img_size, band_map, backbone_kwargs, out_indices=out_indices),
+    return Segmentor(backbone=_timm(backbone, pretrained, img_size, band_map, backbone_kwargs, levels='pyramid'),
                      decode_head=dict(type='FPNHead', channels=channels), aux_head=_aux(aux_head),
                      in_channels=in_channels, num_classes=num_classes,
                      activation_checkpointing=activation_checkpointing)
@@ -222,7 +215,7 @@ FPN.variants = {b: dict(backbone=b) for b in ('resnet50', 'efficientnet_b3')}
 @MODELS.register_module()
 def FPNTiny(in_channels=3, num_classes=6, aux_head=False, activation_checkpointing=False):
     """Semantic FPN over timm's ``test_resnet`` for CPU tests."""
-    return Segmentor(backbone=_timm('test_resnet', False, out_indices=(1, 2, 3, 4)),
+    return Segmentor(backbone=_timm('test_resnet', False, levels='pyramid'),
                      decode_head=dict(type='FPNHead', channels=32, segmentation_channels=16),
                      aux_head=_aux(aux_head, channels=16), in_channels=in_channels, num_classes=num_classes,
                      activation_checkpointing=activation_checkpointing)
@@ -236,7 +229,7 @@ def DeepLabV3Plus(backbone='resnet50', in_channels=3, num_classes=6, output_stri
     Example: ``build(MODELS, dict(type='DeepLabV3Plus', backbone='resnet101', output_stride=8))``
     """
     dilations = (6, 12, 18) if output_stride == 16 else (12, 24, 36)
-    return Segmentor(backbone=_timm(backbone, pretrained, out_indices=(1, 4), output_stride=output_stride),
+    return Segmentor(backbone=_timm(backbone, pretrained, levels='low_high', output_stride=output_stride),
                      decode_head=dict(type='DeepLabV3PlusHead', channels=channels, dilations=dilations),
                      aux_head=_aux(aux_head), in_channels=in_channels, num_classes=num_classes,
                      activation_checkpointing=activation_checkpointing)
@@ -249,7 +242,7 @@ DeepLabV3Plus.variants = {'resnet50': dict(backbone='resnet50'), 'resnet101': di
 @MODELS.register_module()
 def DeepLabV3PlusTiny(in_channels=3, num_classes=6, aux_head=False, activation_checkpointing=False):
     """DeepLabV3+ over timm's ``test_resnet`` at output stride 16 for CPU tests."""
-    return Segmentor(backbone=_timm('test_resnet', False, out_indices=(1, 4), output_stride=16),
+    return Segmentor(backbone=_timm('test_resnet', False, levels='low_high', output_stride=16),
                      decode_head=dict(type='DeepLabV3PlusHead', channels=32, low_level_channels=8),
                      aux_head=_aux(aux_head, channels=16), in_channels=in_channels, num_classes=num_classes,
                      activation_checkpointing=activation_checkpointing)

@@ -52,6 +52,15 @@ def _cases(tmp):
     img_nan = _write_tif(os.path.join(d, 'img_nan.tif'), np.full((3, 64, 64), np.nan, dtype=np.float32))
     lbl_nodata0 = _write_tif(os.path.join(d, 'lbl_nodata0.tif'), rng.integers(0, 6, (1, 64, 64), dtype=np.uint8),
                              nodata=0)
+    lbl_one_class = _write_tif(os.path.join(d, 'lbl_one_class.tif'), np.zeros((1, 64, 64), dtype=np.uint8))
+    lbl2 = _write_tif(os.path.join(d, 'lbl2.tif'), rng.integers(0, 2, (1, 64, 64), dtype=np.uint8))
+    truncated = os.path.join(d, 'resnet_cut.pth')
+    with open(truncated, 'wb') as f:   # the first half of a real weights file (a download cut short)
+        import timm
+        import torch
+        buffer = io.BytesIO()
+        torch.save(timm.create_model('test_resnet', pretrained=False).state_dict(), buffer)
+        f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
     corrupt = os.path.join(d, 'corrupt.tif')
     with open(corrupt, 'wb') as f:
         f.write(b'II*\x00' + os.urandom(2000))
@@ -126,6 +135,12 @@ def _cases(tmp):
         'combined_member_ignore_other': ([], None, combined_loss('other.py', dict(type='CrossEntropyLoss', ignore_index=0),
                                                                 dict(type='DiceLoss'))),
         'work_dir': ([], None, ['--work-dir', os.path.join(a_file, 'run')]),
+        # a softmax over one class: loss 0 and mIoU 1 whatever is learnt (it trained, "perfectly")
+        'one_class': (_geotiff_data([img], [lbl_one_class], classes=1) + ['model.num_classes=1'], None, []),
+        'binary_one_output': (_geotiff_data([img], [lbl2], classes=2) + ['model.num_classes=1'], None, []),
+        'backbone_typo': (['model.type=UperNet', 'model.backbone=convnxt_tiny'], None, []),
+        'pretrained_truncated': (['model.type=FPN', 'model.backbone=test_resnet', 'model.channels=16',
+                                  f'model.pretrained={truncated}'], None, []),
         # a validation set the trained model cannot take: found after training, before this check
         'val_bands': (_train_val(([img], [lbl], 6), ([img4], [lbl], 6)), None, []),
         'val_classes': (_train_val(([img], [lbl], 6), ([img], [lbl4], 4)), None, []),
@@ -184,6 +199,11 @@ EXPECTED = {
     'ds_auto': ["'bf16.enabled' is \"auto\""],
     'ds_batch': ["'train_batch_size' 7"],
     'work_dir': ['--work-dir', 'not writable'],
+    'one_class': ['data.train has one class (class_0)', 'at least 2 classes'],
+    'binary_one_output': ['model.num_classes is 1 but data.train has 2 classes', 'set model.num_classes=2',
+                          'not one sigmoid output'],
+    'backbone_typo': ["model.backbone: timm has no model 'convnxt_tiny'", "Did you mean 'convnext_tiny'"],
+    'pretrained_truncated': ['resnet_cut.pth is not a readable weights file (truncated'],
     'image_all_nodata': ['img_nodata.tif', 'no pixel is both labelled with a class and valid in the image'],
     'image_all_nan': ['img_nan.tif', 'no pixel is both labelled with a class and valid', 'NaN'],
     'label_nodata_is_class': ['lbl_nodata0.tif', 'nodata tag is 0', "class 0 ('class_0')", 'gdal_edit.py -unsetnodata'],

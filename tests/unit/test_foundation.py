@@ -140,3 +140,124 @@ def test_fpn_over_a_vit_any_crop():
     model = build(MODELS, dict(type='FPN', backbone='deit3_small_patch16_224', channels=16, backbone_kwargs=TINY))
     with torch.no_grad():
         assert model.eval()(torch.randn(1, 3, 200, 136)).shape == (1, 6, 200, 136)
+
+
+@pytest.mark.parametrize('family', ['UperNet', 'FPN', 'DeepLabV3Plus'])
+@pytest.mark.parametrize('backbone', ['test_convnext', 'test_efficientnet', 'test_byobnet', 'test_resnet'])
+def test_every_head_takes_the_stride_4_to_32_levels_of_any_timm_family(family, backbone):
+    """The levels a head gets are chosen by stride, not by index: FPN/DeepLabV3+ over a ConvNeXt
+    (4 levels, stride 4 first) failed with an IndexError, and UperNet over a family not named
+    resnet*/efficientnet* (stride-2 stem level first) fused its head at stride 2."""
+    model = build(MODELS, dict(type=family, backbone=backbone, channels=16)).eval()
+    want = [4, 16] if family == 'DeepLabV3Plus' else [4, 8, 16, 32]   # DeepLabV3+ at output stride 16
+    assert model.backbone.strides == want
+    x = torch.randn(1, 3, 128, 128)
+    with torch.no_grad():
+        features = model.backbone(x)
+        assert [128 // f.shape[-1] for f in features] == want
+        assert model(x).shape == (1, 6, 128, 128)
+
+
+def test_an_unknown_or_featureless_timm_name_is_one_line():
+    with pytest.raises(ConfigError, match=r"model\.backbone: timm has no model 'convnxt_tiny'\. Did you mean "
+                                          r"'convnext_tiny'"):
+        build(MODELS, dict(type='UperNet', backbone='convnxt_tiny'))
+    with pytest.raises(ConfigError, match=r"levels must be one of"):
+        build(BACKBONES, dict(type='TimmBackbone', name='test_resnet', levels='pyramid', out_indices=(1, 2)))
+
+
+def test_negative_out_indices_count_from_the_last_block_and_out_of_range_is_one_line():
+    """``out_indices=(-4, -3, -2, -1)`` (timm's convention) was clamped to block 0 for all four
+    levels: it trained, on the first block's features only."""
+    cfg = dict(type='UperNet', backbone='deit3_small_patch16_224', channels=16)
+    negative = build(MODELS, dict(cfg, backbone_kwargs=dict(TINY, out_indices=(-4, -3, -2, -1))))
+    assert negative.backbone.out_indices == [0, 1, 2, 3]
+    ours = build(BACKBONES, dict(type='ViT', variant='vit_tiny_test', depth=6, out_indices=[-3, -2, -1, 5]))
+    assert ours.out_indices == [3, 4, 5, 5]
+    with torch.no_grad():
+        assert [f.shape[1] for f in ours(torch.randn(1, 3, 64, 64))] == [ours.out_channels[0]] * 4
+    for bad in ((1, 2, 3, 4), (0, 1, 2), (0, 1, 2, 'x')):
+        with pytest.raises(ConfigError, match=r'out_indices must be 4 block indices in -4\.\.3'):
+            build(MODELS, dict(cfg, backbone_kwargs=dict(TINY, out_indices=bad)))
+
+
+def test_a_file_of_a_richer_cnn_is_refused_not_trimmed(tmp_path):
+    """seresnet-like tensors (squeeze-excitation inside the kept stages) loaded into a plain
+    ResNet were dropped without a word; the classifier head and final layers still are."""
+    import timm
+    plain = timm.create_model('resnet18', pretrained=False)
+    state = plain.state_dict()
+    torch.save(state, tmp_path / 'resnet18.pth')
+    model = build(MODELS, dict(type='UperNet', backbone='resnet18', pretrained=str(tmp_path / 'resnet18.pth')))
+    torch.testing.assert_close(model.backbone.model.layer4[1].conv2.weight, plain.layer4[1].conv2.weight)
+    richer = timm.create_model('seresnet18', pretrained=False).state_dict()
+    assert set(state) < set(richer)
+    torch.save(richer, tmp_path / 'seresnet18.pth')
+    with pytest.raises(ConfigError, match=r'have no place in the model .*layer1\.0\.se\.fc1'):
+        build(MODELS, dict(type='UperNet', backbone='resnet18', pretrained=str(tmp_path / 'seresnet18.pth')))
+
+
+def test_pretrained_files_as_released_load_and_broken_ones_are_one_line(tmp_path, monkeypatch):
+    """A DDP-saved file ('module.' keys, nested under 'model') loads; a folder, a truncated
+    .pth/.safetensors and a file of no tensors are one line naming the file (they were the
+    reader's traceback, and a folder was said not to exist)."""
+    import timm
+    from safetensors.torch import save_file
+    state = timm.create_model('test_resnet', pretrained=False).state_dict()
+    torch.save({'epoch': 3, 'model': {f'module.{k}': v for k, v in state.items()}}, tmp_path / 'ddp.pth')
+    model = build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / 'ddp.pth')))
+    torch.testing.assert_close(model.backbone.model.layer1[0].conv1.weight, state['layer1.0.conv1.weight'])
+    save_file(state, str(tmp_path / 'w.safetensors'))
+    torch.save(state, tmp_path / 'w.pth')
+    for name in ('w.safetensors', 'w.pth'):
+        data = (tmp_path / name).read_bytes()
+        (tmp_path / f'cut_{name}').write_bytes(data[:len(data) // 2])
+    torch.save([1, 2], tmp_path / 'list.pth')
+    torch.save({'backbone.' + k: v for k, v in state.items()}, tmp_path / 'prefixed.pth')
+    (tmp_path / 'folder').mkdir()
+    for name, message in (('folder', 'is a folder; give the weights file in it'),
+                          ('cut_w.safetensors', 'is not a readable weights file'),
+                          ('cut_w.pth', 'is not a readable weights file'),
+                          ('list.pth', 'holds no state dict of tensors'),
+                          ('prefixed.pth', "the file's keys look like 'backbone.conv1")):
+        with pytest.raises(ConfigError, match=rf'test_resnet pretrained: .*{message}') as info:
+            build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / name)))
+        assert '\n' not in str(info.value)
+    # '~' as written in a config is the home folder; a URL (as mmseg configs give) is named as one
+    monkeypatch.setenv('HOME', str(tmp_path))
+    build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained='~/w.pth'))
+    with pytest.raises(ConfigError, match=r'https://host/r50\.pth is a URL; download the file'):
+        build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained='https://host/r50.pth'))
+
+
+def test_a_band_map_not_of_one_entry_per_data_band_is_refused(tmp_path):
+    """band_map=[0, 1, 2] on 4-band data built a 3-band weight that was then adapted to 4 bands as
+    if it were RGB, and 5 entries were averaged away: the mapping asked for was silently lost."""
+    path = _save(tmp_path, _timm('vit_small_patch16_224', in_chans=6))
+    cfg = dict(type='UperNet', backbone='vit_small_patch16_224', in_channels=4, pretrained=path, channels=16,
+               backbone_kwargs=TINY)
+    for band_map, entries in (([0, 1, 2], 3), ([0, 1, 2, 3, 4], 5), (3, 'no')):
+        with pytest.raises(ConfigError, match=rf'model\.band_map: .* has {entries} entries for in_channels=4'):
+            build(MODELS, dict(cfg, band_map=band_map))
+    with pytest.raises(ConfigError, match=r'\[True\] are not band indices'):
+        build(MODELS, dict(cfg, band_map=[0, 1, 2, True]))
+
+
+@pytest.mark.parametrize('name', ['test_resnet', 'test_convnext', 'test_efficientnet'])
+def test_cnn_features_equal_timm_with_the_same_weights(tmp_path, name):
+    """The CNN counterpart of the DINOv2 check: the encoder of UperNet over a timm CNN, loaded from
+    the classifier's file, gives the maps timm's own features_only model loaded by timm from the
+    same file gives at strides 4-32, bit for bit."""
+    import timm
+    torch.manual_seed(5)
+    path = _save(tmp_path, timm.create_model(name, pretrained=False))
+    model = build(MODELS, dict(type='UperNet', backbone=name, pretrained=path, channels=16)).eval()
+    reference = timm.create_model(name, features_only=True, pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=path)).eval()
+    x = torch.randn(2, 3, 96, 96)
+    with torch.no_grad():
+        theirs = [f for f, s in zip(reference(x), reference.feature_info.reduction()) if s >= 4]
+        ours = model.backbone(x)
+    assert len(ours) == 4 and [f.shape for f in ours] == [f.shape for f in theirs]
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -42,3 +42,16 @@ def test_a_file_that_is_not_a_torch_file_is_named_as_such(tmp_path, content, kin
     path.write_bytes(content)
     with pytest.raises(ValueError, match=re.escape(f'x.pt: is {kind}, not a weights file')):
         load_weights_file(str(path))
+
+
+def test_a_torch_export_program_is_named_as_such_not_as_a_damaged_file(tmp_path):
+    """export.py --format torch-export writes a zip too: given to predict/evaluate/load_from it was
+    called "not a readable weights file (truncated...)... your checkpoint file is corrupted"."""
+    from ds_seg.inference import load_model
+    program = torch.export.export(torch.nn.Conv2d(3, 2, 1), (torch.randn(1, 3, 8, 8),))
+    path = str(tmp_path / 'model.pt2')
+    torch.export.save(program, path)
+    for load in (load_weights_file, load_model):
+        with pytest.raises(ValueError, match=r'model\.pt2: is a torch\.export program .*give the weights file') as info:
+            load(path)
+        assert 'corrupt' not in str(info.value) and 'truncated' not in str(info.value)

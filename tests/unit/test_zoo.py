@@ -213,3 +213,49 @@ def test_model_facts_refuse_what_describes_no_model(argv, message, capsys):
     from tests.tiny import argparse_refusal
     code, err = argparse_refusal(models.main, argv, capsys)
     assert code == 2 and message in err and 'Traceback' not in err, err
+
+
+def test_pretrained_true_without_network_is_quick_one_line_and_still_uses_the_cache(tmp_path, monkeypatch):
+    """With no network, pretrained=True retried for about a minute and ended in the hub's words,
+    naming neither the key nor what to do. Now: the cache if it holds the file, else one line."""
+    import socket
+    import time
+
+    import timm
+    from huggingface_hub import constants
+    from safetensors.torch import save_file
+
+    from ds_seg.config import ConfigError
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(-2, 'Name or service not known')
+    monkeypatch.setattr(socket, 'getaddrinfo', no_dns)
+    monkeypatch.setattr(constants, 'HF_HUB_CACHE', str(tmp_path / 'hub'))
+    cfg = dict(type='FPN', backbone='test_resnet', pretrained=True)
+    offline_before = constants.HF_HUB_OFFLINE
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"model\.pretrained=True: could not fetch timm's weights for 'test_resnet' "
+                                          r"from https://huggingface.co/timm/test_resnet.* give pretrained='path"):
+        build(MODELS, cfg)
+    assert time.monotonic() - start < 10
+    assert constants.HF_HUB_OFFLINE == offline_before   # the hub's setting is given back
+    # The same weights in the hub's cache layout load with no network.
+    repo = timm.models.get_pretrained_cfg('test_resnet').hf_hub_id
+    snapshot = tmp_path / 'hub' / f"models--{repo.replace('/', '--')}" / 'snapshots' / 'abc'
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / 'refs').mkdir()
+    (snapshot.parent.parent / 'refs' / 'main').write_text('abc')
+    reference = timm.create_model('test_resnet', pretrained=False).state_dict()
+    save_file(reference, str(snapshot / 'model.safetensors'))
+    model = build(MODELS, cfg)
+    torch.testing.assert_close(model.backbone.model.layer2[0].conv1.weight, reference['layer2.0.conv1.weight'])
+
+
+def test_an_aux_head_level_the_encoder_lacks_is_one_line():
+    """aux_head=dict(type='FCNHead', in_index=5) on a 4-level encoder was an IndexError traceback."""
+    from ds_seg.config import ConfigError
+    for in_index in (5, -5, '2'):
+        with pytest.raises(ConfigError, match=r"model\.aux_head \(FCNHead\): .*in_index must pick one of the "
+                                              r"encoder's 4 feature levels \(-4\.\.3\)"):
+            make('UperNet', backbone='test_convnext', channels=16, aux_head=dict(type='FCNHead', in_index=in_index))
+    assert make('UperNet', backbone='test_convnext', channels=16, aux_head=dict(type='FCNHead', in_index=-1)).aux_head

@@ -3,8 +3,18 @@ import re
 
 from torch import nn
 
+# Which of timm's feature levels a head gets (``levels=``), chosen by stride rather than by
+# index: timm numbers levels per model (ResNets, EfficientNets, RegNets, MobileNets report a
+# stride-2 stem level first, VGG a stride-1 one, ConvNeXt and Swin start at stride 4), so fixed
+# indices pick the wrong maps, or ones that do not exist, on another family.
+#   'pyramid':  every level at stride 4 or more (UperNet, FPN: strides 4, 8, 16, 32, as
+#               mmsegmentation and segmentation_models_pytorch take them);
+#   'low_high': the first level at stride 4 or more and the last one (DeepLabV3+'s low-level
+#               and ASPP inputs).
+LEVELS = ('pyramid', 'low_high')
+
 from ..common import BACKBONES, run_block
-from ..pretrained import load_pretrained, timm_state_dict
+from ..pretrained import create_timm_model, load_pretrained, timm_state_dict
 
 
 def _original_key(key):
@@ -19,9 +29,9 @@ def _original_key(key):
 
 
 def _pruned_by_wrapper(feature_net):
-    """A predicate on a pretrained file's keys: True for tensors of modules timm's feature wrapper
-    removed (everything after the last feature stage: final norm, classifier, later blocks).
-    A tensor whose module the wrapper kept but which that module lacks is not excused."""
+    """A predicate on a pretrained file's keys: True for tensors of the parts timm's feature
+    wrapper removed (everything after the last feature stage: final norm, classifier, later
+    stages). A tensor under a part the wrapper kept but which the model lacks is not excused."""
     if hasattr(feature_net, 'model') and hasattr(feature_net.model, 'blocks'):
         # FeatureGetterNet (ViTs) prunes in place: blocks after the last feature one, the final
         # norm (replaced by an Identity) and the head.
@@ -32,8 +42,12 @@ def _pruned_by_wrapper(feature_net):
             found = block(key)
             return key.startswith('norm.') or bool(found) and int(found[1]) >= depth
         return pruned
-    kept = {_original_key(f'{name}.x')[:-2] for name, _ in feature_net.named_modules()}
-    return lambda key: key.rpartition('.')[0] not in kept
+    # The wrapper drops whole top-level parts of the classifier (its head, final norm, the stages
+    # after the last feature level). A tensor under a part it kept must land in the model: judged
+    # per module instead, a file of a richer architecture (seresnet18's squeeze-excitation
+    # tensors into resnet18) lost those tensors without a word.
+    units = tuple(_original_key(f'{name}.x')[:-2] for name, _ in feature_net.named_children())
+    return lambda key: not any(key == unit or key.startswith(f'{unit}.') for unit in units)
 
 
 @BACKBONES.register_module()
@@ -45,6 +59,8 @@ class TimmBackbone(nn.Module):
     of the classification model. Either way the first layer is adapted to ``in_channels``
     (:func:`~ds_seg.models.pretrained.adapt_input_weight`) and loading also works on a ZeRO-3
     partitioned model. Features are returned channels-first whatever timm's layout (Swin: NHWC).
+    ``levels`` picks timm's feature levels by stride (:data:`LEVELS`) for any family; without it,
+    ``out_indices`` (timm's numbering) or every level.
 
     Example::
 
@@ -53,18 +69,31 @@ class TimmBackbone(nn.Module):
     """
 
     def __init__(self, name='resnet50', in_channels=3, out_indices=None, output_stride=None, pretrained=False,
-                 activation_checkpointing=False, **timm_kwargs):
+                 activation_checkpointing=False, levels=None, **timm_kwargs):
         super().__init__()
-        import timm
+        from ...config import ConfigError
         kwargs = dict(timm_kwargs)
+        if levels is not None and (levels not in LEVELS or out_indices is not None):
+            raise ConfigError(f"{name}: levels must be one of {', '.join(LEVELS)} (or None, with out_indices), "
+                              f"got levels={levels!r}, out_indices={out_indices!r}.")
         if out_indices is not None:
             kwargs['out_indices'] = tuple(out_indices)
         if output_stride is not None:
             kwargs['output_stride'] = output_stride
-        self.model = timm.create_model(name, features_only=True, pretrained=False, in_chans=in_channels, **kwargs)
+        self.model = create_timm_model(name, features_only=True, in_chans=in_channels, **kwargs)
         info = self.model.feature_info
-        self.out_channels = list(info.channels())
-        self.strides = list(info.reduction())
+        strides = list(info.reduction())
+        # Indices into the feature list timm returns; every level is computed anyway (each feeds
+        # the next), so leaving some out costs nothing and changes no parameter.
+        self._take = list(range(len(strides)))
+        if levels is not None:
+            deep = [i for i, s in enumerate(strides) if s >= 4]
+            if not deep:
+                raise ConfigError(f"{name}: timm's features have strides {strides}, none at 4 or more; "
+                                  "choose another backbone.")
+            self._take = deep if levels == 'pyramid' else [deep[0], len(strides) - 1]
+        self.out_channels = [list(info.channels())[i] for i in self._take]
+        self.strides = [strides[i] for i in self._take]
         self.size_divisor = 1
         self.channels_last_output = str(getattr(self.model, 'output_fmt', 'NCHW')).endswith('NHWC')
         self.activation_checkpointing = activation_checkpointing
@@ -99,7 +128,8 @@ class TimmBackbone(nn.Module):
                     x = run_block(block, x, checkpointing=has_params)
                 if name in self.model.return_layers:
                     features.append(x)
+        features = [features[i] for i in self._take]
         if self.channels_last_output:
             features = [f.permute(0, 3, 1, 2) for f in features]
-        return list(features)
+        return features
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..common import BACKBONES
-from ..pretrained import load_pretrained, timm_state_dict
-from .vit import SimplePyramid
+from ..pretrained import create_timm_model, load_pretrained, timm_state_dict
+from .vit import SimplePyramid, pyramid_block_indices
 
 # timm modules whose models are plain (single-stride) ViTs with forward_intermediates; names from
 # these route to TimmViT in UperNet/FPN/SegFormer-style factories (hierarchical models such as
@@ -76,12 +76,18 @@ class TimmViT(nn.Module):
     def __init__(self, name='vit_base_patch16_224', in_channels=3, out_indices=None, pretrained=False,
                  band_map=None, activation_checkpointing=False, **timm_kwargs):
         super().__init__()
-        import timm
+        if band_map is not None and (not isinstance(band_map, (list, tuple)) or len(band_map) != in_channels):
+            # Of another length, the mapped weight was then adapted to in_channels like an RGB
+            # one: a band map meant for the data silently became something else.
+            from ...config import ConfigError
+            entries = len(band_map) if isinstance(band_map, (list, tuple)) else 'no'
+            raise ConfigError(f'model.band_map: {band_map!r} has {entries} entries for in_channels={in_channels}; '
+                              'give one file band index (or None) per band of the data.')
         kwargs = dict(timm_kwargs)
         kwargs.setdefault('dynamic_img_size', True)  # position embeddings follow the token grid
-        self.model = timm.create_model(name, pretrained=False, num_classes=0, in_chans=in_channels, **kwargs)
+        self.model = create_timm_model(name, num_classes=0, in_chans=in_channels, **kwargs)
         depth = len(self.model.blocks)
-        self.out_indices = [max(0, i) for i in (out_indices or [depth * (q + 1) // 4 - 1 for q in range(4)])]
+        self.out_indices = pyramid_block_indices(name, out_indices, depth)
         # The blocks after the last feature block and the classifier are never run: drop them
         # (DDP and ZeRO would otherwise see parameters without gradients).
         self.model.prune_intermediate_layers(sorted(set(self.out_indices)), prune_norm=False, prune_head=True)
@@ -104,7 +110,7 @@ class TimmViT(nn.Module):
     def load_pretrained(self, source, band_map=None, where='pretrained'):
         """Load a timm (or DINOv2-layout) state dict into the ViT; the pyramid neck starts fresh."""
         from ..pretrained import read_state_dict
-        state = _convert_dinov2(read_state_dict(source) if isinstance(source, str) else source)
+        state = _convert_dinov2(read_state_dict(source, where) if isinstance(source, str) else source)
         kept = len(self.model.blocks)
         match = re.compile(r'blocks\.(\d+)\.').match
 

@@ -84,6 +84,23 @@ class PatchEmbed(nn.Module):
         return self.proj(x_BCHW)
 
 
+def pyramid_block_indices(where, out_indices, depth):
+    """The four blocks (0..depth-1) a ViT's pyramid takes: ``out_indices``, or the last block of
+    each quarter of the depth. Negative indices count from the last block, as in Python and timm
+    (``(-4, -3, -2, -1)``): they were once clamped to 0 (TimmViT: the first block fed all four
+    levels, silently) or never matched (ViT: a KeyError in forward). Anything else out of range is
+    one line naming the model."""
+    if out_indices is None:
+        return [max(0, depth * (q + 1) // 4 - 1) for q in range(4)]
+    from ...config import ConfigError
+    given = list(out_indices) if isinstance(out_indices, (list, tuple)) else [out_indices]
+    if len(given) != 4 or not all(isinstance(i, int) and not isinstance(i, bool) and -depth <= i < depth
+                                  for i in given):
+        raise ConfigError(f'{where}: out_indices must be 4 block indices in {-depth}..{depth - 1} (the model '
+                          f'has {depth} blocks; negative ones count from the last), got {out_indices!r}.')
+    return [i % depth for i in given]
+
+
 class SimplePyramid(nn.Module):
     """Stride-16 ViT maps from four depths -> strides 4, 8, 16, 32 (BEiT/ViTDet-style necks:
     two transposed convs, one, identity, max-pool)."""
@@ -132,7 +149,7 @@ class ViT(nn.Module):
         if depth < 1:
             raise ValueError(f'ViT depth must be at least 1, got {depth}.')
         # The last block of each quarter of the depth; a ViT shallower than 4 repeats blocks.
-        self.out_indices = list(out_indices or [max(0, depth * (i + 1) // 4 - 1) for i in range(4)])
+        self.out_indices = pyramid_block_indices(f'ViT {variant}', out_indices, depth)
         grid = img_size // patch_size
         self.patch_embed = PatchEmbed(in_channels, dim, patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))

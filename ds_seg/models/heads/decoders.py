@@ -201,6 +201,10 @@ class FCNHead(_ClassifierMixin, nn.Module):
 
     def __init__(self, in_channels, num_classes, in_index=-2, channels=256, dropout=0.1):
         super().__init__()
+        levels = len(in_channels)
+        if isinstance(in_index, bool) or not isinstance(in_index, int) or not -levels <= in_index < levels:
+            raise ValueError(f'in_index must pick one of the encoder\'s {len(in_channels)} feature levels '
+                             f'({-len(in_channels)}..{len(in_channels) - 1}), got {in_index!r}')
         self.in_index = in_index
         self.conv = ConvBNReLU(in_channels[in_index], channels, 3)
         self._init_classifier(channels, num_classes, dropout)
