@@ -21,6 +21,24 @@ def looks_like_tiff(path):
         return False
 
 
+def is_torch_export_archive(path):
+    """Whether ``path`` is a ``torch.export.save`` archive (a zip holding ``<name>/archive_format``).
+    A zip like torch.save's, so torch.load's complaint ("failed locating file data.pkl ...
+    corrupted") would send the user hunting for a damaged file that is fine."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith('/archive_format') for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+# What to say of one, after its path (predict/evaluate/export's --checkpoint, load_from).
+TORCH_EXPORT_PROGRAM = ('is a torch.export program (launch/export.py --format torch-export; run it with '
+                        'torch.export.load(path).module()), not a weights file; give the weights file '
+                        '(launch/export.py --format weights), an .onnx export or the run instead')
+
+
 def expand_inputs(paths, option='--input'):
     """Paths as given, with a directory standing for the GeoTIFFs directly inside it (sorted).
     Each file must exist, be non-empty and readable to its last pixel (a truncated download
@@ -204,10 +222,8 @@ def check_checkpoint_option(path, option='--checkpoint'):
                           '--input?')
     if os.path.isfile(path) and os.path.getsize(path) == 0:
         raise ConfigError(f'{option}: {path} is empty (0 bytes).')
-    if os.path.isfile(path) and path.lower().endswith('.pt2'):  # was "corrupted" (torch.load's words)
-        raise ConfigError(f'{option}: {path} is a torch.export program (export.py --format torch-export), which '
-                          'predict/evaluate do not run; give the weights file (export.py --format weights), an '
-                          '.onnx export, or the run, or load it in your code with torch.export.load(path).module()')
+    if os.path.isfile(path) and is_torch_export_archive(path):
+        raise ConfigError(f'{option}: {path} {TORCH_EXPORT_PROGRAM}')
 
 
 def check_bands(path, bands, in_channels=None, option='--input'):

@@ -25,6 +25,7 @@ import shutil
 import torch
 
 from .. import distributed
+from ..inputs import TORCH_EXPORT_PROGRAM, is_torch_export_archive
 from . import faults
 
 TAG_RE = re.compile(r'^step_(\d{8})$')
@@ -425,16 +426,6 @@ def weights_digest(state_dict):
 _TORCH_MAGIC = (b'PK\x03\x04', b'\x80')
 
 
-def _is_torch_export_archive(path):
-    """Whether ``path`` is a ``torch.export.save`` archive (a zip holding ``<name>/archive_format``)."""
-    import zipfile
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return any(name.endswith('/archive_format') for name in archive.namelist())
-    except (zipfile.BadZipFile, OSError):
-        return False
-
-
 def load_weights_file(path):
     """Read an exported weights file safely (no code execution): returns the payload dict."""
     if not os.path.isfile(path):
@@ -446,12 +437,8 @@ def load_weights_file(path):
                 else 'a text file' if head.strip()[:1] in (b'{', b'[', b'#') or head.isascii() else 'another kind of file')
         raise ValueError(f"{path}: is {kind}, not a weights file (torch.save writes a zip archive); give a file "
                          "written by launch/export.py.")
-    if _is_torch_export_archive(path):
-        # A zip too, so torch.load's complaint ("failed locating file data.pkl ... corrupted") would
-        # send the user hunting for a damaged file that is fine.
-        raise ValueError(f"{path}: is a torch.export program (launch/export.py --format torch-export, run it with "
-                         "torch.export.load(path).module()), not a weights file; give the weights file "
-                         "(launch/export.py --format weights) instead (predict.py also runs an .onnx export).")
+    if is_torch_export_archive(path):
+        raise ValueError(f"{path}: {TORCH_EXPORT_PROGRAM}")
     try:
         payload = torch.load(path, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as exc:
