@@ -596,17 +596,23 @@ def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path)
     assert (other / 'preview_7.png').read_bytes() == b'mine'
 
 
-def test_evaluate_refuses_a_scene_given_twice(tmp_path, capsys):
-    """Overlapping globs ('img/*.tif' 'img/a*.tif') evaluated a1.tif twice: its pixels counted
-    twice in the confusion matrix and every metric, without a word. Now one line, nothing
-    written; the same file under another spelling (a/../a1.tif) too."""
-    from ds_seg.cli import evaluate
+def _two_scene_folders(tmp_path):
+    """A trained UNetTiny's weights, and img/a1.tif, img/b1.tif with lbl/a1.tif, lbl/b1.tif."""
     weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
     for folder in ('img', 'lbl'):
         (tmp_path / folder).mkdir()
         for name in ('a1', 'b1'):
             with open(scene if folder == 'img' else label, 'rb') as f:
                 (tmp_path / folder / f'{name}.tif').write_bytes(f.read())
+    return weights
+
+
+def test_evaluate_refuses_a_scene_given_twice(tmp_path, capsys):
+    """Overlapping globs ('img/*.tif' 'img/a*.tif') evaluated a1.tif twice: its pixels counted
+    twice in the confusion matrix and every metric, without a word. Now one line, nothing
+    written; the same file under another spelling (a/../a1.tif) too."""
+    from ds_seg.cli import evaluate
+    weights = _two_scene_folders(tmp_path)
     out = tmp_path / 'out'
     for images, labels in (([f'{tmp_path}/img/*.tif', f'{tmp_path}/img/a*.tif'],
                             [f'{tmp_path}/lbl/*.tif', f'{tmp_path}/lbl/a*.tif']),
@@ -659,12 +665,7 @@ def test_evaluate_takes_folders_as_predict_does(tmp_path, capsys):
     image)"; a folder means the GeoTIFFs in it, as predict.py's --input, and gives the metrics of
     the same files given by globs."""
     from ds_seg.cli import evaluate
-    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
-    for folder in ('img', 'lbl'):
-        (tmp_path / folder).mkdir()
-        for name in ('a1', 'b1'):
-            with open(scene if folder == 'img' else label, 'rb') as f:
-                (tmp_path / folder / f'{name}.tif').write_bytes(f.read())
+    weights = _two_scene_folders(tmp_path)
     common = ['--checkpoint', weights, '--tile', '32', '--previews', '0']
     assert evaluate.main(common + ['--output', str(tmp_path / 'by_folder'), '--images', str(tmp_path / 'img'),
                                    '--labels', str(tmp_path / 'lbl')]) == 0, capsys.readouterr().err
