@@ -462,11 +462,9 @@ class Trainer:
         if self.val_set is not None:
             sizes['data.eval_tile' if d.get('eval_tile') else 'data.crop_size (the evaluation tile)'] = \
                 d.get('eval_tile') or d.crop_size
-        # Without its pretrained weights: the real build reads (or downloads) them once.
-        meta_cfg = dict(m, pretrained=None) if m.get('pretrained') else m
-        try:
+        try:  # without its pretrained weights: the real build reads (or downloads) them once
             with torch.device('meta'):
-                model = build(MODELS, meta_cfg, where='model').eval()
+                model = build(MODELS, without_pretrained(m), where='model').eval()
         except Exception:  # cannot be built on meta: the real build below says what is wrong
             return
 
