@@ -94,23 +94,14 @@ def build_scenes(args, info):
         check_classes(args, list(ds.classes), info)
         return ds, list(ds.classes)
     from ds_seg.data.geotiff import (cached_label_histograms, expand_paths, inspect_pair, label_nodata_message,
-                                     pair_by_name)
+                                     pair_by_name, refuse_repeated_scenes)
     from ds_seg.data.raster import same_value
     # Globs, and folders (their GeoTIFFs, as predict.py's --input): every file readable to its end
     images = expand_inputs(expand_paths(args.images, '--images'), '--images')
     labels = expand_inputs(expand_paths(args.labels or [], '--labels'), '--labels')
     if len(images) != len(labels):
         raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
-    # Overlapping globs ('val/*.tif' 'val/a*.tif') or a path given twice: that scene's pixels
-    # would be counted twice in every metric.
-    seen = {}
-    for image in images:
-        key = os.path.realpath(image) if os.path.exists(image) else image
-        if key in seen:
-            also = f' (also as {seen[key]})' if seen[key] != image else ''
-            raise ValueError(f"--images: {image} is given twice{also}, by overlapping globs or paths; its pixels "
-                             f"would count twice in every metric. Give each scene once")
-        seen[key] = image
+    refuse_repeated_scenes(images, '--images')
     labels = pair_by_name(images, labels)  # as training pairs them
     scenes = []
     for image, label in zip(images, labels):

@@ -244,6 +244,19 @@ def pair_by_name(images, labels):
     return labels
 
 
+def refuse_repeated_scenes(images, what):
+    """Evaluation scenes each once: overlapping globs (``'val/*.tif' 'val/a*.tif'``) or one file
+    under two spellings would count its pixels twice in every metric."""
+    seen = {}
+    for image in images:
+        key = os.path.realpath(image) if os.path.exists(image) else image
+        if key in seen:
+            also = f' (also as {seen[key]})' if seen[key] != image else ''
+            raise DataError(f"{what}: {image} is given twice{also}, by overlapping globs or paths; its pixels "
+                            f"would count twice in every metric. Give each scene once")
+        seen[key] = image
+
+
 def grid_starts(length, crop):
     """Window starts with stride ``crop`` covering ``[0, length)``; the last one flush with the end."""
     if length <= crop:
@@ -404,6 +417,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if isinstance(crop_size, int):
             crop_size = (crop_size, crop_size)
         self.crop_h, self.crop_w = (int(c) for c in crop_size)
+        if mode == 'grid':  # evaluation windows: a scene twice would weigh twice in the metrics
+            refuse_repeated_scenes(images, 'images')
         self.mode = mode
         self.split = split
         self.ignore_index = int(ignore_index)

@@ -306,3 +306,16 @@ def test_names_that_share_nothing_keep_the_position_pairing(tmp_path):
     ds = GeoTiffScenes(images, labels, crop_size=32, classes=2, mean=[0] * 3, std=[1] * 3)
     pairs = [(os.path.basename(s['image']), os.path.basename(s['label'])) for s in ds.scenes]
     assert pairs == [('scene_b.tif', 'gt_1.tif'), ('scene_c.tif', 'gt_2.tif')]
+
+
+def test_a_validation_scene_given_twice_is_refused_and_training_may_repeat_one(tmp_path):
+    # Evaluation windows of a scene given twice (overlapping globs) would count twice in every
+    # metric; a training set may repeat a scene (it weighs it twice, as a list says).
+    images, labels = _tiles(tmp_path, ['a1.tif', 'b1.tif'], ['a1.tif', 'b1.tif'])
+    repeated = [images, str(tmp_path / 'img' / 'a*.tif')]
+    with pytest.raises(DataError, match=r"images: .*a1.tif is given twice.*count twice in every metric"):
+        GeoTiffScenes(repeated, [labels, str(tmp_path / 'lbl' / 'a*.tif')], crop_size=32, classes=2,
+                      split='val', mean=[0] * 3, std=[1] * 3)
+    train = GeoTiffScenes(repeated, [labels, str(tmp_path / 'lbl' / 'a*.tif')], crop_size=32, classes=2,
+                          split='train', mean=[0] * 3, std=[1] * 3)
+    assert len(train.scenes) == 3
