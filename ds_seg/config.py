@@ -365,18 +365,27 @@ def _check_keys(cfg, defaults, source, prefix=''):
             _check_keys(value, defaults[key], source, prefix=f'{path}.')
 
 
-def parse_cfg_options(options):
-    """Turn ``['a.b=1', 'c=[1,2]']`` into a nested dict; values are Python literals or strings."""
+def _option_value(raw):
+    """A Python literal, true/false/none/null, or the string itself."""
     import ast
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return {'true': True, 'false': False, 'none': None, 'null': None}.get(raw.lower(), raw)
+
+
+def parse_cfg_options(options):
+    """Turn ``['a.b=1', 'c=[1,2]', 'd=x,y']`` into a nested dict; values are Python literals or
+    strings, and unbracketed commas make a list of them (``d=x,y`` -> ``['x', 'y']``), as
+    mmengine's ``--cfg-options`` reads them."""
     nested = {}
     for item in options or []:
         if '=' not in item:
             raise ConfigError(f"--cfg-options: {item!r} is not of the form key=value.")
         key, raw = item.split('=', 1)
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            value = {'true': True, 'false': False, 'none': None, 'null': None}.get(raw.lower(), raw)
+        value = _option_value(raw)
+        if isinstance(value, str) and ',' in raw and not raw.strip().startswith(('[', '(', '{', '"', "'")):
+            value = [_option_value(part) for part in raw.split(',')]
         node = nested
         parts = key.split('.')
         for i, part in enumerate(parts[:-1]):

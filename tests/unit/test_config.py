@@ -114,6 +114,15 @@ def test_cfg_options_given_twice_both_apply():
     assert (cfg.train.max_steps, cfg.train.checkpoint_interval) == (2, 2)
 
 
+def test_cfg_options_unbracketed_commas_make_a_list_as_in_mmengine():
+    from ds_seg.config import parse_cfg_options
+    options = parse_cfg_options(["a=x.tif,y.tif", 'b=1,2', "c=['x,y']", 'd=x', "e='x,y'", 'f=true,none,0.5'])
+    assert options == {'a': ['x.tif', 'y.tif'], 'b': (1, 2), 'c': ['x,y'], 'd': 'x', 'e': 'x,y',
+                       'f': [True, None, 0.5]}
+    cfg = load_config(None, ["data.train.classes=grass,building,road,water,tree,bare"])
+    assert list(cfg.data.train.classes) == ['grass', 'building', 'road', 'water', 'tree', 'bare']
+
+
 def test_missing_config_file_lists_shipped(tmp_path):
     with pytest.raises(ConfigError, match=r'does not exist. Configs shipped in configs/'):
         load_config(str(tmp_path / 'nope.py'))
