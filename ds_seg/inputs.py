@@ -10,6 +10,9 @@ import os
 from .config import ConfigError
 
 GEOTIFF_SUFFIXES = ('.tif', '.tiff', '.gtiff')
+# What a folder given as input stands for: GeoTIFFs and JPEG 2000 orthophotos (as national mapping
+# agencies publish them). Not VRTs: one beside its own source tiles would count them twice.
+FOLDER_SUFFIXES = GEOTIFF_SUFFIXES + ('.jp2',)
 _TIFF_MAGIC = (b'II*\x00', b'MM\x00*', b'II+\x00', b'MM\x00+')  # classic TIFF and BigTIFF
 
 
@@ -56,9 +59,11 @@ def expand_inputs(paths, option='--input'):
     for path in paths:
         if os.path.isdir(path):
             found = sorted(os.path.join(path, n) for n in os.listdir(path)
-                           if n.lower().endswith(GEOTIFF_SUFFIXES) and os.path.isfile(os.path.join(path, n)))
+                           if n.lower().endswith(FOLDER_SUFFIXES) and os.path.isfile(os.path.join(path, n)))
             if not found:
-                raise ConfigError(f"{option}: folder {path} holds no GeoTIFF ({', '.join(GEOTIFF_SUFFIXES)}).")
+                raise ConfigError(f"{option}: folder {path} holds no GeoTIFF or JPEG 2000 raster "
+                                  f"({', '.join(FOLDER_SUFFIXES)}); give other rasters (.vrt, .png...) by name "
+                                  "or glob.")
             files += found
         elif not os.path.exists(path) and not is_remote(path):
             raise ConfigError(f'{option}: {path} does not exist.')

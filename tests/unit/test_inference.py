@@ -714,3 +714,28 @@ def test_a_torch_export_program_as_checkpoint_is_named_not_called_corrupt(tmp_pa
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f'--checkpoint: {program} is a torch.export program' in err and 'corrupted' not in err, err
+
+
+def test_a_folder_input_takes_jpeg2000_orthophotos(tmp_path, capsys):
+    """National orthophotos often come as JPEG 2000: a folder of them was "holds no GeoTIFF".
+    A lossless .jp2 copy of a scene predicts what the GeoTIFF does."""
+    import rasterio
+
+    from ds_seg.cli import predict
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    folder = tmp_path / 'ortho'
+    folder.mkdir()
+    with rasterio.open(scene) as src:
+        profile = dict(src.profile, driver='JP2OpenJPEG', QUALITY=100, REVERSIBLE='YES')
+        for key in ('tiled', 'blockxsize', 'blockysize', 'interleave', 'compress', 'photometric'):
+            profile.pop(key, None)
+        with rasterio.open(folder / 'scene.jp2', 'w', **profile) as dst:
+            dst.write(src.read())
+    common = ['--checkpoint', weights, '--tile', '32']
+    assert predict.main(common + ['--input', str(folder), '--output', str(tmp_path / 'jp2')]) == 0, \
+        capsys.readouterr().err
+    assert predict.main(common + ['--input', scene, '--output', str(tmp_path / 'tif')]) == 0
+    with rasterio.open(tmp_path / 'jp2' / 'scene_classes.tif') as a, \
+            rasterio.open(tmp_path / 'tif' / 'scene_classes.tif') as b:
+        assert a.crs == b.crs and a.transform == b.transform
+        assert np.array_equal(a.read(), b.read())
