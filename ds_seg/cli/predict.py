@@ -282,6 +282,12 @@ def _run(args):
             print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
                   f'{stats["windows"]} windows in {stats["seconds"]:.1f} s '
                   f'({stats["windows"] / max(stats["seconds"], 1e-9):.1f} windows/s)', flush=True)
+            stale = out[:-len('_classes.tif')] + '_probs.tif'
+            if args.overwrite and not probs and os.path.isfile(stale):
+                # An earlier run's probabilities would sit beside this class map as if they were its own.
+                os.remove(stale)
+                print(f'[predict] removed {stale}: an earlier run\'s probabilities, not this class map\'s '
+                      f'(--overwrite without --probs)', flush=True)
         if vector and distributed.is_main():  # the joined class map is complete here
             t = time.perf_counter()
             v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],

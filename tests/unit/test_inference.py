@@ -739,3 +739,20 @@ def test_a_folder_input_takes_jpeg2000_orthophotos(tmp_path, capsys):
             rasterio.open(tmp_path / 'tif' / 'scene_classes.tif') as b:
         assert a.crs == b.crs and a.transform == b.transform
         assert np.array_equal(a.read(), b.read())
+
+
+def test_overwrite_without_probs_removes_the_earlier_runs_probabilities(tmp_path, capsys):
+    """An --overwrite run without --probs left the earlier run's scene_probs.tif beside its new
+    class map, as if it were that map's; it is removed once the new map is written."""
+    from ds_seg.cli import predict
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    out = tmp_path / 'out'
+    common = ['--checkpoint', weights, '--input', scene, '--output', str(out), '--tile', '32']
+    assert predict.main(common + ['--probs']) == 0
+    assert (out / 'scene_probs.tif').exists()
+    assert predict.main(common) == 2  # without --overwrite nothing is touched
+    assert (out / 'scene_probs.tif').exists()
+    capsys.readouterr()
+    assert predict.main(common + ['--overwrite']) == 0
+    assert not (out / 'scene_probs.tif').exists() and (out / 'scene_classes.tif').exists()
+    assert 'removed' in capsys.readouterr().out
