@@ -66,7 +66,9 @@ def read_state_dict(path, where='pretrained'):
         detail = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
         raise ConfigError(f'{where}: {path} is not a readable weights file (truncated, or another format: '
                           f'{detail}); download it again.') from exc
-    for key in ('state_dict', 'model', 'module'):
+    # 'teacher': DINO/iBOT training checkpoints hold student and teacher; the teacher is the model
+    # they release and evaluate.
+    for key in ('state_dict', 'model', 'module', 'teacher'):
         if isinstance(payload, dict) and isinstance(payload.get(key), dict):
             payload = payload[key]
     if not isinstance(payload, dict) or not payload or not all(isinstance(v, torch.Tensor) for v in payload.values()):
@@ -152,11 +154,33 @@ CLASSIFIER_PREFIXES = ('head.', 'head_dist.', 'fc.', 'classifier.', 'last_linear
                        'attn_pool.', 'pre_logits.', 'mask_token')
 
 
+def _under_prefix(state, wanted):
+    """The tensors of ``state`` under the key prefix that holds the ``wanted`` keys, the prefix
+    removed: ``backbone.`` of an mmseg/mmpretrain checkpoint, ``backbone.`` of DINO's teacher,
+    ``encoder.``... Returns ``(state, prefix)``; ``prefix`` is None when the keys match as they are.
+    The tensors outside the prefix (a decode head, a projection head) are other parts of the
+    source network, which is what a prefix selects, as mmpretrain's ``init_cfg`` prefix does."""
+    best, hits = None, sum(k in wanted for k in state)
+    if hits == len(wanted):  # the usual case: every key found as it is
+        return state, None
+    prefixes = {'.'.join(k.split('.')[:depth]) + '.' for k in state for depth in (1, 2, 3) if k.count('.') > depth}
+    for prefix in sorted(prefixes):
+        found = sum(k[len(prefix):] in wanted for k in state if k.startswith(prefix))
+        if found > hits:
+            best, hits = prefix, found
+    if best is None:
+        return state, None
+    return {k[len(best):]: v for k, v in state.items() if k.startswith(best)}, best
+
+
 def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=(), band_map=None,
                     input_key=None, pos_embed_prefix=1, pos_embed_grid=None, where='pretrained'):
     """Copy the weights of ``source`` (a path or a state dict) into ``module``: exact or refused.
 
-    ``rename`` maps a module key to the file's key (or None) when the layouts differ. Every tensor
+    The file's tensors under a prefix that holds the module's (``backbone.`` of an mmseg or
+    mmpretrain checkpoint, DINO's ``teacher`` with ``backbone.``) are taken with it removed
+    (:func:`_under_prefix`). ``rename`` maps a module key to the file's key (or None) when the
+    layouts differ. Every tensor
     of the file must land in the module, except those under :data:`CLASSIFIER_PREFIXES` and
     ``allow_unused`` (prefixes, or a predicate on the file's key: parts the module was built
     without); module keys missing from the file
@@ -177,12 +201,13 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
     """
     from ..config import ConfigError
     state = read_state_dict(source, where) if isinstance(source, (str, os.PathLike)) else dict(source)
+    rename = rename or (lambda key: key)
+    state, _ = _under_prefix(state, {rename(k) for k in module.state_dict()} - {None})
     if band_map is not None:
         if input_key not in state:
             raise ConfigError(f'{where}: band_map needs the first-layer weight {input_key!r}, which the '
                               'weights do not hold.')
         state[input_key] = map_input_bands(state[input_key], band_map, where=f'{where}: band_map')
-    rename = rename or (lambda key: key)
     mapped, used = {}, set()
     for key in module.state_dict():
         src = rename(key)

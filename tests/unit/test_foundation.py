@@ -213,13 +213,14 @@ def test_pretrained_files_as_released_load_and_broken_ones_are_one_line(tmp_path
         data = (tmp_path / name).read_bytes()
         (tmp_path / f'cut_{name}').write_bytes(data[:len(data) // 2])
     torch.save([1, 2], tmp_path / 'list.pth')
-    torch.save({'backbone.' + k: v for k, v in state.items()}, tmp_path / 'prefixed.pth')
+    # another network's names (no prefix removal makes them the model's)
+    torch.save({f'param_{i}': v for i, v in enumerate(state.values())}, tmp_path / 'other.pth')
     (tmp_path / 'folder').mkdir()
     for name, message in (('folder', 'is a folder; give the weights file in it'),
                           ('cut_w.safetensors', 'is not a readable weights file'),
                           ('cut_w.pth', 'is not a readable weights file'),
                           ('list.pth', 'holds no state dict of tensors'),
-                          ('prefixed.pth', "the file's keys look like 'backbone.conv1")):
+                          ('other.pth', "the file's keys look like 'param_0'")):
         with pytest.raises(ConfigError, match=rf'test_resnet pretrained: .*{message}') as info:
             build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / name)))
         assert '\n' not in str(info.value)
@@ -261,3 +262,23 @@ def test_cnn_features_equal_timm_with_the_same_weights(tmp_path, name):
     assert len(ours) == 4 and [f.shape for f in ours] == [f.shape for f in theirs]
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_released_checkpoints_with_the_backbone_under_a_prefix_load(tmp_path):
+    """mmseg/mmpretrain checkpoints hold the encoder under 'backbone.' beside a decode head, and
+    DINO's hold it under teacher/'backbone.' beside a student: they were refused ("none matched");
+    the tensors under the prefix are taken, exactly."""
+    import timm
+    state = timm.create_model('test_resnet', pretrained=False).state_dict()
+    mmseg = {'meta': {'epoch': 80}, 'state_dict': {**{'backbone.' + k: v for k, v in state.items()},
+                                                    'decode_head.conv_seg.weight': torch.zeros(6, 8, 1, 1)}}
+    dino = {'student': {'backbone.' + k: v + 1 for k, v in state.items()},
+            'teacher': {**{'backbone.' + k: v for k, v in state.items()}, 'head.mlp.0.weight': torch.zeros(4, 4)}}
+    for name, payload in (('mmseg.pth', mmseg), ('dino.pth', dino)):
+        torch.save(payload, tmp_path / name)
+        model = build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / name)))
+        loaded = model.backbone.model.state_dict()
+        assert len(loaded) > 10
+        for key, value in loaded.items():
+            if not key.endswith('num_batches_tracked'):
+                torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=f'{name}: {key}')
