@@ -356,6 +356,8 @@ def _check_keys(cfg, defaults, source, prefix=''):
         if key not in defaults:
             close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.6)
             hint = f" Did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ''
+            if not prefix and source != '--cfg-options':
+                hint += f" (A helper variable of the file: begin its name with '_', as in _{key} = ...)"
             raise ConfigError(f"{source}: unknown key {path!r}.{hint} "
                               f"Known keys here: {', '.join(prefix + k for k in defaults)}.")
         if path in _REGISTRY_SECTIONS:
@@ -419,6 +421,9 @@ def load_config(path=None, cfg_options=None):
                               f"(a cycle); break it") from exc
         except Exception as exc:  # syntax errors, bad _base_ paths...
             raise ConfigError(f"{path}: cannot be loaded: {exc}") from exc
+        # Top-level names that begin with '_' are the file's own helper variables
+        # (_crop = 512, then crop_size=_crop), not settings: every other name must be a key.
+        loaded = {k: v for k, v in loaded.items() if not k.startswith('_') or k == DELETE_KEY}
         _check_keys(loaded, DEFAULTS, str(path))
         cfg = _merge(cfg, loaded)
         name = path.stem

@@ -123,6 +123,17 @@ def test_cfg_options_unbracketed_commas_make_a_list_as_in_mmengine():
     assert list(cfg.data.train.classes) == ['grass', 'building', 'road', 'water', 'tree', 'bare']
 
 
+def test_helper_variables_of_a_config_file_begin_with_an_underscore(tmp_path):
+    """mmseg configs compute settings from helper variables (crop_size = (512, 512)); here those
+    begin with '_' and are not settings. A bare one is an unknown key, and the message says so."""
+    (tmp_path / 'helpers.py').write_text("_crop = 96\ndata = dict(crop_size=_crop)\n")
+    cfg = load_config(str(tmp_path / 'helpers.py'))
+    assert cfg.data.crop_size == 96 and '_crop' not in cfg
+    (tmp_path / 'bare.py').write_text("crop = 96\ndata = dict(crop_size=crop)\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'crop'.*begin its name with '_', as in _crop = "):
+        load_config(str(tmp_path / 'bare.py'))
+
+
 def test_missing_config_file_lists_shipped(tmp_path):
     with pytest.raises(ConfigError, match=r'does not exist. Configs shipped in configs/'):
         load_config(str(tmp_path / 'nope.py'))
