@@ -239,16 +239,29 @@ class StackedRaster:
         """Refuse dates that are not on one grid (size, transform, CRS, band count) or do not
         encode pixels alike (band types, nodata value, mask band): one date's values would be
         cast to another's type, and its nodata read as data."""
+        # One file as two dates (a copy-paste slip, overlapping globs) would train on a series
+        # with a date missing and say nothing; refused like a scene given twice for evaluation.
+        seen = {}
+        for t, p in enumerate(paths):
+            key = os.path.realpath(p) if os.path.exists(p) else p
+            if key in seen:
+                raise DataError(f"{p} is given as date {t + 1} and as date {seen[key] + 1} of one scene "
+                                f"({','.join(paths)}); give each date its own raster")
+            seen[key] = t
         grids, codings = [], []
         for p in paths:
             with open_raster(p) as src:
-                grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.count))
+                grids.append((src.width, src.height, src.transform, src.crs, src.count))
                 codings.append((tuple(src.dtypes), src.nodata, uses_mask_band(src)))
         for p, g in zip(paths[1:], grids[1:]):
-            if g != grids[0]:
+            # The grid to a hundredth of a pixel (same_pixels), as for image and label: origins
+            # written by another tool differ in the last float digits (500000.10000000003) and
+            # are the same grid.
+            w, h, transform, crs, count = grids[0]
+            if g[:2] != (w, h) or g[3:] != (crs, count) or not same_pixels(g[2], transform, w, h):
                 raise DataError(f"{p} is not co-registered with {paths[0]} (size, transform, CRS or "
-                                f"band count differ: {g[:2]} {g[2]} {g[3]} {g[4]} vs {grids[0][:2]} "
-                                f"{grids[0][2]} {grids[0][3]} {grids[0][4]}); resample the dates onto one grid")
+                                f"band count differ: {g[:2]} {tuple(g[2])[:6]} {g[3]} {g[4]} vs {grids[0][:2]} "
+                                f"{tuple(transform)[:6]} {crs} {count}); resample the dates onto one grid")
         for p, c in zip(paths[1:], codings[1:]):
             if c[0] != codings[0][0] or not same_value(c[1], codings[0][1]) or c[2] != codings[0][2]:
                 def say(c):

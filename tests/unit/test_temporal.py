@@ -1,5 +1,6 @@
 """Time series: dated rasters stacked T x C, a shared-encoder temporal model, prediction."""
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -163,6 +164,9 @@ def test_wrong_dates_are_refused_in_one_line_before_any_work(tmp_path, capsys):
     from ds_seg.engine.trainer import Trainer
     (t0, t1), label = _change_scene(tmp_path, 'a', 0)
     (u0, u1), _ = _change_scene(tmp_path, 'b', 1)
+    # A third date of a's grid (a_t0 again would be refused as one file given twice).
+    t2 = str(tmp_path / 'a_t2.tif')
+    shutil.copy(u0, t2)
     with rasterio.open(u1, 'r+') as d:  # scene b's second date: shifted by 5 m
         d.transform = from_origin(5, 0, 1, 1)
     cfg = dict(type='TinyTemporalSegFormer', num_dates=2, in_channels=2, num_classes=2)
@@ -170,7 +174,7 @@ def test_wrong_dates_are_refused_in_one_line_before_any_work(tmp_path, capsys):
     torch.save({'state_dict': build(MODELS, cfg).state_dict(), 'model': cfg, 'classes': ['same', 'changed'],
                 'data': {'bands': [1], 'mean': [127.5, 127.5], 'std': [64.0, 64.0]}}, weights)
     out = tmp_path / 'out'
-    cases = [([f'{t0},{t1},{t0}'], r'3 date\(s\), but the model \(TinyTemporalSegFormer\) takes 2; give the 2 dates'),
+    cases = [([f'{t0},{t1},{t2}'], r'3 date\(s\), but the model \(TinyTemporalSegFormer\) takes 2; give the 2 dates'),
              ([t0], r'1 date\(s\), but the model .* takes 2'),
              ([f'{t0},{t1}', f'{u0},{u1}'], r'b_t1.tif is not co-registered with .*b_t0.tif'),
              ([f'{t0},'], r"an empty date; join the dates of one scene with commas and no spaces")]
@@ -228,3 +232,26 @@ def test_prediction_marks_a_pixel_empty_at_any_one_date_as_nodata_like_training(
     assert (out[:, :S // 2] == 255).all() and (out[:, S // 2:] != 255).all()
     ds = GeoTiffScenes([[t0, t1]], [label], classes=2, mean=[127.5], std=[64.0], crop_size=S, mode='grid')
     np.testing.assert_array_equal(ds[0]['nodata'].numpy(), out == 255)
+
+
+def test_dates_on_one_grid_to_float_noise_are_accepted_and_one_file_as_two_dates_is_refused(tmp_path):
+    """A date whose origin differs from the first's in the last float digits (another tool wrote
+    it) is the same grid, as for image and label; one file given as two dates (by two spellings
+    too) is a slip that would train on a series with a date missing: refused, for training and
+    prediction alike."""
+    from ds_seg.data.raster import StackedRaster
+    (t0, t1), label = _change_scene(tmp_path, 'a', 0)
+    with rasterio.open(t1, 'r+') as d:
+        d.transform = rasterio.Affine(1, 0, 1e-9, 0, -1, 0)  # from_origin(0, 0, 1, 1), as rewritten elsewhere
+    series = GeoTiffScenes([[t0, t1]], [label], classes=2, mean=[127.5], std=[64.0], crop_size=32)
+    with rasterio.open(t0) as a, rasterio.open(t1) as b:
+        expected = np.concatenate([a.read(window=series.window(0)[2]), b.read(window=series.window(0)[2])])
+    with StackedRaster([t0, t1]) as src:
+        np.testing.assert_array_equal(src.read(window=series.window(0)[2]), expected)
+    twice = str(tmp_path / '.' / 'a_t0.tif')
+    for second in (t0, twice):
+        message = r'a_t0.tif is given as date 2 and as date 1 of one scene .*; give each date its own raster'
+        with pytest.raises(DataError, match=message):
+            GeoTiffScenes([[t0, second]], [label], classes=2, mean=[127.5], std=[64.0], crop_size=32)
+        with pytest.raises(DataError, match=message):
+            StackedRaster([t0, second])
