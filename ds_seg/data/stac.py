@@ -68,6 +68,9 @@ def _read_items(source):
     for item in items:
         item.set_self_href(None)
         for asset in item.assets.values():  # relative hrefs are relative to the document
+            if asset.href.startswith('file://'):  # a local file as a URL (stactools, rio-stac): its path
+                from urllib.parse import unquote, urlsplit
+                asset.href = unquote(urlsplit(asset.href).path)
             if '://' not in asset.href and not os.path.isabs(asset.href):
                 asset.href = (base.rsplit('/', 1)[0] + '/' + asset.href if '://' in base
                               else os.path.join(os.path.dirname(base), asset.href))

@@ -174,3 +174,17 @@ def test_documents_that_are_not_stac_are_one_line(tmp_path, document, message):
     path.write_text(document if isinstance(document, str) else json.dumps(document))
     with pytest.raises(ConfigError, match=message):
         GeoTiffScenes(stac=str(path), stac_bands=['red'], **KW)
+
+
+def test_file_url_hrefs_read_as_the_local_files(catalogue, tmp_path):
+    """Assets given as file:// URLs (as stactools and rio-stac write local assets) are the files
+    they name, not 'no such file'."""
+    with open(catalogue['tmp'] / 'items.json') as f:
+        doc = json.load(f)
+    for feature in doc['features']:
+        for asset in feature['assets'].values():
+            asset['href'] = (catalogue['tmp'] / asset['href']).as_uri()
+    path = tmp_path / 'items_file_urls.json'
+    path.write_text(json.dumps(doc))
+    stac = GeoTiffScenes(stac=str(path), stac_bands=BANDS, stac_label='label', **KW)
+    _assert_same(stac, GeoTiffScenes(catalogue['stacked'], catalogue['labels'], **KW))
