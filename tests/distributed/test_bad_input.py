@@ -46,6 +46,8 @@ def _cases(tmp):
     lbl = _write_tif(os.path.join(d, 'lbl.tif'), rng.integers(0, 6, (1, 64, 64), dtype=np.uint8))
     lbl4 = _write_tif(os.path.join(d, 'lbl4.tif'), rng.integers(0, 4, (1, 64, 64), dtype=np.uint8))
     img4 = _write_tif(os.path.join(d, 'img4.tif'), rng.integers(0, 255, (4, 64, 64), dtype=np.uint8))
+    # a second date of img's grid (img itself as two dates is refused: one file given twice)
+    img_date2 = _write_tif(os.path.join(d, 'img_date2.tif'), rng.integers(0, 255, (3, 64, 64), dtype=np.uint8))
     lbl_bad = _write_tif(os.path.join(d, 'lbl_bad.tif'), np.full((1, 64, 64), 9, dtype=np.uint8))
     lbl_small = _write_tif(os.path.join(d, 'lbl_small.tif'), np.zeros((1, 32, 32), dtype=np.uint8))
     img_nodata = _write_tif(os.path.join(d, 'img_nodata.tif'), np.zeros((3, 64, 64), dtype=np.uint8), nodata=0)
@@ -144,7 +146,7 @@ def _cases(tmp):
         # a validation set the trained model cannot take: found after training, before this check
         'val_bands': (_train_val(([img], [lbl], 6), ([img4], [lbl], 6)), None, []),
         'val_classes': (_train_val(([img], [lbl], 6), ([img], [lbl4], 4)), None, []),
-        'val_dates': (_train_val(([img], [lbl], 6), ([[img, img]], [lbl], 6)), None, []),
+        'val_dates': (_train_val(([img], [lbl], 6), ([[img, img_date2]], [lbl], 6)), None, []),
         # trained first (see _run_cases), then resumed with another model / class count
         'resume_model': (_geotiff_data([img], [lbl]) + tiny[1:] + ['model.type=UNet', 'model.base_channels=8'],
                          None, ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),

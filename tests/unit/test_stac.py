@@ -2,6 +2,7 @@
 import datetime
 import json
 import os
+import shutil
 
 import numpy as np
 import pystac
@@ -113,6 +114,8 @@ def test_each_geospatial_input_works_through_cfg_options(catalogue):
                           field_data=[np.array([2], np.int32)], fields=['kind'], crs='EPSG:32633', driver='GPKG',
                           geometry_type='Polygon')
     image, label = catalogue['stacked'][0], catalogue['labels'][0]
+    second = str(tmp / 'scene0_rgb_date2.tif')  # a date of its own: one file as two dates is refused
+    shutil.copy(image, second)
     base = ["data.train.type='GeoTiffScenes'", "data.train.classes=3", "data.train.mean=[127.5, 127.5, 127.5]",
             "data.train.std=[73.9, 73.9, 73.9]"]
     cases = {
@@ -121,7 +124,7 @@ def test_each_geospatial_input_works_through_cfg_options(catalogue):
         'vector': [f"data.train.images=[{image!r}]", f"data.train.labels={gpkg!r}", "data.train.label_field='kind'"],
         'rare_class': [f"data.train.images=[{image!r}]", f"data.train.labels=[{label!r}]",
                        "data.train.sampling='rare_class'", "data.train.rare_class_temperature=0.1"],
-        'dates': [f"data.train.images=[[{image!r}, {image!r}]]", f"data.train.labels=[{label!r}]"],
+        'dates': [f"data.train.images=[[{image!r}, {second!r}]]", f"data.train.labels=[{label!r}]"],
     }
     for name, options in cases.items():
         cfg = load_config(None, base + options)
