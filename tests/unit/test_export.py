@@ -164,3 +164,40 @@ def test_export_refuses_what_it_cannot_keep_dynamic_in_one_line(tmp_path):
         deploy.export_onnx(DataDependent(), out, dict(model=dict(type='DataDependent'), classes=CLASSES))
     assert '\n' not in str(caught.value)
     assert not os.listdir(tmp_path), 'nothing half-written is left behind'
+
+
+@pytest.fixture(scope='module')
+def trained_run(tmp_path_factory):
+    """A real 4-step UNetTiny run (plain python, DDP) evaluated and checkpointed at steps 2 and 4."""
+    tmp = tmp_path_factory.mktemp('run')
+    work = str(tmp / 'work')
+    _run('train.py', '--config', 'configs/unet_tiny_synthetic.py', '--backend', 'ddp', '--work-dir', work,
+         '--cfg-options', 'train.max_steps=4', 'train.eval_interval=2', 'train.checkpoint_interval=2',
+         'train.keep_checkpoints=2', 'train.log_interval=2', f'data.train.cache_dir={str(tmp / "cache")!r}',
+         f'data.val.cache_dir={str(tmp / "cache")!r}')
+    with open(os.path.join(work, 'eval.jsonl')) as f:
+        rows = {row['step']: row for row in map(json.loads, f)}
+    assert sorted(rows) == [2, 4] and rows[2]['per_class'] != rows[4]['per_class']
+    return tmp, work, rows
+
+
+@pytest.mark.parametrize('fmt, suffix', [('weights', '.pt'), ('onnx', '.onnx')])
+def test_model_card_metrics_are_the_exported_steps(trained_run, fmt, suffix):
+    """Exporting step_00000002 of a 4-step run wrote a card whose final metrics (mIoU, OA, mF1,
+    per-class IoU, eval_step) were step 4's: a deployment reading the card was told the scores of
+    other weights. Now the card carries the evaluation at the exported step; the last checkpoint's
+    card equals the run's last eval.jsonl row and summary.json."""
+    tmp, work, rows = trained_run
+    for step in (2, 4):
+        out = str(tmp / f'step{step}_{fmt}{suffix}')
+        _run('export.py', os.path.join(work, 'checkpoints', f'step_{step:08d}'), '--format', fmt, '--out', out)
+        card = json.loads(open(f'{out}.card.json').read())
+        metrics = card['final_metrics']
+        assert card['step'] == step and metrics['eval_step'] == step
+        assert {k: metrics[k] for k in ('mIoU', 'OA', 'mF1', 'per_class')} == \
+            {k: rows[step][k] for k in ('mIoU', 'OA', 'mF1', 'per_class')}
+        assert card['training_config']['train']['max_steps'] == 4
+        if step == 4:   # the run ended here: its summary belongs to these weights
+            assert metrics['steps'] == 4 and metrics['exit_reason'] == 'completed'
+        else:
+            assert 'steps' not in metrics and 'final_loss' not in metrics
