@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from ds_seg.cli.predict import (Progress, add_window_args, check_pixel_type, check_tile_fits,  # noqa: E402
-                               normalisation, quiet_about_plain_images, setup, window_kwargs)
+                               load_forward, normalisation, quiet_about_plain_images, setup, window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
-from ds_seg.inference import default_palette, evaluate_scenes, load_model, scene_pairs  # noqa: E402
+from ds_seg.inference import default_palette, evaluate_scenes, scene_pairs  # noqa: E402
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
                            check_writable, expand_inputs, replaced_when_done)
 from ds_seg.metrics import metrics_from_confusion  # noqa: E402
@@ -193,7 +193,9 @@ def _run(args):
     check_outputs(output_files(args), [], overwrite=args.overwrite)
     check_writable(args.output)
     device = setup(args)
-    model, info = load_model(args.checkpoint, device)
+    # An .onnx export is evaluated as predict.py runs it (onnxruntime); it was read as a torch file
+    # and refused as 'a text file'.
+    model, info = load_forward(args.checkpoint, device, args.cpu_threads)
     scenes, classes = build_scenes(args, info)
     mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)
     # Scenes of a dataset (--config) or (image, label) pairs (--images/--labels).

@@ -201,3 +201,37 @@ def test_model_card_metrics_are_the_exported_steps(trained_run, fmt, suffix):
             assert metrics['steps'] == 4 and metrics['exit_reason'] == 'completed'
         else:
             assert 'steps' not in metrics and 'final_loss' not in metrics
+
+
+def test_evaluate_runs_the_onnx_file_like_the_weights_and_others_name_it(weights, onnx_file):
+    """evaluate.py --checkpoint model.onnx was refused as 'is a text file, not a weights file'
+    (protobuf bytes read as ASCII) though predict.py runs it; it now scores the ONNX file with
+    the same confusion matrix as the weights. load_from= and export of an ONNX file (by suffix or
+    by content) say it is an ONNX model and which file they take instead."""
+    tmp, path, _ = weights
+    from ds_seg.data.synthetic import generate_scene
+    from rasterio.transform import from_origin
+    image, label = generate_scene(np.random.default_rng(4), (90, 110))
+    files = {}
+    for name, array in (('image', image), ('label', label[None])):
+        files[name] = str(tmp / f'eval_{name}.tif')
+        with rasterio.open(files[name], 'w', driver='GTiff', width=110, height=90, count=len(array), dtype='uint8',
+                           crs='EPSG:25832', transform=from_origin(360_000, 5_700_000, 0.2, 0.2)) as dst:
+            dst.write(array.astype('uint8'))
+    common = ['--images', files['image'], '--labels', files['label'], '--tile', '64', '--overlap', '16',
+              '--device', 'cpu']
+    _run('evaluate.py', '--checkpoint', onnx_file, '--output', str(tmp / 'eval_onnx'), *common)
+    _run('evaluate.py', '--checkpoint', path, '--output', str(tmp / 'eval_torch'), *common)
+    got, expected = (json.loads((tmp / f'eval_{k}' / 'eval.json').read_text()) for k in ('onnx', 'torch'))
+    assert got['confusion'] == expected['confusion'] and got['classes'] == expected['classes'] == CLASSES
+
+    renamed = str(tmp / 'model.bin')               # an ONNX file under another name: known by its bytes
+    with open(onnx_file, 'rb') as f, open(renamed, 'wb') as g:
+        g.write(f.read())
+    from ds_seg.engine import checkpoint
+    for source in (onnx_file, renamed):
+        with pytest.raises(ValueError, match=r'is an ONNX model .*load_from and export take the weights file'):
+            checkpoint.load_weights_file(source)
+    refused = _run('export.py', onnx_file, '--format', 'torch-export', '--out', str(tmp / 'from_onnx.pt2'), ok=False)
+    assert 'is an ONNX model' in refused.stderr and 'Traceback' not in refused.stderr
+    assert not (tmp / 'from_onnx.pt2').exists()
