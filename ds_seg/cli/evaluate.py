@@ -244,7 +244,8 @@ def _run(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
+    parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder, work dir, or an .onnx export '
+                        '(run with onnxruntime on the CPU)')
     parser.add_argument('--images', nargs='+', default=None, help='image scenes (paths, globs or folders)')
     parser.add_argument('--labels', nargs='+', default=None, help='label rasters, paired with --images in order')
     parser.add_argument('--config', default=None, help="experiment config whose data.val is evaluated "
