@@ -53,9 +53,14 @@ def card_paths(out):
     return f'{out}.card.json', f'{out}.card.md'
 
 
-def model_card(info, fmt, out, work_dir=None):
+def model_card(info, fmt, out, work_dir=None, step=None):
     """The facts a deployment needs: classes, bands, normalisation, model and training configs,
-    final metrics (from the run's ``summary.json``/``eval.jsonl`` when ``work_dir`` has them)."""
+    final metrics (from the run's ``summary.json``/``eval.jsonl`` when ``work_dir`` has them).
+
+    ``step`` is the exported checkpoint's step: the metrics are those of the evaluation at that
+    step (or the last one before it, named by ``eval_step``), never those of a later checkpoint of
+    the same run (exporting ``step_00000200`` of a 400-step run must not claim step 400's mIoU);
+    ``summary.json``'s fields (steps, final loss, exit reason) only when the run ended at ``step``."""
     data = info.get('data') or {}
     card = dict(format=fmt, file=os.path.basename(out), created=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
                 input=dict(name=INPUT, layout='B, C, H, W float32, normalised: (value - mean) / std per band',
@@ -63,8 +68,8 @@ def model_card(info, fmt, out, work_dir=None):
                 output=dict(name=OUTPUT, layout='B, K, H, W float32 logits (argmax over K = class index)'),
                 classes=list(info.get('classes') or []), bands=data.get('bands'), mean=data.get('mean'),
                 std=data.get('std'), ignore_index=data.get('ignore_index'), dtype=data.get('dtype'),
-                model=info.get('model'), source=info.get('source'), training_config=None, final_metrics=None,
-                torch=torch.__version__)
+                model=info.get('model'), source=info.get('source'), step=step, training_config=None,
+                final_metrics=None, torch=torch.__version__)
     if work_dir:
         config = os.path.join(work_dir, 'config.json')
         if os.path.isfile(config):
@@ -75,13 +80,15 @@ def model_card(info, fmt, out, work_dir=None):
         if os.path.isfile(summary):
             with open(summary) as f:
                 s = json.load(f)
-            metrics.update({k: s.get(k) for k in ('steps', 'final_loss', 'mIoU', 'OA', 'mF1', 'exit_reason')})
+            if step is None or s.get('steps') == step:
+                metrics.update({k: s.get(k) for k in ('steps', 'final_loss', 'exit_reason')})
         evals = os.path.join(work_dir, 'eval.jsonl')
         if os.path.isfile(evals):
             with open(evals) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
+            rows = [r for r in rows if step is None or (r.get('step') is not None and r['step'] <= step)]
             if rows:
-                metrics['per_class'] = rows[-1].get('per_class')
+                metrics.update({k: rows[-1].get(k) for k in ('mIoU', 'OA', 'mF1', 'per_class')})
                 metrics['eval_step'] = rows[-1].get('step')
         card['final_metrics'] = metrics or None
     return card
@@ -115,7 +122,7 @@ def write_card(card, out):
     return json_path, md_path
 
 
-def export_onnx(model, out, info, work_dir=None):
+def export_onnx(model, out, info, work_dir=None, step=None):
     """Write ``model`` as ONNX (opset 18, torch.export-based exporter) with dynamic batch, height
     and width, the card in its metadata, and the card files beside it. The file is checked with
     onnxruntime against PyTorch (max abs difference < 1e-4) at sizes other than the traced one,
@@ -146,7 +153,7 @@ def export_onnx(model, out, info, work_dir=None):
             os.remove(tmp)
         raise ConfigError(f'--format onnx: {type(model).__name__} ({(info.get("model") or {}).get("type")}) does not '
                           f'export to ONNX with dynamic sizes: {str(exc).splitlines()[0][:200]}.') from exc
-    card = model_card(info, 'onnx', out, work_dir)
+    card = model_card(info, 'onnx', out, work_dir, step)
     proto = onnx.load(tmp)
     entry = proto.metadata_props.add()
     entry.key, entry.value = 'ds_seg', json.dumps(card, default=str)
@@ -227,7 +234,7 @@ def load_onnx(path, threads=None):
     return forward, dict(classes=card.get('classes') or None, model=card.get('model'), data=data)
 
 
-def export_torch(model, out, info, work_dir=None):
+def export_torch(model, out, info, work_dir=None, step=None):
     """Write ``model`` as a ``torch.export`` program (``torch.export.load(out).module()``) with the
     batch, height and width left dynamic where the model allows (``Dim.AUTO``), and the card.
 
@@ -263,5 +270,5 @@ def export_torch(model, out, info, work_dir=None):
         raise ConfigError(f'--format torch-export: {type(model).__name__} exports but cannot be saved '
                           f'({str(exc).splitlines()[0][:160]}); use --format onnx.') from exc
     os.replace(tmp, out)
-    write_card(model_card(info, 'torch-export', out, work_dir), out)
+    write_card(model_card(info, 'torch-export', out, work_dir, step), out)
     return out

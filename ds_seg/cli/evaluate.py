@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from ds_seg.cli.predict import (Progress, add_window_args, check_pixel_type, check_tile_fits,  # noqa: E402
-                               normalisation, quiet_about_plain_images, setup, window_kwargs)
+                               load_forward, normalisation, quiet_about_plain_images, setup, window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
-from ds_seg.inference import default_palette, evaluate_scenes, load_model, scene_pairs  # noqa: E402
+from ds_seg.inference import default_palette, evaluate_scenes, scene_pairs  # noqa: E402
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
                            check_writable, expand_inputs, replaced_when_done)
 from ds_seg.metrics import metrics_from_confusion  # noqa: E402
@@ -193,7 +193,9 @@ def _run(args):
     check_outputs(output_files(args), [], overwrite=args.overwrite)
     check_writable(args.output)
     device = setup(args)
-    model, info = load_model(args.checkpoint, device)
+    # An .onnx export is evaluated as predict.py runs it (onnxruntime); it was read as a torch file
+    # and refused as 'a text file'.
+    model, info = load_forward(args.checkpoint, device, args.cpu_threads)
     scenes, classes = build_scenes(args, info)
     mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)
     # Scenes of a dataset (--config) or (image, label) pairs (--images/--labels).
@@ -242,7 +244,8 @@ def _run(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
+    parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder, work dir, or an .onnx export '
+                        '(run with onnxruntime on the CPU)')
     parser.add_argument('--images', nargs='+', default=None, help='image scenes (paths, globs or folders)')
     parser.add_argument('--labels', nargs='+', default=None, help='label rasters, paired with --images in order')
     parser.add_argument('--config', default=None, help="experiment config whose data.val is evaluated "

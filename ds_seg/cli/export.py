@@ -69,7 +69,8 @@ def main(argv=None):
             marker = checkpoint.read_marker(ckpt)
             info = dict(classes=marker.get('classes'), model=marker.get('model'), data=marker.get('data'),
                         source=ckpt)
-            deploy.write_card(deploy.model_card(info, 'weights', out, os.path.dirname(os.path.dirname(ckpt))), out)
+            deploy.write_card(deploy.model_card(info, 'weights', out, os.path.dirname(os.path.dirname(ckpt)),
+                                                marker.get('step')), out)
         else:
             ckpt, out = export_deployable(args.checkpoint, args.format, args.out)
     except (FileNotFoundError, ValueError) as exc:
@@ -89,13 +90,16 @@ def export_deployable(source, fmt, out=None):
     else:
         ckpt = checkpoint.find_checkpoint(source, report=lambda line: print(f'export: {line}'))
         tag = os.path.basename(ckpt)
-    # The run's folder (config.json, summary.json, eval.jsonl) for the model card, where it exists.
-    work_dir = os.path.dirname(os.path.dirname(ckpt)) if os.path.isdir(ckpt) else None
+    # The run's folder (config.json, summary.json, eval.jsonl) for the model card, where it exists,
+    # and the exported step: the card's metrics are that step's, not a later checkpoint's.
+    marker = os.path.join(ckpt, checkpoint.COMPLETE)
+    step = checkpoint.read_marker(ckpt).get('step') if os.path.isfile(marker) else None
+    work_dir = os.path.dirname(os.path.dirname(ckpt)) if step is not None else None
     out = out or os.path.join(work_dir or os.path.dirname(os.path.abspath(source)), f'model_{tag}{deploy.FORMATS[fmt]}')
     check_out(out)  # before the model is loaded and traced
     model, info = load_model(source if os.path.isfile(source) else ckpt, 'cpu')
     info['source'] = os.path.abspath(ckpt)
-    (deploy.export_onnx if fmt == 'onnx' else deploy.export_torch)(model, out, info, work_dir=work_dir)
+    (deploy.export_onnx if fmt == 'onnx' else deploy.export_torch)(model, out, info, work_dir=work_dir, step=step)
     return ckpt, out
 
 

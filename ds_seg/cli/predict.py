@@ -165,6 +165,18 @@ def check_vector_georeference(path):
                               "scene (gdal_translate -a_srs EPSG:<code> -a_ullr ...) or leave out --vector")
 
 
+def load_forward(path, device, threads=None):
+    """``(forward, info)`` for predict.py and evaluate.py alike: an ``.onnx`` export runs in
+    onnxruntime on the CPU (no model code needed), anything else is loaded as a PyTorch model."""
+    from ds_seg.engine.checkpoint import looks_like_onnx
+    if os.path.isfile(path):
+        with open(path, 'rb') as f:
+            if looks_like_onnx(path, f.read(4)):
+                from ds_seg.deploy import load_onnx
+                return load_onnx(path, threads=threads)
+    return load_model(path, device)
+
+
 def check_tile_fits(forward_fn, info, tile, bands, device):
     """One forward of a blank ``tile`` x ``tile`` window before any scene is read. Every window
     the engine runs has that size (edges are padded), so a model that cannot take it (SegFormer's
@@ -242,11 +254,7 @@ def _run(args):
         for first in firsts:
             check_vector_georeference(first)
     device = setup(args)
-    if args.checkpoint.endswith('.onnx'):  # CPU deployment: onnxruntime, no model code needed
-        from ds_seg.deploy import load_onnx
-        model, info = load_onnx(args.checkpoint, threads=args.cpu_threads)
-    else:
-        model, info = load_model(args.checkpoint, device)
+    model, info = load_forward(args.checkpoint, device, args.cpu_threads)
     mean, std, bands = normalisation(args, info)
     exclude = exclude_ids(args.exclude_classes, list(info['classes'] or ()), option='--exclude-classes') \
         if args.vector and info['classes'] else args.exclude_classes

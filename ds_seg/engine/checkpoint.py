@@ -426,12 +426,23 @@ def weights_digest(state_dict):
 _TORCH_MAGIC = (b'PK\x03\x04', b'\x80')
 
 
+def looks_like_onnx(path, head):
+    """An ONNX file: named ``.onnx``, or a protobuf ModelProto, which opens with field 1
+    (``ir_version``, a varint: byte 0x08) as onnx writes it."""
+    return path.lower().endswith('.onnx') or head[:1] == b'\x08'
+
+
 def load_weights_file(path):
     """Read an exported weights file safely (no code execution): returns the payload dict."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_from: {path} does not exist.")
     with open(path, 'rb') as f:
         head = f.read(4)
+    if not head.startswith(_TORCH_MAGIC) and looks_like_onnx(path, head):
+        # Its protobuf bytes read as ASCII: it was called 'a text file', which says nothing useful.
+        raise ValueError(f"{path}: is an ONNX model (launch/export.py --format onnx), not a weights file: "
+                         "predict.py and evaluate.py run it; load_from and export take the weights file or "
+                         "checkpoint it was exported from (launch/export.py WORK_DIR writes weights_<step>.pt).")
     if not head.startswith(_TORCH_MAGIC):
         kind = ('empty (0 bytes)' if not head else 'a TIFF raster' if head in (b'II*\x00', b'MM\x00*')
                 else 'a text file' if head.strip()[:1] in (b'{', b'[', b'#') or head.isascii() else 'another kind of file')

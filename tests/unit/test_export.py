@@ -164,3 +164,74 @@ def test_export_refuses_what_it_cannot_keep_dynamic_in_one_line(tmp_path):
         deploy.export_onnx(DataDependent(), out, dict(model=dict(type='DataDependent'), classes=CLASSES))
     assert '\n' not in str(caught.value)
     assert not os.listdir(tmp_path), 'nothing half-written is left behind'
+
+
+@pytest.fixture(scope='module')
+def trained_run(tmp_path_factory):
+    """A real 4-step UNetTiny run (plain python, DDP) evaluated and checkpointed at steps 2 and 4."""
+    tmp = tmp_path_factory.mktemp('run')
+    work = str(tmp / 'work')
+    _run('train.py', '--config', 'configs/unet_tiny_synthetic.py', '--backend', 'ddp', '--work-dir', work,
+         '--cfg-options', 'train.max_steps=4', 'train.eval_interval=2', 'train.checkpoint_interval=2',
+         'train.keep_checkpoints=2', 'train.log_interval=2', f'data.train.cache_dir={str(tmp / "cache")!r}',
+         f'data.val.cache_dir={str(tmp / "cache")!r}')
+    with open(os.path.join(work, 'eval.jsonl')) as f:
+        rows = {row['step']: row for row in map(json.loads, f)}
+    assert sorted(rows) == [2, 4] and rows[2]['per_class'] != rows[4]['per_class']
+    return tmp, work, rows
+
+
+@pytest.mark.parametrize('fmt, suffix', [('weights', '.pt'), ('onnx', '.onnx')])
+def test_model_card_metrics_are_the_exported_steps(trained_run, fmt, suffix):
+    """Exporting step_00000002 of a 4-step run wrote a card whose final metrics (mIoU, OA, mF1,
+    per-class IoU, eval_step) were step 4's: a deployment reading the card was told the scores of
+    other weights. Now the card carries the evaluation at the exported step; the last checkpoint's
+    card equals the run's last eval.jsonl row and summary.json."""
+    tmp, work, rows = trained_run
+    for step in (2, 4):
+        out = str(tmp / f'step{step}_{fmt}{suffix}')
+        _run('export.py', os.path.join(work, 'checkpoints', f'step_{step:08d}'), '--format', fmt, '--out', out)
+        card = json.loads(open(f'{out}.card.json').read())
+        metrics = card['final_metrics']
+        assert card['step'] == step and metrics['eval_step'] == step
+        assert {k: metrics[k] for k in ('mIoU', 'OA', 'mF1', 'per_class')} == \
+            {k: rows[step][k] for k in ('mIoU', 'OA', 'mF1', 'per_class')}
+        assert card['training_config']['train']['max_steps'] == 4
+        if step == 4:   # the run ended here: its summary belongs to these weights
+            assert metrics['steps'] == 4 and metrics['exit_reason'] == 'completed'
+        else:
+            assert 'steps' not in metrics and 'final_loss' not in metrics
+
+
+def test_evaluate_runs_the_onnx_file_like_the_weights_and_others_name_it(weights, onnx_file):
+    """evaluate.py --checkpoint model.onnx was refused as 'is a text file, not a weights file'
+    (protobuf bytes read as ASCII) though predict.py runs it; it now scores the ONNX file with
+    the same confusion matrix as the weights. load_from= and export of an ONNX file (by suffix or
+    by content) say it is an ONNX model and which file they take instead."""
+    tmp, path, _ = weights
+    from ds_seg.data.synthetic import generate_scene
+    from rasterio.transform import from_origin
+    image, label = generate_scene(np.random.default_rng(4), (90, 110))
+    files = {}
+    for name, array in (('image', image), ('label', label[None])):
+        files[name] = str(tmp / f'eval_{name}.tif')
+        with rasterio.open(files[name], 'w', driver='GTiff', width=110, height=90, count=len(array), dtype='uint8',
+                           crs='EPSG:25832', transform=from_origin(360_000, 5_700_000, 0.2, 0.2)) as dst:
+            dst.write(array.astype('uint8'))
+    common = ['--images', files['image'], '--labels', files['label'], '--tile', '64', '--overlap', '16',
+              '--device', 'cpu']
+    _run('evaluate.py', '--checkpoint', onnx_file, '--output', str(tmp / 'eval_onnx'), *common)
+    _run('evaluate.py', '--checkpoint', path, '--output', str(tmp / 'eval_torch'), *common)
+    got, expected = (json.loads((tmp / f'eval_{k}' / 'eval.json').read_text()) for k in ('onnx', 'torch'))
+    assert got['confusion'] == expected['confusion'] and got['classes'] == expected['classes'] == CLASSES
+
+    renamed = str(tmp / 'model.bin')               # an ONNX file under another name: known by its bytes
+    with open(onnx_file, 'rb') as f, open(renamed, 'wb') as g:
+        g.write(f.read())
+    from ds_seg.engine import checkpoint
+    for source in (onnx_file, renamed):
+        with pytest.raises(ValueError, match=r'is an ONNX model .*load_from and export take the weights file'):
+            checkpoint.load_weights_file(source)
+    refused = _run('export.py', onnx_file, '--format', 'torch-export', '--out', str(tmp / 'from_onnx.pt2'), ok=False)
+    assert 'is an ONNX model' in refused.stderr and 'Traceback' not in refused.stderr
+    assert not (tmp / 'from_onnx.pt2').exists()
