@@ -244,12 +244,15 @@ def pair_by_name(images, labels):
     return labels
 
 
-def refuse_repeated_scenes(images, what):
+def refuse_repeated_scenes(images, what, labels=None):
     """Evaluation scenes each once: overlapping globs (``'val/*.tif' 'val/a*.tif'``) or one file
-    under two spellings would count its pixels twice in every metric."""
+    under two spellings would count its pixels twice in every metric. With ``labels``, a scene is
+    an image with its label (one image under two label files is two scenes)."""
+    def real(path):
+        return os.path.realpath(path) if os.path.exists(path) else path
     seen = {}
-    for image in images:
-        key = os.path.realpath(image) if os.path.exists(image) else image
+    for i, image in enumerate(images):
+        key = (real(image), real(labels[i]) if labels is not None else None)
         if key in seen:
             also = f' (also as {seen[key]})' if seen[key] != image else ''
             raise DataError(f"{what}: {image} is given twice{also}, by overlapping globs or paths; its pixels "
@@ -418,7 +421,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             crop_size = (crop_size, crop_size)
         self.crop_h, self.crop_w = (int(c) for c in crop_size)
         if mode == 'grid':  # evaluation windows: a scene twice would weigh twice in the metrics
-            refuse_repeated_scenes(images, 'images')
+            refuse_repeated_scenes(images, 'images', labels)
         self.mode = mode
         self.split = split
         self.ignore_index = int(ignore_index)
