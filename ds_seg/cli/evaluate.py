@@ -183,7 +183,7 @@ def _run(args):
         raise ValueError("--classes names the classes of --images/--labels; --config's data.val has its own "
                          "(set data.val.classes with --cfg-options)")
     if args.labels and not args.images:
-        raise ValueError("--labels without --images: give the image scenes with --images (paired by name)")
+        raise ValueError("--labels without --images: give the image scenes with --images")
     if args.erode is not None and args.erode < 0:  # was an IndexError traceback after the first window
         raise ValueError(f"--erode must be >= 0 (label pixels within that many px of a class boundary are "
                          f"not counted; ISPRS uses 3), got {args.erode}")

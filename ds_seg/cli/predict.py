@@ -29,6 +29,7 @@ from ds_seg.config import ConfigError
 from ds_seg.data.geotiff import configure_gdal_for_worker
 from ds_seg.data.raster import StackedRaster
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
+from ds_seg.inference.model import window_refusal
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
                            check_window_options, check_writable, expand_inputs, output_stems)
 from ds_seg.telemetry import format_eta
@@ -186,16 +187,15 @@ def check_tile_fits(forward_fn, info, tile, bands, device):
     if not channels:
         return
     name = (info.get('model') or {}).get('type', 'ONNX')
-    try:
-        with torch.inference_mode():
-            forward_fn(torch.zeros(1, int(channels), tile, tile, device=device))
-    except Exception as exc:  # RuntimeError from torch, onnxruntime's own classes, out of memory
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
-        if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or 'allocate' in reason.lower():
-            raise ConfigError(f"--tile {tile}: one {tile}x{tile} window of the model ({name}) does not fit in "
-                              f"the memory of {device} ({reason}); use a smaller --tile (default 512)") from None
-        raise ConfigError(f"--tile {tile}: the model ({name}) cannot take {tile}x{tile} windows ({reason}); "
-                          f"use a larger --tile (default 512)") from None
+    refusal = window_refusal(forward_fn, channels, tile, device)
+    if refusal is None:
+        return
+    reason, size_is_the_fault = refusal
+    if 'allocate' in reason.lower() or 'out of memory' in reason.lower():
+        raise ConfigError(f"--tile {tile}: one {tile}x{tile} window of the model ({name}) does not fit in "
+                          f"the memory of {device} ({reason}); use a smaller --tile (default 512)")
+    advice = '; use a larger --tile (default 512)' if size_is_the_fault else ''
+    raise ConfigError(f"--tile {tile}: the model ({name}) cannot take {tile}x{tile} windows ({reason}){advice}")
 
 
 def check_pixel_type(path, info, args):

@@ -21,6 +21,7 @@ from ..config import ConfigError, default_work_dir
 from ..data.loader import build_train_loader
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
+from ..inference.model import window_refusal
 from ..inputs import check_writable
 from ..metrics import metrics_from_confusion
 from ..models.losses import segmentation_loss
@@ -467,23 +468,11 @@ class Trainer:
                 model = build(MODELS, without_pretrained(m), where='model').eval()
         except Exception:  # cannot be built on meta: the real build below says what is wrong
             return
-
-        def error(size):
-            try:
-                with torch.no_grad():
-                    model(torch.empty(1, self.train_set.in_channels, size, size, device='meta'))
-            except Exception as exc:
-                return exc
-            return None
-
         for key, size in sizes.items():
-            exc = error(size)
-            # Only the size's fault when a large window runs (not an op without a meta kernel,
-            # not a data-dependent .item()).
-            if exc is not None and error(max(512, 2 * size)) is None:
-                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+            refusal = window_refusal(model, self.train_set.in_channels, size, device='meta')
+            if refusal and refusal[1]:
                 raise ConfigError(f"{key} {size}: the model ({m.type}) cannot take {size}x{size} windows "
-                                  f"({reason}); use a larger {key.split()[0]}")
+                                  f"({refusal[0]}); use a larger {key.split()[0]}")
 
     def _check_val_matches_train(self):
         """The validation scenes go through the trained model as the training scenes do: the same

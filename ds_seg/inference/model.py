@@ -47,3 +47,28 @@ def load_model(path, device='cpu'):
                          f"unexpected {unexpected[:5]}")
     model.to(device).eval()
     return model, dict(classes=list(classes) if classes else None, model=dict(model_cfg), data=data)
+
+
+def window_refusal(forward, channels, size, device='cpu'):
+    """Why ``forward`` cannot take one ``size`` x ``size`` window of ``channels`` bands (blank),
+    or None: ``(reason, size_is_the_fault)``. The size is blamed only when a larger window
+    (max(512, 2 x size)) runs; otherwise the reason is another fault (an op without a meta kernel,
+    a channel mismatch, memory), said as it is. Shared by training's start-up check (on the meta
+    device: no memory, no compute) and predict/evaluate's ``--tile`` check."""
+    import torch
+
+    def error(side):
+        try:
+            with torch.inference_mode():
+                forward(torch.zeros(1, int(channels), side, side, device=device))
+        except Exception as exc:  # torch's RuntimeError, onnxruntime's own classes, out of memory
+            return exc
+        return None
+
+    exc = error(size)
+    if exc is None:
+        return None
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or 'allocate' in reason.lower():
+        return reason, False
+    return reason, error(max(512, 2 * size)) is None
