@@ -36,6 +36,12 @@ def is_torch_export_archive(path):
         return False
 
 
+def looks_like_onnx(path, head):
+    """An ONNX file: named ``.onnx``, or a protobuf ModelProto, which opens with field 1
+    (``ir_version``, a varint: byte 0x08) as onnx writes it."""
+    return path.lower().endswith('.onnx') or head[:1] == b'\x08'
+
+
 # What to say of one, after its path (predict/evaluate/export's --checkpoint, load_from).
 TORCH_EXPORT_PROGRAM = ('is a torch.export program (launch/export.py --format torch-export; run it with '
                         'torch.export.load(path).module()), not a weights file; give the weights file '

@@ -169,7 +169,7 @@ def check_vector_georeference(path):
 def load_forward(path, device, threads=None):
     """``(forward, info)`` for predict.py and evaluate.py alike: an ``.onnx`` export runs in
     onnxruntime on the CPU (no model code needed), anything else is loaded as a PyTorch model."""
-    from ds_seg.engine.checkpoint import looks_like_onnx
+    from ds_seg.inputs import looks_like_onnx
     if os.path.isfile(path):
         with open(path, 'rb') as f:
             if looks_like_onnx(path, f.read(4)):

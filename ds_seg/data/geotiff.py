@@ -62,8 +62,8 @@ from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
 from .raster import (DataError, StackedRaster, alpha_bands, file_identity, gdal_path, is_remote, label_nodata,
-                     nodata_mask, open_raster, raster_env, read_error, read_window, same_pixels, same_value,
-                     uses_mask_band)
+                     nodata_mask, open_raster, raster_env, read_error, read_window, same_file_key, same_pixels,
+                     same_value, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -248,11 +248,9 @@ def refuse_repeated_scenes(images, what, labels=None):
     """Evaluation scenes each once: overlapping globs (``'val/*.tif' 'val/a*.tif'``) or one file
     under two spellings would count its pixels twice in every metric. With ``labels``, a scene is
     an image with its label (one image under two label files is two scenes)."""
-    def real(path):
-        return os.path.realpath(path) if os.path.exists(path) else path
     seen = {}
     for i, image in enumerate(images):
-        key = (real(image), real(labels[i]) if labels is not None else None)
+        key = (same_file_key(image), same_file_key(labels[i]) if labels is not None else None)
         if key in seen:
             also = f' (also as {seen[key]})' if seen[key] != image else ''
             raise DataError(f"{what}: {image} is given twice{also}, by overlapping globs or paths; its pixels "

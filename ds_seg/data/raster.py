@@ -60,6 +60,12 @@ REMOTE_GDAL_OPTIONS = dict(
 HTTP_TIMEOUT_S = 60
 
 
+def same_file_key(path):
+    """What two spellings of one file share (``a.tif``, ``./x/../a.tif``, a link to it): its real
+    path; a URL as given."""
+    return os.path.realpath(path) if os.path.exists(path) else path
+
+
 def is_remote(path):
     """True for ``http(s)://``, ``s3://``, ``gs://``, ``az://`` URLs and ``/vsi*`` paths."""
     path = os.fspath(path)
@@ -243,7 +249,7 @@ class StackedRaster:
         # with a date missing and say nothing; refused like a scene given twice for evaluation.
         seen = {}
         for t, p in enumerate(paths):
-            key = os.path.realpath(p) if os.path.exists(p) else p
+            key = same_file_key(p)
             if key in seen:
                 raise DataError(f"{p} is given as date {t + 1} and as date {seen[key] + 1} of one scene "
                                 f"({','.join(paths)}); give each date its own raster")

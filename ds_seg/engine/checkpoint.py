@@ -25,7 +25,7 @@ import shutil
 import torch
 
 from .. import distributed
-from ..inputs import TORCH_EXPORT_PROGRAM, is_torch_export_archive
+from ..inputs import TORCH_EXPORT_PROGRAM, is_torch_export_archive, looks_like_onnx
 from . import faults
 
 TAG_RE = re.compile(r'^step_(\d{8})$')
@@ -424,12 +424,6 @@ def weights_digest(state_dict):
 
 # How the files torch.save writes begin: a zip archive, or (before torch 1.6) a pickle.
 _TORCH_MAGIC = (b'PK\x03\x04', b'\x80')
-
-
-def looks_like_onnx(path, head):
-    """An ONNX file: named ``.onnx``, or a protobuf ModelProto, which opens with field 1
-    (``ir_version``, a varint: byte 0x08) as onnx writes it."""
-    return path.lower().endswith('.onnx') or head[:1] == b'\x08'
 
 
 def load_weights_file(path):
