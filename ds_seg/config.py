@@ -70,6 +70,21 @@ def _int_at_least(low, zero_means=None):
             f'{what} (0: {zero_means})' if zero_means else what)
 
 
+def checked_number(owner, name, value, low=0.0, high=math.inf, low_open=False, integer=False):
+    """``value`` of the setting ``name`` of ``owner`` (a transform, a loss) if it is a finite number
+    (an integer with ``integer``) in range, else a ValueError, which ``build`` turns into one line
+    naming the config key. Checked when the object is built: out of range, a setting trains
+    silently wrong (a prob of 1.5 is 1, a contrast of 1.5 inverts bands, a negative loss_weight
+    ascends the loss), and a string fails only at the first step, after the work dir was written."""
+    number = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not (number and not isinstance(value, bool) and math.isfinite(value)
+            and (value > low if low_open else value >= low) and value <= high):
+        bounds = (f"{'>' if low_open else '>='} {low:g}" if high == math.inf
+                  else f"in {'(' if low_open else '['}{low:g}, {high:g}]")
+        raise ValueError(f"{owner} {name} must be {'an integer' if integer else 'a number'} {bounds}, got {value!r}")
+    return value
+
+
 def _number_above(low, allow_none=False):
     # Finite: 1e999 parses as inf, which passes "> 0" and then fails deep inside (a timeout of inf s).
     return (lambda v: (allow_none and v is None) or (_is_number(v) and math.isfinite(v) and v > low),

@@ -18,18 +18,8 @@ import math
 
 import numpy as np
 
+from ds_seg.config import checked_number
 from ds_seg.registry import TRANSFORMS, build
-
-
-def _checked(owner, name, value, low=0.0, high=1.0):
-    """``value`` as a float if it is a finite number in [low, high], else a ValueError (one line
-    naming the transform through ``build``). Out of range, a setting trains silently otherwise:
-    a prob of 1.5 is 1, a contrast of 1.5 draws negative factors that invert the image."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and low <= value <= high):
-        bounds = f'in [{low:g}, {high:g}]' if high != math.inf else f'>= {low:g}'
-        raise ValueError(f'{owner} {name} must be a number {bounds}, got {value!r}')
-    return float(value)
 
 
 # ---------------------------------------------------------------------- joint transforms
@@ -45,7 +35,7 @@ class RandomFlip:
     DIRECTIONS = ('horizontal', 'vertical')
 
     def __init__(self, prob=0.5, direction=('horizontal', 'vertical')):
-        self.prob = _checked('RandomFlip', 'prob', prob)
+        self.prob = float(checked_number('RandomFlip', 'prob', prob, high=1.0))
         self.direction = (direction,) if isinstance(direction, str) else tuple(direction)
         # A misspelt direction ('horizonal') would simply never flip.
         unknown = [d for d in self.direction if d not in self.DIRECTIONS]
@@ -75,7 +65,7 @@ class RandomRotate90:
     """
 
     def __init__(self, prob=0.75):
-        self.prob = _checked('RandomRotate90', 'prob', prob)
+        self.prob = float(checked_number('RandomRotate90', 'prob', prob, high=1.0))
 
     def __call__(self, image, label, rng):
         apply, k = rng.random() < self.prob, int(rng.integers(1, 4))
@@ -107,10 +97,10 @@ class PhotoMetricDistortion:
     def __init__(self, brightness=0.2, contrast=0.2, saturation=0.2, prob=0.5):
         # contrast and saturation are the half-widths of factors around 1: above 1 a factor can be
         # negative and invert the bands.
-        self.brightness = _checked('PhotoMetricDistortion', 'brightness', brightness, high=math.inf)
-        self.contrast = _checked('PhotoMetricDistortion', 'contrast', contrast)
-        self.saturation = _checked('PhotoMetricDistortion', 'saturation', saturation)
-        self.prob = _checked('PhotoMetricDistortion', 'prob', prob)
+        self.brightness = float(checked_number('PhotoMetricDistortion', 'brightness', brightness))
+        self.contrast = float(checked_number('PhotoMetricDistortion', 'contrast', contrast, high=1.0))
+        self.saturation = float(checked_number('PhotoMetricDistortion', 'saturation', saturation, high=1.0))
+        self.prob = float(checked_number('PhotoMetricDistortion', 'prob', prob, high=1.0))
         self.mean = self.std = None
 
     def bind_image_stats(self, mean, std):

@@ -12,30 +12,12 @@ Example::
     loss_fn = build(LOSSES, dict(type='CrossEntropyLoss', ignore_index=255))
     loss = loss_fn(logits_BKHW, labels_BHW)
 """
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_seg.config import checked_number
 from ds_seg.registry import LOSSES
-
-
-def _checked(loss, name, value, low=0.0, high=math.inf, low_open=False, integer=False):
-    """``value`` of the loss hyperparameter ``name`` if it is a finite number in range, else a
-    ValueError (which ``build`` turns into one line naming the config key). Checked when the loss
-    is built, because otherwise a string fails only at the first step, after the work dir was
-    written, and a value out of range trains silently wrong: a negative loss_weight ascends the
-    loss, a negative Focal gamma up-weights the easy pixels, an OHEM thresh <= 0 keeps no pixel
-    (the loss is 0 for the whole run)."""
-    number = isinstance(value, int) if integer else isinstance(value, (int, float))
-    ok = (number and not isinstance(value, bool) and math.isfinite(value)
-          and (value > low if low_open else value >= low) and value <= high)
-    if not ok:
-        kind = 'an integer' if integer else 'a number'
-        bounds = f"{'>' if low_open else '>='} {low:g}" + (f' and <= {high:g}' if high != math.inf else '')
-        raise ValueError(f'{type(loss).__name__} {name} must be {kind} {bounds}, got {value!r}')
-    return value
 
 
 def _check_shapes(logits_BKHW, labels_BHW):
@@ -62,8 +44,8 @@ class CrossEntropyLoss(nn.Module):
     def __init__(self, ignore_index=255, class_weight=None, loss_weight=1.0, label_smoothing=0.0):
         super().__init__()
         self.ignore_index = ignore_index
-        self.loss_weight = _checked(self, 'loss_weight', loss_weight)
-        self.label_smoothing = _checked(self, 'label_smoothing', label_smoothing, high=1.0)
+        self.loss_weight = checked_number(type(self).__name__, 'loss_weight', loss_weight)
+        self.label_smoothing = checked_number(type(self).__name__, 'label_smoothing', label_smoothing, high=1.0)
         # A buffer follows the module to the logits' device; not persistent, so checkpoints
         # stay independent of the loss configuration.
         weight = None if class_weight is None else torch.as_tensor(class_weight, dtype=torch.float32)
@@ -108,8 +90,8 @@ class DiceLoss(nn.Module):
     def __init__(self, ignore_index=255, smooth=1.0, loss_weight=1.0):
         super().__init__()
         self.ignore_index = ignore_index
-        self.smooth = _checked(self, 'smooth', smooth, low_open=True)  # > 0: it avoids 0/0
-        self.loss_weight = _checked(self, 'loss_weight', loss_weight)
+        self.smooth = checked_number(type(self).__name__, 'smooth', smooth, low_open=True)  # > 0: it avoids 0/0
+        self.loss_weight = checked_number(type(self).__name__, 'loss_weight', loss_weight)
 
     def forward(self, logits_BKHW, labels_BHW):
         _check_shapes(logits_BKHW, labels_BHW)
@@ -160,9 +142,9 @@ class FocalLoss(nn.Module):
 
     def __init__(self, gamma=2.0, alpha=None, ignore_index=255, loss_weight=1.0):
         super().__init__()
-        self.gamma = _checked(self, 'gamma', gamma)
+        self.gamma = checked_number(type(self).__name__, 'gamma', gamma)
         self.ignore_index = ignore_index
-        self.loss_weight = _checked(self, 'loss_weight', loss_weight)
+        self.loss_weight = checked_number(type(self).__name__, 'loss_weight', loss_weight)
         alpha = None if alpha is None else torch.as_tensor(alpha, dtype=torch.float32)
         self.register_buffer('alpha', alpha, persistent=False)
 
@@ -191,10 +173,10 @@ class OhemCrossEntropyLoss(nn.Module):
 
     def __init__(self, thresh=0.7, min_kept=100000, ignore_index=255, class_weight=None, loss_weight=1.0):
         super().__init__()
-        self.thresh = _checked(self, 'thresh', thresh, low_open=True, high=1.0)  # a probability
-        self.min_kept = _checked(self, 'min_kept', min_kept, integer=True)
+        self.thresh = checked_number(type(self).__name__, 'thresh', thresh, low_open=True, high=1.0)  # a probability
+        self.min_kept = checked_number(type(self).__name__, 'min_kept', min_kept, integer=True)
         self.ignore_index = ignore_index
-        self.loss_weight = _checked(self, 'loss_weight', loss_weight)
+        self.loss_weight = checked_number(type(self).__name__, 'loss_weight', loss_weight)
         weight = None if class_weight is None else torch.as_tensor(class_weight, dtype=torch.float32)
         self.register_buffer('class_weight', weight, persistent=False)
 

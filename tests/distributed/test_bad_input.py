@@ -214,7 +214,7 @@ EXPECTED = {
                           'an untested ZeRO Optimizer'],
     'ds_act_ckpt': ["'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg", 'partition_activations'],
     'loss_ignore_str': ['loss.ignore_index must be an integer', "'255'", 'without quotes'],
-    'loss_ohem_thresh': ['loss (OhemCrossEntropyLoss)', 'thresh must be a number > 0 and <= 1, got -1'],
+    'loss_ohem_thresh': ['loss (OhemCrossEntropyLoss)', 'thresh must be a number in (0, 1], got -1'],
     'ds_schedule_short': ['short.json: scheduler.params.total_num_steps (4) is shorter than the run (train.max_steps=24)'],
     'ds_autocast_quoted': ["autocast.json: 'torch_autocast.enabled' must be true or false, got \"false\""],
     'ds_scheduler_null': ["null.json: 'scheduler' must be an object ({...}), got null"],

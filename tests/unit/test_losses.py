@@ -124,11 +124,11 @@ def test_shape_mismatch_is_a_clear_error():
 @pytest.mark.parametrize('cfg, named', [
     (dict(type='CrossEntropyLoss', loss_weight='1.0'), "loss_weight must be a number >= 0, got '1.0'"),
     (dict(type='CrossEntropyLoss', loss_weight=-1.0), 'loss_weight must be a number >= 0'),
-    (dict(type='CrossEntropyLoss', label_smoothing=1.5), 'label_smoothing must be a number >= 0 and <= 1'),
+    (dict(type='CrossEntropyLoss', label_smoothing=1.5), 'label_smoothing must be a number in [0, 1]'),
     (dict(type='DiceLoss', smooth=0), 'smooth must be a number > 0'),
     (dict(type='FocalLoss', gamma=-2), 'gamma must be a number >= 0'),
     (dict(type='FocalLoss', gamma='2'), "gamma must be a number >= 0, got '2'"),
-    (dict(type='OhemCrossEntropyLoss', thresh=-1), 'thresh must be a number > 0 and <= 1'),
+    (dict(type='OhemCrossEntropyLoss', thresh=-1), 'thresh must be a number in (0, 1]'),
     (dict(type='OhemCrossEntropyLoss', min_kept=-5), 'min_kept must be an integer >= 0'),
     (dict(type='OhemCrossEntropyLoss', min_kept=1e5), 'min_kept must be an integer >= 0'),
     (dict(type='CombinedLoss', losses=[dict(type='CrossEntropyLoss'), dict(type='FocalLoss', loss_weight=float('inf'))]),
