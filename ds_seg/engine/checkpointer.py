@@ -69,14 +69,13 @@ class Checkpointer:
         return {name: list(getattr(p, 'ds_shape', p.shape)) for name, p in self.backend.module.named_parameters()}
 
     # -- resuming --------------------------------------------------------------------------
-    def restore(self, resume, found=...):
-        """Load the checkpoint ``--resume`` names (every rank). Returns ``(step, micro_step_offset,
-        set_aside)``: the step to continue from, the data position minus step x accumulation
-        (non-zero after a change of ranks), and where an abandoned branch was moved (or None).
-        ``found``: ``checkpoint.resolve_resume``'s answer (None included) when the caller already
-        has it (it verifies every file's SHA-256 and reports damaged ones: not twice)."""
-        if found is ...:
-            found = checkpoint.resolve_resume(resume, self.work_dir, report=self.report)
+    def restore(self, resume, found):
+        """Load the checkpoint ``--resume`` names (every rank): ``found``, what
+        ``checkpoint.resolve_resume`` answered for it (None included; the trainer resolves it
+        before building the model, and the SHA-256 checks are not repeated). Returns ``(step,
+        micro_step_offset, set_aside)``: the step to continue from, the data position minus step x
+        accumulation (non-zero after a change of ranks), and where an abandoned branch was moved
+        (or None)."""
         if found is None and resume != 'auto':
             held = os.listdir(self.root) if os.path.isdir(self.root) else ()
             if any(checkpoint.TAG_RE.match(n) for n in held):  # verified or not: never written over
