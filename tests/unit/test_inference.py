@@ -756,3 +756,22 @@ def test_overwrite_without_probs_removes_the_earlier_runs_probabilities(tmp_path
     assert predict.main(common + ['--overwrite']) == 0
     assert not (out / 'scene_probs.tif').exists() and (out / 'scene_classes.tif').exists()
     assert 'removed' in capsys.readouterr().out
+
+
+def test_window_refusal_blames_the_size_only_when_a_larger_window_runs():
+    """Shared by training's start-up check and predict/evaluate's --tile check: a model that
+    fails at every size (another fault) must not be told to use a larger window."""
+    from ds_seg.inference.model import window_refusal
+
+    def needs_32(x):
+        if x.shape[-1] < 32:
+            raise RuntimeError('window too small for the attention reduction')
+        return x
+
+    def broken(x):
+        raise RuntimeError('mat1 and mat2 shapes cannot be multiplied')
+
+    assert window_refusal(needs_32, 3, 32) is None
+    assert window_refusal(needs_32, 3, 24) == ('window too small for the attention reduction', True)
+    assert window_refusal(broken, 3, 24) == ('mat1 and mat2 shapes cannot be multiplied', False)
+    assert window_refusal(needs_32, 3, 24, device='meta')[1] is True
