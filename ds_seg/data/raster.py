@@ -87,6 +87,12 @@ def gdal_path(path):
     return path
 
 
+def remote_gdal_options(**extra):
+    """:data:`REMOTE_GDAL_OPTIONS` (and ``extra``) less those the user set in the environment,
+    which win: what ``raster_env`` and ``vector_labels.vector_env`` give GDAL."""
+    return {k: v for k, v in {**REMOTE_GDAL_OPTIONS, **extra}.items() if k not in os.environ}
+
+
 def raster_env(path):
     """``rasterio.Env`` with :data:`REMOTE_GDAL_OPTIONS` for a remote path, else a no-op context.
 
@@ -97,7 +103,7 @@ def raster_env(path):
     """
     # A VRT (STAC bands stacked) may point at remote assets: its reads need the options too.
     if is_remote(path) or os.fspath(path).lower().endswith('.vrt'):
-        return rasterio.Env(**{k: v for k, v in REMOTE_GDAL_OPTIONS.items() if k not in os.environ})
+        return rasterio.Env(**remote_gdal_options())
     return contextlib.nullcontext()
 
 

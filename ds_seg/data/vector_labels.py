@@ -10,6 +10,7 @@ Used by :class:`~ds_seg.data.GeoTiffScenes` when ``labels`` names a vector file:
 
     ds = GeoTiffScenes('tiles/*.tif', labels='buildings.gpkg', label_field='class', classes=3)
 """
+import contextlib
 import os
 
 import numpy as np
@@ -17,8 +18,33 @@ import rasterio
 from rasterio.features import rasterize
 
 from ds_seg.config import ConfigError
+from ds_seg.data.raster import gdal_path, is_remote, remote_gdal_options
 
 VECTOR_EXTENSIONS = ('.gpkg', '.geojson', '.json', '.fgb', '.shp', '.parquet')
+
+
+@contextlib.contextmanager
+def vector_env(path):
+    """``raster.remote_gdal_options()`` for pyogrio's reads of a remote ``path``
+    (a no-op for a local one), restored after; an option the user sets in the environment wins.
+
+    pyogrio carries its own GDAL, which ``rasterio.Env`` does not reach: without this a vector
+    over HTTP would be read with no time limit (a stalled server holds the run's start-up
+    forever) and cached for the life of the process (a republished file read as old and new bytes).
+    """
+    if not is_remote(path):
+        yield
+        return
+    import pyogrio
+    # No .aux.xml probe: a vector has no PAM sidecar worth a request, and GeoPackage's close
+    # makes it while pyogrio holds the GIL, which a server in this process cannot then answer.
+    options = remote_gdal_options(GDAL_PAM_ENABLED='NO')
+    before = {k: pyogrio.get_gdal_config_option(k) for k in options}
+    pyogrio.set_gdal_config_options(options)
+    try:
+        yield
+    finally:
+        pyogrio.set_gdal_config_options(before)
 
 
 def is_vector(path):
@@ -44,27 +70,16 @@ class VectorLabels:
     """
 
     def __init__(self, path, field=None, crs=None, classes=None, layer=None):
-        import pyogrio
-        import pyogrio.raw
         import shapely
         self.path = os.fspath(path)
         what = f"labels {self.path}"
         try:
-            layers = [str(name) for name, _ in pyogrio.list_layers(self.path)]
-        except Exception as e:  # pyogrio's DataSourceError and friends: not a readable vector
+            with vector_env(self.path):
+                meta, wkb, data = self._read(gdal_path(self.path), field, layer, what)
+        except ConfigError:
+            raise
+        except Exception as e:  # pyogrio's DataSourceError and friends, a failed or stalled download
             raise ConfigError(f"{what}: cannot read it as a vector file ({e})") from e
-        # GDAL would read the first of several layers (an AOI outline, say) without a word.
-        if layer is None and len(layers) > 1:
-            raise ConfigError(f"{what}: holds {len(layers)} layers ({', '.join(layers)}); set label_layer to "
-                              f"the one with the labels")
-        if layer is not None and str(layer) not in layers:
-            raise ConfigError(f"{what}: no layer {layer!r}; its layers are {', '.join(layers)}")
-        info = pyogrio.read_info(self.path, layer=layer)
-        fields = list(info['fields'])
-        if field is not None and field not in fields:
-            raise ConfigError(f"{what}: no field {field!r}; its fields are "
-                              f"{', '.join(fields) or '(none)'}; set label_field to one of them")
-        meta, _, wkb, data = pyogrio.raw.read(self.path, layer=layer, columns=[] if field is None else [field])
         geoms = shapely.from_wkb(wkb)
         keep = ~shapely.is_missing(geoms) & ~shapely.is_empty(geoms)
         geoms = geoms[keep]
@@ -98,6 +113,25 @@ class VectorLabels:
         self.crs = crs
         self.geoms, self.values = geoms, values
         self._tree = None
+
+    @staticmethod
+    def _read(source, field, layer, what):
+        """(meta, WKB geometries, field values) of the checked ``layer`` of ``source``."""
+        import pyogrio
+        import pyogrio.raw
+        layers = [str(name) for name, _ in pyogrio.list_layers(source)]
+        # GDAL would read the first of several layers (an AOI outline, say) without a word.
+        if layer is None and len(layers) > 1:
+            raise ConfigError(f"{what}: holds {len(layers)} layers ({', '.join(layers)}); set label_layer to "
+                              f"the one with the labels")
+        if layer is not None and str(layer) not in layers:
+            raise ConfigError(f"{what}: no layer {layer!r}; its layers are {', '.join(layers)}")
+        fields = list(pyogrio.read_info(source, layer=layer)['fields'])
+        if field is not None and field not in fields:
+            raise ConfigError(f"{what}: no field {field!r}; its fields are "
+                              f"{', '.join(fields) or '(none)'}; set label_field to one of them")
+        meta, _, wkb, data = pyogrio.raw.read(source, layer=layer, columns=[] if field is None else [field])
+        return meta, wkb, data
 
     @property
     def max_value(self):

@@ -164,3 +164,56 @@ def test_a_geopackage_of_several_layers_needs_label_layer_and_null_or_text_class
     as_text = GeoTiffScenes([scene['img']], text, label_field='class', mode='grid', crop_size=(H, W),
                             classes=4, mean=[0] * 3, std=[1] * 3)
     np.testing.assert_array_equal(as_text[0]['label'].numpy(), scene['ref'])
+
+
+# Reads the labels over HTTP in a child process, so that a read that never returns fails the test
+# (the timeout) instead of hanging it: pyogrio holds the GIL while its GDAL waits on the network.
+_READ_OVER_HTTP = r'''
+import sys
+import numpy as np
+from ds_seg.config import ConfigError
+from ds_seg.data import GeoTiffScenes, raster
+raster.REMOTE_GDAL_OPTIONS['GDAL_HTTP_LOW_SPEED_TIME'] = 2  # ds_seg's own limit (not the environment's)
+out, image, names = sys.argv[1], sys.argv[2], sys.argv[3].split(',')
+for i, url in enumerate(sys.argv[4:]):
+    try:
+        ds = GeoTiffScenes([image], url, label_field='class', mode='grid', crop_size=(300, 260),
+                           classes=names, mean=[0] * 3, std=[1] * 3)
+        np.save(f'{out}/{i}.npy', ds[0]['label'].numpy())
+    except ConfigError as e:
+        print(e)
+'''
+
+
+def test_vector_labels_over_http_equal_the_whole_scene_reference_and_a_stalled_server_is_one_line(scene):
+    """GeoPackage (SQLite pages read at random), GeoJSON, FlatGeobuf and a Shapefile (with its
+    .shx/.dbf/.prj beside it) served by a real HTTP server label each window as the local file
+    does; a server that stops answering ends the read with one line within ds_seg's low-speed
+    limit. pyogrio carries its own GDAL, which rasterio.Env does not
+    reach: without ds_seg's remote options there, the stalled read would wait forever."""
+    import os
+    import subprocess
+    import sys
+
+    from ds_seg.data.rangeserver import RangeServer
+    tmp = scene['tmp']
+    formats = ('gpkg', 'geojson', 'fgb', 'shp')
+    for driver, ext in (('GeoJSON', 'geojson'), ('FlatGeobuf', 'fgb'), ('ESRI Shapefile', 'shp')):
+        pyogrio.raw.write(str(tmp / f'labels.{ext}'), shapely.to_wkb(np.array(scene['geoms'], dtype=object)),
+                          field_data=[scene['cls'].astype(np.int32)], fields=['class'], crs='EPSG:32632',
+                          driver=driver, geometry_type='Polygon' if ext == 'shp' else 'Unknown')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(('GDAL_', 'CPL_', 'VSI_'))}
+    with RangeServer(tmp) as server, RangeServer(tmp, stall=True) as stalled:
+        urls = [server.url(f'labels.{ext}') for ext in formats] + [stalled.url('labels.gpkg')]
+        done = subprocess.run([sys.executable, '-c', _READ_OVER_HTTP, str(tmp), server.url('img.tif'),
+                               ','.join(NAMES), *urls], env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for i, ext in enumerate(formats):
+        # The local file as reference (FlatGeobuf's spatial index stores features in another order).
+        local = GeoTiffScenes([scene['img']], str(tmp / f'labels.{ext}'), label_field='class', mode='grid',
+                              crop_size=(H, W), classes=NAMES, mean=[0] * 3, std=[1] * 3)[0]['label'].numpy()
+        np.testing.assert_array_equal(np.load(tmp / f'{i}.npy'), local, err_msg=urls[i])
+    np.testing.assert_array_equal(np.load(tmp / '0.npy'), scene['ref'])
+    assert not (tmp / f'{len(formats)}.npy').exists()
+    said = done.stdout.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"labels {urls[-1]}: cannot read it as a vector file"), said
