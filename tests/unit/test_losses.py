@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ds_seg  # noqa: F401  (registers everything)
-from ds_seg.models import CrossEntropyLoss, DiceLoss
+from ds_seg.models import CrossEntropyLoss, DiceLoss, LovaszLoss
 from ds_seg.registry import LOSSES, build
 
 IGNORE = 255
@@ -68,7 +68,7 @@ def test_ignored_pixels_do_not_affect_loss_or_gradient():
     assert CrossEntropyLoss()(shifted, labels_BHW).item() == pytest.approx(loss.item(), rel=1e-6)
 
 
-@pytest.mark.parametrize('loss_cls', [CrossEntropyLoss, DiceLoss])
+@pytest.mark.parametrize('loss_cls', [CrossEntropyLoss, DiceLoss, LovaszLoss])
 @pytest.mark.parametrize('weight', [None, [1.0, 2.0, 3.0]])
 def test_all_ignored_gives_zero_with_grad_not_nan(loss_cls, weight):
     logits_BKHW = torch.randn(2, 3, 4, 4, requires_grad=True)
@@ -103,7 +103,7 @@ def test_dice_equals_hand_computation_and_ignores_pixels():
     assert loss.item() == pytest.approx(1 - torch.stack(dices).mean().item(), rel=1e-5)
 
 
-@pytest.mark.parametrize('loss_cls', [CrossEntropyLoss, DiceLoss])
+@pytest.mark.parametrize('loss_cls', [CrossEntropyLoss, DiceLoss, LovaszLoss])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_low_precision_logits_are_computed_in_fp32(loss_cls, dtype):
     logits_BKHW, labels_BHW = _example()
@@ -114,6 +114,60 @@ def test_low_precision_logits_are_computed_in_fp32(loss_cls, dtype):
     torch.testing.assert_close(loss, loss_cls()(low_BKHW.detach().float(), labels_BHW))
     loss.backward()
     assert low_BKHW.grad.dtype == dtype
+
+
+def _reference_lovasz(logits_BKHW, labels_BHW, classes):
+    """Berman et al.'s lovasz_softmax_flat (per_image=False): the valid pixels selected, one
+    class at a time, absent classes skipped for 'present'."""
+    valid = labels_BHW != IGNORE
+    probs_PK = logits_BKHW.detach().softmax(1).permute(0, 2, 3, 1)[valid]
+    labels_P = labels_BHW[valid]
+    losses = []
+    for c in range(probs_PK.shape[1]):
+        fg = (labels_P == c).float()
+        if classes == 'present' and fg.sum() == 0:
+            continue
+        errors, perm = (fg - probs_PK[:, c]).abs().sort(descending=True)
+        fg_sorted = fg[perm]
+        gts = fg_sorted.sum()
+        jaccard = 1 - (gts - fg_sorted.cumsum(0)) / (gts + (1 - fg_sorted).cumsum(0))
+        jaccard[1:] = jaccard[1:] - jaccard[:-1].clone()
+        losses.append(torch.dot(errors, jaccard))
+    return torch.stack(losses).mean().item()
+
+
+@pytest.mark.parametrize('classes', ['present', 'all'])
+def test_lovasz_equals_the_reference_implementation_and_ignores_pixels(classes):
+    logits_BKHW, labels_BHW = _example()
+    labels_BHW = labels_BHW.clone()
+    labels_BHW[labels_BHW == 2] = 1  # class 2 absent: 'present' and 'all' differ
+    loss = LovaszLoss(classes=classes)(logits_BKHW, labels_BHW)
+    assert loss.item() == pytest.approx(_reference_lovasz(logits_BKHW, labels_BHW, classes), rel=1e-6)
+    assert LovaszLoss(classes='present')(logits_BKHW, labels_BHW).item() != \
+        pytest.approx(LovaszLoss(classes='all')(logits_BKHW, labels_BHW).item(), rel=1e-3)
+    loss.backward()
+    ignored = (labels_BHW == IGNORE).unsqueeze(1).expand_as(logits_BKHW)
+    assert (logits_BKHW.grad[ignored] == 0).all() and logits_BKHW.grad.abs().sum() > 0
+
+
+def test_lovasz_of_hard_predictions_is_one_minus_iou_per_present_class():
+    """With one-hot probabilities the Lovasz extension equals the Jaccard loss it extends:
+    mean over the classes in the labels of 1 - IoU, counted by hand over the valid pixels."""
+    torch.manual_seed(1)
+    labels_BHW = torch.randint(0, 4, (2, 12, 10))
+    labels_BHW[0, :3] = IGNORE
+    predicted_BHW = torch.where(torch.rand(2, 12, 10) < 0.6, labels_BHW.clamp(max=3), torch.randint(0, 4, (2, 12, 10)))
+    logits_BKHW = 60.0 * torch.nn.functional.one_hot(predicted_BHW, 4).permute(0, 3, 1, 2).float()
+    valid = labels_BHW != IGNORE
+    ious = []
+    for c in range(4):
+        truth, pred = (labels_BHW == c) & valid, (predicted_BHW == c) & valid
+        if truth.any():
+            ious.append((truth & pred).sum().item() / (truth | pred).sum().item())
+    expected = 1 - sum(ious) / len(ious)
+    assert LovaszLoss()(logits_BKHW, labels_BHW).item() == pytest.approx(expected, abs=1e-6)
+    assert LovaszLoss()(logits_BKHW, labels_BHW.masked_fill(~valid, 0).clamp(max=3)).item() != \
+        pytest.approx(expected, abs=1e-3), 'the ignored pixels count when they are labels'
 
 
 def test_shape_mismatch_is_a_clear_error():
@@ -131,6 +185,7 @@ def test_shape_mismatch_is_a_clear_error():
     (dict(type='OhemCrossEntropyLoss', thresh=-1), 'thresh must be a number in (0, 1]'),
     (dict(type='OhemCrossEntropyLoss', min_kept=-5), 'min_kept must be an integer >= 0'),
     (dict(type='OhemCrossEntropyLoss', min_kept=1e5), 'min_kept must be an integer >= 0'),
+    (dict(type='LovaszLoss', classes='presnt'), "LovaszLoss classes must be one of 'present', 'all'"),
     (dict(type='CombinedLoss', losses=[dict(type='CrossEntropyLoss'), dict(type='FocalLoss', loss_weight=float('inf'))]),
      'loss.losses[1] (FocalLoss)'),
     # one member without its list was iterated as its keys ("dictionary update sequence element...")
