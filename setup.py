@@ -1,10 +1,12 @@
 from setuptools import find_packages, setup
 
 # The DeepSpeed JSONs and example configs live at the top of the checkout (ds_configs/, configs/)
-# and are installed inside the package as ds_seg/ds_configs and ds_seg/configs, so that
+# and are installed inside the package as ds_seg/ds_configs and ds_seg/configs (the sbatch
+# templates of launch/slurm/ as ds_seg/slurm), so that
 # `ds-seg-train --deepspeed_config zero2` finds them from any directory (ds_seg.config.DS_CONFIGS_DIR).
 SHIPPED = {'ds_seg.ds_configs': ('ds_configs', ['*.json']), 'ds_seg.configs': ('configs', ['*.py']),
-           'ds_seg.configs._base_': ('configs/_base_', ['*.py'])}
+           'ds_seg.configs._base_': ('configs/_base_', ['*.py']),
+           'ds_seg.slurm': ('launch/slurm', ['*.sbatch'])}  # ds-seg-train --sbatch-template
 CONSOLE_SCRIPTS = [f'ds-seg-{name}=ds_seg.cli.{name}:main'
                    for name in ('train', 'predict', 'evaluate', 'export', 'benchmark', 'models')]
 

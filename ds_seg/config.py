@@ -26,15 +26,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-def _shipped_dir(name):
-    """``ds_seg/<name>`` in an installed wheel (setup.py maps the top-level folder there), else the
-    source checkout's top-level ``<name>/`` (editable install, or ``launch/*.py``)."""
+def _shipped_dir(name, source=None):
+    """``ds_seg/<name>`` in an installed wheel (setup.py maps the checkout's folder there), else the
+    source checkout's ``source`` (default: the top-level ``<name>/``; editable install, or
+    ``launch/*.py``)."""
     inside = PACKAGE_DIR / name
-    return inside if inside.is_dir() else REPO_ROOT / name
+    return inside if inside.is_dir() else REPO_ROOT / (source or name)
 
 
 DS_CONFIGS_DIR = _shipped_dir('ds_configs')   # the shipped DeepSpeed JSONs
 CONFIGS_DIR = _shipped_dir('configs')         # the shipped experiment configs
+SBATCH_DIR = _shipped_dir('slurm', 'launch/slurm')  # the sbatch templates (--sbatch-template)
+SBATCH_TEMPLATES = {'one-node': 'train.sbatch', 'multinode': 'train_multinode.sbatch'}
 
 
 def find_shipped(path, folder, suffix):
@@ -153,6 +156,9 @@ class _Section:
         return cls(**{f.name: node[f.name] for f in fields(cls) if f.name in node})
 
 
+SAVE_BEST_METRICS = ('mIoU', 'mF1', 'OA')  # train.save_best: eval.jsonl's scores, higher is better
+
+
 @dataclass(frozen=True)
 class TrainSection(_Section):
     """``train``: run length, logging, evaluation and checkpoint cadence, run-time switches."""
@@ -167,6 +173,10 @@ class TrainSection(_Section):
                                        _int_at_least(0, zero_means='only when signalled'))
     keep_checkpoints: int = setting(2, 'newest checkpoints kept in the work dir (0: keep all)',
                                     _int_at_least(0, zero_means='keep all'))
+    save_best: Optional[str] = setting(
+        None, "also keep the checkpoint of the best evaluation by this metric (higher is better), named by "
+              "checkpoints/best; a new best is checkpointed when it is measured (None: only the newest)",
+        (lambda v: v is None or v in SAVE_BEST_METRICS, f"None or one of {', '.join(map(repr, SAVE_BEST_METRICS))}"))
     seed: int = setting(0, 'seed of the model initialisation and of the datasets', _int_at_least(0))
     warmup_log_steps: int = setting(2, 'first steps excluded from throughput figures (allocator, JIT)',
                                     _int_at_least(0))
@@ -304,6 +314,12 @@ class ExperimentSection(_Section):
         if self.load_from and not os.path.isfile(self.load_from):
             raise ConfigError(f"load_from={self.load_from!r} does not exist; give a weights file "
                               "written by launch/export.py.")
+        if self.load_from and os.path.basename(self.load_from) in ('latest', 'best'):
+            from ds_seg.engine.checkpoint import is_pointer_file
+            if is_pointer_file(self.load_from):  # a checkpoints folder's pointer, as for a folder above
+                raise ConfigError(f"load_from={self.load_from!r} names a checkpoint of a run, not a weights file; "
+                                  f"export it first (launch/export.py {self.load_from} --out weights.pt) and give "
+                                  "that file; to continue the run use --resume.")
 
 
 # Checked in this order; the first refusal is the one reported.
@@ -383,12 +399,28 @@ def _check_keys(cfg, defaults, source, prefix=''):
 
 
 def _option_value(raw):
-    """A Python literal, true/false/none/null, or the string itself."""
+    """A Python literal (``dict(k=v, ...)`` as in config files included), true/false/none/null,
+    or the string itself."""
     import ast
     try:
-        return ast.literal_eval(raw)
+        return _literal(ast.parse(raw.strip(), mode='eval').body)
     except (ValueError, SyntaxError):
         return {'true': True, 'false': False, 'none': None, 'null': None}.get(raw.lower(), raw)
+
+
+def _literal(node):
+    """``ast.literal_eval`` of a node, where ``dict(type='UperNet', ...)`` of literals also reads
+    as the dict it builds: model=dict(...) was split at its commas into a list of strings."""
+    import ast
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == 'dict' \
+            and not node.args and all(k.arg for k in node.keywords):
+        return {k.arg: _literal(k.value) for k in node.keywords}
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = [_literal(e) for e in node.elts]
+        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
 
 
 def parse_cfg_options(options):
@@ -439,9 +471,12 @@ def load_config(path=None, cfg_options=None):
         # Top-level names that begin with '_' are the file's own helper variables
         # (_crop = 512, then crop_size=_crop), not settings: every other name must be a key.
         loaded = {k: v for k, v in loaded.items() if not k.startswith('_') or k == DELETE_KEY}
+        # A run's config.json (the resolved config) names the config it came from: given back as
+        # --config (to evaluate or retrain that run), it keeps that name, and so work_dirs/<name>.
+        recorded_name = loaded.pop('config_name', None)
         _check_keys(loaded, DEFAULTS, str(path))
         cfg = _merge(cfg, loaded)
-        name = path.stem
+        name = str(recorded_name) if recorded_name else path.stem
     from_file = cfg = _expand_user(cfg)
     options = parse_cfg_options(cfg_options)
     _check_keys(options, DEFAULTS, '--cfg-options')

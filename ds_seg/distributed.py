@@ -252,6 +252,15 @@ def first_failure(message):
     return next((m for m in gathered if m is not None), None)
 
 
+def from_main(value):
+    """Collective: every rank gets rank 0's ``value`` (small and picklable)."""
+    if not dist.is_initialized() or world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=_cpu_group())
+    return box[0]
+
+
 @contextmanager
 def main_process_first():
     """Let rank 0 do a one-off job (e.g. writing a data cache) before the other ranks look."""

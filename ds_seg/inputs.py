@@ -211,12 +211,13 @@ def replaced_when_done(path):
         raise
 
 
-def check_window_options(tile, overlap, batch_size, block=None):
+def check_window_options(tile, overlap, batch_size, block=None, tile_said=None):
+    """``tile_said``: how the overlap's refusal names a tile the user did not give with --tile."""
     if tile < 16:
         raise ConfigError(f'--tile must be at least 16 pixels, got {tile}.')
     if overlap is not None and not 0 <= overlap < tile:
-        raise ConfigError(f'--overlap must be >= 0 and smaller than --tile ({tile}), got {overlap}: each window '
-                          'has to move forward.')
+        raise ConfigError(f'--overlap must be >= 0 and smaller than {tile_said or f"--tile ({tile})"}, got {overlap}: '
+                          'each window has to move forward.')
     if batch_size < 1:
         raise ConfigError(f'--batch-size must be at least 1, got {batch_size}.')
     if block is not None and (block < 16 or block % 16):

@@ -19,8 +19,9 @@ import sys
 import numpy as np
 import torch
 
-from ds_seg.cli.predict import (Progress, add_window_args, check_pixel_type, check_tile_fits,  # noqa: E402
-                               load_forward, normalisation, quiet_about_plain_images, setup, window_kwargs)
+from ds_seg.cli.predict import (DEFAULT_TILE, Progress, add_window_args, check_pixel_type,  # noqa: E402
+                               check_tile_fits, load_forward, normalisation, quiet_about_plain_images, setup,
+                               window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
@@ -82,12 +83,61 @@ def save_preview_png(preview, classes, path, bands=None):
     plt.close(fig)
 
 
-def build_scenes(args, info):
-    """A dataset from --config's data.val, or (image, label) pairs from --images/--labels."""
+def run_config_of(checkpoint):
+    """The ``config.json`` of the run ``checkpoint`` belongs to (its work dir, checkpoints folder,
+    a step_* folder or the ``latest``/``best`` file in it, or a file exported into the work dir), or None."""
+    from ds_seg.engine.checkpoint import find_checkpoint, is_pointer_file
+    path = os.path.abspath(checkpoint)
+    if os.path.isdir(path) or is_pointer_file(path):
+        try:
+            work = os.path.dirname(os.path.dirname(find_checkpoint(path)))
+        except FileNotFoundError:  # loading it says what is wrong
+            return None
+    else:
+        work = os.path.dirname(path)
+    config = os.path.join(work, 'config.json')
+    return config if os.path.isfile(config) and os.path.isdir(os.path.join(work, 'checkpoints')) else None
+
+
+def evaluated_config(args):
+    """The experiment config whose data.val is evaluated: --config; without it and --images, the
+    config of the run --checkpoint comes from (the embedded default evaluated another run's
+    checkpoint on the default's scenes), else the embedded default. None for --images/--labels."""
     if args.config or not args.images:
         from ds_seg.config import load_config
+        path = args.config or run_config_of(args.checkpoint)
+        # Before the process group exists (setup comes later): the launcher's RANK says who prints.
+        if path and not args.config and os.environ.get('RANK', '0') == '0':
+            print(f"[evaluate] data.val of the run's config {path} (--config names another)")
+        cfg = load_config(path, args.cfg_options)
+        if cfg.data.val is None:
+            raise ValueError(f"{path or 'the default config'}: data.val is None, so there is no validation set to "
+                             "evaluate; set data.val (--cfg-options), or give --images/--labels")
+        return cfg
+    return None
+
+
+def resolve_windows(args, cfg):
+    """--tile/--overlap not given: for a config's data.val, the windows its training evaluated
+    with (data.eval_tile or data.crop_size, data.eval_overlap), so that evaluate.py reproduces the
+    run's eval.jsonl (512 px windows scored the same weights differently); else 512 px. Returns
+    how a refusal names a tile taken from the config (None: --tile or the default)."""
+    if args.tile is not None:
+        return None
+    if cfg is None:
+        args.tile = DEFAULT_TILE
+        return None
+    args.tile = cfg.data.get('eval_tile') or cfg.data.crop_size
+    if args.overlap is None:
+        args.overlap = cfg.data.get('eval_overlap')
+    return (f"the evaluation tile {args.tile} (data.eval_tile or data.crop_size of the config; --tile sets "
+            f"another)")
+
+
+def build_scenes(args, info, cfg):
+    """A dataset from ``cfg``'s data.val, or (image, label) pairs from --images/--labels."""
+    if cfg is not None:
         from ds_seg.registry import DATASETS, build
-        cfg = load_config(args.config, args.cfg_options)
         with distributed.main_process_first():  # a synthetic set is written once, by rank 0
             ds = build(DATASETS, cfg.data.val, where='data.val', crop_size=cfg.data.crop_size,
                        seed=cfg.train.seed)
@@ -169,7 +219,6 @@ def check_ignore_index(ignore_index, classes):
 
 def _run(args):
     """The command after argument parsing; user errors raise (see ds_seg.cli.run_command)."""
-    window_kwargs(args)  # checks the window options
     # --config evaluates its data.val: --images/--labels beside it were ignored without a word
     # (another set of scenes scored), as were --cfg-options beside --images.
     if args.config and (args.images or args.labels):
@@ -187,6 +236,8 @@ def _run(args):
     if args.erode is not None and args.erode < 0:  # was an IndexError traceback after the first window
         raise ValueError(f"--erode must be >= 0 (label pixels within that many px of a class boundary are "
                          f"not counted; ISPRS uses 3), got {args.erode}")
+    cfg = evaluated_config(args)
+    window_kwargs(args, tile_said=resolve_windows(args, cfg))  # checks the window options
     check_checkpoint_option(args.checkpoint)
     check_output_folder(args.output)
     # Every file this run may write, not only eval.json: an earlier run's pictures are results too.
@@ -196,7 +247,7 @@ def _run(args):
     # An .onnx export is evaluated as predict.py runs it (onnxruntime); it was read as a torch file
     # and refused as 'a text file'.
     model, info = load_forward(args.checkpoint, device, args.cpu_threads)
-    scenes, classes = build_scenes(args, info)
+    scenes, classes = build_scenes(args, info, cfg)
     mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)
     # Scenes of a dataset (--config) or (image, label) pairs (--images/--labels).
     images = [p for s in scenes.scenes for p in s.get('dates', (s['image'],))] if hasattr(scenes, 'scenes') \
@@ -249,7 +300,8 @@ def main(argv=None):
     parser.add_argument('--images', nargs='+', default=None, help='image scenes (paths, globs or folders)')
     parser.add_argument('--labels', nargs='+', default=None, help='label rasters, paired with --images in order')
     parser.add_argument('--config', default=None, help="experiment config whose data.val is evaluated "
-                        "(default without --images: the embedded default)")
+                        "(default without --images: the config.json of the run --checkpoint comes from, "
+                        "else the embedded default)")
     parser.add_argument('--cfg-options', nargs='+', action='extend', default=None, help='overrides for --config')
     parser.add_argument('--classes', nargs='+', default=None, help='class names (default: the checkpoint)')
     parser.add_argument('--exclude', nargs='+', default=(), help='classes left out of mIoU/mF1, e.g. clutter')
@@ -260,7 +312,8 @@ def main(argv=None):
     parser.add_argument('--output', required=True, help='output folder')
     parser.add_argument('--overwrite', action='store_true', help='replace earlier outputs (eval.json, confusion.png, preview_N.png) in '
                         '--output')
-    add_window_args(parser)
+    add_window_args(parser, tile_default="512; for --config's data.val, data.eval_tile or crop_size, and "
+                    "data.eval_overlap, as its training evaluated")
     args = parser.parse_args(argv)
     return run_command('evaluate', quiet_about_plain_images(lambda: _run(args)),
                        errors=(FileNotFoundError, ValueError, KeyError))

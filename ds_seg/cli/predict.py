@@ -37,9 +37,13 @@ from ds_seg.vectorize import (add_vector_args, check_vector_options, exclude_ids
                               vectorize_class_map)
 
 
-def add_window_args(parser):
-    """The sliding-window options predict.py and evaluate.py share."""
-    parser.add_argument('--tile', type=int, default=512, help='window size in pixels (default 512)')
+DEFAULT_TILE = 512
+
+
+def add_window_args(parser, tile_default=f'{DEFAULT_TILE}'):
+    """The sliding-window options predict.py and evaluate.py share (``--tile`` is None when not
+    given: each program says what it defaults to)."""
+    parser.add_argument('--tile', type=int, default=None, help=f'window size in pixels (default {tile_default})')
     parser.add_argument('--overlap', type=int, default=None, help='overlap of windows (default tile/4)')
     parser.add_argument('--batch-size', type=int, default=8, help='windows per forward call (default 8)')
     parser.add_argument('--blend', choices=BLENDS, default='gaussian', help='blending of overlaps')
@@ -67,8 +71,8 @@ def quiet_about_plain_images(body):
     return run
 
 
-def window_kwargs(args):
-    check_window_options(args.tile, args.overlap, args.batch_size, args.block)
+def window_kwargs(args, tile_said=None):
+    check_window_options(args.tile, args.overlap, args.batch_size, args.block, tile_said)
     if args.cpu_threads is not None and args.cpu_threads < 1:  # was torch's traceback at setup
         raise ConfigError(f"--cpu-threads must be at least 1, got {args.cpu_threads} "
                           f"(leave it out for torch's default)")
@@ -222,6 +226,8 @@ def _band_count(path):
 def _run(args):
     """The command after argument parsing; user errors raise (see ds_seg.cli.run_command)."""
     # Every check before any work: a refused command changes no file.
+    if args.tile is None:
+        args.tile = DEFAULT_TILE
     windows = window_kwargs(args)
     # 'a_may.tif,a_aug.tif': one scene of several dates (a time series model's input)
     scenes = []

@@ -10,7 +10,9 @@ import argparse
 import os
 import sys
 
-from ds_seg.config import ConfigError, find_shipped, DS_CONFIGS_DIR, load_config, load_ds_config
+from ds_seg.cli import say_once_per_node
+from ds_seg.config import (ConfigError, DS_CONFIGS_DIR, SBATCH_DIR, SBATCH_TEMPLATES, find_shipped, load_config,
+                           load_ds_config)
 from ds_seg.registry import RegistryError
 
 
@@ -32,6 +34,10 @@ def parse_args(argv=None):
                         help="'auto' (newest complete checkpoint in the work dir) or a checkpoint path")
     parser.add_argument('--local_rank', '--local-rank', type=int, default=None,
                         help='set by the deepspeed launcher; the LOCAL_RANK variable is what is used')
+    parser.add_argument('--sbatch-template', nargs='?', const='one-node', choices=sorted(SBATCH_TEMPLATES),
+                        help='print the Slurm batch script (one-node: one process per GPU started by the script; '
+                        'multinode: one srun task per GPU) to fill in and submit, and exit: '
+                        'ds-seg-train --sbatch-template > train.sbatch')
     return parser.parse_args(argv)
 
 
@@ -57,6 +63,9 @@ def main(argv=None):
         from ds_seg.engine.faults import catch_stop_signals
         catch_stop_signals()
     args = parse_args(argv)
+    if args.sbatch_template:  # an installed wheel has no launch/slurm/ to copy them from
+        sys.stdout.write((SBATCH_DIR / SBATCH_TEMPLATES[args.sbatch_template]).read_text())
+        return 0
     try:
         cfg = load_config(args.config, args.cfg_options)
         ds_config = load_ds_config(args.deepspeed_config)
@@ -65,7 +74,10 @@ def main(argv=None):
                           ds_config_source=_shown(find_shipped(args.deepspeed_config, DS_CONFIGS_DIR, '.json')))
     except (ConfigError, RegistryError, FileNotFoundError) as exc:
         # A user mistake: one line that names the file or key, before any training starts.
-        print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
+        say_once_per_node(f'ds_seg: error: {exc}')
+        if as_program:  # left open, gloo's threads abort the exit ('terminate called ...', status -6);
+            from ds_seg import distributed  # a Python caller keeps its process group (DeepSpeed holds it)
+            distributed.close()
         return 2
     from ds_seg.data.raster import DataError
     from ds_seg.engine.faults import (EXIT_CODES, EXIT_DATA_ERROR, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError,

@@ -123,8 +123,10 @@ def incomplete_tags(root):
     return sorted(t for t in os.listdir(root) if TAG_RE.match(t) and not is_complete(root, t))
 
 
-def save(backend, root, step, client_state, keep, marker_extra=None):
-    """Save a checkpoint collectively (every rank calls this); returns the tag.
+def save(backend, root, step, client_state, keep, marker_extra=None, best=False):
+    """Save a checkpoint collectively (every rank calls this); returns the tag. ``best``: also
+    point ``best`` at it. Keep-N pruning never removes the checkpoint ``best`` names (a run
+    resumed without ``train.save_best`` included: the user's best weights are not deleted).
 
     Raises :class:`CheckpointWriteError` on every rank if any rank failed to write (the
     temporary folder is removed; earlier checkpoints and ``latest`` are untouched).
@@ -150,9 +152,13 @@ def save(backend, root, step, client_state, keep, marker_extra=None):
     if failure is None and distributed.is_main():
         try:
             _seal(root, tmp_tag, tag, step, backend, client_state, marker_extra)
-            _write_latest(root, tag)
+            _write_pointer(root, 'latest', tag)
+            if best:
+                _write_pointer(root, 'best', tag)
+            kept = read_pointer(root, 'best')
             for old in complete_tags(root)[:-keep] if keep > 0 else []:
-                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+                if old != kept:
+                    shutil.rmtree(os.path.join(root, old), ignore_errors=True)
         except OSError as exc:
             failure = _describe_write_failure(tmp_path, exc)
     failure = distributed.first_failure(failure)
@@ -213,13 +219,14 @@ def _describe_write_failure(path, exc):
     return f'writing {path} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ""}'
 
 
-def _write_latest(root, tag):
-    tmp = os.path.join(root, '.latest.tmp')
+def _write_pointer(root, name, tag):
+    """``root/name`` (``latest`` or ``best``) now holds ``tag``, atomically."""
+    tmp = os.path.join(root, f'.{name}.tmp')
     with open(tmp, 'w') as f:
         f.write(tag)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, 'latest'))
+    os.replace(tmp, os.path.join(root, name))
     fsync_path(root)
 
 
@@ -240,17 +247,44 @@ def describe_skipped(skipped):
     return '; '.join(f'skipped {tag}: {reason}' for tag, reason in skipped)
 
 
+POINTERS = ('latest', 'best')  # files in a checkpoints folder that hold one tag
+
+
+def is_pointer_file(path):
+    """True for a checkpoints folder's ``latest`` file (DeepSpeed's convention: the tag of the
+    newest checkpoint) or ``best`` (``train.save_best``), which users give where a checkpoint is
+    asked for."""
+    return os.path.basename(path) in POINTERS and os.path.isfile(path) and os.path.getsize(path) < 256
+
+
+def read_pointer(root, name):
+    """The tag ``root/name`` (a pointer file) holds, or None when there is none or it holds no tag."""
+    try:
+        with open(os.path.join(root, name)) as f:
+            tag = f.read().strip()
+    except OSError:
+        return None
+    return tag if TAG_RE.match(tag) else None
+
+
 def find_checkpoint(path, report=None):
     """The checkpoint a path means, the one rule that ``--resume``, export, predict and evaluate
-    share: a ``step_*`` folder itself (verified), else the newest verified checkpoint of a
-    checkpoints folder or of a work dir. ``report(line)`` hears about damaged checkpoints passed
-    over. Raises FileNotFoundError naming the path.
+    share: a ``step_*`` folder itself (verified), the one a ``latest``/``best`` file names
+    (verified), else the newest verified checkpoint of a checkpoints folder or of a work dir.
+    ``report(line)`` hears about damaged checkpoints passed over. Raises FileNotFoundError
+    naming the path.
 
     Example::
 
         find_checkpoint('work_dirs/default')   # -> '.../work_dirs/default/checkpoints/step_00000400'
     """
     path = os.path.abspath(path)
+    if is_pointer_file(path):
+        tag = read_pointer(os.path.dirname(path), os.path.basename(path))
+        if tag is None:
+            raise FileNotFoundError(f"{path}: does not name a step_* checkpoint; give the checkpoints folder to "
+                                    "pick the newest good one.")
+        path = os.path.join(os.path.dirname(path), tag)
     if os.path.isfile(os.path.join(path, COMPLETE)) or TAG_RE.match(os.path.basename(path)):
         reason = verify(os.path.dirname(path), os.path.basename(path)) if os.path.isdir(path) else 'it does not exist'
         if reason is not None:
@@ -323,9 +357,11 @@ def set_aside_other_branch(work_dir, root, tag, partial=True):
     for name in sorted(names):
         os.replace(os.path.join(live, name), os.path.join(dest, 'checkpoints', name))
     if same:
-        _write_latest(live, tag)
+        _write_pointer(live, 'latest', tag)
     elif os.path.exists(os.path.join(live, 'latest')):
         os.replace(os.path.join(live, 'latest'), os.path.join(dest, 'checkpoints', 'latest'))
+    if read_pointer(live, 'best') in names:  # the best checkpoint moved aside: its pointer goes with it
+        os.replace(os.path.join(live, 'best'), os.path.join(dest, 'checkpoints', 'best'))
     return dest
 
 

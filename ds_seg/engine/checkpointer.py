@@ -6,6 +6,7 @@ Storage (atomic writes, checksums, verification, ``latest``, keep-N pruning, fin
 verified checkpoint for resume, export, predict and evaluate) is ds_seg/engine/checkpoint.py;
 this class is the one caller of it during training.
 """
+import json
 import os
 
 import torch
@@ -43,14 +44,30 @@ class Checkpointer:
         self.interval = cfg.train.checkpoint_interval
         self.keep = cfg.train.keep_checkpoints
         self.max_steps = cfg.train.max_steps
+        self.best_metric = cfg.train.get('save_best')  # None, or the eval.jsonl score to keep the best of
+        self.best = None  # (score, step) of the best checkpointed evaluation so far
 
     def due(self, step):
         """A periodic checkpoint at this step (``train.checkpoint_interval``, and the last step)."""
         return bool(self.interval) and (step % self.interval == 0 or step == self.max_steps)
 
+    def improves_best(self, record):
+        """True when the evaluation ``record`` (all-reduced: the same on every rank) beats the best
+        so far by ``train.save_best``; it is then checkpointed and named by ``checkpoints/best``."""
+        score = record.get(self.best_metric) if self.best_metric else None
+        return score is not None and (self.best is None or score > self.best[0])
+
+    def best_summary(self):
+        """``summary.json``'s ``best``: metric, score, step and checkpoint, or None."""
+        if self.best is None:
+            return None
+        return dict(metric=self.best_metric, value=self.best[0], step=self.best[1],
+                    checkpoint=os.path.join(self.root, checkpoint.tag_for(self.best[1])))
+
     # -- saving ----------------------------------------------------------------------------
-    def save(self, step, micro_step):
-        """Every rank calls it. ``micro_step`` is the data position the samplers restart from."""
+    def save(self, step, micro_step, best_record=None):
+        """Every rank calls it. ``micro_step`` is the data position the samplers restart from;
+        ``best_record``: this step's evaluation, a new best (see :meth:`improves_best`)."""
         self.backend.sync_batchnorm_stats()
         client_state = dict(
             step=step, micro_step=micro_step, micro_batch=self.spec.micro_batch, grad_accum=self.spec.grad_accum,
@@ -61,8 +78,12 @@ class Checkpointer:
             data=data_normalisation(self.train_set))
         tag = checkpoint.save(self.backend, self.root, step, client_state, keep=self.keep,
                               marker_extra={'param_shapes': self.param_shapes(), 'precision': self.spec.precision,
-                                            'optimizer': optimizer_family(self.spec.ds_config)})
-        self.report(f'saved checkpoint {self.root}/{tag}')
+                                            'optimizer': optimizer_family(self.spec.ds_config)},
+                              best=best_record is not None)
+        if best_record is not None:
+            self.best = (best_record[self.best_metric], step)
+        self.report(f'saved checkpoint {self.root}/{tag}'
+                    + (f' (best {self.best_metric} so far: {self.best[0]:.4f})' if best_record is not None else ''))
 
     def param_shapes(self):
         """Parameter name -> full shape (ZeRO-3 partitions keep the full shape in ``ds_shape``)."""
@@ -106,7 +127,29 @@ class Checkpointer:
                         f"{set_aside} (nothing deleted)")
         elif resume == 'auto' and not tag:
             self.report(f'--resume auto: no checkpoint in {self.root}; starting from step 0')
+        if tag:
+            self.best = distributed.from_main(self._best_of_resumed_run(step) if distributed.is_main() else None)
         return step, offset, set_aside
+
+    def _best_of_resumed_run(self, step):
+        """(score, step) of the checkpoint ``checkpoints/best`` names, at or before ``step``, its
+        score read from eval.jsonl; None without one (save_best off, or never a best saved)."""
+        tag = checkpoint.read_pointer(self.root, 'best') if self.best_metric else None
+        if tag is None or not checkpoint.is_complete(self.root, tag):
+            return None
+        best_step = int(checkpoint.TAG_RE.match(tag).group(1))
+        path = os.path.join(self.work_dir, 'eval.jsonl')
+        if best_step > step or not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:  # a line cut short by a full disk
+                    continue
+                if row.get('step') == best_step and row.get(self.best_metric) is not None:
+                    return float(row[self.best_metric]), best_step
+        return None
 
     def _load(self, root, tag):
         try:

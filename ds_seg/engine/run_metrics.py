@@ -109,7 +109,7 @@ class RunMetrics:
         return record
 
     # -- the end ---------------------------------------------------------------------------
-    def write_summary(self, exit_reason, step, error, describe_io_error):
+    def write_summary(self, exit_reason, step, error, describe_io_error, best=None):
         last = self.last_eval
         rows = []
         path = os.path.join(self.log.work_dir, 'metrics.jsonl')
@@ -131,7 +131,7 @@ class RunMetrics:
             mF1=last['mF1'] if last else None, flops_per_image_fwd=self.flops_per_image,
             state_memory=self.state_memory, error=error,
             optimizer_impl=self.backend.optimizer_impl, compile_mode=self.spec.compile_mode,
-            compile_time_s=self.compile_time_s, channels_last=self.spec.channels_last)
+            compile_time_s=self.compile_time_s, channels_last=self.spec.channels_last, best=best)
         try:
             self.log.write_json('summary.json', summary)
         except OSError as exc:  # the disk that stopped the run may refuse this too

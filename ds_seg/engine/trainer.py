@@ -113,8 +113,11 @@ class Trainer:
         # by _start_loop: batches (on the device, preprocessed), profiler.
         self.log = self.train_set = self.val_set = self.criterion = self.backend = None
         self.checkpointer = self.metrics = self.batches = self.profiler = None
-        created = _first_missing(self.work_dir) if distributed.is_main() else None
-        check_writable(self.work_dir, '--work-dir', create=True)  # every rank: each writes checkpoint files
+        # Rank 0 notes what it will create before any rank creates it: a rank that got there first
+        # made the folder look like the user's, and a refused run left it behind.
+        with distributed.main_process_first():
+            created = _first_missing(self.work_dir) if distributed.is_main() else None
+            check_writable(self.work_dir, '--work-dir', create=True)  # every rank: each writes checkpoint files
         self.lock = WorkDirLock(self.work_dir)
         self._take_work_dir()  # refused: another run's work dir (so not one this run created)
         try:
@@ -158,6 +161,10 @@ class Trainer:
             self.val_set = (_build_dataset(data_cfg.val, 'data.val', data_cfg.crop_size, cfg.train.seed)
                             if data_cfg.get('val') else None)
         self._check_train_set_is_endless()
+        if cfg.train.get('save_best') and (self.val_set is None or not cfg.train.eval_interval):
+            why = 'data.val is None' if self.val_set is None else 'train.eval_interval=0'
+            raise ConfigError(f"train.save_best={cfg.train.save_best!r} keeps the checkpoint of the best evaluation, "
+                              f"but this run evaluates nothing ({why}); give it evaluations, or leave save_best out.")
         self._check_model_matches_data()
         self._check_model_takes_windows()
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
@@ -226,12 +233,16 @@ class Trainer:
                                    f'last checkpoint in {self.checkpointer.root} is intact (lower the learning rate '
                                    'or check the data).')
                         break
+                    best = None
                     if evaluating:
-                        self.evaluate()
-                    # A signal always checkpoints (its purpose), periodic ones when due; never weights
-                    # that may already be NaN: keep-N pruning would drop the good ones.
-                    if current == 0 and (signalled or saving):
-                        self.checkpointer.save(self.step, self.step * self.spec.grad_accum + self.micro_step_offset)
+                        record = self.evaluate()
+                        best = record if self.checkpointer.improves_best(record) else None
+                    # A signal always checkpoints (its purpose), periodic ones when due, and a new best
+                    # evaluation (train.save_best); never weights that may already be NaN: keep-N
+                    # pruning would drop the good ones.
+                    if current == 0 and (signalled or saving or best):
+                        self.checkpointer.save(self.step, self.step * self.spec.grad_accum + self.micro_step_offset,
+                                               best_record=best)
                     if signalled:
                         self._stop('preempted', f'on {faults.stop_reason()}: ' + (
                             'checkpoint saved; continue with --resume auto.' if current == 0
@@ -275,7 +286,8 @@ class Trainer:
         if self.profiler is not None:
             self.profiler.stop()
         faults.close()
-        return self.metrics.write_summary(self.exit_reason, self.step, self.error, describe_io_error)
+        return self.metrics.write_summary(self.exit_reason, self.step, self.error, describe_io_error,
+                                          best=self.checkpointer.best_summary())
 
     def _evaluation_due(self):
         t = self.cfg.train
@@ -470,9 +482,13 @@ class Trainer:
             return
         for key, size in sizes.items():
             refusal = window_refusal(model, self.train_set.in_channels, size, device='meta')
-            if refusal and refusal[1]:
+            if refusal:  # the first step (or evaluation) would raise it
+                reason, size_is_the_fault = refusal
+                advice = (f"use a larger {key.split()[0]}" if size_is_the_fault else
+                          f"a model of one fixed input size (a timm Swin, MLP-Mixer...) takes img_size={size} "
+                          "in the model config")
                 raise ConfigError(f"{key} {size}: the model ({m.type}) cannot take {size}x{size} windows "
-                                  f"({refusal[0]}); use a larger {key.split()[0]}")
+                                  f"({reason}); {advice}")
 
     def _check_val_matches_train(self):
         """The validation scenes go through the trained model as the training scenes do: the same

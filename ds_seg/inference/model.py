@@ -21,7 +21,7 @@ def load_model(path, device='cpu'):
     from ..inputs import check_checkpoint_option
     from ..registry import MODELS, build
     check_checkpoint_option(path)
-    if os.path.isfile(path):
+    if os.path.isfile(path) and not checkpoint.is_pointer_file(path):
         payload = checkpoint.load_weights_file(path)
         state, model_cfg = payload['state_dict'], payload.get('model')
         classes, data = payload.get('classes'), payload.get('data')
@@ -49,12 +49,20 @@ def load_model(path, device='cpu'):
     return model, dict(classes=list(classes) if classes else None, model=dict(model_cfg), data=data)
 
 
+def _meta_cannot_run(exc):
+    """An op with no meta kernel, or one that reads values (``.item()``, ``nonzero``): the meta
+    device cannot tell whether the window fits; the real run will."""
+    return isinstance(exc, NotImplementedError) or 'meta' in str(exc).lower()
+
+
 def window_refusal(forward, channels, size, device='cpu'):
     """Why ``forward`` cannot take one ``size`` x ``size`` window of ``channels`` bands (blank),
     or None: ``(reason, size_is_the_fault)``. The size is blamed only when a larger window
-    (max(512, 2 x size)) runs; otherwise the reason is another fault (an op without a meta kernel,
-    a channel mismatch, memory), said as it is. Shared by training's start-up check (on the meta
-    device: no memory, no compute) and predict/evaluate's ``--tile`` check."""
+    (max(512, 2 x size)) runs; otherwise the reason is another fault (a model of one fixed input
+    size, a channel mismatch, memory), said as it is. On the meta device a failure of the meta
+    device itself (an op without a meta kernel) is None: it tells nothing about the window.
+    Shared by training's start-up check (on the meta device: no memory, no compute) and
+    predict/evaluate's ``--tile`` check."""
     import torch
 
     def error(side):
@@ -66,7 +74,7 @@ def window_refusal(forward, channels, size, device='cpu'):
         return None
 
     exc = error(size)
-    if exc is None:
+    if exc is None or (device == 'meta' and _meta_cannot_run(exc)):
         return None
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or 'allocate' in reason.lower():

@@ -74,8 +74,9 @@ def test_export_from_ddp_and_zero0_holds_the_trained_tensors(runs, backend):
 
 def _forms(run):
     root = os.path.join(run['work'], 'checkpoints')
+    # 'latest': DeepSpeed's pointer file, which users give where a checkpoint is asked for.
     return {'work_dir': run['work'], 'checkpoints_dir': root, 'step_dir': os.path.join(root, 'step_00000006'),
-            'exported': run['weights']}
+            'latest': os.path.join(root, 'latest'), 'exported': run['weights']}
 
 
 def _digest(folder):

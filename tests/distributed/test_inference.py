@@ -237,3 +237,45 @@ def test_mistaken_options_are_one_line_before_any_work(refusals, case, program, 
         assert fragment in errors[0], errors[0]
     assert unchanged, 'a refused command wrote nothing'
     assert refusals['old_png'] == b'an earlier run'
+
+
+def test_evaluate_with_a_runs_config_scores_as_its_training_evaluated(tmp_path):
+    """evaluate.py --config <run>/config.json (the run's resolved config: refused before, 'unknown
+    key config_name') scores data.val in the windows training evaluated with (data.eval_tile or
+    crop_size, data.eval_overlap): an fp32 run's eval.json equals its last eval.jsonl row. The
+    512 px windows evaluate.py used instead scored the same weights differently. Without
+    --config, a checkpoint of the run means its config (the embedded default's scenes were scored)."""
+    fp32 = json.load(open(REPO_ROOT / 'ds_configs' / 'zero0.json'))
+    fp32['fp16']['enabled'] = False  # the training evaluation in the precision evaluate.py runs
+    json.dump(fp32, open(tmp_path / 'fp32.json', 'w'))
+    work, cache = tmp_path / 'work', tmp_path / 'cache'
+    _run('train.py', '--config', 'configs/unet_tiny_synthetic.py', '--backend', 'ddp', '--deepspeed_config',
+         str(tmp_path / 'fp32.json'), '--work-dir', str(work), '--cfg-options', 'train.max_steps=20',
+         'train.eval_interval=20', 'train.checkpoint_interval=20', 'data.eval_overlap=8',
+         f'data.train.cache_dir={str(cache)!r}', f'data.val.cache_dir={str(cache)!r}')
+    trained = [json.loads(line) for line in open(work / 'eval.jsonl')][-1]
+    results = {}
+    config, step = ['--config', str(work / 'config.json')], str(work / 'checkpoints' / 'step_00000020')
+    # Without --config, a checkpoint of a run (its work dir, a step folder) means that run's config.
+    for name, checkpoint, extra in (('as_trained', str(work), config), ('tile_512', str(work), config + ['--tile', '512']),
+                                    ('work_dir', str(work), []), ('step_dir', step, [])):
+        _run('evaluate.py', '--checkpoint', checkpoint, '--output', str(tmp_path / name), *extra)
+        results[name] = json.load(open(tmp_path / name / 'eval.json'))
+    got = results['as_trained']
+    assert (got['settings']['tile'], got['settings']['overlap']) == (64, 8)
+    for name in ('as_trained', 'work_dir', 'step_dir'):
+        assert {k: results[name][k] for k in ('mIoU', 'OA', 'mF1', 'per_class')} == \
+            {k: trained[k] for k in ('mIoU', 'OA', 'mF1', 'per_class')}, name
+    assert results['tile_512']['confusion'] != got['confusion'], 'the windows change the score'
+    # A window option that contradicts the config's, and a config with no validation set: one line
+    # naming where the value came from, nothing written.
+    for extra, said in ((['--overlap', '64'], '--overlap must be >= 0 and smaller than the evaluation tile 64 '
+                                              '(data.eval_tile or data.crop_size of the config'),
+                        (['--cfg-options', 'data.val=None'], 'config.json: data.val is None, so there is no '
+                                                             'validation set to evaluate')):
+        proc = subprocess.run([sys.executable, 'launch/evaluate.py', '--checkpoint', str(work), '--config',
+                               str(work / 'config.json'), '--output', str(tmp_path / 'refused'), *extra],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+            proc.stderr
+        assert not (tmp_path / 'refused').exists()

@@ -133,3 +133,22 @@ def test_a_finished_run_exits_with_its_loader_workers_stopped_even_without_garba
             f'data.val.cache_dir={tmp_path}/cache', 'data.num_workers=1', 'train.max_steps=3',
             'train.eval_interval=0', 'train.checkpoint_interval=0']
     _run([sys.executable, '-c', code, *args], _env(), timeout=90)
+
+
+def test_a_mistake_under_two_ranks_is_said_once_and_exits_cleanly(tmp_path):
+    """Every rank checks the same config: under torchrun or the deepspeed CLI each printed the
+    same error (N lines for N GPUs), and a rank left its process group open, so gloo aborted its
+    exit ('terminate called without an active exception', status -6, reported as the failure)."""
+    deepspeed = shutil.which('deepspeed') or os.path.join(os.path.dirname(sys.executable), 'deepspeed')
+    launchers = {'torchrun': [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2',
+                              '--master_port', str(_free_port())],
+                 'deepspeed': [deepspeed, '--num_gpus', '2', '--master_port', str(_free_port())]}
+    for name, launcher in launchers.items():
+        proc = subprocess.run([*launcher, 'launch/train.py', *_options(str(tmp_path)), 'model.type=Unett'],
+                              cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        out = proc.stdout + proc.stderr
+        errors = [line for line in out.splitlines() if 'ds_seg: error:' in line]
+        assert proc.returncode != 0 and len(errors) == 1, f'{name}: {out[-3000:]}'
+        assert "Did you mean 'UNet'" in errors[0]
+        assert 'terminate called' not in out and 'exitcode: -6' not in out, f'{name}: {out[-3000:]}'
+        assert not os.path.exists(tmp_path / 'work'), name

@@ -23,7 +23,7 @@ def _build_wheel(tmp):
     """``pip wheel --no-deps`` of a copy of the checkout (the build leaves no files in the repo)."""
     src = os.path.join(tmp, 'src')
     skip = shutil.ignore_patterns('__pycache__', '*.pyc', '*.egg-info', 'build')
-    for name in ('ds_seg', 'configs', 'ds_configs'):
+    for name in ('ds_seg', 'configs', 'ds_configs', 'launch/slurm'):
         shutil.copytree(REPO_ROOT / name, os.path.join(src, name), ignore=skip)
     for name in ('setup.py', 'README.md'):
         shutil.copy(REPO_ROOT / name, src)
@@ -66,6 +66,8 @@ def test_wheel_contents_and_console_scripts_from_a_fresh_venv(tmp_path):
     shipped = sorted(p.name for p in (REPO_ROOT / 'ds_configs').glob('*.json'))
     assert len(shipped) >= 6 and {f'ds_seg/ds_configs/{n}' for n in shipped} <= names
     assert {f'ds_seg/configs/{p.name}' for p in (REPO_ROOT / 'configs').glob('*.py')} <= names
+    templates = sorted(p.name for p in (REPO_ROOT / 'launch' / 'slurm').glob('*.sbatch'))
+    assert len(templates) == 2 and {f'ds_seg/slurm/{n}' for n in templates} <= names
     assert not [n for n in names if n.startswith(('tests/', 'launch/'))]
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith('entry_points.txt'))).decode()
@@ -107,3 +109,7 @@ def test_wheel_contents_and_console_scripts_from_a_fresh_venv(tmp_path):
     assert 'UNetTiny' in run('ds-seg-models', '--filter', 'UNetTiny', '--size', '64')
     for name in ('predict', 'evaluate', 'benchmark'):
         assert 'usage' in run(f'ds-seg-{name}', '--help')
+    # The sbatch templates, which a wheel user has no launch/slurm/ to copy from.
+    for option, name in ((['--sbatch-template'], 'train.sbatch'), (['--sbatch-template', 'multinode'],
+                                                                    'train_multinode.sbatch')):
+        assert run('ds-seg-train', *option) == (REPO_ROOT / 'launch' / 'slurm' / name).read_text()

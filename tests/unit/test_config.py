@@ -123,6 +123,19 @@ def test_cfg_options_unbracketed_commas_make_a_list_as_in_mmengine():
     assert list(cfg.data.train.classes) == ['grass', 'building', 'road', 'water', 'tree', 'bare']
 
 
+def test_cfg_options_take_dict_calls_as_config_files_write_them():
+    """model=dict(type='UperNet', backbone=...) (how every mmseg config and the README write a
+    section) was split at its commas into a list of strings and refused as 'must be a dict'.
+    Calls of literals read as the dict they build, nested ones too; any other call stays a string."""
+    from ds_seg.config import parse_cfg_options
+    options = parse_cfg_options(["model=dict(type='UperNet', backbone='convnext_tiny', kw=dict(a=[1, dict(b=-2)]))",
+                                 'y=dict(**z)', 'w=scene(1).tif'])
+    assert options == {'model': {'type': 'UperNet', 'backbone': 'convnext_tiny', 'kw': {'a': [1, {'b': -2}]}},
+                       'y': 'dict(**z)', 'w': 'scene(1).tif'}
+    cfg = load_config(None, ["model=dict(type='UNetTiny', in_channels=3, num_classes=6)"])
+    assert cfg.model.to_dict() == {'type': 'UNetTiny', 'in_channels': 3, 'num_classes': 6}
+
+
 def test_helper_variables_of_a_config_file_begin_with_an_underscore(tmp_path):
     """mmseg configs compute settings from helper variables (crop_size = (512, 512)); here those
     begin with '_' and are not settings. A bare one is an unknown key, and the message says so."""

@@ -567,6 +567,30 @@ def test_training_refuses_windows_the_model_cannot_take_before_any_step(tmp_path
     trainer.close()
 
 
+def test_training_refuses_a_model_of_one_fixed_input_size_before_any_step(tmp_path):
+    """UperNet over a timm Swin built for 224 px trained to a torch traceback at the first step
+    ('Input height (64) doesn't match model (224)'), after the work dir was written: a model that
+    fails at every window size was let through the start-up check. Now one line that says how
+    such a model takes the crop size; with img_size=64 it passes the check."""
+    from ds_seg.config import ConfigError, load_config
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import TINY_CONFIG, ds_config
+    cache = str(tmp_path / 'cache')
+    swin = dict(type='UperNet', backbone='swin_tiny_patch4_window7_224', num_classes=6, channels=32)
+    common = [f'data.train.cache_dir={cache!r}', f'data.val.cache_dir={cache!r}', 'data.num_workers=0',
+              'data.crop_size=64']
+    work = tmp_path / 'work'
+    with pytest.raises(ConfigError, match=r"^data.crop_size 64: the model \(UperNet\) cannot take 64x64 windows "
+                                          r"\(Input height \(64\) doesn't match model \(224\)\.\); .* takes "
+                                          r"img_size=64 in the model config$"):
+        Trainer(load_config(TINY_CONFIG, common + [f'model={swin!r}']), ds_config(0), backend='ddp',
+                work_dir=str(work))
+    assert not work.exists()
+    trainer = Trainer(load_config(TINY_CONFIG, common + [f'model={dict(swin, img_size=64)!r}']), ds_config(0),
+                      backend='ddp', work_dir=str(work))
+    trainer.close()
+
+
 def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path):
     """An evaluation of 3 scenes, then --overwrite with 1: preview_1.png and preview_2.png of the
     first run stayed beside the new eval.json, as if they were its scenes. Without --overwrite
@@ -775,3 +799,16 @@ def test_window_refusal_blames_the_size_only_when_a_larger_window_runs():
     assert window_refusal(needs_32, 3, 24) == ('window too small for the attention reduction', True)
     assert window_refusal(broken, 3, 24) == ('mat1 and mat2 shapes cannot be multiplied', False)
     assert window_refusal(needs_32, 3, 24, device='meta')[1] is True
+    assert window_refusal(broken, 3, 24, device='meta') == ('mat1 and mat2 shapes cannot be multiplied', False)
+
+    def no_meta_kernel(x):  # what torch raises for an op the meta device cannot run
+        raise NotImplementedError("Could not run 'aten::foo' with arguments from the 'Meta' backend.")
+
+    def reads_a_value(x):
+        return x.sum().item()
+
+    # The meta device cannot tell: no refusal (the real run says what is wrong, if anything).
+    assert window_refusal(no_meta_kernel, 3, 24, device='meta') is None
+    assert window_refusal(reads_a_value, 3, 24, device='meta') is None
+    assert window_refusal(no_meta_kernel, 3, 24) == ("Could not run 'aten::foo' with arguments from the "
+                                                     "'Meta' backend.", False)

@@ -1,0 +1,68 @@
+"""train.save_best: the checkpoint of the best evaluation is kept beside the newest ones, named by
+checkpoints/best, and a resumed run goes on comparing with it (mmsegmentation's save_best)."""
+import json
+import os
+
+import pytest
+
+from ds_seg.config import ConfigError
+from ds_seg.engine import checkpoint
+from ds_seg.engine.trainer import Trainer
+from tests.tiny import ds_config, tiny_cfg
+
+
+def _run(tmp, max_steps, scores, resume=None, save_best='mIoU'):
+    """A real run of the tiny config (DDP, one process) whose evaluations score ``scores[step]``:
+    the scores decide which checkpoint is best, so they are set, not left to a few steps of SGD."""
+    cfg = tiny_cfg(tmp / 'cache', max_steps=max_steps, eval_interval=2, checkpoint_interval=4,
+                   keep_checkpoints=1, save_best=save_best)
+    trainer = Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp / 'work'), resume=resume)
+    trainer.evaluate = lambda: trainer.metrics.log_eval(
+        trainer.step, dict(mIoU=scores[trainer.step], OA=0.5, mF1=0.5, per_class={}))
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def _checkpoints(tmp):
+    root = tmp / 'work' / 'checkpoints'
+    return sorted(n for n in os.listdir(root) if checkpoint.TAG_RE.match(n)), checkpoint.read_pointer(root, 'best')
+
+
+def test_the_best_checkpoint_outlives_keep_checkpoints_and_a_resume(tmp_path):
+    # Steps 2, 4, 6: the best (4) stays beside the newest (6) although keep_checkpoints=1.
+    summary = _run(tmp_path, 6, {2: 0.3, 4: 0.5, 6: 0.4})
+    assert _checkpoints(tmp_path) == (['step_00000004', 'step_00000006'], 'step_00000004')
+    assert (summary['best']['metric'], summary['best']['value'], summary['best']['step']) == ('mIoU', 0.5, 4)
+    # Resumed, 0.45 at step 8 is not a new best: the best score came back from the run's records
+    # (not lost with the process, which would have made 0.45 the best).
+    summary = _run(tmp_path, 8, {8: 0.45}, resume='auto')
+    assert _checkpoints(tmp_path) == (['step_00000004', 'step_00000008'], 'step_00000004')
+    assert summary['best']['step'] == 4
+    # A new best replaces it: the old best goes the way keep_checkpoints says.
+    summary = _run(tmp_path, 10, {10: 0.6}, resume='auto')
+    assert _checkpoints(tmp_path) == (['step_00000010'], 'step_00000010')
+    assert (summary['best']['value'], summary['best']['step']) == (0.6, 10)
+    # checkpoints/best is taken where a checkpoint is (predict, evaluate, export, --resume).
+    best = tmp_path / 'work' / 'checkpoints' / 'best'
+    assert checkpoint.find_checkpoint(str(best)) == str(tmp_path / 'work' / 'checkpoints' / 'step_00000010')
+    rows = [json.loads(line) for line in open(tmp_path / 'work' / 'eval.jsonl')]
+    assert [(r['step'], r['mIoU']) for r in rows] == [(2, 0.3), (4, 0.5), (6, 0.4), (8, 0.45), (10, 0.6)]
+    # Resumed without save_best: the best weights the work dir holds are not pruned away.
+    summary = _run(tmp_path, 14, {12: 0.1, 14: 0.2}, resume='auto', save_best=None)
+    assert _checkpoints(tmp_path) == (['step_00000010', 'step_00000014'], 'step_00000010')
+    assert summary['best'] is None
+
+
+@pytest.mark.parametrize('options, message', [
+    (dict(save_best='miou'), "train.save_best must be None or one of 'mIoU', 'mF1', 'OA', got 'miou'"),
+    (dict(save_best='mIoU', eval_interval=0), "train.save_best='mIoU' keeps the checkpoint of the best evaluation, "
+                                              "but this run evaluates nothing (train.eval_interval=0)"),
+])
+def test_save_best_without_a_metric_to_compare_is_one_line(tmp_path, options, message):
+    with pytest.raises(ConfigError) as info:
+        cfg = tiny_cfg(tmp_path / 'cache', max_steps=4, **options)
+        Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp_path / 'work'))
+    assert message in str(info.value) and '\n' not in str(info.value)
+    assert not (tmp_path / 'work').exists()
