@@ -67,6 +67,7 @@ def is_collective_failure(exc):
 
 # ---------------------------------------------------------------------------------- signals
 _early_signal = [None]
+_NEVER = 2 ** 62
 
 
 def catch_stop_signals():
@@ -107,8 +108,13 @@ class StopRequests:
     from the device there, once per check step, never in the steps between.
     """
 
-    def __init__(self):
+    def __init__(self, start_step=0):
         self.signal_name = _early_signal[0]   # one that came while the run was still starting
+        # Steps this rank had finished when its signal arrived: the stop line reports it, so that
+        # how many steps a stop took is read from the run, not guessed from the sender's clock.
+        self.steps_done = start_step
+        self.arrived_after = start_step if self.signal_name else None
+        self.agreed = None
         self._group = None
         if threading.current_thread() is threading.main_thread():
             for name in STOP_SIGNALS:
@@ -117,18 +123,31 @@ class StopRequests:
             self._group = dist.new_group(backend='gloo') if dist.get_backend() != 'gloo' else None
 
     def _on_signal(self, signum, frame):
+        if self.signal_name is None:
+            self.arrived_after = self.steps_done
         self.signal_name = signal.Signals(signum).name
 
     def agree(self, nonfinite_counts):
         """Collective. ``nonfinite_counts`` = (longest run of consecutive non-finite steps since the
         last check, current run) on this rank, as a device tensor. Returns ``(any rank signalled,
-        longest run, current run)``, the maximum over ranks: the same answer everywhere."""
+        longest run, current run)``, the maximum over ranks: the same answer everywhere. The
+        signal (the highest number, if ranks differ) and the earliest step it arrived after are
+        agreed too, so every rank's :meth:`describe` names them even if its own copy is late."""
         counts = nonfinite_counts.to('cpu', torch.int64)     # the one device read of a check step
-        flags = torch.cat([torch.tensor([self.signal_name is not None], dtype=torch.int64), counts])
+        signum = getattr(signal, self.signal_name) if self.signal_name else 0
+        earliest = -self.arrived_after if self.signal_name else -_NEVER   # max of -x: min of x
+        flags = torch.cat([torch.tensor([signum, earliest], dtype=torch.int64), counts])
         if dist.is_initialized() and distributed.world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        signalled, longest, current = flags.tolist()
-        return bool(signalled), int(longest), int(current)
+        signum, earliest, longest, current = flags.tolist()
+        if signum:
+            self.agreed = signal.Signals(signum).name, -earliest
+        return bool(signum), int(longest), int(current)
+
+    def describe(self):
+        """'SIGTERM (arrived after step 14)', once :meth:`agree` has found a signal."""
+        name, arrived_after = self.agreed
+        return f'{name} (arrived after step {arrived_after})'
 
 
 class Heartbeat:
@@ -245,20 +264,18 @@ class Faults:
             faults.close()
     """
 
-    def __init__(self):
+    def __init__(self, start_step=0):
         self.step_delay = planned_step_delay()  # a malformed DS_SEG_FAULT stops the run here
-        self.stop = StopRequests()
+        self.stop = StopRequests(start_step)
         self.heartbeat = Heartbeat()
 
-    def after_step(self):
+    def after_step(self, steps_done):
+        self.stop.steps_done = steps_done
         if self.step_delay:  # a planned slow node (tests)
             time.sleep(self.step_delay)
 
     def close(self):
         self.heartbeat.close()
-
-    def stop_reason(self):
-        return self.stop.signal_name or 'a signal received by another rank'
 
     def classify(self, exc, step, last_checkpoint):
         """``(exit_reason, exception to raise, one-line error or None)`` for an exception out of

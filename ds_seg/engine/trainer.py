@@ -221,7 +221,7 @@ class Trainer:
                     log_now = (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.max_steps
                     self.metrics.add_step(self.train_step(want_grad_norm=log_now))
                     self.step += 1
-                    faults.after_step()
+                    faults.after_step(self.step)
                     if log_now:
                         self.metrics.log_window(self.step)
                     evaluating, saving = self._evaluation_due(), self.checkpointer.due(self.step)
@@ -244,7 +244,7 @@ class Trainer:
                         self.checkpointer.save(self.step, self.step * self.spec.grad_accum + self.micro_step_offset,
                                                best_record=best)
                     if signalled:
-                        self._stop('preempted', f'on {faults.stop_reason()}: ' + (
+                        self._stop('preempted', f'on {faults.stop.describe()}: ' + (
                             'checkpoint saved; continue with --resume auto.' if current == 0
                             else 'no checkpoint (the loss was not finite).'))
                         break
@@ -276,7 +276,7 @@ class Trainer:
         self.backend.train()
         self.metrics.start_loop(self.step)
         self.profiler = self._profiler()
-        return Faults()
+        return Faults(self.step)
 
     def _end_loop(self, faults):
         # Dropping the loader's iterator stops its worker processes now. Left to interpreter exit,

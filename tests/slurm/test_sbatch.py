@@ -138,12 +138,15 @@ def test_reference_run_completes(runs):
 def test_signal_checkpoints_at_its_step_and_the_requeued_run_ends_as_the_reference(runs, name):
     run = runs[name]
     out = _output(run)
-    stops = re.findall(r'stopping at step (\d+) on (SIG\w+): checkpoint saved', out)
+    stops = re.findall(r'stopping at step (\d+) on (SIG\w+) \(arrived after step (\d+)\): checkpoint saved', out)
     assert stops, out[-4000:]
-    step, signal_name = int(stops[0][0]), stops[0][1]
+    step, signal_name, arrived = int(stops[0][0]), stops[0][1], int(stops[0][2])
     assert signal_name == run['signal'], out[-4000:]
-    if run['signalled_step'] is not None:  # the driver's signal: the step in progress when it arrived
-        assert run['signalled_step'] <= step <= run['signalled_step'] + 3, (run['signalled_step'], step)
+    # Every step is a check step here (log_interval=1, CPU): the run stops at the end of the step
+    # in progress when the signal arrived. How long Slurm took to deliver it is Slurm's business.
+    assert arrived <= step <= arrived + 1, (arrived, step)
+    if run['signalled_step'] is not None:  # the driver's signal: sent once this many steps were done
+        assert run['signalled_step'] <= arrived, (run['signalled_step'], arrived)
     else:                                  # Slurm's timed warning reached the ranks through the batch shell
         assert '[sbatch] received USR1' in out
     ckpt = os.path.join(run['work'], 'checkpoints', checkpoint.tag_for(step))
