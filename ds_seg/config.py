@@ -350,6 +350,31 @@ _REGISTRY_SECTIONS = {'model', 'loss', 'data.train', 'data.val'}
 
 DELETE_KEY = '_delete_'  # mmengine's marker: this dict replaces the default instead of merging into it
 
+# Where settings that mmsegmentation or plain PyTorch users look for in the config live in ds_seg:
+# the optimizer, its schedule, precision and batch size belong to the DeepSpeed JSON, so that
+# one file decides them for the engine that applies them.
+_DS_JSON = "in the DeepSpeed JSON (--deepspeed_config; copy one of ds_configs/ and edit it)"
+_SET_ELSEWHERE = {
+    **dict.fromkeys(('lr', 'learning_rate', 'weight_decay', 'betas', 'momentum', 'eps'),
+                    "the optimizer's {key} is set " + _DS_JSON + ": optimizer.params.{key}"),
+    **dict.fromkeys(('optimizer', 'optim_wrapper', 'optimizer_config'),
+                    "the optimizer is set " + _DS_JSON + ": its 'optimizer' block"),
+    **dict.fromkeys(('scheduler', 'param_scheduler', 'lr_config', 'lr_scheduler'),
+                    "the learning-rate schedule is set " + _DS_JSON + ": its 'scheduler' block"),
+    **dict.fromkeys(('fp16', 'bf16', 'amp', 'precision', 'mixed_precision'),
+                    "precision is set " + _DS_JSON + ": its 'fp16' or 'bf16' block (ds_configs/*_bf16.json)"),
+    **dict.fromkeys(('batch_size', 'samples_per_gpu', 'train_batch_size', 'train_micro_batch_size_per_gpu',
+                     'gradient_accumulation_steps', 'accumulative_counts'),
+                    "the batch is set " + _DS_JSON + ": train_micro_batch_size_per_gpu and "
+                    "gradient_accumulation_steps"),
+    **dict.fromkeys(('grad_clip', 'clip_grad', 'gradient_clipping'),
+                    "gradient clipping is set " + _DS_JSON + ": gradient_clipping"),
+    'zero_optimization': "ZeRO is set " + _DS_JSON + ": its 'zero_optimization' block",
+    **dict.fromkeys(('max_iters', 'total_steps', 'max_epochs'), "the run's length is train.max_steps"),
+    'val_interval': "the evaluation interval is train.eval_interval",
+    'train_cfg': "the loop's settings are in 'train' (train.max_steps, train.eval_interval...)",
+}
+
 
 def _without_delete(value):
     if isinstance(value, dict):
@@ -387,7 +412,9 @@ def _check_keys(cfg, defaults, source, prefix=''):
         if key not in defaults:
             close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.6)
             hint = f" Did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ''
-            if not prefix and source != '--cfg-options':
+            if key in _SET_ELSEWHERE:
+                hint = f" In ds_seg {_SET_ELSEWHERE[key].format(key=key)}."
+            elif not prefix and source != '--cfg-options':
                 hint += f" (A helper variable of the file: begin its name with '_', as in _{key} = ...)"
             raise ConfigError(f"{source}: unknown key {path!r}.{hint} "
                               f"Known keys here: {', '.join(prefix + k for k in defaults)}.")

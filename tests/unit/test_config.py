@@ -1,5 +1,6 @@
 """Experiment-config and DeepSpeed-JSON checks: every user mistake named before training."""
 import json
+import os
 
 import pytest
 
@@ -94,6 +95,26 @@ def test_delete_marker_replaces_the_default_section_as_in_mmengine(tmp_path):
 def test_bad_options_are_named(options, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, options)
+
+
+@pytest.mark.parametrize('options, message', [
+    (['optim.lr=0.1'], r"unknown key 'optim.lr'. In ds_seg the optimizer's lr is set in the DeepSpeed JSON "
+                       r"\(--deepspeed_config; .*\): optimizer.params.lr\."),
+    (["optim_wrapper=dict(type='OptimWrapper')"], r"unknown key 'optim_wrapper'.*the DeepSpeed JSON.*'optimizer' block"),
+    (['param_scheduler=[]'], r"'param_scheduler'.*the DeepSpeed JSON.*'scheduler' block"),
+    (['data.samples_per_gpu=4'], r"'data.samples_per_gpu'.*train_micro_batch_size_per_gpu and gradient_accumulation"),
+    (['fp16=True'], r"'fp16'.*precision is set in the DeepSpeed JSON"),
+    (['train.max_iters=80000'], r"'train.max_iters'. In ds_seg the run's length is train.max_steps\."),
+])
+def test_settings_of_the_deepspeed_json_are_pointed_there(options, message):
+    """mmsegmentation users look for the learning rate, schedule, batch and precision in the
+    config; ds_seg keeps them in the DeepSpeed JSON, and the refusal says where."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, options)
+    # the places named exist in a shipped JSON
+    ds = json.load(open(os.path.join(DS_CONFIGS_DIR, 'zero2.json')))
+    assert {'lr', 'weight_decay'} <= set(ds['optimizer']['params']) and 'scheduler' in ds
+    assert {'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps', 'gradient_clipping', 'fp16'} <= set(ds)
 
 
 def test_home_in_work_dir_and_load_from_is_expanded(tmp_path, monkeypatch):
