@@ -16,7 +16,7 @@ import sys
 import time
 
 NODES = ('n1', 'n2')
-CPUS_PER_NODE = 4      # claimed (SlurmdParameters=config_overrides): the test jobs all run at once
+CPUS_PER_NODE = 6      # claimed (SlurmdParameters=config_overrides): the test jobs all run at once
 SPOOL = '/var/spool/slurm-ds_seg'
 CONF_DIR = '/etc/slurm'
 PIDS = {'munged': '/run/munge/munged.pid', 'slurmctld': '/run/slurmctld-ds_seg.pid',

@@ -7,11 +7,13 @@ All jobs are submitted at once and driven together, so the whole module costs on
   (b)        train.sbatch, `scancel --signal=TERM --full` (every process, srun-free layout)
   (d)        train.sbatch, `scontrol requeue` of the running job (Slurm kills it after KillWait)
   (a)        train_multinode.sbatch on n1+n2, `--time=1 --signal=B:USR1@45` (the timed warning)
+  (b, d)     train_multinode.sbatch on n1+n2, as above
   (c)        train_multinode.sbatch on n1+n2, `scancel --signal=USR1 --full`
+  (e)        train_multinode.sbatch on n1+n2, `--time=1` with no warning: the end of the time limit
 A requeued job gets a begin time `cred_expire` ahead (10 s on the test cluster: see cluster.py);
-the driver gives (a) a longer limit for its second start and otherwise lets Slurm start it.
-Multi-node runs cannot checkpoint on a SIGTERM to the whole job: srun kills its step at once
-(see launch/slurm/train_multinode.sbatch), so (b) and (d) run on the one-node template only.
+the driver gives (a) and (e) a longer limit for their second start and otherwise lets Slurm start it.
+srun answers a SIGTERM by killing its step at once; the multi-node template keeps it out of the
+batch shell's process group (launch/slurm/train_multinode.sbatch), and (b) and (d) check that.
 """
 import json
 import os
@@ -36,6 +38,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 # steps outlast the warning by 20 s, while the other jobs, at full speed, stay short.
 MAX_STEPS = 160
 A_STEP_DELAY = 'slow@step:0.4'
+# (e) must still be running when its 1 minute is over (slurmctld notices 0 to 30 s later).
+E_STEP_DELAY = 'slow@step:0.8'
 SIGNAL_AT = 8          # steps done before the driver sends a signal
 DRIVE_TIMEOUT_S = 540
 SINGLE = ['launch/slurm/train.sbatch', '--nodes=1', '--ntasks-per-node=1', '--cpus-per-task=1']
@@ -44,9 +48,24 @@ CASES = {
     'reference': dict(submit=SINGLE, action=None, signal=None),
     'b_term_full': dict(submit=SINGLE, action=['scancel', '--signal=TERM', '--full'], signal='SIGTERM'),
     'd_requeue': dict(submit=SINGLE, action=['scontrol', 'requeue'], signal='SIGTERM'),
+    # srun in its own session (the template's setsid): the batch shell alone hears --full, and its
+    # trap asks srun for SIGUSR1 on every task; srun itself would have killed its step.
+    'b_term_full_multi': dict(submit=MULTI, action=['scancel', '--signal=TERM', '--full'], signal='SIGUSR1',
+                              shell_heard='TERM'),
+    # The tasks get SIGTERM from Slurm directly; the shell's trap adds a SIGUSR1 through srun, which
+    # may be the first to arrive on some rank (the stop line names the signal with the higher number
+    # any rank had by then).
+    'd_requeue_multi': dict(submit=MULTI, action=['scontrol', 'requeue'], signal=('SIGTERM', 'SIGUSR1')),
     'a_time_warning': dict(submit=MULTI + ['--time=1', '--signal=B:USR1@45'], action=None, signal='SIGUSR1',
-                           env={'DS_SEG_FAULT': A_STEP_DELAY}),
-    'c_usr1_full': dict(submit=MULTI, action=['scancel', '--signal=USR1', '--full'], signal='SIGUSR1'),
+                           env={'DS_SEG_FAULT': A_STEP_DELAY}, shell_heard='USR1', time_limit=True),
+    'c_usr1_full': dict(submit=MULTI, action=['scancel', '--signal=USR1', '--full'], signal='SIGUSR1',
+                        shell_heard='USR1'),
+    # The end of the time limit with no warning asked for: Slurm sends the tasks SIGTERM, refuses
+    # srun's kill of its step (the job has stopped running), and accepts the template's requeue.
+    # (The template's own USR1 warning, 300 s ahead, would come at once: it is replaced by SIGURG,
+    # which bash ignores.)
+    'e_time_limit_multi': dict(submit=MULTI + ['--time=1', '--signal=B:URG@1'], action=None,
+                               signal=('SIGTERM', 'SIGUSR1'), env={'DS_SEG_FAULT': E_STEP_DELAY}, time_limit=True),
 }
 TERMINAL = {'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL', 'OUT_OF_MEMORY', 'BOOT_FAIL', 'DEADLINE', 'PREEMPTED'}
 
@@ -74,16 +93,18 @@ def _submit(tmp, name, case):
     cache = os.path.join(tmp, 'cache')
     options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
                f'train.max_steps={MAX_STEPS}', 'train.eval_interval=0', f'train.checkpoint_interval={MAX_STEPS}',
-               'train.log_interval=1', 'data.num_workers=1']  # a worker per rank: signals reach it too
+               'train.log_interval=1', 'train.keep_checkpoints=0',  # every stop's checkpoint stays to be checked
+               'data.num_workers=1']  # a worker per rank: signals reach it too
     cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', '--time=10', '--job-name', name,
            f'--output={tmp}/{name}-%j.out', *sbatch_opts, script, *options]
     job_id = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
-    return dict(case, name=name, job=job_id.split(';')[0], work=work, out=f'{tmp}/{name}-{job_id}.out',
+    return dict(case, name=name, job=job_id.split(';')[0], work=work, outs=[f'{tmp}/{name}-{job_id}.out'],
                 signalled_step=None, signal_time=None, restarts=0)
 
 
 def _output(run):
-    return open(run['out']).read() if os.path.exists(run['out']) else '(no output file)'
+    """The output of the run's jobs (a resubmission's after the first's)."""
+    return ''.join(open(out).read() if os.path.exists(out) else '(no output file)' for out in run['outs'])
 
 
 @pytest.fixture(scope='module')
@@ -106,7 +127,7 @@ def runs(slurm_cluster, tmp_path_factory):
                 continue
             pending += 1
             if state == 'PENDING' and info.get('Reason') == 'BeginTime':   # requeued, waiting cred_expire
-                if run['name'] == 'a_time_warning' and info.get('TimeLimit') != '00:10:00':
+                if run.get('time_limit') and info.get('TimeLimit') != '00:10:00':   # (a), (e): one stop each
                     subprocess.run(['scontrol', 'update', f"JobId={run['job']}", 'TimeLimit=10'], check=True)
             elif state == 'RUNNING' and run['action'] and run['signalled_step'] is None:
                 done = _steps(run['work'])
@@ -141,24 +162,30 @@ def test_signal_checkpoints_at_its_step_and_the_requeued_run_ends_as_the_referen
     stops = re.findall(r'stopping at step (\d+) on (SIG\w+) \(arrived after step (\d+)\): checkpoint saved', out)
     assert stops, out[-4000:]
     step, signal_name, arrived = int(stops[0][0]), stops[0][1], int(stops[0][2])
-    assert signal_name == run['signal'], out[-4000:]
+    assert signal_name in ((run['signal'],) if isinstance(run['signal'], str) else run['signal']), out[-4000:]
+    if run.get('shell_heard'):
+        assert f"[sbatch] received {run['shell_heard']}" in out, out[-4000:]
+        assert 'forcing job termination' not in out, out[-4000:]
     # Every step is a check step here (log_interval=1, CPU): the run stops at the end of the step
     # in progress when the signal arrived. How long Slurm took to deliver it is Slurm's business.
     assert arrived <= step <= arrived + 1, (arrived, step)
     if run['signalled_step'] is not None:  # the driver's signal: sent once this many steps were done
         assert run['signalled_step'] <= arrived, (run['signalled_step'], arrived)
-    else:                                  # Slurm's timed warning reached the ranks through the batch shell
-        assert '[sbatch] received USR1' in out
+    for stop in stops:
+        tag = checkpoint.tag_for(int(stop[0]))
+        assert os.path.isfile(os.path.join(run['work'], 'checkpoints', tag, checkpoint.COMPLETE)), out[-3000:]
+        assert f'resumed from {run["work"]}/checkpoints/{tag} at step {int(stop[0])}' in out, out[-3000:]
     ckpt = os.path.join(run['work'], 'checkpoints', checkpoint.tag_for(step))
-    assert os.path.isfile(os.path.join(ckpt, checkpoint.COMPLETE)), out[-3000:]
-    if run['signal_time'] is not None and signal_name == 'SIGTERM':  # complete well within KillWait (30 s)
+    sent_term = 'SIGTERM' in (signal_name, 'SIG' + run.get('shell_heard', ''))
+    if run['signal_time'] is not None and sent_term:  # complete well within KillWait (30 s)
         assert os.path.getmtime(os.path.join(ckpt, checkpoint.COMPLETE)) - run['signal_time'] < 30
-    assert f'resumed from {run["work"]}/checkpoints/{checkpoint.tag_for(step)} at step {step}' in out, out[-3000:]
     assert 'exit 75, not a failure' in out
     assert 'Traceback' not in out and 'ChildFailedError' not in out and 'DataLoader worker' not in out, out[-4000:]
     summary = json.load(open(os.path.join(run['work'], 'summary.json')))
     assert summary['exit_reason'] == 'completed' and summary['steps'] == MAX_STEPS
     assert int(_job(run['job']).get('Restarts', 0)) >= 1
+    if name == 'e_time_limit_multi':
+        assert 'DUE TO TIME LIMIT' in out, out[-4000:]
     ref, got = _weights(runs['reference']['work']), _weights(run['work'])
     assert ref.keys() == got.keys()
     for key in ref:
