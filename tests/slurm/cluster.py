@@ -1,9 +1,9 @@
 """A real Slurm cluster on this machine for the sbatch-template tests (shared/notes/slurm.md).
 
-Debian's slurm-wlm and munge: one controller and two node daemons (``slurmd -N n1``,
-``slurmd -N n2``) on this host, so the multi-node template runs over two Slurm nodes. Needs root
-(CI runs as root). ``start()`` returns a :class:`Cluster` that stops only the daemons it started;
-a cluster that already answers is used as it is and left running.
+Debian's slurm-wlm and munge: one controller and four node daemons (``slurmd -N n1`` ... ``n4``)
+on this host, so the multi-node template runs over two Slurm nodes, and preemption has nodes of
+its own. Needs root (CI runs as root). ``start()`` returns a :class:`Cluster` that stops only the
+daemons it started; a cluster that already answers is used as it is and left running.
 
     python -m tests.slurm.cluster start | stop     # by hand, for debugging a template
 """
@@ -15,7 +15,12 @@ import subprocess
 import sys
 import time
 
-NODES = ('n1', 'n2')
+NODES = ('n1', 'n2', 'n3', 'n4')
+# n1, n2: partition 'debug', whose jobs are never preempted. n3, n4: partition 'preemptible', whose
+# jobs a job of partition 'urgent' (higher PriorityTier, same nodes) preempts: SIGTERM to the job
+# steps' tasks, GRACE_TIME_S to stop, then Slurm's kill sequence (SIGTERM, KillWait, SIGKILL) and
+# a requeue.
+GRACE_TIME_S = 10
 CPUS_PER_NODE = 6      # claimed (SlurmdParameters=config_overrides): the test jobs all run at once
 SPOOL = '/var/spool/slurm-ds_seg'
 CONF_DIR = '/etc/slurm'
@@ -62,7 +67,11 @@ MpiDefault=none
 KillWait=30
 MinJobAge=600
 {nodes}
-PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP PreemptMode=OFF
+PartitionName=preemptible Nodes=n3,n4 MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_TIME_S}
+PartitionName=urgent Nodes=n3,n4 MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 
 
@@ -113,7 +122,7 @@ class Cluster:
 
 
 def start(timeout=60):
-    """Start (or reuse) the two-node cluster; raises :class:`SlurmUnavailable` with the reason."""
+    """Start (or reuse) the test cluster; raises :class:`SlurmUnavailable` with the reason."""
     if answers():
         return Cluster([])
     missing = [b for b in ('slurmctld', 'slurmd', 'sbatch', 'munged') if not shutil.which(b)

@@ -7,7 +7,7 @@ from tests.slurm.cluster import SlurmUnavailable, start
 
 @pytest.fixture(scope='session')
 def slurm_cluster():
-    """A real two-node Slurm on this machine; skipped with the reason where it cannot start,
+    """A real Slurm (four nodes) on this machine; skipped with the reason where it cannot start,
     except in CI (CI=true), where .ci/run installs it and these tests must run."""
     try:
         cluster = start()

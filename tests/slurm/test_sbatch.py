@@ -10,6 +10,7 @@ All jobs are submitted at once and driven together, so the whole module costs on
   (b, d)     train_multinode.sbatch on n1+n2, as above
   (c)        train_multinode.sbatch on n1+n2, `scancel --signal=USR1 --full`
   (e)        train_multinode.sbatch on n1+n2, `--time=1` with no warning: the end of the time limit
+  (f)        both templates on n3+n4, preempted (with a grace time) by a job of a higher-tier partition
 A requeued job gets a begin time `cred_expire` ahead (10 s on the test cluster: see cluster.py);
 the driver gives (a) and (e) a longer limit for their second start and otherwise lets Slurm start it.
 srun answers a SIGTERM by killing its step at once; the multi-node template keeps it out of the
@@ -66,7 +67,17 @@ CASES = {
     # which bash ignores.)
     'e_time_limit_multi': dict(submit=MULTI + ['--time=1', '--signal=B:URG@1'], action=None,
                                signal=('SIGTERM', 'SIGUSR1'), env={'DS_SEG_FAULT': E_STEP_DELAY}, time_limit=True),
+    # Preemption (cluster.py: partition 'urgent' preempts 'preemptible', GraceTime 10 s, requeue).
+    # Slurm sends SIGTERM to the job steps' tasks when the grace time starts, and the kill sequence
+    # to every process when it ends: the multi-node template's tasks stop at once, the one-node
+    # template (no job step) at the end of the grace time. Both paced, so as not to finish first.
+    'f_preempt': dict(submit=SINGLE, partition='preemptible', action='preempt', signal='SIGTERM',
+                      env={'DS_SEG_FAULT': A_STEP_DELAY}),
+    'f_preempt_multi': dict(submit=MULTI, partition='preemptible', action='preempt', signal='SIGTERM',
+                            env={'DS_SEG_FAULT': A_STEP_DELAY}),
 }
+URGENT = ['sbatch', '--parsable', '--partition=urgent', '--nodes=2', '--exclusive', '--time=1', '--job-name=urgent',
+          '--output=/dev/null', '--wrap', 'sleep 5']
 TERMINAL = {'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL', 'OUT_OF_MEMORY', 'BOOT_FAIL', 'DEADLINE', 'PREEMPTED'}
 
 
@@ -95,7 +106,7 @@ def _submit(tmp, name, case):
                f'train.max_steps={MAX_STEPS}', 'train.eval_interval=0', f'train.checkpoint_interval={MAX_STEPS}',
                'train.log_interval=1', 'train.keep_checkpoints=0',  # every stop's checkpoint stays to be checked
                'data.num_workers=1']  # a worker per rank: signals reach it too
-    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', '--time=10', '--job-name', name,
+    cmd = ['sbatch', '--parsable', f"--partition={case.get('partition', 'debug')}", '--gpus-per-node=0', '--time=10', '--job-name', name,
            f'--output={tmp}/{name}-%j.out', *sbatch_opts, script, *options]
     job_id = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
     return dict(case, name=name, job=job_id.split(';')[0], work=work, outs=[f'{tmp}/{name}-{job_id}.out'],
@@ -115,6 +126,7 @@ def runs(slurm_cluster, tmp_path_factory):
         json.dump(ds_config(2, micro_batch=2), f)  # ZeRO-2, fp32, torch Adam: no JIT build
     runs = {name: _submit(tmp, name, case) for name, case in CASES.items()}
     deadline = time.time() + DRIVE_TIMEOUT_S
+    urgent = []   # the job that preempts the 'preempt' cases, once they are under way
     while True:
         pending = 0
         for run in runs.values():
@@ -129,11 +141,17 @@ def runs(slurm_cluster, tmp_path_factory):
             if state == 'PENDING' and info.get('Reason') == 'BeginTime':   # requeued, waiting cred_expire
                 if run.get('time_limit') and info.get('TimeLimit') != '00:10:00':   # (a), (e): one stop each
                     subprocess.run(['scontrol', 'update', f"JobId={run['job']}", 'TimeLimit=10'], check=True)
-            elif state == 'RUNNING' and run['action'] and run['signalled_step'] is None:
+            elif state == 'RUNNING' and isinstance(run['action'], list) and run['signalled_step'] is None:
                 done = _steps(run['work'])
                 if done >= SIGNAL_AT:
                     run['signalled_step'], run['signal_time'] = done, time.time()
                     subprocess.run(run['action'] + [run['job']], check=True)
+        victims = [r for r in runs.values() if r['action'] == 'preempt']
+        if not urgent and all(_job(r['job']).get('JobState') == 'RUNNING' and _steps(r['work']) >= SIGNAL_AT
+                              for r in victims):
+            for r in victims:  # (no signal_time: the one-node template is signalled a grace time later)
+                r['signalled_step'] = _steps(r['work'])
+            urgent.append(subprocess.run(URGENT, check=True, capture_output=True, text=True).stdout.strip())
         if not pending:
             break
         if time.time() > deadline:
