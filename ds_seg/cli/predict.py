@@ -129,8 +129,10 @@ def normalisation(args, info, fallback=None):
     channels = (info.get('model') or {}).get('in_channels')
     for name, given, values in (('--mean', args.mean, mean), ('--std', args.std, std)):
         if given and channels and len(values) != channels:
+            pick = (f" (for a scene with more bands, pick the model's {channels} with --bands, "
+                    f"e.g. --bands {' '.join(str(b) for b in range(1, channels + 1))})" if len(values) > channels else '')
             raise ConfigError(f"{name} has {len(values)} value(s) but the model takes {channels} band(s); "
-                              f"give one {name[2:]} per band")
+                              f"give one {name[2:]} per band{pick}")
     if len(mean) != len(std):
         raise ConfigError(f"--mean has {len(mean)} value(s) but --std {len(std)}; give one of each per band")
     return [float(v) for v in mean], [float(v) for v in std], bands
