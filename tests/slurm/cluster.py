@@ -21,7 +21,7 @@ NODES = ('n1', 'n2', 'n3', 'n4')
 # steps' tasks, GRACE_TIME_S to stop, then Slurm's kill sequence (SIGTERM, KillWait, SIGKILL) and
 # a requeue.
 GRACE_TIME_S = 10
-CPUS_PER_NODE = 6      # claimed (SlurmdParameters=config_overrides): the test jobs all run at once
+CPUS_PER_NODE = 8      # claimed (SlurmdParameters=config_overrides): the test jobs all run at once
 SPOOL = '/var/spool/slurm-ds_seg'
 CONF_DIR = '/etc/slurm'
 PIDS = {'munged': '/run/munge/munged.pid', 'slurmctld': '/run/slurmctld-ds_seg.pid',

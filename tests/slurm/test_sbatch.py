@@ -4,11 +4,11 @@ requeue) to the same final weights as an uninterrupted run.
 
 All jobs are submitted at once and driven together, so the whole module costs one run's time:
   reference  train.sbatch, not interrupted
-  (b)        train.sbatch, `scancel --signal=TERM --full` (every process, srun-free layout)
-  (d)        train.sbatch, `scontrol requeue` of the running job (Slurm kills it after KillWait)
-  (a)        train_multinode.sbatch on n1+n2, `--time=1 --signal=B:USR1@45` (the timed warning)
-  (b, d)     train_multinode.sbatch on n1+n2, as above
-  (c)        train_multinode.sbatch on n1+n2, `scancel --signal=USR1 --full`
+  (a)        `--time=1 --signal=B:USR1@45` (the timed warning, to the batch shell)
+  (b)        `scancel --signal=TERM --full` (the batch shell's process group)
+  (c)        `scancel --signal=USR1 --full`
+  (d)        `scontrol requeue` of the running job (Slurm kills it after KillWait)
+  each with train.sbatch (one node, no srun) and train_multinode.sbatch (srun, on n1+n2);
   (e)        train_multinode.sbatch on n1+n2, `--time=1` with no warning: the end of the time limit
   (f)        both templates on n3+n4, preempted (with a grace time) by a job of a higher-tier partition
 A requeued job gets a begin time `cred_expire` ahead (10 s on the test cluster: see cluster.py);
@@ -45,22 +45,28 @@ SIGNAL_AT = 8          # steps done before the driver sends a signal
 DRIVE_TIMEOUT_S = 540
 SINGLE = ['launch/slurm/train.sbatch', '--nodes=1', '--ntasks-per-node=1', '--cpus-per-task=1']
 MULTI = ['launch/slurm/train_multinode.sbatch', '--nodes=2', '--ntasks-per-node=1', '--cpus-per-task=1']
+WARNING = ['--time=1', '--signal=B:USR1@45']
 CASES = {
     'reference': dict(submit=SINGLE, action=None, signal=None),
+    # One node, no srun: the ranks are in the batch shell's process group.
+    'a_time_warning': dict(submit=SINGLE + WARNING, action=None, signal='SIGUSR1', shell_heard='USR1',
+                           env={'DS_SEG_FAULT': A_STEP_DELAY}, time_limit=True),
     'b_term_full': dict(submit=SINGLE, action=['scancel', '--signal=TERM', '--full'], signal='SIGTERM'),
+    'c_usr1_full': dict(submit=SINGLE, action=['scancel', '--signal=USR1', '--full'], signal='SIGUSR1',
+                        shell_heard='USR1'),
     'd_requeue': dict(submit=SINGLE, action=['scontrol', 'requeue'], signal='SIGTERM'),
-    # srun in its own session (the template's setsid): the batch shell alone hears --full, and its
-    # trap asks srun for SIGUSR1 on every task; srun itself would have killed its step.
+    # srun in its own session (the template's setsid): the batch shell alone hears the warning and
+    # --full, and its trap asks srun for SIGUSR1 on every task; srun itself would kill its step.
+    'a_time_warning_multi': dict(submit=MULTI + WARNING, action=None, signal='SIGUSR1', shell_heard='USR1',
+                                 env={'DS_SEG_FAULT': A_STEP_DELAY}, time_limit=True),
     'b_term_full_multi': dict(submit=MULTI, action=['scancel', '--signal=TERM', '--full'], signal='SIGUSR1',
                               shell_heard='TERM'),
+    'c_usr1_full_multi': dict(submit=MULTI, action=['scancel', '--signal=USR1', '--full'], signal='SIGUSR1',
+                              shell_heard='USR1'),
     # The tasks get SIGTERM from Slurm directly; the shell's trap adds a SIGUSR1 through srun, which
     # may be the first to arrive on some rank (the stop line names the signal with the higher number
     # any rank had by then).
     'd_requeue_multi': dict(submit=MULTI, action=['scontrol', 'requeue'], signal=('SIGTERM', 'SIGUSR1')),
-    'a_time_warning': dict(submit=MULTI + ['--time=1', '--signal=B:USR1@45'], action=None, signal='SIGUSR1',
-                           env={'DS_SEG_FAULT': A_STEP_DELAY}, shell_heard='USR1', time_limit=True),
-    'c_usr1_full': dict(submit=MULTI, action=['scancel', '--signal=USR1', '--full'], signal='SIGUSR1',
-                        shell_heard='USR1'),
     # The end of the time limit with no warning asked for: Slurm sends the tasks SIGTERM, refuses
     # srun's kill of its step (the job has stopped running), and accepts the template's requeue.
     # (The template's own USR1 warning, 300 s ahead, would come at once: it is replaced by SIGURG,
@@ -106,7 +112,8 @@ def _submit(tmp, name, case):
                f'train.max_steps={MAX_STEPS}', 'train.eval_interval=0', f'train.checkpoint_interval={MAX_STEPS}',
                'train.log_interval=1', 'train.keep_checkpoints=0',  # every stop's checkpoint stays to be checked
                'data.num_workers=1']  # a worker per rank: signals reach it too
-    cmd = ['sbatch', '--parsable', f"--partition={case.get('partition', 'debug')}", '--gpus-per-node=0', '--time=10', '--job-name', name,
+    cmd = ['sbatch', '--parsable', f"--partition={case.get('partition', 'debug')}", '--gpus-per-node=0',
+           '--time=10', '--job-name', name,
            f'--output={tmp}/{name}-%j.out', *sbatch_opts, script, *options]
     job_id = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
     return dict(case, name=name, job=job_id.split(';')[0], work=work, outs=[f'{tmp}/{name}-{job_id}.out'],
