@@ -36,7 +36,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 # With `--time=1 --signal=B:USR1@45`, slurmctld (checking limits every 30 s) signals 15 to 45 s
 # after the start; unpaced, 120 steps were once done before it came (the run completed, nothing to
 # test). So (a) runs as a slow node, 0.4 s per step (DS_SEG_FAULT, ds_seg.engine.faults): 160
-# steps outlast the warning by 20 s, while the other jobs, at full speed, stay short.
+# steps outlast the warning by 20 s, while the other jobs, at full speed, stay short. Paced cases
+# are slow on their first start only (SLURM_RESTART_COUNT=0): the requeued start runs at full speed.
 MAX_STEPS = 160
 A_STEP_DELAY = 'slow@step:0.4'
 # (e) must still be running when its 1 minute is over (slurmctld notices 0 to 30 s later).
@@ -50,7 +51,7 @@ CASES = {
     'reference': dict(submit=SINGLE, action=None, signal=None),
     # One node, no srun: the ranks are in the batch shell's process group.
     'a_time_warning': dict(submit=SINGLE + WARNING, action=None, signal='SIGUSR1', shell_heard='USR1',
-                           env={'DS_SEG_FAULT': A_STEP_DELAY}, time_limit=True),
+                           pace=A_STEP_DELAY, time_limit=True),
     'b_term_full': dict(submit=SINGLE, action=['scancel', '--signal=TERM', '--full'], signal='SIGTERM'),
     'c_usr1_full': dict(submit=SINGLE, action=['scancel', '--signal=USR1', '--full'], signal='SIGUSR1',
                         shell_heard='USR1'),
@@ -58,7 +59,7 @@ CASES = {
     # srun in its own session (the template's setsid): the batch shell alone hears the warning and
     # --full, and its trap asks srun for SIGUSR1 on every task; srun itself would kill its step.
     'a_time_warning_multi': dict(submit=MULTI + WARNING, action=None, signal='SIGUSR1', shell_heard='USR1',
-                                 env={'DS_SEG_FAULT': A_STEP_DELAY}, time_limit=True),
+                                 pace=A_STEP_DELAY, time_limit=True),
     'b_term_full_multi': dict(submit=MULTI, action=['scancel', '--signal=TERM', '--full'], signal='SIGUSR1',
                               shell_heard='TERM'),
     'c_usr1_full_multi': dict(submit=MULTI, action=['scancel', '--signal=USR1', '--full'], signal='SIGUSR1',
@@ -72,15 +73,15 @@ CASES = {
     # (The template's own USR1 warning, 300 s ahead, would come at once: it is replaced by SIGURG,
     # which bash ignores.)
     'e_time_limit_multi': dict(submit=MULTI + ['--time=1', '--signal=B:URG@1'], action=None,
-                               signal=('SIGTERM', 'SIGUSR1'), env={'DS_SEG_FAULT': E_STEP_DELAY}, time_limit=True),
+                               signal=('SIGTERM', 'SIGUSR1'), pace=E_STEP_DELAY, time_limit=True),
     # Preemption (cluster.py: partition 'urgent' preempts 'preemptible', GraceTime 10 s, requeue).
     # Slurm sends SIGTERM to the job steps' tasks when the grace time starts, and the kill sequence
     # to every process when it ends: the multi-node template's tasks stop at once, the one-node
     # template (no job step) at the end of the grace time. Both paced, so as not to finish first.
     'f_preempt': dict(submit=SINGLE, partition='preemptible', action='preempt', signal='SIGTERM',
-                      env={'DS_SEG_FAULT': A_STEP_DELAY}),
+                      pace=A_STEP_DELAY),
     'f_preempt_multi': dict(submit=MULTI, partition='preemptible', action='preempt', signal='SIGTERM',
-                            env={'DS_SEG_FAULT': A_STEP_DELAY}),
+                            pace=A_STEP_DELAY),
 }
 URGENT = ['sbatch', '--parsable', '--partition=urgent', '--nodes=2', '--exclusive', '--time=1', '--job-name=urgent',
           '--output=/dev/null', '--wrap', 'sleep 5']
@@ -105,8 +106,15 @@ def _submit(tmp, name, case):
     work = os.path.join(tmp, name)
     ds_path = os.path.join(tmp, 'ds.json')
     script, *sbatch_opts = case['submit']
-    env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', PYTHON=sys.executable,
-               NPROC_PER_NODE='2', WORK_DIR=work, DS_CONFIG=ds_path, CONFIG=TINY_CONFIG, **case.get('env', {}))
+    python = sys.executable
+    if case.get('pace'):   # slow until the signal, then at full speed: the module lasts less
+        python = os.path.join(tmp, f'python-{name}')
+        with open(python, 'w') as f:
+            f.write(f'#!/bin/sh\n[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && export DS_SEG_FAULT={case["pace"]}\n'
+                    f'exec {sys.executable} "$@"\n')
+        os.chmod(python, 0o755)
+    env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', PYTHON=python,
+               NPROC_PER_NODE='2', WORK_DIR=work, DS_CONFIG=ds_path, CONFIG=TINY_CONFIG)
     cache = os.path.join(tmp, 'cache')
     options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
                f'train.max_steps={MAX_STEPS}', 'train.eval_interval=0', f'train.checkpoint_interval={MAX_STEPS}',
