@@ -125,7 +125,7 @@ def _submit(tmp, name, case):
            f'--output={tmp}/{name}-%j.out', *sbatch_opts, script, *options]
     job_id = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
     return dict(case, name=name, job=job_id.split(';')[0], work=work, outs=[f'{tmp}/{name}-{job_id}.out'],
-                signalled_step=None, signal_time=None, restarts=0)
+                signalled_step=None, signal_time=None)
 
 
 def _output(run):

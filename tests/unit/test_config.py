@@ -97,6 +97,14 @@ def test_bad_options_are_named(options, message):
         load_config(None, options)
 
 
+def test_an_mmseg_optimizer_block_in_a_config_file_is_pointed_to_the_deepspeed_json(tmp_path):
+    """The same in a config file, where a bare unknown key is otherwise taken for a helper variable."""
+    (tmp_path / 'mmseg_style.py').write_text("optimizer = dict(type='AdamW', lr=6e-5)\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'optimizer'. In ds_seg the optimizer is set in the DeepSpeed "
+                                          r"JSON .*: its 'optimizer' block\. Known keys"):
+        load_config(str(tmp_path / 'mmseg_style.py'))
+
+
 @pytest.mark.parametrize('options, message', [
     (['optim.lr=0.1'], r"unknown key 'optim.lr'. In ds_seg the optimizer's lr is set in the DeepSpeed JSON "
                        r"\(--deepspeed_config; .*\): optimizer.params.lr\."),
