@@ -14,5 +14,6 @@ if __name__ == '__main__':
         signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
     from ds_seg.cli.train import main
     from ds_seg.engine import faults
-    faults._early_signal[0] = faults._early_signal[0] or (_early[0] if _early else None)
+    faults.catch_stop_signals()   # before reading _early: a signal in between is kept, not lost
+    faults._early_signal[0] = _early[0] if _early else faults._early_signal[0]
     sys.exit(main())

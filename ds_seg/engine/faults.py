@@ -68,6 +68,7 @@ def is_collective_failure(exc):
 # ---------------------------------------------------------------------------------- signals
 _early_signal = [None]
 _NEVER = 2 ** 62
+_SIGNUMS = 128       # above every signal number: (step, signal) packed into one integer
 
 
 def catch_stop_signals():
@@ -119,30 +120,36 @@ class StopRequests:
         if threading.current_thread() is threading.main_thread():
             for name in STOP_SIGNALS:
                 signal.signal(getattr(signal, name), self._on_signal)
+        if self.signal_name is None and _early_signal[0]:   # one that came as the handlers changed
+            self.signal_name, self.arrived_after = _early_signal[0], start_step
         if dist.is_initialized() and distributed.world_size() > 1:
             self._group = dist.new_group(backend='gloo') if dist.get_backend() != 'gloo' else None
 
     def _on_signal(self, signum, frame):
+        # The first signal is the reason for the stop; a later one (Slurm's SIGTERM at the time
+        # limit after its USR1 warning, both before a slow first step) only repeats the request.
         if self.signal_name is None:
             self.arrived_after = self.steps_done
-        self.signal_name = signal.Signals(signum).name
+            self.signal_name = signal.Signals(signum).name
 
     def agree(self, nonfinite_counts):
         """Collective. ``nonfinite_counts`` = (longest run of consecutive non-finite steps since the
         last check, current run) on this rank, as a device tensor. Returns ``(any rank signalled,
         longest run, current run)``, the maximum over ranks: the same answer everywhere. The
-        signal (the highest number, if ranks differ) and the earliest step it arrived after are
-        agreed too, so every rank's :meth:`describe` names them even if its own copy is late."""
+        signal that arrived first (after the fewest steps; the higher number on a tie) is agreed
+        too, so every rank's :meth:`describe` names it even if its own copy is late or differs."""
         counts = nonfinite_counts.to('cpu', torch.int64)     # the one device read of a check step
-        signum = getattr(signal, self.signal_name) if self.signal_name else 0
-        earliest = -self.arrived_after if self.signal_name else -_NEVER   # max of -x: min of x
-        flags = torch.cat([torch.tensor([signum, earliest], dtype=torch.int64), counts])
+        # One number whose maximum is the earliest arrival, then the higher signal number.
+        first = (-self.arrived_after * _SIGNUMS + getattr(signal, self.signal_name)) if self.signal_name else -_NEVER
+        flags = torch.cat([torch.tensor([first], dtype=torch.int64), counts])
         if dist.is_initialized() and distributed.world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        signum, earliest, longest, current = flags.tolist()
-        if signum:
-            self.agreed = signal.Signals(signum).name, -earliest
-        return bool(signum), int(longest), int(current)
+        first, longest, current = flags.tolist()
+        signalled = first != -_NEVER
+        if signalled:   # -a*K + s, 0 < s < K: Python's % gives s back, then a
+            signum = first % _SIGNUMS
+            self.agreed = signal.Signals(signum).name, (signum - first) // _SIGNUMS
+        return signalled, int(longest), int(current)
 
     def describe(self):
         """'SIGTERM (arrived after step 14)', once :meth:`agree` has found a signal."""

@@ -4,7 +4,7 @@ requeue) to the same final weights as an uninterrupted run.
 
 All jobs are submitted at once and driven together, so the whole module costs one run's time:
   reference  train.sbatch, not interrupted
-  (a)        `--time=1 --signal=B:USR1@45` (the timed warning, to the batch shell)
+  (a)        `--time=2 --signal=B:USR1@45` (the timed warning, to the batch shell)
   (b)        `scancel --signal=TERM --full` (the batch shell's process group)
   (c)        `scancel --signal=USR1 --full`
   (d)        `scontrol requeue` of the running job (Slurm kills it after KillWait)
@@ -33,20 +33,26 @@ from tests.tiny import TINY_CONFIG, ds_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-# With `--time=1 --signal=B:USR1@45`, slurmctld (checking limits every 30 s) signals 15 to 45 s
-# after the start; unpaced, 120 steps were once done before it came (the run completed, nothing to
-# test). So (a) runs as a slow node, 0.4 s per step (DS_SEG_FAULT, ds_seg.engine.faults): 160
-# steps outlast the warning by 20 s, while the other jobs, at full speed, stay short. Paced cases
-# are slow on their first start only (SLURM_RESTART_COUNT=0): the requeued start runs at full speed.
+# slurmctld checks limits every 30 s (job_time_limit) and sends the warning at the first check
+# where now + warning + 30 >= the end: with `--time=2 --signal=B:USR1@45`, 45 to 75 s after the
+# start, and the time limit's SIGTERM 120 to 150 s after it. (With --time=1 the warning came at the
+# first check, 0 to 30 s in: on a loaded machine while slurmd was still starting the batch shell,
+# where Slurm drops a signal; and twelve jobs starting at once once took 88 s to their first step,
+# the time limit's SIGTERM arriving with the warning.) Unpaced, 120 steps were once done before the
+# warning came (the run completed, nothing to test). So (a) runs as a slow node, 0.6 s per step
+# (DS_SEG_FAULT, ds_seg.engine.faults): 160 steps outlast the warning, while the other jobs, at
+# full speed, stay short. Paced cases are slow on their first start only (SLURM_RESTART_COUNT=0):
+# the requeued start runs at full speed.
 MAX_STEPS = 160
-A_STEP_DELAY = 'slow@step:0.4'
+A_STEP_DELAY = 'slow@step:0.6'
+F_STEP_DELAY = 'slow@step:0.4'
 # (e) must still be running when its 1 minute is over (slurmctld notices 0 to 30 s later).
 E_STEP_DELAY = 'slow@step:0.8'
 SIGNAL_AT = 8          # steps done before the driver sends a signal
 DRIVE_TIMEOUT_S = 540
 SINGLE = ['launch/slurm/train.sbatch', '--nodes=1', '--ntasks-per-node=1', '--cpus-per-task=1']
 MULTI = ['launch/slurm/train_multinode.sbatch', '--nodes=2', '--ntasks-per-node=1', '--cpus-per-task=1']
-WARNING = ['--time=1', '--signal=B:USR1@45']
+WARNING = ['--time=2', '--signal=B:USR1@45']
 CASES = {
     'reference': dict(submit=SINGLE, action=None, signal=None),
     # One node, no srun: the ranks are in the batch shell's process group.
@@ -65,8 +71,8 @@ CASES = {
     'c_usr1_full_multi': dict(submit=MULTI, action=['scancel', '--signal=USR1', '--full'], signal='SIGUSR1',
                               shell_heard='USR1'),
     # The tasks get SIGTERM from Slurm directly; the shell's trap adds a SIGUSR1 through srun, which
-    # may be the first to arrive on some rank (the stop line names the signal with the higher number
-    # any rank had by then).
+    # may be the first to arrive on some rank (the stop line names the signal that arrived first,
+    # the higher number on a tie).
     'd_requeue_multi': dict(submit=MULTI, action=['scontrol', 'requeue'], signal=('SIGTERM', 'SIGUSR1')),
     # The end of the time limit with no warning asked for: Slurm sends the tasks SIGTERM, refuses
     # srun's kill of its step (the job has stopped running), and accepts the template's requeue.
@@ -79,9 +85,9 @@ CASES = {
     # to every process when it ends: the multi-node template's tasks stop at once, the one-node
     # template (no job step) at the end of the grace time. Both paced, so as not to finish first.
     'f_preempt': dict(submit=SINGLE, partition='preemptible', action='preempt', signal='SIGTERM',
-                      pace=A_STEP_DELAY),
+                      pace=F_STEP_DELAY),
     'f_preempt_multi': dict(submit=MULTI, partition='preemptible', action='preempt', signal='SIGTERM',
-                            pace=A_STEP_DELAY),
+                            pace=F_STEP_DELAY),
 }
 URGENT = ['sbatch', '--parsable', '--partition=urgent', '--nodes=2', '--exclusive', '--time=1', '--job-name=urgent',
           '--output=/dev/null', '--wrap', 'sleep 5']

@@ -1,0 +1,92 @@
+"""The ranks' agreement on a stop signal (ds_seg.engine.faults.StopRequests): which signal the
+stop line names, and the step it arrived after, when a rank gets two signals or ranks get
+different ones. Real signals to real processes; the two-rank cases run a real gloo all-reduce."""
+import os
+import signal
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ds_seg.engine import faults
+
+NO_NONFINITE = torch.zeros(2, dtype=torch.int64)
+
+
+@pytest.fixture
+def stop_requests(monkeypatch):
+    """A StopRequests in this process; the signal handlers it installs are put back afterwards."""
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in faults.STOP_SIGNALS}
+    monkeypatch.setattr(faults, '_early_signal', [None])
+    yield faults.StopRequests
+    for name, handler in saved.items():
+        signal.signal(getattr(signal, name), handler)
+
+
+def _signal_self(signum):
+    os.kill(os.getpid(), signum)   # the handler runs before os.kill returns to Python code
+
+
+def test_no_signal_no_stop(stop_requests):
+    stop = stop_requests()
+    assert stop.agree(NO_NONFINITE) == (False, 0, 0)
+    assert stop.agreed is None
+
+
+def test_the_first_signal_is_the_reason_a_later_one_does_not_replace_it(stop_requests):
+    """Slurm's time-limit warning (USR1), then its SIGTERM at the limit, both before the next
+    check step (a slow first step on a loaded node): the stop is the warning's, at its step."""
+    stop = stop_requests(start_step=2)
+    stop.steps_done = 3
+    _signal_self(signal.SIGUSR1)
+    stop.steps_done = 4
+    _signal_self(signal.SIGTERM)
+    assert stop.agree(torch.tensor([1, 0])) == (True, 1, 0)
+    assert stop.describe() == 'SIGUSR1 (arrived after step 3)'
+
+
+def test_a_signal_from_start_up_arrived_after_the_start_step(stop_requests):
+    faults._early_signal[0] = 'SIGTERM'   # kept by catch_stop_signals() while the rank was starting
+    stop = stop_requests(start_step=40)
+    stop.steps_done = 41
+    _signal_self(signal.SIGUSR1)
+    stop.agree(NO_NONFINITE)
+    assert stop.describe() == 'SIGTERM (arrived after step 40)'
+
+
+def _rank(rank, init_file, plan, results):
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=len(plan))
+    stop = faults.StopRequests()
+    for steps_done, signum in plan[rank]:
+        stop.steps_done = steps_done
+        os.kill(os.getpid(), signum)
+    counts = torch.tensor([rank + 1, rank])
+    signalled, longest, current = stop.agree(counts)
+    results[rank] = (signalled, longest, current, stop.describe() if signalled else None)
+    dist.destroy_process_group()
+
+
+def _agree_on_two_ranks(plan):
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.start_processes(_rank, args=(os.path.join(tmp, 'init'), plan, results), nprocs=len(plan),
+                           start_method='spawn')
+        return [results[r] for r in range(len(plan))]
+
+
+@pytest.mark.parametrize('plan, said', [
+    # rank 0 had SIGTERM after step 5, rank 1 SIGUSR1 after step 7: the earlier arrival is named
+    ([[(5, signal.SIGTERM)], [(7, signal.SIGUSR1)]], 'SIGTERM (arrived after step 5)'),
+    ([[(9, signal.SIGTERM)], [(6, signal.SIGUSR1), (8, signal.SIGTERM)]], 'SIGUSR1 (arrived after step 6)'),
+    # the same step on both: the higher signal number, whichever rank had it
+    ([[(5, signal.SIGUSR1)], [(5, signal.SIGTERM)]], 'SIGTERM (arrived after step 5)'),
+    # one rank only: the other names it too
+    ([[], [(12, signal.SIGUSR1)]], 'SIGUSR1 (arrived after step 12)'),
+    ([[], []], None),
+])
+def test_ranks_agree_on_the_signal_that_arrived_first(plan, said):
+    results = _agree_on_two_ranks(plan)
+    # every rank: the same answer, and the non-finite counters' maximum over ranks
+    assert results == [(said is not None, 2, 1, said)] * 2
