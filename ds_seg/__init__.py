@@ -1,6 +1,10 @@
 """ds_seg: DeepSpeed training for large semantic-segmentation models on aerial imagery."""
 __version__ = '0.1.0'
 
+from .stop_signals import catch_if_training_program  # noqa: E402
+
+catch_if_training_program()   # first: a Slurm signal during the imports below must not kill a rank
+
 from .engine.ds_workarounds import keep_autotuner_from_importing_mlflow  # noqa: E402
 
 keep_autotuner_from_importing_mlflow()  # 3 s off every process start (see the function)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed
+from ..stop_signals import STOP_SIGNALS, catch_stop_signals, first_signal
 
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by a signal after a checkpoint; resume to continue
 EXIT_NONFINITE = 3    # the loss stayed non-finite; the last checkpoint is intact
@@ -35,7 +36,6 @@ EXIT_IO_ERROR = 74    # EX_IOERR: a write or read failed (disk full, read-only, 
 EXIT_DATA_ERROR = 65  # EX_DATAERR: a window of the data broke mid-run (a label value, a truncated tile)
 EXIT_CODES = {'completed': 0, 'preempted': EXIT_PREEMPTED, 'nonfinite_loss': EXIT_NONFINITE,
               'lost_rank': EXIT_LOST_RANK, 'io_error': EXIT_IO_ERROR}
-STOP_SIGNALS = ('SIGUSR1', 'SIGTERM')
 
 
 class LostRankError(RuntimeError):
@@ -66,25 +66,8 @@ def is_collective_failure(exc):
 
 
 # ---------------------------------------------------------------------------------- signals
-_early_signal = [None]
 _NEVER = 2 ** 62
 _SIGNUMS = 128       # above every signal number: (step, signal) packed into one integer
-
-
-def catch_stop_signals():
-    """From the start of a training program: remember SIGUSR1/SIGTERM instead of dying of them.
-
-    Python's default action for both is to end the process; a Slurm warning that arrives while a
-    rank is still importing or building its model would then kill it. :class:`StopRequests`
-    picks the signal up, and the run stops with a checkpoint at its first check step.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def remember(signum, frame):
-        _early_signal[0] = _early_signal[0] or signal.Signals(signum).name
-    for name in STOP_SIGNALS:
-        signal.signal(getattr(signal, name), remember)
 
 
 def ignore_stop_signals():
@@ -110,7 +93,7 @@ class StopRequests:
     """
 
     def __init__(self, start_step=0):
-        self.signal_name = _early_signal[0]   # one that came while the run was still starting
+        self.signal_name = first_signal[0]   # one that came while the run was still starting
         # Steps this rank had finished when its signal arrived: the stop line reports it, so that
         # how many steps a stop took is read from the run, not guessed from the sender's clock.
         self.steps_done = start_step
@@ -120,8 +103,8 @@ class StopRequests:
         if threading.current_thread() is threading.main_thread():
             for name in STOP_SIGNALS:
                 signal.signal(getattr(signal, name), self._on_signal)
-        if self.signal_name is None and _early_signal[0]:   # one that came as the handlers changed
-            self.signal_name, self.arrived_after = _early_signal[0], start_step
+        if self.signal_name is None and first_signal[0]:   # one that came as the handlers changed
+            self.signal_name, self.arrived_after = first_signal[0], start_step
         if dist.is_initialized() and distributed.world_size() > 1:
             self._group = dist.new_group(backend='gloo') if dist.get_backend() != 'gloo' else None
 

@@ -99,6 +99,39 @@ def _start_reference_again(tmp_path, reference):
     return tmp, os.path.join(tmp, 'run'), _start_ranks(_args(tmp, 'run', 60, 10))
 
 
+@pytest.mark.parametrize('program', ['ds-seg-train', 'launch/train.py'])
+def test_a_stop_signal_while_the_rank_imports_stops_it_after_its_first_step(tmp_path, program):
+    """A Slurm signal that lands while a rank is still importing ds_seg (torch, DeepSpeed: seconds)
+    is kept, and the run stops with a checkpoint after its first step: Python's default action
+    would have killed the rank (the job FAILED, not requeued). Both ways the templates start a
+    rank: the checkout's launch/train.py, and the installed console script. The signal is sent
+    once torch's library is mapped into the process, i.e. in the middle of the imports."""
+    tmp = str(tmp_path)
+    if program == 'ds-seg-train':
+        script = os.path.join(os.path.dirname(sys.executable), program)
+        assert os.path.isfile(script), 'the console script is installed with the package (pip install -e .)'
+        cmd = [script]
+    else:
+        cmd = [sys.executable, program]
+    env = _env(SLURM_PROCID='0', SLURM_LOCALID='0', SLURM_NTASKS='1', SLURM_JOB_ID=str(_free_port()),
+               SLURM_JOB_NODELIST='localhost')
+    proc = subprocess.Popen(cmd + _args(tmp, 'run', 6, 6), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        with open(f'/proc/{proc.pid}/maps') as f:
+            if 'libtorch' in f.read():
+                break
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 75, out[-3000:]
+    assert 'stopping at step 1 on SIGUSR1 (arrived after step 0): checkpoint saved' in out, out[-3000:]
+    work = os.path.join(tmp, 'run')
+    assert json.load(open(os.path.join(work, 'summary.json')))['exit_reason'] == 'preempted'
+    assert checkpoint.find_latest(os.path.join(work, 'checkpoints')) == checkpoint.tag_for(1)
+
+
 def test_a_stop_signal_after_the_last_checkpoint_leaves_a_completed_run_completed(tmp_path):
     """A Slurm time-limit warning that lands while a finished run shuts down (its last checkpoint
     written) has nothing left to save: the exit status stays 0. Python's finalization restores the

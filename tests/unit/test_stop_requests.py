@@ -10,17 +10,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ds_seg import stop_signals
 from ds_seg.engine import faults
 
 NO_NONFINITE = torch.zeros(2, dtype=torch.int64)
 
 
 @pytest.fixture
-def stop_requests(monkeypatch):
+def stop_requests():
     """A StopRequests in this process; the signal handlers it installs are put back afterwards."""
-    saved = {name: signal.getsignal(getattr(signal, name)) for name in faults.STOP_SIGNALS}
-    monkeypatch.setattr(faults, '_early_signal', [None])
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in stop_signals.STOP_SIGNALS}
+    kept, stop_signals.first_signal[0] = stop_signals.first_signal[0], None
     yield faults.StopRequests
+    stop_signals.first_signal[0] = kept
     for name, handler in saved.items():
         signal.signal(getattr(signal, name), handler)
 
@@ -48,7 +50,7 @@ def test_the_first_signal_is_the_reason_a_later_one_does_not_replace_it(stop_req
 
 
 def test_a_signal_from_start_up_arrived_after_the_start_step(stop_requests):
-    faults._early_signal[0] = 'SIGTERM'   # kept by catch_stop_signals() while the rank was starting
+    stop_signals.first_signal[0] = 'SIGTERM'   # kept by catch_stop_signals() while the rank was starting
     stop = stop_requests(start_step=40)
     stop.steps_done = 41
     _signal_self(signal.SIGUSR1)
