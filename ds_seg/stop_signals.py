@@ -4,8 +4,9 @@ Python's default action for SIGUSR1 and SIGTERM ends the process. Importing ds_s
 DeepSpeed, the models) takes seconds, and a Slurm signal in that time (``scancel --full``, a
 time-limit warning at a requeued start) would kill the rank instead of stopping it after its
 first step: :mod:`ds_seg.engine.faults` picks the kept signal up when the run starts. The
-``ds-seg-train`` console script gets this from ``ds_seg/__init__.py``, before anything heavy is
-imported; ``launch/train.py`` does the same for itself before it imports ds_seg.
+``ds-seg-train`` console script and ``python -m ds_seg.cli.train`` get this from
+``ds_seg/__init__.py``, before anything heavy is imported; ``launch/train.py`` does the same for
+itself before it imports ds_seg.
 """
 import os
 import signal
@@ -28,9 +29,17 @@ def catch_stop_signals():
             signal.signal(getattr(signal, name), remember)
 
 
+def is_training_program():
+    """The ``ds-seg-train`` script (``sys.argv[0]``), or ``python -m ds_seg.cli.train`` (what
+    ``torchrun -m`` starts; ``sys.argv[0]`` is still '-m' while the package is imported)."""
+    if sys.argv and os.path.basename(sys.argv[0]) in TRAINING_PROGRAMS:
+        return True
+    argv = getattr(sys, 'orig_argv', [])
+    return '-mds_seg.cli.train' in argv or any(a == '-m' and b == 'ds_seg.cli.train' for a, b in zip(argv, argv[1:]))
+
+
 def catch_if_training_program():
-    """Called as ds_seg is imported: only the ``ds-seg-train`` program (``sys.argv[0]``, its
-    script) takes the signals over; a Python program importing ds_seg keeps its own handling."""
-    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ''
-    if program in TRAINING_PROGRAMS:
+    """Called as ds_seg is imported: only a training program takes the signals over; another
+    Python program importing ds_seg keeps its own handling."""
+    if is_training_program():
         catch_stop_signals()

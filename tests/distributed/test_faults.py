@@ -99,12 +99,13 @@ def _start_reference_again(tmp_path, reference):
     return tmp, os.path.join(tmp, 'run'), _start_ranks(_args(tmp, 'run', 60, 10))
 
 
-@pytest.mark.parametrize('program', ['ds-seg-train', 'launch/train.py'])
+@pytest.mark.parametrize('program', ['ds-seg-train', 'launch/train.py', '-m ds_seg.cli.train'])
 def test_a_stop_signal_while_the_rank_imports_stops_it_after_its_first_step(tmp_path, program):
     """A Slurm signal that lands while a rank is still importing ds_seg (torch, DeepSpeed: seconds)
     is kept, and the run stops with a checkpoint after its first step: Python's default action
-    would have killed the rank (the job FAILED, not requeued). Both ways the templates start a
-    rank: the checkout's launch/train.py, and the installed console script. The signal is sent
+    would have killed the rank (the job FAILED, not requeued). The ways the templates start a
+    rank (the checkout's launch/train.py, the installed console script) and torchrun's
+    `-m ds_seg.cli.train`. The signal is sent
     once torch's library is mapped into the process, i.e. in the middle of the imports."""
     tmp = str(tmp_path)
     if program == 'ds-seg-train':
@@ -112,7 +113,7 @@ def test_a_stop_signal_while_the_rank_imports_stops_it_after_its_first_step(tmp_
         assert os.path.isfile(script), 'the console script is installed with the package (pip install -e .)'
         cmd = [script]
     else:
-        cmd = [sys.executable, program]
+        cmd = [sys.executable, *program.split()]
     env = _env(SLURM_PROCID='0', SLURM_LOCALID='0', SLURM_NTASKS='1', SLURM_JOB_ID=str(_free_port()),
                SLURM_JOB_NODELIST='localhost')
     proc = subprocess.Popen(cmd + _args(tmp, 'run', 6, 6), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
