@@ -15,7 +15,10 @@ import threading
 
 STOP_SIGNALS = ('SIGUSR1', 'SIGTERM')
 TRAINING_PROGRAMS = ('ds-seg-train',)   # console scripts whose process is a training rank
-first_signal = [None]                   # the first stop signal that came before the run began
+# The first stop signal that came before the run began. The sbatch templates pass on one that
+# their batch shell had before it started the ranks as DS_SEG_STOP_SIGNAL=SIGUSR1|SIGTERM.
+first_signal = [os.environ.get('DS_SEG_STOP_SIGNAL') if os.environ.get('DS_SEG_STOP_SIGNAL') in STOP_SIGNALS
+                else None]
 
 
 def remember(signum, frame):

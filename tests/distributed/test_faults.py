@@ -330,3 +330,62 @@ def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
     assert checkpoint.find_latest(str(work / 'checkpoints')) == checkpoint.tag_for(summary['steps'])
     assert 'requeue 4242' in (tmp_path / 'scontrol.log').read_text()
     assert 'exit 75, not a failure' in out and 'Traceback' not in out and 'ChildFailedError' not in out
+
+
+# Stand-ins for the commands the templates run before they start the ranks (a GPU count, the
+# allocation's host names: seconds on a busy node), slow on purpose, and for srun (every task here).
+SLOW_NVIDIA_SMI = """#!/usr/bin/env bash
+touch "$FAKE_SLOW_MARK"; sleep 4; printf 'GPU 0: stand-in\\nGPU 1: stand-in\\n'
+"""
+SLOW_SCONTROL = """#!/usr/bin/env bash
+echo "$@" >> "$FAKE_SCONTROL_LOG"
+if [ "$1 $2" = "show hostnames" ]; then touch "$FAKE_SLOW_MARK"; sleep 4; echo 127.0.0.1; fi
+"""
+LOCAL_SRUN = """#!/usr/bin/env bash
+while [ "${1#--}" != "$1" ]; do shift; done   # srun's own options
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i SLURM_LOCALID=$i "$@" & pids+=($!); done
+trap 'kill -USR1 "${pids[@]}" 2>/dev/null' USR1
+status=0
+for pid in "${pids[@]}"; do
+    while :; do rc=0; wait "$pid" || rc=$?; kill -0 "$pid" 2>/dev/null || break; done
+    [ "$status" -eq 0 ] && status=$rc
+done
+exit "$status"
+"""
+
+
+@pytest.mark.parametrize('script', ['train.sbatch', 'train_multinode.sbatch'])
+def test_sbatch_template_passes_a_signal_from_before_the_ranks_started_on_to_them(tmp_path, script):
+    """A time-limit warning or `scancel --full` that lands while the batch shell is still
+    preparing (here: a slow `nvidia-smi -L`, a slow `scontrol show hostnames`). bash's default
+    action for SIGUSR1 ended the shell (the job FAILED, nothing requeued); now the ranks start
+    with it, checkpoint after their first step, and the job is requeued."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    for name, text in (('nvidia-smi', SLOW_NVIDIA_SMI), ('scontrol', SLOW_SCONTROL), ('srun', LOCAL_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    work, cache, mark = tmp_path / 'work', tmp_path / 'cache', tmp_path / 'slow-command-started'
+    env = _env(PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}',
+               SLURM_JOB_ID='4343', SLURM_JOB_NAME='ds_seg', SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost',
+               SLURM_SUBMIT_DIR=str(REPO_ROOT), WORK_DIR=str(work), MASTER_PORT=str(_free_port()),
+               DS_CONFIG='zero2', CONFIG=TINY_CONFIG, FAKE_SCONTROL_LOG=str(tmp_path / 'scontrol.log'),
+               FAKE_SLOW_MARK=str(mark), **({'SLURM_NTASKS': '2'} if 'multinode' in script else {}))
+    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
+               'train.max_steps=40', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
+    job = subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / script), *options], cwd=REPO_ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while not mark.exists() and time.time() < deadline and job.poll() is None:
+        time.sleep(0.05)
+    assert mark.exists(), job.communicate()[0][-3000:]
+    job.send_signal(signal.SIGUSR1)   # --signal=B:USR1@N: the batch shell only
+    out = job.communicate(timeout=240)[0]
+    assert job.returncode == 0, out[-3000:]
+    assert '[sbatch] received USR1 before the ranks started' in out, out[-3000:]
+    assert 'stopping at step 1 on SIGUSR1 (arrived after step 0): checkpoint saved' in out, out[-3000:]
+    assert json.load(open(work / 'summary.json'))['exit_reason'] == 'preempted'
+    assert checkpoint.find_latest(str(work / 'checkpoints')) == checkpoint.tag_for(1)
+    assert 'requeue 4343' in (tmp_path / 'scontrol.log').read_text()
+    assert 'exit 75, not a failure' in out and 'Traceback' not in out
