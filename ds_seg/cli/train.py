@@ -60,7 +60,7 @@ def _worker_message(exc):
 def main(argv=None):
     as_program = argv is None  # not a call from Python: this process's signal handling is ours
     if as_program:  # a stop signal during start-up is kept, not fatal
-        from ds_seg.engine.faults import catch_stop_signals
+        from ds_seg.stop_signals import catch_stop_signals
         catch_stop_signals()
     args = parse_args(argv)
     if args.sbatch_template:  # an installed wheel has no launch/slurm/ to copy them from

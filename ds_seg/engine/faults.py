@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed
-from ..stop_signals import STOP_SIGNALS, catch_stop_signals, first_signal
+from ..stop_signals import STOP_SIGNALS, first_signal
 
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by a signal after a checkpoint; resume to continue
 EXIT_NONFINITE = 3    # the loss stayed non-finite; the last checkpoint is intact
@@ -289,5 +289,5 @@ def default_stop_check_interval(device):
 
 
 __all__ = ['EXIT_CODES', 'EXIT_DATA_ERROR', 'EXIT_IO_ERROR', 'EXIT_LOST_RANK', 'EXIT_NONFINITE', 'EXIT_PREEMPTED',
-           'Faults', 'Heartbeat', 'LostRankError', 'RunIOError', 'StopRequests', 'catch_stop_signals',
+           'Faults', 'Heartbeat', 'LostRankError', 'RunIOError', 'StopRequests',
            'default_stop_check_interval', 'describe_io_error', 'is_collective_failure']

@@ -355,8 +355,9 @@ exit "$status"
 """
 
 
-@pytest.mark.parametrize('script', ['train.sbatch', 'train_multinode.sbatch'])
-def test_sbatch_template_passes_a_signal_from_before_the_ranks_started_on_to_them(tmp_path, script):
+@pytest.mark.parametrize('script, signum', [('train.sbatch', signal.SIGUSR1),
+                                             ('train_multinode.sbatch', signal.SIGTERM)])
+def test_sbatch_template_passes_a_signal_from_before_the_ranks_started_on_to_them(tmp_path, script, signum):
     """A time-limit warning or `scancel --full` that lands while the batch shell is still
     preparing (here: a slow `nvidia-smi -L`, a slow `scontrol show hostnames`). bash's default
     action for SIGUSR1 ended the shell (the job FAILED, nothing requeued); now the ranks start
@@ -380,11 +381,12 @@ def test_sbatch_template_passes_a_signal_from_before_the_ranks_started_on_to_the
     while not mark.exists() and time.time() < deadline and job.poll() is None:
         time.sleep(0.05)
     assert mark.exists(), job.communicate()[0][-3000:]
-    job.send_signal(signal.SIGUSR1)   # --signal=B:USR1@N: the batch shell only
+    job.send_signal(signum)   # --signal=B:USR1@N, `scancel --batch`: the batch shell only
     out = job.communicate(timeout=240)[0]
     assert job.returncode == 0, out[-3000:]
-    assert '[sbatch] received USR1 before the ranks started' in out, out[-3000:]
-    assert 'stopping at step 1 on SIGUSR1 (arrived after step 0): checkpoint saved' in out, out[-3000:]
+    name = signal.Signals(signum).name
+    assert f'[sbatch] received {name[3:]} before the ranks started' in out, out[-3000:]
+    assert f'stopping at step 1 on {name} (arrived after step 0): checkpoint saved' in out, out[-3000:]
     assert json.load(open(work / 'summary.json'))['exit_reason'] == 'preempted'
     assert checkpoint.find_latest(str(work / 'checkpoints')) == checkpoint.tag_for(1)
     assert 'requeue 4343' in (tmp_path / 'scontrol.log').read_text()
