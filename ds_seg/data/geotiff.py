@@ -67,8 +67,8 @@ from .raster import (DataError, StackedRaster, alpha_bands, file_identity, gdal_
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
-from .transforms import (Compose, check_random_scale, decode_palette, default_palette_tolerance,
-                         palette_lut, resize, scale_for_micro_step)
+from .transforms import (Compose, PaletteDecoder, check_colours, check_random_scale, default_palette_tolerance,
+                         resize, scale_for_micro_step)
 
 STATS_FILE = 'stats.json'            # written by dataset generators/converters next to images
 STATS_CACHE_FILE = '.ds_seg_stats.json'  # our own cache of statistics computed on first use
@@ -439,7 +439,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         self.max_retries = max_retries
         self.boundary_ignore = int(boundary_ignore)
-        self.palette = None if palette is None else [tuple(int(v) for v in c) for c in palette]
+        self.palette = None if palette is None else check_colours(palette, 'palette')
         self._world_size, self._micro_batch = 1, 1
 
         self._scenes = [self._inspect(img, lbl) for img, lbl in zip(images, labels)]
@@ -481,8 +481,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if self.palette is not None:
             if len(self.palette) != self.num_classes:
                 raise ValueError(f"palette has {len(self.palette)} colours for {self.num_classes} classes")
+            twice = sorted({c for c in self.palette if self.palette.count(c) > 1})
+            if twice:  # which class would those pixels be?
+                raise ValueError(f"palette gives the colour {twice[0]} to more than one class "
+                                 f"({', '.join(self.classes[i] for i, c in enumerate(self.palette) if c == twice[0])})")
             tol = default_palette_tolerance(self.palette) if palette_tolerance is None else int(palette_tolerance)
-            self._palette_lut = palette_lut(self.palette, tol, palette_ignore, self.ignore_index)
+            self._decode_palette = PaletteDecoder(self.palette, tol, check_colours(palette_ignore, 'palette_ignore'),
+                                                  self.ignore_index)
             self.palette_max_unmatched = float(palette_max_unmatched)
         self._label_lut = self._build_label_lut(label_map, reduce_zero_label)
         for v in self._vectors.values():
@@ -493,7 +498,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 f"label_fill) is not a class index 0..{self.num_classes - 1} nor "
                                 f"ignore_index {self.ignore_index}; check `classes` or `label_map`")
         self._identity_labels = self.palette is None and not label_map and not reduce_zero_label
-        self.mean, self.std = self._resolve_stats(mean, std, stats, images)
+        self.mean, self.std = self._resolve_stats(mean, std, stats)
         if self.num_dates > 1 and self.mean.size == self.in_channels:  # the same per band for every date
             self.mean, self.std = np.tile(self.mean, self.num_dates), np.tile(self.std, self.num_dates)
         self.in_channels = self.mean.size
@@ -614,7 +619,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             for s in self._scenes:
                 with open_raster(s['label']) as src:
                     lbl = src.read(1)
-                valid = lbl[lbl != self.ignore_index]
+                # Neither ignore_index nor the file's nodata tag (-9999, 65535, NaN) is a class.
+                unlabelled = label_nodata(lbl, s.get('label_nodata'))
+                valid = lbl[(lbl != self.ignore_index) & (True if unlabelled is None else ~unlabelled)]
+                if lbl.dtype.kind == 'f':
+                    valid = valid[np.isfinite(valid)]
                 if valid.size:
                     top = max(top, int(valid.max()))
             classes = top + 1
@@ -670,27 +679,55 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                          f"({self.in_channels}), per file band ({self.num_file_bands}) or per "
                          f"band and date ({self.in_channels * self.num_dates})")
 
-    def _resolve_stats(self, mean, std, stats, images):
+    def _resolve_stats(self, mean, std, stats):
+        """Per selected band (per band and date with dates) mean/std in file units. Given ones
+        are the user's; computed ones and ``stats.json``'s are per band of the file, taken for
+        ``bands`` in their order (a permutation of every band has as many values as the file)."""
+        given = {'mean': mean, 'std': std}
+        for key, value in given.items():
+            if value is None:
+                continue
+            try:
+                values = np.asarray(value, dtype=np.float64).reshape(-1)
+            except (TypeError, ValueError):
+                values = np.array([np.nan])
+            if not np.isfinite(values).all() or (key == 'std' and (values <= 0).any()):
+                rule = 'a finite number > 0' if key == 'std' else 'a finite number'
+                raise ValueError(f"{key}={value!r}: each band's {key} must be {rule}, in the file's units")
+            given[key] = self._select(values, key)
         if mean is None or std is None:
             if 'mean' in stats and 'std' in stats:
                 file_stats = stats
             else:
-                file_stats = self._cached_or_computed_stats(images)
-            mean = file_stats['mean'] if mean is None else mean
-            std = file_stats['std'] if std is None else std
-        mean = self._select(mean, 'mean')
-        std = self._select(std, 'std')
-        std = np.where(std > 0, std, 1.0)  # a constant band normalises to 0, not to inf
-        return mean.astype(np.float32), std.astype(np.float32)
+                file_stats = self._cached_or_computed_stats()
+            for key in ('mean', 'std'):
+                if given[key] is None:
+                    values = np.asarray(file_stats[key], dtype=np.float64).reshape(-1)
+                    given[key] = (values[np.array(self.bands) - 1] if values.size == self.num_file_bands
+                                  else self._select(values, key))
+        # A constant band (computed std 0) normalises to 0, not to inf.
+        std = np.where(given['std'] > 0, given['std'], 1.0)
+        return given['mean'].astype(np.float32), std.astype(np.float32)
 
-    def _cached_or_computed_stats(self, images):
+    # Scenes read for computed statistics: all of a set up to this many, else this many spread
+    # evenly over it (a decimated read each, once; the result is cached).
+    STATS_SCENES = 32
+
+    def _stats_scenes(self):
+        n = len(self._scenes)
+        if n <= self.STATS_SCENES:
+            return list(range(n))
+        return sorted({int(round(i)) for i in np.linspace(0, n - 1, self.STATS_SCENES)})
+
+    def _cached_or_computed_stats(self):
         # Keyed to the files' identity, not their names: rewritten images (or a republished URL:
         # its ETag / Last-Modified) get new statistics. A URL's cache is a user cache; a URL
         # whose version the server does not tell is read again every time.
-        key = [file_identity(p) for p in images[:4]]
+        chosen = [self._scenes[i] for i in self._stats_scenes()]
+        key = [file_identity(s['image']) for s in chosen]
         if None in key:
             cache = None
-        elif is_remote(images[0]):
+        elif is_remote(chosen[0]['image']):
             digest = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
             cache = os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg', f'stats-{digest}.json')
             os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -702,17 +739,21 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         total = np.zeros(self.num_file_bands)
         total_sq = np.zeros(self.num_file_bands)
         n = 0
-        for s in self._scenes[:4]:
+        for s in chosen:
             # A decimated read (GDAL picks overviews if any) is enough for normalisation stats.
             f = max(1.0, max(s['height'], s['width']) / 512)
-            shape = (s['count'], max(1, int(s['height'] / f)), max(1, int(s['width'] / f)))
+            shape = (max(1, int(s['height'] / f)), max(1, int(s['width'] / f)))
             try:
                 with open_raster(s['image']) as src:
-                    x = src.read(out_shape=shape).reshape(s['count'], -1).astype(np.float64)
+                    x = src.read(out_shape=(s['count'],) + shape).reshape(s['count'], -1).astype(np.float64)
+                    # Pixels the training windows mark invalid are not data: nodata, NaN, and
+                    # those a GDAL mask band or an alpha band hides.
+                    invalid = nodata_mask(x, s['nodata'])
+                    if s['masked']:
+                        invalid |= src.dataset_mask(out_shape=shape).reshape(-1) == 0
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{s['image']}: cannot be read (corrupt or truncated?): {e}") from e
-            keep = ~nodata_mask(x, s['nodata'])
-            x = x[:, keep]
+            x = x[:, ~invalid]
             total += x.sum(1)
             total_sq += (x * x).sum(1)
             n += x.shape[1]
@@ -757,7 +798,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{s['label']}: cannot be read (corrupt or truncated?): {e}") from e
             if self.palette is not None:
-                decoded = decode_palette(raw, self._palette_lut)
+                decoded = self._decode_palette(raw)
                 bad = decoded < 0
                 if bad.mean() > self.palette_max_unmatched:
                     colour, _ = Counter(map(tuple, raw[:, bad].T.tolist())).most_common(1)[0]
@@ -807,8 +848,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 invalid = bad if invalid is None else invalid | bad
         with open_raster(s['label']) as src:
             if self.palette is not None:
-                label = decode_palette(src.read([1, 2, 3], window=window, out_shape=None if out_shape is None
-                                                else (3,) + out_shape), self._palette_lut)
+                label = self._decode_palette(src.read([1, 2, 3], window=window, out_shape=None if out_shape is None
+                                                      else (3,) + out_shape))
             else:
                 label = self._map_labels(src.read(1, window=window, out_shape=out_shape), s.get('label_nodata'))
         labelled = (label >= 0) & (label != self.ignore_index)
@@ -1034,7 +1075,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         """
         s = self._scenes[scene_index]
         if self.palette is not None:
-            label = decode_palette(self._read(s['label'], window, [1, 2, 3]), self._palette_lut)
+            label = self._decode_palette(self._read(s['label'], window, [1, 2, 3]))
             label[label < 0] = self.ignore_index  # off-palette noise: ignored, not an error
         else:
             label = (self._map_labels(self._vector_window(s, window)) if s.get('vector')
@@ -1146,7 +1187,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 image[:, invalid] = self._fill[:, None]  # so nodata does not bleed into its neighbours
             image, label, invalid = resize(image, label, invalid, (self.crop_h, self.crop_w))
         if self.transforms:
-            image, label = self.transforms(image, label, np.random.default_rng([self.seed, index, 1]))
+            image, label, invalid = self.transforms(image, label, np.random.default_rng([self.seed, index, 1]), invalid)
         sample = self._sample(image, label, invalid)
         if self.augment:
             # Flips and rotations run on the device (BatchPreprocessor): here they would cost a

@@ -8,12 +8,20 @@ Transforms work on ``image_CHW`` in the file's units and dtype (normalisation ha
 the device: :mod:`ds_seg.data.preprocess`) and ``label_HW`` integer class indices with
 ``ignore_index``; they return the same dtypes (views with negative strides are fine).
 
+A transform that moves pixels (a flip, a rotation, a crop) must move the window's nodata mask
+with them: the device zeroes the input wherever the mask says, so an unmoved mask blanks valid
+pixels and leaves nodata in. Such a transform takes ``invalid=None`` (``invalid_HW`` bool, or
+None) and, given one, returns ``(image, label, invalid)``. A registered transform without that
+parameter is taken to leave pixels in place; :class:`Compose` stops with its name if it moved
+the labels of nodata pixels.
+
 Example::
 
     from ds_seg.registry import TRANSFORMS, build
     t = build(TRANSFORMS, dict(type='PhotoMetricDistortion', brightness=0.2))
     image, label = t(image_CHW, label_HW, np.random.default_rng(0))
 """
+import inspect
 import math
 
 import numpy as np
@@ -43,15 +51,16 @@ class RandomFlip:
             raise ValueError(f"RandomFlip direction must be one or both of {', '.join(map(repr, self.DIRECTIONS))}, "
                              f"got {direction!r}")
 
-    def __call__(self, image, label, rng):
+    def __call__(self, image, label, rng, invalid=None):
         # One draw per direction whether or not it is used: the stream of draws (and so every
         # later transform's randomness) does not depend on the configured directions.
         draws = rng.random(2) < self.prob
+        planes = [image, label] + ([] if invalid is None else [invalid])
         if 'horizontal' in self.direction and draws[0]:
-            image, label = image[..., ::-1], label[..., ::-1]
+            planes = [p[..., ::-1] for p in planes]
         if 'vertical' in self.direction and draws[1]:
-            image, label = image[..., ::-1, :], label[..., ::-1, :]
-        return image, label
+            planes = [p[..., ::-1, :] for p in planes]
+        return tuple(planes)
 
 
 @TRANSFORMS.register_module()
@@ -67,13 +76,14 @@ class RandomRotate90:
     def __init__(self, prob=0.75):
         self.prob = float(checked_number('RandomRotate90', 'prob', prob, high=1.0))
 
-    def __call__(self, image, label, rng):
+    def __call__(self, image, label, rng, invalid=None):
         apply, k = rng.random() < self.prob, int(rng.integers(1, 4))
+        planes = [image, label] + ([] if invalid is None else [invalid])
         if not apply:
-            return image, label
+            return tuple(planes)
         if image.shape[-1] != image.shape[-2]:
             k = 2
-        return np.rot90(image, k, axes=(-2, -1)), np.rot90(label, k, axes=(-2, -1))
+        return tuple(np.rot90(p, k, axes=(-2, -1)) for p in planes)
 
 
 @TRANSFORMS.register_module()
@@ -107,13 +117,15 @@ class PhotoMetricDistortion:
         self.mean = np.asarray(mean, np.float32).reshape(-1, 1, 1)
         self.std = np.asarray(std, np.float32).reshape(-1, 1, 1)
 
-    def __call__(self, image, label, rng):
+    def __call__(self, image, label, rng, invalid=None):
+        """Pixels stay where they are: ``invalid`` comes back unchanged."""
+        keep = () if invalid is None else (invalid,)
         use = rng.random(3) < self.prob
         b = rng.uniform(-self.brightness, self.brightness)
         c = rng.uniform(1 - self.contrast, 1 + self.contrast)
         s = rng.uniform(1 - self.saturation, 1 + self.saturation)
         if not use.any():
-            return image, label
+            return (image, label) + keep
         x = np.array(image, dtype=np.float32, copy=True)
         if self.mean is not None:
             x -= self.mean
@@ -131,22 +143,46 @@ class PhotoMetricDistortion:
         if image.dtype.kind in 'iu':
             info = np.iinfo(image.dtype)
             x = np.clip(np.rint(x), info.min, info.max).astype(image.dtype)
-        return x, label
+        return (x, label) + keep
+
+
+def takes_invalid(transform):
+    """Whether a transform's ``__call__`` takes the nodata mask (``invalid=``)."""
+    try:
+        return 'invalid' in inspect.signature(transform).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no introspectable signature
+        return False
 
 
 class Compose:
-    """Apply transforms built from config dicts in order, with one shared generator."""
+    """Apply transforms built from config dicts in order, with one shared generator; the nodata
+    mask goes through those that take it (see the module docstring)."""
 
     def __init__(self, transforms):
         if isinstance(transforms, (dict, str)):  # one transform without its list: iterated as keys
             raise ValueError(f"transforms must be a list of dicts, e.g. [dict(type='RandomFlip')], got {transforms!r}")
         self.transforms = [t if callable(t) else build(TRANSFORMS, t, where=f'transforms[{i}]')
                            for i, t in enumerate(transforms or [])]
+        self._takes_invalid = [takes_invalid(t) for t in self.transforms]
 
-    def __call__(self, image, label, rng):
-        for t in self.transforms:
+    def __call__(self, image, label, rng, invalid=None):
+        """``(image, label, invalid)`` after every transform (``invalid``: bool H x W, or None)."""
+        for i, (t, moves_mask) in enumerate(zip(self.transforms, self._takes_invalid)):
+            if invalid is None or moves_mask:
+                out = t(image, label, rng) if invalid is None else t(image, label, rng, invalid=invalid)
+                image, label = out[0], out[1]
+                if invalid is not None:
+                    invalid = out[2]
+                continue
+            # A transform that knows nothing of the mask: nodata pixels are ignore_index in the
+            # label, so one that moved pixels shows as another label under the unmoved mask.
+            marker = label[invalid].flat[0] if invalid.any() else None
             image, label = t(image, label, rng)
-        return image, label
+            if marker is not None and (label.shape != invalid.shape or (label[invalid] != marker).any()):
+                raise ValueError(f"transforms[{i}] ({type(t).__name__}) moved pixels but not the nodata mask, "
+                                 "so valid pixels would be blanked and nodata trained on; give its __call__ an "
+                                 "`invalid=None` parameter and return (image, label, invalid) moved alike")
+        return image, label, invalid
 
     def bind_image_stats(self, mean, std):
         """Tell transforms that work in units of the band statistics what those are."""
@@ -212,6 +248,24 @@ def resize(image_CHW, label_HW, invalid_HW, size_hw):
 
 
 # ---------------------------------------------------------------------- label decoding
+def check_colours(colours, key):
+    """``colours`` as a list of (R, G, B) int tuples in 0..255, or ValueError naming ``key``.
+    rasterio's ``colormap()`` gives RGBA quadruples: the alpha has no meaning for a class."""
+    out = []
+    for i, c in enumerate(colours):
+        try:
+            rgb = tuple(int(v) for v in c)
+            exact = all(float(v) == int(v) for v in c)
+        except (TypeError, ValueError):
+            rgb, exact = (), False
+        if len(rgb) != 3 or not exact or not all(0 <= v <= 255 for v in rgb):
+            hint = ' (drop the alpha: rasterio colormap() entries are RGBA)' if len(rgb) == 4 else ''
+            raise ValueError(f"{key}[{i}] is {c!r}; each colour must be an (R, G, B) triple of integers "
+                             f"0..255{hint}")
+        out.append(rgb)
+    return out
+
+
 def default_palette_tolerance(palette):
     """Half the smallest L-inf distance between two palette colours (at most 60), so a noisy
     colour can never be closer to a wrong entry than to its own."""
@@ -220,28 +274,58 @@ def default_palette_tolerance(palette):
         return 60
     d = np.abs(p[:, None, :] - p[None, :, :]).max(-1)
     d[np.eye(len(p), dtype=bool)] = 10 ** 6
-    return int(min(60, max(1, (d.min() - 1) // 2)))
+    return int(min(60, max(0, (d.min() - 1) // 2)))
 
 
-def palette_lut(palette, tolerance, ignore_colors=(), ignore_index=255, unmatched=-1):
-    """A 32x32x32 lookup table from quantised RGB (value >> 3) to class index.
+class PaletteDecoder:
+    """RGB label window -> class indices (int16): a colour within ``tolerance`` (L-inf) of a
+    palette entry is that class, of an ``ignore_colors`` entry ``ignore_index``, the nearest
+    entry when several are; else ``unmatched`` (-1).
 
-    A colour within ``tolerance`` (L-inf, measured from the centre of its quantisation bin, so
-    the table is exact to +-4) of a palette entry decodes to that class, of an ``ignore_colors``
-    entry to ``ignore_index``, else to ``unmatched``. JPEG-like noise moves colours by a few
-    units: a lookup rather than an exact match tolerates it at the cost of one gather per pixel.
+    Exact for every colour. A 32x32x32 table over quantised RGB (value >> 3) answers every pixel
+    whose 8x8x8 bin decodes one way throughout (one gather per pixel: JPEG-like noise makes exact
+    matching useless, and per-pixel distances cost ~10x more); pixels of the few bins that
+    straddle a tolerance boundary, or hold two palette colours (grey codes 0, 1, 2...), are
+    decoded by their distances.
+
+    Example::
+
+        decode = PaletteDecoder([(255, 255, 255), (0, 0, 255)], tolerance=20)
+        classes_HW = decode(rgb_3HW)
     """
-    centres = (np.arange(32) * 8 + 4).astype(np.int64)
-    grid = np.stack(np.meshgrid(centres, centres, centres, indexing='ij'), -1).reshape(-1, 3)
-    entries = [np.asarray(c, np.int64) for c in palette] + [np.asarray(c, np.int64) for c in ignore_colors]
-    values = list(range(len(palette))) + [ignore_index] * len(ignore_colors)
-    dist = np.stack([np.abs(grid - e).max(-1) for e in entries], 0)
-    best = dist.argmin(0)
-    lut = np.where(dist[best, np.arange(len(grid))] <= tolerance + 4, np.asarray(values)[best], unmatched)
-    return lut.astype(np.int16)
 
+    _MIXED = -2  # table value of a bin that does not decode one way throughout
 
-def decode_palette(rgb_3HW, lut):
-    """Class indices (int16) of an RGB label window via :func:`palette_lut`."""
-    q = rgb_3HW.astype(np.uint16, copy=False) >> 3
-    return lut[(q[0] << 10) | (q[1] << 5) | q[2]]
+    def __init__(self, palette, tolerance, ignore_colors=(), ignore_index=255, unmatched=-1):
+        self.entries = np.asarray(list(palette) + list(ignore_colors), np.int64).reshape(-1, 3)
+        self.values = np.asarray(list(range(len(palette))) + [ignore_index] * len(ignore_colors), np.int64)
+        self.tolerance, self.unmatched = int(tolerance), int(unmatched)
+        lo = (np.arange(32) * 8).astype(np.int64)
+        grid = np.stack(np.meshgrid(lo, lo, lo, indexing='ij'), -1).reshape(-1, 1, 3)  # bin's low corner
+        e = self.entries[None]                                                          # 1 x K x 3
+        nearest = np.maximum(np.maximum(grid - e, e - (grid + 7)), 0).max(-1)           # bin x entry
+        farthest = np.maximum(np.abs(grid - e), np.abs(grid + 7 - e)).max(-1)
+        best = farthest.argmin(1)
+        rows = np.arange(len(grid))
+        best_far = farthest[rows, best]
+        # Entries of another class that some colour of the bin may be as close to as to `best`.
+        rivals = (nearest <= best_far[:, None]) & (self.values[None] != self.values[best][:, None])
+        lut = np.full(len(grid), self._MIXED, np.int64)
+        lut[(nearest > self.tolerance).all(1)] = self.unmatched
+        sure = (best_far <= self.tolerance) & ~rivals.any(1)
+        lut[sure] = self.values[best[sure]]
+        self.lut = lut.astype(np.int16)
+
+    def __call__(self, rgb_3HW):
+        q = rgb_3HW.astype(np.uint16, copy=False) >> 3
+        out = self.lut[(q[0] << 10) | (q[1] << 5) | q[2]]
+        mixed = out == self._MIXED
+        if mixed.any():
+            out[mixed] = self.exact(rgb_3HW[:, mixed])
+        return out
+
+    def exact(self, rgb_3N):
+        """Class of each colour by its distances to every entry (the reference the table follows)."""
+        d = np.abs(rgb_3N.T.astype(np.int64)[:, None, :] - self.entries[None]).max(-1)
+        best = d.argmin(1)
+        return np.where(d[np.arange(len(d)), best] <= self.tolerance, self.values[best], self.unmatched).astype(np.int16)

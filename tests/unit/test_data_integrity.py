@@ -1,0 +1,199 @@
+"""Data that trained silently wrong: worker transforms that moved pixels but not the nodata mask,
+palettes finer than a lookup bin, statistics of the wrong bands or of masked pixels or of the
+first files only, a user std of 0, and class counts inferred over nodata. Real GeoTIFFs."""
+import numpy as np
+import pytest
+import rasterio
+from rasterio.transform import from_origin
+
+from ds_seg.data import GeoTiffScenes
+from ds_seg.data.transforms import Compose, PaletteDecoder, default_palette_tolerance
+from ds_seg.registry import TRANSFORMS
+
+IGNORE = 255
+
+
+def write_tif(path, array, nodata=None, photometric='MINISBLACK', **extra):
+    array = array[None] if array.ndim == 2 else array
+    with rasterio.open(path, 'w', driver='GTiff', width=array.shape[2], height=array.shape[1],
+                       count=array.shape[0], dtype=array.dtype, crs='EPSG:32632',
+                       transform=from_origin(500_000, 5_500_000, 0.1, 0.1), tiled=True, blockxsize=16,
+                       blockysize=16, photometric=photometric, nodata=nodata, **extra) as dst:
+        dst.write(array)
+    return str(path)
+
+
+# ------------------------------------------------------------------ nodata mask through transforms
+@pytest.mark.parametrize('transform', [dict(type='RandomFlip', prob=1.0, direction='horizontal'),
+                                       dict(type='RandomFlip', prob=1.0, direction='vertical'),
+                                       dict(type='RandomRotate90', prob=1.0),
+                                       dict(type='PhotoMetricDistortion', prob=1.0)])
+def test_worker_transforms_move_the_nodata_mask_with_the_pixels(tmp_path, transform):
+    """The device zeroes the input where ``nodata`` says: a flipped image under an unflipped mask
+    blanked 1024 valid pixels a sample and let nodata through (exit 0)."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(1, 255, (3, 64, 64)).astype(np.uint8)
+    image[:, :, :16] = 0                                      # nodata: the left quarter
+    image[:, :8, :] = 0                                       # and the top rows (not symmetric)
+    label = rng.integers(0, 3, (64, 64)).astype(np.uint8)
+    img = write_tif(tmp_path / 'a_image.tif', image, nodata=0)
+    lbl = write_tif(tmp_path / 'a_label.tif', label)
+    ds = GeoTiffScenes([img], [lbl], crop_size=64, classes=3, transforms=[transform], seed=1)
+    for i in range(4):
+        s = ds[i]
+        nodata, lab = s['nodata'].numpy(), s['label'].numpy()
+        assert nodata.sum() == (image[0] == 0).sum()
+        # The labels hold no ignore_index but at nodata, so the label's ignored pixels show where
+        # the transform put the nodata pixels: the mask must be exactly there.
+        np.testing.assert_array_equal(nodata, lab == IGNORE)
+        if transform['type'] != 'PhotoMetricDistortion':  # it changes values, not places
+            assert (s['image'].numpy()[:, nodata] == 0).all() and (s['image'].numpy()[:, ~nodata] > 0).all()
+
+
+def test_a_registered_transform_that_moves_pixels_without_the_mask_is_named():
+    class Mirror:  # an old-style transform: (image, label, rng) only
+        def __call__(self, image, label, rng):
+            return image[..., ::-1], label[..., ::-1]
+
+    image = np.ones((1, 4, 4), np.uint8)
+    invalid = np.zeros((4, 4), bool)
+    invalid[:, 0] = True
+    label = np.where(invalid, IGNORE, 1).astype(np.uint8)
+    with pytest.raises(ValueError, match=r"transforms\[0\] \(Mirror\) moved pixels but not the nodata mask"):
+        Compose([Mirror()])(image, label, np.random.default_rng(0), invalid)
+    # Without a mask, or with one it leaves in place, it runs as before.
+    out = Compose([Mirror()])(image, label, np.random.default_rng(0))
+    assert out[2] is None and (out[1][:, -1] == IGNORE).all()
+    assert TRANSFORMS.get('RandomFlip') is not None
+
+
+# ------------------------------------------------------------------ palettes
+def test_palette_decoder_equals_the_distance_rule_for_every_colour():
+    """The lookup table is exact: each colour gets what the distance rule says (within the
+    tolerance of an entry, the nearest), for close palettes (grey codes 0, 1, 2) too."""
+    rng = np.random.default_rng(0)
+    cube = np.stack(np.meshgrid(*[np.arange(0, 256, 1)] * 2, indexing='ij'), 0).reshape(2, -1)
+    for trial in range(40):
+        k = int(rng.integers(2, 7))
+        spread = 6 if trial % 2 else 256
+        palette = list(dict.fromkeys(tuple(int(v) for v in rng.integers(0, spread, 3)) for _ in range(k)))
+        ignore = [tuple(int(v) for v in rng.integers(0, 256, 3))] if trial % 3 == 0 else []
+        tol = default_palette_tolerance(palette) if trial % 4 else int(rng.integers(0, 40))
+        decode = PaletteDecoder(palette, tol, ignore, IGNORE)
+        # All 65536 colours of a random plane through the RGB cube, plus each entry's neighbourhood.
+        third = np.full((1, cube.shape[1]), int(rng.integers(0, 256)))
+        order = rng.permutation(3)
+        colours = np.concatenate([cube, third])[order]
+        near = np.concatenate([np.clip(np.array(e)[:, None] + rng.integers(-tol - 2, tol + 3, (3, 300)), 0, 255)
+                               for e in palette + ignore], 1)
+        colours = np.concatenate([colours, near], 1).astype(np.uint8)
+        entries = np.array(palette + ignore, np.int64)
+        d = np.abs(colours.T.astype(np.int64)[:, None, :] - entries[None]).max(-1)
+        values = np.array(list(range(len(palette))) + [IGNORE] * len(ignore))
+        expect = np.where(d.min(1) <= tol, values[d.argmin(1)], -1)
+        got = decode(colours.reshape(3, 1, -1)).reshape(-1)
+        np.testing.assert_array_equal(got, expect)
+
+
+def test_grey_coded_palette_labels_decode_to_their_classes(tmp_path):
+    """(0,0,0), (1,1,1), (2,2,2) fell in one 8-level bin: every pixel was class 2, mIoU 0, exit 0."""
+    rng = np.random.default_rng(0)
+    lab = rng.integers(0, 3, (64, 64)).astype(np.uint8)
+    img = write_tif(tmp_path / 'g_image.tif', rng.integers(1, 255, (3, 64, 64)).astype(np.uint8))
+    lbl = write_tif(tmp_path / 'g_label.tif', np.stack([lab] * 3), photometric='RGB')
+    ds = GeoTiffScenes([img], [lbl], crop_size=64, mode='grid', palette=[(0, 0, 0), (1, 1, 1), (2, 2, 2)])
+    np.testing.assert_array_equal(ds[0]['label'].numpy(), lab)
+
+
+@pytest.mark.parametrize('palette, named', [
+    ([(255, 255, 255, 255), (0, 0, 255, 255)], r"palette\[0\] is \(255, 255, 255, 255\); each colour must be an "
+                                               r"\(R, G, B\) triple of integers 0..255 \(drop the alpha"),
+    ([(0, 0, 300), (0, 0, 0)], r"palette\[0\] is \(0, 0, 300\)"),
+    ([(0, 0, 0.5), (0, 0, 0)], r"palette\[0\] is \(0, 0, 0.5\)"),
+    ([(1, 2, 3), (1, 2, 3)], r"palette gives the colour \(1, 2, 3\) to more than one class \(class_0, class_1\)"),
+])
+def test_palettes_that_cannot_decode_are_named(tmp_path, palette, named):
+    lab = np.zeros((3, 32, 32), np.uint8)
+    img = write_tif(tmp_path / 'p_image.tif', np.ones((3, 32, 32), np.uint8))
+    lbl = write_tif(tmp_path / 'p_label.tif', lab, photometric='RGB')
+    with pytest.raises(ValueError, match=named):
+        GeoTiffScenes([img], [lbl], crop_size=32, palette=palette, classes=2)
+
+
+# ------------------------------------------------------------------ normalisation statistics
+def test_computed_statistics_follow_the_selected_bands_in_their_order(tmp_path):
+    """bands=[3, 2, 1] of a 3-band file took the file-order statistics (same count): band 3 was
+    normalised with band 1's mean, and the checkpoint recorded it."""
+    rng = np.random.default_rng(0)
+    means = np.array([1000, 30000, 80])
+    image = (means[:, None, None] + rng.normal(0, [[[10]], [[500]], [[3]]], (3, 64, 64))).astype(np.uint16)
+    img = write_tif(tmp_path / 's_image.tif', image)
+    lbl = write_tif(tmp_path / 's_label.tif', rng.integers(0, 2, (64, 64)).astype(np.uint8))
+    for bands in ([3, 2, 1], [2, 3, 1], [3, 2], [1, 2, 3]):
+        ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=2, bands=bands)
+        np.testing.assert_allclose(ds.mean, [image[b - 1].mean() for b in bands], rtol=1e-4)
+        np.testing.assert_allclose(ds.std, [image[b - 1].std() for b in bands], rtol=1e-3)
+
+
+def test_statistics_leave_out_masked_pixels_and_read_every_scene(tmp_path):
+    """Alpha-masked pixels (0 under alpha 0) halved the mean; scenes after the fourth were never
+    read (a set of dark then bright patches got the dark ones' statistics)."""
+    rng = np.random.default_rng(0)
+    rgba = np.zeros((4, 64, 64), np.uint8)
+    rgba[:3, :, :32] = rng.normal(140, 10, (3, 64, 32)).clip(1, 255)
+    rgba[3, :, :32] = 255
+    with rasterio.open(tmp_path / 'alpha_image.tif', 'w', driver='GTiff', width=64, height=64, count=4,
+                       dtype='uint8', crs='EPSG:32632', transform=from_origin(500_000, 5_500_000, 0.1, 0.1),
+                       photometric='RGB', alpha='YES') as dst:
+        dst.write(rgba)
+    img = str(tmp_path / 'alpha_image.tif')
+    lbl = write_tif(tmp_path / 'alpha_label.tif', rng.integers(0, 2, (64, 64)).astype(np.uint8))
+    ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=2, bands=[1, 2, 3])
+    valid = rgba[:3, :, :32].reshape(3, -1).astype(np.float64)
+    np.testing.assert_allclose(ds.mean, valid.mean(1), rtol=1e-4)
+    np.testing.assert_allclose(ds.std, valid.std(1), rtol=1e-3)
+
+    folder = tmp_path / 'many'
+    folder.mkdir()
+    images, labels, values = [], [], []
+    for i in range(10):
+        level = 20 if i < 4 else 200
+        pixels = rng.normal(level, 5, (1, 32, 32)).clip(1, 255).astype(np.uint8)
+        values.append(pixels)
+        images.append(write_tif(folder / f'{i}_image.tif', pixels))
+        labels.append(write_tif(folder / f'{i}_label.tif', rng.integers(0, 2, (32, 32)).astype(np.uint8)))
+    ds = GeoTiffScenes(images, labels, crop_size=32, classes=2)
+    everything = np.concatenate([v.ravel() for v in values]).astype(np.float64)
+    np.testing.assert_allclose(ds.mean, [everything.mean()], rtol=1e-4)
+    np.testing.assert_allclose(ds.std, [everything.std()], rtol=1e-3)
+
+
+@pytest.mark.parametrize('kw, named', [
+    (dict(std=[0, 1, 1]), r"std=\[0, 1, 1\]: each band's std must be a finite number > 0"),
+    (dict(std=[1, -1, 1]), r"std=\[1, -1, 1\]: each band's std"),
+    (dict(mean=[1, float('nan'), 1]), r"mean=\[1, nan, 1\]: each band's mean must be a finite number"),
+    (dict(mean=['a', 1, 1]), r"mean=\['a', 1, 1\]: each band's mean"),
+])
+def test_a_given_std_of_zero_or_a_mean_that_is_no_number_is_refused(tmp_path, kw, named):
+    """std=0 was replaced by 1 without a word: the band trained in raw file units."""
+    img = write_tif(tmp_path / 'm_image.tif', np.full((3, 32, 32), 7, np.uint8))
+    lbl = write_tif(tmp_path / 'm_label.tif', np.zeros((32, 32), np.uint8))
+    with pytest.raises(ValueError, match=named):
+        GeoTiffScenes([img], [lbl], crop_size=32, classes=2, **kw)
+
+
+# ------------------------------------------------------------------ classes inferred from labels
+@pytest.mark.parametrize('dtype, nodata', [('float32', float('nan')), ('uint8', 200), ('uint16', 65535),
+                                           ('int16', -9999)])
+def test_inferred_class_count_leaves_out_the_label_nodata_tag(tmp_path, dtype, nodata):
+    """classes=None counted the nodata value as a class (NaN crashed int(); 200 gave 201
+    classes and then a refusal telling the user to remove the tag)."""
+    rng = np.random.default_rng(0)
+    lab = rng.integers(0, 3, (32, 32)).astype(dtype)
+    lab[:, :10] = nodata
+    img = write_tif(tmp_path / 'c_image.tif', rng.integers(1, 255, (3, 32, 32)).astype(np.uint8))
+    lbl = write_tif(tmp_path / 'c_label.tif', lab, nodata=nodata)
+    ds = GeoTiffScenes([img], [lbl], crop_size=32, mode='grid')
+    assert ds.num_classes == 3
+    got = ds[0]['label'].numpy()
+    assert (got[:, :10] == IGNORE).all() and (got[:, 10:] == lab[:, 10:]).all()
