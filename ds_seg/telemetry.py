@@ -134,6 +134,21 @@ class StepTimer:
                     data_wait_frac=sum(wait for _, _, wait in self._steps) / total)
 
 
+def new_archive(work_dir):
+    """A new, empty ``previous/<time>[-N]/`` folder: two archivings within a second never share
+    one (a file of the first would be replaced)."""
+    base = os.path.join(work_dir, 'previous', time.strftime('%Y%m%d-%H%M%S'))
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    for n in range(1000):
+        path = base if n == 0 else f'{base}-{n}'
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f'{base}: 1000 archives in one second')
+
+
 class RunLog:
     """Rank 0's writer for metrics.jsonl, eval.jsonl and tb/ (other ranks get a no-op)."""
 
@@ -183,10 +198,31 @@ class RunLog:
         old = [n for n in self.LOGS + ('tb', 'config.json', 'ds_config.json')
                if os.path.exists(os.path.join(self.work_dir, n))]
         if old:
-            archive = os.path.join(self.work_dir, 'previous', time.strftime('%Y%m%d-%H%M%S'))
-            os.makedirs(archive, exist_ok=True)
+            archive = new_archive(self.work_dir)
             for name in old:
                 os.replace(os.path.join(self.work_dir, name), os.path.join(archive, name))
+
+    def keep_replaced(self, files):
+        """On resume, before ``files`` ({name: object}) are written: those already in the work
+        dir that would change (a longer ``max_steps``, another world size...) move to
+        ``previous/<time>/``, the record of what the steps before this resume ran with."""
+        if not self.enabled:
+            return
+        changed = []
+        for name, obj in files.items():
+            try:
+                with open(os.path.join(self.work_dir, name)) as f:
+                    old = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if old != json.loads(json.dumps(obj, default=str)):
+                changed.append(name)
+        if changed:
+            archive = new_archive(self.work_dir)
+            for name in changed:
+                os.replace(os.path.join(self.work_dir, name), os.path.join(archive, name))
+            print(f"[ds_seg] {' and '.join(changed)} of the run before this resume "
+                  f"{'differs' if len(changed) == 1 else 'differ'} from this run's; kept in {archive}/", flush=True)
 
     def _repair_jsonl(self, name):
         path = os.path.join(self.work_dir, name)

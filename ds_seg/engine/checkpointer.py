@@ -9,6 +9,7 @@ this class is the one caller of it during training.
 import json
 import os
 
+import numpy as np
 import torch
 
 from .. import distributed
@@ -24,6 +25,11 @@ def data_normalisation(train_set):
                 mean=[float(v) for v in train_set.mean], std=[float(v) for v in train_set.std],
                 ignore_index=int(getattr(train_set, 'ignore_index', 255)),
                 dtype=getattr(train_set, 'file_dtype', None))
+
+
+def _short(values):
+    """A list of floats as a --cfg-options value, rounded to what float32 holds."""
+    return '[' + ','.join(f'{float(v):.7g}' for v in values or ()) + ']'
 
 
 def optimizer_family(ds_config):
@@ -193,6 +199,9 @@ class Checkpointer:
             raise ConfigError(f"--resume: {where} was trained for {len(classes)} classes but the data has "
                               f"{self.train_set.num_classes}; start a new run (load_from= an exported file "
                               "cannot help either: the classifier shape differs).")
+        refusal = self._data_refusal(marker, classes, where)
+        if refusal:
+            raise ConfigError(refusal)
         if marker.get('backend') != self.spec.backend:
             raise ConfigError(f"--resume: {where} is a {marker.get('backend')} checkpoint but this run uses "
                               f"--backend {self.spec.backend}; export it (launch/export.py) and use load_from=.")
@@ -217,6 +226,32 @@ class Checkpointer:
                 raise ConfigError(f"--resume: {where} holds a differently shaped model "
                                   f"({'; '.join(keys) or shown}); {len(differ)} tensor(s) differ, e.g. {shown}. "
                                   "Use the config it was trained with, or a new --work-dir.")
+
+    def _data_refusal(self, marker, classes, where):
+        """A resumed run goes on training the same model on the same inputs: other class names,
+        another pixel type or band selection, or other normalisation statistics (the data set
+        was changed, or its statistics recomputed) would change what the weights mean mid-run
+        and leave the checkpoint describing neither."""
+        fresh = "start a new run from its weights instead (launch/export.py, then load_from=)"
+        now = list(self.train_set.classes)
+        if classes is not None and list(classes) != now:
+            return (f"--resume: {where} was trained with classes {', '.join(classes)} but data.train has "
+                    f"{', '.join(now)}; give the same `classes` (in the same order), or {fresh}.")
+        saved, mine = marker.get('data') or {}, data_normalisation(self.train_set)
+        if saved.get('dtype') and mine['dtype'] and saved['dtype'] != mine['dtype']:
+            return (f"--resume: {where} was trained on {saved['dtype']} pixels but data.train holds {mine['dtype']}; "
+                    f"resume on the data it was trained on, or {fresh}.")
+        if saved.get('bands') is not None and list(saved['bands']) != mine['bands']:
+            return (f"--resume: {where} was trained on bands {saved['bands']} but data.train takes {mine['bands']}; "
+                    f"give data.train.bands={saved['bands']}, or {fresh}.")
+        for key in ('mean', 'std'):
+            old, new = saved.get(key), mine[key]
+            if old is not None and (len(old) != len(new) or not np.allclose(old, new, rtol=1e-5, atol=1e-6)):
+                return (f"--resume: {where} normalised its inputs with data.train.{key}={_short(old)} but this run "
+                        f"would use {_short(new)} (other scenes, or statistics recomputed); give "
+                        f"data.train.mean={_short(saved.get('mean'))} data.train.std={_short(saved.get('std'))} "
+                        f"to continue it, or {fresh}.")
+        return None
 
     def last_complete(self):
         return checkpoint.find_latest(self.root)

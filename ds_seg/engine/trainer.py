@@ -202,8 +202,11 @@ class Trainer:
                                                    COMPILE_WARMUP_STEPS if spec.compile_mode else 0),
                                   max_steps=cfg.train.max_steps,
                                   train_images=len(self.train_set), t_start=t_start)
-        self.log.write_json('config.json', cfg.to_dict())
-        self.log.write_json('ds_config.json', dict(spec.ds_config, ds_seg=spec.as_json()))
+        configs = {'config.json': cfg.to_dict(), 'ds_config.json': dict(spec.ds_config, ds_seg=spec.as_json())}
+        if self.step and distributed.is_main():
+            self.log.keep_replaced(configs)
+        for name, obj in configs.items():
+            self.log.write_json(name, obj)
 
     # ------------------------------------------------------------------------------------------
     def fit(self):
@@ -504,6 +507,19 @@ class Trainer:
         if tuple(v.classes) != tuple(t.classes):
             raise ConfigError(f"data.val's classes ({', '.join(v.classes)}) are not data.train's "
                               f"({', '.join(t.classes)}); give both the same `classes`.")
+        # Evaluation normalises the validation windows with the training set's statistics, in
+        # the training files' units and band order: another pixel type or order scores noise.
+        t_type, v_type = getattr(t, 'file_dtype', None), getattr(v, 'file_dtype', None)
+        if t_type and v_type and t_type != v_type:
+            raise ConfigError(f"data.val holds {v_type} pixels but data.train {t_type}: the model would see the "
+                              f"validation scenes in other units; convert them to {t_type} (gdal_translate -ot), "
+                              "or validate on scenes of the training set's type.")
+        t_bands, v_bands = getattr(t, 'bands', None), getattr(v, 'bands', None)
+        if (t_bands is not None and v_bands is not None and list(t_bands) != list(v_bands)
+                and getattr(t, 'num_file_bands', None) == getattr(v, 'num_file_bands', None)):
+            raise ConfigError(f"data.val takes bands {list(v_bands)} of its files but data.train bands "
+                              f"{list(t_bands)} of files with as many bands; give data.val the same `bands` "
+                              "(where the band order of the files really differs, reorder them with gdal_translate -b).")
 
     # Loss buffers that hold one value per class (CrossEntropy/Ohem class_weight, Focal alpha).
     _PER_CLASS_BUFFERS = ('class_weight', 'alpha')

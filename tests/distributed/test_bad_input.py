@@ -56,6 +56,7 @@ def _cases(tmp):
                              nodata=0)
     lbl_one_class = _write_tif(os.path.join(d, 'lbl_one_class.tif'), np.zeros((1, 64, 64), dtype=np.uint8))
     lbl2 = _write_tif(os.path.join(d, 'lbl2.tif'), rng.integers(0, 2, (1, 64, 64), dtype=np.uint8))
+    img16 = _write_tif(os.path.join(d, 'img16.tif'), rng.integers(0, 4000, (3, 64, 64), dtype=np.uint16))
     truncated = os.path.join(d, 'resnet_cut.pth')
     with open(truncated, 'wb') as f:   # the first half of a real weights file (a download cut short)
         import timm
@@ -149,12 +150,24 @@ def _cases(tmp):
         'val_bands': (_train_val(([img], [lbl], 6), ([img4], [lbl], 6)), None, []),
         'val_classes': (_train_val(([img], [lbl], 6), ([img], [lbl4], 4)), None, []),
         'val_dates': (_train_val(([img], [lbl], 6), ([[img, img_date2]], [lbl], 6)), None, []),
+        # evaluated with the training set's statistics and band order: scored noise, exit 0
+        'val_dtype': (_train_val(([img], [lbl], 6), ([img16], [lbl], 6)), None, []),
+        'val_band_order': (_train_val(([img], [lbl], 6), ([img], [lbl], 6)) + ['data.val.bands=[3,2,1]'], None, []),
         # trained first (see _run_cases), then resumed with another model / class count
         'resume_model': (_geotiff_data([img], [lbl]) + tiny[1:] + ['model.type=UNet', 'model.base_channels=8'],
                          None, ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         'resume_classes': (_geotiff_data([img], [lbl4], classes=4) + tiny + ['model.num_classes=4'],
                            None, ['--resume', os.path.join(tmp, 'trained6', 'checkpoints'),
                                   '--work-dir', os.path.join(tmp, 'other')]),
+        # resumed on other data: the weights' meaning changed mid-run without a word
+        'resume_class_names': (_geotiff_data([img], [lbl], classes=tuple('abcdef')) + tiny, None,
+                               ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
+        'resume_dtype': (_geotiff_data([img16], [lbl]) + tiny, None,
+                         ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
+        'resume_bands': (_geotiff_data([img], [lbl]) + tiny + ['data.train.bands=[3,2,1]'], None,
+                         ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
+        'resume_stats': (_geotiff_data([img], [lbl]) + tiny + ['data.train.mean=[1,2,3]'], None,
+                         ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         '_train6': (_geotiff_data([img], [lbl]) + tiny, None, ['--work-dir', os.path.join(tmp, 'trained6')]),
     }
 
@@ -236,6 +249,15 @@ EXPECTED = {
     'val_dates': ['data.val has 2 date(s) per scene but data.train has 1'],
     'resume_model': ['--resume', 'holds a UNetTiny model', 'builds UNet'],
     'resume_classes': ['--resume', 'trained for 6 classes', 'data has 4'],
+    'val_dtype': ['data.val holds uint16 pixels but data.train uint8', 'gdal_translate -ot'],
+    'val_band_order': ['data.val takes bands [3, 2, 1] of its files but data.train bands [1, 2, 3]'],
+    'resume_class_names': ['--resume', 'trained with classes class_0, class_1', 'data.train has a, b, c, d, e, f',
+                           'load_from='],
+    'resume_dtype': ['--resume', 'trained on uint8 pixels but data.train holds uint16'],
+    'resume_bands': ['--resume', 'trained on bands [1, 2, 3] but data.train takes [3, 2, 1]',
+                     'give data.train.bands=[1, 2, 3]'],
+    'resume_stats': ['--resume', 'normalised its inputs with data.train.mean=[', 'but this run would use [1,2,3]',
+                     'give data.train.mean=['],
 }
 
 

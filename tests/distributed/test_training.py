@@ -114,6 +114,8 @@ def test_resume_equals_uninterrupted(tmp_path, backend, stage):
     assert torch.equal(straight[0]['buffers'], resumed[0]['buffers'])
     steps = [row['step'] for row in read_jsonl(os.path.join(tmp, 'interrupted', 'metrics.jsonl'))]
     assert steps == list(range(1, 13)), 'metrics.jsonl keeps one row per step across the resume'
+    # The same configs: nothing of the interrupted run's record is set aside.
+    assert not os.path.exists(os.path.join(tmp, 'interrupted', 'previous'))
 
 
 def _check_load_from(tmp, weights_file, backend, stage, classes=None):

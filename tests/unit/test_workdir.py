@@ -87,3 +87,29 @@ def test_two_rollbacks_to_one_tag_keep_both_abandoned_branches(tmp_path):
         asides.append(set_aside_other_branch(str(tmp_path), str(root), 'step_00000002'))
     assert asides[0] != asides[1]
     assert all(os.listdir(os.path.join(a, 'checkpoints')) == ['step_00000004'] for a in asides)
+
+
+def test_a_resume_keeps_the_configs_it_replaces_by_different_ones(tmp_path, capsys):
+    """config.json was rewritten on every resume: after one with a longer max_steps or other
+    data, nothing said what the steps before it had run with."""
+    from ds_seg.telemetry import RunLog
+    work = str(tmp_path)
+    before = {'config.json': {'train': {'max_steps': 10}}, 'ds_config.json': {'zero_optimization': {'stage': 2}}}
+    for name, obj in before.items():
+        with open(os.path.join(work, name), 'w') as f:
+            json.dump(obj, f)
+    log = RunLog(work, enabled=True)
+    log.keep_replaced(before)                                  # a requeue: the same configs
+    assert not os.path.exists(os.path.join(work, 'previous'))
+    after = dict(before, **{'config.json': {'train': {'max_steps': 20}}})
+    log.keep_replaced(after)
+    kept = os.listdir(os.path.join(work, 'previous'))
+    assert len(kept) == 1 and os.listdir(os.path.join(work, 'previous', kept[0])) == ['config.json']
+    with open(os.path.join(work, 'previous', kept[0], 'config.json')) as f:
+        assert json.load(f) == before['config.json']
+    assert 'config.json of the run before this resume differs from this run' in capsys.readouterr().out
+    # A second change within the same second gets a folder of its own.
+    with open(os.path.join(work, 'config.json'), 'w') as f:
+        json.dump(after['config.json'], f)
+    log.keep_replaced(before)
+    assert len(os.listdir(os.path.join(work, 'previous'))) == 2
