@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import statistics
@@ -156,23 +157,64 @@ def derived_ds_config(name, micro_batch, total_steps, precision, on_gpu, ds_cpu_
     return ds
 
 
+TRAIN_MODULE = 'ds_seg.cli.train'
+
+
 def launch_command(launcher, nproc):
+    """The command that starts ``nproc`` ranks of the training module under ``launcher``."""
     if launcher == 'torchrun':
         return [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc),
-                '--master_port', str(_free_port())]
-    if launcher == 'deepspeed':
+                '--master_port', str(_free_port()), '-m', TRAIN_MODULE]
+    if launcher == 'deepspeed':  # its runner takes a module with --module, not python's -m
         exe = shutil.which('deepspeed') or os.path.join(os.path.dirname(sys.executable), 'deepspeed')
-        return [exe, '--num_gpus', str(nproc), '--master_port', str(_free_port())]
-    if nproc != 1:
-        raise SystemExit('benchmark: --launcher python starts one process; use --nproc 1 or torchrun/deepspeed.')
-    return [sys.executable]
+        return [exe, '--num_gpus', str(nproc), '--master_port', str(_free_port()), '--module', TRAIN_MODULE]
+    return [sys.executable, '-m', TRAIN_MODULE]  # one process (_check_args refuses --nproc > 1)
+
+
+# A label becomes a folder under --work-dir: a plain name, never a path (../x, /tmp, checkpoints/..).
+LABEL_PATTERN = re.compile(r'[A-Za-z0-9][A-Za-z0-9_.-]*')
+OUTPUTS = ('benchmark.json', 'benchmark.md', 'benchmark.png')
+RUN_SUFFIXES = ('', '_maxbatch', '_maxmodel', '_profile')
+
+
+def _made_by_a_benchmark(path):
+    """A run folder this command writes holds the command it ran (command.txt)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, 'command.txt'))
+
+
+def _earlier_results(work_dir, labels):
+    """``(ours, theirs)``: what this benchmark would write that is already in ``work_dir``,
+    split into an earlier benchmark's results and anything else (a training run's folder...)."""
+    ours, theirs = [], []
+    names = list(OUTPUTS) + [label + suffix for label in labels for suffix in RUN_SUFFIXES]
+    for name in names:
+        path = os.path.join(work_dir, name)
+        if not os.path.lexists(path):
+            continue
+        if name in OUTPUTS and os.path.isfile(path) or _made_by_a_benchmark(path):
+            ours.append(name)
+        else:
+            theirs.append(name)
+    return ours, theirs
+
+
+def set_aside_earlier_results(work_dir, names):
+    """Move an earlier benchmark's results to ``<work-dir>/previous/<time>/``: a new benchmark
+    never replaces (or mixes its rows with) one a user already has."""
+    from ds_seg.telemetry import new_archive
+    if not names:
+        return None
+    archive = new_archive(work_dir)
+    for name in names:
+        os.replace(os.path.join(work_dir, name), os.path.join(archive, name))
+    return archive
 
 
 def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
     """Train ``warmup + steps`` steps of one backend in fresh processes; returns (rc, output tail)."""
-    if os.path.isdir(work_dir):
-        shutil.rmtree(work_dir)  # a benchmark run is disposable; stale checkpoints would block it
-    os.makedirs(work_dir)
+    if _made_by_a_benchmark(work_dir):
+        shutil.rmtree(work_dir)  # this command's earlier probe: stale checkpoints would block the next
+    os.makedirs(work_dir)  # anything else there was refused or set aside by main()
     total = warmup + steps
     ds = derived_ds_config(name, micro_batch or args.micro_batch, total, args.precision, _has_cuda(),
                            args.ds_cpu_adam)
@@ -185,7 +227,7 @@ def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_opt
         options.append(f'train.peak_tflops={args.peak_tflops}')
     options += list(args.cfg_options) + list(extra_options)
     cmd = launch_command(args.launcher, args.nproc) + [
-        '-m', 'ds_seg.cli.train', '--backend', _backend(name)[0], '--deepspeed_config', ds_path,
+        '--backend', _backend(name)[0], '--deepspeed_config', ds_path,
         '--work-dir', work_dir, '--cfg-options', *options]
     if args.config:
         cmd[cmd.index('--backend'):cmd.index('--backend')] = ['--config', args.config]
@@ -354,7 +396,7 @@ def write_markdown(path, rows, meta):
              f"{meta['steps']} timed steps after {meta['warmup']} warm-up steps per backend.", '',
              f"Command: `{meta['command']}`", '',
              '| backend | ZeRO | precision | ranks | micro-batch | img/s | MP/s | step median s | step p90 s '
-             '| data wait | max mem MB | MFU | speed-up vs DDP | optimizer | compile s | NHWC |',
+             '| data wait | max mem MB | MFU | speed-up vs DDP (median step time) | optimizer | compile s | NHWC |',
              '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
     for r in rows:
         if r.get('error'):
@@ -406,7 +448,7 @@ def write_plot(path, rows, meta):
     ax.bar(names, [r['images_per_s'] for r in ok], color='tab:blue')
     for i, r in enumerate(ok):
         ax.text(i, r['images_per_s'], format_or_dash(r['speedup_vs_ddp'], '.2f') + 'x', ha='center', va='bottom', fontsize=8)
-    ax.set_ylabel('images / s (speed-up vs DDP on top)')
+    ax.set_ylabel('images / s (on top: speed-up vs DDP, by median step time)')
     ax.set_title('throughput')
     ax = axes[1]
     bottom = [0.0] * len(ok)
@@ -438,6 +480,10 @@ def _check_args(args):
     if unknown:
         return f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}, or LABEL=file.json"
     labels = [n.split('=', 1)[0] for n in names]
+    odd = [x for x in labels if not LABEL_PATTERN.fullmatch(x)]
+    if odd:
+        return (f"--backends label {odd[0]!r} is not a plain name (letters, digits, '_', '.', '-'): each run "
+                f"writes <work-dir>/<label>/, so a label may not be a path")
     twice = sorted({x for x in labels if labels.count(x) > 1})
     if twice:
         return f"--backends names {', '.join(twice)} twice; each run writes <work-dir>/<label>/"
@@ -447,6 +493,14 @@ def _check_args(args):
         value = getattr(args, flag)
         if value is not None and value < 1:
             return f"--{flag.replace('_', '-')} must be at least 1, got {value}"
+    if args.launcher == 'python' and (args.nproc or 1) != 1:
+        return f"--launcher python starts one process, but --nproc is {args.nproc}; use torchrun or deepspeed"
+    if os.path.exists(args.work_dir) and not os.path.isdir(args.work_dir):
+        return f"--work-dir {args.work_dir} is a file; give a folder"
+    _, theirs = _earlier_results(args.work_dir, labels)
+    if theirs:
+        return (f"--work-dir {args.work_dir} already holds {theirs[0]}, which no benchmark wrote (a benchmark "
+                "would replace it); give another --work-dir or another label (LABEL=file.json)")
     try:
         cfg = load_config(args.config, args.cfg_options)
         if cfg.model.type not in MODELS.module_dict:
@@ -470,13 +524,17 @@ def main(argv=None):
     on_gpu = _has_cuda()
     if args.nproc is None:
         import torch
-        args.nproc = torch.cuda.device_count() if on_gpu else 2
+        args.nproc = 1 if args.launcher == 'python' else torch.cuda.device_count() if on_gpu else 2
     if args.max_batch is None:
         args.max_batch = 1024 if on_gpu else 32
     if args.max_model is None:
         args.max_model = 256 if on_gpu else 4
     model_start = args.model_start or _option_value(args.cfg_options, args.find_max_model) or 1
     os.makedirs(args.work_dir, exist_ok=True)
+    archive = set_aside_earlier_results(args.work_dir, _earlier_results(args.work_dir, [n.split('=', 1)[0]
+                                                                                      for n in names])[0])
+    if archive:
+        print(f'[benchmark] the earlier results in {args.work_dir} moved to {archive}/', flush=True)
     meta = dict(config=args.config or 'default (UNet base 16, synthetic 128 px)', machine=machine_description(),
                 launcher=args.launcher, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
                 device='cuda' if on_gpu else 'cpu', max_batch=args.max_batch,

@@ -86,3 +86,29 @@ def test_profile_steps_writes_a_trace_of_exactly_those_steps(tmp_path):
     # Steps 0-1 are warm-up (untimed) and step 1 is the profiler's own warm-up: steps 2 and 3 are recorded.
     assert steps == ['ProfilerStep#2', 'ProfilerStep#3']
     assert any(e.get('name') == '[memory]' for e in events)  # profile_memory=True
+
+
+def test_deepspeed_and_python_launchers_and_a_second_benchmark_keeps_the_first(tmp_path):
+    """--launcher deepspeed ran `deepspeed ... -m ds_seg.cli.train` (its runner wants --module)
+    and every row failed; --launcher python failed late on its default of 2 ranks; a second
+    benchmark into the same --work-dir replaced the first one's table and run folders."""
+    work, cache = tmp_path / 'bench', tmp_path / 'cache'
+
+    def bench(*argv):
+        cmd = [sys.executable, 'launch/benchmark.py', '--config', TINY_CONFIG, '--backends', 'zero1',
+               '--steps', '1', '--warmup', '1', '--precision', 'fp32', '--micro-batch', '2', '--work-dir', str(work),
+               *argv, '--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}']
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f'{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}'
+        return proc.stdout, json.loads((work / 'benchmark.json').read_text())
+
+    _, first = bench('--launcher', 'deepspeed', '--nproc', '1')
+    assert first['launcher'] == 'deepspeed' and first['rows'][0]['world_size'] == 1
+    assert ' --module ds_seg.cli.train ' in (work / 'zero1' / 'command.txt').read_text()
+    out, second = bench('--launcher', 'python')
+    assert second['launcher'] == 'python' and second['nproc'] == 1 and second['rows'][0]['images_per_s'] > 0
+    (kept,) = (work / 'previous').iterdir()
+    assert 'moved to' in out and str(kept) in out
+    assert json.loads((kept / 'benchmark.json').read_text()) == first
+    assert sorted(p.name for p in kept.iterdir()) == ['benchmark.json', 'benchmark.md', 'benchmark.png', 'zero1']
+    assert 'deepspeed' in (kept / 'zero1' / 'command.txt').read_text()

@@ -220,9 +220,28 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     (['--micro-batch', '0'], '--micro-batch must be at least 1, got 0'),
     (['--cfg-options', 'model.type=Nope'], "model.type 'Nope' is not a registered model"),
     (['--cfg-options', 'train.log_interval=0'], '--cfg-options: train.log_interval must be a positive integer'),
+    # a label is a folder under --work-dir, which was deleted before the run: never a path
+    (['--backends', '../victim=ds_configs/zero1.json'], "--backends label '../victim' is not a plain name"),
+    (['--backends', '/tmp/x=ds_configs/zero1.json'], "--backends label '/tmp/x' is not a plain name"),
+    (['--nproc', '2'], '--launcher python starts one process, but --nproc is 2'),
 ])
 def test_what_would_fail_every_run_is_one_line_before_any(argv, message, tmp_path, capsys):
     assert benchmark.main(['--work-dir', str(tmp_path / 'bench'), '--launcher', 'python', *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith('benchmark: error: ') and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / 'bench').exists()  # no run was started, no folder made
+
+
+@pytest.mark.parametrize('existing', ['checkpoints', 'zero2', 'zero2_profile'])
+def test_a_folder_no_benchmark_wrote_is_refused_and_left_alone(existing, tmp_path, capsys):
+    """A label named like a training run's folder (checkpoints) had it deleted and replaced."""
+    work = tmp_path / 'run'
+    (work / existing).mkdir(parents=True)
+    (work / existing / 'precious.pt').write_text('weights')
+    label = existing.split('_')[0]
+    backends = 'zero2' if label == 'zero2' else f'{label}=ds_configs/zero2.json'
+    assert benchmark.main(['--work-dir', str(work), '--launcher', 'python', '--backends', backends]) == 2
+    err = capsys.readouterr().err
+    assert f'already holds {existing}, which no benchmark wrote' in err and len(err.strip().splitlines()) == 1
+    assert (work / existing / 'precious.pt').read_text() == 'weights'
+    assert sorted(p.name for p in work.iterdir()) == [existing]
