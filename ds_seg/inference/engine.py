@@ -34,6 +34,7 @@ class _Rows:
         self.nodata = np.zeros((h, w), bool)
 
 
+@torch.no_grad()  # the library calls (predict_scene(model, ...)) come without the CLIs' inference_mode
 def _softmax_probs(forward_fn, images_BCHW, device, tta):
     """Class probabilities (float32 numpy), averaged over flips; one forward per variant."""
     x = images_BCHW.to(device)

@@ -812,3 +812,23 @@ def test_window_refusal_blames_the_size_only_when_a_larger_window_runs():
     assert window_refusal(reads_a_value, 3, 24, device='meta') is None
     assert window_refusal(no_meta_kernel, 3, 24) == ("Could not run 'aten::foo' with arguments from the "
                                                      "'Meta' backend.", False)
+
+
+def test_the_library_calls_take_a_trainable_module_as_the_readme_shows(scene, tmp_path):
+    """predict_scene(model, ...) and evaluate_scenes(model, ...) with a module whose parameters
+    require gradients stopped at "Can't call numpy() on Tensor that requires grad": only the
+    CLIs, which wrap them in inference_mode, worked."""
+    path, img, _ = scene
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(2, K, 1)
+    assert all(p.requires_grad for p in model.parameters())
+    got, _ = predict_classes(model, path, tmp_path, mean=[1500, 1500], std=[900, 900], tile=64, overlap=16)
+    with torch.no_grad():
+        x = (torch.from_numpy(img.astype(np.float32))[None] - 1500) / 900
+        expect = model(x).argmax(1)[0].numpy()
+    valid = ~(img == NODATA).all(0)
+    np.testing.assert_array_equal(got[valid], expect[valid])  # a 1x1 conv: tiling cannot change it
+    label = str(tmp_path / 'label.tif')
+    _write_label(label, expect.astype(np.uint8))
+    res = inf.evaluate_scenes(model, [(path, label)], num_classes=K, mean=[1500, 1500], std=[900, 900], tile=64)
+    assert int(res['confusion'].trace()) == int(valid.sum()) == int(res['confusion'].sum())
