@@ -33,6 +33,7 @@ setup(
         'shapely>=2.0',   # polygon output (union of band pieces), vector labels (STRtree)
         'pyogrio>=0.7',   # GeoPackage / GeoJSON / FlatGeobuf reading and writing
         'pystac>=1.8',    # STAC Item / ItemCollection input
+        'matplotlib',     # evaluate.py's confusion.png and previews, the benchmark plot (mmengine needs it too)
     ],
     extras_require={
         'test': ['pytest>=7', 'pytest-timeout', 'matplotlib',

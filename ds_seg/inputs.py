@@ -90,20 +90,38 @@ def expand_inputs(paths, option='--input'):
     return files
 
 
+def _name_parts(path):
+    """The folder and file names that can name an output: a URL's path without its query
+    (``https://h/x/a.tif?token=...`` -> ``x``, ``a.tif``), else the absolute path's."""
+    if '://' in path:
+        from urllib.parse import unquote, urlsplit
+        url = urlsplit(path)
+        return [url.netloc] + [unquote(n) for n in url.path.split('/') if n]
+    return os.path.normpath(os.path.abspath(path)).split(os.sep)
+
+
+def _same_key(path):
+    return os.path.realpath(path) if os.path.exists(path) else path
+
+
 def output_stems(inputs):
     """One output name stem per input, unique even when two inputs share a file name (parent
     folder names are prepended to the clashing ones: ``a/x.tif``, ``b/x.tif`` -> ``a_x``, ``b_x``)
     or differ only in the extension (``x.tif``, ``x.png`` -> ``x_tif``, ``x_png``). Only the
-    same file given twice is refused."""
-    parts = [os.path.normpath(os.path.abspath(p)).split(os.sep) for p in inputs]
-    same = [os.path.realpath(p) if os.path.exists(p) else os.sep.join(q) for p, q in zip(inputs, parts)]
-    for path in same:
-        twice = [inputs[j] for j, other in enumerate(same) if other == path]
+    same file given twice is refused. An input may be a list of dates (one scene of a time
+    series): named after its first date, refused only when every date repeats another scene's."""
+    scenes = [tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in inputs]
+    keys = [tuple(_same_key(d) for d in scene) for scene in scenes]
+    for key in keys:
+        twice = [','.join(scenes[j]) for j, other in enumerate(keys) if other == key]
         if len(twice) > 1:
-            raise ConfigError(f'--input: {", ".join(twice)} are the same file given twice; give it once.')
+            what = 'scene' if len(key) > 1 else 'file'
+            raise ConfigError(f'--input: {", ".join(twice)} are the same {what} given twice; give it once.')
+    inputs = [scene[0] for scene in scenes]
+    parts = [_name_parts(p) for p in inputs]
     # x.tif next to x.png: no parent folder tells them apart, the extension does
     roots = [os.path.splitext(os.sep.join(q))[0] for q in parts]
-    keep_ext = [roots.count(r) > 1 for r in roots]
+    keep_ext = [sum(r == other and p != q for other, q in zip(roots, parts)) > 0 for r, p in zip(roots, parts)]
     depth = [1] * len(inputs)
 
     def stem(i):
@@ -114,7 +132,10 @@ def output_stems(inputs):
 
     while True:
         stems = [stem(i) for i in range(len(inputs))]
-        clashing = [i for i, s in enumerate(stems) if stems.count(s) > 1 and depth[i] < len(parts[i])]
+        # Scenes of one first date (two time series sharing a baseline) cannot be told apart by
+        # its name: they are numbered below.
+        clashing = [i for i, s in enumerate(stems) if depth[i] < len(parts[i]) and
+                    any(stems[j] == s and parts[j] != parts[i] for j in range(len(stems)))]
         if not clashing:
             break
         for i in clashing:
@@ -242,10 +263,13 @@ def check_bands(path, bands, in_channels=None, option='--input'):
     """The bands the model was trained on must exist in the raster."""
     import rasterio
 
-    from .data.raster import gdal_path, raster_env
+    from .data.raster import complex_refusal, gdal_path, raster_env
     from rasterio.enums import ColorInterp
     with raster_env(path), rasterio.open(gdal_path(path)) as src:
         count = src.count
+        refusal = complex_refusal(path, src.dtypes[0])
+        if refusal:
+            raise ConfigError(f'{option}: {refusal}')
         # One band of colour-table indices: the colours the model was trained on are in the table
         palette = count == 1 and src.colorinterp[0] == ColorInterp.palette
     wanted = list(bands) if bands else list(range(1, count + 1))

@@ -63,11 +63,14 @@ def save_preview_png(preview, classes, path, bands=None):
     import matplotlib.pyplot as plt
     import rasterio
     pred, truth, step = preview['prediction'], preview['truth'], preview['step']
-    with rasterio.open(preview['image']) as src:
-        idx = (bands or list(range(1, src.count + 1)))[:3]
+    # A time series shows its first date (its bands are the first of the model's).
+    image = preview['image'][0] if isinstance(preview['image'], (list, tuple)) else preview['image']
+    with rasterio.open(image) as src:
+        idx = [b for b in (bands or range(1, src.count + 1)) if b <= src.count][:3] or [1]
         img = src.read(idx, out_shape=(len(idx),) + pred.shape).astype(np.float64)
-    lo, hi = np.percentile(img, 2), np.percentile(img, 98)
-    img = np.clip((img - lo) / max(hi - lo, 1e-9), 0, 1).transpose(1, 2, 0)
+    finite = np.isfinite(img)  # NaN nodata made both percentiles NaN: a blank picture
+    lo, hi = np.percentile(img[finite], (2, 98)) if finite.any() else (0.0, 1.0)
+    img = np.clip((np.where(finite, img, lo) - lo) / max(hi - lo, 1e-9), 0, 1).transpose(1, 2, 0)
     if img.shape[2] == 1:
         img = np.repeat(img, 3, axis=2)
     lut = np.zeros((256, 3), np.uint8)
@@ -77,7 +80,7 @@ def save_preview_png(preview, classes, path, bands=None):
         ax.imshow(im, interpolation='nearest')
         ax.set_title(title)
         ax.axis('off')
-    fig.suptitle(f'{os.path.basename(preview["image"])} (every {step}th pixel)')
+    fig.suptitle(f'{os.path.basename(image)} (every {step}th pixel)')
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -178,6 +181,21 @@ def build_scenes(args, info, cfg):
     return list(zip(images, labels)), list(classes)
 
 
+def check_dates(scenes, info):
+    """A model of one date scored only the first date of a time-series data.val (its bands are
+    the first file's); a time-series model on one date was a riddle about mean/std lengths."""
+    if not hasattr(scenes, 'num_dates'):  # --images/--labels: one file per scene, its bands checked
+        return
+    model = info.get('model') or {}
+    model_dates, data_dates = model.get('num_dates') or 1, scenes.num_dates
+    stacked = (data_dates == 1 and model_dates > 1 and hasattr(scenes, 'in_channels')
+               and scenes.in_channels == model.get('in_channels'))  # every date's bands in one file
+    if data_dates != model_dates and not stacked:
+        raise ValueError(f"data.val has {data_dates} date(s) per scene but the model ({model.get('type')}) takes "
+                         f"{model_dates}; give data.val images of {model_dates} date(s) per scene "
+                         f"(images=[[a_may.tif, a_aug.tif], ...] for a time series)")
+
+
 def output_files(args):
     """eval.json, confusion.png and preview_0.png .. preview_<--previews - 1>.png in --output."""
     names = ['eval.json', 'confusion.png'] + [f'preview_{i}.png' for i in range(max(args.previews, 0))]
@@ -248,6 +266,7 @@ def _run(args):
     # and refused as 'a text file'.
     model, info = load_forward(args.checkpoint, device, args.cpu_threads)
     scenes, classes = build_scenes(args, info, cfg)
+    check_dates(scenes, info)
     mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)
     # Scenes of a dataset (--config) or (image, label) pairs (--images/--labels).
     images = [p for s in scenes.scenes for p in s.get('dates', (s['image'],))] if hasattr(scenes, 'scenes') \

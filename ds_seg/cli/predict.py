@@ -219,6 +219,41 @@ def check_pixel_type(path, info, args):
                               f"give --mean and --std for its units")
 
 
+def _written_by_predict(path, kind):
+    """Whether ``path`` is a ``kind`` ('probs' or 'vector') output of an earlier predict: its
+    probability tags, or exactly the polygon fields the vectoriser writes. Anything else of that
+    name (a user's own file) is not ours to remove."""
+    try:
+        if kind == 'probs':
+            import rasterio
+            with rasterio.open(path) as src:
+                tags = src.tags()
+            return tags.get('scale') == '1/250' and 'classes' in tags
+        import pyogrio
+        fields = list(pyogrio.read_info(path)['fields'])
+        return fields in (['class_id', 'class_name', 'area_m2'], ['class_id', 'class_name', 'area_m2', 'mean_prob'])
+    except Exception:  # unreadable, or not a raster/vector at all: not one of ours
+        return False
+
+
+def remove_earlier_outputs(out, probs, vector, inputs):
+    """After ``--overwrite`` wrote the class map ``out``: an earlier run's probabilities or
+    polygons of the same scene that this run did not write would sit beside it as if they were
+    its own. Removed when an earlier predict wrote them and they are no input of this run."""
+    from ds_seg.vectorize import DRIVERS
+    stem = out[:-len('_classes.tif')]
+    candidates = [] if probs else [(stem + '_probs.tif', 'probs', 'probabilities', '--probs')]
+    if not vector:
+        candidates += [(f'{stem}_classes{ext}', 'vector', 'polygons', '--vector') for ext in DRIVERS]
+    real_inputs = {os.path.realpath(p) for p in inputs if os.path.exists(p)}
+    for path, kind, what, option in candidates:
+        if (os.path.isfile(path) and os.path.realpath(path) not in real_inputs
+                and _written_by_predict(path, kind)):
+            os.remove(path)
+            print(f"[predict] removed {path}: an earlier run's {what}, not this class map's "
+                  f"(--overwrite without {option})", flush=True)
+
+
 def _band_count(path):
     from ds_seg.data.raster import open_raster
     with open_raster(path) as src:
@@ -251,7 +286,7 @@ def _run(args):
     inputs = [p for s in scenes for p in (s if isinstance(s, list) else [s])]
     check_checkpoint_option(args.checkpoint)
     check_output_folder(args.output)
-    stems = output_stems(firsts)
+    stems = output_stems(scenes)
     outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
                for stem in stems]
     check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
@@ -298,12 +333,8 @@ def _run(args):
             print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
                   f'{stats["windows"]} windows in {stats["seconds"]:.1f} s '
                   f'({stats["windows"] / max(stats["seconds"], 1e-9):.1f} windows/s)', flush=True)
-            stale = out[:-len('_classes.tif')] + '_probs.tif'
-            if args.overwrite and not probs and os.path.isfile(stale):
-                # An earlier run's probabilities would sit beside this class map as if they were its own.
-                os.remove(stale)
-                print(f'[predict] removed {stale}: an earlier run\'s probabilities, not this class map\'s '
-                      f'(--overwrite without --probs)', flush=True)
+            if args.overwrite:
+                remove_earlier_outputs(out, probs, vector, inputs)
         if vector and distributed.is_main():  # the joined class map is complete here
             t = time.perf_counter()
             v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],

@@ -61,9 +61,9 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (DataError, StackedRaster, alpha_bands, file_identity, gdal_path, is_remote, label_nodata,
-                     nodata_mask, open_raster, raster_env, read_error, read_window, same_file_key, same_pixels,
-                     same_value, uses_mask_band)
+from .raster import (DataError, StackedRaster, alpha_bands, complex_refusal, file_identity, gdal_path, is_remote,
+                     label_nodata, nodata_mask, open_raster, raster_env, read_error, read_window, same_file_key,
+                     same_pixels, same_value, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -270,6 +270,9 @@ def inspect_pair(image, label, palette=None):
     bands); returns what the dataset needs to know of the scene. Shared with evaluation."""
     img, lbl = open_raster(image), open_raster(label)
     with img, lbl:
+        refusal = complex_refusal(image, img.dtypes[0]) or complex_refusal(label, lbl.dtypes[0])
+        if refusal:
+            raise DataError(refusal)
         if (img.width, img.height) != (lbl.width, lbl.height):
             raise DataError(f"image {image} is {img.width}x{img.height} but label {label} is "
                             f"{lbl.width}x{lbl.height}; they must have the same size")
@@ -551,6 +554,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             if self.palette is not None:
                 raise DataError(f"labels {label}: a vector file has no colours; drop `palette`")
             with open_raster(image) as img:
+                if complex_refusal(image, img.dtypes[0]):
+                    raise DataError(complex_refusal(image, img.dtypes[0]))
                 return dict(image=image, label=label, width=img.width, height=img.height,
                             count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img),
                             dtype=img.dtypes[0], floating=np.dtype(img.dtypes[0]).kind == 'f', vector=True,

@@ -370,6 +370,16 @@ def source_name(src):
     return name
 
 
+def complex_refusal(path, dtype):
+    """The one line for a raster of complex pixels (SAR SLC, interferograms), or None: numpy
+    would drop the imaginary part with a warning and the model learn from half the signal."""
+    if np.dtype(dtype).kind != 'c':
+        return None
+    return (f"{path} holds complex ({dtype}) pixels; segmentation takes real bands: derive them first "
+            f"(amplitude/phase or real/imaginary parts, e.g. gdal_translate -ot Float32 for the real part, or a "
+            f"VRT with a derived band)")
+
+
 def label_nodata(raw, nodata):
     """Pixels of a label raster that hold its nodata value (NaN-aware): unlabelled, so
     ``ignore_index``, whatever the value (-9999, NaN, 65535). None where there are none."""

@@ -197,3 +197,14 @@ def test_inferred_class_count_leaves_out_the_label_nodata_tag(tmp_path, dtype, n
     assert ds.num_classes == 3
     got = ds[0]['label'].numpy()
     assert (got[:, :10] == IGNORE).all() and (got[:, 10:] == lab[:, 10:]).all()
+
+
+def test_complex_pixels_are_refused_not_cut_to_their_real_part(tmp_path):
+    """numpy dropped the imaginary part of a complex64 scene with one ComplexWarning."""
+    from ds_seg.data.raster import DataError
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'slc_image.tif', (rng.normal(size=(2, 32, 32)) + 1j).astype(np.complex64))
+    lbl = write_tif(tmp_path / 'slc_label.tif', rng.integers(0, 2, (32, 32)).astype(np.uint8))
+    with pytest.raises(DataError, match=r"slc_image.tif holds complex \(complex64\) pixels; segmentation takes "
+                                        r"real bands"):
+        GeoTiffScenes([img], [lbl], crop_size=32, classes=2)

@@ -780,6 +780,26 @@ def test_overwrite_without_probs_removes_the_earlier_runs_probabilities(tmp_path
     assert predict.main(common + ['--overwrite']) == 0
     assert not (out / 'scene_probs.tif').exists() and (out / 'scene_classes.tif').exists()
     assert 'removed' in capsys.readouterr().out
+    # The earlier run's polygons go the same way; a file of that name that predict did not
+    # write (the user's own), and an input of this run, are never removed.
+    assert predict.main(common + ['--overwrite', '--vector', 'gpkg']) == 0
+    assert (out / 'scene_classes.gpkg').exists()
+    assert predict.main(common + ['--overwrite']) == 0
+    assert not (out / 'scene_classes.gpkg').exists()
+    (out / 'scene_probs.tif').write_bytes(b'my own notes')
+    assert predict.main(common + ['--overwrite']) == 0
+    assert (out / 'scene_probs.tif').read_bytes() == b'my own notes'
+    import shutil
+    shutil.copy(scene, out / 'x.tif')
+    assert predict.main(common + ['--probs', '--input', str(out / 'x.tif'), '--overwrite']) == 0
+    probs_as_input = out / 'x_probs.tif'
+    assert probs_as_input.exists()
+    capsys.readouterr()
+    assert predict.main(common + ['--input', str(probs_as_input), str(out / 'x.tif'), '--overwrite',
+                                  '--mean', '0', '0', '0', '--std', '1', '1', '1']) == 0
+    assert probs_as_input.exists(), 'an input of the run was removed'
+    assert (out / 'scene_probs.tif').read_bytes() == b'my own notes'
+    assert 'removed' not in capsys.readouterr().out
 
 
 def test_window_refusal_blames_the_size_only_when_a_larger_window_runs():
@@ -832,3 +852,17 @@ def test_the_library_calls_take_a_trainable_module_as_the_readme_shows(scene, tm
     _write_label(label, expect.astype(np.uint8))
     res = inf.evaluate_scenes(model, [(path, label)], num_classes=K, mean=[1500, 1500], std=[900, 900], tile=64)
     assert int(res['confusion'].trace()) == int(valid.sum()) == int(res['confusion'].sum())
+
+
+def test_predict_refuses_complex_pixels(tmp_path, capsys):
+    from ds_seg.cli import predict
+    weights, _, _ = _cli_files(tmp_path, 'UNetTiny')
+    scene = str(tmp_path / 'slc.tif')
+    with rasterio.open(scene, 'w', driver='GTiff', width=40, height=40, count=3, dtype='complex64',
+                       crs='EPSG:32632', transform=TRANSFORM) as dst:
+        dst.write((np.ones((3, 40, 40)) + 2j).astype(np.complex64))
+    assert predict.main(['--checkpoint', weights, '--input', scene, '--output', str(tmp_path / 'out'),
+                         '--mean', '0', '0', '0', '--std', '1', '1', '1']) == 2
+    err = capsys.readouterr().err
+    assert 'slc.tif holds complex (complex64) pixels' in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / 'out').exists()

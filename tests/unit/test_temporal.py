@@ -1,4 +1,5 @@
 """Time series: dated rasters stacked T x C, a shared-encoder temporal model, prediction."""
+import json
 import re
 import shutil
 
@@ -255,3 +256,32 @@ def test_dates_on_one_grid_to_float_noise_are_accepted_and_one_file_as_two_dates
             GeoTiffScenes([[t0, second]], [label], classes=2, mean=[127.5], std=[64.0], crop_size=32)
         with pytest.raises(DataError, match=message):
             StackedRaster([t0, second])
+
+
+def test_evaluate_a_time_series_val_and_refuse_a_one_date_model_on_it(tmp_path, capsys):
+    """evaluate.py on a data.val of dated scenes stopped with a traceback while drawing the
+    preview (the scene's image is a list of dates); a model of one date scored the first date of
+    each scene only, with exit 0."""
+    from ds_seg.cli import evaluate
+    (t0, t1), label = _change_scene(tmp_path, 'e', 5)
+    config = tmp_path / 'series.py'
+    config.write_text(f"data = dict(val=dict(type='GeoTiffScenes', images=[[{t0!r}, {t1!r}]], labels=[{label!r}], "
+                      f"classes=('same', 'changed'), mean=[127.5], std=[64.0]), crop_size=32)\n")
+    torch.manual_seed(0)
+    for name, cfg in (('series', dict(type='TinyTemporalSegFormer', num_dates=2, in_channels=2, num_classes=2)),
+                      ('single', dict(type='UNetTiny', in_channels=1, num_classes=2))):
+        torch.save({'state_dict': build(MODELS, cfg).state_dict(), 'model': cfg, 'classes': ['same', 'changed'],
+                    'data': {'bands': [1], 'mean': [127.5] * cfg['in_channels'], 'std': [64.0] * cfg['in_channels']}},
+                   tmp_path / f'{name}.pt')
+    out = tmp_path / 'series_eval'
+    assert evaluate.main(['--checkpoint', str(tmp_path / 'series.pt'), '--config', str(config), '--output', str(out),
+                          '--tile', '32', '--overlap', '8', '--previews', '1']) == 0
+    assert (out / 'preview_0.png').stat().st_size > 1000
+    assert int(np.sum(json.loads((out / 'eval.json').read_text())['confusion'])) == S * S
+    capsys.readouterr()
+    code = evaluate.main(['--checkpoint', str(tmp_path / 'single.pt'), '--config', str(config),
+                          '--output', str(tmp_path / 'single_eval'), '--tile', '32'])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert 'data.val has 2 date(s) per scene but the model (UNetTiny) takes 1' in err
+    assert not (tmp_path / 'single_eval').exists()

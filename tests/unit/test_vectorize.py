@@ -304,3 +304,18 @@ def test_area_is_ground_square_metres_in_web_mercator_as_in_utm(tmp_path):
         areas[crs] = float(area[class_id == 1][0])
     assert areas['EPSG:32632'] == pytest.approx(10_000, rel=1e-6)
     assert areas['EPSG:3857'] == pytest.approx(10_000, rel=0.01), areas
+
+
+def test_output_names_of_signed_urls_and_of_time_series_sharing_a_date():
+    """A URL's query named the output (base.tif?v=1_classes.tif; ?token=a/b gave b_classes.tif);
+    two time series with one baseline date were refused as the same file given twice."""
+    from ds_seg.config import ConfigError
+    from ds_seg.inputs import output_stems
+    assert output_stems(['http://127.0.0.1:8000/base.tif?v=1.5', 'https://h/d/small.tif?token=a/b&x=%2F']) == \
+        ['base', 'small']
+    assert output_stems(['https://h/x/a.tif?s=1', 'https://g/x/a.tif']) == ['h_x_a', 'g_x_a']
+    assert output_stems([['/d/t_may.tif', '/d/t_aug.tif'], ['/d/t_may.tif', '/d/t_oct.tif']]) == ['t_may', 't_may_2']
+    with pytest.raises(ConfigError, match='/d/a.tif,/d/b.tif, /d/a.tif,/d/b.tif are the same scene given twice'):
+        output_stems([['/d/a.tif', '/d/b.tif'], ['/d/a.tif', '/d/b.tif']])
+    with pytest.raises(ConfigError, match='the same file given twice'):
+        output_stems(['https://h/a.tif?s=1', 'https://h/a.tif?s=1'])
