@@ -332,6 +332,23 @@ def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
     assert 'exit 75, not a failure' in out and 'Traceback' not in out and 'ChildFailedError' not in out
 
 
+@pytest.mark.parametrize('nproc', [None, '0', 'two'])
+def test_sbatch_template_without_gpus_or_ranks_fails_instead_of_completing(tmp_path, nproc):
+    """No nvidia-smi, no SLURM_GPUS_ON_NODE, no NPROC_PER_NODE: the template started 0 ranks and
+    exited 0, so Slurm marked the job COMPLETED with nothing trained."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    for tool in ('bash', 'hostname', 'wc', 'cat'):  # a PATH without nvidia-smi
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'NPROC_PER_NODE'))}
+    env.update(PATH=str(bin_dir), WORK_DIR=str(tmp_path / 'work'), **({'NPROC_PER_NODE': nproc} if nproc else {}))
+    proc = subprocess.run([str(bin_dir / 'bash'), str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch')], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert 'no GPU found' in proc.stderr and 'set NPROC_PER_NODE' in proc.stderr
+    assert not (tmp_path / 'work').exists()
+
+
 # Stand-ins for the commands the templates run before they start the ranks (a GPU count, the
 # allocation's host names: seconds on a busy node), slow on purpose, and for srun (every task here).
 SLOW_NVIDIA_SMI = """#!/usr/bin/env bash
