@@ -1,4 +1,18 @@
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class FreshBuildPy(build_py):
+    """Start the package's build folder empty: setuptools reuses build/lib, so a module deleted
+    from the checkout (or a renamed config) went on shipping in every later wheel."""
+
+    def run(self):
+        shutil.rmtree(os.path.join(self.build_lib, 'ds_seg'), ignore_errors=True)
+        super().run()
+
 
 # The DeepSpeed JSONs and example configs live at the top of the checkout (ds_configs/, configs/)
 # and are installed inside the package as ds_seg/ds_configs and ds_seg/configs (the sbatch
@@ -14,12 +28,13 @@ setup(
     name='ds_seg',
     version='0.1.0',
     description='DeepSpeed training for large semantic-segmentation models on aerial imagery',
-    long_description=open('README.md').read() if __import__('os').path.exists('README.md') else '',
+    long_description=open('README.md').read() if os.path.exists('README.md') else '',
     long_description_content_type='text/markdown',
     packages=find_packages(include=['ds_seg', 'ds_seg.*']) + list(SHIPPED),
     package_dir={pkg: folder for pkg, (folder, _) in SHIPPED.items()},
     package_data={pkg: patterns for pkg, (_, patterns) in SHIPPED.items()},
     entry_points={'console_scripts': CONSOLE_SCRIPTS},
+    cmdclass={'build_py': FreshBuildPy},
     python_requires='>=3.9',
     install_requires=[
         'torch>=2.6',      # torch.compiler.is_exporting, the torch.export-based ONNX exporter

@@ -25,6 +25,17 @@ from mmengine.config import Config
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = Path(__file__).resolve().parent
 
+# setup.py's extras, by the packages they install (a wheel user has no checkout for -e '.[x]').
+_EXTRAS = {'onnx': 'onnx onnxscript onnxruntime', 'mlflow': 'mlflow-skinny', 'wandb': 'wandb'}
+
+
+def extra_hint(extra):
+    """How to install an optional extra, for this installation: in a checkout ``pip install -e
+    '.[onnx]'``, else the packages themselves."""
+    if (REPO_ROOT / 'setup.py').is_file() and (REPO_ROOT / 'ds_seg').resolve() == PACKAGE_DIR:
+        return f"pip install -e '.[{extra}]' in the checkout ({REPO_ROOT})"
+    return f"pip install {_EXTRAS[extra]}"
+
 
 def _shipped_dir(name, source=None):
     """``ds_seg/<name>`` in an installed wheel (setup.py maps the checkout's folder there), else the

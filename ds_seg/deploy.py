@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .config import ConfigError
+from .config import ConfigError, extra_hint
 
 INPUT, OUTPUT = 'images_BCHW', 'logits_BKHW'
 FORMATS = {'onnx': '.onnx', 'torch-export': '.pt2'}
@@ -134,7 +134,7 @@ def export_onnx(model, out, info, work_dir=None, step=None):
         import onnx
         import onnxscript  # noqa: F401  (torch's exporter translates through it)
     except ImportError as exc:
-        raise ConfigError(f"--format onnx needs the {exc.name} package: pip install -e '.[onnx]'.") from exc
+        raise ConfigError(f"--format onnx needs the {exc.name} package: {extra_hint('onnx')}.") from exc
     from torch.export import Dim
     refuse_existing(out, *card_paths(out))
     model = model.eval().cpu()
@@ -223,11 +223,16 @@ def load_onnx(path, threads=None):
     if not os.path.isfile(path):
         raise FileNotFoundError(f'--checkpoint: {path} does not exist')
     try:
+        import onnxruntime  # noqa: F401
+    except ImportError:  # the file may be fine: the runtime is what is missing
+        raise ConfigError(f"--checkpoint {path}: running an ONNX model needs onnxruntime, which is not installed: "
+                          f"{extra_hint('onnx')}") from None
+    try:
         forward = OnnxForward(path, threads)
     except Exception as exc:  # onnxruntime's InvalidProtobuf, InvalidGraph, Fail: not a model it runs
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise ConfigError(f'--checkpoint: {path} is not an ONNX model onnxruntime can load ({reason}); give a '
-                          'file from launch/export.py --format onnx') from None
+                          'file from ds-seg-export (launch/export.py) --format onnx') from None
     meta = forward.session.get_modelmeta().custom_metadata_map
     card = json.loads(meta['ds_seg']) if 'ds_seg' in meta else {}
     data = {k: card.get(k) for k in ('bands', 'mean', 'std', 'ignore_index', 'dtype')} if card.get('mean') else None

@@ -10,7 +10,7 @@ Example (experiment config)::
 import json
 import os
 
-from .config import ConfigError
+from .config import ConfigError, extra_hint
 
 KNOWN = ('tensorboard', 'mlflow', 'wandb')
 
@@ -38,7 +38,7 @@ class MLflowTracker:
         try:
             import mlflow
         except ImportError as exc:
-            raise ConfigError("log.trackers: 'mlflow' needs the mlflow client; pip install -e '.[mlflow]' "
+            raise ConfigError(f"log.trackers: 'mlflow' needs the mlflow client: {extra_hint('mlflow')} "
                               "(mlflow-skinny is enough).") from exc
         self.mlflow = mlflow
         uri = log_cfg.get('mlflow_tracking_uri') or 'file://' + os.path.abspath(os.path.join(work_dir, 'mlruns'))
@@ -76,7 +76,7 @@ class WandbTracker:
         try:
             import wandb
         except ImportError as exc:
-            raise ConfigError("log.trackers: 'wandb' needs the wandb client; pip install -e '.[wandb]'.") from exc
+            raise ConfigError(f"log.trackers: 'wandb' needs the wandb client: {extra_hint('wandb')}.") from exc
         self.wandb = wandb
         # create_new: this run's own handle (every call below goes through it), never a user's
         # wandb.run of the same process finished or reused behind their back.

@@ -27,6 +27,11 @@ def _build_wheel(tmp):
         shutil.copytree(REPO_ROOT / name, os.path.join(src, name), ignore=skip)
     for name in ('setup.py', 'README.md'):
         shutil.copy(REPO_ROOT / name, src)
+    # What an earlier build of a checkout leaves behind (git ignores build/): a module since
+    # deleted from the source, which setuptools went on packing into every wheel.
+    os.makedirs(os.path.join(src, 'build', 'lib', 'ds_seg'))
+    with open(os.path.join(src, 'build', 'lib', 'ds_seg', 'deleted_module.py'), 'w') as f:
+        f.write('raise ImportError("stale")\n')
     cmd = [sys.executable, '-m', 'pip', 'wheel', '--no-deps', '-q', '-w', os.path.join(tmp, 'dist'), src]
     if find_spec('setuptools'):
         cmd.insert(-1, '--no-build-isolation')  # no download of a build backend when one is here
@@ -69,6 +74,7 @@ def test_wheel_contents_and_console_scripts_from_a_fresh_venv(tmp_path):
     templates = sorted(p.name for p in (REPO_ROOT / 'launch' / 'slurm').glob('*.sbatch'))
     assert len(templates) == 2 and {f'ds_seg/slurm/{n}' for n in templates} <= names
     assert not [n for n in names if n.startswith(('tests/', 'launch/'))]
+    assert 'ds_seg/deleted_module.py' not in names, 'a stale build/ file was packed'
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith('entry_points.txt'))).decode()
     for name in SCRIPTS:

@@ -235,3 +235,23 @@ def test_evaluate_runs_the_onnx_file_like_the_weights_and_others_name_it(weights
     refused = _run('export.py', onnx_file, '--format', 'torch-export', '--out', str(tmp / 'from_onnx.pt2'), ok=False)
     assert 'is an ONNX model' in refused.stderr and 'Traceback' not in refused.stderr
     assert not (tmp / 'from_onnx.pt2').exists()
+
+
+def test_a_missing_runtime_is_named_with_the_install_for_this_installation(tmp_path, monkeypatch):
+    """Without onnxruntime a valid .onnx file was called 'not an ONNX model onnxruntime can load',
+    and every hint said pip install -e '.[x]', which a wheel user has no checkout for."""
+    import sys
+
+    from ds_seg import config
+    from ds_seg.config import ConfigError
+    from ds_seg.deploy import load_onnx
+    model = tmp_path / 'm.onnx'
+    model.write_bytes(b'any bytes: the runtime is asked for first')
+    monkeypatch.setitem(sys.modules, 'onnxruntime', None)   # what a missing package looks like to import
+    with pytest.raises(ConfigError, match=r"m.onnx: running an ONNX model needs onnxruntime, which is not "
+                                          r"installed: pip install -e '.\[onnx\]' in the checkout"):
+        load_onnx(str(model))
+    assert config.extra_hint('mlflow').startswith("pip install -e '.[mlflow]'")
+    monkeypatch.setattr(config, 'PACKAGE_DIR', tmp_path / 'site-packages' / 'ds_seg')  # an installed wheel
+    assert config.extra_hint('onnx') == 'pip install onnx onnxscript onnxruntime'
+    assert config.extra_hint('wandb') == 'pip install wandb'
