@@ -244,13 +244,15 @@ def pair_by_name(images, labels):
     return labels
 
 
-def refuse_repeated_scenes(images, what, labels=None):
+def refuse_repeated_scenes(images, what, labels=None, dates=None):
     """Evaluation scenes each once: overlapping globs (``'val/*.tif' 'val/a*.tif'``) or one file
     under two spellings would count its pixels twice in every metric. With ``labels``, a scene is
-    an image with its label (one image under two label files is two scenes)."""
+    an image with its label (one image under two label files is two scenes); with ``dates``, its
+    every date (two time series sharing a baseline date are two scenes)."""
     seen = {}
     for i, image in enumerate(images):
-        key = (same_file_key(image), same_file_key(labels[i]) if labels is not None else None)
+        files = dates[i] if dates is not None else [image]
+        key = (tuple(same_file_key(f) for f in files), same_file_key(labels[i]) if labels is not None else None)
         if key in seen:
             also = f' (also as {seen[key]})' if seen[key] != image else ''
             raise DataError(f"{what}: {image} is given twice{also}, by overlapping globs or paths; its pixels "
@@ -422,7 +424,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             crop_size = (crop_size, crop_size)
         self.crop_h, self.crop_w = (int(c) for c in crop_size)
         if mode == 'grid':  # evaluation windows: a scene twice would weigh twice in the metrics
-            refuse_repeated_scenes(images, 'images', labels)
+            refuse_repeated_scenes(images, 'images', labels, dates)
         self.mode = mode
         self.split = split
         self.ignore_index = int(ignore_index)

@@ -155,9 +155,18 @@ def stac_scenes(source, image_assets, label_asset, cache_dir=None):
     names = [image_assets] if isinstance(image_assets, str) else list(image_assets)
     if not names:
         raise ConfigError(f"stac={source!r}: stac_bands names no asset")
-    images, labels = [], []
+    images, labels, seen = [], [], {}
     for item in items:
         hrefs = [_asset(item, n, source, 'stac_bands') for n in names]
+        label = _asset(item, label_asset, source, 'stac_label')
+        # Two items of the same assets are one scene twice (each stacked into its own VRT, so
+        # the files' names cannot tell): it would count twice in every metric.
+        key = (tuple(hrefs), label)
+        if key in seen:
+            raise ConfigError(f"stac={source!r}: items {seen[key]!r} and {item.id!r} have the same assets "
+                            f"({hrefs[0]}{', ...' if len(hrefs) > 1 else ''}; label {label}); the scene would "
+                            "count twice; list each scene once")
+        seen[key] = item.id
         images.append(hrefs[0] if len(hrefs) == 1 else _stack_vrt(hrefs, item.id, cache_dir))
-        labels.append(_asset(item, label_asset, source, 'stac_label'))
+        labels.append(label)
     return images, labels

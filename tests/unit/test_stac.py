@@ -191,3 +191,29 @@ def test_file_url_hrefs_read_as_the_local_files(catalogue, tmp_path):
     path.write_text(json.dumps(doc))
     stac = GeoTiffScenes(stac=str(path), stac_bands=BANDS, stac_label='label', **KW)
     _assert_same(stac, GeoTiffScenes(catalogue['stacked'], catalogue['labels'], **KW))
+
+
+def test_two_items_of_the_same_assets_are_one_scene_twice(catalogue, tmp_path):
+    """Each item is stacked into a VRT of its own name, so the repeated-scene check saw two files:
+    an evaluation counted the scene twice (the confusion matrix summed to twice its pixels)."""
+    collection = json.loads((catalogue['tmp'] / 'items.json').read_text())
+    twin = json.loads(json.dumps(collection['features'][0]))
+    twin['id'] = 'scene0_again'
+    collection['features'].append(twin)
+    path = catalogue['tmp'] / 'twice.json'
+    path.write_text(json.dumps(collection))
+    with pytest.raises(ConfigError, match=r"items 'scene0' and 'scene0_again' have the same assets .* the scene "
+                                          r"would count twice"):
+        GeoTiffScenes(stac=str(path), stac_bands=BANDS, mode='grid', **KW)
+
+
+def test_time_series_sharing_a_baseline_date_are_two_evaluation_scenes(catalogue):
+    """Scenes [a, b] and [a, c] were refused as 'a given twice'; [a, b] twice still is."""
+    from ds_seg.data import DataError
+    red, green, blue = (str(catalogue['tmp'] / f'scene0_{n}.tif') for n in BANDS)
+    label = catalogue['labels'][0]
+    kw = dict(KW, mean=[127.5], std=[73.9])
+    ds = GeoTiffScenes([[red, green], [red, blue]], [label, label], mode='grid', **kw)
+    assert len(ds.scenes) == 2 and ds.num_dates == 2
+    with pytest.raises(DataError, match='is given twice'):
+        GeoTiffScenes([[red, green], [red, green]], [label, label], mode='grid', **kw)
