@@ -5,6 +5,8 @@ them writes anything, so a refused command leaves every file as it was. Also how
 written (:func:`replaced_when_done`): under a temporary name, renamed when complete.
 """
 import contextlib
+import glob
+import json
 import os
 
 from .config import ConfigError
@@ -71,7 +73,17 @@ def expand_inputs(paths, option='--input'):
                                   f"({', '.join(FOLDER_SUFFIXES)}); give other rasters (.vrt, .png...) by name "
                                   "or glob.")
             files += found
+        elif not os.path.exists(path) and not is_remote(path) and glob.has_magic(path):
+            # A quoted glob (the shell left it alone): what the datasets and evaluate.py expand too.
+            found = sorted(f for f in glob.glob(os.path.expanduser(path)) if os.path.isfile(f))
+            if not found:
+                raise ConfigError(f"{option}: the pattern {path} matches no file.")
+            files += found
         elif not os.path.exists(path) and not is_remote(path):
+            if ',' in path and all(os.path.exists(p) for p in path.split(',')):
+                raise ConfigError(f"{option}: {path} joins files by commas, which predict.py reads as the dates of "
+                                  "one scene; here give a time series by --config whose data.val has "
+                                  "images=[[a_may.tif, a_aug.tif], ...].")
             raise ConfigError(f'{option}: {path} does not exist.')
         else:
             files.append(path)
@@ -84,10 +96,33 @@ def expand_inputs(paths, option='--input'):
         except rasterio.errors.RasterioError as exc:
             if is_remote(path):
                 raise ConfigError(f'{option}: {path} cannot be read: {remote_hint(exc)}') from exc
+            kind = _not_a_raster(path)
+            if kind:
+                advice = ("give --config instead, whose data.val reads it (GeoTiffScenes with stac=... or "
+                          "labels='....gpkg')" if option in ('--images', '--labels') else
+                          "give the rasters it points to (files or URLs)")
+                raise ConfigError(f"{option}: {path} is {kind}, not a raster; {advice}.") from exc
             # GDAL's own words (a VRT's missing source file), not rasterio's "See previous exception"
             raise ConfigError(f'{option}: {path} is not a readable raster (truncated or corrupt?): '
                               f'{gdal_message(exc)}') from exc
     return files
+
+
+def _not_a_raster(path):
+    """'a STAC document' or 'a vector layer' for files of those kinds, else None."""
+    lower = path.lower()
+    if lower.endswith(('.gpkg', '.geojson', '.fgb', '.shp', '.parquet')):
+        return 'a vector layer'
+    if lower.endswith('.json'):
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if isinstance(doc, dict) and ('stac_version' in doc or doc.get('type') == 'FeatureCollection'):
+            return 'a STAC document' if 'stac_version' in doc or any(
+                'stac_version' in (feat or {}) for feat in doc.get('features') or []) else 'a vector layer'
+    return None
 
 
 def _name_parts(path):

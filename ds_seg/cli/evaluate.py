@@ -110,8 +110,10 @@ def evaluated_config(args):
         from ds_seg.config import load_config
         path = args.config or run_config_of(args.checkpoint)
         # Before the process group exists (setup comes later): the launcher's RANK says who prints.
-        if path and not args.config and os.environ.get('RANK', '0') == '0':
-            print(f"[evaluate] data.val of the run's config {path} (--config names another)")
+        if not args.config and os.environ.get('RANK', '0') == '0':
+            print(f"[evaluate] data.val of the run's config {path} (--config names another)" if path else
+                  "[evaluate] data.val of the embedded default config (synthetic scenes): --checkpoint is not in "
+                  "a run's work dir; give --config or --images/--labels to evaluate your scenes")
         cfg = load_config(path, args.cfg_options)
         if cfg.data.val is None:
             raise ValueError(f"{path or 'the default config'}: data.val is None, so there is no validation set to "

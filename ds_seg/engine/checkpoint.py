@@ -292,6 +292,11 @@ def find_checkpoint(path, report=None):
                                     "folder, or give the checkpoints folder to pick the newest good one.")
         return path
     if os.path.isfile(path):
+        with open(path, 'rb') as f:
+            head = f.read(4)
+        if looks_like_onnx(path, head):
+            raise FileNotFoundError(f"{path}: is an ONNX model, already exported; predict.py and evaluate.py run "
+                                    "it. Exporting takes the step_* folder, checkpoints folder or work dir it came from.")
         raise FileNotFoundError(f"{path}: is a file, not a checkpoint folder (give a step_* folder, a checkpoints "
                                 "folder or a work dir; weights files go to load_from= or predict/evaluate).")
     if not os.path.isdir(path):
@@ -489,7 +494,12 @@ def load_weights_file(path):
         raise ValueError(f"{path}: not a readable weights file (truncated, or not made by torch.save): "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     if not isinstance(payload, dict) or 'state_dict' not in payload:
-        raise ValueError(f"load_from: {path} is not a ds_seg weights file (made by launch/export.py).")
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isfile(os.path.join(folder, COMPLETE)):  # mp_rank_00_model_states.pt, a ZeRO shard...
+            raise ValueError(f"{path}: is one file of the checkpoint {folder}, not a weights file; give the "
+                             f"folder itself ({folder}), or export it first (launch/export.py {folder}).")
+        raise ValueError(f"{path}: is not a ds_seg weights file (a torch file without 'state_dict'; made by "
+                         "launch/export.py).")
     recorded = payload.get('sha256')
     if recorded is not None and weights_digest(payload['state_dict']) != recorded:
         raise ValueError(f"{path}: the weights do not match the SHA-256 recorded at export (bytes changed on "

@@ -866,3 +866,51 @@ def test_predict_refuses_complex_pixels(tmp_path, capsys):
     err = capsys.readouterr().err
     assert 'slc.tif holds complex (complex64) pixels' in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / 'out').exists()
+
+
+def test_inputs_one_step_past_the_obvious_get_lines_that_say_what_to_do(tmp_path, capsys):
+    """A quoted glob 'did not exist'; a STAC item or a vector layer was 'not a readable raster
+    (truncated or corrupt?)'; evaluate --images a,b (predict's date syntax) 'did not exist'; a
+    checkpoint's own shard was 'not a ds_seg weights file' named as load_from; an ONNX file given
+    to export was 'a file, not a checkpoint folder'."""
+    import pyogrio
+    import shapely
+
+    from ds_seg.cli import evaluate, export, predict
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    scenes = tmp_path / 'scenes'
+    scenes.mkdir()
+    for name in ('a.tif', 'b.tif'):
+        write_scene(str(scenes / name), 40, 30, bands=3)
+    assert predict.main(['--checkpoint', weights, '--input', str(scenes / '*.tif'), '--output', str(tmp_path / 'glob'),
+                         '--tile', '32']) == 0
+    assert sorted(os.listdir(tmp_path / 'glob')) == ['a_classes.tif', 'b_classes.tif']
+    item = tmp_path / 'item.json'
+    item.write_text(json.dumps({'type': 'Feature', 'stac_version': '1.0.0', 'id': 'x', 'assets': {}}))
+    layer = str(tmp_path / 'labels.gpkg')
+    pyogrio.raw.write(layer, shapely.to_wkb([shapely.box(0, 0, 1, 1)]), field_data=[np.array([1])],
+                      fields=['class'], geometry_type='Polygon', crs='EPSG:32632')
+    shard_dir = tmp_path / 'run' / 'checkpoints' / 'step_00000004'
+    shard_dir.mkdir(parents=True)
+    (shard_dir / 'COMPLETE').write_text('{}')
+    torch.save({'module': {}, 'buffer_names': []}, shard_dir / 'mp_rank_00_model_states.pt')
+    onnx_file = tmp_path / 'model.onnx'
+    onnx_file.write_bytes(b'\x08\x09\x12\x07pytorch')   # an ONNX protobuf's first fields
+    out = str(tmp_path / 'out')
+    cases = [
+        (predict, ['--checkpoint', weights, '--input', str(item), '--output', out],
+         'item.json is a STAC document, not a raster; give the rasters it points to'),
+        (evaluate, ['--checkpoint', weights, '--images', scene, '--labels', layer, '--output', out],
+         'labels.gpkg is a vector layer, not a raster; give --config instead, whose data.val reads it'),
+        (evaluate, ['--checkpoint', weights, '--images', f'{scene},{scene}', '--labels', label, '--output', out],
+         'joins files by commas, which predict.py reads as the dates of one scene'),
+        (predict, ['--checkpoint', str(shard_dir / 'mp_rank_00_model_states.pt'), '--input', scene, '--output', out],
+         f'mp_rank_00_model_states.pt: is one file of the checkpoint {shard_dir}, not a weights file; give the folder'),
+        (export, [str(onnx_file), '--out', str(tmp_path / 'w.pt')], 'model.onnx: is an ONNX model, already exported'),
+    ]
+    for program, argv, message in cases:
+        capsys.readouterr()
+        assert program.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and 'Traceback' not in err, err
+        assert not os.path.exists(out)
