@@ -170,6 +170,9 @@ def check_vector_georeference(path):
             raise ConfigError(f"--vector: {path} has no georeferencing (no geotransform, GCPs or RPCs), so "
                               "polygons would be in pixel coordinates and area_m2 in pixels; georeference the "
                               "scene (gdal_translate -a_srs EPSG:<code> -a_ullr ...) or leave out --vector")
+        if src.crs is None and distributed.is_main():  # usable, but nothing says what the units are
+            print(f"[predict] --vector: {path} has a geotransform but no CRS: the polygons carry none, and "
+                  "area_m2 takes its map units for metres (gdal_edit.py -a_srs EPSG:<code> sets it)", flush=True)
 
 
 def load_forward(path, device, threads=None):

@@ -914,3 +914,17 @@ def test_inputs_one_step_past_the_obvious_get_lines_that_say_what_to_do(tmp_path
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1 and 'Traceback' not in err, err
         assert not os.path.exists(out)
+
+
+def test_polygons_of_a_scene_without_a_crs_say_so(tmp_path, capsys):
+    """area_m2 of a scene with a geotransform but no CRS was in unknown units without a word."""
+    from ds_seg.cli import predict
+    weights, _, _ = _cli_files(tmp_path, 'UNetTiny')
+    scene = str(tmp_path / 'nocrs.tif')
+    with rasterio.open(scene, 'w', driver='GTiff', width=40, height=40, count=3, dtype='uint16',
+                       transform=TRANSFORM) as dst:
+        dst.write(np.full((3, 40, 40), 1500, np.uint16))
+    assert predict.main(['--checkpoint', weights, '--input', scene, '--output', str(tmp_path / 'out'),
+                         '--tile', '32', '--vector', 'gpkg']) == 0
+    assert 'nocrs.tif has a geotransform but no CRS' in capsys.readouterr().out
+    assert (tmp_path / 'out' / 'nocrs_classes.gpkg').exists()
