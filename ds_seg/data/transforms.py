@@ -315,6 +315,11 @@ class PaletteDecoder:
         sure = (best_far <= self.tolerance) & ~rivals.any(1)
         lut[sure] = self.values[best[sure]]
         self.lut = lut.astype(np.int16)
+        # An entry's own colour is that entry (distance 0): found by a search, not by distances.
+        # First occurrence of a colour wins, as argmin's does.
+        packed = (self.entries[:, 0] << 16) | (self.entries[:, 1] << 8) | self.entries[:, 2]
+        _, first = np.unique(packed, return_index=True)
+        self._packed, self._packed_values = packed[first], self.values[first]
 
     def __call__(self, rgb_3HW):
         q = rgb_3HW.astype(np.uint16, copy=False) >> 3
@@ -326,6 +331,15 @@ class PaletteDecoder:
 
     def exact(self, rgb_3N):
         """Class of each colour by its distances to every entry (the reference the table follows)."""
-        d = np.abs(rgb_3N.T.astype(np.int64)[:, None, :] - self.entries[None]).max(-1)
-        best = d.argmin(1)
-        return np.where(d[np.arange(len(d)), best] <= self.tolerance, self.values[best], self.unmatched).astype(np.int16)
+        rgb = rgb_3N.astype(np.int64)
+        packed = (rgb[0] << 16) | (rgb[1] << 8) | rgb[2]
+        at = np.minimum(np.searchsorted(self._packed, packed), len(self._packed) - 1)
+        hit = self._packed[at] == packed
+        out = np.empty(packed.shape, np.int16)
+        out[hit] = self._packed_values[at[hit]]
+        rest = ~hit
+        if rest.any():
+            d = np.abs(rgb[:, rest].T[:, None, :] - self.entries[None]).max(-1)
+            best = d.argmin(1)
+            out[rest] = np.where(d[np.arange(len(d)), best] <= self.tolerance, self.values[best], self.unmatched)
+        return out
