@@ -72,6 +72,9 @@ from .transforms import (Compose, PaletteDecoder, check_colours, check_random_sc
 
 STATS_FILE = 'stats.json'            # written by dataset generators/converters next to images
 STATS_CACHE_FILE = '.ds_seg_stats.json'  # our own cache of statistics computed on first use
+# Of how statistics are computed: 2 leaves out masked/alpha pixels and reads every scene (up to
+# STATS_SCENES), so a cache of version 1 (the first four scenes, masked pixels in) is recomputed.
+STATS_VERSION = 2
 LABELS_CACHE_FILE = '.ds_seg_labels.json'  # per label file: value histogram of a full scan
 _MAX_OPEN_FILES = 16
 _CHECK_PIXELS = 256                  # long side of the decimated label read at construction
@@ -298,7 +301,8 @@ def inspect_pair(image, label, palette=None):
                             f"colour-coded labels (image {image})")
         return dict(image=image, label=label, width=img.width, height=img.height,
                     count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img),
-                    dtype=img.dtypes[0], floating=np.dtype(img.dtypes[0]).kind == 'f', label_nodata=lbl.nodata)
+                    dtype=img.dtypes[0], floating=np.dtype(img.dtypes[0]).kind == 'f', label_nodata=lbl.nodata,
+                    colorinterp=[c.name for c in img.colorinterp])
 
 
 def label_nodata_message(label, value, class_index, class_name, ignore_index):
@@ -503,17 +507,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 f"label_fill) is not a class index 0..{self.num_classes - 1} nor "
                                 f"ignore_index {self.ignore_index}; check `classes` or `label_map`")
         self._identity_labels = self.palette is None and not label_map and not reduce_zero_label
-        self.mean, self.std = self._resolve_stats(mean, std, stats)
-        if self.num_dates > 1 and self.mean.size == self.in_channels:  # the same per band for every date
-            self.mean, self.std = np.tile(self.mean, self.num_dates), np.tile(self.std, self.num_dates)
-        self.in_channels = self.mean.size
+        mean, std = self._resolve_stats(mean, std, stats)
+        if self.num_dates > 1 and mean.size == self.in_channels:  # the same per band for every date
+            mean, std = np.tile(mean, self.num_dates), np.tile(std, self.num_dates)
+        self.in_channels = mean.size
         self.file_dtype = str(self._scenes[0]['dtype'])  # one for every scene (_check_band_coding)
         self.image_dtype = host_dtype(self.file_dtype)
-        # What padding, and nodata before a resize, are filled with: the band mean, i.e. 0
-        # once normalised, so neither darkens the valid pixels a resize blends them with.
-        self._fill = (self.mean if self.image_dtype.kind == 'f' else np.clip(
-            np.rint(self.mean), *_dtype_range(self.image_dtype))).astype(self.image_dtype)
-        self.transforms.bind_image_stats(self.mean, self.std)
+        self.use_statistics(mean, std)
         # The smallest integer type that holds every class index and ignore_index: labels
         # cross the loader's shared memory and the host-to-device copy at 1 byte a pixel.
         self.label_dtype = next(t for t in (np.uint8, np.int16, np.int32)
@@ -532,6 +532,16 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._pid = None
         self._check_files(check_labels)
         self._init_sampling(sampling, rare_class_temperature)
+
+    def use_statistics(self, mean, std):
+        """Normalise with these per-channel ``mean``/``std`` (file units): the dataset's own, or
+        those a resumed checkpoint was trained with."""
+        self.mean, self.std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+        # What padding, and nodata before a resize, are filled with: the band mean, i.e. 0
+        # once normalised, so neither darkens the valid pixels a resize blends them with.
+        self._fill = (self.mean if self.image_dtype.kind == 'f' else np.clip(
+            np.rint(self.mean), *_dtype_range(self.image_dtype))).astype(self.image_dtype)
+        self.transforms.bind_image_stats(self.mean, self.std)
 
     # ------------------------------------------------------------------ construction helpers
     def _check_band_coding(self, bands):
@@ -561,6 +571,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 return dict(image=image, label=label, width=img.width, height=img.height,
                             count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img),
                             dtype=img.dtypes[0], floating=np.dtype(img.dtypes[0]).kind == 'f', vector=True,
+                            colorinterp=[c.name for c in img.colorinterp],
                             crs=img.crs, transform=img.transform)
         return inspect_pair(image, label, self.palette)
 
@@ -741,7 +752,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         else:
             cache = os.path.join(os.path.dirname(key[0]['path']), STATS_CACHE_FILE)
         cached = _read_cache(cache) if cache else {}
-        if cached.get('images') == key:
+        if cached.get('images') == key and cached.get('version') == STATS_VERSION:
             return cached
         total = np.zeros(self.num_file_bands)
         total_sq = np.zeros(self.num_file_bands)
@@ -766,7 +777,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             n += x.shape[1]
         mean = total / max(n, 1)
         std = np.sqrt(np.maximum(total_sq / max(n, 1) - mean * mean, 0))
-        result = dict(images=key, mean=mean.tolist(), std=std.tolist())
+        result = dict(images=key, mean=mean.tolist(), std=std.tolist(), version=STATS_VERSION)
         if cache:
             _write_cache(cache, result)
         return result

@@ -244,13 +244,25 @@ class Checkpointer:
         if saved.get('bands') is not None and list(saved['bands']) != mine['bands']:
             return (f"--resume: {where} was trained on bands {saved['bands']} but data.train takes {mine['bands']}; "
                     f"give data.train.bands={saved['bands']}, or {fresh}.")
-        for key in ('mean', 'std'):
-            old, new = saved.get(key), mine[key]
-            if old is not None and (len(old) != len(new) or not np.allclose(old, new, rtol=1e-5, atol=1e-6)):
-                return (f"--resume: {where} normalised its inputs with data.train.{key}={_short(old)} but this run "
-                        f"would use {_short(new)} (other scenes, or statistics recomputed); give "
-                        f"data.train.mean={_short(saved.get('mean'))} data.train.std={_short(saved.get('std'))} "
-                        f"to continue it, or {fresh}.")
+        differ = [key for key in ('mean', 'std') if saved.get(key) is not None and (
+            len(saved[key]) != len(mine[key]) or not np.allclose(saved[key], mine[key], rtol=1e-5, atol=1e-6))]
+        if not differ:
+            return None
+        given = [key for key in differ if self.cfg.data.train.get(key) is not None]
+        if given:
+            key = given[0]
+            return (f"--resume: {where} normalised its inputs with data.train.{key}={_short(saved[key])} but the "
+                    f"config gives {_short(mine[key])}; leave data.train.{key} out (the checkpoint's is used) to "
+                    f"continue it, or {fresh}.")
+        # Statistics the dataset computed (or read from stats.json): another version of ds_seg, or
+        # more scenes, may compute others; the weights were trained on the checkpoint's.
+        if len(saved['mean']) != len(mine['mean']) or len(saved.get('std', ())) != len(mine['std']):
+            return (f"--resume: {where} normalised {len(saved['mean'])} input channel(s) but data.train has "
+                    f"{len(mine['mean'])}; resume on the data it was trained on, or {fresh}.")
+        self.train_set.use_statistics(saved['mean'], saved['std'])
+        self.report(f"--resume: data.train's computed statistics (mean {_short(mine['mean'])}, std "
+                    f"{_short(mine['std'])}) differ from those {where} was trained with; continuing with the "
+                    "checkpoint's")
         return None
 
     def last_complete(self):

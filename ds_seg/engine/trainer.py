@@ -514,12 +514,31 @@ class Trainer:
             raise ConfigError(f"data.val holds {v_type} pixels but data.train {t_type}: the model would see the "
                               f"validation scenes in other units; convert them to {t_type} (gdal_translate -ot), "
                               "or validate on scenes of the training set's type.")
+        self._check_val_band_order(t, v)
+
+    def _check_val_band_order(self, t, v):
+        """Other `bands` of files with as many bands: refused where the files' colour
+        interpretation shows the selections differ (RGB files, bands [3, 2, 1] on one side only);
+        accepted where it shows they agree (BGR validation files read as [3, 2, 1]); one warning
+        line where the files do not say (grey/undefined bands)."""
         t_bands, v_bands = getattr(t, 'bands', None), getattr(v, 'bands', None)
-        if (t_bands is not None and v_bands is not None and list(t_bands) != list(v_bands)
-                and getattr(t, 'num_file_bands', None) == getattr(v, 'num_file_bands', None)):
-            raise ConfigError(f"data.val takes bands {list(v_bands)} of its files but data.train bands "
-                              f"{list(t_bands)} of files with as many bands; give data.val the same `bands` "
-                              "(where the band order of the files really differs, reorder them with gdal_translate -b).")
+        if (t_bands is None or v_bands is None or list(t_bands) == list(v_bands)
+                or getattr(t, 'num_file_bands', None) != getattr(v, 'num_file_bands', None)):
+            return
+        said = []
+        for ds, bands in ((t, t_bands), (v, v_bands)):
+            interp = (ds.scenes[0].get('colorinterp') or []) if hasattr(ds, 'scenes') else []
+            said.append([interp[b - 1] for b in bands] if len(interp) >= max(bands) else None)
+        informative = all(s and not set(s) & {'gray', 'undefined'} for s in said)
+        if informative and said[0] == said[1]:
+            return
+        line = (f"data.val takes bands {list(v_bands)} of its files but data.train bands {list(t_bands)} of files "
+                f"with as many bands")
+        if informative:
+            raise ConfigError(f"{line}: {', '.join(said[1])} against {', '.join(said[0])} by the files' colour "
+                              "interpretation; give data.val the bands that match data.train's.")
+        self.print(f"{line}, and the files do not say which colour each band is: check that they select the same "
+                   "bands in the same order (evaluation normalises data.val with data.train's statistics)")
 
     # Loss buffers that hold one value per class (CrossEntropy/Ohem class_weight, Focal alpha).
     _PER_CLASS_BUFFERS = ('class_weight', 'alpha')

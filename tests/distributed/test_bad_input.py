@@ -168,6 +168,9 @@ def _cases(tmp):
                          ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         'resume_stats': (_geotiff_data([img], [lbl]) + tiny + ['data.train.mean=[1,2,3]'], None,
                          ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
+        # the stats cache edited as another version's statistics would differ: continues (see below)
+        '_resume_recomputed_stats': (_geotiff_data([img], [lbl]) + tiny + ['train.max_steps=26'], None,
+                                     ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         '_train6': (_geotiff_data([img], [lbl]) + tiny, None, ['--work-dir', os.path.join(tmp, 'trained6')]),
     }
 
@@ -187,11 +190,19 @@ def _run_cases(tmp, names):
         argv += ['--work-dir', os.path.join(tmp, 'work', name)] if '--work-dir' not in extra else []
         argv += extra + ['--cfg-options', f'data.train.cache_dir={tmp}/cache', f'data.val.cache_dir={tmp}/cache',
                          'train.max_steps=24', *options]
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        if name == '_resume_recomputed_stats':  # img.tif's statistics, cached as other than trained with
+            from ds_seg.data.geotiff import STATS_CACHE_FILE, STATS_VERSION
+            from ds_seg.data.raster import file_identity
+            from ds_seg.engine import checkpoint
+            data = checkpoint.read_marker(os.path.join(tmp, 'trained6', 'checkpoints', 'step_00000024'))['data']
+            with open(os.path.join(tmp, 'data', STATS_CACHE_FILE), 'w') as f:
+                json.dump(dict(images=[file_identity(os.path.join(tmp, 'data', 'img.tif'))], version=STATS_VERSION,
+                               mean=[m + 5 for m in data['mean']], std=data['std']), f)
+        err, out = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             code = entry.main(argv)
         fresh_work_dir = None if '--work-dir' in extra else os.path.exists(os.path.join(tmp, 'work', name))
-        results[name] = (code, err.getvalue().strip().splitlines(), fresh_work_dir)
+        results[name] = (code, err.getvalue().strip().splitlines(), fresh_work_dir, out.getvalue(), tmp)
     return results
 
 
@@ -202,7 +213,9 @@ def outcomes(tmp_path_factory):
     # cases stop before training and share one (resume cases last: they get furthest).
     trained = run_on_ranks(_run_cases, 1, args=(tmp, ['_train6']), timeout=300)[0]
     names = sorted(EXPECTED, key=lambda n: n.startswith('resume'))
-    return {**trained, **run_on_ranks(_run_cases, 1, args=(tmp, names), timeout=300)[0]}
+    refused = run_on_ranks(_run_cases, 1, args=(tmp, names), timeout=300)[0]
+    resumed = run_on_ranks(_run_cases, 1, args=(tmp, ['_resume_recomputed_stats']), timeout=300)[0]
+    return {**trained, **refused, **resumed}
 
 
 EXPECTED = {
@@ -250,14 +263,15 @@ EXPECTED = {
     'resume_model': ['--resume', 'holds a UNetTiny model', 'builds UNet'],
     'resume_classes': ['--resume', 'trained for 6 classes', 'data has 4'],
     'val_dtype': ['data.val holds uint16 pixels but data.train uint8', 'gdal_translate -ot'],
-    'val_band_order': ['data.val takes bands [3, 2, 1] of its files but data.train bands [1, 2, 3]'],
+    'val_band_order': ['data.val takes bands [3, 2, 1] of its files but data.train bands [1, 2, 3]',
+                       'blue, green, red against red, green, blue'],
     'resume_class_names': ['--resume', 'trained with classes class_0, class_1', 'data.train has a, b, c, d, e, f',
                            'load_from='],
     'resume_dtype': ['--resume', 'trained on uint8 pixels but data.train holds uint16'],
     'resume_bands': ['--resume', 'trained on bands [1, 2, 3] but data.train takes [3, 2, 1]',
                      'give data.train.bands=[1, 2, 3]'],
-    'resume_stats': ['--resume', 'normalised its inputs with data.train.mean=[', 'but this run would use [1,2,3]',
-                     'give data.train.mean=['],
+    'resume_stats': ['--resume', 'normalised its inputs with data.train.mean=[', 'but the config gives [1,2,3]',
+                     'leave data.train.mean out'],
 }
 
 
@@ -265,9 +279,22 @@ def test_the_reference_run_trains(outcomes):
     assert outcomes['_train6'][0] == 0
 
 
+def test_a_resume_whose_computed_statistics_differ_continues_with_the_checkpoints(outcomes):
+    """Statistics computed by another version (more scenes read, masked pixels left out) or from
+    changed scenes refused the resume of a run that was given no mean/std; it now continues with
+    the statistics the weights were trained with, and says so."""
+    from ds_seg.engine import checkpoint
+    code, lines, _, out, tmp = outcomes['_resume_recomputed_stats']
+    assert code == 0, lines
+    assert 'differ from those' in out and "continuing with the checkpoint's" in out
+    root = os.path.join(tmp, 'trained6', 'checkpoints')
+    first, last = (checkpoint.read_marker(os.path.join(root, t))['data'] for t in ('step_00000024', 'step_00000026'))
+    assert last['mean'] == first['mean'] and last['std'] == first['std']
+
+
 @pytest.mark.parametrize('case', sorted(EXPECTED))
 def test_bad_input_stops_with_one_line_naming_it(outcomes, case):
-    code, lines, work_dir_exists = outcomes[case]
+    code, lines, work_dir_exists = outcomes[case][:3]
     assert not work_dir_exists, 'a refused run left the work dir it created behind'
     assert code == 2, lines
     errors = [line for line in lines if line.startswith('ds_seg: error:')]
