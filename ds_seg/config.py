@@ -32,7 +32,7 @@ _EXTRAS = {'onnx': 'onnx onnxscript onnxruntime', 'mlflow': 'mlflow-skinny', 'wa
 def extra_hint(extra):
     """How to install an optional extra, for this installation: in a checkout ``pip install -e
     '.[onnx]'``, else the packages themselves."""
-    if (REPO_ROOT / 'setup.py').is_file() and (REPO_ROOT / 'ds_seg').resolve() == PACKAGE_DIR:
+    if (REPO_ROOT / 'setup.py').is_file():  # the package's parent is a checkout, not site-packages
         return f"pip install -e '.[{extra}]' in the checkout ({REPO_ROOT})"
     return f"pip install {_EXTRAS[extra]}"
 

@@ -480,10 +480,10 @@ def _check_args(args):
     if unknown:
         return f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}, or LABEL=file.json"
     labels = [n.split('=', 1)[0] for n in names]
-    odd = [x for x in labels if not LABEL_PATTERN.fullmatch(x)]
+    odd = [x for x in labels if not LABEL_PATTERN.fullmatch(x) or x == 'previous' or x in OUTPUTS]
     if odd:
-        return (f"--backends label {odd[0]!r} is not a plain name (letters, digits, '_', '.', '-'): each run "
-                f"writes <work-dir>/<label>/, so a label may not be a path")
+        return (f"--backends label {odd[0]!r} is not a plain name (letters, digits, '_', '.', '-'; not 'previous' "
+                f"or a benchmark.* file name): each run writes <work-dir>/<label>/, so a label may not be a path")
     twice = sorted({x for x in labels if labels.count(x) > 1})
     if twice:
         return f"--backends names {', '.join(twice)} twice; each run writes <work-dir>/<label>/"

@@ -190,9 +190,10 @@ def check_dates(scenes, info):
         return
     model = info.get('model') or {}
     model_dates, data_dates = model.get('num_dates') or 1, scenes.num_dates
-    stacked = (data_dates == 1 and model_dates > 1 and hasattr(scenes, 'in_channels')
-               and scenes.in_channels == model.get('in_channels'))  # every date's bands in one file
-    if data_dates != model_dates and not stacked:
+    # Every date's bands in one file (a time-series model on one stacked file), or the dates
+    # stacked as channels of a plain model (early fusion, as training allows): the channels agree.
+    fused = (model_dates == 1 or data_dates == 1) and scenes.in_channels == model.get('in_channels')
+    if data_dates != model_dates and not fused:
         raise ValueError(f"data.val has {data_dates} date(s) per scene but the model ({model.get('type')}) takes "
                          f"{model_dates}; give data.val images of {model_dates} date(s) per scene "
                          f"(images=[[a_may.tif, a_aug.tif], ...] for a time series)")

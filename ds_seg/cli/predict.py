@@ -170,7 +170,8 @@ def check_vector_georeference(path):
             raise ConfigError(f"--vector: {path} has no georeferencing (no geotransform, GCPs or RPCs), so "
                               "polygons would be in pixel coordinates and area_m2 in pixels; georeference the "
                               "scene (gdal_translate -a_srs EPSG:<code> -a_ullr ...) or leave out --vector")
-        if src.crs is None and distributed.is_main():  # usable, but nothing says what the units are
+        # Before the process group exists: the launcher's RANK says who prints.
+        if src.crs is None and os.environ.get('RANK', '0') == '0':  # usable, but nothing says what the units are
             print(f"[predict] --vector: {path} has a geotransform but no CRS: the polygons carry none, and "
                   "area_m2 takes its map units for metres (gdal_edit.py -a_srs EPSG:<code> sets it)", flush=True)
 
@@ -246,15 +247,16 @@ def remove_earlier_outputs(out, probs, vector, inputs):
     from ds_seg.vectorize import DRIVERS
     stem = out[:-len('_classes.tif')]
     candidates = [] if probs else [(stem + '_probs.tif', 'probs', 'probabilities', '--probs')]
-    if not vector:
-        candidates += [(f'{stem}_classes{ext}', 'vector', 'polygons', '--vector') for ext in DRIVERS]
+    # Polygons of another format (or of no --vector) than this run's are the earlier run's.
+    candidates += [(f'{stem}_classes{ext}', 'vector', 'polygons', '--vector') for ext in DRIVERS
+                   if not vector or os.path.abspath(f'{stem}_classes{ext}') != os.path.abspath(vector)]
     real_inputs = {os.path.realpath(p) for p in inputs if os.path.exists(p)}
     for path, kind, what, option in candidates:
         if (os.path.isfile(path) and os.path.realpath(path) not in real_inputs
                 and _written_by_predict(path, kind)):
             os.remove(path)
             print(f"[predict] removed {path}: an earlier run's {what}, not this class map's "
-                  f"(--overwrite without {option})", flush=True)
+                  f"(--overwrite, and this run's {option} writes none there)", flush=True)
 
 
 def _band_count(path):

@@ -178,7 +178,7 @@ class Compose:
             # label, so one that moved pixels shows as another label under the unmoved mask.
             marker = label[invalid].flat[0] if invalid.any() else None
             image, label = t(image, label, rng)
-            if marker is not None and (label.shape != invalid.shape or (label[invalid] != marker).any()):
+            if label.shape != invalid.shape or (marker is not None and (label[invalid] != marker).any()):
                 raise ValueError(f"transforms[{i}] ({type(t).__name__}) moved pixels but not the nodata mask, "
                                  "so valid pixels would be blanked and nodata trained on; give its __call__ an "
                                  "`invalid=None` parameter and return (image, label, invalid) moved alike")
@@ -295,24 +295,39 @@ class PaletteDecoder:
     """
 
     _MIXED = -2  # table value of a bin that does not decode one way throughout
+    _CHUNK = 16  # palette entries per pass when building the table and deciding mixed colours
 
     def __init__(self, palette, tolerance, ignore_colors=(), ignore_index=255, unmatched=-1):
         self.entries = np.asarray(list(palette) + list(ignore_colors), np.int64).reshape(-1, 3)
         self.values = np.asarray(list(range(len(palette))) + [ignore_index] * len(ignore_colors), np.int64)
         self.tolerance, self.unmatched = int(tolerance), int(unmatched)
-        lo = (np.arange(32) * 8).astype(np.int64)
+        lo = (np.arange(32) * 8).astype(np.int32)
         grid = np.stack(np.meshgrid(lo, lo, lo, indexing='ij'), -1).reshape(-1, 1, 3)  # bin's low corner
-        e = self.entries[None]                                                          # 1 x K x 3
-        nearest = np.maximum(np.maximum(grid - e, e - (grid + 7)), 0).max(-1)           # bin x entry
-        farthest = np.maximum(np.abs(grid - e), np.abs(grid + 7 - e)).max(-1)
-        best = farthest.argmin(1)
-        rows = np.arange(len(grid))
-        best_far = farthest[rows, best]
+        entries32 = self.entries.astype(np.int32)
+        # Entries a few at a time: a bins x entries x 3 array of 150 classes was ~400 MB per rank.
+        chunks = [slice(i, i + self._CHUNK) for i in range(0, len(entries32), self._CHUNK)]
+
+        def distances(chunk):  # (nearest, farthest) L-inf distance of each bin's colours to each entry
+            e = entries32[chunk][None]
+            return (np.maximum(np.maximum(grid - e, e - (grid + 7)), 0).max(-1),
+                    np.maximum(np.abs(grid - e), np.abs(grid + 7 - e)).max(-1))
+        best_far = np.full(len(grid), np.iinfo(np.int32).max, np.int32)
+        best = np.zeros(len(grid), np.int64)
+        matchable = np.zeros(len(grid), bool)
+        for chunk in chunks:
+            nearest, farthest = distances(chunk)
+            matchable |= (nearest <= self.tolerance).any(1)
+            arg = farthest.argmin(1)
+            better = farthest[np.arange(len(grid)), arg] < best_far   # strict: the first entry wins a tie
+            best_far[better], best[better] = farthest[better, arg[better]], arg[better] + chunk.start
         # Entries of another class that some colour of the bin may be as close to as to `best`.
-        rivals = (nearest <= best_far[:, None]) & (self.values[None] != self.values[best][:, None])
+        rivals = np.zeros(len(grid), bool)
+        for chunk in chunks:
+            nearest, _ = distances(chunk)
+            rivals |= ((nearest <= best_far[:, None]) & (self.values[chunk][None] != self.values[best][:, None])).any(1)
         lut = np.full(len(grid), self._MIXED, np.int64)
-        lut[(nearest > self.tolerance).all(1)] = self.unmatched
-        sure = (best_far <= self.tolerance) & ~rivals.any(1)
+        lut[~matchable] = self.unmatched
+        sure = (best_far <= self.tolerance) & ~rivals
         lut[sure] = self.values[best[sure]]
         self.lut = lut.astype(np.int16)
         # An entry's own colour is that entry (distance 0): found by a search, not by distances.
@@ -330,16 +345,23 @@ class PaletteDecoder:
         return out
 
     def exact(self, rgb_3N):
-        """Class of each colour by its distances to every entry (the reference the table follows)."""
+        """Class of each colour by its distances to every entry (the reference the table follows),
+        once per distinct colour: a noisy window holds far fewer colours than pixels."""
         rgb = rgb_3N.astype(np.int64)
-        packed = (rgb[0] << 16) | (rgb[1] << 8) | rgb[2]
-        at = np.minimum(np.searchsorted(self._packed, packed), len(self._packed) - 1)
-        hit = self._packed[at] == packed
-        out = np.empty(packed.shape, np.int16)
-        out[hit] = self._packed_values[at[hit]]
-        rest = ~hit
-        if rest.any():
-            d = np.abs(rgb[:, rest].T[:, None, :] - self.entries[None]).max(-1)
-            best = d.argmin(1)
-            out[rest] = np.where(d[np.arange(len(d)), best] <= self.tolerance, self.values[best], self.unmatched)
-        return out
+        colours, back = np.unique((rgb[0] << 16) | (rgb[1] << 8) | rgb[2], return_inverse=True)
+        at = np.minimum(np.searchsorted(self._packed, colours), len(self._packed) - 1)
+        hit = self._packed[at] == colours
+        decoded = np.empty(colours.shape, np.int16)
+        decoded[hit] = self._packed_values[at[hit]]
+        rest = colours[~hit]
+        if rest.size:
+            c = np.stack([rest >> 16, (rest >> 8) & 255, rest & 255], -1).astype(np.int32)[:, None, :]
+            best_d = np.full(len(rest), np.iinfo(np.int32).max, np.int32)
+            best = np.zeros(len(rest), np.int64)
+            for i in range(0, len(self.entries), self._CHUNK):
+                d = np.abs(c - self.entries[i:i + self._CHUNK].astype(np.int32)[None]).max(-1)
+                arg = d.argmin(1)
+                better = d[np.arange(len(rest)), arg] < best_d     # strict: the first entry wins a tie
+                best_d[better], best[better] = d[better, arg[better]], arg[better] + i
+            decoded[~hit] = np.where(best_d <= self.tolerance, self.values[best], self.unmatched)
+        return decoded[back.reshape(-1)]

@@ -224,6 +224,8 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     (['--backends', '../victim=ds_configs/zero1.json'], "--backends label '../victim' is not a plain name"),
     (['--backends', '/tmp/x=ds_configs/zero1.json'], "--backends label '/tmp/x' is not a plain name"),
     (['--nproc', '2'], '--launcher python starts one process, but --nproc is 2'),
+    (['--backends', 'previous=ds_configs/zero1.json'], "--backends label 'previous' is not a plain name"),
+    (['--backends', 'benchmark.json=ds_configs/zero1.json'], "--backends label 'benchmark.json' is not"),
 ])
 def test_what_would_fail_every_run_is_one_line_before_any(argv, message, tmp_path, capsys):
     assert benchmark.main(['--work-dir', str(tmp_path / 'bench'), '--launcher', 'python', *argv]) == 2

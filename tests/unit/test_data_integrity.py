@@ -61,6 +61,12 @@ def test_a_registered_transform_that_moves_pixels_without_the_mask_is_named():
     label = np.where(invalid, IGNORE, 1).astype(np.uint8)
     with pytest.raises(ValueError, match=r"transforms\[0\] \(Mirror\) moved pixels but not the nodata mask"):
         Compose([Mirror()])(image, label, np.random.default_rng(0), invalid)
+    class Crop:  # moves nothing of a mask without nodata pixels, but changes the shape
+        def __call__(self, image, label, rng):
+            return image[..., :2, :2], label[:2, :2]
+
+    with pytest.raises(ValueError, match=r"transforms\[0\] \(Crop\) moved pixels but not the nodata mask"):
+        Compose([Crop()])(image, np.ones((4, 4), np.uint8), np.random.default_rng(0), np.zeros((4, 4), bool))
     # Without a mask, or with one it leaves in place, it runs as before.
     out = Compose([Mirror()])(image, label, np.random.default_rng(0))
     assert out[2] is None and (out[1][:, -1] == IGNORE).all()
@@ -208,3 +214,55 @@ def test_complex_pixels_are_refused_not_cut_to_their_real_part(tmp_path):
     with pytest.raises(DataError, match=r"slc_image.tif holds complex \(complex64\) pixels; segmentation takes "
                                         r"real bands"):
         GeoTiffScenes([img], [lbl], crop_size=32, classes=2)
+
+
+def test_validation_bands_are_compared_by_what_the_files_say_they_are(tmp_path):
+    """data.val bands=[3, 2, 1] beside data.train's [1, 2, 3] is right for BGR validation files
+    and wrong for RGB ones; the files' colour interpretation tells which, and where it says
+    nothing (grey bands) one line asks the user to check."""
+    from types import SimpleNamespace
+
+    from rasterio.enums import ColorInterp
+
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    rng = np.random.default_rng(0)
+    lbl = write_tif(tmp_path / 'b_label.tif', rng.integers(0, 2, (32, 32)).astype(np.uint8))
+
+    def scene(name, interp):
+        path = write_tif(tmp_path / f'{name}.tif', rng.integers(1, 255, (3, 32, 32)).astype(np.uint8))
+        with rasterio.open(path, 'r+') as dst:
+            dst.colorinterp = [getattr(ColorInterp, c) for c in interp]
+        return path
+
+    rgb, bgr = scene('rgb', ('red', 'green', 'blue')), scene('bgr', ('blue', 'green', 'red'))
+    grey = scene('grey', ('gray', 'undefined', 'undefined'))
+    train = GeoTiffScenes([rgb], [lbl], crop_size=32, classes=2)
+    printed = []
+    fake = SimpleNamespace(print=printed.append)
+    check = lambda t, v: Trainer._check_val_band_order(fake, t, v)  # noqa: E731
+    check(train, GeoTiffScenes([bgr], [lbl], crop_size=32, classes=2, mode='grid', bands=[3, 2, 1]))
+    with pytest.raises(ConfigError, match='blue, green, red against red, green, blue'):
+        check(train, GeoTiffScenes([rgb], [lbl], crop_size=32, classes=2, mode='grid', bands=[3, 2, 1]))
+    assert not printed
+    check(GeoTiffScenes([grey], [lbl], crop_size=32, classes=2),
+          GeoTiffScenes([grey], [lbl], crop_size=32, classes=2, mode='grid', bands=[3, 2, 1]))
+    assert len(printed) == 1 and 'do not say which colour each band is' in printed[0]
+
+
+def test_statistics_cached_by_an_earlier_version_are_computed_again(tmp_path):
+    """A cache of the first four scenes with masked pixels in, keyed to the same files, kept the
+    old (wrong) statistics for a set of four scenes or fewer."""
+    import json
+
+    from ds_seg.data.geotiff import STATS_CACHE_FILE
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'v_image.tif', rng.normal(100, 5, (1, 32, 32)).clip(1, 255).astype(np.uint8))
+    lbl = write_tif(tmp_path / 'v_label.tif', rng.integers(0, 2, (32, 32)).astype(np.uint8))
+    right = GeoTiffScenes([img], [lbl], crop_size=32, classes=2).mean
+    cache = tmp_path / STATS_CACHE_FILE
+    old = json.loads(cache.read_text())
+    old.pop('version')
+    old['mean'] = [1.0]
+    cache.write_text(json.dumps(old))
+    np.testing.assert_allclose(GeoTiffScenes([img], [lbl], crop_size=32, classes=2).mean, right)

@@ -252,6 +252,6 @@ def test_a_missing_runtime_is_named_with_the_install_for_this_installation(tmp_p
                                           r"installed: pip install -e '.\[onnx\]' in the checkout"):
         load_onnx(str(model))
     assert config.extra_hint('mlflow').startswith("pip install -e '.[mlflow]'")
-    monkeypatch.setattr(config, 'PACKAGE_DIR', tmp_path / 'site-packages' / 'ds_seg')  # an installed wheel
+    monkeypatch.setattr(config, 'REPO_ROOT', tmp_path / 'site-packages')  # an installed wheel: no setup.py
     assert config.extra_hint('onnx') == 'pip install onnx onnxscript onnxruntime'
     assert config.extra_hint('wandb') == 'pip install wandb'

@@ -285,3 +285,9 @@ def test_evaluate_a_time_series_val_and_refuse_a_one_date_model_on_it(tmp_path, 
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert 'data.val has 2 date(s) per scene but the model (UNetTiny) takes 1' in err
     assert not (tmp_path / 'single_eval').exists()
+    # Early fusion, which training allows: a plain model whose channels are both dates' bands.
+    fused = dict(type='UNetTiny', in_channels=2, num_classes=2)
+    torch.save({'state_dict': build(MODELS, fused).state_dict(), 'model': fused, 'classes': ['same', 'changed'],
+                'data': {'bands': [1], 'mean': [127.5] * 2, 'std': [64.0] * 2}}, tmp_path / 'fused.pt')
+    assert evaluate.main(['--checkpoint', str(tmp_path / 'fused.pt'), '--config', str(config),
+                          '--output', str(tmp_path / 'fused_eval'), '--tile', '32', '--previews', '0']) == 0
