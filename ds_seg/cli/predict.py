@@ -318,9 +318,13 @@ def _run(args):
                               f"({model_cfg.get('type')}) takes one scene of one date; give the scenes "
                               f"separated by spaces, not commas")
         if num_dates and len(dates) != num_dates and not stacked:
+            # One file that holds every date's bands needs --bands naming all of them.
+            one_file = (len(dates) == 1 and channels and _band_count(dates[0]) >= channels
+                        and f"; or, if {dates[0]} stacks every date's bands, select them: --bands "
+                            f"{' '.join(str(b) for b in range(1, channels + 1))}") or ''
             raise ConfigError(f"--input {','.join(dates)}: {len(dates)} date(s), but the model "
                               f"({model_cfg.get('type')}) takes {num_dates}; give the {num_dates} dates "
-                              f"of the scene joined by commas (a_may.tif,a_aug.tif)")
+                              f"of the scene joined by commas (a_may.tif,a_aug.tif){one_file}")
         for path in dates:  # the model's channels are the bands of every date
             check_bands(path, bands, channels // len(dates) if channels else None)
             check_pixel_type(path, info, args)

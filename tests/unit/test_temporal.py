@@ -186,6 +186,16 @@ def test_wrong_dates_are_refused_in_one_line_before_any_work(tmp_path, capsys):
         assert code == 2 and len(err.strip().splitlines()) == 1 and 'Traceback' not in err, err
         assert re.search(message, err), err
         assert not out.exists()  # nothing written, not even scene a's class map
+    # One file holding both dates' bands: the line says how to read it as the two dates.
+    stacked = str(tmp_path / 'a_both.tif')
+    with rasterio.open(t0) as a, rasterio.open(t1) as b:
+        profile = dict(a.profile, count=2)
+        with rasterio.open(stacked, 'w', **profile) as d:
+            d.write(np.concatenate([a.read(), b.read()]))
+    assert predict.main(['--checkpoint', weights, '--input', stacked, '--output', str(out), '--tile', '32']) == 2
+    assert 'a_both.tif stacks every date\'s bands, select them: --bands 1 2' in capsys.readouterr().err
+    assert predict.main(['--checkpoint', weights, '--input', stacked, '--output', str(out), '--tile', '32',
+                         '--overlap', '8', '--bands', '1', '2']) == 0
 
     series = GeoTiffScenes([[t0, t1]], [label], classes=2, mean=[127.5], std=[64.0], crop_size=32)
     fake = SimpleNamespace(cfg=ConfigDict(model=dict(cfg, num_dates=1), loss=dict(ignore_index=255)),
