@@ -259,3 +259,24 @@ def test_an_aux_head_level_the_encoder_lacks_is_one_line():
                                               r"encoder's 4 feature levels \(-4\.\.3\)"):
             make('UperNet', backbone='test_convnext', channels=16, aux_head=dict(type='FCNHead', in_index=in_index))
     assert make('UperNet', backbone='test_convnext', channels=16, aux_head=dict(type='FCNHead', in_index=-1)).aux_head
+
+
+@pytest.mark.parametrize('backbone', ['efficientnet_b0', 'mobilenetv3_small_050'])
+def test_activation_checkpointing_of_timm_stem_stage_nets_updates_batchnorm_once(backbone):
+    """EfficientNet and MobileNet feature nets checkpointed through timm's own switch, which
+    recomputes the forward in backward in training mode: every BatchNorm running statistic was
+    updated twice a step (141 buffers of efficientnet_b0 off after one step)."""
+    cfg = dict(type='FPN', backbone=backbone, num_classes=6, channels=16)
+    plain = build(MODELS, cfg).train()
+    ckpt = build(MODELS, dict(cfg, activation_checkpointing=True)).train()
+    ckpt.load_state_dict(plain.state_dict())
+    images_BCHW, labels_BHW = torch.randn(2, 3, 40, 56), torch.randint(0, 6, (2, 40, 56))
+    for _ in range(2):
+        loss_plain, grads_plain = _step(plain, images_BCHW, labels_BHW)
+        loss_ckpt, grads_ckpt = _step(ckpt, images_BCHW, labels_BHW)
+        torch.testing.assert_close(loss_ckpt, loss_plain, rtol=1e-6, atol=0)
+        for n in grads_plain:
+            torch.testing.assert_close(grads_ckpt[n], grads_plain[n], rtol=1e-5, atol=1e-6, msg=n)
+    buffers = dict(plain.named_buffers())
+    for n, b in ckpt.named_buffers():
+        torch.testing.assert_close(b, buffers[n], rtol=0, atol=0, msg=n)

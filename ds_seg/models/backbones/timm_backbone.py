@@ -105,19 +105,50 @@ class TimmBackbone(nn.Module):
 
     def _checkpoint_units(self):
         """(name, module) pairs to checkpoint one by one: the blocks of sequential stages, the other
-        top-level modules whole. Only timm's FeatureListNet/FeatureDictNet can be walked so."""
-        if not hasattr(self.model, 'return_layers') or not hasattr(self.model, 'items'):
-            self.model.set_grad_checkpointing(True)  # timm's own (e.g. EfficientNetFeatures)
-            return None
-        units = []
-        for name, module in self.model.items():
-            children = list(module.children()) if isinstance(module, nn.Sequential) else []
-            units.append((name, children or [module]))
-        return units
+        top-level modules whole. timm's FeatureListNet/FeatureDictNet are walked so; its
+        EfficientNet/MobileNet feature nets (stem, then ``blocks`` stages) by ``_stage_out_idx``.
+        timm's own checkpointing is not used where the model has BatchNorm: it recomputes the
+        forward in backward in training mode, updating every running statistic twice a step."""
+        if hasattr(self.model, 'return_layers') and hasattr(self.model, 'items'):
+            units = []
+            for name, module in self.model.items():
+                children = list(module.children()) if isinstance(module, nn.Sequential) else []
+                units.append((name, children or [module]))
+            return units
+        stages = getattr(self.model, 'blocks', None)
+        if (hasattr(self.model, '_stage_out_idx') and getattr(self.model, 'feature_hooks', None) is None
+                and isinstance(stages, nn.Sequential) and hasattr(self.model, 'conv_stem')):
+            self._stem_stages = True
+            return [(i, list(stage.children()) if isinstance(stage, nn.Sequential) else [stage])
+                    for i, stage in enumerate(stages)]
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
+            from ...config import ConfigError
+            raise ConfigError(f"activation_checkpointing: timm's {type(self.model).__name__} can only checkpoint "
+                              "through timm, which updates its BatchNorm statistics twice a step; leave "
+                              "activation_checkpointing out for this backbone.")
+        self.model.set_grad_checkpointing(True)  # no statistics to update twice
+        return None
+
+    def _stem_stage_features(self, x):
+        """EfficientNetFeatures'/MobileNetV3Features' forward, each block of each stage checkpointed
+        with run_block."""
+        m = self.model
+        x = m.bn1(m.conv_stem(x))
+        if getattr(m, 'act1', None) is not None:  # MobileNetV3's stem activation (EfficientNet's is in bn1)
+            x = m.act1(x)
+        features = [x] if 0 in m._stage_out_idx else []
+        for i, blocks in self._blocks:
+            for block in blocks:
+                x = run_block(block, x, checkpointing=next(block.parameters(), None) is not None)
+            if i + 1 in m._stage_out_idx:
+                features.append(x)
+        return features
 
     def forward(self, images_BCHW):
         if self._blocks is None:
             features = self.model(images_BCHW)
+        elif getattr(self, '_stem_stages', False):
+            features = self._stem_stage_features(images_BCHW)
         else:
             features, x = [], images_BCHW
             for name, blocks in self._blocks:
