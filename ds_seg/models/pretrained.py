@@ -216,14 +216,23 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
             used.add(src)
     droppable = allow_unused if callable(allow_unused) else (lambda key: key.startswith(tuple(allow_unused)))
     unused = sorted(k for k in state if k not in used and not k.startswith(CLASSIFIER_PREFIXES) and not droppable(k))
+    if unused and not mapped:  # nothing of the file lands anywhere: another naming, not a few extra tensors
+        example = next(k for k, v in module.state_dict().items())
+        raise ConfigError(f"{where}: none of the weights' tensors match the model's (none matched: the file's keys "
+                          f"look like {unused[0]!r}, the model's like {example!r}); give the file of this backbone.")
     if unused:
         raise ConfigError(f'{where}: {len(unused)} tensor(s) of the weights have no place in the model '
                           f'(refusing to drop them silently): {", ".join(unused[:8])}'
                           f'{" ..." if len(unused) > 8 else ""}. Check that the file matches the model '
                           'architecture (LayerScale, register tokens, depth).')
 
+    # Only the layer that takes the image's bands can differ in input channels: a grouped conv
+    # deeper in (a depthwise [C, 1, 3, 3] against [C, 8, 3, 3]) is another architecture.
+    first_conv = input_key if input_key in mapped else next(
+        (n for n, p in module.named_parameters() if len(getattr(p, 'ds_shape', p.shape)) == 4), None)
+
     def adapt(key, tensor, shape):
-        if tensor.dim() == 4 and tensor.shape[0] == shape[0] and tensor.shape[2:] == shape[2:]:
+        if key == first_conv and tensor.dim() == 4 and tensor.shape[0] == shape[0] and tensor.shape[2:] == shape[2:]:
             return adapt_input_weight(tensor.float(), shape[1]).to(tensor.dtype)
         if key.endswith('pos_embed') and tensor.dim() == 3 and tensor.shape[-1] == shape[-1]:
             return resize_pos_embed(tensor, shape[1], num_prefix=pos_embed_prefix, grid=pos_embed_grid)

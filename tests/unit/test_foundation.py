@@ -94,8 +94,11 @@ def test_token_layouts_load_at_another_size_like_timm(tmp_path, name):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def test_dinov2_release_layout_loads(tmp_path):
-    """facebookresearch/dinov2 files: ``register_tokens``, a class position embedding, ``mask_token``."""
+@pytest.mark.parametrize('nesting', ['plain', 'dino_teacher'])
+def test_dinov2_release_layout_loads(tmp_path, nesting):
+    """facebookresearch/dinov2 files: ``register_tokens``, a class position embedding, ``mask_token``;
+    also as DINO training saves them, under teacher/'backbone.' (its register_tokens were not
+    recognised under the prefix: refused as having no place in the model)."""
     ref = _timm(DINO, img_size=518)
     state = ref.state_dict()
     pos_cls = torch.randn(1, 1, 64)
@@ -103,6 +106,9 @@ def test_dinov2_release_layout_loads(tmp_path):
     state['cls_token'] = state['cls_token'] - pos_cls
     state['register_tokens'] = state.pop('reg_token')
     state['mask_token'] = torch.zeros(1, 64)
+    if nesting == 'dino_teacher':
+        torch.save({'teacher': {'backbone.' + k: v for k, v in state.items()}, 'student': {}}, tmp_path / 'dino.pth')
+        state = str(tmp_path / 'dino.pth')
     enc = build(BACKBONES, dict(type='TimmViT', name=DINO, img_size=518, pretrained=state, **TINY)).eval()
     x = torch.randn(1, 3, 518, 518)
     with torch.no_grad():
@@ -282,3 +288,21 @@ def test_released_checkpoints_with_the_backbone_under_a_prefix_load(tmp_path):
         for key, value in loaded.items():
             if not key.endswith('num_batches_tracked'):
                 torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=f'{name}: {key}')
+
+
+def test_a_pretrained_file_is_exact_for_timm_cnns_too(tmp_path):
+    """A stray tensor of the file was dropped without a word for timm CNN backbones (anything
+    outside the parts the wrapper kept counted as pruned), and a deeper conv that differed only in
+    input channels (a depthwise [C, 1, 3, 3] of efficientnet_b0_gn into the grouped [C, 8, 3, 3]
+    of efficientnet_b0_g8_gn) was 'adapted' as if it took the image's bands."""
+    import timm
+    state = timm.create_model('resnet18', pretrained=False).state_dict()
+    torch.save(dict(state, extra_thing=torch.zeros(2)), tmp_path / 'extra.pth')
+    with pytest.raises(ConfigError, match=r'1 tensor\(s\) of the weights have no place in the model .*extra_thing'):
+        build(MODELS, dict(type='UperNet', backbone='resnet18', pretrained=str(tmp_path / 'extra.pth')))
+    torch.save(state, tmp_path / 'r18.pth')   # its fc. and the rest load as before, at any band count
+    build(MODELS, dict(type='UperNet', backbone='resnet18', pretrained=str(tmp_path / 'r18.pth'), in_channels=4))
+    torch.save(timm.create_model('efficientnet_b0_gn', pretrained=False).state_dict(), tmp_path / 'gn.pth')
+    with pytest.raises(ConfigError, match=r'blocks.0.0.conv_dw.weight has shape \(32, 1, 3, 3\) in the weights '
+                                          r'but \(32, 8, 3, 3\) in the model'):
+        build(MODELS, dict(type='FPN', backbone='efficientnet_b0_g8_gn', pretrained=str(tmp_path / 'gn.pth')))

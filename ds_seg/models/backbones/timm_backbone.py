@@ -28,7 +28,7 @@ def _original_key(key):
     return f'{match[1]}.{match[2]}.{rest}' if match else key
 
 
-def _pruned_by_wrapper(feature_net):
+def _pruned_by_wrapper(feature_net, classifier_name=None):
     """A predicate on a pretrained file's keys: True for tensors of the parts timm's feature
     wrapper removed (everything after the last feature stage: final norm, classifier, later
     stages). A tensor under a part the wrapper kept but which the model lacks is not excused."""
@@ -47,7 +47,24 @@ def _pruned_by_wrapper(feature_net):
     # per module instead, a file of a richer architecture (seresnet18's squeeze-excitation
     # tensors into resnet18) lost those tensors without a word.
     units = tuple(_original_key(f'{name}.x')[:-2] for name, _ in feature_net.named_children())
-    return lambda key: not any(key == unit or key.startswith(f'{unit}.') for unit in units)
+    # What it dropped are the classifier's other top-level parts; a tensor under none of them
+    # (a stray 'extra.weight', another model's part) lands nowhere and is refused by name.
+    dropped = None
+    if classifier_name is not None:
+        import timm
+        import torch
+        try:
+            with torch.device('meta'):
+                whole = timm.create_model(classifier_name, pretrained=False)
+            dropped = tuple(n for n, _ in whole.named_children() if n not in units)
+        except Exception:  # not buildable on the meta device: judged by the kept parts alone
+            dropped = None
+
+    def pruned(key):
+        if any(key == unit or key.startswith(f'{unit}.') for unit in units):
+            return False
+        return dropped is None or any(key == unit or key.startswith(f'{unit}.') for unit in dropped)
+    return pruned
 
 
 @BACKBONES.register_module()
@@ -100,7 +117,8 @@ class TimmBackbone(nn.Module):
         self._blocks = self._checkpoint_units() if activation_checkpointing else None
         if pretrained:
             source = timm_state_dict(name) if pretrained is True else pretrained
-            load_pretrained(self.model, source, rename=_original_key, allow_unused=_pruned_by_wrapper(self.model),
+            load_pretrained(self.model, source, rename=_original_key,
+                            allow_unused=_pruned_by_wrapper(self.model, name),
                             where=f'{name} pretrained')
 
     def _checkpoint_units(self):

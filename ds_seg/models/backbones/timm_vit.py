@@ -109,8 +109,12 @@ class TimmViT(nn.Module):
 
     def load_pretrained(self, source, band_map=None, where='pretrained'):
         """Load a timm (or DINOv2-layout) state dict into the ViT; the pyramid neck starts fresh."""
-        from ..pretrained import read_state_dict
-        state = _convert_dinov2(read_state_dict(source, where) if isinstance(source, str) else source)
+        from ..pretrained import _under_prefix, read_state_dict
+        state = read_state_dict(source, where) if isinstance(source, str) else dict(source)
+        # Under a prefix (DINO's teacher 'backbone.', an mmpretrain checkpoint's) the DINOv2 names
+        # are only recognised once it is removed.
+        state, _ = _under_prefix(state, set(self.model.state_dict()) | {'register_tokens'})
+        state = _convert_dinov2(state)
         kept = len(self.model.blocks)
         match = re.compile(r'blocks\.(\d+)\.').match
 
