@@ -37,8 +37,10 @@ class Segmentor(nn.Module):
     def __init__(self, backbone, decode_head, aux_head=None, in_channels=3, num_classes=6,
                  activation_checkpointing=False):
         super().__init__()
-        self.in_channels = in_channels
-        self.num_classes = num_classes
+        from ..config import checked_number
+        # A float, a string or 0 failed deep in a head's conv (or only at the first forward).
+        self.in_channels = int(checked_number('model', 'in_channels', in_channels, low=1, integer=True))
+        self.num_classes = int(checked_number('model', 'num_classes', num_classes, low=1, integer=True))
         self.backbone = backbone if isinstance(backbone, nn.Module) else build(
             BACKBONES, backbone, where='model.backbone', in_channels=in_channels,
             activation_checkpointing=activation_checkpointing)
@@ -228,6 +230,10 @@ def DeepLabV3Plus(backbone='resnet50', in_channels=3, num_classes=6, output_stri
 
     Example: ``build(MODELS, dict(type='DeepLabV3Plus', backbone='resnet101', output_stride=8))``
     """
+    if output_stride not in (8, 16) or isinstance(output_stride, bool):  # 32 got OS8's dilations, 4 a bare assert
+        from ..config import ConfigError
+        raise ConfigError(f"model.output_stride must be 8 or 16 (the ASPP dilations are set for those), "
+                          f"got {output_stride!r}")
     dilations = (6, 12, 18) if output_stride == 16 else (12, 24, 36)
     return Segmentor(backbone=_timm(backbone, pretrained, levels='low_high', output_stride=output_stride),
                      decode_head=dict(type='DeepLabV3PlusHead', channels=channels, dilations=dilations),

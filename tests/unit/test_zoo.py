@@ -1,5 +1,7 @@
 """Behaviour of every zoo model (tiny variants from the registry): shapes at odd sizes, any band
 count, checkpointing equivalence, FLOP and parameter figures, pretrained first-layer adaptation."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -280,3 +282,22 @@ def test_activation_checkpointing_of_timm_stem_stage_nets_updates_batchnorm_once
     buffers = dict(plain.named_buffers())
     for n, b in ckpt.named_buffers():
         torch.testing.assert_close(b, buffers[n], rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize('cfg, message', [
+    (dict(type='DeepLabV3PlusTiny'), None),
+    (dict(type='DeepLabV3Plus', backbone='resnet18', output_stride=4), 'model.output_stride must be 8 or 16'),
+    (dict(type='DeepLabV3Plus', backbone='resnet18', output_stride=32), 'model.output_stride must be 8 or 16'),
+    (dict(type='FPNTiny', num_classes=2.5), 'model num_classes must be an integer >= 1, got 2.5'),
+    (dict(type='FPNTiny', num_classes='6'), "model num_classes must be an integer >= 1, got '6'"),
+    (dict(type='UperNetTiny', in_channels=0), 'model in_channels must be an integer >= 1, got 0'),
+])
+def test_model_settings_that_cannot_build_a_model_are_named(cfg, message):
+    """output_stride=4 was a bare AssertionError from timm and 32 took OS8's ASPP dilations;
+    num_classes=2.5 blamed a head's conv groups, '6' string formatting, 0 failed at the forward."""
+    from ds_seg.config import ConfigError
+    if message is None:
+        build(MODELS, cfg, where='model')
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build(MODELS, cfg, where='model')
