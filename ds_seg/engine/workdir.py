@@ -117,7 +117,7 @@ class WorkDirLock:
         """Take the lock; returns the previous owner's description when a dead run's lock was
         taken over, else None. Raises :class:`WorkDirBusy` while another run lives."""
         me = identity()
-        for _ in range(5):  # another process may take over a stale lock between our steps
+        for _ in range(100):  # another process may hold the take-over mutex, or win the create
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
@@ -129,14 +129,12 @@ class WorkDirLock:
                     raise WorkDirBusy(f"{os.path.dirname(self.path)} is in use by another run ({describe(owner)}). "
                                       f"Wait for it, use another --work-dir, or delete {self.path} if that run "
                                       "is certainly gone.")
-                # Rename, not delete: only one of several contenders can move the stale file away.
-                stale = f'{self.path}.stale.{me["pid"]}'
-                try:
-                    os.rename(self.path, stale)
-                except FileNotFoundError:
-                    continue
-                os.remove(stale)
-                self._previous = describe(owner) if owner else 'an unreadable lock'
+                # Take-overs one at a time: the stale file is read again and removed while holding a
+                # mutex, and only an O_EXCL create makes an owner. Two contenders that both read
+                # the stale owner could otherwise each remove what was there (the second removing
+                # the first's new, live lock) and both run.
+                if not self._take_over(owner, me):
+                    time.sleep(0.05)
                 continue
             with os.fdopen(fd, 'w') as f:
                 json.dump(me, f)
@@ -145,6 +143,32 @@ class WorkDirLock:
             self.me = me
             return getattr(self, '_previous', None)
         raise WorkDirBusy(f"{self.path}: could not take the work-dir lock (contended); try again.")
+
+    # A take-over mutex older than this was left by a process that died inside one (a few
+    # file operations): it is cleared.
+    MUTEX_STALE_S = 30
+
+    def _take_over(self, owner, me):
+        """Remove the dead owner's lock file under the take-over mutex; False if another
+        contender holds the mutex (try again)."""
+        mutex = self.path + '.takeover'
+        try:
+            os.mkdir(mutex)
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                if time.time() - os.stat(mutex).st_mtime > self.MUTEX_STALE_S:
+                    os.rmdir(mutex)
+            return False
+        try:
+            now = self._read()
+            # Still the owner judged gone (or still unreadable), and still gone: remove it. A new
+            # lock (another contender's, created while the path was free) is left alone.
+            if now == owner and (now is None or owner_gone(now, me)) and os.path.exists(self.path):
+                os.remove(self.path)
+                self._previous = describe(owner) if owner else 'an unreadable lock'
+        finally:
+            os.rmdir(mutex)
+        return True
 
     def _read(self):
         try:

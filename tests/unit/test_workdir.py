@@ -3,6 +3,7 @@ it may live (the real two-process test is in tests/distributed/test_reliability.
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -113,3 +114,35 @@ def test_a_resume_keeps_the_configs_it_replaces_by_different_ones(tmp_path, caps
         json.dump(after['config.json'], f)
     log.keep_replaced(before)
     assert len(os.listdir(os.path.join(work, 'previous'))) == 2
+
+
+def _contend(work, start, results):
+    lock = WorkDirLock(work)
+    while time.time() < start:  # all at once
+        pass
+    try:
+        lock.acquire()
+        results.put('held')
+        time.sleep(0.5)  # still holding while the others decide
+    except WorkDirBusy:
+        results.put('busy')
+
+
+def test_contenders_for_a_dead_runs_lock_leave_exactly_one_holder(tmp_path):
+    """Two processes that both read the dead owner each removed what was there, the second the
+    first's new, live lock: 5 trials of 20 had two runs in one work dir."""
+    import multiprocessing
+    ctx = multiprocessing.get_context('fork')
+    for trial in range(8):
+        work = tmp_path / f'w{trial}'
+        work.mkdir()
+        (work / LOCK_NAME).write_text(json.dumps(_me(pid=999999, pid_start=1)))  # a dead run's
+        results, start = ctx.Queue(), time.time() + 0.3
+        procs = [ctx.Process(target=_contend, args=(str(work), start, results)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+        outcomes = sorted(results.get(timeout=5) for _ in procs)
+        assert outcomes == ['busy'] * 5 + ['held'], (trial, outcomes)
+        assert sorted(os.listdir(work)) == [LOCK_NAME]  # no take-over mutex or stale file left
