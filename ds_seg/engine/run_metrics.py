@@ -109,8 +109,33 @@ class RunMetrics:
         return record
 
     # -- the end ---------------------------------------------------------------------------
+    def completed_summary(self, step):
+        """``summary.json`` of a run that completed at ``step`` (on every rank), else None."""
+        try:
+            with open(os.path.join(self.log.work_dir, 'summary.json')) as f:
+                summary = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return summary if summary.get('exit_reason') == 'completed' and summary.get('steps') == step else None
+
+    def _last_logged_eval(self, step):
+        """The last row of eval.jsonl at or before ``step``: a resumed run that has not evaluated
+        yet reports the evaluation its weights descend from, not null."""
+        path = os.path.join(self.log.work_dir, 'eval.jsonl')
+        last = None
+        if os.path.isfile(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(row.get('step'), int) and row['step'] <= step:
+                        last = row
+        return last
+
     def write_summary(self, exit_reason, step, error, describe_io_error, best=None):
-        last = self.last_eval
+        last = self.last_eval or (self._last_logged_eval(step) if distributed.is_main() else None)
         rows = []
         path = os.path.join(self.log.work_dir, 'metrics.jsonl')
         if distributed.is_main() and os.path.isfile(path):

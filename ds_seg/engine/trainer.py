@@ -217,6 +217,15 @@ class Trainer:
         where a stop signal or a run of non-finite losses is agreed on and acted upon.
         """
         t = self.cfg.train
+        if self.step >= t.max_steps:
+            kept = self.metrics.completed_summary(self.step)
+            if kept is not None:  # a re-submitted or requeued job of a finished run: nothing to redo
+                self.print(f'already at step {self.step} = train.max_steps: nothing to train; summary.json kept')
+                self.exit_reason = 'completed'
+                return kept
+        # The optimizer state the measurement counts exists after the first step of a fresh run,
+        # and from the start of a resumed one.
+        self._state_memory_step = self.step or 1
         faults = self._start_loop()
         try:
             with self._classified_failures(faults):
@@ -345,7 +354,7 @@ class Trainer:
             logits_BKHW = self.backend.forward(images_BCHW)
             loss = segmentation_loss(self.criterion, logits_BKHW, labels_BHW)  # + auxiliary heads
             self.backend.backward(loss)
-            if self.step == 1 and self.backend.is_boundary():
+            if self.step == self._state_memory_step and self.backend.is_boundary():
                 self.metrics.measure_state_memory()
             self.backend.step(want_grad_norm=want_grad_norm)
             loss_total += loss.detach().float()

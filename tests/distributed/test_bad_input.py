@@ -171,6 +171,9 @@ def _cases(tmp):
         # the stats cache edited as another version's statistics would differ: continues (see below)
         '_resume_recomputed_stats': (_geotiff_data([img], [lbl]) + tiny + ['train.max_steps=26'], None,
                                      ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
+        # the same again: the run is finished (what a requeued or re-submitted job does)
+        '_resume_finished': (_geotiff_data([img], [lbl]) + tiny + ['train.max_steps=26'], None,
+                             ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         '_train6': (_geotiff_data([img], [lbl]) + tiny, None, ['--work-dir', os.path.join(tmp, 'trained6')]),
     }
 
@@ -215,7 +218,10 @@ def outcomes(tmp_path_factory):
     names = sorted(EXPECTED, key=lambda n: n.startswith('resume'))
     refused = run_on_ranks(_run_cases, 1, args=(tmp, names), timeout=300)[0]
     resumed = run_on_ranks(_run_cases, 1, args=(tmp, ['_resume_recomputed_stats']), timeout=300)[0]
-    return {**trained, **refused, **resumed}
+    with open(os.path.join(tmp, 'trained6', 'summary.json')) as f:
+        resumed['_summary_at_26'] = json.load(f)
+    finished = run_on_ranks(_run_cases, 1, args=(tmp, ['_resume_finished']), timeout=300)[0]
+    return {**trained, **refused, **resumed, **finished}
 
 
 EXPECTED = {
@@ -290,6 +296,19 @@ def test_a_resume_whose_computed_statistics_differ_continues_with_the_checkpoint
     root = os.path.join(tmp, 'trained6', 'checkpoints')
     first, last = (checkpoint.read_marker(os.path.join(root, t))['data'] for t in ('step_00000024', 'step_00000026'))
     assert last['mean'] == first['mean'] and last['std'] == first['std']
+
+
+def test_resuming_a_finished_run_keeps_its_summary(outcomes):
+    """--resume auto of a run at train.max_steps (a requeued or re-submitted job) rewrote
+    summary.json with mIoU/OA/mF1 and state_memory null."""
+    code, lines, _, out, tmp = outcomes['_resume_finished']
+    assert code == 0, lines
+    assert 'already at step 26 = train.max_steps: nothing to train; summary.json kept' in out
+    with open(os.path.join(tmp, 'trained6', 'summary.json')) as f:
+        assert json.load(f) == outcomes['_summary_at_26']
+    assert outcomes['_summary_at_26']['exit_reason'] == 'completed'
+    # The resumed segment (24 -> 26) measured the state and reports it, not null.
+    assert outcomes['_summary_at_26']['state_memory']['num_params'] > 0
 
 
 @pytest.mark.parametrize('case', sorted(EXPECTED))
