@@ -1014,6 +1014,27 @@ def _check_offload_stage(zero, source):
             raise ConfigError(f"{source}: 'zero_optimization.{block}' (device {device!r}) needs ZeRO {needs}, and "
                               f"DeepSpeed ignores it at stage {stage}: nothing would be offloaded; raise "
                               f"'zero_optimization.stage' or remove the block.")
+        if str(device) != 'nvme':
+            continue
+        if stage != 3:  # stages 1-2 offload to the CPU only: 'nvme' there is ignored as well
+            raise ConfigError(f"{source}: 'zero_optimization.{block}.device' \"nvme\" needs ZeRO stage 3 (stages 1-2 "
+                              f"offload to \"cpu\" only, and DeepSpeed ignores nvme at stage {stage}); use \"cpu\" "
+                              "or stage 3.")
+        if not (zero.get(block) or {}).get('nvme_path'):
+            raise ConfigError(f"{source}: 'zero_optimization.{block}.device' is \"nvme\" but no "
+                              f"'zero_optimization.{block}.nvme_path' names the local NVMe folder to swap to.")
+        if not _async_io_available():
+            raise ConfigError(f"{source}: 'zero_optimization.{block}.device' \"nvme\" needs DeepSpeed's async_io op, "
+                              "which cannot be built here (libaio missing: apt install libaio-dev, then "
+                              "DS_BUILD_AIO=1 pip install deepspeed); use \"cpu\".")
+
+
+def _async_io_available():
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception:  # no op builder at all: it cannot be built either
+        return False
 
 
 def _pydantic_models():

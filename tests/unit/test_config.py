@@ -297,6 +297,12 @@ DS_VALUE_REFUSALS = {
                              "ignores it at stage 2"),
     'offload_optimizer_stage0': (dict(zero_optimization={'stage': 0, 'offload_optimizer': {'device': 'cpu'}}),
                                  "'zero_optimization.offload_optimizer' (device 'cpu') needs ZeRO stage 1, 2 or 3"),
+    # NVMe: ignored below stage 3 (exit 0, nothing offloaded), a TypeError traceback without a
+    # path, a JIT-build traceback without libaio.
+    'nvme_stage2': (dict(zero_optimization={'stage': 2, 'offload_optimizer': {'device': 'nvme', 'nvme_path': '/nvme'}}),
+                    "'zero_optimization.offload_optimizer.device' \"nvme\" needs ZeRO stage 3"),
+    'nvme_no_path': (dict(zero_optimization={'stage': 3, 'offload_optimizer': {'device': 'nvme'}}),
+                     "no 'zero_optimization.offload_optimizer.nvme_path' names the local NVMe folder"),
     # ds_seg took 'bfloat16' (off) where DeepSpeed takes 'bf16' (on): the two disagreed.
     'bf16_twice': (dict(bf16={'enabled': True}, bfloat16={'enabled': False}),
                    "both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'."),
@@ -418,3 +424,15 @@ def test_short_runs_shorten_the_warmup_of_every_shipped_json(name, max_steps):
     assert [n for n in notes if 'warmup' in n] == [
         f'{name}: scheduler.params.warmup_num_steps {warmup} is not shorter than the run ({max_steps} steps); '
         f'warming up over {params["warmup_num_steps"]} step(s) instead.']
+
+
+def test_nvme_offload_needs_the_async_io_op(tmp_path, monkeypatch):
+    """Where DeepSpeed's async_io op cannot be built (no libaio, as on this machine) an nvme
+    offload was a JIT-build traceback at engine creation; where it can, the block is accepted."""
+    import ds_seg.config as config
+    nvme = dict(zero_optimization={'stage': 3, 'offload_param': {'device': 'nvme', 'nvme_path': str(tmp_path)}})
+    monkeypatch.setattr(config, '_async_io_available', lambda: False)
+    with pytest.raises(ConfigError, match="needs DeepSpeed's async_io op, which cannot be built here"):
+        load_ds_config(_write(tmp_path, _shipped_zero0(**nvme)))
+    monkeypatch.setattr(config, '_async_io_available', lambda: True)
+    load_ds_config(_write(tmp_path, _shipped_zero0(**nvme)))
