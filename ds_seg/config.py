@@ -499,6 +499,7 @@ def load_config(path=None, cfg_options=None):
             what = 'is a folder, not a config file' if path.is_dir() else 'does not exist'
             raise ConfigError(f"--config: {path} {what}. Configs shipped in configs/: "
                               f"{', '.join(candidates) or 'none'}.")
+        _refuse_repeated_keys(path)
         try:
             loaded = Config.fromfile(str(path)).to_dict()
         except RecursionError as exc:  # mmengine follows _base_ without noticing a cycle
@@ -1027,6 +1028,41 @@ def _check_offload_stage(zero, source):
             raise ConfigError(f"{source}: 'zero_optimization.{block}.device' \"nvme\" needs DeepSpeed's async_io op, "
                               "which cannot be built here (libaio missing: apt install libaio-dev, then "
                               "DS_BUILD_AIO=1 pip install deepspeed); use \"cpu\".")
+
+
+def _refuse_repeated_keys(path):
+    """A JSON or YAML experiment config with a key twice in one mapping: the parsers keep the
+    last silently (train: {max_steps: 6} then train: {seed: 3} trained the default 20 steps)."""
+    suffix = path.suffix.lower()
+    if suffix not in ('.json', '.yaml', '.yml'):
+        return
+    repeated = []
+
+    def keep_first_repeat(pairs):
+        keys = [k for k, _ in pairs]
+        repeated.extend(sorted({k for k in keys if keys.count(k) > 1}))
+        return dict(pairs)
+    try:
+        text = path.read_text(encoding='utf-8-sig')
+        if suffix == '.json':
+            json.loads(text, object_pairs_hook=keep_first_repeat)
+        else:
+            import yaml
+
+            class Loader(yaml.SafeLoader):
+                pass
+
+            def mapping(loader, node, deep=False):
+                pairs = [(loader.construct_object(k, deep=deep), loader.construct_object(v, deep=deep))
+                         for k, v in node.value]
+                return keep_first_repeat(pairs)
+            Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+            yaml.load(text, Loader=Loader)
+    except Exception:  # not parseable: loading it says why, in its own words
+        return
+    if repeated:
+        raise ConfigError(f"{path}: the key {repeated[0]!r} is given twice in one mapping; the second would "
+                          "silently replace the first: merge them into one.")
 
 
 def _async_io_available():

@@ -436,3 +436,19 @@ def test_nvme_offload_needs_the_async_io_op(tmp_path, monkeypatch):
         load_ds_config(_write(tmp_path, _shipped_zero0(**nvme)))
     monkeypatch.setattr(config, '_async_io_available', lambda: True)
     load_ds_config(_write(tmp_path, _shipped_zero0(**nvme)))
+
+
+@pytest.mark.parametrize('name, text, key', [
+    ('dup.yaml', "train: {max_steps: 6}\ntrain: {seed: 3}\n", 'train'),
+    ('dup.yml', "train:\n  max_steps: 6\n  max_steps: 8\n", 'max_steps'),
+    ('dup.json', '{"train": {"max_steps": 6, "max_steps": 8}}', 'max_steps'),
+])
+def test_an_experiment_config_with_a_key_twice_is_refused(tmp_path, name, text, key):
+    """YAML and JSON parsers keep the last of two equal keys: train: {max_steps: 6} followed by
+    train: {seed: 3} trained the default 20 steps, exit 0."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"{name}: the key '{key}' is given twice in one mapping"):
+        load_config(str(path))
+    path.write_text("train: {max_steps: 6, seed: 3}\n" if name != 'dup.json' else '{"train": {"max_steps": 6}}')
+    assert load_config(str(path)).train.max_steps == 6
