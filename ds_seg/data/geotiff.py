@@ -566,8 +566,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             if self.palette is not None:
                 raise DataError(f"labels {label}: a vector file has no colours; drop `palette`")
             with open_raster(image) as img:
-                if complex_refusal(image, img.dtypes[0]):
-                    raise DataError(complex_refusal(image, img.dtypes[0]))
+                refusal = complex_refusal(image, img.dtypes[0])
+                if refusal:
+                    raise DataError(refusal)
                 return dict(image=image, label=label, width=img.width, height=img.height,
                             count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img),
                             dtype=img.dtypes[0], floating=np.dtype(img.dtypes[0]).kind == 'f', vector=True,

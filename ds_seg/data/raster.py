@@ -373,7 +373,7 @@ def source_name(src):
 def complex_refusal(path, dtype):
     """The one line for a raster of complex pixels (SAR SLC, interferograms), or None: numpy
     would drop the imaginary part with a warning and the model learn from half the signal."""
-    if np.dtype(dtype).kind != 'c':
+    if not str(dtype).startswith('complex'):  # also GDAL's CInt16 ('complex_int16'), which numpy lacks
         return None
     return (f"{path} holds complex ({dtype}) pixels; segmentation takes real bands: derive them first "
             f"(amplitude/phase or real/imaginary parts, e.g. gdal_translate -ot Float32 for the real part, or a "

@@ -199,7 +199,7 @@ class Checkpointer:
             raise ConfigError(f"--resume: {where} was trained for {len(classes)} classes but the data has "
                               f"{self.train_set.num_classes}; start a new run (load_from= an exported file "
                               "cannot help either: the classifier shape differs).")
-        refusal = self._data_refusal(marker, classes, where)
+        refusal = self._check_data(marker, classes, where)  # may adopt the checkpoint's statistics
         if refusal:
             raise ConfigError(refusal)
         if marker.get('backend') != self.spec.backend:
@@ -227,8 +227,10 @@ class Checkpointer:
                                   f"({'; '.join(keys) or shown}); {len(differ)} tensor(s) differ, e.g. {shown}. "
                                   "Use the config it was trained with, or a new --work-dir.")
 
-    def _data_refusal(self, marker, classes, where):
-        """A resumed run goes on training the same model on the same inputs: other class names,
+    def _check_data(self, marker, classes, where):
+        """The refusal line for a checkpoint trained on other data, or None (after adopting its
+        statistics where only computed ones differ). A resumed run goes on training the same
+        model on the same inputs: other class names,
         another pixel type or band selection, or other normalisation statistics (the data set
         was changed, or its statistics recomputed) would change what the weights mean mid-run
         and leave the checkpoint describing neither."""

@@ -106,6 +106,7 @@ class Trainer:
         self.work_dir = work_dir or default_work_dir(cfg)
         self.stop_check_interval = cfg.train.get('stop_check_interval') or default_stop_check_interval(self.device)
         self.exit_reason = 'running'
+        self._state_memory_step = 1  # the step whose backward measures state memory (fit() sets it)
         self.error = None             # the one-line reason when the run stopped on an error
         self.step = 0                 # optimizer steps done
         self.micro_step_offset = 0    # data position - step x accumulation (non-zero after a change of ranks)
