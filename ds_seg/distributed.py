@@ -19,6 +19,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -188,9 +189,17 @@ def init(use_deepspeed=True, timeout_s=None):
 
 
 def close():
+    """Destroy every process group. A group's gloo threads run on while anything refers to it
+    (see ds_seg.cli.train's exit); DeepSpeed keeps its own references in
+    ``deepspeed.utils.groups``, which its destroy releases and torch's does not."""
     global _CPU_GROUP
     _CPU_GROUP = None
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    ds_comm = sys.modules.get('deepspeed.comm.comm')
+    if ds_comm is not None and ds_comm.cdb is not None and ds_comm.cdb.is_initialized():
+        ds_comm.destroy_process_group()
+    else:
         dist.destroy_process_group()
 
 

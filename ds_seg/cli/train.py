@@ -62,6 +62,27 @@ def main(argv=None):
     if as_program:  # a stop signal during start-up is kept, not fatal
         from ds_seg.stop_signals import catch_stop_signals
         catch_stop_signals()
+    status = _train(argv, as_program)
+    if as_program:
+        _exit_without_finalization(status)
+    return status
+
+
+def _exit_without_finalization(status):
+    """End the training program with ``status`` once everything it wrote is closed.
+
+    The process groups' gloo threads outlive ``destroy_process_group`` while DDP or DeepSpeed
+    still refers to the group, and interpreter finalization ends any thread that is inside
+    native code by unwinding it: 'terminate called without an active exception', status -6, a
+    completed run reported as a failed rank (a Slurm job FAILED, a requeue for nothing). Nothing
+    is left for finalization to do: the trainer closed its logs, trackers, loader workers, lock
+    and process group."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _train(argv, as_program):
     args = parse_args(argv)
     if args.sbatch_template:  # an installed wheel has no launch/slurm/ to copy them from
         sys.stdout.write((SBATCH_DIR / SBATCH_TEMPLATES[args.sbatch_template]).read_text())
@@ -75,8 +96,8 @@ def main(argv=None):
     except (ConfigError, RegistryError, FileNotFoundError) as exc:
         # A user mistake: one line that names the file or key, before any training starts.
         say_once_per_node(f'ds_seg: error: {exc}')
-        if as_program:  # left open, gloo's threads abort the exit ('terminate called ...', status -6);
-            from ds_seg import distributed  # a Python caller keeps its process group (DeepSpeed holds it)
+        if as_program:  # a Python caller keeps its process group (DeepSpeed holds it)
+            from ds_seg import distributed
             distributed.close()
         return 2
     from ds_seg.data.raster import DataError

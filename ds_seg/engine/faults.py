@@ -148,6 +148,7 @@ class Heartbeat:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._store = None
+        self._thread = None
         if dist.is_initialized() and distributed.world_size() > 1:
             try:
                 self._store = dist.distributed_c10d._get_default_store()
@@ -195,6 +196,8 @@ class Heartbeat:
 
     def close(self):
         self._stop.set()
+        if self._thread is not None:  # a stamp in flight ends first: the store goes with the process group
+            self._thread.join(timeout=5)
 
 
 # ---------------------------------------------------------------------------------- the run's guard

@@ -135,6 +135,35 @@ def test_a_finished_run_exits_with_its_loader_workers_stopped_even_without_garba
     _run([sys.executable, '-c', code, *args], _env(), timeout=90)
 
 
+def test_a_finished_run_exits_0_while_other_threads_are_inside_native_code(tmp_path):
+    """A rank's gloo threads outlive destroy_process_group while DDP/DeepSpeed still refer to the
+    group, and interpreter finalization aborts a thread that is inside native code ('terminate
+    called without an active exception', status -6: a completed ZeRO-3 run failed CI this way,
+    rarely). A thread spinning in torch ops stands in for them, so that the abort is certain
+    instead of rare: the run must end with its own status."""
+    site = tmp_path / 'site'
+    site.mkdir()
+    (site / 'sitecustomize.py').write_text(
+        'import sys, threading, time\n'
+        'def spin():\n'
+        '    while "torch" not in sys.modules or not hasattr(sys.modules["torch"], "ones"):\n'
+        '        time.sleep(0.05)\n'
+        '    import torch\n'
+        '    a = torch.ones(128, 128)\n'
+        '    while True:\n'
+        '        a @ a\n'
+        'threading.Thread(target=spin, daemon=True).start()\n')
+    env = _env()
+    env['PYTHONPATH'] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
+    args = ['--config', TINY_CONFIG, '--deepspeed_config', 'ds_configs/zero0.json', '--work-dir',
+            str(tmp_path / 'work'), '--cfg-options', f'data.train.cache_dir={tmp_path}/cache',
+            f'data.val.cache_dir={tmp_path}/cache', 'train.max_steps=2', 'train.eval_interval=0',
+            'train.checkpoint_interval=0']
+    proc = _run([sys.executable, 'launch/train.py', *args], env, timeout=120)
+    assert 'terminate called' not in proc.stderr
+    assert json.load(open(tmp_path / 'work' / 'summary.json'))['exit_reason'] == 'completed'
+
+
 def test_a_mistake_under_two_ranks_is_said_once_and_exits_cleanly(tmp_path):
     """Every rank checks the same config: under torchrun or the deepspeed CLI each printed the
     same error (N lines for N GPUs), and a rank left its process group open, so gloo aborted its
