@@ -298,11 +298,11 @@ def check_bands(path, bands, in_channels=None, option='--input'):
     """The bands the model was trained on must exist in the raster."""
     import rasterio
 
-    from .data.raster import complex_refusal, gdal_path, raster_env
+    from .data.raster import gdal_path, pixel_type_refusal, raster_env
     from rasterio.enums import ColorInterp
     with raster_env(path), rasterio.open(gdal_path(path)) as src:
         count = src.count
-        refusal = complex_refusal(path, src.dtypes[0])
+        refusal = pixel_type_refusal(path, src.dtypes)
         if refusal:
             raise ConfigError(f'{option}: {refusal}')
         # One band of colour-table indices: the colours the model was trained on are in the table

@@ -170,7 +170,8 @@ def build_scenes(args, info, cfg):
     # Before any window is predicted: every label value a class or --ignore-index (training's
     # cached full scan of each label file), and no label nodata tag that is a class.
     ignore = 255 if args.ignore_index is None else int(args.ignore_index)
-    for scene, histogram in zip(scenes, cached_label_histograms(labels)):
+    histograms = cached_label_histograms(labels)
+    for scene, histogram in zip(scenes, histograms):
         nodata = scene.get('label_nodata')
         if nodata is not None and float(nodata).is_integer() and 0 <= nodata < len(classes) and nodata != ignore:
             raise ValueError(label_nodata_message(scene['label'], float(nodata), int(nodata), classes[int(nodata)], ignore))
@@ -180,7 +181,18 @@ def build_scenes(args, info, cfg):
             raise ValueError(f"{scene['label']}: {histogram[bad[0]]} pixel(s) have label value {bad[0]:g}, which is not "
                              f"a class index 0..{len(classes) - 1} nor --ignore-index {ignore}; nothing was evaluated. "
                              "Check --labels, --classes or --ignore-index")
+    if all(h is not None for h in histograms) and not any(  # before hours of prediction, not after
+            v != ignore and not same_value(v, s.get('label_nodata')) for s, h in zip(scenes, histograms) for v in h):
+        raise ValueError(no_class_pixels(labels, args))
     return list(zip(images, labels)), list(classes)
+
+
+def no_class_pixels(labels, args):
+    """The line for labels of which no pixel can be scored."""
+    return (f"no pixel of the labels ({', '.join(labels)}) is a class: all are "
+            f"ignore_index{'' if args.ignore_index is None else ' ' + str(args.ignore_index)}, "
+            f"nodata{' or eroded' if args.erode else ''}; nothing can be measured. Check the label files, "
+            "--ignore-index or --erode.")
 
 
 def check_dates(scenes, info):
@@ -284,9 +296,7 @@ def _run(args):
                                  progress=Progress('evaluation'), **window_kwargs(args))
     cm = result['confusion']
     if int(cm.sum()) == 0:  # metrics of nothing would be null, or a traceback; nothing is written
-        raise ValueError(f"no pixel of the labels ({', '.join(p[1] for p in scene_pairs(scenes))}) is a class: all are "
-                         f"ignore_index{'' if args.ignore_index is None else ' ' + str(args.ignore_index)}, nodata{' or eroded' if args.erode else ''}; nothing can "
-                         "be measured. Check the label files, --ignore-index or --erode.")
+        raise ValueError(no_class_pixels([p[1] for p in scene_pairs(scenes)], args))
     metrics = metrics_from_confusion(cm, classes, exclude=tuple(args.exclude))
     if distributed.is_main():
         os.makedirs(args.output, exist_ok=True)

@@ -61,9 +61,9 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (DataError, StackedRaster, alpha_bands, complex_refusal, file_identity, gdal_path, is_remote,
-                     label_nodata, nodata_mask, open_raster, raster_env, read_error, read_window, same_file_key,
-                     same_pixels, same_value, uses_mask_band)
+from .raster import (DataError, StackedRaster, alpha_bands, file_identity, gdal_path, is_remote, label_nodata,
+                     nodata_mask, open_raster, pixel_grid, pixel_type_refusal, raster_env, read_error, read_label_band,
+                     read_window, same_file_key, same_pixels, same_value, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -73,9 +73,11 @@ from .transforms import (Compose, PaletteDecoder, check_colours, check_random_sc
 STATS_FILE = 'stats.json'            # written by dataset generators/converters next to images
 STATS_CACHE_FILE = '.ds_seg_stats.json'  # our own cache of statistics computed on first use
 # Of how statistics are computed: 2 leaves out masked/alpha pixels and reads every scene (up to
-# STATS_SCENES), so a cache of version 1 (the first four scenes, masked pixels in) is recomputed.
-STATS_VERSION = 2
+# STATS_SCENES); 3 sums about the first read's mean (no cancellation where the mean dwarfs the
+# spread). A cache of an earlier version is computed again.
+STATS_VERSION = 3
 LABELS_CACHE_FILE = '.ds_seg_labels.json'  # per label file: value histogram of a full scan
+LABELS_VERSION = 2  # 2: pixels a label's mask band hides are not counted
 _MAX_OPEN_FILES = 16
 _CHECK_PIXELS = 256                  # long side of the decimated label read at construction
 
@@ -142,13 +144,15 @@ def _write_cache(path, obj):
 
 def label_histogram(path, band_rows=1024):
     """``{file value: pixel count}`` over a whole single-band label raster, read in bands of
-    rows so memory stays bounded on any scene size."""
+    rows so memory stays bounded on any scene size; pixels its mask band hides are not counted."""
     counts = {}
     with open_raster(path) as src:
         integer_16 = np.dtype(src.dtypes[0]) in (np.dtype(np.uint8), np.dtype(np.uint16))
         total = np.zeros(65536, np.int64) if integer_16 else None
         for y in range(0, src.height, band_rows):
-            block = src.read(1, window=Window(0, y, src.width, min(band_rows, src.height - y)))
+            block, hidden = read_label_band(src, Window(0, y, src.width, min(band_rows, src.height - y)))
+            if hidden is not None:
+                block = block[~hidden]
             if integer_16:
                 total[:int(block.max()) + 1] += np.bincount(block.ravel())
             else:
@@ -176,12 +180,13 @@ def cached_label_histograms(label_paths):
             continue
         ident = file_identity(path)
         entry = cache.get(ident['path'])
-        if entry is None or entry.get('identity') != ident:
+        if entry is None or entry.get('identity') != ident or entry.get('version') != LABELS_VERSION:
             try:
                 histogram = label_histogram(path)
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{path}: cannot be read (corrupt or truncated?): {e}") from e
-            entry = {'identity': ident, 'values': {str(v): n for v, n in histogram.items()}}
+            entry = {'identity': ident, 'version': LABELS_VERSION,
+                     'values': {str(v): n for v, n in histogram.items()}}
             cache[ident['path']] = entry
             changed = True
         out.append({float(v): n for v, n in entry['values'].items()})
@@ -275,7 +280,7 @@ def inspect_pair(image, label, palette=None):
     bands); returns what the dataset needs to know of the scene. Shared with evaluation."""
     img, lbl = open_raster(image), open_raster(label)
     with img, lbl:
-        refusal = complex_refusal(image, img.dtypes[0]) or complex_refusal(label, lbl.dtypes[0])
+        refusal = pixel_type_refusal(image, img.dtypes) or pixel_type_refusal(label, lbl.dtypes)
         if refusal:
             raise DataError(refusal)
         if (img.width, img.height) != (lbl.width, lbl.height):
@@ -283,14 +288,18 @@ def inspect_pair(image, label, palette=None):
                             f"{lbl.width}x{lbl.height}; they must have the same size")
         # A raster without any georeference (PNG/JPG patches, some benchmark label TIFFs)
         # has the identity transform: it can only be aligned pixel for pixel, as checked
-        # above. Two georeferenced rasters must also agree on where those pixels are.
-        georeferenced = all(r.crs is not None or not r.transform.is_identity for r in (img, lbl))
-        if georeferenced and not same_pixels(img.transform, lbl.transform, img.width, img.height):
+        # above. Two georeferenced rasters (by geotransform or by ground control points) must
+        # also agree on where those pixels are.
+        (img_transform, img_crs), (lbl_transform, lbl_crs) = pixel_grid(img), pixel_grid(lbl)
+        georeferenced = all(crs is not None or not transform.is_identity
+                            for transform, crs in ((img_transform, img_crs), (lbl_transform, lbl_crs)))
+        if georeferenced and not same_pixels(img_transform, lbl_transform, img.width, img.height):
             raise DataError(f"image {image} and label {label} have different geotransforms "
-                            f"({tuple(img.transform)[:6]} vs {tuple(lbl.transform)[:6]}); "
+                            f"({tuple(img_transform)[:6]} vs {tuple(lbl_transform)[:6]}"
+                            f"{'; from ground control points' if img.gcps[0] or lbl.gcps[0] else ''}); "
                             f"they must cover the same pixels")
-        if img.crs and lbl.crs and img.crs != lbl.crs:
-            raise DataError(f"image {image} ({img.crs}) and label {label} ({lbl.crs}) have "
+        if img_crs and lbl_crs and img_crs != lbl_crs:
+            raise DataError(f"image {image} ({img_crs}) and label {label} ({lbl_crs}) have "
                             f"different CRS; reproject one of them")
         if palette is None and lbl.count != 1:
             raise DataError(f"label {label} has {lbl.count} bands; expected one band of class "
@@ -566,7 +575,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             if self.palette is not None:
                 raise DataError(f"labels {label}: a vector file has no colours; drop `palette`")
             with open_raster(image) as img:
-                refusal = complex_refusal(image, img.dtypes[0])
+                refusal = pixel_type_refusal(image, img.dtypes)
                 if refusal:
                     raise DataError(refusal)
                 return dict(image=image, label=label, width=img.width, height=img.height,
@@ -637,9 +646,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             top = -1
             for s in self._scenes:
                 with open_raster(s['label']) as src:
-                    lbl = src.read(1)
-                # Neither ignore_index nor the file's nodata tag (-9999, 65535, NaN) is a class.
+                    lbl, hidden = read_label_band(src)
+                # Neither ignore_index nor the file's nodata tag (-9999, 65535, NaN) is a class,
+                # nor what pixels the mask band hides hold.
                 unlabelled = label_nodata(lbl, s.get('label_nodata'))
+                if hidden is not None:
+                    unlabelled = hidden if unlabelled is None else unlabelled | hidden
                 valid = lbl[(lbl != self.ignore_index) & (True if unlabelled is None else ~unlabelled)]
                 if lbl.dtype.kind == 'f':
                     valid = valid[np.isfinite(valid)]
@@ -755,8 +767,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         cached = _read_cache(cache) if cache else {}
         if cached.get('images') == key and cached.get('version') == STATS_VERSION:
             return cached
+        # Sums of x - shift, shift = the first read's mean: sum(x^2)/n - mean^2 of the raw values
+        # cancels to noise (even below 0, then a std of 1) where the mean dwarfs the spread
+        # (uint32 counts around 2^30 with a spread of 300).
         total = np.zeros(self.num_file_bands)
         total_sq = np.zeros(self.num_file_bands)
+        shift = None
         n = 0
         for s in chosen:
             # A decimated read (GDAL picks overviews if any) is enough for normalisation stats.
@@ -773,11 +789,17 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{s['image']}: cannot be read (corrupt or truncated?): {e}") from e
             x = x[:, ~invalid]
+            if not x.shape[1]:
+                continue
+            if shift is None:
+                shift = x.mean(1)
+            x -= shift[:, None]
             total += x.sum(1)
             total_sq += (x * x).sum(1)
             n += x.shape[1]
-        mean = total / max(n, 1)
-        std = np.sqrt(np.maximum(total_sq / max(n, 1) - mean * mean, 0))
+        offset = total / max(n, 1)
+        mean = offset + (0 if shift is None else shift)
+        std = np.sqrt(np.maximum(total_sq / max(n, 1) - offset * offset, 0))
         result = dict(images=key, mean=mean.tolist(), std=std.tolist(), version=STATS_VERSION)
         if cache:
             _write_cache(cache, result)
@@ -813,7 +835,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     if self.palette is not None:
                         raw = src.read([1, 2, 3], out_shape=(3,) + shape, resampling=Resampling.nearest)
                     else:
-                        raw = src.read(1, out_shape=shape, resampling=Resampling.nearest)
+                        raw, hidden = read_label_band(src, out_shape=shape)
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{s['label']}: cannot be read (corrupt or truncated?): {e}") from e
             if self.palette is not None:
@@ -826,7 +848,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                         f"colour (most common: {colour}); palette is {self.palette}; fix `palette`, "
                         f"`palette_ignore` or `palette_tolerance`")
             else:
-                decoded = self._map_labels(raw, s.get('label_nodata'))
+                decoded = self._map_labels(raw, s.get('label_nodata'), hidden)
                 if (decoded < 0).any():
                     value = raw[decoded < 0].flat[0]
                     raise DataError(
@@ -870,7 +892,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 label = self._decode_palette(src.read([1, 2, 3], window=window, out_shape=None if out_shape is None
                                                       else (3,) + out_shape))
             else:
-                label = self._map_labels(src.read(1, window=window, out_shape=out_shape), s.get('label_nodata'))
+                label = self._map_labels(*self._label_values(src, s, window, out_shape))
         labelled = (label >= 0) & (label != self.ignore_index)
         if invalid is not None:
             labelled &= ~invalid
@@ -1062,10 +1084,29 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         except Exception as e:  # a worker's traceback alone would not say which file broke
             raise DataError(f"{path}: cannot read window {window}: {read_error(path, e)}") from e
 
-    def _map_labels(self, raw, nodata=None):
+    @staticmethod
+    def _label_values(src, scene, window=None, out_shape=None):
+        """``(raw, nodata, hidden)`` of a label window: what :meth:`_map_labels` takes."""
+        raw, hidden = read_label_band(src, window, out_shape)
+        return raw, scene.get('label_nodata'), hidden
+
+    def _read_label_values(self, scene, window):
+        """:meth:`_label_values` through this worker's open files, the file named on a failure."""
+        path = scene['label']
+        try:
+            src = self._open(path)
+            with raster_env(path):
+                return self._label_values(src, scene, window)
+        except Exception as e:
+            raise DataError(f"{path}: cannot read window {window}: {read_error(path, e)}") from e
+
+    def _map_labels(self, raw, nodata=None, hidden=None):
         """File values -> int16 class indices, ignore_index, or -1 where not allowed; the label
-        file's ``nodata`` value (one that is no class: see _check_label_nodata) -> ignore_index."""
+        file's ``nodata`` value (one that is no class: see _check_label_nodata) and the pixels
+        its mask band ``hidden`` -> ignore_index."""
         unlabelled = label_nodata(raw, nodata)
+        if hidden is not None:
+            unlabelled = hidden if unlabelled is None else unlabelled | hidden
         if unlabelled is not None:
             mapped = self._map_labels(np.where(unlabelled, 0, raw)).astype(np.int16)
             mapped[unlabelled] = self.ignore_index
@@ -1098,7 +1139,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             label[label < 0] = self.ignore_index  # off-palette noise: ignored, not an error
         else:
             label = (self._map_labels(self._vector_window(s, window)) if s.get('vector')
-                     else self._map_labels(self._read(s['label'], window, 1), s.get('label_nodata')))
+                     else self._map_labels(*self._read_label_values(s, window)))
             if label.min(initial=0) < 0:
                 raw_label = self._read(s['label'], window, 1)
                 raise DataError(

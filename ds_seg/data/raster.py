@@ -20,7 +20,7 @@ import warnings
 
 import numpy as np
 import rasterio
-from rasterio.enums import ColorInterp, MaskFlags
+from rasterio.enums import ColorInterp, MaskFlags, Resampling
 from rasterio.errors import NotGeoreferencedWarning
 
 from ds_seg.config import ConfigError
@@ -329,6 +329,16 @@ def open_scene(path):
         yield src
 
 
+def pixel_grid(src):
+    """``(transform, crs)`` that place a raster's pixels on the ground: its geotransform, or the
+    affine fit to its ground control points (a GCP-located scene has neither a geotransform nor
+    a CRS of its own); ``(identity, None)`` for a raster with neither."""
+    points, crs = src.gcps
+    if points and src.transform.is_identity and src.crs is None:
+        return rasterio.transform.from_gcps(points), crs
+    return src.transform, src.crs
+
+
 def uses_mask_band(src):
     """True where a GDAL mask band or alpha marks invalid pixels. With a nodata value as well,
     both count (GDAL and QGIS give the mask band precedence; reading only the nodata value
@@ -370,14 +380,28 @@ def source_name(src):
     return name
 
 
-def complex_refusal(path, dtype):
-    """The one line for a raster of complex pixels (SAR SLC, interferograms), or None: numpy
-    would drop the imaginary part with a warning and the model learn from half the signal."""
-    if not str(dtype).startswith('complex'):  # also GDAL's CInt16 ('complex_int16'), which numpy lacks
-        return None
-    return (f"{path} holds complex ({dtype}) pixels; segmentation takes real bands: derive them first "
-            f"(amplitude/phase or real/imaginary parts, e.g. gdal_translate -ot Float32 for the real part, or a "
-            f"VRT with a derived band)")
+def pixel_type_refusal(path, dtypes):
+    """The one line for a raster whose band types ``dtypes`` ds_seg cannot read, or None.
+
+    Complex pixels (SAR SLC, interferograms): numpy would drop the imaginary part with a warning
+    and the model learn from half the signal. Bands of several types (a VRT stacking 8-bit RGB
+    and a 16-bit NIR): rasterio reads a window in one type only."""
+    dtypes = [str(d) for d in dtypes]
+    complex_type = next((d for d in dtypes if d.startswith('complex')), None)  # also GDAL's CInt16 ('complex_int16')
+    if complex_type:
+        return (f"{path} holds complex ({complex_type}) pixels; segmentation takes real bands: derive them first "
+                f"(amplitude/phase or real/imaginary parts, e.g. gdal_translate -ot Float32 for the real part, or a "
+                f"VRT with a derived band)")
+    if len(set(dtypes)) > 1:
+        widest = np.result_type(*dtypes).name
+        return (f"{path} has bands of several pixel types ({', '.join(dtypes)}); ds_seg reads a file in one type: "
+                f"write it with one (gdal_translate -ot {GDAL_TYPE_NAMES.get(widest, widest)} {os.path.basename(path)} "
+                f"out.tif), or stack bands of one type")
+    return None
+
+
+GDAL_TYPE_NAMES = {'uint8': 'Byte', 'int8': 'Int8', 'uint16': 'UInt16', 'int16': 'Int16', 'uint32': 'UInt32',
+                   'int32': 'Int32', 'float32': 'Float32', 'float64': 'Float64', 'int64': 'Int64', 'uint64': 'UInt64'}
 
 
 def label_nodata(raw, nodata):
@@ -387,6 +411,19 @@ def label_nodata(raw, nodata):
         return None
     hit = np.isnan(raw) if math.isnan(nodata) else raw == nodata  # an array: same_value is for scalars
     return hit if hit.any() else None
+
+
+def read_label_band(src, window=None, out_shape=None):
+    """``(class values, unlabelled)`` of a single-band label raster: band 1 of ``window``
+    (decimated to ``out_shape`` by nearest neighbour), and the pixels its GDAL mask band marks
+    empty, or None. GDAL and QGIS show those pixels as empty, whatever value they hold: they are
+    ``ignore_index``, as the label's nodata value is (:func:`label_nodata`)."""
+    shape = {} if out_shape is None else dict(out_shape=out_shape, resampling=Resampling.nearest)
+    raw = src.read(1, window=window, **shape)
+    if not uses_mask_band(src):
+        return raw, None
+    hidden = src.dataset_mask(window=window, **shape) == 0
+    return raw, (hidden if hidden.any() else None)
 
 
 def read_window(src, window, indexes, nodata, masked):

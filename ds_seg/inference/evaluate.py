@@ -12,7 +12,7 @@ import torch
 from rasterio.windows import Window
 
 from .. import distributed
-from ..data.raster import label_nodata, open_scene
+from ..data.raster import label_nodata, open_scene, read_label_band
 from ..data.vector_labels import is_vector
 from ..metrics import confusion_matrix
 from .engine import run_scene
@@ -76,12 +76,15 @@ def _label_source(dataset, scene_index, label_path, ignore_index, num_classes):
     if dataset is not None:
         yield lambda window: checked(dataset.read_label(scene_index, window), window)
         return
-    def unlabelled_ignored(raw, nodata):  # the label file's nodata value: unlabelled, as in training
-        hit = label_nodata(raw, nodata)
+    def unlabelled_ignored(src, window):  # the nodata value and the mask band: unlabelled, as in training
+        raw, hidden = read_label_band(src, window)
+        hit = label_nodata(raw, src.nodata)
+        if hidden is not None:
+            hit = hidden if hit is None else hit | hidden
         return raw if hit is None else np.where(hit, ignore_index, raw)
 
     with open_scene(label_path) as lbl_src:
-        yield lambda window: checked(unlabelled_ignored(lbl_src.read(1, window=window), lbl_src.nodata), window)
+        yield lambda window: checked(unlabelled_ignored(lbl_src, window), window)
 
 
 def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, bands=None,

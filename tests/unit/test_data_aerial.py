@@ -514,6 +514,38 @@ def test_labels_off_by_pixels_are_refused_in_degrees_too(tmp_path, shift_px, acc
             build()
 
 
+@pytest.mark.parametrize('label_located_by, east, accepted', [('gcps', 0, True), ('gcps', 1000, False),
+                                                              ('transform', 0, True), ('transform', 1000, False)])
+def test_a_scene_located_by_ground_control_points_is_paired_by_where_they_put_it(tmp_path, label_located_by, east,
+                                                                                   accepted):
+    """A GCP-located scene has neither a geotransform nor a CRS of its own, so a label whose
+    points put it 1 km away (or a label with its own geotransform elsewhere) trained and was
+    scored without a word."""
+    from rasterio.control import GroundControlPoint
+    from rasterio.crs import CRS
+    from rasterio.transform import Affine
+
+    def points(east):
+        return [GroundControlPoint(0, 0, 500_000 + east, 5_000_000), GroundControlPoint(0, 40, 500_020 + east, 5_000_000),
+                GroundControlPoint(40, 0, 500_000 + east, 4_999_980), GroundControlPoint(40, 40, 500_020 + east, 4_999_980)]
+
+    utm = CRS.from_epsg(32632)
+    common = dict(driver='GTiff', width=40, height=40, dtype='uint8')
+    with rasterio.open(tmp_path / 'img.tif', 'w', count=3, gcps=points(0), crs=utm, **common) as d:
+        d.write(np.ones((3, 40, 40), np.uint8))
+    placed = (dict(gcps=points(east), crs=utm) if label_located_by == 'gcps'
+              else dict(transform=Affine(0.5, 0, 500_000 + east, 0, -0.5, 5_000_000), crs=utm))
+    with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, **placed, **common) as d:
+        d.write(np.zeros((1, 40, 40), np.uint8))
+    build = lambda: GeoTiffScenes([str(tmp_path / 'img.tif')], [str(tmp_path / 'lbl.tif')], classes=2,  # noqa: E731
+                                  crop_size=16, mean=[0] * 3, std=[1] * 3)
+    if accepted:
+        build()
+    else:
+        with pytest.raises(DataError, match='different geotransforms'):
+            build()
+
+
 def test_a_mask_band_counts_beside_a_nodata_value_and_a_data_band_tagged_alpha_is_refused(tmp_path):
     """GDAL gives an internal mask precedence over the nodata value: both mark invalid pixels
     here. A 4th band tagged alpha (a NIR band written as RGB + ALPHA=YES) selected as data

@@ -270,3 +270,49 @@ def test_statistics_cached_by_an_earlier_version_are_computed_again(tmp_path):
     old['mean'] = [1.0]
     cache.write_text(json.dumps(old))
     np.testing.assert_allclose(GeoTiffScenes([img], [lbl], crop_size=32, classes=2).mean, right)
+
+
+# ------------------------------------------------------------------ a label's own mask band
+def _label_with_mask(path, label, hidden):
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True):
+        with rasterio.open(path, 'w', driver='GTiff', width=label.shape[1], height=label.shape[0], count=1,
+                           dtype='uint8', crs='EPSG:32632', transform=from_origin(500_000, 5_500_000, 0.1, 0.1),
+                           tiled=True, blockxsize=16, blockysize=16) as dst:
+            dst.write(label[None])
+            dst.write_mask(np.where(hidden, 0, 255).astype(np.uint8))
+    return str(path)
+
+
+@pytest.mark.parametrize('hidden_value', [1, 9])   # a class, and a value that is no class
+def test_pixels_a_label_mask_band_hides_are_ignored_not_learnt(tmp_path, hidden_value):
+    """GDAL and QGIS show the pixels a label's mask band hides as empty; they were learnt (and
+    counted in the class inference and the label check) as whatever value they held."""
+    rng = np.random.default_rng(3)
+    image = rng.integers(1, 255, (3, 48, 64)).astype(np.uint8)
+    label = rng.integers(0, 3, (48, 64)).astype(np.uint8)
+    hidden = np.zeros((48, 64), bool)
+    hidden[:, :20] = True
+    hidden[:5] = True
+    label[hidden] = hidden_value
+    img = write_tif(tmp_path / 'a_image.tif', image)
+    lbl = _label_with_mask(tmp_path / 'a_label.tif', label, hidden)
+    ds = GeoTiffScenes([img], [lbl], crop_size=(48, 64), classes=None, mode='grid')
+    assert ds.num_classes == 3                       # the hidden 9s are no class
+    got = ds[0]['label'].numpy()
+    np.testing.assert_array_equal(got, np.where(hidden, IGNORE, label))
+
+
+def test_statistics_of_a_band_whose_mean_dwarfs_its_spread_are_exact(tmp_path):
+    """sum(x^2)/n - mean^2 over uint32 counts near 2^30 cancelled below zero: the std came out 0
+    and was replaced by 1, cached, without a word."""
+    rng = np.random.default_rng(5)
+    image = rng.integers(2 ** 30, 2 ** 30 + 1000, (2, 300, 400)).astype(np.uint32)
+    image[1] = rng.integers(0, 50, (300, 400))                 # an ordinary band next to it
+    label = rng.integers(0, 3, (300, 400)).astype(np.uint8)
+    img = write_tif(tmp_path / 'a_image.tif', image)
+    lbl = write_tif(tmp_path / 'a_label.tif', label)
+    ds = GeoTiffScenes([img], [lbl], crop_size=64, classes=3)
+    x = image.reshape(2, -1).astype(np.float64)
+    eps = np.finfo(np.float32).eps                              # the dataset holds float32
+    np.testing.assert_allclose(ds.mean, x.mean(1), rtol=eps)
+    np.testing.assert_allclose(ds.std, x.std(1), rtol=eps)

@@ -2,6 +2,7 @@
 georeferenced like the input, blending weights add up, evaluation counts what it should."""
 import json
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -356,6 +357,30 @@ def _write_label(path, label):
     with rasterio.open(path, 'w', driver='GTiff', width=label.shape[1], height=label.shape[0], count=1,
                        dtype='uint8', crs='EPSG:32632', transform=TRANSFORM) as dst:
         dst.write(label.astype(np.uint8)[None])
+
+
+def test_evaluation_leaves_out_label_pixels_the_label_mask_band_hides(tmp_path):
+    """The label's mask band marks pixels without a label (GDAL, QGIS): they were scored as the
+    values they held (here class 1: the matrix had 12 pixels instead of 5)."""
+    img = np.array([[0, 1, 2, 3], [1, 1, 1, 1], [2, 0, 3, 1]], np.uint16)[None]
+    lbl = np.array([[0, 1, 2, 0], [1, 1, 1, 1], [2, 1, 1, 1]], np.uint8)
+    hidden = np.array([[0, 0, 0, 1], [1, 1, 1, 1], [0, 0, 1, 1]], bool)
+    ip, lp = str(tmp_path / 'i.tif'), str(tmp_path / 'l.tif')
+    with rasterio.open(ip, 'w', driver='GTiff', width=4, height=3, count=1, dtype='uint16', crs='EPSG:32632',
+                       transform=TRANSFORM) as dst:
+        dst.write(img)
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True):
+        with rasterio.open(lp, 'w', driver='GTiff', width=4, height=3, count=1, dtype='uint8', crs='EPSG:32632',
+                           transform=TRANSFORM) as dst:
+            dst.write(lbl[None])
+            dst.write_mask(np.where(hidden, 0, 255).astype(np.uint8))
+    cm = inf.evaluate_scenes(LookupModel(), [(ip, lp)], num_classes=K, mean=[0], std=[1], tile=2, overlap=1,
+                             block=16)['confusion'].numpy()
+    expected = np.zeros((K, K), int)
+    for t, p in zip(lbl[~hidden], img[0][~hidden] % K):
+        expected[t, p] += 1
+    assert expected.sum() == 5
+    np.testing.assert_array_equal(cm, expected)
 
 
 def test_evaluation_counts_equal_hand_computed_confusion(tmp_path):
@@ -866,6 +891,59 @@ def test_predict_refuses_complex_pixels(tmp_path, capsys):
     err = capsys.readouterr().err
     assert 'slc.tif holds complex (complex64) pixels' in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / 'out').exists()
+
+
+def test_a_scene_of_bands_of_several_pixel_types_is_one_line_naming_it(tmp_path, capsys):
+    """A VRT stacking 8-bit RGB with a 16-bit NIR (gdalbuildvrt -separate) stopped training,
+    predict and evaluate with rasterio's "more than one 'dtype' found", which names no file."""
+    from ds_seg.cli import evaluate, predict
+    from ds_seg.data import GeoTiffScenes
+    from ds_seg.data.raster import DataError
+    weights, _, _ = _cli_files(tmp_path, 'UNetTiny')
+    sources = []
+    for name, dtype in (('rgb.tif', 'uint8'), ('nir.tif', 'uint16')):
+        count = 3 if dtype == 'uint8' else 1
+        with rasterio.open(tmp_path / name, 'w', driver='GTiff', width=40, height=40, count=count, dtype=dtype,
+                           crs='EPSG:32632', transform=TRANSFORM) as dst:
+            dst.write(np.ones((count, 40, 40), dtype))
+        sources += [(name, b, dtype) for b in range(1, count + 1)]
+    gdal_type = {'uint8': 'Byte', 'uint16': 'UInt16'}
+    bands = ''.join(f'<VRTRasterBand dataType="{gdal_type[t]}" band="{i + 1}"><SimpleSource><SourceFilename '
+                    f'relativeToVRT="1">{n}</SourceFilename><SourceBand>{b}</SourceBand></SimpleSource></VRTRasterBand>'
+                    for i, (n, b, t) in enumerate(sources))
+    with rasterio.open(tmp_path / 'rgb.tif') as src:
+        geo = ', '.join(str(v) for v in src.transform.to_gdal())
+        srs = src.crs.to_wkt()
+    scene = tmp_path / 'stack.vrt'
+    scene.write_text(f'<VRTDataset rasterXSize="40" rasterYSize="40"><SRS>{srs}</SRS>'
+                     f'<GeoTransform>{geo}</GeoTransform>{bands}</VRTDataset>')
+    label = str(tmp_path / 'label.tif')
+    _write_label(label, np.zeros((40, 40), np.uint8))
+    said = r'stack.vrt has bands of several pixel types \(uint8, uint8, uint8, uint16\).*gdal_translate -ot UInt16'
+    with pytest.raises(DataError, match=said):
+        GeoTiffScenes([str(scene)], [label], crop_size=32, classes=2)
+    common = ['--checkpoint', weights, '--mean', '0', '0', '0', '--std', '1', '1', '1', '--bands', '1', '2', '4']
+    assert predict.main([*common, '--input', str(scene), '--output', str(tmp_path / 'out')]) == 2
+    assert evaluate.main([*common, '--images', str(scene), '--labels', label, '--output', str(tmp_path / 'ev')]) == 2
+    for err in capsys.readouterr().err.strip().splitlines():
+        assert re.search(said, err), err
+    assert not (tmp_path / 'out').exists() and not (tmp_path / 'ev').exists()
+
+
+def test_evaluate_refuses_labels_without_a_class_pixel_before_predicting(tmp_path, capsys):
+    """Every window of every scene was predicted (hours on real scenes) before the refusal of a
+    label that is all ignore_index, which the label scan at start-up already knew."""
+    from ds_seg.cli import evaluate
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    _write_label(label, np.full((70, 50), 255))
+    assert evaluate.main(['--checkpoint', weights, '--images', scene, '--labels', label, '--output',
+                          str(tmp_path / 'ev'), '--tile', '32']) == 2
+    out = capsys.readouterr()
+    assert 'windows' not in out.out + out.err                    # no progress line: nothing predicted
+    assert out.err.strip().splitlines() == [f'evaluate: error: no pixel of the labels ({label}) is a class: all are '
+                                            'ignore_index, nodata; nothing can be measured. Check the label files, '
+                                            '--ignore-index or --erode.']
+    assert not (tmp_path / 'ev').exists()
 
 
 def test_inputs_one_step_past_the_obvious_get_lines_that_say_what_to_do(tmp_path, capsys):
