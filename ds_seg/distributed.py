@@ -5,7 +5,8 @@ Launchers and what they leave in the environment:
 * ``deepspeed``: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (+ ``--local_rank``)
 * ``torchrun``: the same plus TORCHELASTIC_RUN_ID
 * ``srun`` (Slurm, e.g. ``deepspeed --launcher slurm``): only SLURM_PROCID, SLURM_LOCALID,
-  SLURM_NTASKS, SLURM_JOB_NODELIST, ... -- we map them to the variables above
+  SLURM_NTASKS, SLURM_STEP_ID, SLURM_JOB_NODELIST, ... -- we map them to the variables above
+  (a batch script's own processes have no SLURM_STEP_ID: they are not ranks of a step)
 * plain ``python``: nothing; we become rank 0 of 1 with a free local port, so neither
   DeepSpeed's MPI discovery (needs mpi4py) nor a launcher is required.
 
@@ -41,9 +42,16 @@ def detect_launcher(env=None):
         return 'torchrun'
     if 'RANK' in env and 'WORLD_SIZE' in env:
         return 'deepspeed'  # or any launcher that sets the standard variables
-    if 'SLURM_PROCID' in env and 'SLURM_NTASKS' in env:
+    if 'SLURM_PROCID' in env and 'SLURM_NTASKS' in env and _in_slurm_step(env):
         return 'slurm'
     return 'none'
+
+
+def _in_slurm_step(env):
+    """srun's tasks carry their job step's id; the batch script itself (and a plain ``python``
+    it runs) has SLURM_PROCID=0 and the allocation's SLURM_NTASKS but no step: taken for rank 0
+    of N, it waited 600 s at the rendezvous for ranks nobody started."""
+    return 'SLURM_STEP_ID' in env or 'SLURM_STEPID' in env
 
 
 def _first_slurm_host(nodelist):
@@ -91,6 +99,11 @@ def setup_env(env=None):
     elif launcher == 'none':
         env.setdefault('RANK', '0')
         env.setdefault('WORLD_SIZE', '1')
+        tasks = env.get('SLURM_NTASKS', '')
+        if tasks.isdigit() and int(tasks) > 1:
+            print(f"ds_seg: note: SLURM_NTASKS={tasks}, but this process was not started by srun (no job step): it "
+                  f"trains alone; start the ranks with srun, or use the sbatch templates (ds-seg-train "
+                  f"--sbatch-template).", file=sys.stderr, flush=True)
     env.setdefault('LOCAL_RANK', '0')
     _check_env(env, launcher)
     if env['WORLD_SIZE'] == '1':  # one process meets only itself: any free local port will do

@@ -13,6 +13,7 @@ import sys
 from ds_seg.cli import say_once_per_node
 from ds_seg.config import (ConfigError, DS_CONFIGS_DIR, SBATCH_DIR, SBATCH_TEMPLATES, find_shipped, load_config,
                            load_ds_config)
+from ds_seg.engine.faults import EXIT_INTERRUPTED
 from ds_seg.registry import RegistryError
 
 
@@ -93,16 +94,17 @@ def _train(argv, as_program):
         from ds_seg.engine.trainer import Trainer
         trainer = Trainer(cfg, ds_config, backend=args.backend, work_dir=args.work_dir, resume=args.resume,
                           ds_config_source=_shown(find_shipped(args.deepspeed_config, DS_CONFIGS_DIR, '.json')))
-    except (ConfigError, RegistryError, FileNotFoundError) as exc:
-        # A user mistake: one line that names the file or key, before any training starts.
-        say_once_per_node(f'ds_seg: error: {exc}')
+    except (ConfigError, RegistryError, FileNotFoundError, KeyboardInterrupt) as exc:
+        # A user mistake (one line that names the file or key) or a Ctrl-C, before any training starts.
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        say_once_per_node('ds_seg: interrupted (Ctrl-C) before training started' if interrupted
+                          else f'ds_seg: error: {exc}')
         if as_program:  # a Python caller keeps its process group (DeepSpeed holds it)
             from ds_seg import distributed
             distributed.close()
-        return 2
+        return EXIT_INTERRUPTED if interrupted else 2
     from ds_seg.data.raster import DataError
-    from ds_seg.engine.faults import (EXIT_CODES, EXIT_DATA_ERROR, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError,
-                                      RunIOError)
+    from ds_seg.engine.faults import EXIT_CODES, EXIT_DATA_ERROR, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError, RunIOError
     try:
         summary = trainer.fit()
     except DataError as exc:
@@ -118,6 +120,13 @@ def _train(argv, as_program):
         if trainer.rank == 0:
             print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
         return EXIT_IO_ERROR
+    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step; the last complete one is intact
+        if trainer.rank == 0:
+            last = trainer.checkpointer.last_complete()
+            print(f'ds_seg: interrupted (Ctrl-C twice) at step {trainer.step}; '
+                  + (f'the last complete checkpoint ({last}) is intact: continue with --resume auto'
+                     if last else 'no checkpoint was written'), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     finally:
         if as_program:  # the outcome is decided: a late stop signal must not change the exit status
             from ds_seg.engine.faults import ignore_stop_signals

@@ -10,7 +10,7 @@ from .sampling import EvalSampler, TrainSampler
 
 
 def worker_init(worker_id):
-    """Per DataLoader worker: ignore the stop signals, bound GDAL's cache and threads, seed the RNGs.
+    """Per DataLoader worker: ignore the stop signals and Ctrl-C, bound GDAL's cache and threads, seed the RNGs.
 
     Slurm signals every process of a job step (``scancel --full``, preemption, ``srun``
     forwarding), workers included. SIGUSR1/SIGTERM are meant for the rank, which finishes its step
@@ -20,7 +20,7 @@ def worker_init(worker_id):
     Samples do not depend on these seeds (the datasets seed from the index); seeding only
     keeps any user transform that uses global RNGs distinct per worker and reproducible.
     """
-    for name in ('SIGUSR1', 'SIGTERM'):
+    for name in ('SIGUSR1', 'SIGTERM', 'SIGINT'):  # SIGINT: a terminal's Ctrl-C reaches the workers too
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     configure_gdal_for_worker()
     seed = torch.initial_seed() % 2 ** 32  # torch already derives it from base seed + worker id

@@ -34,8 +34,9 @@ EXIT_NONFINITE = 3    # the loss stayed non-finite; the last checkpoint is intac
 EXIT_LOST_RANK = 4    # another rank died or stopped answering
 EXIT_IO_ERROR = 74    # EX_IOERR: a write or read failed (disk full, read-only, I/O error)
 EXIT_DATA_ERROR = 65  # EX_DATAERR: a window of the data broke mid-run (a label value, a truncated tile)
-EXIT_CODES = {'completed': 0, 'preempted': EXIT_PREEMPTED, 'nonfinite_loss': EXIT_NONFINITE,
-              'lost_rank': EXIT_LOST_RANK, 'io_error': EXIT_IO_ERROR}
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C: stopped by the user, not requeued
+EXIT_CODES = {'completed': 0, 'preempted': EXIT_PREEMPTED, 'interrupted': EXIT_INTERRUPTED,
+              'nonfinite_loss': EXIT_NONFINITE, 'lost_rank': EXIT_LOST_RANK, 'io_error': EXIT_IO_ERROR}
 
 
 class LostRankError(RuntimeError):
@@ -67,7 +68,12 @@ def is_collective_failure(exc):
 
 # ---------------------------------------------------------------------------------- signals
 _NEVER = 2 ** 62
-_SIGNUMS = 128       # above every signal number: (step, signal) packed into one integer
+_SIGNUMS = 128       # above every signal code: (step, signal) packed into one integer
+# Which signal names a stop when ranks got different ones after the same step: the later in this
+# list (Ctrl-C is the user's own word; a launcher passing it on as SIGTERM does not change it).
+_PRECEDENCE = ('SIGUSR1', 'SIGTERM', 'SIGINT')
+INTERRUPT = 'SIGINT'
+_REPEAT_WINDOW_S = 1.0  # a second SIGINT sooner is the same Ctrl-C (torchrun passes the terminal's on)
 
 
 def ignore_stop_signals():
@@ -80,7 +86,7 @@ def ignore_stop_signals():
     batch job into FAILED. Ignored at the C level, the disposition outlives finalization.
     """
     if threading.current_thread() is threading.main_thread():
-        for name in STOP_SIGNALS:
+        for name in STOP_SIGNALS + (INTERRUPT,):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
@@ -100,9 +106,12 @@ class StopRequests:
         self.arrived_after = start_step if self.signal_name else None
         self.agreed = None
         self._group = None
+        self._interrupted_at = None
+        self._previous_interrupt_handler = None
         if threading.current_thread() is threading.main_thread():
             for name in STOP_SIGNALS:
                 signal.signal(getattr(signal, name), self._on_signal)
+            self._previous_interrupt_handler = signal.signal(signal.SIGINT, self._on_interrupt)
         if self.signal_name is None and first_signal[0]:   # one that came as the handlers changed
             self.signal_name, self.arrived_after = first_signal[0], start_step
         if dist.is_initialized() and distributed.world_size() > 1:
@@ -115,23 +124,42 @@ class StopRequests:
             self.arrived_after = self.steps_done
             self.signal_name = signal.Signals(signum).name
 
+    def _on_interrupt(self, signum, frame):
+        """Ctrl-C: the first stops the run at the next check step with a checkpoint, as a
+        SIGTERM does; a second one (a second later or more) stops it at once, without one."""
+        now = time.monotonic()
+        if self._interrupted_at is None:
+            self._interrupted_at = now
+            self._on_signal(signum, frame)
+            if distributed.is_main():  # os.write: a print could land inside another print
+                os.write(2, b'[ds_seg] Ctrl-C: stopping at the next check step with a checkpoint '
+                            b'(Ctrl-C again to stop at once, without one)\n')
+        elif now - self._interrupted_at >= _REPEAT_WINDOW_S:
+            raise KeyboardInterrupt
+
+    def close(self):
+        """Ctrl-C does what it did before the loop (Python's default: KeyboardInterrupt) once it is over."""
+        if self._previous_interrupt_handler is not None:
+            signal.signal(signal.SIGINT, self._previous_interrupt_handler)
+
     def agree(self, nonfinite_counts):
         """Collective. ``nonfinite_counts`` = (longest run of consecutive non-finite steps since the
         last check, current run) on this rank, as a device tensor. Returns ``(any rank signalled,
         longest run, current run)``, the maximum over ranks: the same answer everywhere. The
-        signal that arrived first (after the fewest steps; the higher number on a tie) is agreed
+        signal that arrived first (after the fewest steps; the later in _PRECEDENCE on a tie) is agreed
         too, so every rank's :meth:`describe` names it even if its own copy is late or differs."""
         counts = nonfinite_counts.to('cpu', torch.int64)     # the one device read of a check step
-        # One number whose maximum is the earliest arrival, then the higher signal number.
-        first = (-self.arrived_after * _SIGNUMS + getattr(signal, self.signal_name)) if self.signal_name else -_NEVER
+        # One number whose maximum is the earliest arrival, then the later in _PRECEDENCE.
+        first = (-self.arrived_after * _SIGNUMS + 1 + _PRECEDENCE.index(self.signal_name)) if self.signal_name \
+            else -_NEVER
         flags = torch.cat([torch.tensor([first], dtype=torch.int64), counts])
         if dist.is_initialized() and distributed.world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         first, longest, current = flags.tolist()
         signalled = first != -_NEVER
-        if signalled:   # -a*K + s, 0 < s < K: Python's % gives s back, then a
-            signum = first % _SIGNUMS
-            self.agreed = signal.Signals(signum).name, (signum - first) // _SIGNUMS
+        if signalled:   # -a*K + c, 0 < c < K: Python's % gives c back, then a
+            code = first % _SIGNUMS
+            self.agreed = _PRECEDENCE[code - 1], (code - first) // _SIGNUMS
         return signalled, int(longest), int(current)
 
     def describe(self):
@@ -268,11 +296,13 @@ class Faults:
             time.sleep(self.step_delay)
 
     def close(self):
+        self.stop.close()
         self.heartbeat.close()
 
     def classify(self, exc, step, last_checkpoint):
         """``(exit_reason, exception to raise, one-line error or None)`` for an exception out of
-        the loop: a lost rank and a failed write get their own exceptions and exit codes.
+        the loop: a lost rank and a failed write get their own exceptions and exit codes; any
+        other keeps its own, and its first line goes to summary.json.
         ``last_checkpoint()`` names the newest complete checkpoint (asked only for the message)."""
         if is_collective_failure(exc):
             message = (f'rank {distributed.rank()}: {self.heartbeat.describe_failure()}; stopping. '
@@ -282,7 +312,8 @@ class Faults:
             message = (f'{describe_io_error(exc)}; stopped at step {step}; the last complete checkpoint '
                        f"({last_checkpoint() or 'none'}) is intact; free space or fix the disk, then --resume auto.")
             return 'io_error', RunIOError(message), message
-        return 'error', exc, None
+        first_line = (str(exc).strip().splitlines() or [''])[0][:300]  # summary.json says what it was
+        return 'error', exc, f'{type(exc).__name__}: {first_line}' if first_line else type(exc).__name__
 
 
 def default_stop_check_interval(device):
@@ -291,6 +322,6 @@ def default_stop_check_interval(device):
     return 1 if device.type != 'cuda' else 10
 
 
-__all__ = ['EXIT_CODES', 'EXIT_DATA_ERROR', 'EXIT_IO_ERROR', 'EXIT_LOST_RANK', 'EXIT_NONFINITE', 'EXIT_PREEMPTED',
-           'Faults', 'Heartbeat', 'LostRankError', 'RunIOError', 'StopRequests',
+__all__ = ['EXIT_CODES', 'EXIT_DATA_ERROR', 'EXIT_INTERRUPTED', 'EXIT_IO_ERROR', 'EXIT_LOST_RANK', 'EXIT_NONFINITE',
+           'EXIT_PREEMPTED', 'INTERRUPT', 'Faults', 'Heartbeat', 'LostRankError', 'RunIOError', 'StopRequests',
            'default_stop_check_interval', 'describe_io_error', 'is_collective_failure']

@@ -30,7 +30,7 @@ from ..telemetry import RunLog, forward_flops, peak_flops
 from . import backend as backends
 from . import checkpoint
 from .checkpointer import Checkpointer, data_normalisation
-from .faults import Faults, default_stop_check_interval, describe_io_error
+from .faults import INTERRUPT, Faults, default_stop_check_interval, describe_io_error
 from .run_metrics import RunMetrics
 from .run_spec import describe_run
 from .speed import channels_last_for
@@ -168,6 +168,7 @@ class Trainer:
                               f"but this run evaluates nothing ({why}); give it evaluations, or leave save_best out.")
         self._check_model_matches_data()
         self._check_model_takes_windows()
+        self._check_windows_fit_in_memory()
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
         self._check_loss_matches_classes()
 
@@ -257,7 +258,8 @@ class Trainer:
                         self.checkpointer.save(self.step, self.step * self.spec.grad_accum + self.micro_step_offset,
                                                best_record=best)
                     if signalled:
-                        self._stop('preempted', f'on {faults.stop.describe()}: ' + (
+                        self._stop('interrupted' if faults.stop.agreed[0] == INTERRUPT else 'preempted',
+                                   f'on {faults.stop.describe()}: ' + (
                             'checkpoint saved; continue with --resume auto.' if current == 0
                             else 'no checkpoint (the loss was not finite).'))
                         break
@@ -322,6 +324,9 @@ class Trainer:
             if error is exc:
                 raise
             raise error from exc
+        except KeyboardInterrupt:  # a second Ctrl-C (faults.StopRequests): stop at once
+            self.exit_reason = 'interrupted'
+            raise
         except BaseException:
             self.exit_reason = 'error'
             raise
@@ -477,6 +482,27 @@ class Trainer:
                               f"set model.num_classes={self.train_set.num_classes}{binary}.")
         if self.val_set is not None:
             self._check_val_matches_train()
+
+    def _check_windows_fit_in_memory(self):
+        """A batch of training windows, or of evaluation tiles, larger than this machine's memory
+        (data.crop_size 10^6, a micro-batch of 10^9) trained until the allocation failed: a numpy
+        traceback at the first step, or at the first evaluation with the steps before it lost."""
+        try:
+            memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+        except (AttributeError, ValueError, OSError):  # not a POSIX system: nothing to compare with
+            return
+        d, channels = self.cfg.data, self.train_set.in_channels
+        batches = {('data.crop_size', 'train_micro_batch_size_per_gpu'): (self.spec.micro_batch, d.crop_size)}
+        if self.val_set is not None:
+            tile_key = 'data.eval_tile' if d.get('eval_tile') else 'data.crop_size'
+            batches[(tile_key, 'data.eval_batch_size')] = (d.get('eval_batch_size') or self.spec.micro_batch,
+                                                            d.get('eval_tile') or d.crop_size)
+        for (side_key, batch_key), (count, side) in batches.items():
+            need = count * channels * side * side * 4  # float32 on the way to the model
+            if need > memory:
+                raise ConfigError(f"{side_key} {side} with {batch_key} {count}: one batch of {channels}-band "
+                                  f"windows takes {need / 2 ** 30:,.0f} GiB as float32, more than this machine's "
+                                  f"{memory / 2 ** 30:,.0f} GiB; lower {side_key} or {batch_key}.")
 
     def _check_model_takes_windows(self):
         """One forward on the meta device (no memory, no compute) of a training crop and of an

@@ -34,7 +34,7 @@ def _start_ranks(args, world_size=2, resume=None, extra_env=None):
     port = _free_port()
     procs = []
     for rank in range(world_size):
-        env = _env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world_size),
+        env = _env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world_size), SLURM_STEP_ID='0',
                    SLURM_JOB_ID=str(port - 15000), SLURM_JOB_NODELIST='localhost', **(extra_env or {}))
         cmd = [sys.executable, 'launch/train.py', *args] + (['--resume', resume] if resume else [])
         procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
@@ -114,7 +114,7 @@ def test_a_stop_signal_while_the_rank_imports_stops_it_after_its_first_step(tmp_
         cmd = [script]
     else:
         cmd = [sys.executable, *program.split()]
-    env = _env(SLURM_PROCID='0', SLURM_LOCALID='0', SLURM_NTASKS='1', SLURM_JOB_ID=str(_free_port()),
+    env = _env(SLURM_PROCID='0', SLURM_LOCALID='0', SLURM_NTASKS='1', SLURM_STEP_ID='0', SLURM_JOB_ID=str(_free_port()),
                SLURM_JOB_NODELIST='localhost')
     proc = subprocess.Popen(cmd + _args(tmp, 'run', 6, 6), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -173,6 +173,53 @@ def test_sigusr1_checkpoints_exits_75_and_resume_matches_uninterrupted(tmp_path,
     # commutes with the running-average update in exact arithmetic, not in the last bit of a
     # float32: statistics agree to a few ulps, every parameter bit for bit.
     _assert_same_weights(_final_weights(work), reference[1], bn_stats_rtol=1e-6)
+
+
+def test_ctrl_c_checkpoints_exits_130_and_resume_matches_uninterrupted(tmp_path, reference):
+    """Ctrl-C (SIGINT) ended every rank with a KeyboardInterrupt traceback, exit_reason "error",
+    and the steps since the last checkpoint lost. A terminal's Ctrl-C reaches every rank and its
+    loader workers; torchrun passes it on once more at once: the same Ctrl-C, not a second one."""
+    tmp, work, procs = _start_reference_again(tmp_path, reference)
+    _wait_for_step(work, 3, procs)
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    procs[0].send_signal(signal.SIGINT)  # torchrun's copy
+    codes, out = _finish(procs)
+    assert codes == [130, 130], out[0][-3000:]
+    summary = json.load(open(os.path.join(work, 'summary.json')))
+    assert summary['exit_reason'] == 'interrupted' and summary['steps'] < 60
+    assert 'Traceback' not in out[0] + out[1], out[0][-3000:]
+    assert re.search(r'stopping at step \d+ on SIGINT \(arrived after step \d+\): checkpoint saved; continue with '
+                     r'--resume auto', out[0]), out[0][-3000:]
+    assert checkpoint.find_latest(os.path.join(work, 'checkpoints')) == checkpoint.tag_for(summary['steps'])
+    codes, out = _finish(_start_ranks(_args(tmp, 'run', 60, 10), resume='auto'))
+    assert codes == [0, 0], out[0][-3000:]
+    _assert_same_weights(_final_weights(work), reference[1], bn_stats_rtol=1e-6)  # see the SIGUSR1 test
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
+    """The first Ctrl-C asks for a stop with a checkpoint at the next check step; a second one,
+    a second or more later (a step that takes long), stops the run at once: exit 130, one line
+    naming the last complete checkpoint, no traceback, and that checkpoint intact."""
+    tmp = str(tmp_path)
+    work = os.path.join(tmp, 'run')
+    proc = subprocess.Popen([sys.executable, 'launch/train.py', *_args(tmp, 'run', 60, 2)], cwd=REPO_ROOT,
+                            env=_env(DS_SEG_FAULT='slow@step:1.5'), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    _wait_for_step(work, 2, [proc])
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.2)
+    proc.send_signal(signal.SIGINT)
+    (code,), (out,) = _finish([proc])
+    assert code == 130, out[-3000:]
+    assert 'Traceback' not in out, out[-3000:]
+    last = checkpoint.find_latest(os.path.join(work, 'checkpoints'))
+    assert re.search(rf'ds_seg: interrupted \(Ctrl-C twice\) at step \d+; the last complete checkpoint '
+                     rf'\(.*{last}\) is intact: continue with --resume auto', out), out[-3000:]
+    summary = json.load(open(os.path.join(work, 'summary.json')))
+    assert summary['exit_reason'] == 'interrupted'
+    assert int(last.split('_')[-1]) < summary['steps'] or summary['steps'] % 2 == 0
 
 
 KILL_AT_STEP = 27  # between the checkpoints of steps 20 and 30
@@ -361,7 +408,7 @@ if [ "$1 $2" = "show hostnames" ]; then touch "$FAKE_SLOW_MARK"; sleep 4; echo 1
 LOCAL_SRUN = """#!/usr/bin/env bash
 while [ "${1#--}" != "$1" ]; do shift; done   # srun's own options
 pids=()
-for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i SLURM_LOCALID=$i "$@" & pids+=($!); done
+for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_ID=0 "$@" & pids+=($!); done
 trap 'kill -USR1 "${pids[@]}" 2>/dev/null' USR1
 status=0
 for pid in "${pids[@]}"; do

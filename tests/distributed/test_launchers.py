@@ -98,7 +98,7 @@ def test_srun_style_processes_with_only_slurm_variables(tmp_path):
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = _env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS='2', SLURM_NNODES='1',
+        env = _env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS='2', SLURM_STEP_ID='0', SLURM_NNODES='1',
                    SLURM_NODEID='0', SLURM_JOB_ID=str(port - 15000), SLURM_JOB_NODELIST='localhost')
         procs.append(subprocess.Popen([sys.executable, 'launch/train.py', '--deepspeed_config',
                                        'ds_configs/zero0.json', *_options(str(tmp_path))],

@@ -13,7 +13,7 @@ from ds_seg.config import ConfigError
     (dict(RANK='0', WORLD_SIZE='abc'), r"WORLD_SIZE='abc' is not a non-negative integer"),
     (dict(RANK='0', WORLD_SIZE='1', LOCAL_RANK='-1'), r"LOCAL_RANK='-1' is not a non-negative integer"),
     (dict(RANK='0', WORLD_SIZE='2'), r'WORLD_SIZE=2 but MASTER_ADDR and MASTER_PORT not set'),
-    (dict(SLURM_PROCID='2', SLURM_NTASKS='2', SLURM_JOB_NODELIST='n1'), r'\(slurm\): RANK=2 with WORLD_SIZE=2'),
+    (dict(SLURM_PROCID='2', SLURM_NTASKS='2', SLURM_STEP_ID='0', SLURM_JOB_NODELIST='n1'), r'\(slurm\): RANK=2 with WORLD_SIZE=2'),
 ])
 def test_stale_or_broken_rank_variables_are_one_line(env, message):
     with pytest.raises(ConfigError, match=message):
@@ -42,3 +42,17 @@ def test_a_master_port_in_use_is_one_line(monkeypatch):
                 distributed.init(use_deepspeed=False, timeout_s=20)
         finally:
             distributed.close()
+
+
+def test_a_batch_scripts_own_python_is_one_process_not_rank_0_of_the_allocation(capsys):
+    """The batch step has SLURM_PROCID=0 and the allocation's SLURM_NTASKS, but no job step (srun's
+    tasks have SLURM_STEP_ID, checked on a real Slurm 22.05): `python launch/train.py` in an sbatch
+    script of --ntasks=4 waited 600 s for 3 ranks nobody started, holding SIGTERM meanwhile."""
+    from ds_seg.distributed import setup_env
+    env = dict(SLURM_PROCID='0', SLURM_LOCALID='0', SLURM_NTASKS='4', SLURM_JOB_ID='77', SLURM_JOB_NODELIST='n1')
+    assert setup_env(env) == 'none'
+    assert (env['RANK'], env['WORLD_SIZE']) == ('0', '1')
+    assert 'SLURM_NTASKS=4, but this process was not started by srun' in capsys.readouterr().err
+    env = dict(SLURM_PROCID='1', SLURM_LOCALID='1', SLURM_NTASKS='4', SLURM_STEP_ID='0', SLURM_JOB_ID='77',
+               SLURM_JOB_NODELIST='n1')
+    assert setup_env(env) == 'slurm' and (env['RANK'], env['WORLD_SIZE']) == ('1', '4')

@@ -22,7 +22,7 @@ NODELISTS = {
 
 
 def _slurm_env(nodelist):
-    return {'SLURM_PROCID': '1', 'SLURM_LOCALID': '1', 'SLURM_NTASKS': '4', 'SLURM_JOB_ID': '123456',
+    return {'SLURM_PROCID': '1', 'SLURM_STEP_ID': '0', 'SLURM_LOCALID': '1', 'SLURM_NTASKS': '4', 'SLURM_JOB_ID': '123456',
             'SLURM_JOB_NODELIST': nodelist}
 
 
