@@ -119,14 +119,20 @@ def _is_bool(v):
 
 
 def _is_scale_range(v):
-    return v is None or (isinstance(v, (list, tuple)) and len(v) == 2
-                         and all(_is_number(x) and math.isfinite(x) and x > 0 for x in v) and v[0] <= v[1])
+    if v is None:
+        return True
+    from ds_seg.data.transforms import check_random_scale  # which imports this module
+    try:
+        return isinstance(v, (list, tuple)) and check_random_scale(v) is not None
+    except ValueError:
+        return False
 
 
 def _is_layer_decay(v):
     return v is None or (_is_number(v) and 0 < v <= 1)
 
 
+MAX_PREFETCH_BATCHES = 16
 # torch.compile's modes (torch/_inductor/list_mode_options).
 COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
 TRACKERS = ('tensorboard', 'mlflow', 'wandb')
@@ -188,7 +194,9 @@ class TrainSection(_Section):
         None, "also keep the checkpoint of the best evaluation by this metric (higher is better), named by "
               "checkpoints/best; a new best is checkpointed when it is measured (None: only the newest)",
         (lambda v: v is None or v in SAVE_BEST_METRICS, f"None or one of {', '.join(map(repr, SAVE_BEST_METRICS))}"))
-    seed: int = setting(0, 'seed of the model initialisation and of the datasets', _int_at_least(0))
+    seed: int = setting(0, 'seed of the model initialisation and of the datasets',
+                        (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63,
+                         'an integer in [0, 2**63)'))   # torch's seed is a signed 64-bit integer
     warmup_log_steps: int = setting(2, 'first steps excluded from throughput figures (allocator, JIT)',
                                     _int_at_least(0))
     max_nonfinite_steps: int = setting(5, 'consecutive non-finite losses that stop the run', _int_at_least(1))
@@ -221,7 +229,9 @@ class DataSection(_Section):
     prefetch_batches: Optional[int] = setting(
         None, 'batches copied to the device and preprocessed ahead of the step, on a side CUDA stream '
               '(None: 2 on CUDA, 1 elsewhere; 0: each batch when its step takes it)',
-        _optional(_int_at_least(0)))
+        # More only holds more batches in memory: a million filled the host's 23 GiB before step 1.
+        (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_PREFETCH_BATCHES),
+         f'None or an integer in [0, {MAX_PREFETCH_BATCHES}]'))
     eval_batch_size: Optional[int] = setting(None, 'evaluation batch size (None: the DeepSpeed micro-batch)',
                                              _optional(_int_at_least(1)))
     eval_tile: Optional[int] = setting(None, 'whole-scene evaluation window (None: crop_size)',
@@ -231,7 +241,7 @@ class DataSection(_Section):
     random_scale: Optional[Tuple[float, float]] = setting(
         None, 'e.g. (0.5, 2.0): train windows of crop/scale resized to crop, one factor per global micro-step, '
               'equal on every rank',
-        (_is_scale_range, 'None or (low, high) with 0 < low <= high, e.g. (0.5, 2.0)'))
+        (_is_scale_range, 'None or (low, high) resize factors with 0.1 <= low <= high <= 10, e.g. (0.5, 2.0)'))
 
     def __post_init__(self):
         super().__post_init__()
@@ -408,6 +418,13 @@ def _merge(base, override, prefix=''):
             out[key] = _without_delete(value)
         elif isinstance(value, dict) and isinstance(out.get(key), dict) and path not in ('load_from',):
             out[key] = _merge(out[key], value, prefix=f'{path}.')
+        elif isinstance(value, dict) and out.get(key) is not None and not isinstance(out[key], dict) \
+                and path != 'load_from':
+            # 'train = 5' in a file, then train.max_steps=4: the keys would replace the section,
+            # its other keys gone (a KeyError traceback later)
+            inner = next((k for k in value if k != DELETE_KEY), '...')
+            raise ConfigError(f"{path}.{inner} sets a key inside {path}, which is {out[key]!r} there; "
+                              f"give {path} as a dict of its keys.")
         else:
             out[key] = _without_delete(value)
     return out
@@ -506,7 +523,12 @@ def load_config(path=None, cfg_options=None):
             raise ConfigError(f"{path}: cannot be loaded: its _base_ files inherit from each other "
                               f"(a cycle); break it") from exc
         except Exception as exc:  # syntax errors, bad _base_ paths...
-            raise ConfigError(f"{path}: cannot be loaded: {exc}") from exc
+            # mmengine's lazy imports end a config that calls an imported function (np.int64(4),
+            # math.floor(4.5)) with a bare RuntimeError(): nothing after the colon.
+            detail = str(exc).strip() or (f"{type(exc).__name__} without a message; a config that calls a function "
+                                          "of an imported module needs that call replaced by its value "
+                                          "(mmengine imports modules lazily in configs)")
+            raise ConfigError(f"{path}: cannot be loaded: {detail}") from exc
         # Top-level names that begin with '_' are the file's own helper variables
         # (_crop = 512, then crop_size=_crop), not settings: every other name must be a key.
         loaded = {k: v for k, v in loaded.items() if not k.startswith('_') or k == DELETE_KEY}
@@ -514,12 +536,18 @@ def load_config(path=None, cfg_options=None):
         # --config (to evaluate or retrain that run), it keeps that name, and so work_dirs/<name>.
         recorded_name = loaded.pop('config_name', None)
         _check_keys(loaded, DEFAULTS, str(path))
-        cfg = _merge(cfg, loaded)
+        try:
+            cfg = _merge(cfg, loaded)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         name = str(recorded_name) if recorded_name else path.stem
     from_file = cfg = _expand_user(cfg)
     options = parse_cfg_options(cfg_options)
     _check_keys(options, DEFAULTS, '--cfg-options')
-    cfg = _expand_user(_merge(cfg, options))
+    try:
+        cfg = _expand_user(_merge(cfg, options))
+    except ConfigError as exc:
+        raise ConfigError(f"--cfg-options: {exc}" + (f' (the value set by {path})' if path else '')) from None
     try:
         _check_values(cfg)
     except ConfigError as exc:
@@ -785,7 +813,33 @@ def _check_block_keys(ds, source):
                             f"Known keys of '{where}': {', '.join(sorted(allowed))}.")
                     raise ConfigError(f"{source}: unknown key '{path}.{key}'. {hint} "
                                       "DeepSpeed would silently ignore it; fix or remove it.")
+    _check_plain_block_flags(ds, source)
     _check_activation_checkpointing(ds.get('activation_checkpointing'), source)
+
+
+def _flag_keys(*modules):
+    """Keys of DeepSpeed's constants modules whose ``..._DEFAULT`` is true or false: flags."""
+    import importlib
+    keys = set()
+    for module in modules:
+        mod = importlib.import_module(module)
+        keys |= {v for n, v in vars(mod).items() if n.isupper() and isinstance(v, str)
+                 and isinstance(getattr(mod, f'{n}_DEFAULT', None), bool)}
+    return keys
+
+
+def _check_plain_block_flags(ds, source):
+    """Blocks DeepSpeed reads as plain dicts take a flag by its truth: "use_node_local_storage":
+    "yes" (or "false") was on. Their flags must be true or false."""
+    flags = _flag_keys('deepspeed.runtime.constants', 'deepspeed.runtime.model_checkpointing.constants',
+                       'deepspeed.runtime.swap_tensor.constants', 'deepspeed.profiling.constants')
+    for where in ('checkpoint', 'aio', 'flops_profiler'):
+        block = ds.get(where)
+        for key, value in (block.items() if isinstance(block, dict) else ()):
+            if key in flags and not isinstance(value, bool):
+                hint = ' (write it without quotes)' if isinstance(value, str) else ''
+                raise ConfigError(f"{source}: '{where}.{key}' must be true or false, got "
+                                  f"{json.dumps(value, default=repr)}{hint}.")
 
 
 def _check_activation_checkpointing(block, source):
@@ -854,8 +908,11 @@ def _check_ds_params(block, where, source):
               isinstance(value, bool) or _is_number(value) or value is None
               or (isinstance(value, list) and all(_is_number(x) for x in value)))
         if not ok:
-            hint = ' (write it without quotes)' if isinstance(value, str) and _looks_numeric(value) else ''
-            raise ConfigError(f"{source}: '{where}.params.{key}' must be a number, got {value!r}{hint}.")
+            flag = defaults is not None and isinstance(defaults.get(key), bool)  # "amsgrad": "yes"
+            hint = (' (write it without quotes)' if isinstance(value, str) and (
+                _looks_numeric(value) or value.lower() in ('true', 'false')) else '')
+            raise ConfigError(f"{source}: '{where}.params.{key}' must be {'true or false' if flag else 'a number'}, "
+                              f"got {value!r}{hint}.")
         # true/false where a number is meant would be read as 1/0 ("lr": true trains at LR 1).
         boolean = (isinstance(defaults[key], (bool, type(None))) if defaults and key in defaults
                    else key not in _NUMERIC_PARAMS)
@@ -921,6 +978,7 @@ def _check_ds_values(ds, source):
             raise ConfigError(f"{source}: 'optimizer.type' {kind!r} is not an optimizer DeepSpeed knows.{hint} "
                               f"Use one of {', '.join(known)} or a torch.optim class name.")
         _check_ds_params(optimizer, 'optimizer', source)
+    _check_data_types(ds.get('data_types'), source)
     scheduler = ds.get('scheduler')
     if scheduler is not None:
         from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
@@ -931,9 +989,56 @@ def _check_ds_values(ds, source):
             raise ConfigError(f"{source}: 'scheduler.type' {kind!r} is not a DeepSpeed scheduler.{hint} "
                               f"Use one of {', '.join(VALID_LR_SCHEDULES)}.")
         _check_ds_params(scheduler, 'scheduler', source)
+        _check_schedule_ranges(scheduler, source)
         _check_decay_peak(ds, source)
     _check_by_building(ds, source)
     _check_with_deepspeed(ds, source)
+
+
+# (low, high) parameter pairs of DeepSpeed's schedules; a low above its high runs the schedule
+# backwards without a word (a "warm-up" from 0.01 down to 0.001).
+_SCHEDULE_RANGES = (('warmup_min_lr', 'warmup_max_lr'), ('cycle_min_lr', 'cycle_max_lr'),
+                    ('cycle_min_mom', 'cycle_max_mom'))
+
+
+def _schedule_default_or_none(kind, param):
+    try:
+        return _schedule_default(kind, param)
+    except (AttributeError, KeyError):  # a schedule without that parameter
+        return None
+
+
+def _check_data_types(block, source):
+    """"grad_accum_dtype": "fp8" failed inside the engine's build as "'fp8' is not a valid
+    DtypeEnum", naming no key."""
+    if not isinstance(block, dict):
+        return
+    from deepspeed.runtime.config import DtypeEnum
+    names = [v for member in DtypeEnum for v in member._all_values if isinstance(v, str)]
+    for key in ('grad_accum_dtype', 'param_dtype', 'buffer_dtype'):
+        value = block.get(key)
+        if value is not None and value not in names:
+            short = [v for v in names if not v.startswith('torch.')]
+            raise ConfigError(f"{source}: 'data_types.{key}' must be one of {', '.join(map(repr, short))}, "
+                              f"got {json.dumps(value, default=repr)}.")
+
+
+def _check_schedule_ranges(scheduler, source):
+    """Ranges that run backwards, and a ``warmup_type`` DeepSpeed only logs as unknown (it falls
+    back to 'log'), are refused. A parameter left out counts at its DeepSpeed default."""
+    from deepspeed.runtime.lr_schedules import WARMUP_LINEAR_RATE, WARMUP_LOG_RATE
+    kind, params = scheduler.get('type'), scheduler.get('params') or {}
+    for low_key, high_key in _SCHEDULE_RANGES:
+        if low_key not in params and high_key not in params:
+            continue
+        low, high = (params[k] if k in params else _schedule_default_or_none(kind, k) for k in (low_key, high_key))
+        if _is_number(low) and _is_number(high) and low > high:
+            raise ConfigError(f"{source}: 'scheduler.params.{low_key}' ({low}) is above '{high_key}' ({high}); "
+                              f"the {kind} schedule would run backwards. Swap them.")
+    warmup_type = params.get('warmup_type')
+    if warmup_type is not None and warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
+        raise ConfigError(f"{source}: 'scheduler.params.warmup_type' must be {WARMUP_LOG_RATE!r} or "
+                          f"{WARMUP_LINEAR_RATE!r}, got {warmup_type!r} (DeepSpeed would use {WARMUP_LOG_RATE!r}).")
 
 
 def _check_decay_peak(ds, source):
@@ -1033,14 +1138,16 @@ def _check_offload_stage(zero, source):
 def _refuse_repeated_keys(path):
     """A JSON or YAML experiment config with a key twice in one mapping: the parsers keep the
     last silently (train: {max_steps: 6} then train: {seed: 3} trained the default 20 steps).
-    The same hook as the DeepSpeed JSON's (:func:`_refuse_duplicate_keys`)."""
+    The same hook as the DeepSpeed JSON's (:func:`_refuse_duplicate_keys`). A file that is not a
+    mapping at the top (a list, a string, empty) is refused too: mmengine's words for it were
+    "'list' object has no attribute 'get'"."""
     suffix = path.suffix.lower()
     if suffix not in ('.json', '.yaml', '.yml'):
         return
     try:
         text = path.read_text(encoding='utf-8-sig')
         if suffix == '.json':
-            json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+            top = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
         else:
             import yaml
 
@@ -1051,12 +1158,16 @@ def _refuse_repeated_keys(path):
                 return _refuse_duplicate_keys([(loader.construct_object(k, deep=deep),
                                                 loader.construct_object(v, deep=deep)) for k, v in node.value])
             Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-            yaml.load(text, Loader=Loader)
+            top = yaml.load(text, Loader=Loader)
     except _DuplicateKey as exc:
         raise ConfigError(f"{path}: the key {exc.args[0]!r} is given twice in one mapping; the second would "
                           "silently replace the first: merge them into one.") from None
     except Exception:  # not parseable: loading it says why, in its own words
         return
+    if not isinstance(top, dict):
+        what = 'empty' if top is None else f'a {type(top).__name__} ({json.dumps(top, default=repr)[:60]})'
+        raise ConfigError(f"{path}: an experiment config is a mapping of sections (train, data, model...), but "
+                          f"this file is {what}; see configs/ for examples.")
 
 
 def _async_io_available():
@@ -1122,6 +1233,11 @@ def _check_json_types(model, block, where, source):
             continue  # lists, dicts, paths...: DeepSpeed's own model decides
         actual = bool if isinstance(value, bool) else 'number' if _is_number(value) else str if isinstance(value, str) \
             else None
+        integral = [k for k in kinds if k is int or (isinstance(k, type) and issubclass(k, int) and k is not bool)]
+        integral += [e for e in enums if all(isinstance(m.value, int) for m in e)]
+        fractional = [k for k in kinds if k is float or (isinstance(k, type) and issubclass(k, float))]
+        if isinstance(value, float) and integral and not fractional:  # "stage": 2.0 was taken as 2
+            raise ConfigError(f"{source}: {path!r} must be an integer, got {json.dumps(value)}.")
         if actual is None or actual in allowed:
             continue
         what = ' or '.join(sorted({bool: 'true or false', 'number': 'a number', str: 'a string'}[a] for a in allowed))

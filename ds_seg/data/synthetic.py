@@ -23,6 +23,7 @@ import numpy as np
 import rasterio
 from rasterio.transform import from_origin
 
+from ds_seg.config import checked_number
 from ds_seg.registry import DATASETS
 
 from .geotiff import STATS_FILE, GeoTiffScenes
@@ -478,6 +479,11 @@ class SyntheticAerial(GeoTiffScenes):
                                for i, c in enumerate(CLASSES)}
         if num_scenes is None:
             num_scenes = 8 if split == 'train' else 2
+        # True was one scene, 0 a divide-by-zero warning then "images: no files given".
+        checked_number('SyntheticAerial', 'num_scenes', num_scenes, low=1, integer=True)
+        checked_number('SyntheticAerial', 'scene_size', scene_size, low=16, integer=True)
+        checked_number('SyntheticAerial', 'bands', bands, low=1, integer=True)
+        checked_number('SyntheticAerial', 'dates', dates, low=1, integer=True)
         crop = crop_size if isinstance(crop_size, int) else min(crop_size)
         self.directory = write_synthetic_scenes(
             cache_dir or default_cache_dir(), split=split, num_scenes=num_scenes,

@@ -195,16 +195,24 @@ class Compose:
 
 
 # ---------------------------------------------------------------------- random scale
+RANDOM_SCALE_LIMITS = (0.1, 10.0)
+
+
 def check_random_scale(random_scale):
-    """None or a (low, high) pair with 0 < low <= high; returned as a tuple of floats."""
+    """None or a (low, high) pair with 0.1 <= low <= high <= 10; returned as a tuple of floats.
+
+    A factor of 100 trained on 1-pixel windows of a 64-pixel crop blown up to 64 (exit 0), and
+    0.01 on windows 100 times the crop, mostly padding: a percentage or a size given as a factor."""
     if random_scale is None:
         return None
-    if isinstance(random_scale, (int, float)):
-        random_scale = (random_scale, random_scale)
-    lo, hi = (float(v) for v in random_scale)
-    if not 0 < lo <= hi < math.inf:  # inf (1e999) crashed numpy's draw at the first step
-        raise ValueError(f"random_scale must be (low, high) with 0 < low <= high, got {random_scale!r}")
-    return lo, hi
+    pair = (random_scale, random_scale) if isinstance(random_scale, (int, float)) else random_scale
+    low, high = RANDOM_SCALE_LIMITS
+    if not (isinstance(pair, (list, tuple)) and len(pair) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)
+            and low <= pair[0] <= pair[1] <= high):  # also NaN and inf (1e999), which crashed numpy's draw
+        raise ValueError(f"random_scale must be (low, high) with {low:g} <= low <= high <= {high:g} (resize "
+                         f"factors, e.g. (0.5, 2.0)), got {random_scale!r}")
+    return float(pair[0]), float(pair[1])
 
 
 def scale_for_micro_step(seed, micro_step, random_scale):

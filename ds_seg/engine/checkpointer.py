@@ -110,11 +110,14 @@ class Checkpointer:
                                   "add --resume auto to continue it, or choose another --work-dir.")
             return 0, 0, None
         root, tag = found or (self.root, None)
-        step, offset = self._load(root, tag) if tag else (0, 0)
-        if step > self.cfg.train.max_steps:  # it would "complete" at once, logging a run that went backwards
-            raise ConfigError(f"--resume: {os.path.join(root, tag)} is at step {step}, past train.max_steps="
+        # Before loading (which says "resumed from"): it would "complete" at once, logging a run
+        # that went backwards.
+        saved_step = int(checkpoint.read_marker(os.path.join(root, tag)).get('step', 0)) if tag else 0
+        if saved_step > self.cfg.train.max_steps:
+            raise ConfigError(f"--resume: {os.path.join(root, tag)} is at step {saved_step}, past train.max_steps="
                               f"{self.cfg.train.max_steps}; raise train.max_steps to train on, or export it "
                               f"as it is (launch/export.py).")
+        step, offset = self._load(root, tag) if tag else (0, 0)
         # Whatever the work dir holds beyond the checkpoint resumed from (a rollback's later
         # branch, damaged newer ones --resume auto passed over, or all of them when none was
         # good) moves aside: the run's own saves would otherwise overwrite them.

@@ -46,9 +46,10 @@ class DeepSpeedBackend:
         # Parameters must stay contiguous (not channels_last): DeepSpeed views them as flat bytes.
         # Only the activations go channels_last (forward()).
         self.channels_last = spec.channels_last
+        param_groups = build_param_groups(model, optim_cfg)  # its refusals name the config's optim keys
         try:
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, model_parameters=build_param_groups(model, optim_cfg), config=ds_config)
+                model=model, model_parameters=param_groups, config=ds_config)
         except (torch.OutOfMemoryError, torch.distributed.DistError):  # the device or the ranks, not the JSON
             raise
         except (AssertionError, ValueError, NotImplementedError, RuntimeError) as exc:

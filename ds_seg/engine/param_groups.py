@@ -33,6 +33,11 @@ def _layer_id(name, num_blocks):
     return num_blocks + 1
 
 
+def _in_backbone(name):
+    # The pyramid neck is new (not pretrained): it trains with the heads.
+    return name.startswith('backbone.') and not name.startswith('backbone.neck.')
+
+
 def _check(optim_cfg):
     layer_decay = optim_cfg.get('layer_decay')
     paramwise = dict(optim_cfg.get('paramwise') or {})
@@ -63,14 +68,17 @@ def build_param_groups(model, optim_cfg):
     if layer_decay is not None and num_blocks == 0:
         raise ConfigError(f'optim.layer_decay: model {type(model).__name__} has no ViT blocks '
                           '(backbone.blocks.N); layer-wise decay applies to ViT backbones only. Set it to None.')
+    if backbone_mult != 1.0 and not any(_in_backbone(n) for n, _ in named):
+        raise ConfigError(f'optim.paramwise.backbone_lr_mult: model {type(model).__name__} has no backbone '
+                          "(parameters named backbone.*), so it would change nothing; leave it out, or use a "
+                          'model with a pretrained backbone.')
     groups = {}
     for name, param in named:
         layer = _layer_id(name, num_blocks)
         mult = 1.0
         if layer_decay is not None:
             mult *= layer_decay ** (num_blocks + 1 - layer)
-        # The pyramid neck is new (not pretrained): it trains with the heads.
-        in_backbone = name.startswith('backbone.') and not name.startswith('backbone.neck.')
+        in_backbone = _in_backbone(name)
         if in_backbone:
             mult *= backbone_mult
         decay = not (no_weight_decay and (param.ndim <= 1 or name.rsplit('.', 1)[-1] in NO_DECAY_NAMES))

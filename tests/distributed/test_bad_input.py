@@ -107,6 +107,11 @@ def _cases(tmp):
         'ds_engine_refuses': ([], ds_json('untested.json', {
             **base, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.01}},
             'zero_optimization': {'stage': 3, 'offload_optimizer': {'device': 'cpu'}}}), []),
+        # windows past the machine's memory: a numpy traceback at the first step, or at the first
+        # evaluation with the steps before it lost
+        'crop_past_memory': (['data.crop_size=1000000'], None, []),
+        'eval_tile_past_memory': (['data.eval_tile=1000000', 'train.eval_interval=2'], None, []),
+        'micro_batch_past_memory': ([], ds_json('huge_batch.json', {**base, 'train_micro_batch_size_per_gpu': 10 ** 9}), []),
         'ds_act_ckpt': ([], ds_json('act_ckpt.json', {**base, 'activation_checkpointing': {'partition_activations': True}}), []),
         'loss_ignore_str': (['loss.ignore_index=\'255\''], None, []),
         # trained at loss 0 (no pixel kept) for the whole run
@@ -140,6 +145,7 @@ def _cases(tmp):
         'combined_member_ignore_other': ([], None, combined_loss('other.py', dict(type='CrossEntropyLoss', ignore_index=0),
                                                                 dict(type='DiceLoss'))),
         'work_dir': ([], None, ['--work-dir', os.path.join(a_file, 'run')]),
+        'work_dir_is_a_file': ([], None, ['--work-dir', a_file]),
         # a softmax over one class: loss 0 and mIoU 1 whatever is learnt (it trained, "perfectly")
         'one_class': (_geotiff_data([img], [lbl_one_class], classes=1) + ['model.num_classes=1'], None, []),
         'binary_one_output': (_geotiff_data([img], [lbl2], classes=2) + ['model.num_classes=1'], None, []),
@@ -235,6 +241,7 @@ EXPECTED = {
     'ds_auto': ["'bf16.enabled' is \"auto\""],
     'ds_batch': ["'train_batch_size' 7"],
     'work_dir': ['--work-dir', 'not writable'],
+    'work_dir_is_a_file': ['--work-dir: ', 'a_file is a file, not a folder'],
     'one_class': ['data.train has one class (class_0)', 'at least 2 classes'],
     'binary_one_output': ['model.num_classes is 1 but data.train has 2 classes', 'set model.num_classes=2',
                           'not one sigmoid output'],
@@ -246,6 +253,10 @@ EXPECTED = {
     'ds_block_typo': ["unknown key 'checkpoint.tag_validaton'", "Did you mean 'checkpoint.tag_validation'?"],
     'ds_engine_refuses': ['--deepspeed_config: DeepSpeed cannot build this engine (AssertionError: You are using '
                           'an untested ZeRO Optimizer'],
+    'crop_past_memory': ['data.crop_size 1000000 with train_micro_batch_size_per_gpu 8: one batch of 3-band windows '
+                         'takes', "GiB as float32, more than this machine's", 'lower data.crop_size'],
+    'eval_tile_past_memory': ['data.eval_tile 1000000 with data.eval_batch_size 8', 'lower data.eval_tile'],
+    'micro_batch_past_memory': ['with train_micro_batch_size_per_gpu 1000000000', 'or train_micro_batch_size_per_gpu'],
     'ds_act_ckpt': ["'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg", 'partition_activations'],
     'loss_ignore_str': ['loss.ignore_index must be an integer', "'255'", 'without quotes'],
     'loss_ohem_thresh': ['loss (OhemCrossEntropyLoss)', 'thresh must be a number in (0, 1], got -1'],

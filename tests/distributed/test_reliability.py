@@ -203,8 +203,8 @@ def _refusals(tmp, trained, cases):
                 with open(os.path.join(work, LOCK_NAME), 'w') as f:
                     json.dump(dict(identity(), pid=sleeper.pid, pid_start=_process_start(sleeper.pid)), f)
             before = _snapshot(work)
-            code, lines, _ = _run_main('train', argv)
-            results[case] = (code, lines, before == _snapshot(work))
+            code, lines, out = _run_main('train', argv)
+            results[case] = (code, lines, before == _snapshot(work), out)
     finally:
         sleeper.kill()
     return results
@@ -232,8 +232,9 @@ def test_mistakes_stop_with_one_line_and_leave_the_work_dir_untouched(refusals, 
     from ds_seg.config import device_supports
     if case == 'resume_precision' and not device_supports('bf16'):
         pytest.skip('native bf16 falls back to fp32 on this CPU: the same optimizer state as the saved run')
-    code, lines, unchanged = refusals[case]
+    code, lines, unchanged, out = refusals[case]
     assert code == 2, lines
+    assert 'resumed from' not in out, out  # a refused resume is not said to have resumed
     errors = [line for line in lines if line.startswith('ds_seg: error:')]
     assert len(errors) == 1 and not any('Traceback' in line for line in lines), lines
     for fragment in REFUSALS[case]:

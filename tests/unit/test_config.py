@@ -97,6 +97,37 @@ def test_bad_options_are_named(options, message):
         load_config(None, options)
 
 
+@pytest.mark.parametrize('text, option, message', [
+    ('train = 5\n', 'train.max_steps=4', r"--cfg-options: train.max_steps sets a key inside train, which is 5 there; "
+                                          r"give train as a dict of its keys. \(the value set by .*bad.py\)"),
+    ('data = 3\n', 'data.crop_size=64', r"--cfg-options: data.crop_size sets a key inside data, which is 3 there"),
+])
+def test_an_option_inside_a_section_the_file_made_a_value_is_one_line(tmp_path, text, option, message):
+    """The options replaced the file's scalar section with a dict of their keys alone: a KeyError
+    traceback ('seed') deep inside the trainer. (The file alone was refused in one line.)"""
+    path = tmp_path / 'bad.py'
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path), [option])
+
+
+@pytest.mark.parametrize('name, text, message', [
+    ('list.json', '[1, 2, 3]', r'list.json: an experiment config is a mapping of sections .* this file is a list \(\[1, 2, 3\]\)'),
+    ('word.yaml', '"hello"\n', r'word.yaml: an experiment config is a mapping .* this file is a str'),
+    ('null.yaml', 'null\n', r'null.yaml: an experiment config is a mapping .* this file is empty'),
+    ('call.py', 'import numpy as np\ntrain = dict(max_steps=np.int64(4))\n',
+     r'call.py: cannot be loaded: RuntimeError without a message; a config that calls a function of an imported '
+     r'module needs that call replaced by its value'),
+])
+def test_config_files_of_the_wrong_shape_say_what_they_are(tmp_path, name, text, message):
+    """"'list' object has no attribute 'get'", and for a config calling np.int64(4) nothing at all
+    after "cannot be loaded:" (mmengine's bare RuntimeError)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path))
+
+
 def test_an_mmseg_optimizer_block_in_a_config_file_is_pointed_to_the_deepspeed_json(tmp_path):
     """The same in a config file, where a bare unknown key is otherwise taken for a helper variable."""
     (tmp_path / 'mmseg_style.py').write_text("optimizer = dict(type='AdamW', lr=6e-5)\n")
@@ -247,6 +278,23 @@ DS_VALUE_REFUSALS = {
     'warmup_true': (dict(scheduler__params__warmup_num_steps=True), "'scheduler.params.warmup_num_steps' must be a number, got true"),
     'ratio_negative': (dict(scheduler__params__warmup_min_ratio=-0.5), "'scheduler.params.warmup_min_ratio' must be a number in [0, 1], got -0.5"),
     'ratio_above_one': (dict(scheduler__params__cos_min_ratio=2), "'scheduler.params.cos_min_ratio' must be a number in [0, 1], got 2"),
+    'warmup_backwards': (dict(scheduler={'type': 'WarmupLR', 'params': {'warmup_min_lr': 0.01, 'warmup_max_lr': 0.001}}),
+                         "'scheduler.params.warmup_min_lr' (0.01) is above 'warmup_max_lr' (0.001); the WarmupLR schedule "
+                         "would run backwards"),
+    'warmup_min_above_default_max': (dict(scheduler={'type': 'WarmupDecayLR', 'params': {'warmup_min_lr': 0.01,
+                                                                                          'total_num_steps': 10}}),
+                                     "'scheduler.params.warmup_min_lr' (0.01) is above 'warmup_max_lr' (0.001)"),
+    'one_cycle_backwards': (dict(scheduler={'type': 'OneCycle', 'params': {'cycle_min_lr': 0.01, 'cycle_max_lr': 0.001}}),
+                            "'scheduler.params.cycle_min_lr' (0.01) is above 'cycle_max_lr' (0.001)"),
+    'warmup_type_unknown': (dict(scheduler__params__warmup_type='exp'),
+                            "'scheduler.params.warmup_type' must be 'log' or 'linear', got 'exp'"),
+    'flag_quoted': (dict(optimizer__params__torch_adam='false'),
+                    "'optimizer.params.torch_adam' must be true or false, got 'false' (write it without quotes)"),
+    'grad_accum_fp8': (dict(data_types={'grad_accum_dtype': 'fp8'}),
+                       "'data_types.grad_accum_dtype' must be one of 'fp16', 'float16', 'half', 'fp32'"),
+    'stage_float': (dict(zero_optimization__stage=2.0), "'zero_optimization.stage' must be an integer, got 2.0"),
+    'node_local_yes': (dict(checkpoint={'use_node_local_storage': 'yes'}),
+                       "'checkpoint.use_node_local_storage' must be true or false, got \"yes\" (write it without quotes)"),
     'comms_logger_typo': (dict(comms_logger={'enabeld': True}), "unknown key 'comms_logger.enabeld'. Did you mean 'comms_logger.enabled'?"),
     'tensorboard_typo': (dict(tensorboard={'enabeld': True}), "unknown key 'tensorboard.enabeld'. Did you mean 'tensorboard.enabled'?"),
     # Blocks DeepSpeed reads as plain dicts (no pydantic model): keys from its constants modules.

@@ -319,3 +319,16 @@ def test_a_validation_scene_given_twice_is_refused_and_training_may_repeat_one(t
     train = GeoTiffScenes(repeated, [labels, str(tmp_path / 'lbl' / 'a*.tif')], crop_size=32, classes=2,
                           split='train', mean=[0] * 3, std=[1] * 3)
     assert len(train.scenes) == 3
+
+
+@pytest.mark.parametrize('kw, named', [(dict(num_scenes=0), 'num_scenes must be an integer >= 1, got 0'),
+                                       (dict(num_scenes=True), 'num_scenes must be an integer >= 1, got True'),
+                                       (dict(dates=0), 'dates must be an integer >= 1, got 0')])
+def test_synthetic_scene_counts_that_are_no_count_are_named(tmp_path, kw, named):
+    """num_scenes=True trained on one scene; 0 gave a divide-by-zero warning, then "images: no
+    files given", naming neither the key nor the split."""
+    from ds_seg.config import ConfigError
+    from ds_seg.registry import DATASETS, build
+    with pytest.raises(ConfigError, match=rf'data.train \(SyntheticAerial\): .*{named}'):
+        build(DATASETS, dict(type='SyntheticAerial', cache_dir=str(tmp_path), crop_size=64, scene_size=64, **kw),
+              where='data.train')

@@ -427,6 +427,28 @@ def test_random_scale_must_be_finite(tmp_path):
     assert check_random_scale((0.5, 2)) == (0.5, 2.0)
 
 
+@pytest.mark.parametrize('scale', ['(100, 100)', '(0.01, 0.01)', '(0.05, 2.0)', '(0.5, 12)', '(2, 1)'])
+def test_random_scale_of_windows_too_small_or_too_large_is_refused(scale):
+    """(100, 100) trained on 1-pixel windows of a 64-pixel crop blown up to 64, (0.01, 0.01) on
+    windows 100 times the crop (mostly padding); both exited 0."""
+    with pytest.raises(ConfigError, match=r'data.random_scale must be None or \(low, high\) resize factors with '
+                                          r'0.1 <= low <= high <= 10'):
+        load_config(None, [f'data.random_scale={scale}'])
+    load_config(None, ['data.random_scale=(0.1, 10)'])
+
+
+@pytest.mark.parametrize('option, named', [('train.seed=99999999999999999999999', 'train.seed must be an integer in '
+                                                                                  r'\[0, 2\*\*63\)'),
+                                           ('data.prefetch_batches=1000000', r'data.prefetch_batches must be None or an '
+                                                                             r'integer in \[0, 16\]')])
+def test_a_seed_torch_cannot_take_and_a_prefetch_depth_that_fills_memory_are_refused(option, named):
+    """A seed past 2**63 was torch's 'Overflow when unpacking long long' traceback; a million
+    prefetched batches filled the machine's memory before the first step (SIGTERM held for a
+    step that never came, only kill -9 ended it)."""
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, [option])
+
+
 # ------------------------------------------------------------------ benchmark layouts
 def test_benchmark_trees_use_official_names_and_conventions(trees):
     p = Potsdam(trees['Potsdam'], split='train', crop_size=64)

@@ -53,6 +53,21 @@ def test_off_by_default_and_refused_where_it_cannot_apply():
         build_param_groups(unet, dict(layer_decay=1.5))
     with pytest.raises(ConfigError, match='backbone_lr_mult'):
         build_param_groups(unet, dict(paramwise=dict(backbone_lr_mult=0)))
+    # A model without a backbone: the multiplier changed nothing, and said nothing.
+    with pytest.raises(ConfigError, match=r'optim.paramwise.backbone_lr_mult: model UNet has no backbone'):
+        build_param_groups(unet, dict(paramwise=dict(backbone_lr_mult=0.1)))
+
+
+def test_an_optim_mistake_is_named_as_the_config_s_not_the_deepspeed_json_s(tmp_path, capsys):
+    """optim.layer_decay on a UNet was 'DeepSpeed cannot build this engine (ConfigError: ...);
+    change the JSON': the JSON was fine."""
+    from ds_seg.cli.train import main
+    code = main(['--config', 'unet_tiny_synthetic', '--work-dir', str(tmp_path / 'w'), '--cfg-options',
+                 f'data.train.cache_dir={tmp_path}', f'data.val.cache_dir={tmp_path}', 'optim.layer_decay=0.5',
+                 'train.max_steps=1'])
+    err = capsys.readouterr().err
+    assert code == 2 and 'ds_seg: error: optim.layer_decay: model UNet has no ViT blocks' in err, err
+    assert '--deepspeed_config' not in err
 
 
 def test_schedule_scales_every_group_proportionally():
