@@ -78,9 +78,10 @@ def _is_number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _int_at_least(low, zero_means=None):
-    what = 'a positive integer' if low == 1 else f'an integer >= {low}'
-    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low,
+def _int_at_least(low, zero_means=None, high=None, high_text=None):
+    what = (f'an integer in [{low}, {high_text or high}]' if high is not None else
+            'a positive integer' if low == 1 else f'an integer >= {low}')
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high),
             f'{what} (0: {zero_means})' if zero_means else what)
 
 
@@ -195,8 +196,7 @@ class TrainSection(_Section):
               "checkpoints/best; a new best is checkpointed when it is measured (None: only the newest)",
         (lambda v: v is None or v in SAVE_BEST_METRICS, f"None or one of {', '.join(map(repr, SAVE_BEST_METRICS))}"))
     seed: int = setting(0, 'seed of the model initialisation and of the datasets',
-                        (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63,
-                         'an integer in [0, 2**63)'))   # torch's seed is a signed 64-bit integer
+                        _int_at_least(0, high=2 ** 63 - 1, high_text='2**63 - 1'))  # torch's: a signed 64-bit int
     warmup_log_steps: int = setting(2, 'first steps excluded from throughput figures (allocator, JIT)',
                                     _int_at_least(0))
     max_nonfinite_steps: int = setting(5, 'consecutive non-finite losses that stop the run', _int_at_least(1))
@@ -230,8 +230,7 @@ class DataSection(_Section):
         None, 'batches copied to the device and preprocessed ahead of the step, on a side CUDA stream '
               '(None: 2 on CUDA, 1 elsewhere; 0: each batch when its step takes it)',
         # More only holds more batches in memory: a million filled the host's 23 GiB before step 1.
-        (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_PREFETCH_BATCHES),
-         f'None or an integer in [0, {MAX_PREFETCH_BATCHES}]'))
+        _optional(_int_at_least(0, high=MAX_PREFETCH_BATCHES)))
     eval_batch_size: Optional[int] = setting(None, 'evaluation batch size (None: the DeepSpeed micro-batch)',
                                              _optional(_int_at_least(1)))
     eval_tile: Optional[int] = setting(None, 'whole-scene evaluation window (None: crop_size)',
@@ -525,9 +524,10 @@ def load_config(path=None, cfg_options=None):
         except Exception as exc:  # syntax errors, bad _base_ paths...
             # mmengine's lazy imports end a config that calls an imported function (np.int64(4),
             # math.floor(4.5)) with a bare RuntimeError(): nothing after the colon.
-            detail = str(exc).strip() or (f"{type(exc).__name__} without a message; a config that calls a function "
-                                          "of an imported module needs that call replaced by its value "
-                                          "(mmengine imports modules lazily in configs)")
+            # A YAML parser's message spans 4 lines (what, where, what was found, where): one here.
+            detail = ' '.join(str(exc).split()) or (
+                f"{type(exc).__name__} without a message; a config that calls a function of an imported module "
+                "needs that call replaced by its value (mmengine imports modules lazily in configs)")
             raise ConfigError(f"{path}: cannot be loaded: {detail}") from exc
         # Top-level names that begin with '_' are the file's own helper variables
         # (_crop = 512, then crop_size=_crop), not settings: every other name must be a key.
@@ -894,6 +894,8 @@ def _param_defaults(where, kind):
     return {**{n: p.default for n, p in inspect.signature(cls.__init__).parameters.items()}, **extra}
 
 
+# Scheduler parameters that count steps (warmup_num_steps, cycle_first_step_size...).
+_STEP_COUNT_SUFFIXES = ('_steps', '_step_size', '_stair_count', 'last_batch_iteration')
 # Optimizer parameters that are numbers whatever the optimizer (for classes not known here).
 _NUMERIC_PARAMS = {'lr', 'eps', 'weight_decay', 'momentum', 'dampening', 'betas', 'max_coeff', 'min_coeff'}
 
@@ -923,6 +925,9 @@ def _check_ds_params(block, where, source):
                               f"got {value!r}.")
         if key == 'lr' and _is_number(value) and value < 0:
             raise ConfigError(f"{source}: '{where}.params.lr' must be >= 0, got {value!r}.")
+        if where == 'scheduler' and key.endswith(_STEP_COUNT_SUFFIXES) and _is_number(value) \
+                and not isinstance(value, int):  # "total_num_steps": 6.5 was taken as it is
+            raise ConfigError(f"{source}: 'scheduler.params.{key}' counts steps: it must be an integer, got {value!r}.")
         if where == 'scheduler' and _is_number(value) and key != 'last_batch_iteration':
             # Every DeepSpeed schedule's LRs, momenta, ratios, rates and step counts are >= 0, and
             # its ratios (fractions of the optimizer's LR) <= 1: a negative one trains at a
@@ -989,7 +994,7 @@ def _check_ds_values(ds, source):
             raise ConfigError(f"{source}: 'scheduler.type' {kind!r} is not a DeepSpeed scheduler.{hint} "
                               f"Use one of {', '.join(VALID_LR_SCHEDULES)}.")
         _check_ds_params(scheduler, 'scheduler', source)
-        _check_schedule_ranges(scheduler, source)
+        _check_schedule_ranges(scheduler, (ds.get('optimizer') or {}).get('params') or {}, source)
         _check_decay_peak(ds, source)
     _check_by_building(ds, source)
     _check_with_deepspeed(ds, source)
@@ -1023,15 +1028,18 @@ def _check_data_types(block, source):
                               f"got {json.dumps(value, default=repr)}.")
 
 
-def _check_schedule_ranges(scheduler, source):
+def _check_schedule_ranges(scheduler, optimizer_params, source):
     """Ranges that run backwards, and a ``warmup_type`` DeepSpeed only logs as unknown (it falls
-    back to 'log'), are refused. A parameter left out counts at its DeepSpeed default."""
+    back to 'log'), are refused. A parameter left out counts at its DeepSpeed default (WarmupLR's
+    warmup_max_lr: the optimizer's lr)."""
     from deepspeed.runtime.lr_schedules import WARMUP_LINEAR_RATE, WARMUP_LOG_RATE
     kind, params = scheduler.get('type'), scheduler.get('params') or {}
     for low_key, high_key in _SCHEDULE_RANGES:
         if low_key not in params and high_key not in params:
             continue
         low, high = (params[k] if k in params else _schedule_default_or_none(kind, k) for k in (low_key, high_key))
+        if high is None and high_key == 'warmup_max_lr':
+            high = optimizer_params.get('lr')
         if _is_number(low) and _is_number(high) and low > high:
             raise ConfigError(f"{source}: 'scheduler.params.{low_key}' ({low}) is above '{high_key}' ({high}); "
                               f"the {kind} schedule would run backwards. Swap them.")
@@ -1233,11 +1241,6 @@ def _check_json_types(model, block, where, source):
             continue  # lists, dicts, paths...: DeepSpeed's own model decides
         actual = bool if isinstance(value, bool) else 'number' if _is_number(value) else str if isinstance(value, str) \
             else None
-        integral = [k for k in kinds if k is int or (isinstance(k, type) and issubclass(k, int) and k is not bool)]
-        integral += [e for e in enums if all(isinstance(m.value, int) for m in e)]
-        fractional = [k for k in kinds if k is float or (isinstance(k, type) and issubclass(k, float))]
-        if isinstance(value, float) and integral and not fractional:  # "stage": 2.0 was taken as 2
-            raise ConfigError(f"{source}: {path!r} must be an integer, got {json.dumps(value)}.")
         if actual is None or actual in allowed:
             continue
         what = ' or '.join(sorted({bool: 'true or false', 'number': 'a number', str: 'a string'}[a] for a in allowed))

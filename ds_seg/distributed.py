@@ -142,6 +142,12 @@ def device():
     return torch.device('cpu')
 
 
+def local_world_size():
+    """Ranks on this node, as the launchers say (1 where none does)."""
+    return next((int(os.environ[k]) for k in ('LOCAL_WORLD_SIZE', 'LOCAL_SIZE', 'SLURM_NTASKS_PER_NODE')
+                 if os.environ.get(k, '').isdigit() and int(os.environ[k]) > 0), 1)
+
+
 def _share_cpu_cores():
     """Give each CPU rank its share of the cores unless the user chose (OMP_NUM_THREADS).
 
@@ -150,8 +156,7 @@ def _share_cpu_cores():
     """
     if 'OMP_NUM_THREADS' in os.environ:
         return
-    local = next((int(os.environ[k]) for k in ('LOCAL_WORLD_SIZE', 'LOCAL_SIZE', 'SLURM_NTASKS_PER_NODE')
-                  if os.environ.get(k, '').isdigit()), 1)
+    local = local_world_size()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // max(1, local)))
 

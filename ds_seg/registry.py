@@ -74,11 +74,20 @@ def build(registry, cfg, where=None, **extra):
 
 
 def _check_kwargs(cls, kwargs, where):
-    target = cls.__init__ if inspect.isclass(cls) else cls
-    params = inspect.signature(target).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    accepted = [n for n, p in params.items() if n != 'self' and p.kind is not p.VAR_POSITIONAL]
+    # A class whose __init__ passes **kw on to its base's (SyntheticAerial -> GeoTiffScenes)
+    # accepts what the chain accepts; a typo there was the base's TypeError, without a suggestion.
+    accepted = []
+    for owner in (cls.__mro__ if inspect.isclass(cls) else (cls,)):
+        target = owner.__init__ if inspect.isclass(cls) else owner
+        if inspect.isclass(cls) and '__init__' not in vars(owner):
+            continue
+        params = inspect.signature(target).parameters
+        accepted += [n for n, p in params.items() if n != 'self' and n not in accepted
+                     and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    else:
+        return  # **kw all the way down (or to object): anything may be meant
     for key in kwargs:
         if key not in accepted:
             close = difflib.get_close_matches(key, accepted, n=3, cutoff=0.5)

@@ -6,6 +6,7 @@ instead stalls the host. Steps are therefore timed with CUDA events read once pe
 warm-up steps are excluded; time spent waiting for the data loader is measured separately.
 """
 import json
+import math
 import os
 import resource
 import statistics
@@ -149,6 +150,17 @@ def new_archive(work_dir):
     raise FileExistsError(f'{base}: 1000 archives in one second')
 
 
+def finite_or_none(obj):
+    """``obj`` with every NaN or infinite float inside it replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
 class RunLog:
     """Rank 0's writer for metrics.jsonl, eval.jsonl and tb/ (other ranks get a no-op)."""
 
@@ -284,7 +296,9 @@ class RunLog:
             tmp = os.path.join(self.work_dir, f'.{name}.tmp')
             try:
                 with open(tmp, 'w') as f:
-                    json.dump(obj, f, indent=2, default=str)
+                    # Strict JSON (jq, JavaScript, most parsers refuse NaN): a loss that overflowed
+                    # is null in summary.json; metrics.jsonl keeps the step's NaN/Infinity.
+                    json.dump(finite_or_none(obj), f, indent=2, default=str)
                 os.replace(tmp, os.path.join(self.work_dir, name))
             except OSError:
                 if os.path.exists(tmp):

@@ -78,6 +78,8 @@ def _exit_without_finalization(status):
     completed run reported as a failed rank (a Slurm job FAILED, a requeue for nothing). Nothing
     is left for finalization to do: the trainer closed its logs, trackers, loader workers, lock
     and process group."""
+    import atexit
+    atexit._run_exitfuncs()  # what registered itself for exit still runs (DeepSpeed's wandb/comet monitors)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
@@ -104,7 +106,8 @@ def _train(argv, as_program):
             distributed.close()
         return EXIT_INTERRUPTED if interrupted else 2
     from ds_seg.data.raster import DataError
-    from ds_seg.engine.faults import EXIT_CODES, EXIT_DATA_ERROR, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError, RunIOError
+    from ds_seg.engine.faults import (EXIT_CODES, EXIT_DATA_ERROR, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError,
+                                      RunIOError)
     try:
         summary = trainer.fit()
     except DataError as exc:
@@ -120,10 +123,10 @@ def _train(argv, as_program):
         if trainer.rank == 0:
             print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
         return EXIT_IO_ERROR
-    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step; the last complete one is intact
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop began: the last checkpoint is intact
         if trainer.rank == 0:
             last = trainer.checkpointer.last_complete()
-            print(f'ds_seg: interrupted (Ctrl-C twice) at step {trainer.step}; '
+            print(f'ds_seg: interrupted (Ctrl-C) at step {trainer.step}; '
                   + (f'the last complete checkpoint ({last}) is intact: continue with --resume auto'
                      if last else 'no checkpoint was written'), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

@@ -153,6 +153,8 @@ def label_histogram(path, band_rows=1024):
             block, hidden = read_label_band(src, Window(0, y, src.width, min(band_rows, src.height - y)))
             if hidden is not None:
                 block = block[~hidden]
+            if not block.size:  # rows the mask band hides whole (an unlabelled margin)
+                continue
             if integer_16:
                 total[:int(block.max()) + 1] += np.bincount(block.ravel())
             else:
@@ -290,13 +292,16 @@ def inspect_pair(image, label, palette=None):
         # has the identity transform: it can only be aligned pixel for pixel, as checked
         # above. Two georeferenced rasters (by geotransform or by ground control points) must
         # also agree on where those pixels are.
-        (img_transform, img_crs), (lbl_transform, lbl_crs) = pixel_grid(img), pixel_grid(lbl)
+        (img_transform, img_crs, img_fitted), (lbl_transform, lbl_crs, lbl_fitted) = pixel_grid(img), pixel_grid(lbl)
         georeferenced = all(crs is not None or not transform.is_identity
                             for transform, crs in ((img_transform, img_crs), (lbl_transform, lbl_crs)))
-        if georeferenced and not same_pixels(img_transform, lbl_transform, img.width, img.height):
+        # An affine fit to real ground control points is off by their residuals (tenths of a
+        # pixel): a label placed elsewhere is still refused, at a pixel.
+        tol_px = 1.0 if img_fitted or lbl_fitted else 0.01
+        if georeferenced and not same_pixels(img_transform, lbl_transform, img.width, img.height, tol_px):
             raise DataError(f"image {image} and label {label} have different geotransforms "
                             f"({tuple(img_transform)[:6]} vs {tuple(lbl_transform)[:6]}"
-                            f"{'; from ground control points' if img.gcps[0] or lbl.gcps[0] else ''}); "
+                            f"{'; from ground control points' if img_fitted or lbl_fitted else ''}); "
                             f"they must cover the same pixels")
         if img_crs and lbl_crs and img_crs != lbl_crs:
             raise DataError(f"image {image} ({img_crs}) and label {label} ({lbl_crs}) have "
@@ -649,9 +654,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     lbl, hidden = read_label_band(src)
                 # Neither ignore_index nor the file's nodata tag (-9999, 65535, NaN) is a class,
                 # nor what pixels the mask band hides hold.
-                unlabelled = label_nodata(lbl, s.get('label_nodata'))
-                if hidden is not None:
-                    unlabelled = hidden if unlabelled is None else unlabelled | hidden
+                unlabelled = label_nodata(lbl, s.get('label_nodata'), hidden)
                 valid = lbl[(lbl != self.ignore_index) & (True if unlabelled is None else ~unlabelled)]
                 if lbl.dtype.kind == 'f':
                     valid = valid[np.isfinite(valid)]
@@ -1104,9 +1107,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         """File values -> int16 class indices, ignore_index, or -1 where not allowed; the label
         file's ``nodata`` value (one that is no class: see _check_label_nodata) and the pixels
         its mask band ``hidden`` -> ignore_index."""
-        unlabelled = label_nodata(raw, nodata)
-        if hidden is not None:
-            unlabelled = hidden if unlabelled is None else unlabelled | hidden
+        unlabelled = label_nodata(raw, nodata, hidden)
         if unlabelled is not None:
             mapped = self._map_labels(np.where(unlabelled, 0, raw)).astype(np.int16)
             mapped[unlabelled] = self.ignore_index

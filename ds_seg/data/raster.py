@@ -330,13 +330,13 @@ def open_scene(path):
 
 
 def pixel_grid(src):
-    """``(transform, crs)`` that place a raster's pixels on the ground: its geotransform, or the
-    affine fit to its ground control points (a GCP-located scene has neither a geotransform nor
-    a CRS of its own); ``(identity, None)`` for a raster with neither."""
+    """``(transform, crs, fitted)`` that place a raster's pixels on the ground: its geotransform,
+    or the affine fit to its ground control points (``fitted``: a GCP-located scene has neither
+    a geotransform nor a CRS of its own); ``(identity, None, False)`` for a raster with neither."""
     points, crs = src.gcps
     if points and src.transform.is_identity and src.crs is None:
-        return rasterio.transform.from_gcps(points), crs
-    return src.transform, src.crs
+        return rasterio.transform.from_gcps(points), crs, True
+    return src.transform, src.crs, False
 
 
 def uses_mask_band(src):
@@ -404,13 +404,17 @@ GDAL_TYPE_NAMES = {'uint8': 'Byte', 'int8': 'Int8', 'uint16': 'UInt16', 'int16':
                    'int32': 'Int32', 'float32': 'Float32', 'float64': 'Float64', 'int64': 'Int64', 'uint64': 'UInt64'}
 
 
-def label_nodata(raw, nodata):
-    """Pixels of a label raster that hold its nodata value (NaN-aware): unlabelled, so
-    ``ignore_index``, whatever the value (-9999, NaN, 65535). None where there are none."""
-    if nodata is None:
-        return None
-    hit = np.isnan(raw) if math.isnan(nodata) else raw == nodata  # an array: same_value is for scalars
-    return hit if hit.any() else None
+def label_nodata(raw, nodata, hidden=None):
+    """Pixels of a label raster that hold its nodata value (NaN-aware), or that its mask band
+    ``hidden`` (:func:`read_label_band`): unlabelled, so ``ignore_index``, whatever the value
+    (-9999, NaN, 65535). None where there are none."""
+    hit = None
+    if nodata is not None:
+        hit = np.isnan(raw) if math.isnan(nodata) else raw == nodata  # an array: same_value is for scalars
+        hit = hit if hit.any() else None
+    if hidden is not None:
+        hit = hidden if hit is None else hit | hidden
+    return hit
 
 
 def read_label_band(src, window=None, out_shape=None):

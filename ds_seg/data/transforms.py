@@ -23,6 +23,7 @@ Example::
 """
 import inspect
 import math
+import numbers
 
 import numpy as np
 
@@ -205,10 +206,14 @@ def check_random_scale(random_scale):
     0.01 on windows 100 times the crop, mostly padding: a percentage or a size given as a factor."""
     if random_scale is None:
         return None
-    pair = (random_scale, random_scale) if isinstance(random_scale, (int, float)) else random_scale
+    real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731 (numpy's too)
+    pair = (random_scale, random_scale) if real(random_scale) else random_scale
+    try:
+        pair = tuple(pair)
+    except TypeError:
+        pair = ()
     low, high = RANDOM_SCALE_LIMITS
-    if not (isinstance(pair, (list, tuple)) and len(pair) == 2
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)
+    if not (len(pair) == 2 and all(real(v) for v in pair)
             and low <= pair[0] <= pair[1] <= high):  # also NaN and inf (1e999), which crashed numpy's draw
         raise ValueError(f"random_scale must be (low, high) with {low:g} <= low <= high <= {high:g} (resize "
                          f"factors, e.g. (0.5, 2.0)), got {random_scale!r}")

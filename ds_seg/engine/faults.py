@@ -86,7 +86,7 @@ def ignore_stop_signals():
     batch job into FAILED. Ignored at the C level, the disposition outlives finalization.
     """
     if threading.current_thread() is threading.main_thread():
-        for name in STOP_SIGNALS + (INTERRUPT,):
+        for name in STOP_SIGNALS:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
@@ -111,7 +111,10 @@ class StopRequests:
         if threading.current_thread() is threading.main_thread():
             for name in STOP_SIGNALS:
                 signal.signal(getattr(signal, name), self._on_signal)
-            self._previous_interrupt_handler = signal.signal(signal.SIGINT, self._on_interrupt)
+            # A rank started in the background of a script (the one-node sbatch template) ignores
+            # SIGINT from its start, as Python leaves it: so does the run.
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+                self._previous_interrupt_handler = signal.signal(signal.SIGINT, self._on_interrupt)
         if self.signal_name is None and first_signal[0]:   # one that came as the handlers changed
             self.signal_name, self.arrived_after = first_signal[0], start_step
         if dist.is_initialized() and distributed.world_size() > 1:

@@ -486,7 +486,9 @@ class Trainer:
     def _check_windows_fit_in_memory(self):
         """A batch of training windows, or of evaluation tiles, larger than this machine's memory
         (data.crop_size 10^6, a micro-batch of 10^9) trained until the allocation failed: a numpy
-        traceback at the first step, or at the first evaluation with the steps before it lost."""
+        traceback at the first step, or at the first evaluation with the steps before it lost.
+        A guard against sizes off by orders of magnitude: it counts one batch per local rank, not
+        the batches loader workers prefetch nor what else the machine runs."""
         try:
             memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
         except (AttributeError, ValueError, OSError):  # not a POSIX system: nothing to compare with
@@ -497,12 +499,14 @@ class Trainer:
             tile_key = 'data.eval_tile' if d.get('eval_tile') else 'data.crop_size'
             batches[(tile_key, 'data.eval_batch_size')] = (d.get('eval_batch_size') or self.spec.micro_batch,
                                                             d.get('eval_tile') or d.crop_size)
+        ranks = distributed.local_world_size()  # every rank of this node holds its own batch
         for (side_key, batch_key), (count, side) in batches.items():
-            need = count * channels * side * side * 4  # float32 on the way to the model
+            need = ranks * count * channels * side * side * 4  # float32 on the way to the model
             if need > memory:
+                per = f' per rank, {ranks} ranks on this machine' if ranks > 1 else ''
                 raise ConfigError(f"{side_key} {side} with {batch_key} {count}: one batch of {channels}-band "
-                                  f"windows takes {need / 2 ** 30:,.0f} GiB as float32, more than this machine's "
-                                  f"{memory / 2 ** 30:,.0f} GiB; lower {side_key} or {batch_key}.")
+                                  f"windows takes {need / ranks / 2 ** 30:,.0f} GiB as float32{per}, more than this "
+                                  f"machine's {memory / 2 ** 30:,.0f} GiB; lower {side_key} or {batch_key}.")
 
     def _check_model_takes_windows(self):
         """One forward on the meta device (no memory, no compute) of a training crop and of an

@@ -78,9 +78,7 @@ def _label_source(dataset, scene_index, label_path, ignore_index, num_classes):
         return
     def unlabelled_ignored(src, window):  # the nodata value and the mask band: unlabelled, as in training
         raw, hidden = read_label_band(src, window)
-        hit = label_nodata(raw, src.nodata)
-        if hidden is not None:
-            hit = hidden if hit is None else hit | hidden
+        hit = label_nodata(raw, src.nodata, hidden)
         return raw if hit is None else np.where(hit, ignore_index, raw)
 
     with open_scene(label_path) as lbl_src:

@@ -292,7 +292,10 @@ DS_VALUE_REFUSALS = {
                     "'optimizer.params.torch_adam' must be true or false, got 'false' (write it without quotes)"),
     'grad_accum_fp8': (dict(data_types={'grad_accum_dtype': 'fp8'}),
                        "'data_types.grad_accum_dtype' must be one of 'fp16', 'float16', 'half', 'fp32'"),
-    'stage_float': (dict(zero_optimization__stage=2.0), "'zero_optimization.stage' must be an integer, got 2.0"),
+    'total_steps_fraction': (dict(scheduler={'type': 'WarmupDecayLR', 'params': {'warmup_max_lr': 0.001,
+                                                                                 'total_num_steps': 6.5}}),
+                             "'scheduler.params.total_num_steps' counts steps: it must be an integer, got 6.5"),
+    'stage_fraction': (dict(zero_optimization__stage=2.5), "'zero_optimization.stage' is 2.5: use one of 0, 1, 2, 3."),
     'node_local_yes': (dict(checkpoint={'use_node_local_storage': 'yes'}),
                        "'checkpoint.use_node_local_storage' must be true or false, got \"yes\" (write it without quotes)"),
     'comms_logger_typo': (dict(comms_logger={'enabeld': True}), "unknown key 'comms_logger.enabeld'. Did you mean 'comms_logger.enabled'?"),
@@ -373,6 +376,14 @@ def test_ds_json_plain_dict_blocks_with_right_keys_are_accepted(tmp_path, capsys
     # Only defaults: no effect either way, one warning line instead of a refusal.
     load_ds_config(_write(tmp_path, _shipped_zero0(activation_checkpointing={'partition_activations': False})))
     assert capsys.readouterr().err.count("'activation_checkpointing' in the DeepSpeed JSON has no effect") == 1
+
+
+def test_ds_json_integers_in_exponent_notation_are_accepted(tmp_path):
+    """Bucket sizes as DeepSpeed's docs and Hugging Face's ZeRO templates write them (5e8) are JSON
+    floats with integer values: they are the integers they say."""
+    load_ds_config(_write(tmp_path, _shipped_zero0(zero_optimization={
+        'stage': 3, 'reduce_bucket_size': 5e8, 'allgather_bucket_size': 5e8, 'stage3_prefetch_bucket_size': 5e7,
+        'stage3_max_live_parameters': 1e9, 'sub_group_size': 1e9})))
 
 
 def test_ds_json_booleans_by_design_are_accepted(tmp_path):

@@ -332,3 +332,15 @@ def test_synthetic_scene_counts_that_are_no_count_are_named(tmp_path, kw, named)
     with pytest.raises(ConfigError, match=rf'data.train \(SyntheticAerial\): .*{named}'):
         build(DATASETS, dict(type='SyntheticAerial', cache_dir=str(tmp_path), crop_size=64, scene_size=64, **kw),
               where='data.train')
+
+
+def test_a_typo_in_a_dataset_that_passes_keys_on_gets_a_suggestion(tmp_path):
+    """SyntheticAerial and the benchmark datasets pass their keys on to GeoTiffScenes: a typo was
+    GeoTiffScenes.__init__'s TypeError, with no "Did you mean"."""
+    from ds_seg.registry import DATASETS, RegistryError, build
+    with pytest.raises(RegistryError, match=r"data.train.num_scene: SyntheticAerial has no argument 'num_scene'. "
+                                            r"Did you mean 'num_scenes'"):
+        build(DATASETS, dict(type='SyntheticAerial', num_scene=3, cache_dir=str(tmp_path)), where='data.train')
+    with pytest.raises(RegistryError, match=r"data.val.reduce_zero_labels: LoveDA has no argument "
+                                            r"'reduce_zero_labels'. Did you mean 'reduce_zero_label'"):
+        build(DATASETS, dict(type='LoveDA', data_root=str(tmp_path), reduce_zero_labels=True), where='data.val')

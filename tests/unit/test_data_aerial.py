@@ -438,9 +438,9 @@ def test_random_scale_of_windows_too_small_or_too_large_is_refused(scale):
 
 
 @pytest.mark.parametrize('option, named', [('train.seed=99999999999999999999999', 'train.seed must be an integer in '
-                                                                                  r'\[0, 2\*\*63\)'),
-                                           ('data.prefetch_batches=1000000', r'data.prefetch_batches must be None or an '
-                                                                             r'integer in \[0, 16\]')])
+                                                                                  r'\[0, 2\*\*63 - 1\]'),
+                                           ('data.prefetch_batches=1000000', r'data.prefetch_batches must be an '
+                                                                             r'integer in \[0, 16\] or None')])
 def test_a_seed_torch_cannot_take_and_a_prefetch_depth_that_fills_memory_are_refused(option, named):
     """A seed past 2**63 was torch's 'Overflow when unpacking long long' traceback; a million
     prefetched batches filled the machine's memory before the first step (SIGTERM held for a
@@ -566,6 +566,25 @@ def test_a_scene_located_by_ground_control_points_is_paired_by_where_they_put_it
     else:
         with pytest.raises(DataError, match='different geotransforms'):
             build()
+
+
+def test_ground_control_points_that_are_not_exactly_affine_still_pair_with_their_grid(tmp_path):
+    """Real GCP sets carry residuals: a fifth point half a pixel off the corners' plane moves the
+    affine fit by about a tenth of a pixel, which the 0.01 px tolerance of geotransforms refused."""
+    from rasterio.control import GroundControlPoint
+    from rasterio.crs import CRS
+    from rasterio.transform import Affine
+    points = [GroundControlPoint(0, 0, 500_000, 5_000_000), GroundControlPoint(0, 40, 500_020, 5_000_000),
+              GroundControlPoint(40, 0, 500_000, 4_999_980), GroundControlPoint(40, 40, 500_020, 4_999_980),
+              GroundControlPoint(20, 20, 500_010.25, 4_999_990)]          # 0.5 px east of the plane
+    utm, common = CRS.from_epsg(32632), dict(driver='GTiff', width=40, height=40, dtype='uint8')
+    with rasterio.open(tmp_path / 'img.tif', 'w', count=3, gcps=points, crs=utm, **common) as d:
+        d.write(np.ones((3, 40, 40), np.uint8))
+    with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, crs=utm,
+                       transform=Affine(0.5, 0, 500_000, 0, -0.5, 5_000_000), **common) as d:
+        d.write(np.zeros((1, 40, 40), np.uint8))
+    GeoTiffScenes([str(tmp_path / 'img.tif')], [str(tmp_path / 'lbl.tif')], classes=2, crop_size=16,
+                  mean=[0] * 3, std=[1] * 3)
 
 
 def test_a_mask_band_counts_beside_a_nodata_value_and_a_data_band_tagged_alpha_is_refused(tmp_path):

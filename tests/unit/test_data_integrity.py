@@ -316,3 +316,18 @@ def test_statistics_of_a_band_whose_mean_dwarfs_its_spread_are_exact(tmp_path):
     eps = np.finfo(np.float32).eps                              # the dataset holds float32
     np.testing.assert_allclose(ds.mean, x.mean(1), rtol=eps)
     np.testing.assert_allclose(ds.std, x.std(1), rtol=eps)
+
+
+def test_a_label_whose_mask_band_hides_whole_rows_of_blocks_loads(tmp_path):
+    """The label scan reads 1024 rows at a time: a block the mask band hides whole (an
+    unlabelled margin) was an empty array, and a ValueError traceback."""
+    rng = np.random.default_rng(4)
+    image = rng.integers(1, 255, (3, 1100, 16)).astype(np.uint8)
+    label = rng.integers(0, 2, (1100, 16)).astype(np.uint8)
+    hidden = np.zeros((1100, 16), bool)
+    hidden[:1024] = True
+    img = write_tif(tmp_path / 'a_image.tif', image)
+    lbl = _label_with_mask(tmp_path / 'a_label.tif', label, hidden)
+    ds = GeoTiffScenes([img], [lbl], crop_size=16, classes=2, mode='grid')
+    window = ds.read_label(0, rasterio.windows.Window(0, 1016, 16, 16))
+    np.testing.assert_array_equal(window, np.where(hidden[1016:1032], IGNORE, label[1016:1032]))

@@ -146,3 +146,19 @@ def test_contenders_for_a_dead_runs_lock_leave_exactly_one_holder(tmp_path):
         outcomes = sorted(results.get(timeout=5) for _ in procs)
         assert outcomes == ['busy'] * 5 + ['held'], (trial, outcomes)
         assert sorted(os.listdir(work)) == [LOCK_NAME]  # no take-over mutex or stale file left
+
+
+def test_summary_json_is_strict_json_when_the_loss_overflowed(tmp_path):
+    """An overflowing learning rate wrote "loss": NaN into summary.json, which jq, JavaScript and
+    most JSON parsers refuse; non-finite numbers are null there."""
+    from ds_seg.telemetry import RunLog
+
+    def refuse(constant):
+        raise ValueError(f'not JSON: {constant}')
+
+    log = RunLog(str(tmp_path), enabled=True)
+    log.write_json('summary.json', {'loss': float('nan'), 'history': [1.5, float('inf')], 'mIoU': 0.25,
+                                    'nested': {'grad_norm': float('-inf')}})
+    with open(tmp_path / 'summary.json') as f:
+        got = json.loads(f.read(), parse_constant=refuse)
+    assert got == {'loss': None, 'history': [1.5, None], 'mIoU': 0.25, 'nested': {'grad_norm': None}}
