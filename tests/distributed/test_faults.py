@@ -38,8 +38,14 @@ def _start_ranks(args, world_size=2, resume=None, extra_env=None):
                    SLURM_JOB_ID=str(port - 15000), SLURM_JOB_NODELIST='localhost', **(extra_env or {}))
         cmd = [sys.executable, 'launch/train.py', *args] + (['--resume', resume] if resume else [])
         procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+                                      stderr=subprocess.STDOUT, text=True, preexec_fn=_sigint_default))
     return procs
+
+
+def _sigint_default():
+    """Ranks start with Ctrl-C's default action, as a terminal's foreground job does: pytest run in
+    the background of a script (CI) passes SIGINT on ignored, and a rank keeps an ignored SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _finish(procs, timeout=240):
@@ -206,7 +212,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
     work = os.path.join(tmp, 'run')
     proc = subprocess.Popen([sys.executable, 'launch/train.py', *_args(tmp, 'run', 60, 2)], cwd=REPO_ROOT,
                             env=_env(DS_SEG_FAULT='slow@step:3'), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_sigint_default)
     _wait_for_step(work, 2, [proc])
     time.sleep(0.4)  # into step 3's planned 3 s: both Ctrl-Cs land in it, before its check
     proc.send_signal(signal.SIGINT)
@@ -221,6 +227,20 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
     summary = json.load(open(os.path.join(work, 'summary.json')))
     # Stopped inside step 3, with step 2's checkpoint the last: none was written for the stop.
     assert summary['exit_reason'] == 'interrupted' and summary['steps'] == 3 and last == checkpoint.tag_for(2)
+
+
+def test_a_rank_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
+    """A process started in the background of a script (the one-node sbatch template's ranks)
+    ignores SIGINT from its start, as Python leaves it; the run does not take it over."""
+    tmp = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, 'launch/train.py', *_args(tmp, 'run', 6, 0)], cwd=REPO_ROOT,
+                            env=_env(DS_SEG_FAULT='slow@step:0.5'), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    _wait_for_step(os.path.join(tmp, 'run'), 2, [proc])
+    proc.send_signal(signal.SIGINT)
+    (code,), (out,) = _finish([proc])
+    assert code == 0 and 'Ctrl-C' not in out, out[-3000:]
+    assert json.load(open(os.path.join(tmp, 'run', 'summary.json')))['steps'] == 6
 
 
 KILL_AT_STEP = 27  # between the checkpoints of steps 20 and 30
