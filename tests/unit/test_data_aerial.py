@@ -513,20 +513,13 @@ def test_training_runs_on_each_layout(name, trees, tmp_path):
     assert trainer.train_set.random_scale == (0.5, 2.0)
 
 
-@pytest.mark.parametrize('shift_px, accepted', [(3, False), (0.5, False), (0.001, True)])
-def test_labels_off_by_pixels_are_refused_in_degrees_too(tmp_path, shift_px, accepted):
-    """EPSG:4326 at 2.7e-6 degrees a pixel (0.3 m): a label 3 pixels east is 8e-6 degrees off,
-    inside a fixed 1e-5 tolerance in map units. The check is in pixels, whatever the CRS;
-    rounding noise far below a pixel still pairs."""
-    from rasterio.transform import Affine
-    px = 2.7e-6
-    common = dict(driver='GTiff', width=40, height=40, crs='EPSG:4326', dtype='uint8')
-    with rasterio.open(tmp_path / 'img.tif', 'w', count=3, transform=Affine(px, 0, 10.0, 0, -px, 47.0),
-                       **common) as d:
-        d.write(np.ones((3, 40, 40), np.uint8))
-    with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, transform=Affine(px, 0, 10.0 + shift_px * px, 0, -px, 47.0),
-                       **common) as d:
-        d.write(np.zeros((1, 40, 40), np.uint8))
+def _pairing(tmp_path, image_placement, label_placement, accepted):
+    """A 40 x 40 image and label placed by ``rasterio.open`` keywords (transform, gcps, crs): the
+    dataset pairs them when ``accepted``, else refuses them as misplaced."""
+    common = dict(driver='GTiff', width=40, height=40, dtype='uint8')
+    for name, count, placement in (('img.tif', 3, image_placement), ('lbl.tif', 1, label_placement)):
+        with rasterio.open(tmp_path / name, 'w', count=count, **placement, **common) as d:
+            d.write(np.ones((count, 40, 40), np.uint8) if count == 3 else np.zeros((1, 40, 40), np.uint8))
     build = lambda: GeoTiffScenes([str(tmp_path / 'img.tif')], [str(tmp_path / 'lbl.tif')], classes=2,  # noqa: E731
                                   crop_size=16, mean=[0] * 3, std=[1] * 3)
     if accepted:
@@ -534,6 +527,26 @@ def test_labels_off_by_pixels_are_refused_in_degrees_too(tmp_path, shift_px, acc
     else:
         with pytest.raises(DataError, match='different geotransforms'):
             build()
+
+
+@pytest.mark.parametrize('shift_px, accepted', [(3, False), (0.5, False), (0.001, True)])
+def test_labels_off_by_pixels_are_refused_in_degrees_too(tmp_path, shift_px, accepted):
+    """EPSG:4326 at 2.7e-6 degrees a pixel (0.3 m): a label 3 pixels east is 8e-6 degrees off,
+    inside a fixed 1e-5 tolerance in map units. The check is in pixels, whatever the CRS;
+    rounding noise far below a pixel still pairs."""
+    from rasterio.transform import Affine
+    px = 2.7e-6
+    _pairing(tmp_path, dict(crs='EPSG:4326', transform=Affine(px, 0, 10.0, 0, -px, 47.0)),
+             dict(crs='EPSG:4326', transform=Affine(px, 0, 10.0 + shift_px * px, 0, -px, 47.0)), accepted)
+
+
+def _ground_control_points(east=0.0, centre_east=0.0):
+    """The four corners of a 40 x 40 scene of 0.5 m pixels in UTM 32N, ``east`` metres east, and,
+    given ``centre_east``, a fifth point at the centre that far off their plane."""
+    from rasterio.control import GroundControlPoint as Point
+    x, y = 500_000 + east, 5_000_000
+    corners = [Point(0, 0, x, y), Point(0, 40, x + 20, y), Point(40, 0, x, y - 20), Point(40, 40, x + 20, y - 20)]
+    return corners + ([Point(20, 20, x + 10 + centre_east, y - 10)] if centre_east else [])
 
 
 @pytest.mark.parametrize('label_located_by, east, accepted', [('gcps', 0, True), ('gcps', 1000, False),
@@ -543,48 +556,18 @@ def test_a_scene_located_by_ground_control_points_is_paired_by_where_they_put_it
     """A GCP-located scene has neither a geotransform nor a CRS of its own, so a label whose
     points put it 1 km away (or a label with its own geotransform elsewhere) trained and was
     scored without a word."""
-    from rasterio.control import GroundControlPoint
-    from rasterio.crs import CRS
     from rasterio.transform import Affine
-
-    def points(east):
-        return [GroundControlPoint(0, 0, 500_000 + east, 5_000_000), GroundControlPoint(0, 40, 500_020 + east, 5_000_000),
-                GroundControlPoint(40, 0, 500_000 + east, 4_999_980), GroundControlPoint(40, 40, 500_020 + east, 4_999_980)]
-
-    utm = CRS.from_epsg(32632)
-    common = dict(driver='GTiff', width=40, height=40, dtype='uint8')
-    with rasterio.open(tmp_path / 'img.tif', 'w', count=3, gcps=points(0), crs=utm, **common) as d:
-        d.write(np.ones((3, 40, 40), np.uint8))
-    placed = (dict(gcps=points(east), crs=utm) if label_located_by == 'gcps'
-              else dict(transform=Affine(0.5, 0, 500_000 + east, 0, -0.5, 5_000_000), crs=utm))
-    with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, **placed, **common) as d:
-        d.write(np.zeros((1, 40, 40), np.uint8))
-    build = lambda: GeoTiffScenes([str(tmp_path / 'img.tif')], [str(tmp_path / 'lbl.tif')], classes=2,  # noqa: E731
-                                  crop_size=16, mean=[0] * 3, std=[1] * 3)
-    if accepted:
-        build()
-    else:
-        with pytest.raises(DataError, match='different geotransforms'):
-            build()
+    label = (dict(gcps=_ground_control_points(east), crs='EPSG:32632') if label_located_by == 'gcps'
+             else dict(transform=Affine(0.5, 0, 500_000 + east, 0, -0.5, 5_000_000), crs='EPSG:32632'))
+    _pairing(tmp_path, dict(gcps=_ground_control_points(), crs='EPSG:32632'), label, accepted)
 
 
 def test_ground_control_points_that_are_not_exactly_affine_still_pair_with_their_grid(tmp_path):
     """Real GCP sets carry residuals: a fifth point half a pixel off the corners' plane moves the
     affine fit by about a tenth of a pixel, which the 0.01 px tolerance of geotransforms refused."""
-    from rasterio.control import GroundControlPoint
-    from rasterio.crs import CRS
     from rasterio.transform import Affine
-    points = [GroundControlPoint(0, 0, 500_000, 5_000_000), GroundControlPoint(0, 40, 500_020, 5_000_000),
-              GroundControlPoint(40, 0, 500_000, 4_999_980), GroundControlPoint(40, 40, 500_020, 4_999_980),
-              GroundControlPoint(20, 20, 500_010.25, 4_999_990)]          # 0.5 px east of the plane
-    utm, common = CRS.from_epsg(32632), dict(driver='GTiff', width=40, height=40, dtype='uint8')
-    with rasterio.open(tmp_path / 'img.tif', 'w', count=3, gcps=points, crs=utm, **common) as d:
-        d.write(np.ones((3, 40, 40), np.uint8))
-    with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, crs=utm,
-                       transform=Affine(0.5, 0, 500_000, 0, -0.5, 5_000_000), **common) as d:
-        d.write(np.zeros((1, 40, 40), np.uint8))
-    GeoTiffScenes([str(tmp_path / 'img.tif')], [str(tmp_path / 'lbl.tif')], classes=2, crop_size=16,
-                  mean=[0] * 3, std=[1] * 3)
+    _pairing(tmp_path, dict(gcps=_ground_control_points(centre_east=0.25), crs='EPSG:32632'),
+             dict(transform=Affine(0.5, 0, 500_000, 0, -0.5, 5_000_000), crs='EPSG:32632'), accepted=True)
 
 
 def test_a_mask_band_counts_beside_a_nodata_value_and_a_data_band_tagged_alpha_is_refused(tmp_path):
