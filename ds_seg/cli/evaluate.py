@@ -21,7 +21,7 @@ import torch
 
 from ds_seg.cli.predict import (DEFAULT_TILE, Progress, add_window_args, check_pixel_type,  # noqa: E402
                                check_tile_fits, load_forward, normalisation, quiet_about_plain_images, setup,
-                               window_kwargs)
+                               tile_from_model, window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
@@ -270,6 +270,7 @@ def _run(args):
         raise ValueError(f"--erode must be >= 0 (label pixels within that many px of a class boundary are "
                          f"not counted; ISPRS uses 3), got {args.erode}")
     cfg = evaluated_config(args)
+    tile_given = args.tile is not None
     window_kwargs(args, tile_said=resolve_windows(args, cfg))  # checks the window options
     check_checkpoint_option(args.checkpoint)
     check_output_folder(args.output)
@@ -280,6 +281,8 @@ def _run(args):
     # An .onnx export is evaluated as predict.py runs it (onnxruntime); it was read as a torch file
     # and refused as 'a text file'.
     model, info = load_forward(args.checkpoint, device, args.cpu_threads)
+    if not tile_given and cfg is None:  # a config's data.val evaluates with the tile it trained with
+        window_kwargs(args, tile_said=tile_from_model(args, info, 'evaluate'))
     scenes, classes = build_scenes(args, info, cfg)
     check_dates(scenes, info)
     mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)
@@ -344,8 +347,8 @@ def main(argv=None):
     parser.add_argument('--output', required=True, help='output folder')
     parser.add_argument('--overwrite', action='store_true', help='replace earlier outputs (eval.json, confusion.png, preview_N.png) in '
                         '--output')
-    add_window_args(parser, tile_default="512; for --config's data.val, data.eval_tile or crop_size, and "
-                    "data.eval_overlap, as its training evaluated")
+    add_window_args(parser, tile_default="512, or the model's img_size; for --config's data.val, "
+                    "data.eval_tile or crop_size, and data.eval_overlap, as its training evaluated")
     args = parser.parse_args(argv)
     return run_command('evaluate', quiet_about_plain_images(lambda: _run(args)),
                        errors=(FileNotFoundError, ValueError, KeyError))

@@ -188,6 +188,28 @@ def load_forward(path, device, threads=None):
     return load_model(path, device)
 
 
+def model_tile(info):
+    """The one window size a model was built for, or None: its config's ``img_size`` (a timm Swin
+    builds its attention windows for it and takes no other size; the ONNX card records it too).
+    A model without one takes any size."""
+    size = (info.get('model') or {}).get('img_size')
+    if isinstance(size, (list, tuple)) and len(size) == 2 and size[0] == size[1]:
+        size = size[0]
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 16 else None
+
+
+def tile_from_model(args, info, program):
+    """--tile not given: a model built for one input size predicts in windows of that size (the
+    512 px default was refused by a Swin trained at 256). Returns how a refusal of the window
+    options names that tile, or None where the tile stays as it was."""
+    size = model_tile(info)
+    if size is None or size == args.tile:
+        return None
+    args.tile = size
+    print(f"[{program}] windows of {size} px: the model's img_size (--tile sets another size)", flush=True)
+    return f"the model's img_size {size} (the default tile of this model; --tile sets another)"
+
+
 def check_tile_fits(forward_fn, info, tile, bands, device):
     """One forward of a blank ``tile`` x ``tile`` window before any scene is read. Every window
     the engine runs has that size (edges are padded), so a model that cannot take it (SegFormer's
@@ -205,6 +227,8 @@ def check_tile_fits(forward_fn, info, tile, bands, device):
         raise ConfigError(f"--tile {tile}: one {tile}x{tile} window of the model ({name}) does not fit in "
                           f"the memory of {device} ({reason}); use a smaller --tile (default 512)")
     advice = '; use a larger --tile (default 512)' if size_is_the_fault else ''
+    if not size_is_the_fault and model_tile(info) not in (None, tile):
+        advice = f"; it takes {model_tile(info)} px windows only (its img_size): --tile {model_tile(info)}"
     raise ConfigError(f"--tile {tile}: the model ({name}) cannot take {tile}x{tile} windows ({reason}){advice}")
 
 
@@ -268,7 +292,8 @@ def _band_count(path):
 def _run(args):
     """The command after argument parsing; user errors raise (see ds_seg.cli.run_command)."""
     # Every check before any work: a refused command changes no file.
-    if args.tile is None:
+    tile_given = args.tile is not None
+    if not tile_given:
         args.tile = DEFAULT_TILE
     windows = window_kwargs(args)
     # 'a_may.tif,a_aug.tif': one scene of several dates (a time series model's input)
@@ -303,6 +328,8 @@ def _run(args):
             check_vector_georeference(first)
     device = setup(args)
     model, info = load_forward(args.checkpoint, device, args.cpu_threads)
+    if not tile_given:
+        windows = window_kwargs(args, tile_said=tile_from_model(args, info, 'predict'))
     mean, std, bands = normalisation(args, info)
     exclude = exclude_ids(args.exclude_classes, list(info['classes'] or ()), option='--exclude-classes') \
         if args.vector and info['classes'] else args.exclude_classes
@@ -366,7 +393,7 @@ def main(argv=None):
     parser.add_argument('--overwrite', action='store_true', help='replace outputs that already exist')
     parser.add_argument('--accumulate-dtype', choices=('float32', 'float16'), default='float32',
                         help='host accumulators; float16 halves the band memory')
-    add_window_args(parser)
+    add_window_args(parser, tile_default=f"{DEFAULT_TILE}, or the model's img_size")
     add_vector_args(parser)
     args = parser.parse_args(argv)
     return run_command('predict', quiet_about_plain_images(lambda: _run(args)),

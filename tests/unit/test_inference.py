@@ -442,11 +442,11 @@ def test_evaluation_ignores_eroded_boundaries(tmp_path):
     assert eroded.tolist() == [[18, 0], [0, 18]]
 
 
-def _cli_files(tmp_path, model_type):
+def _cli_files(tmp_path, model_type, **model_kwargs):
     """Weights of an untrained ``model_type`` (3 bands, K classes 'a'..'e'), a 3-band uint16
     scene and its label, as the command-line programs take them."""
     from ds_seg.registry import MODELS, build
-    cfg = dict(type=model_type, in_channels=3, num_classes=K)
+    cfg = dict(type=model_type, in_channels=3, num_classes=K, **model_kwargs)
     weights = str(tmp_path / 'w.pt')
     torch.manual_seed(0)
     torch.save({'state_dict': build(MODELS, cfg).state_dict(), 'model': cfg, 'classes': list('abcde'),
@@ -614,6 +614,39 @@ def test_training_refuses_a_model_of_one_fixed_input_size_before_any_step(tmp_pa
     trainer = Trainer(load_config(TINY_CONFIG, common + [f'model={dict(swin, img_size=64)!r}']), ds_config(0),
                       backend='ddp', work_dir=str(work))
     trainer.close()
+
+
+@pytest.mark.parametrize('program', ['predict', 'evaluate'])
+def test_a_model_of_one_input_size_predicts_in_windows_of_that_size(tmp_path, capsys, program):
+    """A Swin trained at img_size=64 (it takes 64 px windows only) was refused by predict and
+    evaluate without --tile: their 512 px default did not fit it, and the line said nothing of
+    the size it takes. Without --tile its img_size is the window now, and a --tile of another
+    size names the one that works."""
+    from ds_seg.cli import evaluate, predict
+    swin = dict(backbone='swin_tiny_patch4_window7_224', img_size=64, channels=16,
+                backbone_kwargs=dict(embed_dim=24, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1)))
+    weights, scene, label = _cli_files(tmp_path, 'UperNet', **swin)
+
+    def run(out, *tile):
+        common = ['--checkpoint', weights, '--output', str(tmp_path / out), *tile]
+        if program == 'predict':
+            return predict.main(common + ['--input', scene])
+        return evaluate.main(common + ['--images', scene, '--labels', label, '--previews', '0'])
+
+    assert run('a', '--tile', '128') == 2
+    err = capsys.readouterr().err
+    assert err == (f"{program}: error: --tile 128: the model (UperNet) cannot take 128x128 windows (Input height "
+                   f"(128) doesn't match model (64).); it takes 64 px windows only (its img_size): --tile 64\n"), err
+    assert not (tmp_path / 'a').exists()
+    assert run('b') == 0
+    assert f"[{program}] windows of 64 px: the model's img_size" in capsys.readouterr().out
+    assert run('c', '--tile', '64') == 0
+    if program == 'predict':  # the same windows as --tile 64: the same class map
+        with rasterio.open(tmp_path / 'b' / 'scene_classes.tif') as b, \
+                rasterio.open(tmp_path / 'c' / 'scene_classes.tif') as c:
+            assert np.array_equal(b.read(), c.read())
+    else:
+        assert json.loads((tmp_path / 'b' / 'eval.json').read_text())['settings']['tile'] == 64
 
 
 def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path):
