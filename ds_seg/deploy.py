@@ -19,6 +19,7 @@ import time
 import torch
 
 from .config import ConfigError, extra_hint
+from .inference.model import fixed_input_size, window_refusal
 
 INPUT, OUTPUT = 'images_BCHW', 'logits_BKHW'
 FORMATS = {'onnx': '.onnx', 'torch-export': '.pt2'}
@@ -33,6 +34,18 @@ def _sample_sizes(model):
     specialised), so a program traced at 64 px holds from 64 px on."""
     divisor = max(32, int(getattr(getattr(model, 'backbone', None), 'size_divisor', 1) or 1))
     return (2 * divisor, 2 * divisor), (3 * divisor, 4 * divisor), (3 * divisor + 5, 2 * divisor + 3)
+
+
+def _export_sizes(model, info):
+    """``(traced, checked, dims)``: the input size traced, the sizes the export is checked at, and
+    the input dimensions left dynamic. A model built for one input size (a Swin's ``img_size``)
+    refuses every other, so it is traced and checked at that size with only the batch dynamic;
+    it failed to export at all."""
+    first, *others = _sample_sizes(model)
+    fixed = fixed_input_size(info.get('model'))
+    if fixed and window_refusal(model, _in_channels(model, info), first[0]) is not None:
+        return (fixed, fixed), [(fixed, fixed)] * 2, ('B',)
+    return first, others, ('B', 'H', 'W')
 
 
 def _in_channels(model, info):
@@ -53,7 +66,7 @@ def card_paths(out):
     return f'{out}.card.json', f'{out}.card.md'
 
 
-def model_card(info, fmt, out, work_dir=None, step=None):
+def model_card(info, fmt, out, work_dir=None, step=None, dynamic=('B', 'H', 'W')):
     """The facts a deployment needs: classes, bands, normalisation, model and training configs,
     final metrics (from the run's ``summary.json``/``eval.jsonl`` when ``work_dir`` has them).
 
@@ -64,7 +77,7 @@ def model_card(info, fmt, out, work_dir=None, step=None):
     data = info.get('data') or {}
     card = dict(format=fmt, file=os.path.basename(out), created=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
                 input=dict(name=INPUT, layout='B, C, H, W float32, normalised: (value - mean) / std per band',
-                           dynamic=['B', 'H', 'W']),
+                           dynamic=list(dynamic)),
                 output=dict(name=OUTPUT, layout='B, K, H, W float32 logits (argmax over K = class index)'),
                 classes=list(info.get('classes') or []), bands=data.get('bands'), mean=data.get('mean'),
                 std=data.get('std'), ignore_index=data.get('ignore_index'), dtype=data.get('dtype'),
@@ -124,7 +137,7 @@ def write_card(card, out):
 
 def export_onnx(model, out, info, work_dir=None, step=None):
     """Write ``model`` as ONNX (opset 18, torch.export-based exporter) with dynamic batch, height
-    and width, the card in its metadata, and the card files beside it. The file is checked with
+    and width (the batch alone for a model of one input size, at that size), the card in its metadata, and the card files beside it. The file is checked with
     onnxruntime against PyTorch (max abs difference < 1e-4) at sizes other than the traced one,
     including sizes that are not a multiple of the model's size divisor, and removed if it differs.
 
@@ -138,7 +151,7 @@ def export_onnx(model, out, info, work_dir=None, step=None):
     from torch.export import Dim
     refuse_existing(out, *card_paths(out))
     model = model.eval().cpu()
-    first, *others = _sample_sizes(model)
+    first, others, dims = _export_sizes(model, info)
     # Batch 2: torch.export specialises a dimension traced at size 1.
     x = torch.randn(2, _in_channels(model, info), *first)
     tmp = f'{out}.tmp'
@@ -146,14 +159,14 @@ def export_onnx(model, out, info, work_dir=None, step=None):
         with torch.no_grad(), _quiet_exporter():
             program = torch.onnx.export(model, (x,), dynamo=True, opset_version=18, input_names=[INPUT],
                                         output_names=[OUTPUT], verbose=False,
-                                        dynamic_shapes=({0: Dim.DYNAMIC, 2: Dim.DYNAMIC, 3: Dim.DYNAMIC},))
+                                        dynamic_shapes=({'BCHW'.index(d): Dim.DYNAMIC for d in dims},))
             program.save(tmp)
     except Exception as exc:  # an op without an ONNX form, or a size torch.export cannot keep dynamic
         if os.path.exists(tmp):
             os.remove(tmp)
         raise ConfigError(f'--format onnx: {type(model).__name__} ({(info.get("model") or {}).get("type")}) does not '
                           f'export to ONNX with dynamic sizes: {str(exc).splitlines()[0][:200]}.') from exc
-    card = model_card(info, 'onnx', out, work_dir, step)
+    card = model_card(info, 'onnx', out, work_dir, step, dims)
     proto = onnx.load(tmp)
     entry = proto.metadata_props.add()
     entry.key, entry.value = 'ds_seg', json.dumps(card, default=str)
@@ -241,17 +254,18 @@ def load_onnx(path, threads=None):
 
 def export_torch(model, out, info, work_dir=None, step=None):
     """Write ``model`` as a ``torch.export`` program (``torch.export.load(out).module()``) with the
-    batch, height and width left dynamic where the model allows (``Dim.AUTO``), and the card.
+    batch, height and width left dynamic where the model allows (``Dim.AUTO``; the batch alone for
+    a model of one input size), and the card.
 
     Example: ``export_torch(model, 'out/unet.pt2', info)``
     """
     from torch.export import Dim
     refuse_existing(out, *card_paths(out))
     model = model.eval().cpu()
-    first, *others = _sample_sizes(model)
+    first, others, dims = _export_sizes(model, info)
     x = torch.randn(2, _in_channels(model, info), *first)
     try:
-        program = torch.export.export(model, (x,), dynamic_shapes=({0: Dim.AUTO, 2: Dim.AUTO, 3: Dim.AUTO},))
+        program = torch.export.export(model, (x,), dynamic_shapes=({'BCHW'.index(d): Dim.AUTO for d in dims},))
     except Exception as exc:
         raise ConfigError(f'--format torch-export: {type(model).__name__} cannot be exported: '
                           f'{str(exc).splitlines()[0][:200]}') from exc
@@ -275,5 +289,5 @@ def export_torch(model, out, info, work_dir=None, step=None):
         raise ConfigError(f'--format torch-export: {type(model).__name__} exports but cannot be saved '
                           f'({str(exc).splitlines()[0][:160]}); use --format onnx.') from exc
     os.replace(tmp, out)
-    write_card(model_card(info, 'torch-export', out, work_dir, step), out)
+    write_card(model_card(info, 'torch-export', out, work_dir, step, dims), out)
     return out

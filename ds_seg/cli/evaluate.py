@@ -281,11 +281,11 @@ def _run(args):
     # An .onnx export is evaluated as predict.py runs it (onnxruntime); it was read as a torch file
     # and refused as 'a text file'.
     model, info = load_forward(args.checkpoint, device, args.cpu_threads)
-    if not tile_given and cfg is None:  # a config's data.val evaluates with the tile it trained with
-        window_kwargs(args, tile_said=tile_from_model(args, info, 'evaluate'))
     scenes, classes = build_scenes(args, info, cfg)
     check_dates(scenes, info)
     mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)
+    if not tile_given and cfg is None:  # a config's data.val evaluates with the tile it trained with
+        window_kwargs(args, tile_said=tile_from_model(args, info, model, bands, device, 'evaluate'))
     # Scenes of a dataset (--config) or (image, label) pairs (--images/--labels).
     images = [p for s in scenes.scenes for p in s.get('dates', (s['image'],))] if hasattr(scenes, 'scenes') \
         else [image for image, _ in scenes]

@@ -29,7 +29,7 @@ from ds_seg.config import ConfigError
 from ds_seg.data.geotiff import configure_gdal_for_worker
 from ds_seg.data.raster import StackedRaster
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
-from ds_seg.inference.model import window_refusal
+from ds_seg.inference.model import fixed_input_size, window_refusal
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
                            check_window_options, check_writable, expand_inputs, output_stems)
 from ds_seg.telemetry import format_eta
@@ -188,22 +188,20 @@ def load_forward(path, device, threads=None):
     return load_model(path, device)
 
 
-def model_tile(info):
-    """The one window size a model was built for, or None: its config's ``img_size`` (a timm Swin
-    builds its attention windows for it and takes no other size; the ONNX card records it too).
-    A model without one takes any size."""
-    size = (info.get('model') or {}).get('img_size')
-    if isinstance(size, (list, tuple)) and len(size) == 2 and size[0] == size[1]:
-        size = size[0]
-    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 16 else None
+def window_channels(info, bands):
+    """The bands of one window: the model's in_channels, else the bands recorded (or given)."""
+    return (info.get('model') or {}).get('in_channels') or (len(bands) if bands else None)
 
 
-def tile_from_model(args, info, program):
-    """--tile not given: a model built for one input size predicts in windows of that size (the
-    512 px default was refused by a Swin trained at 256). Returns how a refusal of the window
-    options names that tile, or None where the tile stays as it was."""
-    size = model_tile(info)
-    if size is None or size == args.tile:
+def tile_from_model(args, info, forward_fn, bands, device, program):
+    """--tile not given: a model built for one input size (a Swin's ``img_size``) predicts in
+    windows of that size; the 512 px default was refused by a Swin trained at 256. A model that
+    takes the default (a ViT resamples its position embeddings) keeps it. Returns how a refusal of
+    the window options names that tile, or None where the tile stays as it was."""
+    size = fixed_input_size(info.get('model'))
+    channels = window_channels(info, bands)
+    if (size is None or size == args.tile or not channels
+            or window_refusal(forward_fn, channels, args.tile, device) is None):
         return None
     args.tile = size
     print(f"[{program}] windows of {size} px: the model's img_size (--tile sets another size)", flush=True)
@@ -215,7 +213,7 @@ def check_tile_fits(forward_fn, info, tile, bands, device):
     the engine runs has that size (edges are padded), so a model that cannot take it (SegFormer's
     attention reduction below 32 px, an ONNX graph of one fixed size) is one line here, not a
     traceback after the first scenes were written."""
-    channels = (info.get('model') or {}).get('in_channels') or (len(bands) if bands else None)
+    channels = window_channels(info, bands)
     if not channels:
         return
     name = (info.get('model') or {}).get('type', 'ONNX')
@@ -227,8 +225,9 @@ def check_tile_fits(forward_fn, info, tile, bands, device):
         raise ConfigError(f"--tile {tile}: one {tile}x{tile} window of the model ({name}) does not fit in "
                           f"the memory of {device} ({reason}); use a smaller --tile (default 512)")
     advice = '; use a larger --tile (default 512)' if size_is_the_fault else ''
-    if not size_is_the_fault and model_tile(info) not in (None, tile):
-        advice = f"; it takes {model_tile(info)} px windows only (its img_size): --tile {model_tile(info)}"
+    fixed = fixed_input_size(info.get('model'))
+    if not size_is_the_fault and fixed not in (None, tile):
+        advice = f"; it takes {fixed} px windows only (its img_size): --tile {fixed}"
     raise ConfigError(f"--tile {tile}: the model ({name}) cannot take {tile}x{tile} windows ({reason}){advice}")
 
 
@@ -328,9 +327,9 @@ def _run(args):
             check_vector_georeference(first)
     device = setup(args)
     model, info = load_forward(args.checkpoint, device, args.cpu_threads)
-    if not tile_given:
-        windows = window_kwargs(args, tile_said=tile_from_model(args, info, 'predict'))
     mean, std, bands = normalisation(args, info)
+    if not tile_given:
+        windows = window_kwargs(args, tile_said=tile_from_model(args, info, model, bands, device, 'predict'))
     exclude = exclude_ids(args.exclude_classes, list(info['classes'] or ()), option='--exclude-classes') \
         if args.vector and info['classes'] else args.exclude_classes
     model_cfg = info.get('model') or {}

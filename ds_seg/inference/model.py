@@ -49,6 +49,17 @@ def load_model(path, device='cpu'):
     return model, dict(classes=list(classes) if classes else None, model=dict(model_cfg), data=data)
 
 
+def fixed_input_size(model_cfg):
+    """The square input size a model config builds its model for, or None: its ``img_size``. A
+    timm Swin builds its attention windows for it and takes no other size; a ViT resamples its
+    position embeddings and takes any. Where the model refuses other sizes, predict's default
+    window and an export's size follow it."""
+    size = (model_cfg or {}).get('img_size')
+    if isinstance(size, (list, tuple)) and len(size) == 2 and size[0] == size[1]:
+        size = size[0]
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 16 else None
+
+
 def _meta_cannot_run(exc):
     """An op with no meta kernel, or one that reads values (``.item()``, ``nonzero``): the meta
     device cannot tell whether the window fits; the real run will."""

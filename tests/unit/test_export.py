@@ -144,6 +144,40 @@ def test_timm_vit_exports_and_stays_exact_off_the_patch_grid(tmp_path, name):
             assert (program(x) - model(x)).abs().max() < 1e-4
 
 
+def test_a_model_of_one_input_size_exports_at_that_size(tmp_path):
+    """A Swin built for img_size=96 refuses every other size: both exports traced it at 64 px and
+    failed ('Input height (s68) doesn't match model'). Now they trace and check it at 96 px with
+    the batch dynamic, the card says so, and predict runs the ONNX file at that size."""
+    import onnxruntime as ort
+    from ds_seg import deploy
+    torch.manual_seed(0)
+    cfg = dict(type='UperNet', backbone='swin_tiny_patch4_window7_224', img_size=96, channels=16, num_classes=6,
+               backbone_kwargs=dict(embed_dim=24, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1)))
+    model = build(MODELS, cfg).eval()
+    out = str(tmp_path / 'swin.onnx')
+    deploy.export_onnx(model, out, dict(model=cfg, classes=CLASSES, data=DATA))
+    assert json.loads(open(f'{out}.card.json').read())['input']['dynamic'] == ['B']
+    session = ort.InferenceSession(out, providers=['CPUExecutionProvider'])
+    x = torch.randn(3, 3, 96, 96)
+    with torch.no_grad():
+        assert np.abs(session.run(None, {'images_BCHW': x.numpy()})[0] - model(x).numpy()).max() < 1e-4
+    deploy.export_torch(model, str(tmp_path / 'swin.pt2'), dict(model=cfg, classes=CLASSES))
+    program = torch.export.load(str(tmp_path / 'swin.pt2')).module()
+    with torch.no_grad():
+        assert (program(x) - model(x)).abs().max() < 1e-4
+    scene = str(tmp_path / 'scene.tif')
+    with rasterio.open(scene, 'w', driver='GTiff', width=150, height=130, count=3, dtype='uint8') as dst:
+        dst.write(np.random.default_rng(0).integers(0, 255, (3, 130, 150), dtype=np.uint8))
+    weights = str(tmp_path / 'swin.pt')
+    torch.save({'state_dict': model.state_dict(), 'model': cfg, 'classes': CLASSES, 'data': DATA}, weights)
+    maps = []
+    for checkpoint, folder in ((out, 'onnx'), (weights, 'torch')):
+        _run('predict.py', '--checkpoint', checkpoint, '--input', scene, '--output', str(tmp_path / folder))
+        with rasterio.open(str(tmp_path / folder / 'scene_classes.tif')) as src:
+            maps.append(src.read(1))
+    assert np.array_equal(*maps)
+
+
 class DataDependent(torch.nn.Module):
     """Control flow on pixel values: no graph can hold it for every input."""
 
