@@ -59,7 +59,7 @@ def build(registry, cfg, where=None, **extra):
     cls = lookup(registry, name, where=f'{where}.type')
     for key, value in extra.items():  # what the caller injects is a default: the config wins
         kwargs.setdefault(key, value)
-    _check_kwargs(cls, kwargs, where)
+    _check_kwargs(cls, kwargs, where, check_values=registry.name in VALUES_CHECKED_HERE)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -73,24 +73,64 @@ def build(registry, cfg, where=None, **extra):
                           f"check the values under {where}.") from exc
 
 
-def _check_kwargs(cls, kwargs, where):
-    # A class whose __init__ passes **kw on to its base's (SyntheticAerial -> GeoTiffScenes)
-    # accepts what the chain accepts; a typo there was the base's TypeError, without a suggestion.
-    accepted = []
+def arguments(cls):
+    """The keyword arguments ``cls`` (a registered class or function) accepts, name -> inspect
+    parameter, or None where it takes ``**kw`` all the way down (anything may be meant). A class
+    whose __init__ passes **kw on to its base's (SyntheticAerial -> GeoTiffScenes) accepts what
+    the chain accepts."""
+    accepted = {}
     for owner in (cls.__mro__ if inspect.isclass(cls) else (cls,)):
         target = owner.__init__ if inspect.isclass(cls) else owner
         if inspect.isclass(cls) and '__init__' not in vars(owner):
             continue
         params = inspect.signature(target).parameters
-        accepted += [n for n, p in params.items() if n != 'self' and n not in accepted
-                     and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        accepted.update({n: p for n, p in params.items() if n != 'self' and n not in accepted
+                         and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)})
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            break
-    else:
-        return  # **kw all the way down (or to object): anything may be meant
-    for key in kwargs:
-        if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=3, cutoff=0.5)
+            return accepted
+    return None
+
+
+# Registries whose entries do not check their own values (datasets and transforms do, each with
+# its own words): the values are checked against the types of the arguments' defaults here.
+VALUES_CHECKED_HERE = ('model', 'backbone', 'head')
+
+
+def _check_kwargs(cls, kwargs, where, check_values=False):
+    # A typo in an argument a base class takes was the base's TypeError, without a suggestion.
+    accepted = arguments(cls)
+    for key, value in kwargs.items():
+        if accepted is not None and key not in accepted:
+            close = difflib.get_close_matches(key, list(accepted), n=3, cutoff=0.5)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ''
             raise RegistryError(f"{where}.{key}: {cls.__name__} has no argument {key!r}.{hint} "
                                 f"It accepts: {', '.join(accepted)}.")
+        if check_values:
+            _check_value(f'{where}.{key}', value, accepted[key].default if accepted else inspect.Parameter.empty)
+
+
+# Strings that mean a flag: 'False' from a command line or a YAML quote was a true (non-empty)
+# string, so activation_checkpointing='False' turned checkpointing on without a word.
+FLAG_WORDS = ('true', 'false', 'yes', 'no', 'on', 'off', '0', '1', 'none')
+
+
+def _check_value(key, value, default):
+    """A value against the type of its argument's default, and drop probabilities in [0, 1]:
+    mistakes one step past a typo that otherwise build, then fail at the first step (drop_path_rate
+    1.5: 'bernoulli_ expects p to be in [0, 1]'), train silently wrong, or fail inside the class
+    with Python's words ("not all arguments converted during string formatting" for '16')."""
+    if isinstance(default, bool):
+        if isinstance(value, str) and value.strip().lower() in FLAG_WORDS:
+            raise ConfigError(f"{key}: {value!r} is a string, which is always true; write True or False "
+                              "without quotes.")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # pretrained=1: "'int' object is not iterable"
+            raise ConfigError(f"{key}: write True or False, got {value!r}.")
+    elif isinstance(default, (int, float)) and isinstance(value, str):
+        raise ConfigError(f"{key}: {value!r} is a string, not a number; write it without quotes.")
+    if isinstance(value, dict):  # timm's keyword arguments (backbone_kwargs) hold drop rates too
+        for inner, item in value.items():
+            if isinstance(inner, str) and inner != 'type':
+                _check_value(f'{key}.{inner}', item, inspect.Parameter.empty)
+    elif 'drop' in key.rsplit('.', 1)[-1] and isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and not 0 <= value <= 1:
+        raise ConfigError(f"{key} is a probability, between 0 and 1; got {value}.")

@@ -59,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument('--cache-dir', default=None, help='where synthetic scenes are written')
     p.add_argument('--compress', nargs='+', default=['none', 'deflate'], choices=['none', 'deflate', 'zstd', 'lzw'],
                    help="file variants measured: 'none' = the files as they are; 'deflate', 'zstd', "
-                   "'lzw' = tiled copies with that compression (real scenes usually are compressed)")
+                   "'lzw' = tiled copies with that compression, in a temporary folder ($TMPDIR) removed "
+                   "afterwards (real scenes usually are compressed)")
     p.add_argument('--http', action='store_true', help='also read every variant over HTTP from 127.0.0.1')
     p.add_argument('--latency-ms', type=float, default=0.0, help='--http: delay added to each request')
     p.add_argument('--out', default=None, help='also write the figures to this JSON file')
@@ -87,21 +88,23 @@ def build_dataset(args):
 
 
 def compressed_copy(ds, compress, directory):
-    """The same scenes rewritten tiled with ``compress``, as a GeoTiffScenes with ds's settings."""
+    """The same scenes rewritten tiled with ``compress`` into ``directory`` (a temporary folder of
+    this run: copies in the data's own folder, named by file name alone, measured a second scene
+    of the same name as the first's copy, and went stale when a scene changed), as a
+    GeoTiffScenes with ds's settings. Tiles keep the scene's block size where it is a valid GeoTIFF
+    tile (a multiple of 16); striped scenes get 256 x 256 tiles (their strip shape was refused)."""
     import rasterio
     import rasterio.shutil
     from ds_seg.data import GeoTiffScenes
-    os.makedirs(directory, exist_ok=True)
     images, labels = [], []
-    for s in ds.scenes:
+    for i, s in enumerate(ds.scenes):
         for path, out in ((s['image'], images), (s['label'], labels)):
-            dst = os.path.join(directory, f'{compress}_{os.path.basename(path)}')
-            if not os.path.exists(dst):
-                with rasterio.open(path) as src:
-                    block = src.block_shapes[0]
-                rasterio.shutil.copy(path, dst + '.tmp', driver='GTiff', compress=compress, tiled=True,
-                                     blockxsize=block[1], blockysize=block[0], predictor=2)
-                os.replace(dst + '.tmp', dst)
+            dst = os.path.join(directory, f'{compress}_{i}_{os.path.basename(path)}')
+            with rasterio.open(path) as src:
+                block = src.block_shapes[0]
+            tile = block if all(b >= 16 and b % 16 == 0 for b in block) else (256, 256)
+            rasterio.shutil.copy(path, dst, driver='GTiff', compress=compress, tiled=True,
+                                 blockxsize=tile[1], blockysize=tile[0], predictor=2)
             out.append(dst)
     return GeoTiffScenes(images, labels, crop_size=ds.crop_h, classes=ds.classes, mean=ds.mean, std=ds.std,
                          bands=ds.bands, ignore_index=ds.ignore_index, palette=ds.palette)
@@ -229,6 +232,26 @@ def measure(ds, label_bands, args):
     return raw, mine
 
 
+def measure_variant(ds, compress, copies, label_bands, args, result):
+    """Print and record the figures of one file variant ('none': the files as they are)."""
+    target = ds if compress == 'none' else compressed_copy(ds, compress, copies)
+    raw, mine = measure(target, label_bands, args)
+    raw_best, mine_best = max(raw), max(mine)
+    result['variants'][compress] = dict(raw_windows_per_s=raw_best, dataset_windows_per_s=mine_best,
+                                        ratio=mine_best / raw_best)
+    print(f'[{compress:>7}] raw rasterio loop : {raw_best:8.1f} windows/s  (passes: {passes(raw)})')
+    print(f'[{compress:>7}] dataset, 1 worker : {mine_best:8.1f} windows/s  (passes: {passes(mine)})')
+    print(f'[{compress:>7}] ratio dataset/raw : {mine_best / raw_best:8.2f}x   (target >= 0.8x)')
+    if args.http:
+        rates, per_window = http_rate(target, args)
+        size = sum(os.path.getsize(p) for s in target.scenes for p in (s['image'], s['label']))
+        result['variants'][compress].update(http_windows_per_s=max(rates), http_bytes_per_window=per_window,
+                                            files_bytes=size, http_latency_ms=args.latency_ms)
+        print(f'[{compress:>7}] dataset over HTTP : {max(rates):8.1f} windows/s  (passes: '
+              f'{passes(rates)}; {per_window / 1024:.0f} KiB fetched per window, '
+              f'files {size / 2 ** 20:.0f} MiB; +{args.latency_ms:g} ms per request)')
+
+
 def main(argv=None):
     from ds_seg.config import ConfigError
     from ds_seg.registry import RegistryError
@@ -244,24 +267,9 @@ def main(argv=None):
     print(f'[data_benchmark] {type(ds).__name__}: {len(scenes)} scene(s), {total_px / 1e6:.1f} Mpx, '
           f'{ds.in_channels} band(s), crop {args.crop}, {args.windows} windows x {args.repeats} passes')
     result = dict(dataset=type(ds).__name__, crop=args.crop, scenes=len(scenes), variants={})
-    for compress in args.compress:
-        target = ds if compress == 'none' else compressed_copy(
-            ds, compress, os.path.join(os.path.dirname(scenes[0]['image']), 'benchmark_copies'))
-        raw, mine = measure(target, label_bands, args)
-        raw_best, mine_best = max(raw), max(mine)
-        result['variants'][compress] = dict(raw_windows_per_s=raw_best, dataset_windows_per_s=mine_best,
-                                            ratio=mine_best / raw_best)
-        print(f'[{compress:>7}] raw rasterio loop : {raw_best:8.1f} windows/s  (passes: {passes(raw)})')
-        print(f'[{compress:>7}] dataset, 1 worker : {mine_best:8.1f} windows/s  (passes: {passes(mine)})')
-        print(f'[{compress:>7}] ratio dataset/raw : {mine_best / raw_best:8.2f}x   (target >= 0.8x)')
-        if args.http:
-            rates, per_window = http_rate(target, args)
-            size = sum(os.path.getsize(p) for s in target.scenes for p in (s['image'], s['label']))
-            result['variants'][compress].update(http_windows_per_s=max(rates), http_bytes_per_window=per_window,
-                                                files_bytes=size, http_latency_ms=args.latency_ms)
-            print(f'[{compress:>7}] dataset over HTTP : {max(rates):8.1f} windows/s  (passes: '
-                  f'{passes(rates)}; {per_window / 1024:.0f} KiB fetched per window, '
-                  f'files {size / 2 ** 20:.0f} MiB; +{args.latency_ms:g} ms per request)')
+    with tempfile.TemporaryDirectory(prefix='ds_seg_benchmark_copies_') as copies:  # $TMPDIR
+        for compress in args.compress:
+            measure_variant(ds, compress, copies, label_bands, args, result)
     import torch
     device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     rate, nbytes = device_step_rate(ds, args.micro_batch, args.windows, device)

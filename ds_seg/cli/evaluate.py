@@ -19,9 +19,9 @@ import sys
 import numpy as np
 import torch
 
-from ds_seg.cli.predict import (DEFAULT_TILE, Progress, add_window_args, check_pixel_type,  # noqa: E402
-                               check_tile_fits, load_forward, normalisation, quiet_about_plain_images, setup,
-                               tile_from_model, window_kwargs)
+from ds_seg.cli.predict import (DEFAULT_TILE, Progress, add_window_args, check_band_count,  # noqa: E402
+                               check_pixel_type, check_tile_fits, load_forward, normalisation,
+                               quiet_about_plain_images, setup, tile_from_model, window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
@@ -157,6 +157,7 @@ def build_scenes(args, info, cfg):
     if len(images) != len(labels):
         raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
     refuse_repeated_scenes(images, '--images')
+    refuse_label_decoding(info)
     labels = pair_by_name(images, labels)  # as training pairs them
     scenes = []
     for image, label in zip(images, labels):
@@ -185,6 +186,19 @@ def build_scenes(args, info, cfg):
             v != ignore and not same_value(v, s.get('label_nodata')) for s, h in zip(scenes, histograms) for v in h):
         raise ValueError(no_class_pixels(labels, args))
     return list(zip(images, labels)), list(classes)
+
+
+def refuse_label_decoding(info):
+    """--labels are read as class indices. A model trained on labels that a label_map or
+    reduce_zero_label decoded (recorded in its checkpoint) was scored on the raw values: mIoU 0.02
+    for a run whose own evaluation said 0.15, without a word. Its run's config decodes them."""
+    decoding = {k: v for k, v in ((info.get('data') or {}).get('label_decoding') or {}).items() if k != 'palette'}
+    if decoding:
+        said = ', '.join(f'{k}={v!r}' for k, v in decoding.items())
+        raise ValueError(f"--labels: the model was trained on labels decoded with {said}, and --labels are read as "
+                         "class indices; evaluate through a config that decodes them: --checkpoint <the run's work "
+                         "dir> --cfg-options data.val.images=... data.val.labels=... (or --config with the same "
+                         "label settings)")
 
 
 def no_class_pixels(labels, args):
@@ -266,6 +280,8 @@ def _run(args):
                          "(set data.val.classes with --cfg-options)")
     if args.labels and not args.images:
         raise ValueError("--labels without --images: give the image scenes with --images")
+    if args.previews < 0:  # wrote none, without a word
+        raise ValueError(f"--previews must be >= 0 (0 writes none), got {args.previews}")
     if args.erode is not None and args.erode < 0:  # was an IndexError traceback after the first window
         raise ValueError(f"--erode must be >= 0 (label pixels within that many px of a class boundary are "
                          f"not counted; ISPRS uses 3), got {args.erode}")
@@ -289,8 +305,11 @@ def _run(args):
     # Scenes of a dataset (--config) or (image, label) pairs (--images/--labels).
     images = [p for s in scenes.scenes for p in s.get('dates', (s['image'],))] if hasattr(scenes, 'scenes') \
         else [image for image, _ in scenes]
+    option = '--images' if args.images else 'data.val'
     for path in images:
-        check_pixel_type(path, info, args)
+        check_pixel_type(path, info, args, option)
+        if args.images:  # a dataset selects its bands by its own config
+            check_band_count(path, info, args, option)
     check_tile_fits(model, info, args.tile, bands, device)
     with torch.inference_mode():
         result = evaluate_scenes(model, scenes, num_classes=len(classes), mean=mean, std=std,

@@ -231,7 +231,7 @@ def check_tile_fits(forward_fn, info, tile, bands, device):
     raise ConfigError(f"--tile {tile}: the model ({name}) cannot take {tile}x{tile} windows ({reason}){advice}")
 
 
-def check_pixel_type(path, info, args):
+def check_pixel_type(path, info, args, option='--input'):
     """The recorded mean/std are in the units of the training scenes' pixel type: a uint16 scene
     through a uint8 model's statistics predicts garbage without a word. Refused, unless the
     command line gives the statistics for this scene's units."""
@@ -241,9 +241,26 @@ def check_pixel_type(path, info, args):
         return
     with open_raster(path) as src:
         if src.dtypes[0] != trained:
-            raise ConfigError(f"--input {path} holds {src.dtypes[0]} pixels but the model was trained on {trained} "
+            raise ConfigError(f"{option} {path} holds {src.dtypes[0]} pixels but the model was trained on {trained} "
                               f"(its mean/std are in those units); convert the scene (gdal_translate -ot), or "
                               f"give --mean and --std for its units")
+
+
+def check_band_count(path, info, args, option='--input'):
+    """A model trained on every band of its files (4 of 4) read the first 4 bands of a 6-band
+    scene without a word: another sensor product, or the same bands in another order. Such a
+    scene needs --bands saying which of its bands are the model's."""
+    from ds_seg.data.raster import open_raster
+    data = info.get('data') or {}
+    trained, bands = data.get('file_bands'), data.get('bands')
+    if args.bands or not trained or not bands:
+        return
+    with open_raster(path) as src:
+        count = src.count
+    if count != trained:
+        raise ConfigError(f"{option} {path} has {count} bands, but the model was trained on files of {trained} "
+                          f"(its bands {' '.join(map(str, bands))}); say which of this scene's bands those are "
+                          f"with --bands (e.g. --bands {' '.join(map(str, bands))})")
 
 
 def _written_by_predict(path, kind):
@@ -298,7 +315,7 @@ def _run(args):
     # 'a_may.tif,a_aug.tif': one scene of several dates (a time series model's input)
     scenes = []
     for item in args.input:
-        if ',' in item:
+        if ',' in item and not os.path.exists(item):  # a file whose name has a comma is one scene
             dates = item.split(',')
             if not all(d.strip() for d in dates):
                 raise ConfigError(f"--input {item!r}: an empty date; join the dates of one scene with "
@@ -354,6 +371,8 @@ def _run(args):
         for path in dates:  # the model's channels are the bands of every date
             check_bands(path, bands, channels // len(dates) if channels else None)
             check_pixel_type(path, info, args)
+            if not (stacked and (num_dates or 1) > 1):  # one file of every date holds more bands
+                check_band_count(path, info, args)
     check_tile_fits(model, info, args.tile, bands, device)
     os.makedirs(args.output, exist_ok=True)
     t_all = time.perf_counter()

@@ -521,6 +521,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 f"label_fill) is not a class index 0..{self.num_classes - 1} nor "
                                 f"ignore_index {self.ignore_index}; check `classes` or `label_map`")
         self._identity_labels = self.palette is None and not label_map and not reduce_zero_label
+        # How label files become class indices where they are not class indices already; the
+        # checkpoint records it, so labels given to evaluate.py are not scored as raw values.
+        self.label_decoding = None if self._identity_labels else {
+            k: v for k, v in (('label_map', {str(k): int(v) for k, v in (label_map or {}).items()} or None),
+                              ('reduce_zero_label', bool(reduce_zero_label) or None),
+                              ('palette', None if self.palette is None else [list(c) for c in self.palette]))
+            if v is not None}
         mean, std = self._resolve_stats(mean, std, stats)
         if self.num_dates > 1 and mean.size == self.in_channels:  # the same per band for every date
             mean, std = np.tile(mean, self.num_dates), np.tile(std, self.num_dates)

@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 import rasterio
+from rasterio._err import CPLE_BaseError
 from rasterio.features import rasterize
 
 from ds_seg.config import ConfigError
@@ -109,7 +110,14 @@ class VectorLabels:
         src_crs = meta.get('crs')
         self.file_crs = rasterio.crs.CRS.from_user_input(src_crs) if src_crs else None
         if crs is not None and self.file_crs is not None and self.file_crs != crs:
-            geoms = _reproject(geoms, self.file_crs, crs)
+            try:
+                geoms = _reproject(geoms, self.file_crs, crs)
+            except (rasterio.errors.RasterioError, CPLE_BaseError) as exc:  # PROJ's "utm: Invalid latitude"
+                reason = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+                raise ConfigError(f"{what}: its coordinates cannot be moved from its CRS ({self.file_crs}) to the "
+                                  f"image's ({crs}): {reason}; the file's CRS is probably not the one its "
+                                  "coordinates are in (metres labelled as EPSG:4326, say): set the right one "
+                                  "(ogr2ogr -a_srs)") from None
         self.crs = crs
         self.geoms, self.values = geoms, values
         self._tree = None

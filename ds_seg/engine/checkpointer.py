@@ -21,10 +21,15 @@ def data_normalisation(train_set):
     """Bands, per-band mean/std the model's inputs were normalised with and the pixel type they
     are in the units of (saved in checkpoints and exported weights so prediction repeats them
     exactly, and refuses a scene of another type)."""
-    return dict(bands=[int(b) for b in getattr(train_set, 'bands', range(1, train_set.in_channels + 1))],
+    data = dict(bands=[int(b) for b in getattr(train_set, 'bands', range(1, train_set.in_channels + 1))],
                 mean=[float(v) for v in train_set.mean], std=[float(v) for v in train_set.std],
                 ignore_index=int(getattr(train_set, 'ignore_index', 255)),
                 dtype=getattr(train_set, 'file_dtype', None))
+    if getattr(train_set, 'num_file_bands', None):  # a scene of more bands is another product
+        data['file_bands'] = int(train_set.num_file_bands)
+    if getattr(train_set, 'label_decoding', None):  # label_map, reduce_zero_label, palette
+        data['label_decoding'] = train_set.label_decoding
+    return data
 
 
 def _short(values):

@@ -21,11 +21,12 @@ from ..config import ConfigError, default_work_dir
 from ..data.loader import build_train_loader
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
-from ..inference.model import window_refusal
+from ..inference.model import native_input_size, window_refusal
 from ..inputs import check_writable
 from ..metrics import metrics_from_confusion
 from ..models.losses import segmentation_loss
-from ..registry import DATASETS, LOSSES, MODELS, RegistryError, build
+from ..models.pretrained import without_pretrained
+from ..registry import DATASETS, LOSSES, MODELS, RegistryError, arguments, build, lookup
 from ..telemetry import RunLog, forward_flops, peak_flops
 from . import backend as backends
 from . import checkpoint
@@ -62,25 +63,28 @@ def _build_dataset(cfg, where, crop_size, seed):
         raise ConfigError(f'{where} ({cfg.get("type")}): {exc}') from exc
 
 
-def without_pretrained(model_cfg):
-    """The model config with its pretrained weights (``pretrained`` and the ``band_map`` that maps
-    the file's bands, at the top or under ``backbone``) left out: for a model whose weights come
-    from elsewhere, or that is only measured. Neither changes the architecture."""
-    def strip(section):
-        if not section.get('pretrained'):
-            return section
-        return {k: v for k, v in section.items() if k != 'band_map'} | {'pretrained': None}
-    model_cfg = strip(dict(model_cfg))
-    if isinstance(model_cfg.get('backbone'), dict):
-        model_cfg['backbone'] = strip(dict(model_cfg['backbone']))
-    return model_cfg
-
-
 def report(message):
     """One line for the user, from rank 0. (A function, not a method: the parts the trainer hands
     it to hold no reference back to the trainer.)"""
     if distributed.is_main():
         print(f'[ds_seg] {message}', flush=True)
+
+
+def fill_model_from_data(model_cfg, train_set, report):
+    """Band count, class count and dates the model config leaves out are the training data's,
+    recorded in config.json and checkpoints. The model's own defaults (3 bands, 6 classes)
+    trained 5-class data to a traceback at the first evaluation, with no checkpoint written,
+    and 4-band data was refused as a fault of the crop size."""
+    accepted = arguments(lookup(MODELS, model_cfg.type, where='model.type')) or {}
+    data_dates = getattr(train_set, 'num_dates', 1)
+    filled = []
+    for key, value in (('in_channels', train_set.in_channels), ('num_classes', train_set.num_classes),
+                       ('num_dates', data_dates if data_dates > 1 else None)):
+        if value is not None and key in accepted and model_cfg.get(key) is None:
+            model_cfg[key] = value
+            filled.append(f'{key}={value}')
+    if filled:
+        report(f"model: {', '.join(filled)} from data.train (not set in the model config)")
 
 
 class Trainer:
@@ -453,6 +457,7 @@ class Trainer:
 
     def _check_model_matches_data(self):
         m = self.cfg.model
+        fill_model_from_data(m, self.train_set, self.print)
         if m.get('in_channels') is not None and m.in_channels != self.train_set.in_channels:
             raise ConfigError(f"model.in_channels is {m.in_channels} but data.train yields "
                               f"{self.train_set.in_channels} band(s); set model.in_channels="
@@ -527,6 +532,15 @@ class Trainer:
             refusal = window_refusal(model, self.train_set.in_channels, size, device='meta')
             if refusal:  # the first step (or evaluation) would raise it
                 reason, size_is_the_fault = refusal
+                native = native_input_size(m)
+                if not size_is_the_fault and (native is None or native == size or window_refusal(
+                        model, self.train_set.in_channels, native, device='meta') is not None):
+                    # It fails at its own size too: a value of the model's (base_channels=0, an
+                    # embed_dim that num_heads does not divide) was blamed on the crop size. A
+                    # model built for one size (Swin, MaxViT, CoAtNet) runs at that size.
+                    given = ', '.join(f'{k}={v!r}' for k, v in m.items() if k != 'type')
+                    raise ConfigError(f"model ({m.type}): fails on windows of every size ({reason}); one of "
+                                      f"its values is at fault: {given or 'its defaults'}.")
                 advice = (f"use a larger {key.split()[0]}" if size_is_the_fault else
                           f"a model of one fixed input size (a timm Swin, MLP-Mixer...) takes img_size={size} "
                           "in the model config")

@@ -19,6 +19,7 @@ def load_model(path, device='cpu'):
     from .. import models  # noqa: F401  (registers every model)
     from ..engine import checkpoint
     from ..inputs import check_checkpoint_option
+    from ..models.pretrained import without_pretrained
     from ..registry import MODELS, build
     check_checkpoint_option(path)
     if os.path.isfile(path) and not checkpoint.is_pointer_file(path):
@@ -32,8 +33,9 @@ def load_model(path, device='cpu'):
         model_cfg, classes, data = marker.get('model'), marker.get('classes'), marker.get('data')
     if not model_cfg:
         raise ValueError(f"{path}: records no model config; re-export it with launch/export.py")
-    model_cfg = dict(model_cfg)
-    model_cfg.pop('pretrained', None)  # the weights below replace them: never read that file again
+    # The weights below replace the pretrained ones: that file (and the band_map that maps its
+    # bands, which is refused without it) is never read again.
+    model_cfg = without_pretrained(model_cfg)
     try:
         model = build(MODELS, model_cfg, where='model')
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -54,10 +56,28 @@ def fixed_input_size(model_cfg):
     timm Swin builds its attention windows for it and takes no other size; a ViT resamples its
     position embeddings and takes any. Where the model refuses other sizes, predict's default
     window and an export's size follow it."""
-    size = (model_cfg or {}).get('img_size')
+    model_cfg = model_cfg or {}
+    size = model_cfg.get('img_size') or (model_cfg.get('backbone_kwargs') or {}).get('img_size')
     if isinstance(size, (list, tuple)) and len(size) == 2 and size[0] == size[1]:
         size = size[0]
     return size if isinstance(size, int) and not isinstance(size, bool) and size >= 16 else None
+
+
+def native_input_size(model_cfg):
+    """The input size the model is built for: its ``img_size``, else the default input size timm
+    records for its backbone (224 for swin_tiny_patch4_window7_224), else None."""
+    size = fixed_input_size(model_cfg)
+    backbone = (model_cfg or {}).get('backbone')
+    if size is None and isinstance(backbone, str):
+        try:
+            import timm
+            cfg = timm.models.get_pretrained_cfg(backbone)
+        except Exception:  # not a timm name: building the model says so
+            cfg = None
+        input_size = getattr(cfg, 'input_size', None)
+        if input_size and input_size[-1] == input_size[-2]:
+            size = int(input_size[-1])
+    return size
 
 
 def _meta_cannot_run(exc):

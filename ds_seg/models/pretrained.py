@@ -12,6 +12,20 @@ import os
 import torch
 
 
+def without_pretrained(model_cfg):
+    """The model config with its pretrained weights (``pretrained`` and the ``band_map`` that maps
+    the file's bands, at the top or under ``backbone``) left out: for a model whose weights come
+    from elsewhere, or that is only measured. Neither changes the architecture."""
+    def strip(section):
+        if not section.get('pretrained'):
+            return section
+        return {k: v for k, v in section.items() if k != 'band_map'} | {'pretrained': None}
+    model_cfg = strip(dict(model_cfg))
+    if isinstance(model_cfg.get('backbone'), dict):
+        model_cfg['backbone'] = strip(dict(model_cfg['backbone']))
+    return model_cfg
+
+
 def adapt_input_weight(weight_OIhw, in_channels):
     """Adapt a first-layer weight trained on RGB (``I == 3``) to ``in_channels`` bands.
 
@@ -174,7 +188,8 @@ def _under_prefix(state, wanted):
 
 
 def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=(), band_map=None,
-                    input_key=None, pos_embed_prefix=1, pos_embed_grid=None, where='pretrained'):
+                    input_key=None, pos_embed_prefix=1, pos_embed_grid=None, where='pretrained',
+                    band_map_option='model.band_map'):
     """Copy the weights of ``source`` (a path or a state dict) into ``module``: exact or refused.
 
     The file's tensors under a prefix that holds the module's (``backbone.`` of an mmseg or
@@ -192,7 +207,8 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
     file's band index or None), by :func:`map_input_bands` on the file's ``input_key`` tensor. A
     position embedding of another grid is resized with timm's kernel (antialiased bicubic,
     :func:`resize_pos_embed`) after ``pos_embed_prefix`` class/register tokens, to a square
-    grid or to ``pos_embed_grid``. Works on a model
+    grid or to ``pos_embed_grid``. A file of more than 3 bands on fewer data bands is refused
+    without ``band_map``, naming ``band_map_option`` (None: the model takes none). Works on a model
     built partitioned by ZeRO-3 (parameters are gathered module by module).
 
     Example::
@@ -202,8 +218,15 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
     from ..config import ConfigError
     state = read_state_dict(source, where) if isinstance(source, (str, os.PathLike)) else dict(source)
     rename = rename or (lambda key: key)
-    state, _ = _under_prefix(state, {rename(k) for k in module.state_dict()} - {None})
+    # The module's own names are taken too: a file saved from the module itself (a ds_seg
+    # segmentor's backbone.model.stages_0...) holds them rather than the classifier's.
+    own = set(module.state_dict())
+    state, _ = _under_prefix(state, ({rename(k) for k in own} | own) - {None})
     if band_map is not None:
+        # A file of the module's own names (a ds_seg segmentor's stem_0.weight) for the
+        # classifier's input_key (stem.0.weight).
+        input_key = input_key if input_key in state else next(
+            (k for k in own if rename(k) == input_key and k in state), input_key)
         if input_key not in state:
             raise ConfigError(f'{where}: band_map needs the first-layer weight {input_key!r}, which the '
                               'weights do not hold.')
@@ -211,6 +234,8 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
     mapped, used = {}, set()
     for key in module.state_dict():
         src = rename(key)
+        if src not in state and key in state:
+            src = key
         if src in state:
             mapped[key] = state[src]
             used.add(src)
@@ -233,8 +258,24 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
 
     def adapt(key, tensor, shape):
         if key == first_conv and tensor.dim() == 4 and tensor.shape[0] == shape[0] and tensor.shape[2:] == shape[2:]:
+            if 3 < tensor.shape[1] and shape[1] < tensor.shape[1]:
+                # Which of a multispectral file's bands the data holds cannot be guessed: their
+                # mean filter for every band threw the colour information away without a word.
+                how = (f"say which file band each data band is: {band_map_option}=[...] ({shape[1]} file band "
+                       "indices from 0, or None)" if band_map_option else
+                       f"this model takes no band_map: give a file of RGB or {shape[1]}-band weights")
+                raise ConfigError(f"{where}: the weights' first layer {key} takes {tensor.shape[1]} bands, the "
+                                  f"data has {shape[1]}; {how}.")
             return adapt_input_weight(tensor.float(), shape[1]).to(tensor.dtype)
         if key.endswith('pos_embed') and tensor.dim() == 3 and tensor.shape[-1] == shape[-1]:
+            grid = tensor.shape[1] - pos_embed_prefix
+            if grid < 1 or round(grid ** 0.5) ** 2 != grid:
+                # Positions of another token layout (a class token, registers) than the model's:
+                # timm's resize failed with "shape '[1, 37, 37, -1]' is invalid".
+                raise ConfigError(f"{where}: {key} holds {tensor.shape[1]} positions in the weights, which after "
+                                  f"the model's {pos_embed_prefix} class/register position(s) are no square grid: "
+                                  "the file is of a variant with another token layout (with or without a class "
+                                  "token, registers); give the file of this model.")
             return resize_pos_embed(tensor, shape[1], num_prefix=pos_embed_prefix, grid=pos_embed_grid)
         raise ConfigError(f'{where}: {key} has shape {tuple(tensor.shape)} in the weights but '
                           f'{tuple(shape)} in the model.')
@@ -247,6 +288,21 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
         hint = '' if mapped else f" (none matched: the file's keys look like {next(iter(state))!r})"
         raise ConfigError(f'{where}: the weights lack {len(missing)} tensor(s) of the model, '
                           f'e.g. {missing[:5]}{hint}.')
+
+
+def check_band_map(band_map, in_channels, pretrained, name):
+    """``model.band_map`` before anything is built: one entry per band of the data, and a
+    pretrained file for it to map. Of another length the mapped weight was then adapted to
+    in_channels like an RGB one: a band map meant for the data silently became something else."""
+    from ..config import ConfigError
+    if band_map is None:
+        return
+    if not isinstance(band_map, (list, tuple)) or len(band_map) != in_channels:
+        entries = len(band_map) if isinstance(band_map, (list, tuple)) else 'no'
+        raise ConfigError(f'model.band_map: {band_map!r} has {entries} entries for in_channels={in_channels}; '
+                          'give one file band index (or None) per band of the data.')
+    if not pretrained:
+        raise ConfigError(f'{name}: band_map maps the bands of a pretrained file; give pretrained= too.')
 
 
 def map_input_bands(weight_OIhw, band_map, where='band_map'):

@@ -155,17 +155,21 @@ def _timm(backbone, pretrained, img_size=None, band_map=None, backbone_kwargs=No
     """The backbone config for timm model ``backbone``: a plain ViT (ViT, DeiT, DINOv2, EVA...)
     becomes a TimmViT (blocks + simple pyramid, strides 4-32), anything else a features_only
     TimmBackbone. ``img_size`` and ``backbone_kwargs`` go to ``timm.create_model``."""
+    from ..config import ConfigError
     from .backbones.timm_vit import is_plain_vit
+    if not isinstance(backbone, str):  # an mmseg-style dict(type='ResNet', depth=50): a KeyError deep in timm
+        raise ConfigError(f"model.backbone: a timm model name ('resnet50', 'convnext_tiny', "
+                          f"'vit_base_patch16_224'...), got {backbone!r}; give the backbone's settings in "
+                          "model.backbone_kwargs.")
     extra = dict(backbone_kwargs or {})
     if img_size is not None:
         extra['img_size'] = img_size
     if is_plain_vit(backbone):
+        if kwargs.get('levels') == 'low_high':  # DeepLabV3+'s ASPP on a ViT's pooled map, its dilations unused
+            raise ConfigError(f"model.backbone: DeepLabV3Plus dilates a CNN to output_stride 8 or 16; {backbone!r} "
+                              "is a ViT of one stride: use UperNet or FPN over it, or a ResNet here.")
         return dict(type='TimmViT', name=backbone, pretrained=pretrained, band_map=band_map, **extra)
-    if band_map is not None:
-        from ..config import ConfigError
-        raise ConfigError(f'model.band_map: only ViT-family backbones take band_map; {backbone!r} adapts its '
-                          'first layer to in_channels by itself.')
-    return dict(type='TimmBackbone', name=backbone, pretrained=pretrained, **kwargs, **extra)
+    return dict(type='TimmBackbone', name=backbone, pretrained=pretrained, band_map=band_map, **kwargs, **extra)
 
 
 @MODELS.register_module()
@@ -175,7 +179,7 @@ def UperNet(backbone='convnext_tiny', in_channels=3, num_classes=6, channels=512
     ViT (ViT, DeiT-3, DINOv2 with registers, EVA-02...: blocks + a simple pyramid).
 
     ``img_size`` (Swin's window grid, a ViT's position-embedding grid) and ``backbone_kwargs``
-    pass through to ``timm.create_model``; ``band_map`` maps a multispectral ViT checkpoint's
+    pass through to ``timm.create_model``; ``band_map`` maps a multispectral checkpoint's
     bands onto the data's (:class:`~ds_seg.models.backbones.TimmViT`).
 
     Example: ``build(MODELS, dict(type='UperNet', backbone='vit_large_patch14_reg4_dinov2',
@@ -225,8 +229,9 @@ def FPNTiny(in_channels=3, num_classes=6, aux_head=False, activation_checkpointi
 
 @MODELS.register_module()
 def DeepLabV3Plus(backbone='resnet50', in_channels=3, num_classes=6, output_stride=16, channels=256,
-                  aux_head=False, pretrained=False, activation_checkpointing=False):
+                  aux_head=False, pretrained=False, band_map=None, activation_checkpointing=False):
     """DeepLabV3+ over a dilated timm ResNet (``resnet50``/``resnet101``), output stride 16 or 8.
+    ``band_map`` maps a multispectral pretrained file's bands onto the data's (as :func:`UperNet`).
 
     Example: ``build(MODELS, dict(type='DeepLabV3Plus', backbone='resnet101', output_stride=8))``
     """
@@ -235,7 +240,8 @@ def DeepLabV3Plus(backbone='resnet50', in_channels=3, num_classes=6, output_stri
         raise ConfigError(f"model.output_stride must be 8 or 16 (the ASPP dilations are set for those), "
                           f"got {output_stride!r}")
     dilations = (6, 12, 18) if output_stride == 16 else (12, 24, 36)
-    return Segmentor(backbone=_timm(backbone, pretrained, levels='low_high', output_stride=output_stride),
+    return Segmentor(backbone=_timm(backbone, pretrained, band_map=band_map, levels='low_high',
+                                    output_stride=output_stride),
                      decode_head=dict(type='DeepLabV3PlusHead', channels=channels, dilations=dilations),
                      aux_head=_aux(aux_head), in_channels=in_channels, num_classes=num_classes,
                      activation_checkpointing=activation_checkpointing)

@@ -82,6 +82,9 @@ def TemporalSegmentor(backbone, decode_head, num_dates, in_channels, num_classes
                           decode_head=dict(type='SegFormerHead', channels=256),
                           num_dates=4, in_channels=16, num_classes=6, pooling='attention')
     """
+    if isinstance(num_dates, bool) or not isinstance(num_dates, int) or num_dates < 1:
+        from ..config import ConfigError
+        raise ConfigError(f"model.num_dates must be a whole number of at least 1 (dates per scene), got {num_dates!r}")
     if in_channels % num_dates:
         raise ValueError(f"in_channels={in_channels} is not num_dates={num_dates} x bands per date")
     encoder = backbone if isinstance(backbone, nn.Module) else build(

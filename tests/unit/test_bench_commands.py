@@ -41,6 +41,43 @@ def test_data_benchmark_prints_rates_and_a_training_run(tmp_path, capsys):
     assert 0 <= figures['data_wait_frac'] <= 1 and figures['step_time_s'] > 0
 
 
+def test_data_benchmark_copies_striped_scenes_of_one_name_each_apart_and_leaves_no_file(tmp_path, capsys):
+    """Compressed copies took a scene's block shape as their tile size: a striped scene (blocks of
+    1 x 700) failed with "Bad value 700 for TileWidth" and left a .tmp in the data folder. They were
+    named by file name alone, in the first scene's folder, and never rewritten: d2/x.tif was
+    measured as d1/x.tif's copy. Now each scene is copied, tiled, into a temporary folder."""
+    import numpy as np
+    import rasterio
+    from rasterio.transform import from_origin
+    paths = {}
+    for i, folder in enumerate(('d1', 'd2')):
+        (tmp_path / folder).mkdir()
+        rng = np.random.default_rng(i)
+        for kind, count, dtype, high in (('image', 3, 'uint16', 4000), ('label', 1, 'uint8', 3)):
+            path = str(tmp_path / folder / f'x_{kind}.tif')  # the same names in both folders
+            with rasterio.open(path, 'w', driver='GTiff', width=150, height=120, count=count, dtype=dtype,
+                               crs='EPSG:32633', transform=from_origin(500000, 5000000, 0.5, 0.5)) as dst:
+                dst.write(rng.integers(0, high, (count, 120, 150)).astype(dtype))  # striped: not tiled
+                assert dst.block_shapes[0] != (256, 256)
+            paths.setdefault(kind, []).append(path)
+    config = tmp_path / 'two.py'
+    config.write_text(f"data = dict(train=dict(type='GeoTiffScenes', images={paths['image']!r}, "
+                      f"labels={paths['label']!r}, classes=('a', 'b', 'c')))\n")
+    ds, _ = data_benchmark.build_dataset(data_benchmark.parse_args(['--config', str(config), '--crop', '64']))
+    before = sorted(str(p) for p in tmp_path.rglob('*'))  # with the dataset's own caches of statistics
+    assert data_benchmark.main(['--config', str(config), '--crop', '64', '--windows', '5', '--repeats', '1',
+                                '--workers', '0', '--train-steps', '0', '--compress', 'none', 'deflate']) == 0
+    assert re.search(rf'\[deflate\] ratio dataset/raw :\s+{NUMBER}x', capsys.readouterr().out)
+    assert sorted(str(p) for p in tmp_path.rglob('*')) == before
+    copies = tmp_path / 'copies'
+    copies.mkdir()
+    copied = data_benchmark.compressed_copy(ds, 'deflate', str(copies))
+    for scene, copy in zip(ds.scenes, copied.scenes):
+        for key in ('image', 'label'):
+            with rasterio.open(scene[key]) as a, rasterio.open(copy[key]) as b:
+                assert np.array_equal(a.read(), b.read()) and b.profile['tiled'], (scene[key], copy[key])
+
+
 def test_vector_benchmark_measures_a_child_without_torch(tmp_path, capsys):
     assert vector_benchmark.main(['--size', '400', '--band-rows', '64', '--dir', str(tmp_path)]) == 0
     line = capsys.readouterr().out.splitlines()[-1]

@@ -155,8 +155,9 @@ def test_a_model_of_one_input_size_exports_at_that_size(tmp_path):
                backbone_kwargs=dict(embed_dim=24, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1)))
     model = build(MODELS, cfg).eval()
     out = str(tmp_path / 'swin.onnx')
-    deploy.export_onnx(model, out, dict(model=cfg, classes=CLASSES, data=DATA))
+    deploy.export_onnx(model, out, dict(model=cfg, classes=CLASSES, data=dict(DATA, file_bands=3)))
     assert json.loads(open(f'{out}.card.json').read())['input']['dynamic'] == ['B']
+    assert deploy.load_onnx(out)[1]['data']['file_bands'] == 3  # predict's band-count check sees it
     session = ort.InferenceSession(out, providers=['CPUExecutionProvider'])
     x = torch.randn(3, 3, 96, 96)
     with torch.no_grad():

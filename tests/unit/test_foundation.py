@@ -306,3 +306,118 @@ def test_a_pretrained_file_is_exact_for_timm_cnns_too(tmp_path):
     with pytest.raises(ConfigError, match=r'blocks.0.0.conv_dw.weight has shape \(32, 1, 3, 3\) in the weights '
                                           r'but \(32, 8, 3, 3\) in the model'):
         build(MODELS, dict(type='FPN', backbone='efficientnet_b0_g8_gn', pretrained=str(tmp_path / 'gn.pth')))
+
+
+@pytest.mark.parametrize('file_model, name', [(dict(name='vit_small_patch14_dinov2'), DINO),
+                                              (dict(name='vit_small_patch16_224', class_token=False,
+                                                    global_pool='avg'), 'vit_small_patch16_224')])
+def test_a_vit_file_of_another_token_layout_is_one_line(tmp_path, file_model, name):
+    """A DINOv2 file without registers for the reg4 model, a ViT without a class token for one
+    with: timm's resize of the position embeddings failed with "shape '[1, 37, 37, -1]' is
+    invalid", a traceback. Now one line naming pos_embed and the token layout."""
+    import timm
+    path = _save(tmp_path, timm.create_model(file_model.pop('name'), pretrained=False, **TINY, **file_model))
+    with pytest.raises(ConfigError, match=r'^.* pretrained: pos_embed holds \d+ positions in the weights, .* '
+                                          r'another token layout .*give the file of this model\.$'):
+        build(MODELS, dict(type='UperNet', backbone=name, pretrained=path, channels=16, backbone_kwargs=TINY))
+
+
+def test_dinov2_giant_swiglu_release_layout_loads():
+    """ViT-g's MLP is SwiGLU: w12/w3 in facebookresearch/dinov2 files, fc1/fc2 in timm. Those
+    files were refused ('16 tensor(s) have no place: blocks.0.mlp.w12.bias...'); they load as
+    timm's own loader takes them."""
+    name = 'vit_giant_patch14_reg4_dinov2'
+    ref = _timm(name, mlp_ratio=4.0, img_size=56)
+    state = {k.replace('mlp.fc1.', 'mlp.w12.').replace('mlp.fc2.', 'mlp.w3.'): v for k, v in ref.state_dict().items()}
+    assert any('mlp.w12.' in k for k in state)
+    state['register_tokens'] = state.pop('reg_token')
+    pos_cls = torch.randn(1, 1, 64)
+    state['pos_embed'] = torch.cat([pos_cls, state['pos_embed']], dim=1)
+    state['cls_token'] = state['cls_token'] - pos_cls
+    enc = build(BACKBONES, dict(type='TimmViT', name=name, img_size=56, pretrained=state, mlp_ratio=4.0,
+                                **TINY)).eval()
+    x = torch.randn(1, 3, 56, 56)
+    with torch.no_grad():
+        torch.testing.assert_close(enc.block_features(x)[-1], ref.forward_intermediates(
+            x, indices=enc.out_indices, norm=True, intermediates_only=True)[-1], rtol=0, atol=1e-5)
+
+
+def test_a_multispectral_cnn_file_needs_a_band_map_and_takes_one(tmp_path):
+    """A 4-band ResNet file on 3-band data gave every data band the mean of the file's four
+    filters (the colour information gone, without a word); band_map was for ViTs only. Now the
+    file is refused without band_map, and band_map picks the file's filters for a CNN too."""
+    import timm
+    torch.manual_seed(0)
+    src = timm.create_model('resnet18', in_chans=4, pretrained=False)
+    path = _save(tmp_path, src)
+    cfg = dict(type='UperNet', backbone='resnet18', pretrained=path, channels=16)
+    with pytest.raises(ConfigError, match=r"^resnet18 pretrained: the weights' first layer conv1.weight takes 4 "
+                                          r"bands, the data has 3; .*model\.band_map=\[\.\.\.\]"):
+        build(MODELS, cfg)
+    model = build(MODELS, dict(cfg, band_map=[2, 1, 0]))
+    assert torch.equal(model.backbone.model.conv1.weight, src.conv1.weight[:, [2, 1, 0]])
+    with pytest.raises(ConfigError, match='band_map maps the bands of a pretrained file'):
+        build(MODELS, dict(cfg, pretrained=False, band_map=[2, 1, 0]))
+    wider = build(MODELS, dict(cfg, in_channels=6))  # more data bands than the file's: the first kept
+    assert torch.equal(wider.backbone.model.conv1.weight[:, :4], src.conv1.weight * (4 / 6))
+
+
+@pytest.mark.parametrize('backbone', ['convnext_atto', 'efficientnet_b0'])
+def test_a_ds_seg_model_file_is_a_pretrained_file_of_its_backbone(tmp_path, backbone):
+    """A segmentor's own state dict (backbone.model.stages_0..., timm's feature-wrapper names) was
+    refused as pretrained for ConvNeXt ('none of the weights' tensors match'), while a ResNet's
+    loaded: only a classifier's names were looked for."""
+    torch.manual_seed(0)
+    path = _save(tmp_path, build(MODELS, dict(type='UperNet', backbone=backbone, channels=16)))
+    source = torch.load(path)
+    model = build(MODELS, dict(type='UperNet', backbone=backbone, channels=16, pretrained=path))
+    own = model.backbone.state_dict()
+    assert own and all(torch.equal(v, source[f'backbone.{k}']) for k, v in own.items())
+
+
+@pytest.mark.parametrize('cfg, message', [
+    (dict(type='UperNet', backbone=dict(type='ResNet', depth=50)),
+     r"^model\.backbone: a timm model name .*got \{'type': 'ResNet', 'depth': 50\}; .*backbone_kwargs\.$"),
+    (dict(type='UperNet', backbone='xcit_nano_12_p16_224'),
+     r"^model\.backbone 'xcit_nano_12_p16_224': timm's features have strides \[16, 16, 16\], one scale"),
+    (dict(type='FPN', backbone='mixer_s32_224'), r"^model\.backbone 'mixer_s32_224': .*strides \[32, 32, 32\]"),
+    (dict(type='DeepLabV3Plus', backbone='vit_tiny_patch16_224', output_stride=8),
+     r"^model\.backbone: DeepLabV3Plus dilates a CNN .*'vit_tiny_patch16_224' is a ViT"),
+])
+def test_backbones_a_head_cannot_use_are_one_line(cfg, message):
+    """An mmseg-style backbone dict was a KeyError traceback inside timm; one-stride models (XCiT,
+    MLP-Mixer, BEiT...) gave UperNet/FPN three maps of one stride and trained without a word; a ViT
+    under DeepLabV3+ dropped output_stride (ASPP on the stride-32 map) and failed under DDP."""
+    with pytest.raises(ConfigError, match=message):
+        build(MODELS, cfg, where='model')
+
+
+def test_dilated_cnns_keep_their_pyramid_and_band_mapped_models_load_for_prediction(tmp_path):
+    """The review of the checks above: a dilated ResNet (strides 4, 8, 16, 16) is still a pyramid
+    for UperNet; a model trained with band_map loads from its weights file for predict/export
+    (the recorded band_map was refused without the pretrained file); band_map also takes a ds_seg
+    segmentor's own file (stem_0.weight for timm's stem.0.weight) and works under DeepLabV3+."""
+    import timm
+    from ds_seg.inference import load_model
+    assert build(MODELS, dict(type='UperNet', backbone='resnet18', channels=16,
+                              backbone_kwargs=dict(output_stride=16))).backbone.strides == [4, 8, 16, 16]
+    torch.manual_seed(0)
+    six = _save(tmp_path, timm.create_model('resnet18', in_chans=6, pretrained=False), 'six.pth')
+    cfg = dict(type='UperNet', backbone='resnet18', in_channels=4, pretrained=six, band_map=[0, 1, 2, 5],
+               channels=16)
+    model = build(MODELS, cfg)
+    weights = str(tmp_path / 'w.pt')
+    torch.save({'state_dict': model.state_dict(), 'model': cfg, 'classes': list('abcdef')}, weights)
+    loaded, info = load_model(weights)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(ConfigError, match=r"first layer conv1.weight takes 6 bands, the data has 4; .*model\.band_map"):
+        build(MODELS, dict(type='DeepLabV3Plus', backbone='resnet18', in_channels=4, pretrained=six, channels=16))
+    dlv3 = build(MODELS, dict(type='DeepLabV3Plus', backbone='resnet18', in_channels=4, pretrained=six,
+                              band_map=[0, 1, 2, 5], channels=16))
+    source = torch.load(six)
+    assert torch.equal(dlv3.backbone.model.conv1.weight, source['conv1.weight'][:, [0, 1, 2, 5]])
+    segmentor = build(MODELS, dict(type='FPN', backbone='convnext_atto', in_channels=6, channels=16))
+    own = _save(tmp_path, segmentor, 'own.pth')
+    mapped = build(MODELS, dict(type='FPN', backbone='convnext_atto', in_channels=4, channels=16, pretrained=own,
+                                band_map=[3, 2, 1, 0]))
+    assert torch.equal(mapped.backbone.model.stem_0.weight, segmentor.backbone.model.stem_0.weight[:, [3, 2, 1, 0]])

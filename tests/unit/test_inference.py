@@ -485,6 +485,7 @@ def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, cap
 @pytest.mark.parametrize('args, message', [
     (['--exclude', 'clutter'], "--exclude: unknown class 'clutter'; classes are a, b, c, d, e"),
     (['--erode', '-2'], '--erode must be >= 0'),
+    (['--previews', '-1'], '--previews must be >= 0 (0 writes none), got -1'),  # wrote none, exit 0
     (['--classes', 'x', 'y', 'z'], '3 classes given (x, y, z) but the model predicts 5'),
 ])
 def test_evaluate_refuses_class_and_erosion_options_before_any_window(tmp_path, capsys, args, message):
@@ -647,6 +648,117 @@ def test_a_model_of_one_input_size_predicts_in_windows_of_that_size(tmp_path, ca
             assert np.array_equal(b.read(), c.read())
     else:
         assert json.loads((tmp_path / 'b' / 'eval.json').read_text())['settings']['tile'] == 64
+
+
+def test_a_model_that_fails_at_every_size_is_blamed_not_the_crop(tmp_path):
+    """UNet base_channels=0 fails at any window size; the start-up check said 'data.crop_size 64:
+    the model cannot take 64x64 windows ... takes img_size=64 in the model config', advice for a
+    fixed-size model. Now the line names the model's values."""
+    from ds_seg.config import ConfigError, load_config
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import TINY_CONFIG, ds_config
+    cache = str(tmp_path / 'cache')
+    common = [f'data.train.cache_dir={cache!r}', f'data.val.cache_dir={cache!r}', 'data.num_workers=0',
+              'data.crop_size=64', "model=dict(type='UNet', base_channels=0, depth=3)"]
+    with pytest.raises(ConfigError, match=r"^model \(UNet\): fails on windows of every size \(.*\); one of its "
+                                          r"values is at fault: base_channels=0, depth=3, in_channels=3, num_classes=6\.$"):
+        Trainer(load_config(TINY_CONFIG, common), ds_config(0), backend='ddp', work_dir=str(tmp_path / 'work'))
+    assert not (tmp_path / 'work').exists()
+
+
+def test_a_model_config_without_bands_or_classes_takes_the_datas(tmp_path, capsys):
+    """model=dict(type='UNetTiny') on 4-band, 2-class data: the model's defaults (3 bands, 6
+    classes) were a refusal that blamed the crop size, or, for the classes, a run that trained to
+    a traceback at its first evaluation with no checkpoint. The data's counts are taken, said, and
+    recorded in config.json and the checkpoint."""
+    from ds_seg.config import load_config
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import TINY_CONFIG, ds_config
+    cache = str(tmp_path / 'cache')
+    two = "dict(classes=('grass', 'building'), bands=4)"
+    config = tmp_path / 'mine.py'  # a user's config: the model named, nothing else
+    config.write_text(open(TINY_CONFIG).read().replace("model = dict(type='UNetTiny', in_channels=3, num_classes=6)",
+                                                       "model = dict(type='UNetTiny')"))
+    options = [f'data.train.cache_dir={cache!r}', f'data.val.cache_dir={cache!r}', 'data.num_workers=0',
+               f'data.train={two}', f'data.val={two}', 'train.max_steps=2',
+               'train.eval_interval=2', 'train.checkpoint_interval=2', 'train.log_interval=1']
+    cfg = load_config(str(config), options)
+    assert 'in_channels' not in cfg.model
+    work = tmp_path / 'work'
+    trainer = Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(work))
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert 'model: in_channels=4, num_classes=2 from data.train (not set in the model config)' in capsys.readouterr().out
+    assert summary['exit_reason'] == 'completed'
+    assert json.loads((work / 'config.json').read_text())['model'] == dict(type='UNetTiny', in_channels=4,
+                                                                          num_classes=2)
+    rows = [json.loads(line) for line in (work / 'eval.jsonl').read_text().splitlines()]
+    assert [r['step'] for r in rows] == [2] and sorted(rows[0]['per_class']) == ['building', 'grass']
+
+
+def test_evaluate_refuses_raw_labels_for_a_model_trained_on_decoded_ones(tmp_path, capsys):
+    """Trained with label_map={0: 1, 1: 0}, a model was evaluated on --labels read as class
+    indices: mIoU 0.02 where its run said 0.15, without a word. The checkpoint records the
+    decoding (from the dataset), and evaluate --images/--labels refuses it in one line."""
+    from ds_seg.cli import evaluate
+    from ds_seg.data.geotiff import GeoTiffScenes
+    from ds_seg.engine.checkpointer import data_normalisation
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    train_set = GeoTiffScenes(images=[scene], labels=[label], classes=list('abcde'), label_map={0: 1, 1: 0},
+                              crop_size=32)
+    recorded = data_normalisation(train_set)
+    assert recorded['label_decoding'] == {'label_map': {'0': 1, '1': 0}}
+    plain = GeoTiffScenes(images=[scene], labels=[label], classes=list('abcde'), crop_size=32)
+    assert 'label_decoding' not in data_normalisation(plain)
+    payload = torch.load(weights)
+    payload['data']['label_decoding'] = recorded['label_decoding']
+    torch.save(payload, weights)
+    common = ['--checkpoint', weights, '--images', scene, '--labels', label, '--tile', '32', '--previews', '0']
+    assert evaluate.main(common + ['--output', str(tmp_path / 'a')]) == 2
+    err = capsys.readouterr().err
+    assert err == ("evaluate: error: --labels: the model was trained on labels decoded with label_map={'0': 1, '1': 0}, "
+                   "and --labels are read as class indices; evaluate through a config that decodes them: "
+                   "--checkpoint <the run's work dir> --cfg-options data.val.images=... data.val.labels=... (or "
+                   "--config with the same label settings)\n"), err
+    assert not (tmp_path / 'a').exists()
+    payload['data'].pop('label_decoding')
+    torch.save(payload, weights)
+    assert evaluate.main(common + ['--output', str(tmp_path / 'b')]) == 0
+
+
+@pytest.mark.parametrize('program', ['predict', 'evaluate'])
+def test_a_scene_of_more_bands_than_the_training_files_needs_bands(tmp_path, capsys, program):
+    """A model trained on every band of 3-band files read the first 3 bands of a 5-band scene
+    without a word. The checkpoint records the training files' band count; such a scene needs
+    --bands, and with it runs. evaluate named --input in its pixel-type refusal; it is --images."""
+    from ds_seg.cli import evaluate, predict
+    weights, _, label = _cli_files(tmp_path, 'UNetTiny')
+    payload = torch.load(weights)
+    payload['data']['file_bands'] = 3
+    torch.save(payload, weights)
+    wide = str(tmp_path / 'wide, five bands.tif')  # a comma in the name: one scene, not two dates
+    write_scene(wide, 70, 50, bands=5)
+
+    def run(out, *extra):
+        common = ['--checkpoint', weights, '--output', str(tmp_path / out), '--tile', '32', *extra]
+        if program == 'predict':
+            return predict.main(common + ['--input', wide])
+        return evaluate.main(common + ['--images', wide, '--labels', label, '--previews', '0'])
+
+    option = '--input' if program == 'predict' else '--images'
+    assert run('a') == 2
+    assert capsys.readouterr().err == (
+        f"{program}: error: {option} {wide} has 5 bands, but the model was trained on files of 3 (its bands 1 2 3); "
+        f"say which of this scene's bands those are with --bands (e.g. --bands 1 2 3)\n")
+    assert not (tmp_path / 'a').exists()
+    assert run('b', '--bands', '1', '2', '3') == 0
+    payload['data']['dtype'] = 'uint8'
+    torch.save(payload, weights)
+    assert run('c', '--bands', '1', '2', '3') == 2
+    assert capsys.readouterr().err.startswith(f"{program}: error: {option} {wide} holds uint16 pixels but the model "
+                                              "was trained on uint8")
 
 
 def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path):

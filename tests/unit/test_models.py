@@ -110,3 +110,39 @@ def test_checkpointing_wraps_every_block_only_when_training_with_grad(monkeypatc
 def test_unknown_argument_names_the_accepted_ones():
     with pytest.raises(KeyError, match='base_channels'):
         build(MODELS, dict(type='UNet', base_channel=8))
+
+
+@pytest.mark.parametrize('cfg, message', [
+    # 'False' is a non-empty string: checkpointing was turned on without a word.
+    (dict(type='UNetTiny', activation_checkpointing='False'),
+     r"^model\.activation_checkpointing: 'False' is a string, which is always true; write True or False"),
+    (dict(type='UperNetTiny', aux_head='no'), r"^model\.aux_head: 'no' is a string"),
+    # "'int' object is not iterable" from inside the pretrained loader.
+    (dict(type='UperNet', backbone='resnet18', pretrained=1), r"^model\.pretrained: write True or False, got 1\.$"),
+    # Python's own words from inside the class: 'not all arguments converted during string formatting'.
+    (dict(type='UNet', base_channels='16'), r"^model\.base_channels: '16' is a string, not a number"),
+    # 'bernoulli_ expects p to be in [0, 1]' at the first step, after training had started.
+    (dict(type='SegFormer', variant='mit_b0', drop_path_rate=1.5),
+     r'^model\.drop_path_rate is a probability, between 0 and 1; got 1\.5\.$'),
+    (dict(type='UperNet', backbone='resnet18', backbone_kwargs=dict(drop_rate=-0.1)),
+     r'^model\.backbone_kwargs\.drop_rate is a probability'),
+    (dict(type='UperNetTiny', aux_head=dict(type='FCNHead', in_index=2, dropout=2)),
+     r'^model\.aux_head\.dropout is a probability'),
+    # ZeroDivisionError in TemporalSegmentor.
+    (dict(type='TinyTemporalSegFormer', num_dates=0), r'^model\.num_dates must be a whole number of at least 1'),
+])
+def test_values_of_the_wrong_type_or_range_are_one_line_before_anything_is_built(cfg, message):
+    from ds_seg.config import ConfigError
+    with pytest.raises(ConfigError, match=message):
+        build(MODELS, cfg, where='model')
+
+
+def test_flags_and_paths_that_are_strings_still_build(tmp_path):
+    """What the checks must let through: a pretrained path (the default is False), booleans,
+    numbers for float arguments, and drop rates at the ends of [0, 1]."""
+    build(MODELS, dict(type='UNet', base_channels=8, depth=3, bilinear=True, activation_checkpointing=False))
+    build(MODELS, dict(type='SegFormer', variant='mit_b0', drop_path_rate=0, aux_head=True), where='model')
+    build(MODELS, dict(type='UperNet', backbone='resnet18', channels=16, backbone_kwargs=dict(drop_rate=1.0)))
+    with pytest.raises(FileNotFoundError, match=r'^resnet18 pretrained: .*missing\.pth does not exist'):
+        build(MODELS, dict(type='UperNet', backbone='resnet18', pretrained=str(tmp_path / 'missing.pth')),
+              where='model')

@@ -127,6 +127,13 @@ def test_features_off_the_image_are_refused_not_learnt_as_background(scene):
                           crs='EPSG:3857')
     with pytest.raises(ConfigError, match=r"mercator.gpkg: no feature .*reprojected from the file's CRS EPSG:3857"):
         GeoTiffScenes([scene['img']], wrong, label_field='class', **KW)
+    # Metres said to be degrees: outside EPSG:4326's range, PROJ refuses ('utm: Invalid latitude'),
+    # which was a traceback.
+    degrees = _write_vector(scene['tmp'] / 'degrees.gpkg', scene['geoms'], {'class': scene['cls'].astype(np.int32)},
+                            crs='EPSG:4326')
+    with pytest.raises(ConfigError, match=r"^labels .*degrees.gpkg: its coordinates cannot be moved from its CRS "
+                                          r"\(EPSG:4326\) to the image's \(EPSG:32632\): .*ogr2ogr -a_srs\)$"):
+        GeoTiffScenes([scene['img']], degrees, label_field='class', **KW)
     # One file per tile: a tile whose file holds no feature is fine (a tile without buildings).
     empty = _write_vector(scene['tmp'] / 'empty.gpkg', [], {'class': np.array([], np.int32)})
     ds = GeoTiffScenes([scene['img'], scene['img']], [scene['vec'], empty], label_field='class', mode='grid', **KW)

@@ -256,10 +256,12 @@ def test_pretrained_true_without_network_is_quick_one_line_and_still_uses_the_ca
 def test_an_aux_head_level_the_encoder_lacks_is_one_line():
     """aux_head=dict(type='FCNHead', in_index=5) on a 4-level encoder was an IndexError traceback."""
     from ds_seg.config import ConfigError
-    for in_index in (5, -5, '2'):
+    for in_index in (5, -5):
         with pytest.raises(ConfigError, match=r"model\.aux_head \(FCNHead\): .*in_index must pick one of the "
                                               r"encoder's 4 feature levels \(-4\.\.3\)"):
             make('UperNet', backbone='test_convnext', channels=16, aux_head=dict(type='FCNHead', in_index=in_index))
+    with pytest.raises(ConfigError, match=r"^model\.aux_head\.in_index: '2' is a string, not a number"):
+        make('UperNet', backbone='test_convnext', channels=16, aux_head=dict(type='FCNHead', in_index='2'))
     assert make('UperNet', backbone='test_convnext', channels=16, aux_head=dict(type='FCNHead', in_index=-1)).aux_head
 
 
@@ -289,7 +291,7 @@ def test_activation_checkpointing_of_timm_stem_stage_nets_updates_batchnorm_once
     (dict(type='DeepLabV3Plus', backbone='resnet18', output_stride=4), 'model.output_stride must be 8 or 16'),
     (dict(type='DeepLabV3Plus', backbone='resnet18', output_stride=32), 'model.output_stride must be 8 or 16'),
     (dict(type='FPNTiny', num_classes=2.5), 'model num_classes must be an integer >= 1, got 2.5'),
-    (dict(type='FPNTiny', num_classes='6'), "model num_classes must be an integer >= 1, got '6'"),
+    (dict(type='FPNTiny', num_classes='6'), "model.num_classes: '6' is a string, not a number"),
     (dict(type='UperNetTiny', in_channels=0), 'model in_channels must be an integer >= 1, got 0'),
 ])
 def test_model_settings_that_cannot_build_a_model_are_named(cfg, message):

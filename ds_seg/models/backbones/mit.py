@@ -134,7 +134,7 @@ class MixTransformer(nn.Module):
             if not isinstance(pretrained, str):
                 raise ValueError('MixTransformer: timm has no MiT weights; pass pretrained as the path of '
                                  'an ImageNet mit_b*.pth file (NVlabs/SegFormer releases).')
-            load_pretrained(self, pretrained, where=f'{variant} pretrained')
+            load_pretrained(self, pretrained, where=f'{variant} pretrained', band_map_option=None)
 
     def forward(self, images_BCHW):
         features, x = [], images_BCHW

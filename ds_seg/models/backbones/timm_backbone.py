@@ -14,7 +14,7 @@ from torch import nn
 LEVELS = ('pyramid', 'low_high')
 
 from ..common import BACKBONES, run_block
-from ..pretrained import create_timm_model, load_pretrained, timm_state_dict
+from ..pretrained import check_band_map, create_timm_model, load_pretrained, timm_state_dict
 
 
 def _original_key(key):
@@ -77,7 +77,8 @@ class TimmBackbone(nn.Module):
     (:func:`~ds_seg.models.pretrained.adapt_input_weight`) and loading also works on a ZeRO-3
     partitioned model. Features are returned channels-first whatever timm's layout (Swin: NHWC).
     ``levels`` picks timm's feature levels by stride (:data:`LEVELS`) for any family; without it,
-    ``out_indices`` (timm's numbering) or every level.
+    ``out_indices`` (timm's numbering) or every level. ``band_map`` maps a multispectral pretrained
+    file's bands onto the data's (one file band index or None per data band).
 
     Example::
 
@@ -86,9 +87,10 @@ class TimmBackbone(nn.Module):
     """
 
     def __init__(self, name='resnet50', in_channels=3, out_indices=None, output_stride=None, pretrained=False,
-                 activation_checkpointing=False, levels=None, **timm_kwargs):
+                 activation_checkpointing=False, levels=None, band_map=None, **timm_kwargs):
         super().__init__()
         from ...config import ConfigError
+        check_band_map(band_map, in_channels, pretrained, name)
         kwargs = dict(timm_kwargs)
         if levels is not None and (levels not in LEVELS or out_indices is not None):
             raise ConfigError(f"{name}: levels must be one of {', '.join(LEVELS)} (or None, with out_indices), "
@@ -108,6 +110,13 @@ class TimmBackbone(nn.Module):
             if not deep:
                 raise ConfigError(f"{name}: timm's features have strides {strides}, none at 4 or more; "
                                   "choose another backbone.")
+            if levels == 'pyramid' and len({strides[i] for i in deep}) < 2:
+                # One-stride models (BEiT, XCiT, MLP-Mixer...) gave UperNet three maps at stride 16
+                # and trained without a word.
+                raise ConfigError(f"model.backbone {name!r}: timm's features have strides {[strides[i] for i in deep]}, one "
+                                  "scale, not the pyramid (4, 8, 16, 32) that UperNet/FPN take; choose a "
+                                  "hierarchical backbone (convnext, swin, resnet...) or a plain ViT (vit_*, "
+                                  "deit*, eva*: ds_seg adds the pyramid).")
             self._take = deep if levels == 'pyramid' else [deep[0], len(strides) - 1]
         self.out_channels = [list(info.channels())[i] for i in self._take]
         self.strides = [strides[i] for i in self._take]
@@ -117,9 +126,11 @@ class TimmBackbone(nn.Module):
         self._blocks = self._checkpoint_units() if activation_checkpointing else None
         if pretrained:
             source = timm_state_dict(name) if pretrained is True else pretrained
+            # The layer that takes the bands: the model's first 4-d weight (ds_shape: ZeRO-3 partitioned).
+            first = next(n for n, p in self.model.named_parameters() if len(getattr(p, 'ds_shape', p.shape)) == 4)
             load_pretrained(self.model, source, rename=_original_key,
-                            allow_unused=_pruned_by_wrapper(self.model, name),
-                            where=f'{name} pretrained')
+                            allow_unused=_pruned_by_wrapper(self.model, name), band_map=band_map,
+                            input_key=_original_key(first), where=f'{name} pretrained')
 
     def _checkpoint_units(self):
         """(name, module) pairs to checkpoint one by one: the blocks of sequential stages, the other

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..common import BACKBONES
-from ..pretrained import create_timm_model, load_pretrained, timm_state_dict
+from ..pretrained import check_band_map, create_timm_model, load_pretrained, timm_state_dict
 from .vit import SimplePyramid, pyramid_block_indices
 
 # timm modules whose models are plain (single-stride) ViTs with forward_intermediates; names from
@@ -41,8 +41,10 @@ def is_plain_vit(name):
 def _convert_dinov2(state):
     """The layout of facebookresearch/dinov2 files -> timm's (what timm's own loader does): the
     register tokens are ``reg_token``, and with registers timm's model has no class position
-    embedding, so the class token takes its position embedding along."""
-    state = dict(state)
+    embedding, so the class token takes its position embedding along. ViT-g's SwiGLU MLP is
+    ``w12``/``w3`` there and ``fc1``/``fc2`` (packed) in timm."""
+    swiglu = re.compile(r'(blocks\.\d+\.mlp\.)(w12|w3)\.')
+    state = {swiglu.sub(lambda m: m[1] + ('fc1.' if m[2] == 'w12' else 'fc2.'), k): v for k, v in state.items()}
     if 'register_tokens' in state:
         state['reg_token'] = state.pop('register_tokens')
         if 'cls_token' in state and 'pos_embed' in state:
@@ -76,13 +78,7 @@ class TimmViT(nn.Module):
     def __init__(self, name='vit_base_patch16_224', in_channels=3, out_indices=None, pretrained=False,
                  band_map=None, activation_checkpointing=False, **timm_kwargs):
         super().__init__()
-        if band_map is not None and (not isinstance(band_map, (list, tuple)) or len(band_map) != in_channels):
-            # Of another length, the mapped weight was then adapted to in_channels like an RGB
-            # one: a band map meant for the data silently became something else.
-            from ...config import ConfigError
-            entries = len(band_map) if isinstance(band_map, (list, tuple)) else 'no'
-            raise ConfigError(f'model.band_map: {band_map!r} has {entries} entries for in_channels={in_channels}; '
-                              'give one file band index (or None) per band of the data.')
+        check_band_map(band_map, in_channels, pretrained, name)
         kwargs = dict(timm_kwargs)
         kwargs.setdefault('dynamic_img_size', True)  # position embeddings follow the token grid
         self.model = create_timm_model(name, num_classes=0, in_chans=in_channels, **kwargs)
@@ -103,9 +99,6 @@ class TimmViT(nn.Module):
         if pretrained:
             source = timm_state_dict(name) if pretrained is True else pretrained
             self.load_pretrained(source, band_map=band_map, where=f'{name} pretrained')
-        elif band_map is not None:
-            from ...config import ConfigError
-            raise ConfigError(f'{name}: band_map maps the bands of a pretrained file; give pretrained= too.')
 
     def load_pretrained(self, source, band_map=None, where='pretrained'):
         """Load a timm (or DINOv2-layout) state dict into the ViT; the pyramid neck starts fresh."""

@@ -166,7 +166,7 @@ class ViT(nn.Module):
         if pretrained:
             source = timm_state_dict(TIMM_WEIGHTS.get(variant, variant)) if pretrained is True else pretrained
             # A classification ViT has no pyramid neck: that part starts from scratch.
-            load_pretrained(self, source, allow_missing=('neck.',), where=f'{variant} pretrained')
+            load_pretrained(self, source, allow_missing=('neck.',), where=f'{variant} pretrained', band_map_option=None)
 
     def _pos_embed(self, grid_h, grid_w):
         pos = self.pos_embed[:, 1:]
