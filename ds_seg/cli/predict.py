@@ -316,7 +316,7 @@ def _run(args):
     scenes = []
     for item in args.input:
         if ',' in item and not os.path.exists(item):  # a file whose name has a comma is one scene
-            dates = item.split(',')
+            dates = [os.path.expanduser(d) for d in item.split(',')]  # no shell expands '~' after a comma
             if not all(d.strip() for d in dates):
                 raise ConfigError(f"--input {item!r}: an empty date; join the dates of one scene with "
                                   f"commas and no spaces (a_may.tif,a_aug.tif)")

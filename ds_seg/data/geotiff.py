@@ -63,7 +63,7 @@ from ds_seg.registry import DATASETS
 from .preprocess import geom_code, host_dtype
 from .raster import (DataError, StackedRaster, alpha_bands, file_identity, gdal_path, is_remote, label_nodata,
                      nodata_mask, open_raster, pixel_grid, pixel_type_refusal, raster_env, read_error, read_label_band,
-                     read_window, same_file_key, same_pixels, same_value, uses_mask_band)
+                     read_window, same_file_key, same_pixels, same_value, user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -75,7 +75,8 @@ STATS_CACHE_FILE = '.ds_seg_stats.json'  # our own cache of statistics computed 
 # Of how statistics are computed: 2 leaves out masked/alpha pixels and reads every scene (up to
 # STATS_SCENES); 3 sums about the first read's mean (no cancellation where the mean dwarfs the
 # spread). A cache of an earlier version is computed again.
-STATS_VERSION = 3
+STATS_VERSION = 4
+STATS_SETS_KEPT = 8  # sets of scenes whose statistics a folder's cache holds (train, val, subsets...)
 LABELS_CACHE_FILE = '.ds_seg_labels.json'  # per label file: value histogram of a full scan
 LABELS_VERSION = 2  # 2: pixels a label's mask band hides are not counted
 _MAX_OPEN_FILES = 16
@@ -421,7 +422,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         # date-major (T x C bands read as T*C channels; see StackedRaster).
         dates = None
         if not isinstance(images, (str, os.PathLike)) and any(isinstance(i, (list, tuple)) for i in images):
-            dates = [[os.fspath(p) for p in ([i] if isinstance(i, (str, os.PathLike)) else i)] for i in images]
+            dates = [[p if is_remote(p) else os.path.expanduser(p)  # '~/ts/a_may.tif': no shell expands it
+                      for p in map(os.fspath, [i] if isinstance(i, (str, os.PathLike)) else i)] for i in images]
             if len({len(d) for d in dates}) != 1:
                 raise DataError(f"images: every scene needs the same number of dates, got "
                                 f"{sorted({len(d) for d in dates})} (first scene {dates[0]})")
@@ -744,8 +746,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             for key in ('mean', 'std'):
                 if given[key] is None:
                     values = np.asarray(file_stats[key], dtype=np.float64).reshape(-1)
-                    given[key] = (values[np.array(self.bands) - 1] if values.size == self.num_file_bands
-                                  else self._select(values, key))
+                    if values.size == self.num_file_bands * self.num_dates:  # per file band of each date
+                        values = values.reshape(self.num_dates, self.num_file_bands)
+                        given[key] = values[:, np.array(self.bands) - 1].reshape(-1)
+                    else:
+                        given[key] = self._select(values, key)
         # A constant band (computed std 0) normalises to 0, not to inf.
         std = np.where(given['std'] > 0, given['std'], 1.0)
         return given['mean'].astype(np.float32), std.astype(np.float32)
@@ -763,20 +768,35 @@ class GeoTiffScenes(torch.utils.data.Dataset):
     def _cached_or_computed_stats(self):
         # Keyed to the files' identity, not their names: rewritten images (or a republished URL:
         # its ETag / Last-Modified) get new statistics. A URL's cache is a user cache; a URL
-        # whose version the server does not tell is read again every time.
+        # whose version the server does not tell is read again every time. The cache of a
+        # folder holds several sets: train and val scenes of one folder replaced each other's.
         chosen = [self._scenes[i] for i in self._stats_scenes()]
-        key = [file_identity(s['image']) for s in chosen]
+        dates = [[s.get('dates', (s['image'],))[d] for s in chosen] for d in range(self.num_dates)]
+        key = [file_identity(path) for paths in dates for path in paths]
         if None in key:
             cache = None
         elif is_remote(chosen[0]['image']):
             digest = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
-            cache = os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg', f'stats-{digest}.json')
-            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            folder = user_cache_dir()
+            cache = folder and os.path.join(folder, f'stats-{digest}.json')
         else:
             cache = os.path.join(os.path.dirname(key[0]['path']), STATS_CACHE_FILE)
-        cached = _read_cache(cache) if cache else {}
-        if cached.get('images') == key and cached.get('version') == STATS_VERSION:
-            return cached
+        held = _read_cache(cache) if cache else {}
+        sets = held.get('sets', []) if held.get('version') == STATS_VERSION else []
+        found = next((entry for entry in sets if entry.get('images') == key), None)
+        if found is not None:
+            return found
+        # Every date's own statistics, one after the other (per band and date): a series was
+        # normalised with its first date's only, later dates reaching the model several sigma off.
+        per_date = [self._band_statistics(chosen, paths) for paths in dates]
+        result = dict(images=key, mean=[v for m, _ in per_date for v in m], std=[v for _, v in per_date for v in v])
+        if cache:
+            _write_cache(cache, dict(version=STATS_VERSION, sets=(sets + [result])[-STATS_SETS_KEPT:]))
+        return result
+
+    def _band_statistics(self, chosen, paths):
+        """(mean, std) per file band of ``paths`` (one file of each of the ``chosen`` scenes),
+        over the pixels the training windows count as data."""
         # Sums of x - shift, shift = the first read's mean: sum(x^2)/n - mean^2 of the raw values
         # cancels to noise (even below 0, then a std of 1) where the mean dwarfs the spread
         # (uint32 counts around 2^30 with a spread of 300).
@@ -784,12 +804,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         total_sq = np.zeros(self.num_file_bands)
         shift = None
         n = 0
-        for s in chosen:
+        for s, path in zip(chosen, paths):
             # A decimated read (GDAL picks overviews if any) is enough for normalisation stats.
             f = max(1.0, max(s['height'], s['width']) / 512)
             shape = (max(1, int(s['height'] / f)), max(1, int(s['width'] / f)))
             try:
-                with open_raster(s['image']) as src:
+                with open_raster(path) as src:
                     x = src.read(out_shape=(s['count'],) + shape).reshape(s['count'], -1).astype(np.float64)
                     # Pixels the training windows mark invalid are not data: nodata, NaN, and
                     # those a GDAL mask band or an alpha band hides.
@@ -797,7 +817,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     if s['masked']:
                         invalid |= src.dataset_mask(out_shape=shape).reshape(-1) == 0
             except rasterio.errors.RasterioError as e:
-                raise DataError(f"{s['image']}: cannot be read (corrupt or truncated?): {e}") from e
+                raise DataError(f"{path}: cannot be read (corrupt or truncated?): {e}") from e
             x = x[:, ~invalid]
             if not x.shape[1]:
                 continue
@@ -810,10 +830,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         offset = total / max(n, 1)
         mean = offset + (0 if shift is None else shift)
         std = np.sqrt(np.maximum(total_sq / max(n, 1) - offset * offset, 0))
-        result = dict(images=key, mean=mean.tolist(), std=std.tolist(), version=STATS_VERSION)
-        if cache:
-            _write_cache(cache, result)
-        return result
+        return mean.tolist(), std.tolist()
 
     def _check_files(self, check_labels):
         """Stop before training on unreadable files or labels outside the class list.

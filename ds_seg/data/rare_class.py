@@ -25,7 +25,7 @@ import os
 import numpy as np
 from rasterio.windows import Window
 
-from .raster import file_identity, is_remote
+from .raster import file_identity, is_remote, user_cache_dir
 
 _VERSION = 2  # 2: keyed to the images too
 _BAND_ROWS = 1024
@@ -57,7 +57,8 @@ def _cache_path(dataset, key):
         local = os.path.join(os.path.dirname(os.path.abspath(first)), f'.ds_seg_classes_{digest}.npz')
         if os.access(os.path.dirname(local), os.W_OK) or os.path.exists(local):
             return local
-    return os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg', f'classes_{digest}.npz')
+    folder = user_cache_dir()
+    return folder and os.path.join(folder, f'classes_{digest}.npz')
 
 
 def _key(dataset, stride):
@@ -86,6 +87,8 @@ def class_index(dataset, stride):
     if key is None:
         return _build(dataset, stride)
     path = _cache_path(dataset, key)
+    if path is None:  # no writable cache folder
+        return _build(dataset, stride)
     try:
         with np.load(path, allow_pickle=False) as z:
             if json.loads(str(z['key'])) == key:

@@ -144,12 +144,44 @@ def remote_hint(exc):
     return f"{message} (unreachable URL, no permission, or not a raster)"
 
 
+def user_cache_dir(*parts):
+    """``$DS_SEG_CACHE`` (default ``~/.cache/ds_seg``) joined with ``parts``, created; None where it
+    cannot be (a HOME that does not exist or is read-only on a compute node): caches of URLs are
+    best effort, and a missing HOME failed every run that read one."""
+    folder = os.path.join(os.environ.get('DS_SEG_CACHE') or os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg'),
+                          *parts)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None
+    return folder if os.access(folder, os.W_OK) else None
+
+
+def _vrt_sources(path):
+    """The files a local VRT reads (its SourceFilename elements), as paths or URLs."""
+    import xml.etree.ElementTree as ET
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    sources = []
+    for element in root.iter('SourceFilename'):
+        name = (element.text or '').strip()
+        if name.startswith('/vsicurl/'):
+            name = name[len('/vsicurl/'):]
+        elif element.get('relativeToVRT') == '1':
+            name = os.path.join(os.path.dirname(path), name)
+        if name and name not in sources:
+            sources.append(name)
+    return sources
+
+
 def file_identity(path, sample_bytes=1 << 16):
     """What a cache keyed to a file compares, or None where nothing identifies its version.
 
     A local file: absolute path, size, modification time and a SHA-256 of its first and last
     ``sample_bytes`` (a file rewritten in place with the same name, even with its old mtime
-    restored, is recognised as new). An ``http(s)://`` URL: the server's ETag, Last-Modified and
+    restored, is recognised as new); a VRT's also the identities of the files it reads. An ``http(s)://`` URL: the server's ETag, Last-Modified and
     size from one HEAD request (a republished file gets new ones); None when the server gives
     neither ETag nor Last-Modified, and for other schemes (s3://...), whose version ds_seg cannot
     ask for without GDAL's credentials: callers then compute instead of trusting a cache.
@@ -165,7 +197,16 @@ def file_identity(path, sample_bytes=1 << 16):
         if st.st_size > sample_bytes:
             f.seek(max(sample_bytes, st.st_size - sample_bytes))
             digest.update(f.read(sample_bytes))
-    return {'path': path, 'size': st.st_size, 'mtime_ns': st.st_mtime_ns, 'sample_sha256': digest.hexdigest()}
+    identity = {'path': path, 'size': st.st_size, 'mtime_ns': st.st_mtime_ns, 'sample_sha256': digest.hexdigest()}
+    if path.lower().endswith('.vrt'):
+        # A VRT is unchanged when the files it reads change (a STAC item's stacked assets, a
+        # republished asset): their identities are its version too.
+        sources = [file_identity(source, sample_bytes) if is_remote(source) or os.path.exists(source) else None
+                   for source in _vrt_sources(path)]
+        if None in sources:
+            return None
+        identity['sources'] = sources
+    return identity
 
 
 def _http_identity(url):

@@ -14,6 +14,7 @@ Example::
 import hashlib
 import os
 import re
+import tempfile
 from xml.sax.saxutils import escape
 
 from ds_seg.config import ConfigError
@@ -100,6 +101,9 @@ def _stack_vrt(hrefs, item_id, cache_dir):
                           src.nodata))
     w, hgt, transform, crs, _, nodata = grids[0]
     for h, g in zip(hrefs[1:], grids[1:]):
+        if g[3] != crs:
+            raise ConfigError(f"STAC item {item_id!r}: asset {h} is in {g[3]} but {hrefs[0]} in {crs}; stack "
+                              f"bands of one CRS, or reproject them first (gdalwarp -t_srs)")
         if g[:4] != grids[0][:4]:
             raise ConfigError(f"STAC item {item_id!r}: asset {h} ({g[0]}x{g[1]}, {g[2]}) is not on the "
                               f"grid of {hrefs[0]} ({w}x{hgt}, {transform}); stack bands of one "
@@ -145,13 +149,16 @@ def stac_scenes(source, image_assets, label_asset, cache_dir=None):
 
         images, labels = stac_scenes('items.json', ['red', 'green', 'blue'], 'label')
     """
+    from .raster import user_cache_dir
     source = os.fspath(source)
     items = _read_items(source)
     if cache_dir is None:
         local = not source.startswith(('http://', 'https://'))
         folder = os.path.dirname(os.path.abspath(source)) if local else None
+        # The stacked VRTs must be written somewhere: beside the document, in the user cache, or
+        # (no writable HOME on a compute node) in a temporary folder of this run.
         cache_dir = (os.path.join(folder, '.ds_seg_stac') if folder and os.access(folder, os.W_OK)
-                     else os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg', 'stac'))
+                     else user_cache_dir('stac') or tempfile.mkdtemp(prefix='ds_seg_stac_'))
     names = [image_assets] if isinstance(image_assets, str) else list(image_assets)
     if not names:
         raise ConfigError(f"stac={source!r}: stac_bands names no asset")

@@ -205,8 +205,9 @@ def _run_cases(tmp, names):
             from ds_seg.engine import checkpoint
             data = checkpoint.read_marker(os.path.join(tmp, 'trained6', 'checkpoints', 'step_00000024'))['data']
             with open(os.path.join(tmp, 'data', STATS_CACHE_FILE), 'w') as f:
-                json.dump(dict(images=[file_identity(os.path.join(tmp, 'data', 'img.tif'))], version=STATS_VERSION,
-                               mean=[m + 5 for m in data['mean']], std=data['std']), f)
+                json.dump(dict(version=STATS_VERSION, sets=[dict(
+                    images=[file_identity(os.path.join(tmp, 'data', 'img.tif'))],
+                    mean=[m + 5 for m in data['mean']], std=data['std'])]), f)
         err, out = io.StringIO(), io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             code = entry.main(argv)

@@ -259,15 +259,15 @@ def test_statistics_cached_by_an_earlier_version_are_computed_again(tmp_path):
     old (wrong) statistics for a set of four scenes or fewer."""
     import json
 
-    from ds_seg.data.geotiff import STATS_CACHE_FILE
+    from ds_seg.data.geotiff import STATS_CACHE_FILE, STATS_VERSION
     rng = np.random.default_rng(0)
     img = write_tif(tmp_path / 'v_image.tif', rng.normal(100, 5, (1, 32, 32)).clip(1, 255).astype(np.uint8))
     lbl = write_tif(tmp_path / 'v_label.tif', rng.integers(0, 2, (32, 32)).astype(np.uint8))
     right = GeoTiffScenes([img], [lbl], crop_size=32, classes=2).mean
     cache = tmp_path / STATS_CACHE_FILE
     old = json.loads(cache.read_text())
-    old.pop('version')
-    old['mean'] = [1.0]
+    old['version'] = STATS_VERSION - 1
+    old['sets'][0]['mean'] = [1.0]
     cache.write_text(json.dumps(old))
     np.testing.assert_allclose(GeoTiffScenes([img], [lbl], crop_size=32, classes=2).mean, right)
 

@@ -185,3 +185,19 @@ def test_a_republished_url_gets_new_band_statistics(tmp_path, monkeypatch):
         publish(image * 20)  # same size, same name, new values (a new ETag)
         second = GeoTiffScenes([url], [label], **kw).mean
     np.testing.assert_allclose(second, first * 20, rtol=1e-6)
+
+
+def test_urls_read_without_a_writable_home_and_caches_follow_ds_seg_cache(cogs, tmp_path, monkeypatch):
+    """A HOME that does not exist (a compute node) failed every run that read a URL: "[Errno 2] No
+    such file or directory: '/proc/nohome'", even with mean/std given. The URL caches are best
+    effort now, and $DS_SEG_CACHE moves them."""
+    local = [str(cogs['tmp'] / 'img.tif')], [str(cogs['tmp'] / 'lbl.tif')]
+    remote = [cogs['server'].url('img.tif')], [cogs['server'].url('lbl.tif')]
+    monkeypatch.delenv('DS_SEG_CACHE', raising=False)
+    monkeypatch.setenv('HOME', '/proc/nohome')
+    kw = dict(classes=4, crop_size=64, check_labels=0)
+    ds = GeoTiffScenes(*remote, sampling='rare_class', **kw)
+    np.testing.assert_allclose(ds.mean, GeoTiffScenes(*local, **kw).mean, rtol=1e-6)
+    monkeypatch.setenv('DS_SEG_CACHE', str(tmp_path / 'cache'))
+    GeoTiffScenes(*remote, **kw)
+    assert any(p.name.startswith('stats-') for p in (tmp_path / 'cache').iterdir())

@@ -217,3 +217,32 @@ def test_time_series_sharing_a_baseline_date_are_two_evaluation_scenes(catalogue
     assert len(ds.scenes) == 2 and ds.num_dates == 2
     with pytest.raises(DataError, match='is given twice'):
         GeoTiffScenes([[red, green], [red, green]], [label, label], mode='grid', **kw)
+
+
+def test_statistics_of_stacked_assets_follow_the_assets_and_train_and_val_keep_theirs(catalogue, tmp_path,
+                                                                                      monkeypatch):
+    """A STAC item's bands are read through a VRT of its assets; the statistics cache was keyed
+    to the VRT, which does not change when an asset is rewritten: the old statistics stayed. And
+    the folder's cache held one set of scenes, so train and val replaced each other's every run."""
+    for path in catalogue['tmp'].iterdir():
+        if path.suffix in ('.tif', '.json'):
+            shutil.copy(path, tmp_path / path.name)
+    kw = dict(crop_size=48, classes=3, check_labels=0)
+    stac = dict(stac=str(tmp_path / 'items.json'), stac_bands=BANDS, **kw)
+    before = GeoTiffScenes(**stac).mean
+    red = tmp_path / 'scene0_red.tif'
+    with rasterio.open(red, 'r+') as d:
+        d.write((d.read() // 2).astype(np.uint8))
+    after = GeoTiffScenes(**stac).mean
+    assert after[0] < before[0] - 10 and np.allclose(after[1:], before[1:])
+    train = GeoTiffScenes([str(tmp_path / 'scene0_rgb.tif')], [str(tmp_path / 'scene0_label.tif')], **kw)
+    val = GeoTiffScenes([str(tmp_path / 'scene1_rgb.tif')], [str(tmp_path / 'scene1_label.tif')], **kw)
+    from ds_seg.data.geotiff import GeoTiffScenes as Scenes
+
+    def no_reads(*args):
+        raise AssertionError('statistics computed again: the cache lost this set')
+    monkeypatch.setattr(Scenes, '_band_statistics', no_reads)
+    again = GeoTiffScenes([str(tmp_path / 'scene0_rgb.tif')], [str(tmp_path / 'scene0_label.tif')], **kw)
+    np.testing.assert_array_equal(again.mean, train.mean)
+    np.testing.assert_array_equal(
+        GeoTiffScenes([str(tmp_path / 'scene1_rgb.tif')], [str(tmp_path / 'scene1_label.tif')], **kw).mean, val.mean)

@@ -301,3 +301,40 @@ def test_evaluate_a_time_series_val_and_refuse_a_one_date_model_on_it(tmp_path, 
                 'data': {'bands': [1], 'mean': [127.5] * 2, 'std': [64.0] * 2}}, tmp_path / 'fused.pt')
     assert evaluate.main(['--checkpoint', str(tmp_path / 'fused.pt'), '--config', str(config),
                           '--output', str(tmp_path / 'fused_eval'), '--tile', '32', '--previews', '0']) == 0
+
+
+def test_each_date_is_normalised_with_its_own_statistics_as_a_stacked_file_is(tmp_path, monkeypatch):
+    """A series of dates given as files was normalised with its first date's statistics only
+    (later, brighter dates reached the model several sigma off), while the same series as one
+    stacked file got each date's: the two documented ways trained differently. Dates given as
+    '~/...' were 'no such file'."""
+    rng = np.random.default_rng(0)
+    common = dict(driver='GTiff', width=64, height=64, crs='EPSG:32631', transform=from_origin(0, 0, 1, 1),
+                  dtype='uint16')
+    dates, stacks, labels = [], [], []
+    for scene in 'ab':
+        values = [rng.normal(1000 + 1000 * t, 50 + 10 * t, (2, 64, 64)).astype(np.uint16) for t in range(3)]
+        files = []
+        for t, v in enumerate(values):
+            files.append(str(tmp_path / f'{scene}_t{t}.tif'))
+            with rasterio.open(files[-1], 'w', count=2, **common) as d:
+                d.write(v)
+        with rasterio.open(tmp_path / f'{scene}_stack.tif', 'w', count=6, **common) as d:
+            d.write(np.concatenate(values))
+        with rasterio.open(tmp_path / f'{scene}_label.tif', 'w', count=1, **dict(common, dtype='uint8')) as d:
+            d.write(rng.integers(0, 2, (1, 64, 64), dtype=np.uint8))
+        dates.append(files)
+        stacks.append(str(tmp_path / f'{scene}_stack.tif'))
+        labels.append(str(tmp_path / f'{scene}_label.tif'))
+    monkeypatch.setenv('HOME', str(tmp_path))
+    series = GeoTiffScenes([[f.replace(str(tmp_path), '~') for f in d] for d in dates], labels, classes=2,
+                           crop_size=32)
+    stacked = GeoTiffScenes(stacks, labels, classes=2, crop_size=32)
+    expected = np.concatenate([np.concatenate([rasterio.open(d[t]).read().reshape(2, -1) for d in dates], 1)
+                               for t in range(3)])
+    np.testing.assert_allclose(series.mean, expected.mean(1), rtol=1e-6)
+    np.testing.assert_allclose(series.std, expected.std(1), rtol=1e-5)
+    np.testing.assert_allclose(series.mean, stacked.mean, rtol=1e-6)
+    # A subset of the bands takes each date's statistics of those bands.
+    second = GeoTiffScenes(dates, labels, classes=2, crop_size=32, bands=[2])
+    np.testing.assert_allclose(second.mean, expected.mean(1)[1::2], rtol=1e-6)
