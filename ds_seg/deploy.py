@@ -138,7 +138,8 @@ def write_card(card, out):
 
 def export_onnx(model, out, info, work_dir=None, step=None):
     """Write ``model`` as ONNX (opset 18, torch.export-based exporter) with dynamic batch, height
-    and width (the batch alone for a model of one input size, at that size), the card in its metadata, and the card files beside it. The file is checked with
+    and width (the batch alone for a model of one input size, at that size), the card in its
+    metadata, and the card files beside it. The file is checked with
     onnxruntime against PyTorch (max abs difference < 1e-4) at sizes other than the traced one,
     including sizes that are not a multiple of the model's size divisor, and removed if it differs.
 

@@ -123,7 +123,8 @@ def _check_value(key, value, default):
         if isinstance(value, str) and value.strip().lower() in FLAG_WORDS:
             raise ConfigError(f"{key}: {value!r} is a string, which is always true; write True or False "
                               "without quotes.")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):  # pretrained=1: "'int' object is not iterable"
+        # pretrained=1 failed inside the loader: "'int' object is not iterable".
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
             raise ConfigError(f"{key}: write True or False, got {value!r}.")
     elif isinstance(default, (int, float)) and isinstance(value, str):
         raise ConfigError(f"{key}: {value!r} is a string, not a number; write it without quotes.")

@@ -368,6 +368,13 @@ def _run(args):
             raise ConfigError(f"--input {','.join(dates)}: {len(dates)} date(s), but the model "
                               f"({model_cfg.get('type')}) takes {num_dates}; give the {num_dates} dates "
                               f"of the scene joined by commas (a_may.tif,a_aug.tif){one_file}")
+        per_date = channels // len(dates) if channels and len(dates) > 1 else None
+        if (per_date and not args.bands and list(bands or ()) == list(range(1, channels + 1))
+                and _band_count(dates[0]) == per_date):
+            # Trained on one file stacking every date: its bands 1..T*C are not each date file's.
+            raise ConfigError(f"--input {','.join(dates)}: the model was trained on files stacking every date's "
+                              f"{channels} bands; for one file per date, select each date's bands: --bands "
+                              f"{' '.join(str(b) for b in range(1, per_date + 1))}")
         for path in dates:  # the model's channels are the bands of every date
             check_bands(path, bands, channels // len(dates) if channels else None)
             check_pixel_type(path, info, args)

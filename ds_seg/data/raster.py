@@ -181,7 +181,8 @@ def file_identity(path, sample_bytes=1 << 16):
 
     A local file: absolute path, size, modification time and a SHA-256 of its first and last
     ``sample_bytes`` (a file rewritten in place with the same name, even with its old mtime
-    restored, is recognised as new); a VRT's also the identities of the files it reads. An ``http(s)://`` URL: the server's ETag, Last-Modified and
+    restored, is recognised as new); a VRT's also the identities of the files it reads. An
+    ``http(s)://`` URL: the server's ETag, Last-Modified and
     size from one HEAD request (a republished file gets new ones); None when the server gives
     neither ETag nor Last-Modified, and for other schemes (s3://...), whose version ds_seg cannot
     ask for without GDAL's credentials: callers then compute instead of trusting a cache.

@@ -661,7 +661,8 @@ def test_a_model_that_fails_at_every_size_is_blamed_not_the_crop(tmp_path):
     common = [f'data.train.cache_dir={cache!r}', f'data.val.cache_dir={cache!r}', 'data.num_workers=0',
               'data.crop_size=64', "model=dict(type='UNet', base_channels=0, depth=3)"]
     with pytest.raises(ConfigError, match=r"^model \(UNet\): fails on windows of every size \(.*\); one of its "
-                                          r"values is at fault: base_channels=0, depth=3, in_channels=3, num_classes=6\.$"):
+                                          r"values is at fault: base_channels=0, depth=3, in_channels=3, "
+                                          r"num_classes=6\.$"):
         Trainer(load_config(TINY_CONFIG, common), ds_config(0), backend='ddp', work_dir=str(tmp_path / 'work'))
     assert not (tmp_path / 'work').exists()
 
@@ -690,7 +691,8 @@ def test_a_model_config_without_bands_or_classes_takes_the_datas(tmp_path, capsy
         summary = trainer.fit()
     finally:
         trainer.close()
-    assert 'model: in_channels=4, num_classes=2 from data.train (not set in the model config)' in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert 'model: in_channels=4, num_classes=2 from data.train (not set in the model config)' in printed
     assert summary['exit_reason'] == 'completed'
     assert json.loads((work / 'config.json').read_text())['model'] == dict(type='UNetTiny', in_channels=4,
                                                                           num_classes=2)
@@ -718,8 +720,8 @@ def test_evaluate_refuses_raw_labels_for_a_model_trained_on_decoded_ones(tmp_pat
     common = ['--checkpoint', weights, '--images', scene, '--labels', label, '--tile', '32', '--previews', '0']
     assert evaluate.main(common + ['--output', str(tmp_path / 'a')]) == 2
     err = capsys.readouterr().err
-    assert err == ("evaluate: error: --labels: the model was trained on labels decoded with label_map={'0': 1, '1': 0}, "
-                   "and --labels are read as class indices; evaluate through a config that decodes them: "
+    assert err == ("evaluate: error: --labels: the model was trained on labels decoded with "
+                   "label_map={'0': 1, '1': 0}, and --labels are read as class indices; evaluate through a config that decodes them: "
                    "--checkpoint <the run's work dir> --cfg-options data.val.images=... data.val.labels=... (or "
                    "--config with the same label settings)\n"), err
     assert not (tmp_path / 'a').exists()

@@ -338,3 +338,29 @@ def test_each_date_is_normalised_with_its_own_statistics_as_a_stacked_file_is(tm
     # A subset of the bands takes each date's statistics of those bands.
     second = GeoTiffScenes(dates, labels, classes=2, crop_size=32, bands=[2])
     np.testing.assert_allclose(second.mean, expected.mean(1)[1::2], rtol=1e-6)
+
+
+def test_dates_as_files_for_a_model_trained_on_stacked_files_say_which_bands(tmp_path, capsys):
+    """A model trained on files stacking both dates (bands 1 2 recorded) given the dates as two
+    files: 'a_t0.tif has band(s) 1..1 but the model reads bands [1, 2]', with no way out named.
+    Now the line gives the --bands of one date, and with it the class map equals the stacked
+    file's."""
+    from ds_seg.cli import predict
+    (t0, t1), _ = _change_scene(tmp_path, 'a', 0)
+    stacked = str(tmp_path / 'a_both.tif')
+    with rasterio.open(t0) as a, rasterio.open(t1) as b:
+        with rasterio.open(stacked, 'w', **dict(a.profile, count=2)) as d:
+            d.write(np.concatenate([a.read(), b.read()]))
+    cfg = dict(type='TinyTemporalSegFormer', num_dates=2, in_channels=2, num_classes=2)
+    weights = str(tmp_path / 'weights.pt')
+    torch.save({'state_dict': build(MODELS, cfg).state_dict(), 'model': cfg, 'classes': ['same', 'changed'],
+                'data': {'bands': [1, 2], 'mean': [127.5, 127.5], 'std': [64.0, 64.0], 'file_bands': 2}}, weights)
+    common = ['--checkpoint', weights, '--tile', '32', '--overlap', '8']
+    assert predict.main(common + ['--input', f'{t0},{t1}', '--output', str(tmp_path / 'a')]) == 2
+    assert capsys.readouterr().err.endswith("the model was trained on files stacking every date's 2 bands; for one "
+                                            "file per date, select each date's bands: --bands 1\n")
+    assert predict.main(common + ['--input', f'{t0},{t1}', '--output', str(tmp_path / 'b'), '--bands', '1']) == 0
+    assert predict.main(common + ['--input', stacked, '--output', str(tmp_path / 'c')]) == 0
+    with rasterio.open(tmp_path / 'b' / 'a_t0_classes.tif') as b:
+        with rasterio.open(tmp_path / 'c' / 'a_both_classes.tif') as c:
+            assert np.array_equal(b.read(), c.read())

@@ -113,9 +113,9 @@ class TimmBackbone(nn.Module):
             if levels == 'pyramid' and len({strides[i] for i in deep}) < 2:
                 # One-stride models (BEiT, XCiT, MLP-Mixer...) gave UperNet three maps at stride 16
                 # and trained without a word.
-                raise ConfigError(f"model.backbone {name!r}: timm's features have strides {[strides[i] for i in deep]}, one "
-                                  "scale, not the pyramid (4, 8, 16, 32) that UperNet/FPN take; choose a "
-                                  "hierarchical backbone (convnext, swin, resnet...) or a plain ViT (vit_*, "
+                raise ConfigError(f"model.backbone {name!r}: timm's features have strides "
+                                  f"{[strides[i] for i in deep]}, one scale, not the pyramid (4, 8, 16, 32) "
+                                  "that UperNet/FPN take; choose a hierarchical backbone (convnext, swin, resnet...) or a plain ViT (vit_*, "
                                   "deit*, eva*: ds_seg adds the pyramid).")
             self._take = deep if levels == 'pyramid' else [deep[0], len(strides) - 1]
         self.out_channels = [list(info.channels())[i] for i in self._take]
