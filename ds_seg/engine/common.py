@@ -37,11 +37,20 @@ class FP32BatchNorm2d(nn.BatchNorm2d):
         return out.to(x.dtype)
 
 
+BATCHNORM_STATS = ('running_mean', 'running_var')
+
+
 def keep_batchnorm_fp32(model):
-    """Swap every BatchNorm2d for :class:`FP32BatchNorm2d` in place (same parameters, buffers)."""
+    """Swap every BatchNorm2d for :class:`FP32BatchNorm2d` in place (same parameters, buffers),
+    with its running statistics in fp32 (ZeRO-3's zero.Init creates them in the training dtype)."""
     for module in model.modules():
         if type(module) is nn.BatchNorm2d:
             module.__class__ = FP32BatchNorm2d
+        if isinstance(module, _BatchNorm):
+            for name in BATCHNORM_STATS:
+                stat = getattr(module, name, None)
+                if stat is not None and stat.dtype != torch.float32:
+                    stat.data = stat.data.float()
     return model
 
 
@@ -59,7 +68,7 @@ def prepare_batchnorm(model, device, world_size):
 
 def batchnorm_buffers(model):
     return [buf for m in model.modules() if isinstance(m, _BatchNorm)
-            for name, buf in m.named_buffers(recurse=False) if name in ('running_mean', 'running_var')]
+            for name, buf in m.named_buffers(recurse=False) if name in BATCHNORM_STATS]
 
 
 @torch.no_grad()

@@ -9,7 +9,8 @@ import torch
 
 from ..config import ConfigError
 from . import ds_workarounds, speed
-from .common import average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32, prepare_batchnorm
+from .common import (BATCHNORM_STATS, average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32,
+                     prepare_batchnorm)
 from .param_groups import build_param_groups, scale_lr_by_group
 
 
@@ -190,9 +191,23 @@ def construction_context(spec):
     import deepspeed
     from ..models.pretrained import gathering_with
     stack = contextlib.ExitStack()
-    stack.enter_context(deepspeed.zero.Init(config_dict_or_path=spec.ds_config))
+    stack.enter_context(deepspeed.zero.Init(config_dict_or_path=_with_batchnorm_stats_fp32(spec.ds_config)))
     stack.enter_context(gathering_with(gather_partitioned))
     return stack
+
+
+def _with_batchnorm_stats_fp32(ds_config):
+    """The config zero.Init builds with: under fp16/bf16 it creates every floating tensor of a
+    module's __init__ in that type, BatchNorm's running statistics included (then F.batch_norm:
+    'expected scalar type Float but found BFloat16' at the first step of zero3_bf16.json), and
+    a pretrained file's statistics were loaded into 16 bits. DeepSpeed's
+    ``data_types.keep_in_fp32_modules`` turns the named buffers back to fp32 as each module is
+    built, before any weights are loaded into them."""
+    data_types = dict(ds_config.get('data_types') or {})
+    kept = data_types.get('keep_in_fp32_modules')
+    kept = [] if kept in (None, 'auto') else list(kept)
+    data_types['keep_in_fp32_modules'] = kept + [name for name in BATCHNORM_STATS if name not in kept]
+    return dict(ds_config, data_types=data_types)
 
 
 def _optimizer_state_kind(precision):

@@ -228,6 +228,7 @@ def _train_fp16(tmp, backend, ds):
 
 def _engine_offload(tmp, stage, precision, work):
     """Like _train_mode, plus whether the engine offloads optimizer and parameters."""
+    from ds_seg.engine.common import batchnorm_buffers
     from ds_seg.engine.trainer import Trainer
     cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=4)
     trainer = Trainer(cfg, ds_config(stage, precision=precision, grad_accum=2), backend='deepspeed',
@@ -238,6 +239,7 @@ def _engine_offload(tmp, stage, precision, work):
         engine = trainer.backend.engine
         return dict(initial=initial, params=_full_params(trainer), summary=summary, precision=trainer.spec.precision,
                     dtypes={str(p.dtype) for p in trainer.backend.module.parameters()},
+                    bn_stats={str(b.dtype) for b in batchnorm_buffers(trainer.backend.module)},
                     offloaded=(bool(engine.zero_offload_optimizer()), bool(engine.zero_offload_param())))
     finally:
         trainer.close()
@@ -245,17 +247,19 @@ def _engine_offload(tmp, stage, precision, work):
 
 @pytest.fixture(scope='module')
 def modes(runs, tmp_path_factory):
-    """ds_configs/zero3_offload.json (fp32) and native bf16 under ZeRO-2: 4 steps of the `runs`
-    experiment, whose DDP run is the reference."""
+    """ds_configs/zero3_offload.json (fp32) and native bf16 under ZeRO-2 and ZeRO-3: 4 steps of the
+    `runs` experiment, whose DDP run is the reference. (ZeRO-3 bf16, zero3_bf16.json, failed at its
+    first step: zero.Init had made BatchNorm's running statistics bf16.)"""
     tmp = str(tmp_path_factory.mktemp('modes'))
     out = {}
-    for name, stage, precision in [('offload', 'offload', 'fp32'), ('bf16', 2, 'bf16')]:
+    for name, stage, precision in [('offload', 'offload', 'fp32'), ('bf16', 2, 'bf16'), ('bf16_zero3', 3, 'bf16')]:
         ranks = run_on_ranks(_engine_offload, 2, args=(tmp, stage, precision, name))
         out[name] = dict(ranks=ranks, rows=read_jsonl(os.path.join(tmp, name, 'metrics.jsonl')))
     return out
 
 
-@pytest.mark.parametrize('name, precision, rel', [('offload', 'fp32', 1e-6), ('bf16', 'bf16', 2e-2)])
+@pytest.mark.parametrize('name, precision, rel', [('offload', 'fp32', 1e-6), ('bf16', 'bf16', 2e-2),
+                                                   ('bf16_zero3', 'bf16', 2e-2)])
 def test_offload_and_native_bf16_train_end_to_end(runs, modes, name, precision, rel):
     r0, r1 = modes[name]['ranks']
     rows = modes[name]['rows']
@@ -268,7 +272,13 @@ def test_offload_and_native_bf16_train_end_to_end(runs, modes, name, precision, 
     # The same initial weights and data as the DDP run (native bf16: the fp32 weights rounded by
     # DeepSpeed's cast), so the first loss agrees: exactly in fp32, to bf16 precision in bf16.
     start = runs['ddp']['ranks'][0]['initial']
-    assert torch.equal(r0['initial'], start if precision == 'fp32' else start.to(torch.bfloat16).float())
+    rounded = start if precision == 'fp32' else start.to(torch.bfloat16).float()
+    if name == 'bf16_zero3':
+        # zero.Init creates the parameters in bf16 and the initialisers draw into them there, not
+        # into fp32 then rounded: 0.09% of the values (measured) come out otherwise.
+        assert (r0['initial'] != rounded).float().mean() < 0.005
+    else:
+        assert torch.equal(r0['initial'], rounded)
     assert rows[0]['loss'] == pytest.approx(runs['ddp']['losses'][0], rel=rel)
 
 
@@ -277,7 +287,10 @@ def test_offload_is_active_and_bf16_casts_the_model(modes):
     # the engine's own configuration (optimizer and parameters offloaded), not a device.
     assert modes['offload']['ranks'][0]['offloaded'] == (True, True)
     assert modes['bf16']['ranks'][0]['offloaded'] == (False, False)
-    assert modes['bf16']['ranks'][0]['dtypes'] == {'torch.bfloat16'}
+    for name in ('bf16', 'bf16_zero3'):
+        assert modes[name]['ranks'][0]['dtypes'] == {'torch.bfloat16'}
+        assert modes[name]['ranks'][0]['bn_stats'] == {'torch.float32'}, 'BatchNorm statistics stay fp32'
+    assert modes['bf16_zero3']['ranks'][0]['offloaded'] == (False, False)
 
 
 def _train_cli(argv):
