@@ -517,7 +517,8 @@ def load_config(path=None, cfg_options=None):
                               f"{', '.join(candidates) or 'none'}.")
         _refuse_repeated_keys(path)
         try:
-            loaded = Config.fromfile(str(path)).to_dict()
+            with _yaml_parsed_safely():
+                loaded = Config.fromfile(str(path)).to_dict()
         except RecursionError as exc:  # mmengine follows _base_ without noticing a cycle
             raise ConfigError(f"{path}: cannot be loaded: its _base_ files inherit from each other "
                               f"(a cycle); break it") from exc
@@ -978,8 +979,12 @@ def _check_ds_values(ds, source):
                 isinstance(getattr(torch.optim, kind, None), type)
                 and issubclass(getattr(torch.optim, kind), torch.optim.Optimizer))):
             known = sorted(set(DEEPSPEED_OPTIMIZERS) | {'Adam', 'AdamW', 'SGD'})
-            close = difflib.get_close_matches(str(kind).lower(), [k.lower() for k in known], n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]!r}?" if close else ''
+            # Matched without case, suggested as spelt: 'sgd' got "Did you mean 'sgd'?" (torch's is SGD).
+            by_lower = {}
+            for name in sorted(known, key=str.islower):
+                by_lower.setdefault(name.lower(), name)
+            close = difflib.get_close_matches(str(kind).lower(), list(by_lower), n=1, cutoff=0.6)
+            hint = f" Did you mean {by_lower[close[0]]!r}?" if close else ''
             raise ConfigError(f"{source}: 'optimizer.type' {kind!r} is not an optimizer DeepSpeed knows.{hint} "
                               f"Use one of {', '.join(known)} or a torch.optim class name.")
         _check_ds_params(optimizer, 'optimizer', source)
@@ -1121,6 +1126,14 @@ def _check_offload_stage(zero, source):
     offloaded only by stage 3, the optimizer only by stages 1-3. The run then trains without the
     memory saving the JSON asks for, and runs out of memory where it was meant to fit."""
     stage = zero.get('stage', 0)
+    # DeepSpeed's older spellings, which it turns into the blocks below with device "cpu": they
+    # passed this check and trained with nothing offloaded.
+    for old, block, needs, ok in (('cpu_offload_param', 'offload_param', 'stage 3', stage == 3),
+                                  ('cpu_offload', 'offload_optimizer', 'stage 1, 2 or 3', stage >= 1)):
+        if zero.get(old) and not ok:
+            raise ConfigError(f"{source}: 'zero_optimization.{old}' (DeepSpeed's older name for '{block}') needs "
+                              f"ZeRO {needs}, and DeepSpeed ignores it at stage {stage}: nothing would be offloaded; "
+                              "raise 'zero_optimization.stage' or remove it.")
     for block, needs, ok in (('offload_param', 'stage 3', stage == 3),
                              ('offload_optimizer', 'stage 1, 2 or 3', stage >= 1)):
         device = (zero.get(block) or {}).get('device', 'none')
@@ -1141,6 +1154,39 @@ def _check_offload_stage(zero, source):
             raise ConfigError(f"{source}: 'zero_optimization.{block}.device' \"nvme\" needs DeepSpeed's async_io op, "
                               "which cannot be built here (libaio missing: apt install libaio-dev, then "
                               "DS_BUILD_AIO=1 pip install deepspeed); use \"cpu\".")
+
+
+class _PythonTagInYaml(ValueError):
+    pass
+
+
+def _yaml_parsed_safely():
+    """mmengine reads YAML configs (and their YAML _base_ files) with yaml's full Loader, which
+    runs what a ``!!python/object/apply:os.system`` tag names: a config file ran a shell command.
+    Within this context every YAML it reads goes through yaml's SafeLoader: plain values only."""
+    import contextlib
+
+    import yaml
+    from mmengine.fileio.handlers import file_handlers
+    from mmengine.fileio.handlers.yaml_handler import YamlHandler
+
+    class SafeYamlHandler(YamlHandler):
+        def load_from_fileobj(self, file, **kwargs):
+            try:
+                return yaml.load(file, Loader=getattr(yaml, 'CSafeLoader', yaml.SafeLoader))
+            except yaml.constructor.ConstructorError as exc:
+                raise _PythonTagInYaml(f"{' '.join(str(exc).split())}; a config holds plain values (YAML tags "
+                                       "that build Python objects are not run)") from None
+
+    @contextlib.contextmanager
+    def swapped():
+        saved = {k: v for k, v in file_handlers.items() if isinstance(v, YamlHandler)}
+        file_handlers.update({k: SafeYamlHandler() for k in saved})
+        try:
+            yield
+        finally:
+            file_handlers.update(saved)
+    return swapped()
 
 
 def _refuse_repeated_keys(path):

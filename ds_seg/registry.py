@@ -35,6 +35,9 @@ def known_names(registry):
 
 def lookup(registry, name, where='type'):
     """Return the class registered under ``name``, or raise naming the known entries."""
+    if not isinstance(name, str):  # was difflib's "'int' object is not iterable", a traceback
+        raise RegistryError(f"{where}: a registered {registry.name} name (a string such as "
+                            f"{known_names(registry)[0]!r}), got {name!r}")
     cls = registry.module_dict.get(name)
     if cls is None:
         known = known_names(registry)
@@ -56,6 +59,9 @@ def build(registry, cfg, where=None, **extra):
     kwargs = dict(cfg)
     name = kwargs.pop('type')
     where = where or registry.name
+    odd = [k for k in kwargs if not isinstance(k, str)]
+    if odd:
+        raise RegistryError(f"{where}: argument names are strings, got {odd[0]!r}")
     cls = lookup(registry, name, where=f'{where}.type')
     for key, value in extra.items():  # what the caller injects is a default: the config wins
         kwargs.setdefault(key, value)

@@ -69,6 +69,12 @@ def parse_args(argv=None):
                       ('repeats', 1), ('workers', 0), ('micro_batch', 1), ('train_steps', 0), ('latency_ms', 0)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
+    if args.out is not None:  # checked before minutes of measuring: it overwrote a file, or failed at the end
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not args.out or os.path.exists(args.out) or os.path.islink(args.out):
+            p.error(f"--out {args.out!r}: {'already exists' if args.out else 'is empty'}; give a new file name")
+        if not os.path.isdir(folder):
+            p.error(f"--out {args.out}: the folder {folder} does not exist; create it first")
     if args.cfg_options and not args.config:  # they would be dropped: the synthetic set has its own flags
         p.error('--cfg-options needs --config; without one the scenes are set by --scene-size, '
                 '--num-scenes, --bands and --dtype')

@@ -58,6 +58,8 @@ def main(argv=None):
                         help='weights (default): plain fp32 state dict for predict/evaluate/load_from; '
                              'onnx; torch-export')
     args = parser.parse_args(argv)
+    if args.out is not None and not args.out.strip():  # '' wrote the default file
+        parser.error("--out is empty; give a file name, or leave --out out for the default")
     try:
         if args.out:
             check_suffix(args.out, args.format)

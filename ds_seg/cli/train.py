@@ -91,6 +91,10 @@ def _train(argv, as_program):
         sys.stdout.write((SBATCH_DIR / SBATCH_TEMPLATES[args.sbatch_template]).read_text())
         return 0
     try:
+        for option, value in (('--work-dir', args.work_dir), ('--resume', args.resume), ('--config', args.config),
+                              ('--deepspeed_config', args.deepspeed_config)):
+            if value is not None and not value.strip():  # '' became the default (a fresh run, the default dir)
+                raise ConfigError(f"{option} is empty; give a path, or leave {option} out for its default")
         cfg = load_config(args.config, args.cfg_options)
         ds_config = load_ds_config(args.deepspeed_config)
         from ds_seg.engine.trainer import Trainer

@@ -457,6 +457,9 @@ class Trainer:
 
     def _check_model_matches_data(self):
         m = self.cfg.model
+        for key in ('in_channels', 'num_classes', 'num_dates'):  # '6' read as 6 below: "is 6 but ... has 6"
+            if isinstance(m.get(key), str):
+                raise ConfigError(f"model.{key}: {m[key]!r} is a string, not a number; write it without quotes.")
         fill_model_from_data(m, self.train_set, self.print)
         if m.get('in_channels') is not None and m.in_channels != self.train_set.in_channels:
             raise ConfigError(f"model.in_channels is {m.in_channels} but data.train yields "

@@ -113,6 +113,9 @@ def test_predict_benchmark_reports_a_georeferenced_run(tmp_path, capsys, monkeyp
     (['--workers', '-1'], '--workers must be at least 0, got -1'),
     (['--compress', 'BOGUS'], "invalid choice: 'BOGUS'"),
     (['--cfg-options', 'data.crop_size=2'], '--cfg-options needs --config'),
+    # Overwritten without a word, or a FileNotFoundError traceback after the whole benchmark.
+    (['--out', __file__], 'already exists; give a new file name'),
+    (['--out', '/nonexistent_folder/x.json'], 'the folder /nonexistent_folder does not exist; create it first'),
 ])
 def test_data_benchmark_refuses_what_it_would_drop_or_crash_on(argv, message, capsys):
     from tests.tiny import argparse_refusal

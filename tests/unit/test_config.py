@@ -128,6 +128,26 @@ def test_config_files_of_the_wrong_shape_say_what_they_are(tmp_path, name, text,
         load_config(str(path))
 
 
+@pytest.mark.parametrize('base', [False, True])
+def test_a_yaml_config_never_runs_what_its_tags_name(tmp_path, base):
+    """A YAML config (or a YAML _base_ of one) with !!python/object/apply:os.system ran the command
+    (mmengine reads YAML with yaml's full Loader), then was refused for its value. Now it is read
+    with the SafeLoader: refused in one line, and nothing ran."""
+    marker = tmp_path / 'ran'
+    evil = tmp_path / 'evil.yaml'
+    evil.write_text(f'train: !!python/object/apply:os.system ["touch {marker}"]\n')
+    path = evil
+    if base:
+        path = tmp_path / 'child.py'
+        path.write_text("_base_ = ['evil.yaml']\ntrain = dict(max_steps=3)\n")
+    with pytest.raises(ConfigError, match=r"cannot be loaded: could not determine a constructor for the tag "
+                                          r"'tag:yaml.org,2002:python/object/apply:os.system'.*plain values"):
+        load_config(str(path))
+    assert not marker.exists()
+    (tmp_path / 'plain.yaml').write_text('train:\n  max_steps: 3\n  seed: 7\n')  # plain YAML still loads
+    assert load_config(str(tmp_path / 'plain.yaml')).train.seed == 7
+
+
 def test_an_mmseg_optimizer_block_in_a_config_file_is_pointed_to_the_deepspeed_json(tmp_path):
     """The same in a config file, where a bare unknown key is otherwise taken for a helper variable."""
     (tmp_path / 'mmseg_style.py').write_text("optimizer = dict(type='AdamW', lr=6e-5)\n")
@@ -348,6 +368,16 @@ DS_VALUE_REFUSALS = {
                              "ignores it at stage 2"),
     'offload_optimizer_stage0': (dict(zero_optimization={'stage': 0, 'offload_optimizer': {'device': 'cpu'}}),
                                  "'zero_optimization.offload_optimizer' (device 'cpu') needs ZeRO stage 1, 2 or 3"),
+    # DeepSpeed's older names for the two blocks passed the check above: trained, nothing offloaded.
+    'cpu_offload_param_stage2': (dict(zero_optimization={'stage': 2, 'cpu_offload_param': True}),
+                                 "'zero_optimization.cpu_offload_param' (DeepSpeed's older name for 'offload_param') "
+                                 "needs ZeRO stage 3, and DeepSpeed ignores it at stage 2"),
+    'cpu_offload_stage0': (dict(zero_optimization={'stage': 0, 'cpu_offload': True}),
+                           "'zero_optimization.cpu_offload' (DeepSpeed's older name for 'offload_optimizer') needs "
+                           "ZeRO stage 1, 2 or 3"),
+    # 'sgd' was told "Did you mean 'sgd'?": the suggestion is as torch spells it.
+    'optimizer_sgd_lower': (dict(optimizer={'type': 'sgd', 'params': {'lr': 0.1}}),
+                            "'optimizer.type' 'sgd' is not an optimizer DeepSpeed knows. Did you mean 'SGD'?"),
     # NVMe: ignored below stage 3 (exit 0, nothing offloaded), a TypeError traceback without a
     # path, a JIT-build traceback without libaio.
     'nvme_stage2': (dict(zero_optimization={'stage': 2, 'offload_optimizer': {'device': 'nvme', 'nvme_path': '/nvme'}}),

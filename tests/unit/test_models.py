@@ -128,12 +128,16 @@ def test_unknown_argument_names_the_accepted_ones():
      r'^model\.backbone_kwargs\.drop_rate is a probability'),
     (dict(type='UperNetTiny', aux_head=dict(type='FCNHead', in_index=2, dropout=2)),
      r'^model\.aux_head\.dropout is a probability'),
+    # difflib's "'int' object is not iterable" traceback; a non-string argument name likewise.
+    (dict(type=3), r"^model\.type: a registered model name \(a string such as '.*'\), got 3$"),
+    ({'type': 'UNetTiny', 1: 2}, r"^model: argument names are strings, got 1$"),
     # ZeroDivisionError in TemporalSegmentor.
     (dict(type='TinyTemporalSegFormer', num_dates=0), r'^model\.num_dates must be a whole number of at least 1'),
 ])
 def test_values_of_the_wrong_type_or_range_are_one_line_before_anything_is_built(cfg, message):
     from ds_seg.config import ConfigError
-    with pytest.raises(ConfigError, match=message):
+    from ds_seg.registry import RegistryError
+    with pytest.raises((ConfigError, RegistryError), match=message):
         build(MODELS, cfg, where='model')
 
 
@@ -146,3 +150,19 @@ def test_flags_and_paths_that_are_strings_still_build(tmp_path):
     with pytest.raises(FileNotFoundError, match=r'^resnet18 pretrained: .*missing\.pth does not exist'):
         build(MODELS, dict(type='UperNet', backbone='resnet18', pretrained=str(tmp_path / 'missing.pth')),
               where='model')
+
+
+def test_a_count_of_the_model_given_as_text_is_named_before_it_is_compared_with_the_data():
+    """model.num_classes='6' on 6-class data: "model.num_classes is 6 but data.train has 6 classes;
+    set model.num_classes=6", the value the user had given."""
+    from types import SimpleNamespace
+
+    from mmengine.config import ConfigDict
+
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    fake = SimpleNamespace(cfg=ConfigDict(model=dict(type='UNetTiny', in_channels=3, num_classes='6')),
+                           train_set=SimpleNamespace(in_channels=3, num_classes=6), val_set=None, print=print)
+    with pytest.raises(ConfigError, match=r"^model\.num_classes: '6' is a string, not a number; write it without "
+                                          r"quotes\.$"):
+        Trainer._check_model_matches_data(fake)

@@ -162,3 +162,22 @@ def test_summary_json_is_strict_json_when_the_loss_overflowed(tmp_path):
     with open(tmp_path / 'summary.json') as f:
         got = json.loads(f.read(), parse_constant=refuse)
     assert got == {'loss': None, 'history': [1.5, None], 'mIoU': 0.25, 'nested': {'grad_norm': None}}
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--work-dir', ''], '--work-dir is empty; give a path'),    # trained into work_dirs/<config name>
+    (['--resume', ' '], '--resume is empty; give a path'),       # started a fresh run
+])
+def test_an_empty_path_option_is_refused_not_taken_as_its_default(tmp_path, capsys, argv, message):
+    from ds_seg.cli import train
+    assert train.main(argv + ['--cfg-options', 'train.max_steps=1']) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f'ds_seg: error: {message}, or leave {argv[0]} out for its default', err
+
+
+def test_export_refuses_an_empty_out(tmp_path, capsys):
+    """--out '' wrote the default weights file beside the checkpoints."""
+    from ds_seg.cli import export
+    with pytest.raises(SystemExit) as exited:
+        export.main([str(tmp_path), '--out', ''])
+    assert exited.value.code == 2 and '--out is empty' in capsys.readouterr().err and not os.listdir(tmp_path)
