@@ -496,8 +496,21 @@ def parse_cfg_options(options):
             if not isinstance(node, dict):  # 'train=1 train.max_steps=2': a value, then a key inside it
                 raise ConfigError(f"--cfg-options: {item!r} sets a key inside {'.'.join(parts[:i + 1])}, which "
                                   f"an earlier option set to {node!r}; give one or the other.")
-        node[parts[-1]] = value
+        node[parts[-1]] = _later_option(node.get(parts[-1]), value)
     return nested
+
+
+def _later_option(earlier, later):
+    """An option's value after an earlier option set the same key. A dict given after keys set
+    inside it keeps them, the later winning on a key ('train.seed=2 train=dict(max_steps=5)' lost
+    the seed), unless it names another ``type``: then it is another thing, whole."""
+    if not (isinstance(earlier, dict) and isinstance(later, dict)) or later.get('type', earlier.get('type')) != \
+            earlier.get('type'):
+        return later
+    merged = dict(earlier)
+    for key, value in later.items():
+        merged[key] = _later_option(earlier.get(key), value)
+    return merged
 
 
 def load_config(path=None, cfg_options=None):

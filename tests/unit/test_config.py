@@ -194,6 +194,18 @@ def test_cfg_options_given_twice_both_apply():
     assert (cfg.train.max_steps, cfg.train.checkpoint_interval) == (2, 2)
 
 
+def test_a_section_dict_after_keys_inside_it_keeps_them_unless_it_names_another_type():
+    """'train.seed=2 train=dict(max_steps=5)' trained with seed 0: the dict replaced the option
+    before it. Both apply now, the later winning on a key; a model of another type is whole."""
+    from ds_seg.cli.train import parse_args
+    args = parse_args(['--cfg-options', 'train.seed=2', 'train=dict(max_steps=5, seed=3)', 'train.log_interval=4',
+                       'model.base_channels=8', 'model=dict(depth=3)', '--cfg-options', 'train=dict(max_steps=6)'])
+    cfg = load_config(None, args.cfg_options)
+    assert (cfg.train.seed, cfg.train.max_steps, cfg.train.log_interval) == (3, 6, 4)
+    assert (cfg.model.base_channels, cfg.model.depth) == (8, 3)
+    assert load_config(None, ['model.base_channels=8', "model=dict(type='FPNTiny')"]).model == dict(type='FPNTiny')
+
+
 def test_cfg_options_unbracketed_commas_make_a_list_as_in_mmengine():
     from ds_seg.config import parse_cfg_options
     options = parse_cfg_options(["a=x.tif,y.tif", 'b=1,2', "c=['x,y']", 'd=x', "e='x,y'", 'f=true,none,0.5'])
