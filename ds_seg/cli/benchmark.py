@@ -14,6 +14,7 @@ trace into <backend>_profile/profile/ (profiled steps are slower, so they are ne
 """
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -466,10 +467,20 @@ def write_plot(path, rows, meta):
     plt.close(fig)
 
 
+def failure_line(tail):
+    """The one line that says why a run failed: its ds_seg refusal (under torchrun followed by the
+    launcher's report, whose last 300 characters were the row's error and broke benchmark.md's
+    table), else its last line."""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    said = [line for line in lines if ': error: ' in line or line.startswith(('ds_seg: ', 'Error', 'RuntimeError'))]
+    line = (said or lines or ['(no output)'])[-1]
+    return line.replace('|', '/')[:300]
+
+
 def _check_args(args):
     """What makes every run fail (or overwrite another's folder), as one line; None if fine."""
     from ds_seg.config import ConfigError, load_config, load_ds_config
-    from ds_seg.registry import MODELS, RegistryError
+    from ds_seg.registry import MODELS, RegistryError, arguments
     names = [n.strip() for n in args.backends.split(',') if n.strip()]
     if not names:
         return f"--backends {args.backends!r} names no backend; known: {', '.join(BACKENDS)}"
@@ -493,6 +504,15 @@ def _check_args(args):
         value = getattr(args, flag)
         if value is not None and value < 1:
             return f"--{flag.replace('_', '-')} must be at least 1, got {value}"
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        return f"--peak-tflops must be a finite number > 0 (the device's peak TFLOP/s), got {args.peak_tflops}"
+    if args.timeout < 1 or args.profile < 0:
+        return (f"--timeout must be at least 1 s, got {args.timeout}" if args.timeout < 1 else
+                f"--profile must be >= 0 steps, got {args.profile}")
+    for flag, needs in (('max_batch', 'find_max_batch'), ('model_start', 'find_max_model'),
+                        ('max_model', 'find_max_model')):
+        if getattr(args, flag) is not None and not getattr(args, needs):  # ran the plain benchmark
+            return f"--{flag.replace('_', '-')} bounds --{needs.replace('_', '-')}, which is not given"
     if args.launcher == 'python' and (args.nproc or 1) != 1:
         return f"--launcher python starts one process, but --nproc is {args.nproc}; use torchrun or deepspeed"
     if os.path.exists(args.work_dir) and not os.path.isdir(args.work_dir):
@@ -509,6 +529,13 @@ def _check_args(args):
         for n in names:
             if '=' in n:
                 load_ds_config(n.split('=', 1)[1])
+        key = args.find_max_model
+        if key:  # a key the model does not take failed every run of the search, after the timed ones
+            section, _, name = key.partition('.')
+            accepted = arguments(MODELS.module_dict[cfg.model.type]) if section == 'model' else None
+            if section != 'model' or not name or '.' in name or (accepted is not None and name not in accepted):
+                known = f"; {cfg.model.type} takes {', '.join(accepted)}" if accepted else ''
+                raise ConfigError(f"--find-max-model {key!r}: a size argument of the model, model.<name>{known}")
     except (ConfigError, RegistryError) as exc:
         return str(exc)
     return None
@@ -549,7 +576,7 @@ def main(argv=None):
         rc, tail = run_backend(args, name, work_dir, args.steps, args.warmup)
         if rc != 0:
             print(f'[benchmark] {name} failed (exit {rc}):\n{tail}', file=sys.stderr, flush=True)
-            rows.append(dict({k: None for k in ROW_FIELDS + MEMORY_FIELDS}, backend=label, error=tail.strip()[-300:]))
+            rows.append(dict({k: None for k in ROW_FIELDS + MEMORY_FIELDS}, backend=label, error=failure_line(tail)))
             continue
         row = summarise_run(work_dir, label, args.warmup)
         row['json'] = os.path.relpath(_backend(name)[1], DS_CONFIGS_DIR.parent)

@@ -226,6 +226,13 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     (['--nproc', '2'], '--launcher python starts one process, but --nproc is 2'),
     (['--backends', 'previous=ds_configs/zero1.json'], "--backends label 'previous' is not a plain name"),
     (['--backends', 'benchmark.json=ds_configs/zero1.json'], "--backends label 'benchmark.json' is not"),
+    # Each run started, then failed (torchrun's report as the row's error), or was never bounded.
+    (['--peak-tflops', '-5'], '--peak-tflops must be a finite number > 0'),
+    (['--peak-tflops', 'nan'], '--peak-tflops must be a finite number > 0'),
+    (['--timeout', '0'], '--timeout must be at least 1 s, got 0'),
+    (['--profile', '-1'], '--profile must be >= 0 steps, got -1'),
+    (['--max-batch', '4'], '--max-batch bounds --find-max-batch, which is not given'),
+    (['--find-max-model', 'model.nope'], "--find-max-model 'model.nope': a size argument of the model"),
 ])
 def test_what_would_fail_every_run_is_one_line_before_any(argv, message, tmp_path, capsys):
     assert benchmark.main(['--work-dir', str(tmp_path / 'bench'), '--launcher', 'python', *argv]) == 2
@@ -247,3 +254,14 @@ def test_a_folder_no_benchmark_wrote_is_refused_and_left_alone(existing, tmp_pat
     assert f'already holds {existing}, which no benchmark wrote' in err and len(err.strip().splitlines()) == 1
     assert (work / existing / 'precious.pt').read_text() == 'weights'
     assert sorted(p.name for p in work.iterdir()) == [existing]
+
+
+def test_a_failed_runs_row_holds_its_refusal_line_not_the_launchers_report():
+    """Under torchrun a refusal is followed by the launcher's ChildFailedError report: the row's
+    error was that report's last 300 characters, lines and all, which broke benchmark.md."""
+    tail = ("ds_seg: error: train.peak_tflops must be a finite number > 0, got -5.0\n"
+            "Traceback (most recent call last):\n  ...\ntorch.distributed.elastic.multiprocessing.errors."
+            "ChildFailedError:\n====\nlaunch/train.py FAILED\n----\nFailures:\n  <NO_OTHER_FAILURES>\n"
+            "Root Cause (first observed failure):\n[0]:\n  time : 2026-11-24_07:00:00\n  exitcode  : 2 | x\n")
+    assert benchmark.failure_line(tail) == 'ds_seg: error: train.peak_tflops must be a finite number > 0, got -5.0'
+    assert benchmark.failure_line('a\nlast | line\n') == 'last / line'
