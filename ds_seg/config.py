@@ -549,6 +549,12 @@ def load_config(path=None, cfg_options=None):
         # A run's config.json (the resolved config) names the config it came from: given back as
         # --config (to evaluate or retrain that run), it keeps that name, and so work_dirs/<name>.
         recorded_name = loaded.pop('config_name', None)
+        if recorded_name is not None and (not isinstance(recorded_name, str) or not recorded_name.strip()
+                                          or os.path.basename(recorded_name) != recorded_name
+                                          or recorded_name in ('.', '..')):
+            # It names work_dirs/<config_name>: '../../x' put the default work dir anywhere.
+            raise ConfigError(f"{path}: config_name {recorded_name!r} must be a plain name (no folders); it names "
+                              "the default work dir work_dirs/<config_name>")
         _check_keys(loaded, DEFAULTS, str(path))
         try:
             cfg = _merge(cfg, loaded)

@@ -56,7 +56,7 @@ def _in_channels(model, info):
 def refuse_existing(*paths):
     """Export never overwrites: a file a user has (an earlier export, a card) stays as it is."""
     for path in paths:
-        if os.path.exists(path):
+        if os.path.lexists(path):  # a link to nothing too: writing replaced the user's link with a file
             raise ConfigError(f'--out: {path} already exists; choose another --out or move it away '
                               '(export never overwrites).')
 

@@ -553,3 +553,14 @@ def test_an_experiment_config_with_a_key_twice_is_refused(tmp_path, name, text, 
         load_config(str(path))
     path.write_text("train: {max_steps: 6, seed: 3}\n" if name != 'dup.json' else '{"train": {"max_steps": 6}}')
     assert load_config(str(path)).train.max_steps == 6
+
+
+def test_a_config_name_that_is_a_path_is_refused(tmp_path):
+    """config_name (a run's config.json names the config it came from) names work_dirs/<name>:
+    '../../escaped' put the default work dir outside work_dirs."""
+    path = tmp_path / 'mine.py'
+    path.write_text("config_name = '../../escaped'\ntrain = dict(max_steps=3)\n")
+    with pytest.raises(ConfigError, match=r"config_name '\.\./\.\./escaped' must be a plain name"):
+        load_config(str(path))
+    path.write_text("config_name = 'unet_run'\ntrain = dict(max_steps=3)\n")
+    assert load_config(str(path)).train.max_steps == 3

@@ -290,3 +290,16 @@ def test_a_missing_runtime_is_named_with_the_install_for_this_installation(tmp_p
     monkeypatch.setattr(config, 'REPO_ROOT', tmp_path / 'site-packages')  # an installed wheel: no setup.py
     assert config.extra_hint('onnx') == 'pip install onnx onnxscript onnxruntime'
     assert config.extra_hint('wandb') == 'pip install wandb'
+
+
+def test_an_export_never_replaces_a_link_even_one_to_nothing(weights, tmp_path):
+    """--out dangling.pt, a user's symlink to a missing file: the export replaced the link with
+    a file of its own. It is refused as an existing path is."""
+    from ds_seg import deploy
+    from ds_seg.config import ConfigError
+    _, _, model = weights
+    link = tmp_path / 'dangling.onnx'
+    link.symlink_to(tmp_path / 'missing.onnx')
+    with pytest.raises(ConfigError, match=r'--out: .*dangling.onnx already exists'):
+        deploy.export_onnx(model, str(link), dict(model=dict(type='SegFormerTiny'), classes=CLASSES))
+    assert link.is_symlink() and not (tmp_path / 'missing.onnx').exists()
