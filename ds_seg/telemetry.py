@@ -213,6 +213,9 @@ class RunLog:
             archive = new_archive(self.work_dir)
             for name in old:
                 os.replace(os.path.join(self.work_dir, name), os.path.join(archive, name))
+            # Said, as a resume's move is: the user found their logs gone without a word.
+            print(f"[ds_seg] the logs of an earlier run in {self.work_dir} ({', '.join(old)}) moved to {archive}/",
+                  flush=True)
 
     def keep_replaced(self, files):
         """On resume, before ``files`` ({name: object}) are written: those already in the work

@@ -111,7 +111,7 @@ def evaluated_config(args):
         path = args.config or run_config_of(args.checkpoint)
         # Before the process group exists (setup comes later): the launcher's RANK says who prints.
         if not args.config and os.environ.get('RANK', '0') == '0':
-            print(f"[evaluate] data.val of the run's config {path} (--config names another)" if path else
+            print(f"[evaluate] data.val of the run's config {path} (give --config to evaluate another)" if path else
                   "[evaluate] data.val of the embedded default config (synthetic scenes): --checkpoint is not in "
                   "a run's work dir; give --config or --images/--labels to evaluate your scenes")
         cfg = load_config(path, args.cfg_options)

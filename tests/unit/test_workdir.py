@@ -181,3 +181,16 @@ def test_export_refuses_an_empty_out(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         export.main([str(tmp_path), '--out', ''])
     assert exited.value.code == 2 and '--out is empty' in capsys.readouterr().err and not os.listdir(tmp_path)
+
+
+def test_a_fresh_run_says_where_the_earlier_runs_logs_went(tmp_path, capsys):
+    """Reusing a work dir whose run never checkpointed moved its logs to previous/<time>/ without a
+    word (a resume's move said so): the user found them gone."""
+    from ds_seg.telemetry import RunLog
+    (tmp_path / 'metrics.jsonl').write_text('{"step": 1, "loss": 1.0}\n')
+    (tmp_path / 'config.json').write_text('{}')
+    RunLog(str(tmp_path), enabled=True).start(resumed_step=None)
+    kept = os.listdir(tmp_path / 'previous')
+    assert len(kept) == 1 and sorted(os.listdir(tmp_path / 'previous' / kept[0])) == ['config.json', 'metrics.jsonl']
+    assert (f"[ds_seg] the logs of an earlier run in {tmp_path} (metrics.jsonl, config.json) moved to "
+            f"{tmp_path / 'previous' / kept[0]}/") in capsys.readouterr().out
