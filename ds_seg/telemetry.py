@@ -168,6 +168,7 @@ class RunLog:
         self.enabled = enabled
         self.work_dir = work_dir
         self.tb = None
+        self.purge_step = None    # set by a resume: TensorBoard hides what the crashed run logged from there
         self.tensorboard = True   # log.trackers without 'tensorboard' turns it off
         self.trackers = []        # MLflow / W&B (ds_seg.trackers): the same scalars, config, summary
         if enabled:
@@ -177,7 +178,7 @@ class RunLog:
         # Created lazily so start() can first move an earlier run's tb/ aside.
         if self.tb is None:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(self.work_dir, 'tb'))
+            self.tb = SummaryWriter(os.path.join(self.work_dir, 'tb'), purge_step=self.purge_step)
         return self.tb
 
     LOGS = ('metrics.jsonl', 'eval.jsonl', 'summary.json')
@@ -191,6 +192,9 @@ class RunLog:
         for name in ('metrics.jsonl', 'eval.jsonl'):
             self._repair_jsonl(name)
         if resumed_step is not None:
+            # The steps after the checkpoint are redone: their TensorBoard points (each step twice,
+            # the rolled-back ones beside the redone ones) are purged as the jsonl rows are.
+            self.purge_step = resumed_step + 1
             for name in ('metrics.jsonl', 'eval.jsonl'):
                 path = os.path.join(self.work_dir, name)
                 if os.path.isfile(path):

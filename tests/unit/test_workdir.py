@@ -194,3 +194,25 @@ def test_a_fresh_run_says_where_the_earlier_runs_logs_went(tmp_path, capsys):
     assert len(kept) == 1 and sorted(os.listdir(tmp_path / 'previous' / kept[0])) == ['config.json', 'metrics.jsonl']
     assert (f"[ds_seg] the logs of an earlier run in {tmp_path} (metrics.jsonl, config.json) moved to "
             f"{tmp_path / 'previous' / kept[0]}/") in capsys.readouterr().out
+
+
+def test_a_resume_purges_the_tensorboard_points_of_the_steps_it_redoes(tmp_path):
+    """metrics.jsonl kept one row per step after a kill and --resume, but TensorBoard showed the
+    steps after the checkpoint twice (the killed run's and the redone ones)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ds_seg.telemetry import RunLog
+    killed = RunLog(str(tmp_path), enabled=True)
+    killed.start(resumed_step=None)
+    for step in range(1, 9):
+        killed._scalars({'train/loss': 10.0 - step}, step)
+    killed.tb.close()
+    resumed = RunLog(str(tmp_path), enabled=True)
+    resumed.start(resumed_step=4)
+    for step in range(5, 9):
+        resumed._scalars({'train/loss': 100.0 + step}, step)
+    resumed.tb.close()
+    events = EventAccumulator(str(tmp_path / 'tb'))
+    events.Reload()
+    points = [(e.step, e.value) for e in events.Scalars('train/loss')]
+    assert points == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 105.0), (6, 106.0), (7, 107.0), (8, 108.0)]
