@@ -242,6 +242,9 @@ def check_classes(args, classes, info):
     unknown = [name for name in args.exclude if name not in classes]
     if unknown:
         raise ValueError(f"--exclude: unknown class {unknown[0]!r}; classes are {', '.join(classes)}")
+    twice = sorted({name for name in args.exclude if list(args.exclude).count(name) > 1})
+    if twice:  # eval.json said "(mIoU/mF1 without grass, grass)"
+        raise ValueError(f"--exclude names {', '.join(twice)} twice; name each class once")
     check_ignore_index(args.ignore_index, classes)
 
 

@@ -80,11 +80,25 @@ def main(argv=None):
     parser.add_argument('--model', default='UNetTiny',
                         help='a registered model, or BenchPixelNet (1x1 convs; default UNetTiny)')
     parser.add_argument('--tile', type=int, default=512)
-    parser.add_argument('--overlap', type=int, default=64)
+    parser.add_argument('--overlap', type=int, default=None, help='overlap of windows (default tile/8)')
     parser.add_argument('--batch-size', type=int, default=2)
     parser.add_argument('--threads', type=int, default=2, help='torch CPU threads (default 2)')
     parser.add_argument('--extra', nargs=argparse.REMAINDER, default=[], help='more predict.py options')
     args = parser.parse_args(argv)
+    # Before the scene is written: a bad value was numpy's or the child's traceback, after minutes.
+    for flag, low in (('size', 16), ('tile', 16), ('batch_size', 1), ('threads', 1)):
+        if getattr(args, flag) < low:
+            parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
+    if args.overlap is None:  # a fixed 64 was refused by the child for any tile of 64 or less
+        args.overlap = args.tile // 8
+    if not 0 <= args.overlap < args.tile:
+        parser.error(f"--overlap must be >= 0 and smaller than --tile ({args.tile}), got {args.overlap}")
+    from ds_seg.registry import MODELS, RegistryError, lookup
+    _register_pixel_model()
+    try:
+        lookup(MODELS, args.model, where='--model')
+    except RegistryError as exc:
+        parser.error(str(exc))
 
     from ds_seg.data.synthetic import default_cache_dir
     from ds_seg.registry import MODELS, build
@@ -111,7 +125,8 @@ def main(argv=None):
         print('[benchmark] ' + ' '.join(cmd), flush=True)
         env = same_package_env(OMP_NUM_THREADS=str(args.threads))
         t1 = time.perf_counter()
-        subprocess.run(cmd, check=True, env=env)
+        if subprocess.run(cmd, env=env).returncode:  # the child said why (predict's one line); not a traceback here
+            return 2
         wall = time.perf_counter() - t1
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # kB on Linux
         from ds_seg.inference import ScenePlan

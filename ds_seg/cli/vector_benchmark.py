@@ -100,6 +100,12 @@ def main(argv=None):
         return child(args)
     if args.make:
         return make_class_map(args.class_map, args.size)
+    # Before the class map is made: these were tracebacks (or, for the band rows, accepted).
+    if args.size < 16 or args.band_rows < 1 or args.simplify < 0:
+        p.error(f"--size must be at least 16 (got {args.size}), --band-rows at least 1 (got {args.band_rows}) and "
+                f"--simplify >= 0 (got {args.simplify:g})")
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        p.error(f"--dir {args.dir} is a file; give a folder")
     os.makedirs(args.dir, exist_ok=True)
     class_map = os.path.join(args.dir, f'classes_{args.size}.tif')
     if not os.path.exists(class_map):

@@ -122,3 +122,34 @@ def test_data_benchmark_refuses_what_it_would_drop_or_crash_on(argv, message, ca
     code, err = argparse_refusal(data_benchmark.main, ['--train-steps', '0', '--scene-size', '128', '--num-scenes', '1',
                                                        *argv], capsys)
     assert code == 2 and message in err and 'Traceback' not in err, err
+
+
+@pytest.mark.parametrize('program, argv, message', [
+    # numpy's "can't extend empty axis", or the child's refusal and then a CalledProcessError traceback
+    ('predict', ['--size', '0'], '--size must be at least 16, got 0'),
+    ('predict', ['--tile', '0'], '--tile must be at least 16, got 0'),
+    ('predict', ['--batch-size', '0'], '--batch-size must be at least 1, got 0'),
+    ('predict', ['--threads', '0'], '--threads must be at least 1, got 0'),
+    ('predict', ['--tile', '64', '--overlap', '64'], '--overlap must be >= 0 and smaller than --tile (64), got 64'),
+    ('predict', ['--model', 'Nope'], "--model: 'Nope' is not a registered model"),
+    ('vector', ['--size', '0'], '--size must be at least 16 (got 0)'),
+    ('vector', ['--band-rows', '-3'], '--band-rows at least 1 (got -3)'),   # was accepted
+    ('vector', ['--simplify', '-1'], '--simplify >= 0 (got -1)'),
+])
+def test_the_measuring_commands_refuse_bad_values_in_one_line_before_any_work(tmp_path, capsys, monkeypatch,
+                                                                             program, argv, message):
+    monkeypatch.setenv('DS_SEG_CACHE', str(tmp_path / 'cache'))
+    main = predict_benchmark.main if program == 'predict' else vector_benchmark.main
+    extra = [] if program == 'predict' else ['--dir', str(tmp_path / 'vb')]
+    with pytest.raises(SystemExit) as exited:
+        main(argv + extra)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and message in err and 'Traceback' not in err, err
+    assert not (tmp_path / 'cache').exists() and not (tmp_path / 'vb').exists()
+
+
+def test_predict_benchmark_takes_a_small_tile_with_its_default_overlap(tmp_path, capsys, monkeypatch):
+    """The fixed default overlap of 64 was refused by predict for any tile of 64 or less."""
+    monkeypatch.setenv('DS_SEG_CACHE', str(tmp_path / 'cache'))
+    assert predict_benchmark.main(['--size', '128', '--tile', '64', '--model', 'BenchPixelNet']) == 0
+    assert '"overlap": 8' in capsys.readouterr().out

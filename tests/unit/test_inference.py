@@ -486,6 +486,7 @@ def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, cap
     (['--exclude', 'clutter'], "--exclude: unknown class 'clutter'; classes are a, b, c, d, e"),
     (['--erode', '-2'], '--erode must be >= 0'),
     (['--previews', '-1'], '--previews must be >= 0 (0 writes none), got -1'),  # wrote none, exit 0
+    (['--exclude', 'b', 'b'], '--exclude names b twice; name each class once'),
     (['--classes', 'x', 'y', 'z'], '3 classes given (x, y, z) but the model predicts 5'),
 ])
 def test_evaluate_refuses_class_and_erosion_options_before_any_window(tmp_path, capsys, args, message):
