@@ -63,7 +63,10 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
         raise ConfigError(f"{source}: no 'optimizer' block: training needs one, e.g. \"optimizer\": "
                           "{\"type\": \"AdamW\", \"params\": {\"lr\": 0.001}} (see ds_configs/zero2.json).")
     resolved, precision, notes = resolve_ds_config(ds_config, world_size, max_steps, source=source)
-    precision, zero_stage = engine.precision_run(precision), engine.zero_stage_of(resolved)
+    native, (precision, zero_stage) = precision, (engine.precision_run(precision), engine.zero_stage_of(resolved))
+    if precision != native:  # DDP runs native fp16/bf16 as autocast: ds_config.json says what ran
+        resolved = dict(resolved, **{native: dict(resolved[native], enabled=False)},
+                        torch_autocast={'enabled': True, 'dtype': 'float16' if native == 'fp16' else 'bfloat16'})
     return RunSpec(backend=backend, rank=distributed.rank(), world_size=world_size, device=distributed.device(),
                    launcher=launcher or distributed.detect_launcher(), micro_batch=resolved['train_micro_batch_size_per_gpu'],
                    grad_accum=resolved['gradient_accumulation_steps'], global_batch=resolved['train_batch_size'],

@@ -564,3 +564,18 @@ def test_a_config_name_that_is_a_path_is_refused(tmp_path):
         load_config(str(path))
     path.write_text("config_name = 'unet_run'\ntrain = dict(max_steps=3)\n")
     assert load_config(str(path)).train.max_steps == 3
+
+
+def test_ds_config_json_under_ddp_records_the_autocast_that_runs():
+    """Under --backend ddp a native bf16 JSON runs as bf16 autocast: ds_config.json's ds_seg block
+    said bf16-autocast while the JSON beside it still said bf16.enabled true (an fp16 JSON on a CPU
+    was rewritten, a bf16 one not)."""
+    from ds_seg.config import REPO_ROOT, load_ds_config
+    from ds_seg.engine.run_spec import describe_run
+    ds = load_ds_config(str(REPO_ROOT / 'ds_configs' / 'zero2_bf16.json'))
+    spec = describe_run(ds, 'ddp', 10, source='zero2_bf16.json')
+    assert spec.precision == 'bf16-autocast'
+    assert spec.ds_config['bf16']['enabled'] is False
+    assert spec.ds_config['torch_autocast'] == {'enabled': True, 'dtype': 'bfloat16'}
+    native = describe_run(ds, 'deepspeed', 10, source='zero2_bf16.json')
+    assert native.precision == 'bf16' and native.ds_config['bf16']['enabled'] is True
