@@ -513,6 +513,15 @@ def _later_option(earlier, later):
     return merged
 
 
+def _not_a_file(path, kind):
+    """Why ``path`` (not a readable file) cannot be read, as the end of a sentence."""
+    if path.is_dir():
+        return f'is a folder, not a {kind}'
+    if os.path.islink(path):  # a symlink loop or one to a missing file was "does not exist"
+        return 'is a link that leads to no file (a missing target, or a loop)'
+    return 'does not exist'
+
+
 def load_config(path=None, cfg_options=None):
     """Load an experiment config: defaults <- file <- ``--cfg-options``; return an mmengine Config.
 
@@ -525,7 +534,7 @@ def load_config(path=None, cfg_options=None):
         path = find_shipped(path, CONFIGS_DIR, '.py')
         if not path.is_file():
             candidates = sorted(p.name for p in CONFIGS_DIR.glob('*.py'))
-            what = 'is a folder, not a config file' if path.is_dir() else 'does not exist'
+            what = _not_a_file(path, 'config file')
             raise ConfigError(f"--config: {path} {what}. Configs shipped in configs/: "
                               f"{', '.join(candidates) or 'none'}.")
         _refuse_repeated_keys(path)
@@ -660,9 +669,10 @@ _SCHEDULERS_WITH_TOTAL = {'WarmupDecayLR', 'WarmupCosineLR'}
 def load_ds_config(path):
     """Read a DeepSpeed JSON file and check it (see :func:`check_ds_config`)."""
     path = find_shipped(path, DS_CONFIGS_DIR, '.json')
-    if not path.is_file():
+    if not path.exists() or path.is_dir():  # a pipe (<(...)) is read as a file is
         shipped = sorted(p.stem for p in DS_CONFIGS_DIR.glob('*.json'))
-        raise ConfigError(f"--deepspeed_config: {path} does not exist. Shipped: {', '.join(shipped)}.")
+        raise ConfigError(f"--deepspeed_config: {path} {_not_a_file(path, 'DeepSpeed JSON')}. "
+                          f"Shipped: {', '.join(shipped)}.")
     try:
         ds = json.loads(path.read_text(), object_pairs_hook=_refuse_duplicate_keys)
     except json.JSONDecodeError as exc:

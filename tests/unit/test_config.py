@@ -579,3 +579,24 @@ def test_ds_config_json_under_ddp_records_the_autocast_that_runs():
     assert spec.ds_config['torch_autocast'] == {'enabled': True, 'dtype': 'bfloat16'}
     native = describe_run(ds, 'deepspeed', 10, source='zero2_bf16.json')
     assert native.precision == 'bf16' and native.ds_config['bf16']['enabled'] is True
+
+
+def test_config_paths_that_are_no_file_say_what_they_are(tmp_path):
+    """A folder given as --deepspeed_config, and a symlink loop as either config, were said not to
+    exist; a pipe (bash's <(...)) was refused as missing although it reads like a file."""
+    from ds_seg.config import REPO_ROOT, load_ds_config
+    (tmp_path / 'a').symlink_to(tmp_path / 'b')
+    (tmp_path / 'b').symlink_to(tmp_path / 'a')
+    with pytest.raises(ConfigError, match=r'^--deepspeed_config: .* is a folder, not a DeepSpeed JSON\. Shipped'):
+        load_ds_config(str(tmp_path))
+    for load, option in ((load_ds_config, '--deepspeed_config'), (load_config, '--config')):
+        with pytest.raises(ConfigError, match=rf'^{option}: .*a link that leads to no file \(a missing target, '
+                                              r'or a loop\)'):
+            load(str(tmp_path / 'a'))
+    read, write = os.pipe()
+    with os.fdopen(write, 'w') as f:
+        f.write((REPO_ROOT / 'ds_configs' / 'zero2.json').read_text())
+    try:
+        assert load_ds_config(f'/dev/fd/{read}')['train_micro_batch_size_per_gpu'] == 8
+    finally:
+        os.close(read)
