@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import math
 import os
+import re
 import warnings
 
 import numpy as np
@@ -141,6 +142,8 @@ def remote_hint(exc):
     if 'Operation too slow' in message or 'timed out' in message.lower():
         return (f"{message} (the server stopped answering; check it, or allow a slower one with "
                 f"GDAL_HTTP_LOW_SPEED_TIME / GDAL_HTTP_CONNECTTIMEOUT in the environment)")
+    if re.search(r'response code: 5\d\d', message):
+        return f"{message} (the server failed; try again later, or ask its operator)"
     return f"{message} (unreachable URL, no permission, or not a raster)"
 
 
@@ -312,6 +315,9 @@ class StackedRaster:
             # written by another tool differ in the last float digits (500000.10000000003) and
             # are the same grid.
             w, h, transform, crs, count = grids[0]
+            if g[4] != count and g[:2] == (w, h) and g[3] == crs and same_pixels(g[2], transform, w, h):
+                raise DataError(f"{p} has {g[4]} band(s) but {paths[0]} has {count}; every date of a scene needs "
+                                "the same bands: give files of one product (gdal_translate -b picks bands)")
             if g[:2] != (w, h) or g[3:] != (crs, count) or not same_pixels(g[2], transform, w, h):
                 raise DataError(f"{p} is not co-registered with {paths[0]} (size, transform, CRS or "
                                 f"band count differ: {g[:2]} {tuple(g[2])[:6]} {g[3]} {g[4]} vs {grids[0][:2]} "

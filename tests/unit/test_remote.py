@@ -201,3 +201,14 @@ def test_urls_read_without_a_writable_home_and_caches_follow_ds_seg_cache(cogs, 
     monkeypatch.setenv('DS_SEG_CACHE', str(tmp_path / 'cache'))
     GeoTiffScenes(*remote, **kw)
     assert any(p.name.startswith('stats-') for p in (tmp_path / 'cache').iterdir())
+
+
+@pytest.mark.parametrize('gdal_words, hint', [
+    ('HTTP response code: 503 - Service Unavailable', 'the server failed; try again later'),
+    ('HTTP response code: 500', 'the server failed; try again later'),   # was "unreachable URL, no permission"
+    ('HTTP response code: 404', 'no such file at that URL'),
+    ('HTTP response code: 403', 'no permission'),
+])
+def test_what_a_failed_url_read_is_told_to_do(gdal_words, hint):
+    from ds_seg.data.raster import remote_hint
+    assert remote_hint(RuntimeError(gdal_words)).startswith(f'{gdal_words} ({hint}')

@@ -364,3 +364,16 @@ def test_dates_as_files_for_a_model_trained_on_stacked_files_say_which_bands(tmp
     with rasterio.open(tmp_path / 'b' / 'a_t0_classes.tif') as b:
         with rasterio.open(tmp_path / 'c' / 'a_both_classes.tif') as c:
             assert np.array_equal(b.read(), c.read())
+
+
+def test_dates_of_other_band_counts_are_named_as_such(tmp_path):
+    """Dates on one grid but of 1 and 2 bands were told to 'resample the dates onto one grid'."""
+    from ds_seg.data.raster import StackedRaster
+    (t0, _), _ = _change_scene(tmp_path, 'a', 0)
+    two = str(tmp_path / 'a_two.tif')
+    with rasterio.open(t0) as a:
+        with rasterio.open(two, 'w', **dict(a.profile, count=2)) as d:
+            d.write(np.concatenate([a.read(), a.read()]))
+    with pytest.raises(DataError, match=r"a_two.tif has 2 band\(s\) but .*a_t0.tif has 1; every date of a scene "
+                                        r"needs the same bands"):
+        StackedRaster.check([t0, two])
