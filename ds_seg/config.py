@@ -517,8 +517,10 @@ def _not_a_file(path, kind):
     """Why ``path`` (not a readable file) cannot be read, as the end of a sentence."""
     if path.is_dir():
         return f'is a folder, not a {kind}'
-    if os.path.islink(path):  # a symlink loop or one to a missing file was "does not exist"
+    if os.path.islink(path) and not path.exists():  # a symlink loop or one to a missing file was "does not exist"
         return 'is a link that leads to no file (a missing target, or a loop)'
+    if path.exists():  # a pipe (<(...)), a device
+        return f'is not a regular file (a pipe?); give a {kind} (.py, .json or .yaml)'
     return 'does not exist'
 
 

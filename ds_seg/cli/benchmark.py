@@ -471,9 +471,12 @@ def failure_line(tail):
     """The one line that says why a run failed: its ds_seg refusal (under torchrun followed by the
     launcher's report, whose last 300 characters were the row's error and broke benchmark.md's
     table), else its last line."""
-    lines = [line.strip() for line in tail.splitlines() if line.strip()]
-    said = [line for line in lines if ': error: ' in line or line.startswith(('ds_seg: ', 'Error', 'RuntimeError'))]
-    line = (said or lines or ['(no output)'])[-1]
+    lines = [line.strip() for line in tail.splitlines() if line.strip() and set(line.strip()) - set('=-')]
+    refusals = [line for line in lines if ': error: ' in line or line.startswith('ds_seg: ')]
+    # A crash: its exception line ('[rank0]: torch.OutOfMemoryError: ...'), not torchrun's banner.
+    crashes = [line for line in lines if re.match(r'^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception)\b.*:', line)
+               and 'ChildFailedError' not in line]
+    line = (refusals or crashes or lines or ['(no output)'])[-1]
     return line.replace('|', '/')[:300]
 
 
@@ -533,7 +536,8 @@ def _check_args(args):
         if key:  # a key the model does not take failed every run of the search, after the timed ones
             section, _, name = key.partition('.')
             accepted = arguments(MODELS.module_dict[cfg.model.type]) if section == 'model' else None
-            if section != 'model' or not name or '.' in name or (accepted is not None and name not in accepted):
+            first = name.split('.')[0]  # model.backbone_kwargs.depth: a key inside an argument that is a dict
+            if section != 'model' or not first or (accepted is not None and first not in accepted):
                 known = f"; {cfg.model.type} takes {', '.join(accepted)}" if accepted else ''
                 raise ConfigError(f"--find-max-model {key!r}: a size argument of the model, model.<name>{known}")
     except (ConfigError, RegistryError) as exc:

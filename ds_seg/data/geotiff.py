@@ -181,8 +181,8 @@ def cached_label_histograms(label_paths):
         if is_remote(path):
             out.append(None)
             continue
-        ident = file_identity(path)
-        entry = cache.get(ident['path'])
+        ident = file_identity(path)  # None: a VRT of sources whose version is unknown, not cached
+        entry = cache.get(ident['path']) if ident else None
         if entry is None or entry.get('identity') != ident or entry.get('version') != LABELS_VERSION:
             try:
                 histogram = label_histogram(path)
@@ -190,8 +190,9 @@ def cached_label_histograms(label_paths):
                 raise DataError(f"{path}: cannot be read (corrupt or truncated?): {e}") from e
             entry = {'identity': ident, 'version': LABELS_VERSION,
                      'values': {str(v): n for v, n in histogram.items()}}
-            cache[ident['path']] = entry
-            changed = True
+            if ident:
+                cache[ident['path']] = entry
+                changed = True
         out.append({float(v): n for v, n in entry['values'].items()})
     if changed:
         _write_cache(cache_path, cache)
@@ -746,9 +747,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             for key in ('mean', 'std'):
                 if given[key] is None:
                     values = np.asarray(file_stats[key], dtype=np.float64).reshape(-1)
-                    if values.size == self.num_file_bands * self.num_dates:  # per file band of each date
+                    if values.size == self.num_file_bands * self.num_dates:  # per file band (of each date)
                         values = values.reshape(self.num_dates, self.num_file_bands)
                         given[key] = values[:, np.array(self.bands) - 1].reshape(-1)
+                    elif values.size == self.num_file_bands:  # stats.json's, one per file band: follow `bands`
+                        given[key] = values[np.array(self.bands) - 1]
                     else:
                         given[key] = self._select(values, key)
         # A constant band (computed std 0) normalises to 0, not to inf.
@@ -952,7 +955,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 continue
             key = 'labelled_valid:' + os.path.abspath(s['image'])
             ident = [file_identity(p) for p in (s['label'], *s.get('dates', (s['image'],)))]
-            entry = cache.get(key)
+            entry = None if None in ident else cache.get(key)  # an unknown version is never trusted
             if entry is None or entry.get('identity') != ident or entry.get('bands') != self.bands:
                 count = 0
                 for y in range(0, s['height'], band_rows):

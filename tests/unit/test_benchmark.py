@@ -265,3 +265,17 @@ def test_a_failed_runs_row_holds_its_refusal_line_not_the_launchers_report():
             "Root Cause (first observed failure):\n[0]:\n  time : 2026-11-24_07:00:00\n  exitcode  : 2 | x\n")
     assert benchmark.failure_line(tail) == 'ds_seg: error: train.peak_tflops must be a finite number > 0, got -5.0'
     assert benchmark.failure_line('a\nlast | line\n') == 'last / line'
+
+
+def test_a_crashed_runs_row_holds_its_exception_and_nested_model_keys_are_searchable(tmp_path):
+    """A crash that is not a refusal gave the row torchrun's '=====' banner; --find-max-model
+    model.backbone_kwargs.depth (a key inside a dict argument) was refused."""
+    tail = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 3\n"
+            "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+            "E1124 ChildFailedError:\n============================================================\n")
+    assert benchmark.failure_line(tail) == ('[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate '
+                                            '2.00 GiB')
+    args = benchmark.parse_args(['--work-dir', str(tmp_path / 'b'), '--backends', 'ddp', '--config',
+                                 'configs/upernet_dinov2_tiny_synthetic.py', '--find-max-model',
+                                 'model.backbone_kwargs.depth'])
+    assert benchmark._check_args(args) is None

@@ -600,3 +600,11 @@ def test_config_paths_that_are_no_file_say_what_they_are(tmp_path):
         assert load_ds_config(f'/dev/fd/{read}')['train_micro_batch_size_per_gpu'] == 8
     finally:
         os.close(read)
+
+
+def test_a_config_that_is_a_pipe_says_so(tmp_path):
+    """A FIFO given as --config was said not to exist."""
+    fifo = tmp_path / 'config'
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r'^--config: .*config is not a regular file \(a pipe\?\); give a config file \(\.py'):
+        load_config(str(fifo))

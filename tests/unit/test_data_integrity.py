@@ -331,3 +331,20 @@ def test_a_label_whose_mask_band_hides_whole_rows_of_blocks_loads(tmp_path):
     ds = GeoTiffScenes([img], [lbl], crop_size=16, classes=2, mode='grid')
     window = ds.read_label(0, rasterio.windows.Window(0, 1016, 16, 16))
     np.testing.assert_array_equal(window, np.where(hidden[1016:1032], IGNORE, label[1016:1032]))
+
+
+def test_a_label_vrt_of_sources_of_unknown_version_is_read_not_cached(tmp_path):
+    """A label VRT over a zipped GeoTIFF (/vsizip/: no identity) made the label scan fail with
+    "'NoneType' object is not subscriptable"; it is scanned every time instead of cached."""
+    import zipfile
+
+    from ds_seg.data.geotiff import LABELS_CACHE_FILE, cached_label_histograms
+    label = write_tif(tmp_path / 'lab.tif', np.array([[0, 1], [1, 1]], np.uint8))
+    with zipfile.ZipFile(tmp_path / 'lab.zip', 'w') as z:
+        z.write(label, 'lab.tif')
+    vrt = tmp_path / 'lab.vrt'
+    vrt.write_text(f'<VRTDataset rasterXSize="2" rasterYSize="2"><VRTRasterBand dataType="Byte" band="1">'
+                   f'<SimpleSource><SourceFilename relativeToVRT="0">/vsizip/{tmp_path}/lab.zip/lab.tif'
+                   f'</SourceFilename><SourceBand>1</SourceBand></SimpleSource></VRTRasterBand></VRTDataset>')
+    assert cached_label_histograms([str(vrt)]) == [{0.0: 1, 1.0: 3}]
+    assert not (tmp_path / LABELS_CACHE_FILE).exists()

@@ -377,3 +377,26 @@ def test_dates_of_other_band_counts_are_named_as_such(tmp_path):
     with pytest.raises(DataError, match=r"a_two.tif has 2 band\(s\) but .*a_t0.tif has 1; every date of a scene "
                                         r"needs the same bands"):
         StackedRaster.check([t0, two])
+
+
+def test_a_series_takes_stats_json_in_the_order_of_its_bands(tmp_path):
+    """stats.json (one value per file band) beside a series whose `bands` reorder the file's:
+    the values stayed in file order (each band normalised with another's statistics); one date
+    took them in `bands` order."""
+    rng = np.random.default_rng(0)
+    common = dict(driver='GTiff', width=32, height=32, crs='EPSG:32631', transform=from_origin(0, 0, 1, 1),
+                  dtype='uint8')
+    files = []
+    for t in range(2):
+        files.append(str(tmp_path / f'a_t{t}.tif'))
+        with rasterio.open(files[-1], 'w', count=3, **common) as d:
+            d.write(rng.integers(0, 255, (3, 32, 32), dtype=np.uint8))
+    with rasterio.open(tmp_path / 'a_label.tif', 'w', count=1, **common) as d:
+        d.write(rng.integers(0, 2, (1, 32, 32), dtype=np.uint8))
+    (tmp_path / 'stats.json').write_text(json.dumps({'mean': [10.0, 20.0, 30.0], 'std': [1.0, 2.0, 3.0]}))
+    label = str(tmp_path / 'a_label.tif')
+    one = GeoTiffScenes([files[0]], [label], classes=2, crop_size=16, bands=[3, 2, 1])
+    series = GeoTiffScenes([files], [label], classes=2, crop_size=16, bands=[3, 2, 1])
+    np.testing.assert_array_equal(one.mean, [30, 20, 10])
+    np.testing.assert_array_equal(series.mean, [30, 20, 10, 30, 20, 10])
+    np.testing.assert_array_equal(series.std, [3, 2, 1, 3, 2, 1])
