@@ -199,6 +199,8 @@ _FILE_SUFFIXES = GEOTIFF_SUFFIXES + ('.png', '.jpg', '.jpeg', '.vrt', '.json', '
 
 
 def check_output_folder(folder, option='--output'):
+    if not folder.strip():  # '' failed after the model was loaded: "[Errno 2] No such file or directory: ''"
+        raise ConfigError(f'{option} is empty; give a folder for the outputs.')
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(f'{option}: {folder} is a file, not a folder; give a folder for the outputs.')
     if not os.path.exists(folder) and folder.lower().endswith(_FILE_SUFFIXES):

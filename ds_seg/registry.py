@@ -97,9 +97,10 @@ def arguments(cls):
     return None
 
 
-# Registries whose entries do not check their own values (datasets and transforms do, each with
-# its own words): the values are checked against the types of the arguments' defaults here.
-VALUES_CHECKED_HERE = ('model', 'backbone', 'head')
+# Registries whose values are checked against the types of the arguments' defaults here
+# (transforms check their own, each with its own words). A dataset's reduce_zero_label='False'
+# was a true string: labels shifted by one without a word.
+VALUES_CHECKED_HERE = ('model', 'backbone', 'head', 'dataset')
 
 
 def _check_kwargs(cls, kwargs, where, check_values=False):

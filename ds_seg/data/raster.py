@@ -147,12 +147,16 @@ def remote_hint(exc):
     return f"{message} (unreachable URL, no permission, or not a raster)"
 
 
+def cache_root():
+    """``$DS_SEG_CACHE``, default ``~/.cache/ds_seg``: where ds_seg keeps what it may rebuild."""
+    return os.environ.get('DS_SEG_CACHE') or os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg')
+
+
 def user_cache_dir(*parts):
     """``$DS_SEG_CACHE`` (default ``~/.cache/ds_seg``) joined with ``parts``, created; None where it
     cannot be (a HOME that does not exist or is read-only on a compute node): caches of URLs are
     best effort, and a missing HOME failed every run that read one."""
-    folder = os.path.join(os.environ.get('DS_SEG_CACHE') or os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg'),
-                          *parts)
+    folder = os.path.join(cache_root(), *parts)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError:

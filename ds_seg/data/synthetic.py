@@ -27,6 +27,7 @@ from ds_seg.config import checked_number
 from ds_seg.registry import DATASETS
 
 from .geotiff import STATS_FILE, GeoTiffScenes
+from .raster import cache_root
 
 CLASSES = ('grass', 'road', 'building', 'tree', 'water', 'car')
 PALETTE = ((120, 190, 80), (128, 128, 128), (200, 60, 50), (20, 100, 30), (40, 90, 200),
@@ -351,7 +352,7 @@ def seasonal_date(image_CHW, label_HW, date, num_dates, dtype, rng):
 
 # ---------------------------------------------------------------------- files on disk
 def default_cache_dir():
-    return os.environ.get('DS_SEG_CACHE') or os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg')
+    return cache_root()
 
 
 def _block_size(crop_size):

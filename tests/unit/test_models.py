@@ -166,3 +166,17 @@ def test_a_count_of_the_model_given_as_text_is_named_before_it_is_compared_with_
     with pytest.raises(ConfigError, match=r"^model\.num_classes: '6' is a string, not a number; write it without "
                                           r"quotes\.$"):
         Trainer._check_model_matches_data(fake)
+
+
+@pytest.mark.parametrize('kw, message', [
+    (dict(reduce_zero_label='False'), r"^data\.train\.reduce_zero_label: 'False' is a string, which is always true"),
+    (dict(crop_size='64'), r"^data\.train\.crop_size: '64' is a string, not a number"),
+])
+def test_dataset_values_are_checked_like_the_models(tmp_path, kw, message):
+    """The same class as the model's flags: a dataset's reduce_zero_label='False' turned the shift
+    on without a word; crop_size='64' was Python's "unsupported operand type(s) for //"."""
+    from ds_seg.config import ConfigError
+    from ds_seg.registry import DATASETS
+    with pytest.raises(ConfigError, match=message):
+        build(DATASETS, dict(type='SyntheticAerial', split='train', num_scenes=1, scene_size=64,
+                             cache_dir=str(tmp_path), **kw), where='data.train')

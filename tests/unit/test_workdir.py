@@ -216,3 +216,24 @@ def test_a_resume_purges_the_tensorboard_points_of_the_steps_it_redoes(tmp_path)
     events.Reload()
     points = [(e.step, e.value) for e in events.Scalars('train/loss')]
     assert points == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 105.0), (6, 106.0), (7, 107.0), (8, 108.0)]
+
+
+@pytest.mark.parametrize('program', ['predict', 'evaluate'])
+def test_an_empty_output_folder_is_refused_before_the_model_is_loaded(tmp_path, capsys, program):
+    """The same class of mistake as an empty --work-dir: predict --output '' failed after loading
+    the model with "[Errno 2] No such file or directory: ''"."""
+    from ds_seg.cli import evaluate, predict
+    weights = tmp_path / 'w.pt'  # never unpickled: the output is checked before the model is loaded
+    weights.write_bytes(b'not read')
+    import numpy as np
+    import rasterio
+    scene = str(tmp_path / 'scene.tif')
+    with rasterio.open(scene, 'w', driver='GTiff', width=8, height=8, count=1, dtype='uint8') as dst:
+        dst.write(np.zeros((1, 8, 8), np.uint8))
+    argv = ['--checkpoint', str(weights), '--output', '']
+    if program == 'predict':
+        code = predict.main(argv + ['--input', scene])
+    else:
+        code = evaluate.main(argv + ['--images', scene, '--labels', scene])
+    err = capsys.readouterr().err
+    assert code == 2 and '--output is empty; give a folder for the outputs.' in err, err
