@@ -217,6 +217,13 @@ class TrainSection(_Section):
               'CHANNELS_LAST_BY_MODEL: NCHW until measured)',
         (lambda v: v is None or _is_bool(v), 'None (the model family default), True or False'))
 
+    def __post_init__(self):
+        super().__post_init__()
+        # A mode without compile was dropped without a word: the run was not compiled at all.
+        if self.compile_mode != 'default' and not self.compile:
+            raise ConfigError(f"train.compile_mode={self.compile_mode!r} takes effect only with train.compile=True; "
+                              "set train.compile=True, or leave compile_mode out.")
+
 
 @dataclass(frozen=True)
 class DataSection(_Section):
@@ -313,6 +320,17 @@ class LogSection(_Section):
                                         (_optional_path, 'None or an experiment name'))
     wandb_project: Optional[str] = setting(None, "W&B project (None: 'ds_seg'); WANDB_MODE=offline needs no network",
                                            (_optional_path, 'None or a W&B project name'))
+
+    # The options of a tracker the run does not start were dropped without a word: the user looked
+    # for their run in a store nothing wrote to.
+    TRACKER_OPTIONS = {'mlflow_tracking_uri': 'mlflow', 'experiment': 'mlflow', 'wandb_project': 'wandb'}
+
+    def __post_init__(self):
+        super().__post_init__()
+        for key, tracker in self.TRACKER_OPTIONS.items():
+            if getattr(self, key) is not None and tracker not in self.trackers:
+                raise ConfigError(f"log.{key} is set but log.trackers={list(self.trackers)!r} does not start "
+                                  f"{tracker!r}; add {tracker!r} to log.trackers, or leave log.{key} out.")
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ class RunLog:
             return
         # A fresh run in a used work dir: the earlier run's logs and the configs that made them
         # move to previous/<time>/ together, so neither is lost nor mistaken for this run's.
-        old = [n for n in self.LOGS + ('tb', 'config.json', 'ds_config.json')
+        old = [n for n in self.LOGS + ('tb', 'config.json', 'ds_config.json', self.TRACKER_RUNS)
                if os.path.exists(os.path.join(self.work_dir, n))]
         if old:
             archive = new_archive(self.work_dir)
@@ -220,6 +220,21 @@ class RunLog:
             # Said, as a resume's move is: the user found their logs gone without a word.
             print(f"[ds_seg] the logs of an earlier run in {self.work_dir} ({', '.join(old)}) moved to {archive}/",
                   flush=True)
+
+    TRACKER_RUNS = 'trackers.json'  # the MLflow/W&B runs this work dir's steps are logged to
+
+    def tracker_runs(self):
+        """What ``trackers.json`` recorded ({tracker: ids}), {} when there is none or it is unreadable."""
+        try:
+            with open(os.path.join(self.work_dir, self.TRACKER_RUNS)) as f:
+                runs = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return runs if isinstance(runs, dict) else {}
+
+    def record_tracker_runs(self):
+        if self.trackers:
+            self.write_json(self.TRACKER_RUNS, {tracker.NAME: tracker.ids() for tracker in self.trackers})
 
     def keep_replaced(self, files):
         """On resume, before ``files`` ({name: object}) are written: those already in the work
@@ -317,12 +332,13 @@ class RunLog:
                 elif name == 'summary.json':
                     tracker.summary(obj)
 
-    def close(self):
+    def close(self, exit_reason=None):
+        """``exit_reason``: how the run ended (Trainer.exit_reason), the trackers' run status."""
         if self.tb is not None:
             self.tb.close()
             self.tb = None
         for tracker in self.trackers:
-            tracker.close()
+            tracker.close(exit_reason)
         self.trackers = []
 
 

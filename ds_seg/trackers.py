@@ -26,15 +26,22 @@ def _flatten(node, prefix=''):
     return out
 
 
+# How a run ended (Trainer.exit_reason) in each tracker's terms. A stopped run (a signal, Ctrl-C,
+# a time limit) is KILLED, not FAILED: its checkpoint is there and `--resume auto` goes on with it.
+MLFLOW_STATUS = {'completed': 'FINISHED', 'preempted': 'KILLED', 'interrupted': 'KILLED', 'running': 'KILLED'}
+
+
 def _numeric(record, prefix):
     return {f'{prefix}/{k}': float(v) for k, v in record.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'step'}
 
 
 class MLflowTracker:
-    """One MLflow run per training run (resumed runs start a new MLflow run in the same experiment)."""
+    """One MLflow run per training run: a resumed run (a requeued job, ``--resume auto``) logs on
+    to the MLflow run its earlier steps went to, recorded in the work dir's ``trackers.json``."""
+    NAME = 'mlflow'
 
-    def __init__(self, log_cfg, work_dir, run_name):
+    def __init__(self, log_cfg, work_dir, run_name, earlier=None):
         try:
             import mlflow
         except ImportError as exc:
@@ -47,12 +54,42 @@ class MLflowTracker:
             # (or our no-server default), and it needs no database packages.
             os.environ.setdefault('MLFLOW_ALLOW_FILE_STORE', 'true')
         mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(log_cfg.get('experiment') or 'ds_seg')
-        self.run = mlflow.start_run(run_name=run_name)
+        experiment = log_cfg.get('experiment') or 'ds_seg'
+        mlflow.set_experiment(experiment)
+        self.where = dict(tracking_uri=uri, experiment=experiment)
+        self.note = None        # what the trainer says about the run it logs to
+        self.resumed = False
+        self.run = None
+        if earlier and earlier.get('run_id'):
+            if {k: earlier.get(k) for k in self.where} != self.where:
+                self.note = (f"MLflow: the earlier steps were logged to run {earlier['run_id']} in "
+                             f"{earlier.get('experiment')!r} at {earlier.get('tracking_uri')}; log.mlflow_tracking_uri "
+                             f"or log.experiment changed, so the resumed steps start a new run there")
+            else:
+                try:
+                    self.run = mlflow.start_run(run_id=earlier['run_id'])
+                    self.resumed = True
+                except mlflow.exceptions.MlflowException as exc:  # deleted, or the store was moved
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                    self.note = (f"MLflow: the run of the earlier steps, {earlier['run_id']}, could not be "
+                                 f"reopened ({first}); the resumed steps go to a new run")
+        if self.run is None:
+            self.run = mlflow.start_run(run_name=run_name)
+        if self.resumed:
+            self.note = f"MLflow: the resumed steps go on in run {self.run.info.run_id} ({experiment!r})"
+
+    def ids(self):
+        return dict(run_id=self.run.info.run_id, **self.where)
 
     def config(self, cfg):
         # Params are short strings in MLflow (500 chars); the full config goes in as an artifact.
         params = {k: str(v)[:500] for k, v in _flatten(cfg).items()}
+        if self.resumed:
+            # MLflow refuses to change a logged param (a resume with a longer train.max_steps):
+            # the run keeps the params it started with, and the config.json artifact is replaced
+            # by this resume's (the work dir keeps each one, previous/<time>/config.json).
+            logged = self.mlflow.get_run(self.run.info.run_id).data.params
+            params = {k: v for k, v in params.items() if k not in logged}
         for start in range(0, len(params), 100):  # log_params takes at most 100 at a time
             self.mlflow.log_params(dict(list(params.items())[start:start + 100]))
         self.mlflow.log_dict(cfg, 'config.json')
@@ -65,14 +102,15 @@ class MLflowTracker:
         self.mlflow.log_dict(json.loads(json.dumps(summary, default=str)), 'summary.json')
         self.scalars(_numeric(summary, 'summary'), summary.get('steps') or 0)
 
-    def close(self):
-        self.mlflow.end_run()
+    def close(self, exit_reason=None):
+        self.mlflow.end_run(status=MLFLOW_STATUS.get(exit_reason, 'FAILED'))
 
 
 class WandbTracker:
     """A W&B run in ``log.wandb_project`` (``WANDB_MODE=offline`` works without a network)."""
+    NAME = 'wandb'
 
-    def __init__(self, log_cfg, work_dir, run_name):
+    def __init__(self, log_cfg, work_dir, run_name, earlier=None):
         try:
             import wandb
         except ImportError as exc:
@@ -80,8 +118,15 @@ class WandbTracker:
         self.wandb = wandb
         # create_new: this run's own handle (every call below goes through it), never a user's
         # wandb.run of the same process finished or reused behind their back.
-        self.run = wandb.init(project=log_cfg.get('wandb_project') or 'ds_seg', name=run_name, dir=work_dir,
-                              reinit='create_new')
+        project = log_cfg.get('wandb_project') or 'ds_seg'
+        # A resumed run (same project) goes on in the W&B run of its earlier steps.
+        same = bool(earlier and earlier.get('id') and earlier.get('project') == project)
+        self.run = wandb.init(project=project, name=run_name, dir=work_dir, reinit='create_new',
+                              **(dict(id=earlier['id'], resume='allow') if same else {}))
+        self.note = f"W&B: the resumed steps go on in run {self.run.id} ({project!r})" if same else None
+
+    def ids(self):
+        return dict(id=self.run.id, project=self.run.project)
 
     def config(self, cfg):
         self.run.config.update(cfg, allow_val_change=True)
@@ -93,8 +138,10 @@ class WandbTracker:
     def summary(self, summary):
         self.run.summary.update(json.loads(json.dumps(summary, default=str)))
 
-    def close(self):
-        self.run.finish()
+    def close(self, exit_reason=None):
+        if exit_reason == 'preempted':
+            self.run.mark_preempting()  # W&B's state for a run that a scheduler stopped and will requeue
+        self.run.finish(exit_code=0 if exit_reason in ('completed', 'preempted', 'interrupted', 'running') else 1)
 
 
 def check_trackers(log_cfg):
@@ -106,8 +153,9 @@ def check_trackers(log_cfg):
     return names
 
 
-def build_trackers(log_cfg, work_dir, run_name):
-    """The non-TensorBoard trackers ``log.trackers`` asks for, started (rank 0 only).
+def build_trackers(log_cfg, work_dir, run_name, earlier=None):
+    """The non-TensorBoard trackers ``log.trackers`` asks for, started (rank 0 only). ``earlier``:
+    what a resumed run's ``trackers.json`` recorded ({name: ids}), to log on to those runs.
 
     Example: ``build_trackers(dict(trackers=['mlflow']), 'work_dirs/x', 'x')``
     """
@@ -117,10 +165,10 @@ def build_trackers(log_cfg, work_dir, run_name):
         if name not in classes:
             continue
         try:
-            trackers.append(classes[name](log_cfg, work_dir, run_name))
+            trackers.append(classes[name](log_cfg, work_dir, run_name, (earlier or {}).get(name)))
         except Exception as exc:  # no login, an unwritable store, an unreachable server...
             for started in trackers:  # no run left open in the trackers that did start
-                started.close()
+                started.close('error')
             if isinstance(exc, ConfigError):
                 raise
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

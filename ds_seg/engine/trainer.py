@@ -129,7 +129,7 @@ class Trainer:
             self._setup(resume, t_start)
         except BaseException:
             if self.log is not None:
-                self.log.close()  # ends any tracker run already started (a resume refused later)
+                self.log.close('error')  # ends any tracker run already started, as failed
             self.lock.release()  # a refused run leaves the work dir as it found it
             if created:  # ... and one it created, as if it had never run
                 shutil.rmtree(created, ignore_errors=True)
@@ -189,14 +189,16 @@ class Trainer:
         if cfg.get('load_from'):
             self._load_weights(model, cfg.load_from)
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
-        # After the config, data and model checks: a refused run leaves no MLflow/W&B run behind.
-        self._start_trackers(cfg)
 
         # --- resume ----------------------------------------------------------------------------
         self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)
         self.step, self.micro_step_offset, set_aside = self.checkpointer.restore(resume, found)
+        # After the config, data, model and resume checks: a refused run leaves no MLflow/W&B run
+        # behind, and a resumed one (no checkpoint has step 0) logs on to its earlier steps' runs.
+        self._start_trackers(cfg, resumed=bool(self.step))
         if distributed.is_main():
-            self.log.start(resumed_step=self.step or None, set_aside=set_aside)  # no checkpoint has step 0
+            self.log.start(resumed_step=self.step or None, set_aside=set_aside)
+            self.log.record_tracker_runs()
 
         # --- telemetry -------------------------------------------------------------------------
         shape = (1, self.train_set.in_channels, data_cfg.crop_size, data_cfg.crop_size)
@@ -639,9 +641,9 @@ class Trainer:
                                   f"both to the same value (e.g. {name}.ignore_index={ignore}).")
 
     # ------------------------------------------------------------------------------------------
-    def _start_trackers(self, cfg):
+    def _start_trackers(self, cfg, resumed):
         """log.trackers: names checked on every rank (a typo stops all of them), MLflow/W&B runs
-        started on rank 0 only."""
+        started on rank 0 only; ``resumed``: on in the runs the work dir's trackers.json names."""
         from ..trackers import build_trackers, check_trackers
         log_cfg = cfg.get('log') or {}
         names = check_trackers(log_cfg)
@@ -650,7 +652,11 @@ class Trainer:
         if distributed.is_main():
             try:
                 self.log.trackers = build_trackers(log_cfg, self.work_dir,
-                                                   os.path.basename(os.path.abspath(self.work_dir)))
+                                                   os.path.basename(os.path.abspath(self.work_dir)),
+                                                   earlier=self.log.tracker_runs() if resumed else None)
+                for tracker in self.log.trackers:
+                    if tracker.note:
+                        self.print(tracker.note)
             except ConfigError as exc:  # e.g. W&B without a login: every rank stops with rank 0's line
                 failure = str(exc)
         failure = distributed.first_failure(failure)
@@ -662,6 +668,6 @@ class Trainer:
 
     def close(self):
         self.batches = None   # stops the loader's workers (see _end_loop), also when fit() never ran
-        self.log.close()
+        self.log.close(self.exit_reason)
         self.lock.release()
         distributed.close()

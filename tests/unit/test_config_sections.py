@@ -86,6 +86,12 @@ def test_a_wrong_value_is_refused_naming_the_key(section, name, key, value):
     ('optim.paramwise=3', '--cfg-options: optim.paramwise must be a dict of no_weight_decay and backbone_lr_mult'),
     ('data.eval_overlap=32', '--cfg-options: data.eval_overlap (32) must be smaller than the evaluation tile (32'),
     ('load_from=nowhere.pt', "--cfg-options: load_from='nowhere.pt' does not exist"),
+    # A tracker's options without the tracker: the user looked for a run nothing wrote.
+    ('log.experiment=potsdam', "--cfg-options: log.experiment is set but log.trackers=['tensorboard'] does not "
+                               "start 'mlflow'; add 'mlflow' to log.trackers"),
+    ('log.mlflow_tracking_uri=file:///tmp/mlruns', "--cfg-options: log.mlflow_tracking_uri is set but"),
+    ('log=dict(trackers=["mlflow"],wandb_project="p")', "--cfg-options: log.wandb_project is set but "
+                                                         "log.trackers=['mlflow'] does not start 'wandb'"),
 ])
 def test_whole_sections_and_cross_field_checks(option, message):
     with pytest.raises(ConfigError) as err:

@@ -70,3 +70,15 @@ def test_bad_speed_keys_are_one_line_config_errors(option, key):
     with pytest.raises(ConfigError, match=f'{key} must be') as info:
         load_config(None, [option])
     assert '\n' not in str(info.value)
+
+
+@pytest.mark.parametrize('options, key', [(['train.compile_mode=max-autotune'], 'train.compile_mode'),
+                                          (['train.compile=False', 'train.compile_mode=reduce-overhead'],
+                                           'train.compile_mode')])
+def test_a_compile_mode_without_compile_is_refused_not_dropped(options, key):
+    # It was accepted and the run went uncompiled: summary.json said compile_mode None.
+    with pytest.raises(ConfigError, match=f'{key}=.* takes effect only with train.compile=True'):
+        load_config(None, options)
+    assert load_config(None, ['train.compile=True', 'train.compile_mode=max-autotune']).train.compile_mode \
+        == 'max-autotune'
+    assert load_config(None, ['train.compile_mode=default']).train.compile is False  # the default itself is fine
