@@ -58,7 +58,10 @@ def find_shipped(path, folder, suffix):
     p = Path(path)
     if p.is_file() or p.is_absolute() or str(p.parent) not in ('.', folder.name):
         return p
-    shipped = folder / (p.name if p.name.endswith(suffix) else p.name + suffix)
+    local = p if p.name.endswith(suffix) else p.with_name(p.name + suffix)
+    if local.is_file():  # the user's copy (the README's copy-out recipe) before the shipped file
+        return local
+    shipped = folder / local.name
     return shipped if shipped.is_file() else p
 
 
@@ -542,6 +545,23 @@ def _not_a_file(path, kind):
     return 'does not exist'
 
 
+def _shipped_base_hint(path, exc):
+    """For a shipped config copied out without the ``_base_`` files it inherits from (the copy-out
+    recipe of the README): where they are."""
+    missing = getattr(exc, 'filename', None)
+    if not isinstance(exc, FileNotFoundError) or not missing:
+        return ''
+    try:
+        relative = os.path.relpath(os.path.abspath(missing), os.path.dirname(os.path.abspath(path)))
+    except ValueError:
+        return ''
+    if relative.startswith('..') or not (CONFIGS_DIR / relative).is_file():
+        return ''
+    top = relative.split(os.sep)[0]
+    return (f"; it inherits the shipped {relative}: copy it beside the config "
+            f"(cp -r {CONFIGS_DIR / top} {os.path.dirname(os.path.abspath(path))}/)")
+
+
 def load_config(path=None, cfg_options=None):
     """Load an experiment config: defaults <- file <- ``--cfg-options``; return an mmengine Config.
 
@@ -571,7 +591,7 @@ def load_config(path=None, cfg_options=None):
             detail = ' '.join(str(exc).split()) or (
                 f"{type(exc).__name__} without a message; a config that calls a function of an imported module "
                 "needs that call replaced by its value (mmengine imports modules lazily in configs)")
-            raise ConfigError(f"{path}: cannot be loaded: {detail}") from exc
+            raise ConfigError(f"{path}: cannot be loaded: {detail}{_shipped_base_hint(path, exc)}") from exc
         # Top-level names that begin with '_' are the file's own helper variables
         # (_crop = 512, then crop_size=_crop), not settings: every other name must be a key.
         loaded = {k: v for k, v in loaded.items() if not k.startswith('_') or k == DELETE_KEY}

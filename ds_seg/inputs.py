@@ -237,9 +237,11 @@ def check_writable(folder, option='--output', create=False):
 
 def partial_path(path):
     """Where an output is written until it is complete (``a_classes.tif`` ->
-    ``a_classes.partial.tif``: same folder, and the extension stays for the format's driver)."""
+    ``a_classes.ds_seg-partial.tif``: same folder, and the extension stays for the format's
+    driver). A name of ds_seg's own: a file there is taken for a killed run's and removed, and a
+    user's ``survey.partial.gpkg`` beside ``--vector survey.gpkg`` was deleted without a word."""
     root, ext = os.path.splitext(path)
-    return f'{root}.partial{ext}'
+    return f'{root}.ds_seg-partial{ext}'
 
 
 def remove_quietly(*paths):

@@ -149,7 +149,7 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
         class_path: single-band integer class map (``predict.py``'s ``*_classes.tif``); its
             nodata value (255 there) is left out.
         out_path: ``.gpkg``, ``.geojson`` or ``.fgb``; an existing file is refused unless
-            ``overwrite``. Written under ``<name>.partial<ext>`` and renamed when complete, so
+            ``overwrite``. Written under ``<name>.ds_seg-partial<ext>`` and renamed when complete, so
             an interrupted run neither leaves a partial file nor loses an older one.
         probs_path: K-band uint8 probabilities x 250 (``*_probs.tif``): adds ``mean_prob``.
         classes: class names (default: the ``classes`` tag of the class map, else ``class_<i>``).
@@ -172,7 +172,7 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
                               f"(vector outputs are never overwritten)")
     from .inputs import replaced_when_done
     # The file is written under a temporary name (see below), from which GDAL would name the
-    # layer ('a_classes.partial'): name it after the final file, as writing there directly would.
+    # layer ('a_classes.ds_seg-partial'): name it after the final file, as writing there directly would.
     layer = layer or os.path.splitext(os.path.basename(out_path))[0]
     with replaced_when_done(out_path) as tmp:
         summary = _vectorize(class_path, tmp, probs_path, classes, simplify, min_area, exclude,

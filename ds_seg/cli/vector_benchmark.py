@@ -21,6 +21,28 @@ import time
 import numpy as np
 
 
+MADE_HERE = 'ds_seg_vector_benchmark'  # the class map's tag, and the --dir record of polygon files written
+
+
+def made_here(class_map, size):
+    """Whether ``class_map`` is the one this benchmark writes for ``size`` (by its tag)."""
+    import rasterio
+    try:
+        with rasterio.open(class_map) as src:
+            return src.tags().get(MADE_HERE) == str(size)
+    except rasterio.errors.RasterioError:
+        return False
+
+
+def polygons_written(folder):
+    """The polygon files earlier runs of this benchmark wrote in ``folder`` (its record)."""
+    try:
+        with open(os.path.join(folder, f'.{MADE_HERE}.json')) as f:
+            return set(json.load(f))
+    except (OSError, ValueError, TypeError):
+        return set()
+
+
 def make_class_map(path, size, seed=0, band=1024):
     import rasterio
     from rasterio.transform import from_origin
@@ -33,7 +55,7 @@ def make_class_map(path, size, seed=0, band=1024):
     xs = np.arange(size)
     tmp = path + '.tmp.tif'
     with rasterio.open(tmp, 'w', **profile) as dst:
-        dst.update_tags(classes=json.dumps(['background', 'building', 'road', 'tree']))
+        dst.update_tags(classes=json.dumps(['background', 'building', 'road', 'tree']), **{MADE_HERE: str(size)})
         for y0 in range(0, size, band):
             ys = np.arange(y0, min(y0 + band, size))
             v = coarse[ys[:, None] // 50, xs[None] // 50] + 0.35 * fine[ys[:, None] // 10, xs[None] // 10]
@@ -74,7 +96,7 @@ def child(args):
     import shapely  # noqa: F401
     baseline_mb = peak_rss_mb()
     out = args.out
-    if os.path.exists(out):
+    if os.path.exists(out):  # main() checked that an earlier run of this benchmark wrote it
         os.remove(out)
     t = time.perf_counter()
     info = vectorize_class_map(args.class_map, out, band_rows=args.band_rows, simplify=args.simplify)
@@ -108,6 +130,12 @@ def main(argv=None):
         p.error(f"--dir {args.dir} is a file; give a folder")
     os.makedirs(args.dir, exist_ok=True)
     class_map = os.path.join(args.dir, f'classes_{args.size}.tif')
+    out = os.path.join(args.dir, f'polygons_{args.size}.{args.format}')
+    # A user's file of one of these names was vectorised (a traceback on a 3-band image) or deleted.
+    if os.path.exists(class_map) and not made_here(class_map, args.size):
+        p.error(f"--dir: {class_map} is not a class map this benchmark wrote; give another --dir, or move it")
+    if os.path.lexists(out) and os.path.basename(out) not in polygons_written(args.dir):
+        p.error(f"--dir: {out} is not a file this benchmark wrote; give another --dir, or move it")
     if not os.path.exists(class_map):
         # In a process of its own (several hundred MiB at 20000 px), so that this process stays
         # small while the measured child runs beside it.
@@ -115,7 +143,10 @@ def main(argv=None):
         subprocess.run([sys.executable, os.path.abspath(__file__), '--make', '--class-map', class_map,
                         '--size', str(args.size)], check=True)
         print(f'[vector_benchmark] wrote {class_map} in {time.perf_counter() - t:.0f} s')
-    out = os.path.join(args.dir, f'polygons_{args.size}.{args.format}')
+    record = os.path.join(args.dir, f'.{MADE_HERE}.json')
+    with open(record + '.tmp', 'w') as f:  # before the child writes it: a killed run's file is ours too
+        json.dump(sorted(polygons_written(args.dir) | {os.path.basename(out)}), f)
+    os.replace(record + '.tmp', record)
     proc = subprocess.run(child_command(class_map, out, args.band_rows, args.simplify), capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     if proc.returncode != 0:
         print(proc.stdout, proc.stderr, file=sys.stderr)

@@ -340,6 +340,13 @@ def _ratio(name, value, low_open):
     return float(value)
 
 
+def _whole_number(name, value, low):
+    """``value`` as an int >= ``low``; a bool, a fraction or a string is a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
+    return int(value)
+
+
 @DATASETS.register_module()
 class GeoTiffScenes(torch.utils.data.Dataset):
     """Crops of ``crop_size`` from image scenes paired with a label raster each.
@@ -464,7 +471,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         self.max_retries = max_retries
-        self.boundary_ignore = int(boundary_ignore)
+        # int() truncated: boundary_ignore=1.7 eroded 1 pixel, label_fill=1.9 filled class 1.
+        self.boundary_ignore = _whole_number('boundary_ignore', boundary_ignore, low=0)
         self.palette = None if palette is None else check_colours(palette, 'palette')
         self._world_size, self._micro_batch = 1, 1
 
@@ -474,7 +482,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             for s, d in zip(self._scenes, dates):
                 StackedRaster.check(d)
                 s['dates'] = tuple(d)
-        self.label_field, self.label_layer, self.label_fill = label_field, label_layer, int(label_fill)
+        self.label_field, self.label_layer = label_field, label_layer
+        self.label_fill = _whole_number('label_fill', label_fill, low=0)
         self._vectors = self._load_vectors(classes)
         count = self._scenes[0]['count']
         for s in self._scenes:
@@ -495,8 +504,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             raise ValueError("give `classes` when using label_map or reduce_zero_label: the class "
                              "count cannot be inferred from remapped values")
         if classes is None and self._vectors and 'classes' not in stats:
-            classes = max([v.max_value for v in self._vectors.values()] +
-                          [self.label_fill if self.label_fill != self.ignore_index else -1]) + 1
+            top = max(self._vectors.values(), key=lambda v: v.max_value)
+            if 0 <= self.ignore_index <= top.max_value:  # class count inferred from a value past ignore_index
+                raise DataError(f"labels {top.path}: field {self.label_field!r} holds the value {top.max_value}, "
+                                f"at or above ignore_index {self.ignore_index}; fix the file, or give `classes` "
+                                "(the class names or count) so values out of range are named")
+            classes = max([top.max_value] + [self.label_fill if self.label_fill != self.ignore_index else -1]) + 1
         self.classes = self._resolve_classes(classes, stats)
         self.num_classes = len(self.classes)
         if 0 <= self.ignore_index < self.num_classes:
@@ -903,6 +916,15 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 raise DataError(label_nodata_message(s['label'], float(value), mapped, self.classes[mapped],
                                                      self.ignore_index))
 
+    def label_decoding_digest(self):
+        """A digest of everything that turns label file values into class indices, the key of
+        caches of figures computed from decoded labels: a changed label_map, palette, ignore_index
+        or class list (the names a vector field's values are looked up in) must not reuse them."""
+        lut = self._label_lut
+        return hashlib.sha1((lut.tobytes() if lut is not None else b'') + repr((
+            self.palette, self.ignore_index, list(self.classes), getattr(self, 'label_field', None),
+            getattr(self, 'label_fill', None), getattr(self, 'label_layer', None))).encode()).hexdigest()
+
     def _labelled_valid(self, s, window=None, out_shape=None):
         """How many pixels of ``window`` (or of a decimated read to ``out_shape``) of scene ``s``
         are labelled with a class and valid (not nodata/NaN/masked) at every date."""
@@ -956,13 +978,15 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             key = 'labelled_valid:' + os.path.abspath(s['image'])
             ident = [file_identity(p) for p in (s['label'], *s.get('dates', (s['image'],)))]
             entry = None if None in ident else cache.get(key)  # an unknown version is never trusted
-            if entry is None or entry.get('identity') != ident or entry.get('bands') != self.bands:
+            if entry is None or entry.get('identity') != ident or entry.get('bands') != self.bands \
+                    or entry.get('decoding') != self.label_decoding_digest():
                 count = 0
                 for y in range(0, s['height'], band_rows):
                     count += self._labelled_valid(s, Window(0, y, s['width'], min(band_rows, s['height'] - y)))
                     if count:
                         break
-                entry = cache[key] = {'identity': ident, 'bands': self.bands, 'count': count}
+                entry = cache[key] = {'identity': ident, 'bands': self.bands, 'count': count,
+                                      'decoding': self.label_decoding_digest()}
                 changed = True
             if entry['count']:
                 found = True

@@ -71,13 +71,8 @@ def _key(dataset, stride):
         if None in ident:
             return None
         files.append(ident)
-    lut = dataset._label_lut
-    decoding = hashlib.sha1((lut.tobytes() if lut is not None else b'') +
-                            repr((dataset.palette, getattr(dataset, 'label_field', None),
-                                  getattr(dataset, 'label_fill', None),
-                                  getattr(dataset, 'label_layer', None))).encode()).hexdigest()
     return dict(version=_VERSION, files=files, classes=dataset.num_classes,
-                ignore=dataset.ignore_index, stride=int(stride), decoding=decoding)
+                ignore=dataset.ignore_index, stride=int(stride), decoding=dataset.label_decoding_digest())
 
 
 def class_index(dataset, stride):

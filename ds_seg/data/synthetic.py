@@ -486,10 +486,17 @@ class SyntheticAerial(GeoTiffScenes):
         checked_number('SyntheticAerial', 'bands', bands, low=1, integer=True)
         checked_number('SyntheticAerial', 'dates', dates, low=1, integer=True)
         crop = crop_size if isinstance(crop_size, int) else min(crop_size)
-        self.directory = write_synthetic_scenes(
-            cache_dir or default_cache_dir(), split=split, num_scenes=num_scenes,
-            scene_size=scene_size, bands=bands, dtype=dtype, seed=seed,
-            block_size=_block_size(crop), dates=dates)
+        root = cache_dir or default_cache_dir()
+        try:
+            self.directory = write_synthetic_scenes(
+                root, split=split, num_scenes=num_scenes,
+                scene_size=scene_size, bands=bands, dtype=dtype, seed=seed,
+                block_size=_block_size(crop), dates=dates)
+        except OSError as exc:  # "[Errno 2] No such file or directory: '/proc/ds_seg_cache'": whose folder?
+            where = ('cache_dir' if cache_dir else
+                     '$DS_SEG_CACHE' if os.environ.get('DS_SEG_CACHE') else '~/.cache/ds_seg ($DS_SEG_CACHE moves it)')
+            raise ValueError(f"the synthetic scenes cannot be written under {root} ({where}): "
+                             f"{exc.strerror or exc}; give a writable folder") from exc
         with open(os.path.join(self.directory, STATS_FILE)) as f:
             stats = json.load(f)
         kw.setdefault('mean', stats['mean'])

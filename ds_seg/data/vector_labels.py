@@ -12,6 +12,7 @@ Used by :class:`~ds_seg.data.GeoTiffScenes` when ``labels`` names a vector file:
 """
 import contextlib
 import os
+import re
 
 import numpy as np
 import rasterio
@@ -92,9 +93,13 @@ class VectorLabels:
             if missing.any():
                 raise ConfigError(f"{what}: {int(missing.sum())} feature(s) have no {field!r} value (null); "
                                   f"give each a class, or drop them")
-            if raw.dtype.kind == 'O' and all(str(v).strip().isdigit() for v in raw):
+            if raw.dtype.kind == 'O' and all(re.fullmatch(r'\s*[-+]?\d+\s*', str(v)) for v in raw):
                 raw = np.array([int(str(v).strip()) for v in raw], np.int64)  # class indices stored as text
-            if raw.dtype.kind in 'iu' or (raw.dtype.kind == 'f' and np.all(np.mod(raw, 1) == 0)):
+            if raw.dtype.kind == 'f' and not np.all(np.mod(raw, 1) == 0):
+                fraction = raw[np.mod(raw, 1) != 0][0]
+                raise ConfigError(f"{what}: field {field!r} holds the fraction {fraction:g}; class indices are "
+                                  "whole numbers (or give names with `classes`)")
+            if raw.dtype.kind in 'iu' or raw.dtype.kind == 'f':
                 values = raw.astype(np.int64)
             else:
                 names = [str(v) for v in raw]
@@ -183,8 +188,35 @@ class VectorLabels:
         if not len(hits):
             return np.full(shape, fill, dtype)
         win_transform = t @ rasterio.Affine.translation(x0, y0)
-        return rasterize(zip(self.geoms[hits], self.values[hits].tolist()), out_shape=shape,
+        geoms = _clip_far_reaching(self.geoms[hits], win_transform, shape)
+        return rasterize(zip(geoms, self.values[hits].tolist()), out_shape=shape,
                          transform=win_transform, fill=fill, dtype=dtype)
+
+
+# GDAL burns in pixel coordinates held in 32-bit ints: a polygon reaching 2**31 pixels from the
+# window (a continent-wide "background" feature at 1 m) vanished from the labels without a word.
+FAR_PIXELS = 2 ** 24
+
+
+def _clip_far_reaching(geoms, win_transform, shape):
+    """``geoms``, those that reach more than FAR_PIXELS from the window clipped to a box around
+    it (a window's size beyond it on each side), which leaves the window's pixels as they were."""
+    import shapely
+    inv = ~win_transform
+    xmin, ymin, xmax, ymax = shapely.bounds(geoms).T
+    reach = np.zeros(len(geoms))
+    for x, y in ((xmin, ymin), (xmin, ymax), (xmax, ymin), (xmax, ymax)):
+        col, row = inv.a * x + inv.b * y + inv.c, inv.d * x + inv.e * y + inv.f
+        reach = np.maximum(reach, np.maximum(np.abs(col), np.abs(row)))
+    far = ~(reach <= FAR_PIXELS)  # NaN/inf bounds too
+    if not far.any():
+        return geoms
+    h, w = shape
+    corners = [win_transform * (c, r) for c in (-w, 2 * w) for r in (-h, 2 * h)]
+    xs, ys = zip(*corners)
+    geoms = geoms.copy()
+    geoms[far] = shapely.clip_by_rect(geoms[far], min(xs), min(ys), max(xs), max(ys))
+    return geoms
 
 
 def _reproject(geoms, src_crs, dst_crs):

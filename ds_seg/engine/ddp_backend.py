@@ -5,6 +5,7 @@ optimizer), same micro-batch, accumulation and clipping, torch.amp for precision
 policy: so a DDP run and a DeepSpeed run of one config differ only in the engine.
 """
 import contextlib
+import inspect
 import os
 import pickle
 
@@ -38,6 +39,15 @@ def build_optimizer(params, optimizer_cfg, device='cpu'):
     if lowered == 'sgd':
         return torch.optim.SGD(params, **kwargs)
     raise ConfigError(f"optimizer.type: {kind!r} has no DDP equivalent here; use Adam, AdamW or SGD (or --backend deepspeed).")
+
+
+# No buffer broadcast at each forward (BN statistics are averaged before evaluation and saving).
+# torch 2.15 deprecates broadcast_buffers with a FutureWarning on every run; its successor
+# forward_sync_buffers also syncs at init, which is harmless here: every rank builds the same
+# seeded model.
+NO_BUFFER_SYNC_PER_FORWARD = ({'forward_sync_buffers': False}
+                              if 'forward_sync_buffers' in inspect.signature(DistributedDataParallel).parameters
+                              else {'broadcast_buffers': False})
 
 
 def build_scheduler(optimizer, scheduler_cfg):
@@ -85,7 +95,7 @@ class DDPBackend:
             model.compile(backend=speed.COMPILE_BACKEND, **speed.compile_kwargs(spec.compile_mode))
         # BN buffers are averaged before evaluation and saving, exactly as for DeepSpeed.
         self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None,
-                                           broadcast_buffers=False)
+                                           **NO_BUFFER_SYNC_PER_FORWARD)
         self.optimizer = build_optimizer(build_param_groups(model, optim_cfg), ds_config.get('optimizer', {'type': 'AdamW'}),
                                          device)
         self.optimizer_impl = speed.optimizer_impl(self.optimizer, spec.device)

@@ -17,12 +17,17 @@ changes it, that test fails, and the workaround (and its test) can be deleted.
   it is installed, as ``import deepspeed`` runs: about 3 s of every process's start, for a
   feature ds_seg never uses. That one import is refused (ds_seg's own MLflow tracker still
   imports it).
+* :func:`quiet_scheduler_start_warning` -- DeepSpeed 0.19's LR schedulers (WarmupLR and those
+  built on it) call ``get_lr()`` in their constructor, which logs "Attempting to get learning
+  rate from scheduler before it has started" on every run (and on ds_seg's own check of a JSON's
+  scheduler) although nothing is wrong. That one message is filtered from DeepSpeed's logger.
 * Universal checkpoints (ds_seg/engine/reshard.py) carry parameters only, no buffers: the
   BatchNorm running statistics are copied from the original checkpoint there, and loading one
   means setting the engine's private ``_config.load_universal_checkpoint``.
 """
 import contextlib
 import importlib.abc
+import logging
 import pickle
 import sys
 
@@ -89,3 +94,18 @@ def keep_autotuner_from_importing_mlflow():
     """Call before DeepSpeed is first imported (ds_seg/__init__.py does)."""
     if not any(isinstance(finder, _NoMlflowForTheAutotuner) for finder in sys.meta_path):
         sys.meta_path.insert(0, _NoMlflowForTheAutotuner())
+
+
+SCHEDULER_START_MESSAGE = 'Attempting to get learning rate from scheduler before it has started'
+
+
+def _not_the_scheduler_start_warning(record):
+    return record.getMessage() != SCHEDULER_START_MESSAGE
+
+
+def quiet_scheduler_start_warning():
+    """Filter DeepSpeed's constructor-time scheduler warning (see the module docstring). DeepSpeed
+    logs through ``logging.getLogger('DeepSpeed')``, so this needs no DeepSpeed import."""
+    logger = logging.getLogger('DeepSpeed')
+    if _not_the_scheduler_start_warning not in logger.filters:
+        logger.addFilter(_not_the_scheduler_start_warning)

@@ -107,3 +107,17 @@ def test_deepspeed_import_still_pulls_in_mlflow_and_ds_seg_stops_it():
     ours = subprocess.run([sys.executable, '-c', check.format('import ds_seg; ')], capture_output=True, text=True)
     assert plain.returncode == 0 and plain.stdout.split()[-1:] == ['True'], plain.stderr[-2000:]
     assert ours.returncode == 0 and ours.stdout.split()[-1:] == ['False'], ours.stderr[-2000:]   # and mlflow still imports
+
+
+def test_deepspeed_schedulers_still_warn_at_construction_and_ds_seg_quiets_it():
+    """Delete quiet_scheduler_start_warning once DeepSpeed's WarmupLR constructor stops logging
+    "Attempting to get learning rate from scheduler before it has started"."""
+    import subprocess
+    import sys
+    check = ("import sys; {}import torch; from deepspeed.runtime.lr_schedules import WarmupLR; "
+             "WarmupLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), warmup_num_steps=3)")
+    message = 'Attempting to get learning rate from scheduler before it has started'
+    plain = subprocess.run([sys.executable, '-c', check.format('')], capture_output=True, text=True)
+    ours = subprocess.run([sys.executable, '-c', check.format('import ds_seg; ')], capture_output=True, text=True)
+    assert plain.returncode == 0 and message in plain.stdout + plain.stderr, plain.stderr[-2000:]
+    assert ours.returncode == 0 and message not in ours.stdout + ours.stderr, ours.stderr[-2000:]

@@ -153,3 +153,23 @@ def test_predict_benchmark_takes_a_small_tile_with_its_default_overlap(tmp_path,
     monkeypatch.setenv('DS_SEG_CACHE', str(tmp_path / 'cache'))
     assert predict_benchmark.main(['--size', '128', '--tile', '64', '--model', 'BenchPixelNet']) == 0
     assert '"overlap": 8' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('name', ['polygons_64.gpkg', 'classes_64.tif'])
+def test_vector_benchmark_neither_deletes_nor_reads_a_users_file_of_its_names(tmp_path, capsys, name):
+    # A user's polygons_64.gpkg was deleted and overwritten; a user's classes_64.tif (an RGB image)
+    # was vectorised, a traceback.
+    mine = tmp_path / name
+    mine.write_bytes(b'my own survey')
+    with pytest.raises(SystemExit) as exited:
+        vector_benchmark.main(['--size', '64', '--dir', str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f'--dir: {mine} is not a' in err and 'Traceback' not in err, err
+    assert mine.read_bytes() == b'my own survey'
+
+
+def test_vector_benchmark_reruns_over_its_own_files(tmp_path, capsys):
+    for _ in range(2):  # the second run reuses its class map and replaces its polygons
+        assert vector_benchmark.main(['--size', '64', '--band-rows', '16', '--dir', str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count('wrote') == 1 and out.count('polygons in') == 2, out

@@ -244,6 +244,30 @@ def test_missing_config_file_lists_shipped(tmp_path):
         load_config(str(tmp_path / 'nope.py'))
 
 
+def test_a_bare_name_takes_the_users_copy_in_the_current_folder_first(tmp_path, monkeypatch):
+    # The README's copy-out recipe, then an edit: `--config unet_tiny_synthetic` trained the
+    # shipped file and ignored the edit without a word.
+    from ds_seg.config import CONFIGS_DIR
+    monkeypatch.chdir(tmp_path)
+    text = (CONFIGS_DIR / 'unet_tiny_synthetic.py').read_text()
+    (tmp_path / 'unet_tiny_synthetic.py').write_text(text.replace("type='UNetTiny'", "type='FPNTiny'"))
+    assert "type='UNetTiny'" in text
+    assert load_config('unet_tiny_synthetic').model.type == 'FPNTiny'
+    assert load_config('upernet_tiny_synthetic').model.type == 'UperNetTiny'  # no copy here: the shipped one
+
+
+def test_a_shipped_config_copied_out_without_its_bases_says_what_to_copy(tmp_path):
+    from ds_seg.config import CONFIGS_DIR
+    (tmp_path / 'my_potsdam.py').write_text((CONFIGS_DIR / 'unet_potsdam.py').read_text())
+    with pytest.raises(ConfigError, match=r"my_potsdam.py: cannot be loaded: .*; it inherits the shipped "
+                                          r"_base_/potsdam.py: copy it beside the config \(cp -r .*_base_ ") as err:
+        load_config(str(tmp_path / 'my_potsdam.py'))
+    hint = str(err.value).split('(cp -r ')[1].rstrip(')').split()
+    import shutil
+    shutil.copytree(hint[0], os.path.join(hint[1], os.path.basename(hint[0])))  # what the line says to do
+    assert load_config(str(tmp_path / 'my_potsdam.py')).model.type == 'UNet'
+
+
 # -- DeepSpeed JSON ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize('path', SHIPPED, ids=[p.name for p in SHIPPED])

@@ -344,3 +344,16 @@ def test_a_typo_in_a_dataset_that_passes_keys_on_gets_a_suggestion(tmp_path):
     with pytest.raises(RegistryError, match=r"data.val.reduce_zero_labels: LoveDA has no argument "
                                             r"'reduce_zero_labels'. Did you mean 'reduce_zero_label'"):
         build(DATASETS, dict(type='LoveDA', data_root=str(tmp_path), reduce_zero_labels=True), where='data.val')
+
+
+def test_an_unwritable_cache_is_named_by_the_setting_that_chose_it(monkeypatch, tmp_path):
+    # "[Errno 2] No such file or directory: '/proc/x'" named neither $DS_SEG_CACHE nor what to do.
+    from ds_seg.data import SyntheticAerial
+    blocker = tmp_path / 'file'
+    blocker.write_text('not a folder')
+    monkeypatch.setenv('DS_SEG_CACHE', str(blocker / 'cache'))
+    with pytest.raises(ValueError, match=r"cannot be written under .*file/cache \(\$DS_SEG_CACHE\): .*; give a "
+                                         r"writable folder"):
+        SyntheticAerial(split='train', num_scenes=1, scene_size=64, crop_size=32)
+    with pytest.raises(ValueError, match=r"\(cache_dir\)"):
+        SyntheticAerial(split='train', num_scenes=1, scene_size=64, crop_size=32, cache_dir=str(blocker / 'c'))

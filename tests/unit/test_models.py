@@ -121,6 +121,9 @@ def test_unknown_argument_names_the_accepted_ones():
     (dict(type='UperNet', backbone='resnet18', pretrained=1), r"^model\.pretrained: write True or False, got 1\.$"),
     # Python's own words from inside the class: 'not all arguments converted during string formatting'.
     (dict(type='UNet', base_channels='16'), r"^model\.base_channels: '16' is a string, not a number"),
+    # A count as a fraction or a bool: nn.Conv2d's "empty() received an invalid combination" traceback.
+    (dict(type='UNet', base_channels=16.5), r"^model\.base_channels: write a whole number, got 16\.5\.$"),
+    (dict(type='UNetTiny', num_classes=True), r"^model\.num_classes: write a whole number, got True\.$"),
     # 'bernoulli_ expects p to be in [0, 1]' at the first step, after training had started.
     (dict(type='SegFormer', variant='mit_b0', drop_path_rate=1.5),
      r'^model\.drop_path_rate is a probability, between 0 and 1; got 1\.5\.$'),
@@ -171,6 +174,7 @@ def test_a_count_of_the_model_given_as_text_is_named_before_it_is_compared_with_
 @pytest.mark.parametrize('kw, message', [
     (dict(reduce_zero_label='False'), r"^data\.train\.reduce_zero_label: 'False' is a string, which is always true"),
     (dict(crop_size='64'), r"^data\.train\.crop_size: '64' is a string, not a number"),
+    (dict(seed=1.5), r"^data\.train\.seed: write a whole number, got 1\.5\.$"),
 ])
 def test_dataset_values_are_checked_like_the_models(tmp_path, kw, message):
     """The same class as the model's flags: a dataset's reduce_zero_label='False' turned the shift

@@ -148,3 +148,27 @@ def test_one_vector_label_file_over_another_image_gets_its_own_index(tmp_path):
 
     np.testing.assert_allclose(frequencies(tiles[0]), [0.75, 0.25])
     np.testing.assert_allclose(frequencies(tiles[1]), [0.9, 0.1])
+
+
+def test_names_in_another_class_order_get_their_own_index(tmp_path):
+    """A name-valued vector field is looked up in `classes`: reordered, 'road' is another index,
+    and the cached index of the first order (counts and candidate pixels swapped) must not be reused."""
+    import pyogrio.raw
+    import shapely
+    img = str(tmp_path / 'img.tif')
+    with rasterio.open(img, 'w', driver='GTiff', width=100, height=100, crs='EPSG:32632', count=3, dtype='uint8',
+                       transform=from_origin(0, 100, 1, 1)) as d:
+        d.write(np.zeros((3, 100, 100), np.uint8))
+    labels = str(tmp_path / 'labels.gpkg')  # building 10 x 10 m, road 20 x 20 m
+    pyogrio.raw.write(labels, shapely.to_wkb(np.array([shapely.box(10, 10, 20, 20), shapely.box(50, 50, 70, 70)])),
+                      field_data=[np.array(['building', 'road'], object)], fields=['class'], crs='EPSG:32632',
+                      geometry_type='Polygon')
+    for classes in (('bg', 'building', 'road'), ('bg', 'road', 'building')):
+        ds = GeoTiffScenes([img], labels, label_field='class', classes=classes, crop_size=16,
+                           sampling='rare_class', mean=[0] * 3, std=[1] * 3)
+        counts, locations = rare_class.class_index(ds, 1)
+        expected = {'bg': 10000 - 500, 'building': 100, 'road': 400}
+        assert list(counts) == [expected[c] for c in classes]
+        label = ds.read_label(0, rasterio.windows.Window(0, 0, 100, 100))
+        for k in (1, 2):  # every candidate of class k is a pixel of class k
+            assert set(label[locations[k][:, 1], locations[k][:, 2]].tolist()) == {k}

@@ -9,6 +9,7 @@ from rasterio.features import rasterize
 from rasterio.transform import from_origin
 
 from ds_seg.config import ConfigError
+from ds_seg.data.raster import DataError
 from ds_seg.data import GeoTiffScenes
 
 H, W = 300, 260
@@ -179,6 +180,7 @@ _READ_OVER_HTTP = r'''
 import sys
 import numpy as np
 from ds_seg.config import ConfigError
+from ds_seg.data.raster import DataError
 from ds_seg.data import GeoTiffScenes, raster
 raster.REMOTE_GDAL_OPTIONS['GDAL_HTTP_LOW_SPEED_TIME'] = 2  # ds_seg's own limit (not the environment's)
 out, image, names = sys.argv[1], sys.argv[2], sys.argv[3].split(',')
@@ -224,3 +226,52 @@ def test_vector_labels_over_http_equal_the_whole_scene_reference_and_a_stalled_s
     assert not (tmp / f'{len(formats)}.npy').exists()
     said = done.stdout.strip().splitlines()
     assert len(said) == 1 and said[0].startswith(f"labels {urls[-1]}: cannot read it as a vector file"), said
+
+
+@pytest.mark.parametrize('key, value', [('label_fill', 1.9), ('label_fill', True), ('label_fill', -1),
+                                        ('boundary_ignore', 1.7), ('boundary_ignore', -1)])
+def test_a_fill_or_boundary_that_is_not_a_whole_number_is_one_line(scene, key, value):
+    # int() truncated them: label_fill=1.9 labelled all unlabelled ground class 1; boundary_ignore=-1
+    # crashed the first training window ("negative dimensions are not allowed").
+    with pytest.raises(ValueError, match=f'^{key} must be a whole number >= 0, got {value!r}$'):
+        GeoTiffScenes([scene['img']], scene['vec'], label_field='class', **{key: value, **KW})
+    from ds_seg.engine.trainer import _build_dataset
+    with pytest.raises(ConfigError, match=f'^data.train.*{key}') as err:  # through the config: one line
+        _build_dataset(dict(type='GeoTiffScenes', images=[scene['img']], labels=scene['vec'], label_field='class',
+                            **{key: value}, **KW), 'data.train', 64, 0)
+    assert '\n' not in str(err.value)
+
+
+def test_a_value_past_ignore_index_without_classes_names_the_file_and_value(scene):
+    # The class count was inferred as 301, and the message blamed ignore_index 255.
+    bad = _write_vector(scene['tmp'] / 'oor.gpkg', scene['geoms'][:2], {'class': np.array([1, 300], np.int32)})
+    with pytest.raises(DataError, match=r"labels .*oor.gpkg: field 'class' holds the value 300, at or above "
+                                        r"ignore_index 255; fix the file, or give `classes`"):
+        GeoTiffScenes([scene['img']], bad, label_field='class', crop_size=64, mean=[0] * 3, std=[1] * 3)
+
+
+def test_a_polygon_reaching_past_gdals_pixel_range_is_still_burned(scene):
+    # A +-1e10 m "background" box lay 2e10 pixels past the window: GDAL's 32-bit pixel coordinates
+    # wrapped and the feature vanished from the labels without a word.
+    x0, y0 = TRANSFORM.c, TRANSFORM.f
+    geoms = [shapely.box(x0 - 1e10, y0 - 1e10, x0 + 1e10, y0 + 1e10), shapely.box(x0 + 10, y0 - 40, x0 + 40, y0 - 10)]
+    path = _write_vector(scene['tmp'] / 'huge.gpkg', geoms, {'class': np.array([1, 2], np.int32)})
+    ds = GeoTiffScenes([scene['img']], path, label_field='class', classes=3, crop_size=64, mean=[0] * 3, std=[1] * 3)
+    from rasterio.windows import Window
+    for window in (Window(0, 0, W, H), Window(100, 37, 64, 64)):
+        got = ds.read_label(0, window)
+        ref = np.ones((H, W), np.uint8)
+        ref[20:80, 20:80] = 2  # the small box: 30 m at 0.5 m pixels, from (20, 20)
+        np.testing.assert_array_equal(got, ref[window.row_off:window.row_off + window.height,
+                                               window.col_off:window.col_off + window.width])
+
+
+@pytest.mark.parametrize('values, message', [
+    # Both were "field 'class' holds names ('1.0', ...); give `classes`": not the mistake.
+    (np.array([1.0, 2.5]), r"field 'class' holds the fraction 2\.5; class indices are whole numbers"),
+    (np.array(['1', '-1'], object), r"value -1 .* is not a class index 0\.\.3"),
+])
+def test_fractional_or_negative_class_values_are_named_as_such(scene, values, message):
+    path = _write_vector(scene['tmp'] / 'odd.gpkg', scene['geoms'][:2], {'class': values})
+    with pytest.raises(ConfigError, match=message):
+        GeoTiffScenes([scene['img']], path, label_field='class', **KW)

@@ -319,3 +319,14 @@ def test_output_names_of_signed_urls_and_of_time_series_sharing_a_date():
         output_stems([['/d/a.tif', '/d/b.tif'], ['/d/a.tif', '/d/b.tif']])
     with pytest.raises(ConfigError, match='the same file given twice'):
         output_stems(['https://h/a.tif?s=1', 'https://h/a.tif?s=1'])
+
+
+def test_a_users_file_of_the_old_temporary_name_is_kept(tmp_path):
+    # survey.partial.gpkg beside --vector survey.gpkg was taken for a killed run's temporary file
+    # and deleted without a word.
+    src = _write(tmp_path / 'a_classes.tif', _class_map(40, 40))
+    mine = tmp_path / 'survey.partial.gpkg'
+    mine.write_bytes(b'field survey')
+    vectorize_class_map(src, str(tmp_path / 'survey.gpkg'))
+    assert mine.read_bytes() == b'field survey'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['a_classes.tif', 'survey.gpkg', 'survey.partial.gpkg']

@@ -290,7 +290,7 @@ def test_activation_checkpointing_of_timm_stem_stage_nets_updates_batchnorm_once
     (dict(type='DeepLabV3PlusTiny'), None),
     (dict(type='DeepLabV3Plus', backbone='resnet18', output_stride=4), 'model.output_stride must be 8 or 16'),
     (dict(type='DeepLabV3Plus', backbone='resnet18', output_stride=32), 'model.output_stride must be 8 or 16'),
-    (dict(type='FPNTiny', num_classes=2.5), 'model num_classes must be an integer >= 1, got 2.5'),
+    (dict(type='FPNTiny', num_classes=2.5), 'model.num_classes: write a whole number, got 2.5.'),
     (dict(type='FPNTiny', num_classes='6'), "model.num_classes: '6' is a string, not a number"),
     (dict(type='UperNetTiny', in_channels=0), 'model in_channels must be an integer >= 1, got 0'),
 ])
