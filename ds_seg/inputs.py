@@ -304,7 +304,7 @@ def check_bands(path, bands, in_channels=None, option='--input'):
     """The bands the model was trained on must exist in the raster."""
     import rasterio
 
-    from .data.raster import gdal_path, pixel_type_refusal, raster_env
+    from .data.raster import alpha_as_data_refusal, gdal_path, pixel_type_refusal, raster_env
     from rasterio.enums import ColorInterp
     with raster_env(path), rasterio.open(gdal_path(path)) as src:
         count = src.count
@@ -313,12 +313,16 @@ def check_bands(path, bands, in_channels=None, option='--input'):
             raise ConfigError(f'{option}: {refusal}')
         # One band of colour-table indices: the colours the model was trained on are in the table
         palette = count == 1 and src.colorinterp[0] == ColorInterp.palette
-    wanted = list(bands) if bands else list(range(1, count + 1))
-    if min(wanted) < 1 or max(wanted) > count:
-        hint = (' It is a palette image (one band of colour-table indices): expand it to RGB first '
-                f'(gdal_translate -expand rgb {path} rgb.tif).' if palette else '')
-        raise ConfigError(f'{option}: {path} has band(s) 1..{count} but the model reads bands {wanted} '
-                          f'(recorded at training, or --bands).{hint}')
-    if in_channels is not None and len(wanted) != in_channels:
-        raise ConfigError(f'{option}: the model takes {in_channels} band(s) but {len(wanted)} are selected from '
-                          f'{path} ({wanted}); give --bands with {in_channels} band numbers.')
+        wanted = list(bands) if bands else list(range(1, count + 1))
+        if min(wanted) < 1 or max(wanted) > count:
+            hint = (' It is a palette image (one band of colour-table indices): expand it to RGB first '
+                    f'(gdal_translate -expand rgb {path} rgb.tif).' if palette else '')
+            raise ConfigError(f'{option}: {path} has band(s) 1..{count} but the model reads bands {wanted} '
+                              f'(recorded at training, or --bands).{hint}')
+        if in_channels is not None and len(wanted) != in_channels:
+            raise ConfigError(f'{option}: the model takes {in_channels} band(s) but {len(wanted)} are selected from '
+                              f'{path} ({wanted}); give --bands with {in_channels} band numbers.')
+        # As training refuses it: predict wrote nodata and evaluate left out every pixel where the band was 0.
+        refusal = alpha_as_data_refusal(path, src, wanted, f'the bands the model reads ({wanted})')
+        if refusal:
+            raise ConfigError(f'{option}: {refusal}')

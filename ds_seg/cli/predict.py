@@ -337,6 +337,8 @@ def _run(args):
                for stem in stems]
     check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
     vectors = vector_outputs(args.vector, stems, args.output, overwrite=args.overwrite)
+    # A GeoPackage raster given as --input and --vector was replaced by the polygons (--overwrite).
+    check_outputs([v for v in vectors if v], inputs, overwrite=args.overwrite, option='--vector')
     for folder in sorted({args.output} | {os.path.dirname(os.path.abspath(v)) for v in vectors if v}):
         check_writable(folder, '--output' if folder == args.output else '--vector')
     if args.vector:

@@ -61,8 +61,8 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (DataError, StackedRaster, alpha_bands, file_identity, gdal_path, is_remote, label_nodata,
-                     nodata_mask, open_raster, pixel_grid, pixel_type_refusal, raster_env, read_error, read_label_band,
+from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, file_identity, gdal_path,
+                     is_remote, label_nodata, nodata_mask, open_raster, pixel_grid, pixel_type_refusal, raster_env, read_error, read_label_band,
                      read_window, same_file_key, same_pixels, same_value, user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
@@ -590,13 +590,10 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             if s['dtype'] != first['dtype']:
                 raise DataError(f"{s['image']} holds {s['dtype']} pixels but {first['image']} {first['dtype']}; "
                                 f"give every scene of a dataset one type (gdal_translate -ot)")
-            both = sorted(set(s.get('alpha', ())) & set(self.bands))
-            if both:
-                b = both[0]
-                raise DataError(f"{s['image']}: band {b} is tagged as alpha, so its 0 pixels read as nodata, but "
-                                f"bands={bands if bands is not None else 'all'} takes it as data. If it is data "
-                                f"(NIR...), untag it: gdal_edit.py -colorinterp_{b} undefined {s['image']}; if "
-                                f"it is a mask, leave it out of `bands`")
+            if set(s.get('alpha', ())) & set(self.bands):
+                with open_raster(s['image']) as src:
+                    raise DataError(alpha_as_data_refusal(s['image'], src, self.bands,
+                                                          f"bands={bands if bands is not None else 'all'}"))
 
     def _inspect(self, image, label):
         if is_vector(label):

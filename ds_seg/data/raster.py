@@ -403,6 +403,19 @@ def alpha_bands(src):
     return [i + 1 for i, c in enumerate(src.colorinterp) if c == ColorInterp.alpha]
 
 
+def alpha_as_data_refusal(path, src, bands, bands_said):
+    """The line refusing a raster whose selected ``bands`` include one it tags as alpha, or None.
+    GDAL reads a 0 in an alpha band as "no data here" in every band: a NIR band tagged so (GDAL's
+    default for band 4 of an 8-bit RGB file) hides every dark pixel as nodata."""
+    both = sorted(set(alpha_bands(src)) & set(bands))
+    if not both:
+        return None
+    b = both[0]
+    return (f"{path}: band {b} is tagged as alpha, so its 0 pixels read as nodata, but {bands_said} takes it "
+            f"as data. If it is data (NIR...), untag it: gdal_edit.py -colorinterp_{b} undefined {path}; if it "
+            "is a mask, leave it out of the bands")
+
+
 def nodata_mask(raw_CHW, nodata):
     """Pixels where every band equals ``nodata`` (NaN-aware); in floating-point images also
     pixels with a non-finite value.

@@ -330,3 +330,47 @@ def test_a_users_file_of_the_old_temporary_name_is_kept(tmp_path):
     vectorize_class_map(src, str(tmp_path / 'survey.gpkg'))
     assert mine.read_bytes() == b'field survey'
     assert sorted(p.name for p in tmp_path.iterdir()) == ['a_classes.tif', 'survey.gpkg', 'survey.partial.gpkg']
+
+
+def test_predict_cli_never_writes_polygons_over_its_input(tiny_weights, capsys):
+    # A GeoPackage raster (as QGIS writes them) given as --input and --vector with --overwrite was
+    # replaced by the polygons: the imagery was gone.
+    t = tiny_weights
+    with rasterio.open(t['scenes'][0]) as src:
+        pixels, profile = src.read(), src.profile
+    area = t['tmp'] / 'area.gpkg'
+    with rasterio.open(area, 'w', driver='GPKG', width=pixels.shape[2], height=pixels.shape[1], count=3,
+                       dtype='uint8', crs=profile['crs'], transform=profile['transform']) as dst:
+        dst.write(pixels)
+    before = area.read_bytes()
+    code = _predict(t, '--input', str(area), '--vector', str(area), '--overwrite')
+    err = capsys.readouterr().err
+    assert code == 2 and f'--vector: writing {area} would replace the input of the same name' in err, err
+    assert area.read_bytes() == before and not (t['tmp'] / 'out').exists()
+
+
+def test_predict_and_evaluate_refuse_a_data_band_tagged_alpha_as_training_does(tiny_weights, capsys):
+    # GDAL tags band 4 of an 8-bit RGB file alpha: predict wrote nodata, and evaluate left out,
+    # every pixel where that (NIR) band was 0, while training refused the file.
+    t = tiny_weights
+    with rasterio.open(t['scenes'][0]) as src:
+        pixels, profile = src.read(), src.profile
+    rgba = t['tmp'] / 'rgbn.tif'
+    with rasterio.open(rgba, 'w', driver='GTiff', width=pixels.shape[2], height=pixels.shape[1], count=4,
+                       dtype='uint8', crs=profile['crs'], transform=profile['transform'], photometric='RGB',
+                       alpha='YES') as dst:
+        dst.write(np.concatenate([pixels, np.zeros_like(pixels[:1])]))
+    code = _predict(t, '--input', str(rgba), '--bands', '1', '2', '4')
+    err = capsys.readouterr().err
+    assert code == 2 and 'rgbn.tif: band 4 is tagged as alpha, so its 0 pixels read as nodata' in err, err
+    assert 'gdal_edit.py -colorinterp_4 undefined' in err and not (t['tmp'] / 'out').exists()
+    from ds_seg.cli import evaluate
+    label = t['tmp'] / 'label.tif'
+    with rasterio.open(label, 'w', driver='GTiff', width=pixels.shape[2], height=pixels.shape[1], count=1,
+                       dtype='uint8', crs=profile['crs'], transform=profile['transform']) as dst:
+        dst.write(np.ones_like(pixels[:1]))
+    code = evaluate.main(['--checkpoint', t['weights'], '--images', str(rgba), '--labels', str(label), '--bands',
+                          '1', '2', '4', '--output', str(t['tmp'] / 'ev')])
+    err = capsys.readouterr().err
+    assert code == 2 and 'band 4 is tagged as alpha' in err and not (t['tmp'] / 'ev').exists(), err
+    assert _predict(t, '--input', str(rgba)) == 0  # its recorded bands 1-3: the alpha band is the mask it is
