@@ -332,16 +332,23 @@ def test_a_users_file_of_the_old_temporary_name_is_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ['a_classes.tif', 'survey.gpkg', 'survey.partial.gpkg']
 
 
+def _on_the_scenes_grid(t, name, bands_from_pixels, driver='GTiff', **creation):
+    """A raster ``name`` on the grid of the fixture's scene holding ``bands_from_pixels(its pixels)``."""
+    with rasterio.open(t['scenes'][0]) as src:
+        pixels, profile = src.read(), src.profile
+    data = bands_from_pixels(pixels)
+    path = t['tmp'] / name
+    with rasterio.open(path, 'w', driver=driver, width=data.shape[2], height=data.shape[1], count=data.shape[0],
+                       dtype=data.dtype, crs=profile['crs'], transform=profile['transform'], **creation) as dst:
+        dst.write(data)
+    return path
+
+
 def test_predict_cli_never_writes_polygons_over_its_input(tiny_weights, capsys):
     # A GeoPackage raster (as QGIS writes them) given as --input and --vector with --overwrite was
     # replaced by the polygons: the imagery was gone.
     t = tiny_weights
-    with rasterio.open(t['scenes'][0]) as src:
-        pixels, profile = src.read(), src.profile
-    area = t['tmp'] / 'area.gpkg'
-    with rasterio.open(area, 'w', driver='GPKG', width=pixels.shape[2], height=pixels.shape[1], count=3,
-                       dtype='uint8', crs=profile['crs'], transform=profile['transform']) as dst:
-        dst.write(pixels)
+    area = _on_the_scenes_grid(t, 'area.gpkg', lambda pixels: pixels, driver='GPKG')
     before = area.read_bytes()
     code = _predict(t, '--input', str(area), '--vector', str(area), '--overwrite')
     err = capsys.readouterr().err
@@ -353,22 +360,14 @@ def test_predict_and_evaluate_refuse_a_data_band_tagged_alpha_as_training_does(t
     # GDAL tags band 4 of an 8-bit RGB file alpha: predict wrote nodata, and evaluate left out,
     # every pixel where that (NIR) band was 0, while training refused the file.
     t = tiny_weights
-    with rasterio.open(t['scenes'][0]) as src:
-        pixels, profile = src.read(), src.profile
-    rgba = t['tmp'] / 'rgbn.tif'
-    with rasterio.open(rgba, 'w', driver='GTiff', width=pixels.shape[2], height=pixels.shape[1], count=4,
-                       dtype='uint8', crs=profile['crs'], transform=profile['transform'], photometric='RGB',
-                       alpha='YES') as dst:
-        dst.write(np.concatenate([pixels, np.zeros_like(pixels[:1])]))
+    rgba = _on_the_scenes_grid(t, 'rgbn.tif', lambda pixels: np.concatenate([pixels, np.zeros_like(pixels[:1])]),
+                               photometric='RGB', alpha='YES')
     code = _predict(t, '--input', str(rgba), '--bands', '1', '2', '4')
     err = capsys.readouterr().err
     assert code == 2 and 'rgbn.tif: band 4 is tagged as alpha, so its 0 pixels read as nodata' in err, err
     assert 'gdal_edit.py -colorinterp_4 undefined' in err and not (t['tmp'] / 'out').exists()
     from ds_seg.cli import evaluate
-    label = t['tmp'] / 'label.tif'
-    with rasterio.open(label, 'w', driver='GTiff', width=pixels.shape[2], height=pixels.shape[1], count=1,
-                       dtype='uint8', crs=profile['crs'], transform=profile['transform']) as dst:
-        dst.write(np.ones_like(pixels[:1]))
+    label = _on_the_scenes_grid(t, 'label.tif', lambda pixels: np.ones_like(pixels[:1]))
     code = evaluate.main(['--checkpoint', t['weights'], '--images', str(rgba), '--labels', str(label), '--bands',
                           '1', '2', '4', '--output', str(t['tmp'] / 'ev')])
     err = capsys.readouterr().err
