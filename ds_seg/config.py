@@ -220,13 +220,6 @@ class TrainSection(_Section):
               'CHANNELS_LAST_BY_MODEL: NCHW until measured)',
         (lambda v: v is None or _is_bool(v), 'None (the model family default), True or False'))
 
-    def __post_init__(self):
-        super().__post_init__()
-        # A mode without compile was dropped without a word: the run was not compiled at all.
-        if self.compile_mode != 'default' and not self.compile:
-            raise ConfigError(f"train.compile_mode={self.compile_mode!r} takes effect only with train.compile=True; "
-                              "set train.compile=True, or leave compile_mode out.")
-
 
 @dataclass(frozen=True)
 class DataSection(_Section):
@@ -324,17 +317,6 @@ class LogSection(_Section):
     wandb_project: Optional[str] = setting(None, "W&B project (None: 'ds_seg'); WANDB_MODE=offline needs no network",
                                            (_optional_path, 'None or a W&B project name'))
 
-    # The options of a tracker the run does not start were dropped without a word: the user looked
-    # for their run in a store nothing wrote to.
-    TRACKER_OPTIONS = {'mlflow_tracking_uri': 'mlflow', 'experiment': 'mlflow', 'wandb_project': 'wandb'}
-
-    def __post_init__(self):
-        super().__post_init__()
-        for key, tracker in self.TRACKER_OPTIONS.items():
-            if getattr(self, key) is not None and tracker not in self.trackers:
-                raise ConfigError(f"log.{key} is set but log.trackers={list(self.trackers)!r} does not start "
-                                  f"{tracker!r}; add {tracker!r} to log.trackers, or leave log.{key} out.")
-
 
 @dataclass(frozen=True)
 class ExperimentSection(_Section):
@@ -365,6 +347,29 @@ class ExperimentSection(_Section):
 
 # Checked in this order; the first refusal is the one reported.
 SECTIONS = (TrainSection, DataSection, OptimSection, LogSection, ExperimentSection)
+
+# Settings that act only beside another one: (key, the one it needs, its value there, what to set).
+NEEDS = (('train.compile_mode', 'train.compile', True, 'train.compile=True'),
+         ('log.mlflow_tracking_uri', 'log.trackers', 'mlflow', "'mlflow' in log.trackers"),
+         ('log.experiment', 'log.trackers', 'mlflow', "'mlflow' in log.trackers"),
+         ('log.wandb_project', 'log.trackers', 'wandb', "'wandb' in log.trackers"))
+
+
+def unused_settings(cfg):
+    """One line per setting of ``cfg`` that does nothing in this run because the setting it acts
+    through is off (train.compile_mode without train.compile, log.experiment without MLflow):
+    they were dropped without a word, and the user looked for a compiled run, or a run in a store
+    nothing wrote to. Said at the start of training, not refused: turning the other one off from
+    the command line (train.compile=False) is how a config's setting is overridden."""
+    cfg = cfg.to_dict() if isinstance(cfg, Config) else cfg
+    lines = []
+    for key, needs, value, what in NEEDS:
+        given, default = _get(cfg, key), _get(DEFAULTS, key)
+        other = _get(cfg, needs)
+        on = value in (other or ()) if isinstance(value, str) else other == value
+        if given is not None and given != default and not on:
+            lines.append(f'{key}={given!r} is not used: it takes effect only with {what}')
+    return lines
 
 # The embedded default experiment: a small UNet on synthetic aerial scenes. Every key a config
 # may set appears here; config files and --cfg-options override these values. The registry
@@ -558,8 +563,8 @@ def _shipped_base_hint(path, exc):
     if relative.startswith('..') or not (CONFIGS_DIR / relative).is_file():
         return ''
     top = relative.split(os.sep)[0]
-    return (f"; it inherits the shipped {relative}: copy it beside the config "
-            f"(cp -r {CONFIGS_DIR / top} {os.path.dirname(os.path.abspath(path))}/)")
+    return (f"; it inherits the shipped {relative}: copy it beside the config, keeping files of yours "
+            f"(cp -rn {CONFIGS_DIR / top} {os.path.dirname(os.path.abspath(path))}/)")
 
 
 def load_config(path=None, cfg_options=None):

@@ -182,15 +182,14 @@ def output_stems(inputs):
 def check_outputs(outputs, inputs, overwrite=False, option='--output'):
     """Refuse outputs that would replace an input, or (without ``overwrite``) an existing file."""
     real_inputs = {os.path.realpath(p) for p in inputs if os.path.exists(p)}
+    other = 'another output folder' if option == '--output' else 'another name'
     for out in outputs:
         if os.path.realpath(out) in real_inputs:
-            raise ConfigError(f'{option}: writing {out} would replace the input of the same name; choose '
-                              'another output folder.')
+            raise ConfigError(f'{option}: writing {out} would replace the input of the same name; choose {other}.')
         if os.path.isdir(out):
-            raise ConfigError(f'{option}: {out} is a folder; move it or choose another output folder.')
+            raise ConfigError(f'{option}: {out} is a folder; move it or choose {other}.')
         if os.path.exists(out) and not overwrite:
-            raise ConfigError(f'{option}: {out} already exists; choose another output folder, delete it, or '
-                              'add --overwrite.')
+            raise ConfigError(f'{option}: {out} already exists; choose {other}, delete it, or add --overwrite.')
 
 
 # Names that say "a file": given as a folder that does not exist yet, a folder of that name would

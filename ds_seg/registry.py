@@ -135,7 +135,8 @@ def _check_value(key, value, default):
             raise ConfigError(f"{key}: write True or False, got {value!r}.")
     elif isinstance(default, (int, float)) and isinstance(value, str):
         raise ConfigError(f"{key}: {value!r} is a string, not a number; write it without quotes.")
-    elif isinstance(default, int) and isinstance(value, (bool, float)):
+    elif isinstance(default, int) and (isinstance(value, bool)
+                                       or isinstance(value, float) and not value.is_integer()):
         # A count, size or index: label_fill=1.9 became class 1 and True class 1, without a word.
         raise ConfigError(f"{key}: write a whole number, got {value!r}.")
     if isinstance(value, dict):  # timm's keyword arguments (backbone_kwargs) hold drop rates too

@@ -233,8 +233,11 @@ class RunLog:
         return runs if isinstance(runs, dict) else {}
 
     def record_tracker_runs(self):
+        """Add this run's tracker runs to ``trackers.json``, keeping those of trackers a pass did
+        not start (a resume without W&B, then one with it again, goes on in the same W&B run)."""
         if self.trackers:
-            self.write_json(self.TRACKER_RUNS, {tracker.NAME: tracker.ids() for tracker in self.trackers})
+            runs = dict(self.tracker_runs(), **{tracker.NAME: tracker.ids() for tracker in self.trackers})
+            self.write_json(self.TRACKER_RUNS, runs)
 
     def keep_replaced(self, files):
         """On resume, before ``files`` ({name: object}) are written: those already in the work
@@ -337,6 +340,9 @@ class RunLog:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        self.close_trackers(exit_reason)
+
+    def close_trackers(self, exit_reason):
         for tracker in self.trackers:
             tracker.close(exit_reason)
         self.trackers = []

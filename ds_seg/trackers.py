@@ -28,7 +28,9 @@ def _flatten(node, prefix=''):
 
 # How a run ended (Trainer.exit_reason) in each tracker's terms. A stopped run (a signal, Ctrl-C,
 # a time limit) is KILLED, not FAILED: its checkpoint is there and `--resume auto` goes on with it.
+# 'refused': a start refused after the trackers started (FAILED; a reopened run keeps KILLED).
 MLFLOW_STATUS = {'completed': 'FINISHED', 'preempted': 'KILLED', 'interrupted': 'KILLED', 'running': 'KILLED'}
+STOPPED = ('preempted', 'interrupted', 'running')
 
 
 def _numeric(record, prefix):
@@ -48,7 +50,8 @@ class MLflowTracker:
             raise ConfigError(f"log.trackers: 'mlflow' needs the mlflow client: {extra_hint('mlflow')} "
                               "(mlflow-skinny is enough).") from exc
         self.mlflow = mlflow
-        uri = log_cfg.get('mlflow_tracking_uri') or 'file://' + os.path.abspath(os.path.join(work_dir, 'mlruns'))
+        configured = log_cfg.get('mlflow_tracking_uri')
+        uri = configured or 'file://' + os.path.abspath(os.path.join(work_dir, 'mlruns'))
         if uri.startswith('file:') or '://' not in uri:
             # MLflow 3 refuses its file store unless opted in; a file URI here is the user's choice
             # (or our no-server default), and it needs no database packages.
@@ -56,15 +59,17 @@ class MLflowTracker:
         mlflow.set_tracking_uri(uri)
         experiment = log_cfg.get('experiment') or 'ds_seg'
         mlflow.set_experiment(experiment)
-        self.where = dict(tracking_uri=uri, experiment=experiment)
+        # What the config says, not the path it resolves to: the default store moves with a moved
+        # (or symlinked) work dir, and its run is still there.
+        self.where = dict(tracking_uri=configured, experiment=experiment)
         self.note = None        # what the trainer says about the run it logs to
         self.resumed = False
         self.run = None
         if earlier and earlier.get('run_id'):
             if {k: earlier.get(k) for k in self.where} != self.where:
                 self.note = (f"MLflow: the earlier steps were logged to run {earlier['run_id']} in "
-                             f"{earlier.get('experiment')!r} at {earlier.get('tracking_uri')}; log.mlflow_tracking_uri "
-                             f"or log.experiment changed, so the resumed steps start a new run there")
+                             f"{earlier.get('experiment')!r} at {earlier.get('tracking_uri') or '<work dir>/mlruns'}; "
+                             "log.mlflow_tracking_uri or log.experiment changed, so the resumed steps start a new run")
             else:
                 try:
                     self.run = mlflow.start_run(run_id=earlier['run_id'])
@@ -103,6 +108,8 @@ class MLflowTracker:
         self.scalars(_numeric(summary, 'summary'), summary.get('steps') or 0)
 
     def close(self, exit_reason=None):
+        if exit_reason == 'refused' and self.resumed:  # reopened, then refused: as it was, resumable
+            exit_reason = 'interrupted'
         self.mlflow.end_run(status=MLFLOW_STATUS.get(exit_reason, 'FAILED'))
 
 
@@ -141,7 +148,7 @@ class WandbTracker:
     def close(self, exit_reason=None):
         if exit_reason == 'preempted':
             self.run.mark_preempting()  # W&B's state for a run that a scheduler stopped and will requeue
-        self.run.finish(exit_code=0 if exit_reason in ('completed', 'preempted', 'interrupted', 'running') else 1)
+        self.run.finish(exit_code=0 if exit_reason == 'completed' or exit_reason in STOPPED else 1)
 
 
 def check_trackers(log_cfg):
@@ -168,7 +175,7 @@ def build_trackers(log_cfg, work_dir, run_name, earlier=None):
             trackers.append(classes[name](log_cfg, work_dir, run_name, (earlier or {}).get(name)))
         except Exception as exc:  # no login, an unwritable store, an unreachable server...
             for started in trackers:  # no run left open in the trackers that did start
-                started.close('error')
+                started.close('refused')
             if isinstance(exc, ConfigError):
                 raise
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

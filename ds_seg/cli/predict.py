@@ -336,8 +336,9 @@ def _run(args):
     outputs = [[os.path.join(args.output, f'{stem}_{kind}.tif') for kind in ('classes', 'probs')[:1 + args.probs]]
                for stem in stems]
     check_outputs([o for pair in outputs for o in pair], inputs, overwrite=args.overwrite)
-    vectors = vector_outputs(args.vector, stems, args.output, overwrite=args.overwrite)
-    # A GeoPackage raster given as --input and --vector was replaced by the polygons (--overwrite).
+    # A GeoPackage raster given as --input and --vector was replaced by the polygons (--overwrite):
+    # the input is named before an existing file is.
+    vectors = vector_outputs(args.vector, stems, args.output, overwrite=True)
     check_outputs([v for v in vectors if v], inputs, overwrite=args.overwrite, option='--vector')
     for folder in sorted({args.output} | {os.path.dirname(os.path.abspath(v)) for v in vectors if v}):
         check_writable(folder, '--output' if folder == args.output else '--vector')

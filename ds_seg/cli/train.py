@@ -119,9 +119,11 @@ def _train(argv, as_program):
         # this one: they stop as for a lost rank, and this rank skips the teardown that would wait.
         print(f'ds_seg: error: {_worker_message(exc)} (at step {trainer.step}; the last checkpoint is '
               f'intact: fix the file, then --resume auto)', file=sys.stderr, flush=True)
+        trainer.log.close(trainer.exit_reason)  # os._exit skips close(): the tracker runs end FAILED first
         os._exit(EXIT_DATA_ERROR)
     except LostRankError as exc:
         print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
+        trainer.log.close(trainer.exit_reason)
         os._exit(EXIT_LOST_RANK)  # skip process-group teardown: it would wait on the dead rank
     except RunIOError as exc:
         if trainer.rank == 0:

@@ -24,23 +24,40 @@ import numpy as np
 MADE_HERE = 'ds_seg_vector_benchmark'  # the class map's tag, and the --dir record of polygon files written
 
 
+CLASSES = ['background', 'building', 'road', 'tree']
+
+
 def made_here(class_map, size):
-    """Whether ``class_map`` is the one this benchmark writes for ``size`` (by its tag)."""
+    """Whether ``class_map`` is the one this benchmark writes for ``size``: by its tag, or, written
+    by a version before the tag, by its profile (one uint8 band of size x size, our class names)."""
     import rasterio
     try:
         with rasterio.open(class_map) as src:
-            return src.tags().get(MADE_HERE) == str(size)
+            tags = src.tags()
+            return tags.get(MADE_HERE) == str(size) or (
+                MADE_HERE not in tags and tags.get('classes') == json.dumps(CLASSES) and src.count == 1
+                and src.dtypes[0] == 'uint8' and src.width == src.height == size)
     except rasterio.errors.RasterioError:
         return False
 
 
 def polygons_written(folder):
-    """The polygon files earlier runs of this benchmark wrote in ``folder`` (its record)."""
+    """The polygon files earlier runs of this benchmark wrote in ``folder``: its record, and those
+    of a version before the record (polygons_<size>.<format> with the vectoriser's fields)."""
     try:
         with open(os.path.join(folder, f'.{MADE_HERE}.json')) as f:
-            return set(json.load(f))
+            written = set(json.load(f))
     except (OSError, ValueError, TypeError):
-        return set()
+        written = set()
+    import glob
+    import pyogrio
+    for path in glob.glob(os.path.join(glob.escape(folder), 'polygons_*.*')):
+        try:
+            if {'class_id', 'class_name', 'area_m2'} <= set(pyogrio.read_info(path)['fields']):
+                written.add(os.path.basename(path))
+        except Exception:  # not a vector file GDAL can read: not ours
+            continue
+    return written
 
 
 def make_class_map(path, size, seed=0, band=1024):
@@ -55,7 +72,7 @@ def make_class_map(path, size, seed=0, band=1024):
     xs = np.arange(size)
     tmp = path + '.tmp.tif'
     with rasterio.open(tmp, 'w', **profile) as dst:
-        dst.update_tags(classes=json.dumps(['background', 'building', 'road', 'tree']), **{MADE_HERE: str(size)})
+        dst.update_tags(classes=json.dumps(CLASSES), **{MADE_HERE: str(size)})
         for y0 in range(0, size, band):
             ys = np.arange(y0, min(y0 + band, size))
             v = coarse[ys[:, None] // 50, xs[None] // 50] + 0.35 * fine[ys[:, None] // 10, xs[None] // 10]

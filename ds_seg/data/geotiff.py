@@ -504,12 +504,15 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             raise ValueError("give `classes` when using label_map or reduce_zero_label: the class "
                              "count cannot be inferred from remapped values")
         if classes is None and self._vectors and 'classes' not in stats:
+            # The class count from the values, as from a raster's: ignore_index is no class, and a
+            # value past it is a mistake (301 classes inferred, then blamed on ignore_index).
             top = max(self._vectors.values(), key=lambda v: v.max_value)
-            if 0 <= self.ignore_index <= top.max_value:  # class count inferred from a value past ignore_index
+            if 0 <= self.ignore_index < top.max_value:
                 raise DataError(f"labels {top.path}: field {self.label_field!r} holds the value {top.max_value}, "
-                                f"at or above ignore_index {self.ignore_index}; fix the file, or give `classes` "
+                                f"above ignore_index {self.ignore_index}; fix the file, or give `classes` "
                                 "(the class names or count) so values out of range are named")
-            classes = max([top.max_value] + [self.label_fill if self.label_fill != self.ignore_index else -1]) + 1
+            classes = max([int(x) for v in self._vectors.values() for x in v.values if x != self.ignore_index] +
+                          [self.label_fill if self.label_fill != self.ignore_index else -1]) + 1
         self.classes = self._resolve_classes(classes, stats)
         self.num_classes = len(self.classes)
         if 0 <= self.ignore_index < self.num_classes:

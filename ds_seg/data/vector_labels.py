@@ -200,7 +200,9 @@ FAR_PIXELS = 2 ** 24
 
 def _clip_far_reaching(geoms, win_transform, shape):
     """``geoms``, those that reach more than FAR_PIXELS from the window clipped to a box around
-    it (a window's size beyond it on each side), which leaves the window's pixels as they were."""
+    it (a window's size beyond it on each side). A polygon's pixels in the window stay as they
+    were; a line's may move by a pixel on a rotated grid (GDAL's tie-breaking follows its start
+    point), which beats the line vanishing."""
     import shapely
     inv = ~win_transform
     xmin, ymin, xmax, ymax = shapely.bounds(geoms).T

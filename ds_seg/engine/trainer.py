@@ -17,7 +17,7 @@ import time
 import torch
 
 from .. import distributed
-from ..config import ConfigError, default_work_dir
+from ..config import ConfigError, default_work_dir, unused_settings
 from ..data.loader import build_train_loader
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
@@ -127,9 +127,9 @@ class Trainer:
         self._take_work_dir()  # refused: another run's work dir (so not one this run created)
         try:
             self._setup(resume, t_start)
-        except BaseException:
-            if self.log is not None:
-                self.log.close('error')  # ends any tracker run already started, as failed
+        except BaseException as exc:
+            if self.log is not None:  # ends any tracker run already started
+                self.log.close('interrupted' if isinstance(exc, KeyboardInterrupt) else 'refused')
             self.lock.release()  # a refused run leaves the work dir as it found it
             if created:  # ... and one it created, as if it had never run
                 shutil.rmtree(created, ignore_errors=True)
@@ -152,7 +152,7 @@ class Trainer:
     def _setup(self, resume, t_start):
         cfg, spec = self.cfg, self.spec
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
-        for note in spec.notes:
+        for note in (*spec.notes, *unused_settings(cfg)):
             self.print(note)
 
         # --- data: rank 0 first, so one-off caches (synthetic scenes, band stats) are built once
@@ -189,13 +189,16 @@ class Trainer:
         if cfg.get('load_from'):
             self._load_weights(model, cfg.load_from)
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
+        # After the config, data and model checks (a refused run leaves no MLflow/W&B run behind),
+        # before the resume moves anything aside (a tracker that cannot start refuses the run, and
+        # a refused run leaves the work dir as it was). A resume logs on to its earlier steps' runs.
+        self._start_trackers(cfg, resumed=bool(found))
 
         # --- resume ----------------------------------------------------------------------------
         self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)
         self.step, self.micro_step_offset, set_aside = self.checkpointer.restore(resume, found)
-        # After the config, data, model and resume checks: a refused run leaves no MLflow/W&B run
-        # behind, and a resumed one (no checkpoint has step 0) logs on to its earlier steps' runs.
-        self._start_trackers(cfg, resumed=bool(self.step))
+        if found and not self.step:  # no checkpoint verified: a fresh start after all, in runs of its own
+            self._start_trackers(cfg, resumed=False)
         if distributed.is_main():
             self.log.start(resumed_step=self.step or None, set_aside=set_aside)
             self.log.record_tracker_runs()
@@ -650,6 +653,7 @@ class Trainer:
         self.log.tensorboard = 'tensorboard' in names
         failure = None
         if distributed.is_main():
+            self.log.close_trackers('refused')  # those of an earlier call (see _setup)
             try:
                 self.log.trackers = build_trackers(log_cfg, self.work_dir,
                                                    os.path.basename(os.path.abspath(self.work_dir)),

@@ -224,3 +224,73 @@ def test_a_preempted_run_is_killed_in_mlflow_and_its_resume_logs_on_to_the_same_
     wandb_ids = seen['wandb_ids']
     assert wandb_ids[0] == wandb_ids[1], 'the resumed pass goes on in the W&B run of the first'
 
+
+
+def test_trackers_json_keeps_runs_of_a_pass_without_them_and_follows_a_moved_work_dir(tmp_path, monkeypatch):
+    """Real MLflow (default store in the work dir) and W&B offline runs, three passes as three
+    resumes would start them: a pass without W&B kept no record of its run, so the next pass with
+    W&B began a new one; a moved work dir (the default store moves with it) began a new MLflow run."""
+    import shutil
+    from ds_seg.telemetry import RunLog
+    from ds_seg.trackers import build_trackers
+    monkeypatch.setenv('WANDB_MODE', 'offline')
+    monkeypatch.setenv('WANDB_SILENT', 'true')
+    first = tmp_path / 'first'
+    ids = []
+    for names, earlier in ((['mlflow', 'wandb'], False), (['mlflow'], True), (['mlflow', 'wandb'], True)):
+        log = RunLog(str(first), enabled=True)
+        log.trackers = build_trackers(dict(trackers=names), str(first), 'run',
+                                      earlier=log.tracker_runs() if earlier else None)
+        log.record_tracker_runs()
+        ids.append(log.tracker_runs())
+        log.close('preempted')
+    assert ids[0]['mlflow']['run_id'] == ids[1]['mlflow']['run_id'] == ids[2]['mlflow']['run_id']
+    assert ids[1]['wandb'] == ids[0]['wandb'] and ids[2]['wandb']['id'] == ids[0]['wandb']['id']
+    moved = tmp_path / 'moved'
+    shutil.copytree(first, moved)
+    shutil.rmtree(first)
+    log = RunLog(str(moved), enabled=True)
+    log.trackers = build_trackers(dict(trackers=['mlflow']), str(moved), 'run', earlier=log.tracker_runs())
+    assert log.trackers[0].run.info.run_id == ids[0]['mlflow']['run_id'] and log.trackers[0].resumed
+    log.close('completed')
+
+
+def _refused_rollback(tmp):
+    """Six steps with checkpoints at 3 and 6, then a resume from step 3 (a rollback: step 6 would be
+    set aside) whose MLflow store cannot be written: the work dir's files before and after."""
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    import contextlib
+    import io
+    work = os.path.join(tmp, 'run')
+    cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=6, checkpoint_interval=3)
+    cfg.merge_from_dict({'log': dict(experiment='potsdam')})  # no MLflow in this pass: said, not dropped
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer = Trainer(cfg, ds_config(0, micro_batch=2), work_dir=work)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+
+    def files():
+        return sorted(os.path.relpath(os.path.join(d, f), work) for d, _, fs in os.walk(work) for f in fs)
+    before = files()
+    cfg.merge_from_dict({'log': dict(trackers=['mlflow'], mlflow_tracking_uri='file:///proc/ds_seg_mlruns')})
+    try:
+        Trainer(cfg, ds_config(0, micro_batch=2), work_dir=work,
+                resume=os.path.join(work, 'checkpoints', 'step_00000003')).close()
+        refused = None
+    except ConfigError as exc:
+        refused = str(exc)
+    return before, files(), refused, printed.getvalue()
+
+
+def test_a_resume_refused_by_its_tracker_leaves_the_work_dir_as_it_was(tmp_path):
+    # The trackers started after the rollback had moved step 6 aside: the refused run changed the
+    # work dir, and the next --resume auto dropped the rows of steps 4-6 instead of keeping them.
+    before, after, refused, printed = run_on_ranks(_refused_rollback, 1, args=(str(tmp_path),), timeout=240)[0]
+    assert ("[ds_seg] log.experiment='potsdam' is not used: it takes effect only with 'mlflow' in log.trackers"
+            in printed.splitlines())
+    assert refused and refused.startswith("log.trackers: 'mlflow' could not start a run")
+    assert after == before and 'checkpoints/step_00000006/COMPLETE' in after

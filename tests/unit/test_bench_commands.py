@@ -173,3 +173,19 @@ def test_vector_benchmark_reruns_over_its_own_files(tmp_path, capsys):
         assert vector_benchmark.main(['--size', '64', '--band-rows', '16', '--dir', str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count('wrote') == 1 and out.count('polygons in') == 2, out
+
+
+def test_vector_benchmark_takes_the_files_of_its_version_before_the_tag(tmp_path, capsys):
+    # Class maps and polygons an earlier version wrote (no tag, no record) were refused as "not
+    # written by this benchmark".
+    import rasterio
+    assert vector_benchmark.main(['--size', '64', '--band-rows', '16', '--dir', str(tmp_path)]) == 0
+    (tmp_path / '.ds_seg_vector_benchmark.json').unlink()
+    class_map = tmp_path / 'classes_64.tif'
+    with rasterio.open(class_map) as src:
+        pixels, profile = src.read(), src.profile
+    with rasterio.open(class_map, 'w', **profile) as dst:  # as the old version wrote it: the classes tag only
+        dst.write(pixels)
+        dst.update_tags(classes=json.dumps(vector_benchmark.CLASSES))
+    assert vector_benchmark.main(['--size', '64', '--band-rows', '16', '--dir', str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count('polygons in') == 2

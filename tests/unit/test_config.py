@@ -260,9 +260,9 @@ def test_a_shipped_config_copied_out_without_its_bases_says_what_to_copy(tmp_pat
     from ds_seg.config import CONFIGS_DIR
     (tmp_path / 'my_potsdam.py').write_text((CONFIGS_DIR / 'unet_potsdam.py').read_text())
     with pytest.raises(ConfigError, match=r"my_potsdam.py: cannot be loaded: .*; it inherits the shipped "
-                                          r"_base_/potsdam.py: copy it beside the config \(cp -r .*_base_ ") as err:
+                                          r"_base_/potsdam.py: copy it beside the config, keeping files of yours \(cp -rn .*_base_ ") as err:
         load_config(str(tmp_path / 'my_potsdam.py'))
-    hint = str(err.value).split('(cp -r ')[1].rstrip(')').split()
+    hint = str(err.value).split('(cp -rn ')[1].rstrip(')').split()
     import shutil
     shutil.copytree(hint[0], os.path.join(hint[1], os.path.basename(hint[0])))  # what the line says to do
     assert load_config(str(tmp_path / 'my_potsdam.py')).model.type == 'UNet'

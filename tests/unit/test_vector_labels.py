@@ -245,9 +245,13 @@ def test_a_fill_or_boundary_that_is_not_a_whole_number_is_one_line(scene, key, v
 def test_a_value_past_ignore_index_without_classes_names_the_file_and_value(scene):
     # The class count was inferred as 301, and the message blamed ignore_index 255.
     bad = _write_vector(scene['tmp'] / 'oor.gpkg', scene['geoms'][:2], {'class': np.array([1, 300], np.int32)})
-    with pytest.raises(DataError, match=r"labels .*oor.gpkg: field 'class' holds the value 300, at or above "
+    with pytest.raises(DataError, match=r"labels .*oor.gpkg: field 'class' holds the value 300, above "
                                         r"ignore_index 255; fix the file, or give `classes`"):
         GeoTiffScenes([scene['img']], bad, label_field='class', crop_size=64, mean=[0] * 3, std=[1] * 3)
+    # ignore_index itself is no class, as in a raster: 1, 2 and 255 are three classes (0..2).
+    ignored = _write_vector(scene['tmp'] / 'ignored.gpkg', scene['geoms'][:3], {'class': np.array([1, 2, 255], np.int32)})
+    assert GeoTiffScenes([scene['img']], ignored, label_field='class', crop_size=64, mean=[0] * 3,
+                         std=[1] * 3).num_classes == 3
 
 
 def test_a_polygon_reaching_past_gdals_pixel_range_is_still_burned(scene):
