@@ -43,6 +43,19 @@ def optimizer_family(ds_config):
     return 'adam' if kind in ('adam', 'adamw') else kind
 
 
+# Optimizer settings a checkpoint's optimizer state carries (its param_groups) and a resume restores
+# over the DeepSpeed JSON's: a new value would be written to ds_config.json but never train. The LR
+# only without a scheduler: a scheduler sets it from its own (new) parameters every step.
+STATE_HYPERPARAMETERS = ('weight_decay', 'betas', 'eps', 'momentum', 'dampening', 'nesterov', 'amsgrad')
+
+
+def restored_hyperparameters(ds_config):
+    """The JSON's values of the optimizer settings a resume restores from the checkpoint."""
+    params = (ds_config.get('optimizer') or {}).get('params') or {}
+    keys = STATE_HYPERPARAMETERS + (() if ds_config.get('scheduler') else ('lr',))
+    return {k: params.get(k) for k in keys if params.get(k) is not None}
+
+
 def _model_dict(model_cfg):
     return model_cfg.to_dict() if hasattr(model_cfg, 'to_dict') else dict(model_cfg)
 
@@ -89,7 +102,8 @@ class Checkpointer:
             data=data_normalisation(self.train_set))
         tag = checkpoint.save(self.backend, self.root, step, client_state, keep=self.keep,
                               marker_extra={'param_shapes': self.param_shapes(), 'precision': self.spec.precision,
-                                            'optimizer': optimizer_family(self.spec.ds_config)},
+                                            'optimizer': optimizer_family(self.spec.ds_config),
+                                            'optimizer_params': restored_hyperparameters(self.spec.ds_config)},
                               best=best_record is not None)
         if best_record is not None:
             self.best = (best_record[self.best_metric], step)
@@ -175,18 +189,19 @@ class Checkpointer:
         self.check_compatible(root, tag)
         marker = checkpoint.read_marker(os.path.join(root, tag))
         spec = self.spec
-        if reshard.needed(marker, spec.world_size):  # another number of ranks (ds_seg/engine/reshard.py)
-            state = reshard.load(self.backend, root, tag, marker)
-            saved = dict(micro_batch=state.get('micro_batch', spec.micro_batch),
-                         grad_accum=state.get('grad_accum', spec.grad_accum), world_size=marker['world_size'])
-            start, skipped = reshard.start_micro_step(int(state['micro_step']), saved['micro_batch'],
-                                                      saved['world_size'], spec.micro_batch, spec.world_size)
-            offset = start - int(state['step']) * spec.grad_accum
+        resharded = reshard.needed(marker, spec.world_size)  # another number of ranks (ds_seg/engine/reshard.py)
+        state = reshard.load(self.backend, root, tag, marker) if resharded else self.backend.load(root, tag)
+        saved = dict(micro_batch=state.get('micro_batch', spec.micro_batch),
+                     grad_accum=state.get('grad_accum', spec.grad_accum),
+                     world_size=marker.get('world_size') or spec.world_size)
+        # The data stream goes on after the samples already consumed, counted in this run's
+        # micro-steps: another micro-batch on as many ranks re-read (or skipped) samples before.
+        start, skipped = reshard.start_micro_step(int(state.get('micro_step', 0)), saved['micro_batch'],
+                                                  saved['world_size'], spec.micro_batch, spec.world_size)
+        offset = start - int(state['step']) * spec.grad_accum
+        if saved != dict(micro_batch=spec.micro_batch, grad_accum=spec.grad_accum, world_size=spec.world_size):
             self.report(reshard.describe(saved, spec.world_size, spec.micro_batch, spec.grad_accum,
-                                         spec.global_batch, skipped, marker.get('zero_stage')))
-        else:
-            state = self.backend.load(root, tag)
-            offset = int(state.get('micro_step', 0)) - int(state['step']) * spec.grad_accum
+                                         spec.global_batch, skipped, marker.get('zero_stage') if resharded else None))
         torch.set_rng_state(state['rng_cpu'])
         if state.get('rng_cuda') is not None and spec.device.type == 'cuda':
             torch.cuda.set_rng_state(state['rng_cuda'])
@@ -218,6 +233,17 @@ class Checkpointer:
             raise ConfigError(f"--resume: {where} holds the state of optimizer {saved!r} but the DeepSpeed config "
                               f"uses {now!r}; its state cannot carry over: export it (launch/export.py) and use "
                               "load_from= to start the new optimizer from its weights.")
+        saved_params = marker.get('optimizer_params')  # None: a checkpoint from before this was recorded
+        if saved_params is not None:
+            now = restored_hyperparameters(self.spec.ds_config)
+            keys = [k for k in (*STATE_HYPERPARAMETERS, 'lr') if k in now and saved_params.get(k) != now[k]]
+            if keys:
+                said = ', '.join(f"{k} {repr(saved_params[k]) if k in saved_params else '(scheduled)'} -> {now[k]!r}"
+                                 for k in keys)
+                raise ConfigError(f"--resume: {where} holds optimizer state with its own {', '.join(keys)}, which a "
+                                  f"resume restores, but the DeepSpeed config changes them ({said}): they would be "
+                                  "recorded and never applied. Resume with the checkpoint's values, or start a new "
+                                  "run from its weights (launch/export.py, then load_from=).")
         refusal = self.backend.resume_refusal(marker, where)
         if refusal:
             raise ConfigError(refusal)

@@ -63,9 +63,12 @@ class RunMetrics:
         return counts
 
     # -- log steps ------------------------------------------------------------------------
-    def log_window(self, step):
+    def log_window(self, step, samples_seen, lr):
         """Write the row for the steps since the last log (a window cut short by a resume holds
-        only the steps since it); returns the window's mean loss over all ranks."""
+        only the steps since it); returns the window's mean loss over all ranks. ``samples_seen``:
+        the training samples consumed so far (the epoch; a resume at another global batch counted
+        the earlier steps at the new one, and the epoch went backwards); ``lr``: the LR this step
+        trained with (read before its update, which moves the schedule on to the next step's)."""
         steps_in_window = step - self.window_start_step
         self.window_start_step = step
         # One all-reduce per log interval: the loss of all ranks, not only rank 0's.
@@ -77,8 +80,8 @@ class RunMetrics:
         eta = (time.time() - self.t_loop) / done * (self.max_steps - step) if done else None
         backend = self.backend
         record = dict(
-            step=step, epoch=step * self.spec.global_batch / max(1, self.train_images),
-            loss=loss, lr=backend.lr(), grad_norm=backend.grad_norm(),
+            step=step, epoch=samples_seen / max(1, self.train_images),
+            loss=loss, lr=lr, grad_norm=backend.grad_norm(),
             loss_scale=backend.loss_scale(), skipped_steps=backend.skipped_steps,
             images_per_s=window['images_per_s'], megapixels_per_s=window['megapixels_per_s'],
             step_time_s=window['step_time_s'], step_time_p90_s=window['step_time_p90_s'],

@@ -242,11 +242,13 @@ class Trainer:
             with self._classified_failures(faults):
                 while self.step < t.max_steps:
                     log_now = (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.max_steps
+                    lr = self.backend.lr()  # this step's: its update moves the schedule on (a host float)
                     self.metrics.add_step(self.train_step(want_grad_norm=log_now))
                     self.step += 1
                     faults.after_step(self.step)
                     if log_now:
-                        self.metrics.log_window(self.step)
+                        samples = self._data_position() * self.spec.micro_batch * self.world_size
+                        self.metrics.log_window(self.step, samples_seen=samples, lr=lr)
                     evaluating, saving = self._evaluation_due(), self.checkpointer.due(self.step)
                     if not (log_now or evaluating or saving or self.step % self.stop_check_interval == 0):
                         continue  # a plain step: nothing read back from the device, no collective
@@ -264,7 +266,7 @@ class Trainer:
                     # evaluation (train.save_best); never weights that may already be NaN: keep-N
                     # pruning would drop the good ones.
                     if current == 0 and (signalled or saving or best):
-                        self.checkpointer.save(self.step, self.step * self.spec.grad_accum + self.micro_step_offset,
+                        self.checkpointer.save(self.step, self._data_position(),
                                                best_record=best)
                     if signalled:
                         self._stop('interrupted' if faults.stop.agreed[0] == INTERRUPT else 'preempted',
@@ -281,7 +283,7 @@ class Trainer:
     def _start_loop(self):
         t = self.cfg.train
         loader = build_train_loader(self.train_set, self.spec.micro_batch, self.rank, self.world_size,
-                                    start_micro_step=self.step * self.spec.grad_accum + self.micro_step_offset,
+                                    start_micro_step=self._data_position(),
                                     num_workers=self.cfg.data.num_workers)
         # Normalisation, nodata and flips happen on the device, after the (uint8) batch's copy,
         # for the next batches while this step runs (a side stream on CUDA).
@@ -312,6 +314,10 @@ class Trainer:
         faults.close()
         return self.metrics.write_summary(self.exit_reason, self.step, self.error, describe_io_error,
                                           best=self.checkpointer.best_summary())
+
+    def _data_position(self):
+        """Micro-steps of the data stream consumed (in this run's micro-batches, on all ranks)."""
+        return self.step * self.spec.grad_accum + self.micro_step_offset
 
     def _evaluation_due(self):
         t = self.cfg.train

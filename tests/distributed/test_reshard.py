@@ -79,7 +79,74 @@ def test_resume_at_another_world_size(tmp_path, backend, stage, precision):
     rows = read_jsonl(os.path.join(tmp, 'work', 'metrics.jsonl'))
     assert [r['step'] for r in rows] == list(range(1, 13))
     assert [r['world_size'] for r in rows] == [2] * 6 + [1] * 3 + [2] * 3
+    # The epoch counts the samples consumed (4 a step on 2 ranks, 2 on 1, the 2 skipped ones too): it
+    # recounted every earlier step at the new global batch, and went backwards after 2 -> 1.
+    samples = [round(r['epoch'] / rows[0]['epoch'] * 4, 6) for r in rows]
+    assert samples == [4, 8, 12, 16, 20, 24, 26, 28, 30, 36, 40, 44], samples
     loss = {r['step']: r['loss'] for r in rows}
     # The loss goes on from where it was: much nearer the step before the resume than the start.
     for before, after in ((6, 7), (9, 10)):
         assert abs(loss[after] - loss[before]) < 0.5 * (loss[1] - loss[before]), loss
+
+
+def _run_micro(tmp, micro_batch, steps, resume):
+    from ds_seg.engine.trainer import Trainer
+    cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=steps)
+    trainer = Trainer(cfg, ds_config(0, micro_batch=micro_batch), work_dir=os.path.join(tmp, 'work'), resume=resume)
+    try:
+        start = trainer._data_position()
+        trainer.fit()
+        return start
+    finally:
+        trainer.close()
+
+
+def test_resume_at_another_micro_batch_goes_on_after_the_samples_consumed(tmp_path):
+    # The data position was kept in the old micro-batch's units: 3 steps of 4 samples, resumed at
+    # micro-batch 2, read samples 6-11 a second time (and 2 -> 4 skipped them).
+    tmp = str(tmp_path)
+    assert run_on_ranks(_run_micro, 1, args=(tmp, 4, 3, None))[0] == 0
+    assert run_on_ranks(_run_micro, 1, args=(tmp, 2, 6, 'auto'))[0] == 6  # 12 samples = 6 micro-steps of 2
+    rows = read_jsonl(os.path.join(tmp, 'work', 'metrics.jsonl'))
+    samples = [round(r['epoch'] / rows[0]['epoch'] * 4, 6) for r in rows]
+    assert samples == [4, 8, 12, 14, 16, 18], samples
+
+
+def _resume_with(tmp, params, scheduler):
+    """Two steps, then a resume to four with ``params`` merged into optimizer.params (and the
+    scheduler kept or removed): the refusal line, or the LRs the resumed steps logged."""
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    work = os.path.join(tmp, 'work')
+    for steps, resume, extra in ((2, None, {}), (4, 'auto', params)):
+        ds = ds_config(0, micro_batch=2)
+        ds['optimizer']['params'].update(extra)
+        if not scheduler:
+            ds.pop('scheduler')
+        cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=2)
+        try:
+            trainer = Trainer(cfg, ds, work_dir=work, resume=resume)
+        except ConfigError as exc:
+            return str(exc)
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    return [r['lr'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
+
+
+@pytest.mark.parametrize('params, scheduler, refused', [
+    (dict(weight_decay=0.3), True, "weight_decay 0.01 -> 0.3"),
+    (dict(betas=[0.5, 0.9]), True, "betas [0.9, 0.999] -> [0.5, 0.9]"),
+    (dict(lr=0.005), False, "lr 0.002 -> 0.005"),  # no scheduler: the restored param_groups' LR stays
+    (dict(lr=0.005), True, None),                  # a scheduler sets the LR from its (new) parameters
+])
+def test_a_resume_that_changes_restored_optimizer_settings_is_refused(tmp_path, params, scheduler, refused):
+    # They were written to ds_config.json and never applied: the optimizer state's param_groups
+    # (weight decay, betas, an unscheduled LR) came back from the checkpoint.
+    got = run_on_ranks(_resume_with, 1, args=(str(tmp_path), params, scheduler))[0]
+    if refused is None:
+        assert isinstance(got, list) and len(got) == 4, got
+    else:
+        assert isinstance(got, str) and got.startswith('--resume: ') and refused in got, got
+        assert 'Resume with the checkpoint\'s values' in got

@@ -209,13 +209,15 @@ def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path, backend, stage):
     assert 1 < skipped[-1] < len(rows), f'several overflows, then applied steps: {skipped}'
     # The exact dynamic-scaler value: 2^24 halved once per skipped step.
     assert [r['loss_scale'] for r in rows] == [2.0 ** (24 - k) for k in skipped]
-    # A skipped step does not advance the LR schedule: the LR logged at step s is the schedule
-    # after s - skipped applied steps (total_num_steps = the run's 20, filled in by ds_seg).
+    # A skipped step does not advance the LR schedule: the LR logged at step s is the one step s
+    # trained with, the schedule after the steps before it that were applied (total_num_steps =
+    # the run's 20, filled in by ds_seg).
     written = json.load(open(os.path.join(tmp, 'fp16', 'ds_config.json')))
     assert written['scheduler']['params']['total_num_steps'] == 20
-    for r in rows:
-        assert r['lr'] == pytest.approx(_warmup_cosine_lr(written, r['step'] - r['skipped_steps']), rel=1e-12, abs=0), \
-            f"step {r['step']} ({r['skipped_steps']} skipped): lr {r['lr']}"
+    for r, skipped_before in zip(rows, [0] + skipped):
+        applied_before = r['step'] - 1 - skipped_before
+        assert r['lr'] == pytest.approx(_warmup_cosine_lr(written, applied_before), rel=1e-12, abs=0), \
+            f"step {r['step']} ({skipped_before} skipped before it): lr {r['lr']}"
     assert all(math.isfinite(r['loss']) for r in rows), 'losses stay finite while steps are skipped'
     assert rows[-1]['loss'] < rows[0]['loss'], 'applied steps train the model'
 
