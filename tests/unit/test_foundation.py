@@ -155,7 +155,8 @@ def test_every_head_takes_the_stride_4_to_32_levels_of_any_timm_family(family, b
     (4 levels, stride 4 first) failed with an IndexError, and UperNet over a family not named
     resnet*/efficientnet* (stride-2 stem level first) fused its head at stride 2."""
     model = build(MODELS, dict(type=family, backbone=backbone, channels=16)).eval()
-    want = [4, 16] if family == 'DeepLabV3Plus' else [4, 8, 16, 32]   # DeepLabV3+ at output stride 16
+    # DeepLabV3+ at output stride 16: low-level, auxiliary (the level before the last) and ASPP inputs
+    want = [4, 16, 16] if family == 'DeepLabV3Plus' else [4, 8, 16, 32]
     assert model.backbone.strides == want
     x = torch.randn(1, 3, 128, 128)
     with torch.no_grad():

@@ -303,3 +303,14 @@ def test_model_settings_that_cannot_build_a_model_are_named(cfg, message):
         return
     with pytest.raises(ConfigError, match=re.escape(message)):
         build(MODELS, cfg, where='model')
+
+
+def test_deeplabv3plus_auxiliary_head_reads_the_level_before_the_last_as_mmseg():
+    # It read the stride-4 low-level map (in_index -2 of the two levels the head takes): a weak
+    # signal on the largest map, where mmsegmentation's FCNHead reads a ResNet's stage 3.
+    model = build(MODELS, dict(type='DeepLabV3Plus', backbone='resnet18', aux_head=True, num_classes=5))
+    assert model.backbone.out_channels == [64, 256, 512] and model.backbone.strides == [4, 16, 16]
+    assert model.aux_head.conv[0].in_channels == 256  # layer3 of resnet18
+    model.train()
+    out = model(torch.randn(2, 3, 64, 64))
+    assert out['logits'].shape == out['aux'][0][1].shape == (2, 5, 64, 64)

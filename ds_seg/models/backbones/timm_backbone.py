@@ -9,8 +9,9 @@ from torch import nn
 # indices pick the wrong maps, or ones that do not exist, on another family.
 #   'pyramid':  every level at stride 4 or more (UperNet, FPN: strides 4, 8, 16, 32, as
 #               mmsegmentation and segmentation_models_pytorch take them);
-#   'low_high': the first level at stride 4 or more and the last one (DeepLabV3+'s low-level
-#               and ASPP inputs).
+#   'low_high': the first level at stride 4 or more, the one before the last and the last
+#               (DeepLabV3+'s low-level input, its auxiliary head's level, as mmsegmentation's
+#               FCNHead on a ResNet's stage 3, and its ASPP input; the head reads the first and last).
 LEVELS = ('pyramid', 'low_high')
 
 from ..common import BACKBONES, run_block
@@ -117,7 +118,10 @@ class TimmBackbone(nn.Module):
                                   f"{[strides[i] for i in deep]}, one scale, not the pyramid (4, 8, 16, 32) "
                                   "that UperNet/FPN take; choose a hierarchical backbone (convnext, swin, resnet...) or a plain ViT (vit_*, "
                                   "deit*, eva*: ds_seg adds the pyramid).")
-            self._take = deep if levels == 'pyramid' else [deep[0], len(strides) - 1]
+            last = len(strides) - 1
+            # The auxiliary head's level was the stride-4 one (in_index=-2 of two levels): a weak
+            # signal, on the largest map.
+            self._take = deep if levels == 'pyramid' else [deep[0], *([last - 1] if last - 1 > deep[0] else []), last]
         self.out_channels = [list(info.channels())[i] for i in self._take]
         self.strides = [strides[i] for i in self._take]
         self.size_divisor = 1
