@@ -21,15 +21,37 @@ first_signal = [os.environ.get('DS_SEG_STOP_SIGNAL') if os.environ.get('DS_SEG_S
                 else None]
 
 
+# A Ctrl-C while the program was still importing: a KeyboardInterrupt traceback from inside
+# torch's or rasterio's imports (one per rank under a launcher) instead of the one line a Ctrl-C
+# before training gets. Kept here until the command can say it (interrupted_during_imports).
+early_interrupt = [False]
+
+
 def remember(signum, frame):
     first_signal[0] = first_signal[0] or signal.Signals(signum).name
 
 
-def catch_stop_signals():
-    """Keep SIGUSR1/SIGTERM in :data:`first_signal` instead of dying of them."""
+def remember_interrupt(signum, frame):
+    early_interrupt[0] = True
+
+
+def catch_stop_signals(during_imports=False):
+    """Keep SIGUSR1/SIGTERM in :data:`first_signal` instead of dying of them; ``during_imports``:
+    keep a Ctrl-C too (see :func:`interrupted_during_imports`)."""
     if threading.current_thread() is threading.main_thread():
         for name in STOP_SIGNALS:
             signal.signal(getattr(signal, name), remember)
+        if during_imports:
+            signal.signal(signal.SIGINT, remember_interrupt)
+
+
+def interrupted_during_imports():
+    """Give Ctrl-C back to Python (KeyboardInterrupt from here on) and say whether one came while
+    the program was importing."""
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGINT) is remember_interrupt:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    return early_interrupt[0]
 
 
 def is_training_program():
@@ -45,4 +67,4 @@ def catch_if_training_program():
     """Called as ds_seg is imported: only a training program takes the signals over; another
     Python program importing ds_seg keeps its own handling."""
     if is_training_program():
-        catch_stop_signals()
+        catch_stop_signals(during_imports=True)

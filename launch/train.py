@@ -10,11 +10,14 @@ if __name__ == '__main__':
     # Importing torch takes seconds; a Slurm stop signal in that time must not kill the rank
     # (Python's default for SIGUSR1/SIGTERM): remember it for ds_seg.engine.faults.StopRequests
     # (ds_seg.stop_signals does this for the ds-seg-train console script).
+    # A Ctrl-C then is kept too, and said in one line (not a KeyboardInterrupt traceback from inside an import).
     _early = []
-    for _sig in (signal.SIGUSR1, signal.SIGTERM):
+    for _sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
     from ds_seg.cli.train import main
     from ds_seg import stop_signals
-    stop_signals.catch_stop_signals()   # before reading _early: a signal in between is kept, not lost
-    stop_signals.first_signal[0] = _early[0] if _early else stop_signals.first_signal[0]
+    stop_signals.catch_stop_signals(during_imports=True)  # before reading _early: one in between is kept
+    _stops = [name for name in _early if name != 'SIGINT']
+    stop_signals.first_signal[0] = _stops[0] if _stops else stop_signals.first_signal[0]
+    stop_signals.early_interrupt[0] = stop_signals.early_interrupt[0] or 'SIGINT' in _early
     sys.exit(main())

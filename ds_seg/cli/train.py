@@ -61,12 +61,23 @@ def _worker_message(exc):
 def main(argv=None):
     as_program = argv is None  # not a call from Python: this process's signal handling is ours
     if as_program:  # a stop signal during start-up is kept, not fatal
-        from ds_seg.stop_signals import catch_stop_signals
+        from ds_seg.stop_signals import catch_stop_signals, interrupted_during_imports
         catch_stop_signals()
+        if interrupted_during_imports():
+            say_once_per_node('ds_seg: interrupted (Ctrl-C) before training started')
+            _exit_without_finalization(EXIT_INTERRUPTED)
     status = _train(argv, as_program)
     if as_program:
         _exit_without_finalization(status)
     return status
+
+
+def _close_without_the_process_group(trainer):
+    """What trainer.close() does that waits on no other rank, before an os._exit that skips it:
+    the tracker runs end (FAILED, not RUNNING for ever) and the work-dir lock is released (a
+    stale one was only taken over by the next run)."""
+    trainer.log.close(trainer.exit_reason)
+    trainer.lock.release()
 
 
 def _exit_without_finalization(status):
@@ -119,11 +130,11 @@ def _train(argv, as_program):
         # this one: they stop as for a lost rank, and this rank skips the teardown that would wait.
         print(f'ds_seg: error: {_worker_message(exc)} (at step {trainer.step}; the last checkpoint is '
               f'intact: fix the file, then --resume auto)', file=sys.stderr, flush=True)
-        trainer.log.close(trainer.exit_reason)  # os._exit skips close(): the tracker runs end FAILED first
+        _close_without_the_process_group(trainer)
         os._exit(EXIT_DATA_ERROR)
     except LostRankError as exc:
         print(f'ds_seg: error: {exc}', file=sys.stderr, flush=True)
-        trainer.log.close(trainer.exit_reason)
+        _close_without_the_process_group(trainer)
         os._exit(EXIT_LOST_RANK)  # skip process-group teardown: it would wait on the dead rank
     except RunIOError as exc:
         if trainer.rank == 0:

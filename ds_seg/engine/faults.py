@@ -71,8 +71,55 @@ _NEVER = 2 ** 62
 _SIGNUMS = 128       # above every signal code: (step, signal) packed into one integer
 # Which signal names a stop when ranks got different ones after the same step: the later in this
 # list (Ctrl-C is the user's own word; a launcher passing it on as SIGTERM does not change it).
-_PRECEDENCE = ('SIGUSR1', 'SIGTERM', 'SIGINT')
+_PRECEDENCE = ('LAUNCHER_GONE', 'SIGUSR1', 'SIGTERM', 'SIGINT')
 INTERRUPT = 'SIGINT'
+# The launcher that started this rank (deepspeed, torchrun) exited without stopping it: a signal
+# to the launcher alone (`kill <pid>`, a Ctrl-C that only it got) left the ranks training on,
+# unseen, holding the work dir. A stop by the user, as a Ctrl-C is.
+LAUNCHER_GONE = 'LAUNCHER_GONE'
+USER_STOPS = (INTERRUPT, LAUNCHER_GONE)
+LAUNCHER_PROGRAMS = {'deepspeed': 'deepspeed', 'torchrun': 'torchrun'}
+LAUNCHER_MODULES = {'deepspeed.launcher.launch': 'deepspeed', 'torch.distributed.run': 'torchrun',
+                    'torch.distributed.launch': 'torchrun'}
+
+
+def _launcher_name(argv):
+    """'deepspeed' or 'torchrun' when ``argv`` (a command line) starts one of them, else None."""
+    for token in argv[:2]:  # the program, or the script python runs (python .../bin/deepspeed)
+        if os.path.basename(token) in LAUNCHER_PROGRAMS:
+            return LAUNCHER_PROGRAMS[os.path.basename(token)]
+    modules = [b for a, b in zip(argv, argv[1:]) if a == '-m']
+    return LAUNCHER_MODULES.get(modules[0]) if modules else None
+
+
+def _proc_stat(pid):
+    """(parent pid, start time) of ``pid`` from /proc, or None (gone, or no /proc)."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[19]
+
+
+def launcher_ancestors(levels=3):
+    """``[(pid, start time, name)]`` of the launcher processes above this one (the deepspeed
+    runner and its per-node launch.py, torchrun), by their command lines; [] where there is no /proc."""
+    found, pid = [], os.getppid()
+    for _ in range(levels):
+        stat = _proc_stat(pid)
+        if pid <= 1 or stat is None:
+            break
+        try:
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                argv = f.read().decode(errors='replace').split('\0')
+        except OSError:
+            break
+        name = _launcher_name(argv)
+        if name:
+            found.append((pid, stat[1], name))
+        pid = stat[0]
+    return found
 _REPEAT_WINDOW_S = 1.0  # a second SIGINT sooner is the same Ctrl-C (torchrun passes the terminal's on)
 
 
@@ -119,6 +166,22 @@ class StopRequests:
             self.signal_name, self.arrived_after = first_signal[0], start_step
         if dist.is_initialized() and distributed.world_size() > 1:
             self._group = dist.new_group(backend='gloo') if dist.get_backend() != 'gloo' else None
+        self._launchers = launcher_ancestors()
+        self._watching = threading.Event()
+        if self._launchers:
+            threading.Thread(target=self._watch_launchers, daemon=True, name='ds_seg-launcher-watch').start()
+
+    def _watch_launchers(self, interval_s=1.0):
+        while not self._watching.wait(interval_s):
+            gone = next(((pid, name) for pid, start, name in self._launchers
+                         if (_proc_stat(pid) or (None, None))[1] != start), None)
+            if gone:
+                if self.signal_name is None:
+                    self.arrived_after, self.signal_name = self.steps_done, LAUNCHER_GONE
+                    if distributed.is_main():
+                        os.write(2, f'[ds_seg] the launcher ({gone[1]}, pid {gone[0]}) exited: stopping at the '
+                                    'next check step with a checkpoint\n'.encode())
+                return
 
     def _on_signal(self, signum, frame):
         # The first signal is the reason for the stop; a later one (Slurm's SIGTERM at the time
@@ -142,6 +205,7 @@ class StopRequests:
 
     def close(self):
         """Ctrl-C does what it did before the loop (Python's default: KeyboardInterrupt) once it is over."""
+        self._watching.set()
         if self._previous_interrupt_handler is not None:
             signal.signal(signal.SIGINT, self._previous_interrupt_handler)
 
@@ -168,6 +232,8 @@ class StopRequests:
     def describe(self):
         """'SIGTERM (arrived after step 14)', once :meth:`agree` has found a signal."""
         name, arrived_after = self.agreed
+        if name == LAUNCHER_GONE:
+            return f"its launcher's exit (noticed after step {arrived_after})"
         return f'{name} (arrived after step {arrived_after})'
 
 

@@ -31,7 +31,7 @@ from ..telemetry import RunLog, forward_flops, peak_flops
 from . import backend as backends
 from . import checkpoint
 from .checkpointer import Checkpointer, data_normalisation
-from .faults import INTERRUPT, Faults, default_stop_check_interval, describe_io_error
+from .faults import USER_STOPS, Faults, default_stop_check_interval, describe_io_error
 from .run_metrics import RunMetrics
 from .run_spec import describe_run
 from .speed import channels_last_for
@@ -269,7 +269,7 @@ class Trainer:
                         self.checkpointer.save(self.step, self._data_position(),
                                                best_record=best)
                     if signalled:
-                        self._stop('interrupted' if faults.stop.agreed[0] == INTERRUPT else 'preempted',
+                        self._stop('interrupted' if faults.stop.agreed[0] in USER_STOPS else 'preempted',
                                    f'on {faults.stop.describe()}: ' + (
                             'checkpoint saved; continue with --resume auto.' if current == 0
                             else 'no checkpoint (the loss was not finite).'))

@@ -1,6 +1,7 @@
 """Surviving the cluster: preemption signals, kill -9, dead ranks, damaged checkpoints, and the
 Slurm templates exercised as far as a machine without Slurm allows. Every rank here is a real
 process started the way srun starts them (only SLURM_* variables, no launcher)."""
+import contextlib
 import json
 import os
 import re
@@ -137,6 +138,31 @@ def test_a_stop_signal_while_the_rank_imports_stops_it_after_its_first_step(tmp_
     work = os.path.join(tmp, 'run')
     assert json.load(open(os.path.join(work, 'summary.json')))['exit_reason'] == 'preempted'
     assert checkpoint.find_latest(os.path.join(work, 'checkpoints')) == checkpoint.tag_for(1)
+
+
+@pytest.mark.parametrize('program', ['ds-seg-train', 'launch/train.py', '-m ds_seg.cli.train'])
+def test_a_ctrl_c_while_the_rank_imports_is_one_line_and_130(tmp_path, program):
+    """A Ctrl-C in the seconds of the imports was a KeyboardInterrupt traceback from inside
+    torch's or rasterio's import (one per rank under a launcher) and death by SIGINT, where a Ctrl-C
+    a moment later is one line and status 130. Sent once torch's library is mapped."""
+    tmp = str(tmp_path)
+    if program == 'ds-seg-train':
+        cmd = [os.path.join(os.path.dirname(sys.executable), program)]
+    else:
+        cmd = [sys.executable, *program.split()]
+    proc = subprocess.Popen(cmd + _args(tmp, 'run', 6, 6), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        with open(f'/proc/{proc.pid}/maps') as f:
+            if 'libtorch' in f.read():
+                break
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 130 and 'Traceback' not in out, out[-3000:]
+    assert 'ds_seg: interrupted (Ctrl-C) before training started' in out.splitlines(), out[-3000:]
+    assert not os.path.exists(os.path.join(tmp, 'run'))
 
 
 def test_a_stop_signal_after_the_last_checkpoint_leaves_a_completed_run_completed(tmp_path):
@@ -314,6 +340,9 @@ def test_a_killed_rank_makes_the_survivor_exit_in_bounded_time_naming_it(tmp_pat
     assert codes == [4], out[0][-3000:]
     assert 'rank 1 stopped responding' in out[0], out[0][-2000:]
     procs[1].wait()
+    # Its os._exit skipped close(): the lock stayed, until the next run took it over.
+    assert not os.path.exists(os.path.join(work, '.ds_seg.lock'))
+    assert json.load(open(os.path.join(work, 'summary.json')))['exit_reason'] == 'lost_rank'
 
 
 def test_damaged_checkpoints_fall_back_to_the_newest_good_one_and_match_uninterrupted(tmp_path, reference):
@@ -476,3 +505,35 @@ def test_sbatch_template_passes_a_signal_from_before_the_ranks_started_on_to_the
     assert checkpoint.find_latest(str(work / 'checkpoints')) == checkpoint.tag_for(1)
     assert 'requeue 4343' in (tmp_path / 'scontrol.log').read_text()
     assert 'exit 75, not a failure' in out and 'Traceback' not in out
+
+
+def test_ranks_whose_launcher_is_killed_alone_stop_with_a_checkpoint(tmp_path):
+    """`kill <pid of deepspeed>` (or a Ctrl-C only the launcher got) ended the launcher at once and
+    left its ranks training on as orphans: no line, no summary, the work dir locked, a restart
+    refused while they went on writing to it. The ranks notice their launcher's exit and stop at
+    the next check step with a checkpoint, as for a Ctrl-C."""
+    tmp = str(tmp_path)
+    work = os.path.join(tmp, 'run')
+    deepspeed = os.path.join(os.path.dirname(sys.executable), 'deepspeed')
+    log = open(os.path.join(tmp, 'ranks.log'), 'w')
+    launcher = subprocess.Popen([deepspeed, '--num_gpus', '2', '--master_port', str(_free_port()), 'launch/train.py',
+                                 *_args(tmp, 'run', 100000, 0)], cwd=REPO_ROOT, env=_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for_step(work, 3, [launcher])
+        launcher.terminate()  # the runner alone, not its process group
+        launcher.wait(timeout=30)
+        deadline = time.time() + 90
+        while time.time() < deadline and not os.path.exists(os.path.join(work, 'summary.json')):
+            time.sleep(0.2)
+        time.sleep(2)
+        summary = json.load(open(os.path.join(work, 'summary.json')))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)  # whatever is left of the group
+    out = open(os.path.join(tmp, 'ranks.log')).read()
+    assert summary['exit_reason'] == 'interrupted', out[-3000:]
+    step = summary['steps']
+    assert checkpoint.find_latest(os.path.join(work, 'checkpoints')) == checkpoint.tag_for(step), out[-3000:]
+    assert f"stopping at step {step} on its launcher's exit (noticed after step" in out, out[-3000:]
+    assert not os.path.exists(os.path.join(work, '.ds_seg.lock'))
