@@ -41,7 +41,8 @@ def catch_stop_signals(during_imports=False):
     if threading.current_thread() is threading.main_thread():
         for name in STOP_SIGNALS:
             signal.signal(getattr(signal, name), remember)
-        if during_imports:
+        # A rank started with SIGINT ignored (in the background of a script) keeps ignoring it.
+        if during_imports and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, remember_interrupt)
 
 

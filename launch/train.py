@@ -13,7 +13,8 @@ if __name__ == '__main__':
     # A Ctrl-C then is kept too, and said in one line (not a KeyboardInterrupt traceback from inside an import).
     _early = []
     for _sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
+        if signal.getsignal(_sig) is not signal.SIG_IGN:  # SIGINT ignored (a background rank) stays so
+            signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
     from ds_seg.cli.train import main
     from ds_seg import stop_signals
     stop_signals.catch_stop_signals(during_imports=True)  # before reading _early: one in between is kept
