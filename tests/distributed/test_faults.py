@@ -106,6 +106,26 @@ def _start_reference_again(tmp_path, reference):
     return tmp, os.path.join(tmp, 'run'), _start_ranks(_args(tmp, 'run', 60, 10))
 
 
+def _importing(program, args, env):
+    """``program`` (the console script, launch/train.py or ``-m ds_seg.cli.train``) started with
+    ``args``, returned once torch's library is mapped into it, i.e. in the middle of its imports."""
+    if program == 'ds-seg-train':
+        script = os.path.join(os.path.dirname(sys.executable), program)
+        assert os.path.isfile(script), 'the console script is installed with the package (pip install -e .)'
+        cmd = [script]
+    else:
+        cmd = [sys.executable, *program.split()]
+    proc = subprocess.Popen(cmd + args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        with open(f'/proc/{proc.pid}/maps') as f:
+            if 'libtorch' in f.read():
+                break
+        time.sleep(0.01)
+    return proc
+
+
 @pytest.mark.parametrize('program', ['ds-seg-train', 'launch/train.py', '-m ds_seg.cli.train'])
 def test_a_stop_signal_while_the_rank_imports_stops_it_after_its_first_step(tmp_path, program):
     """A Slurm signal that lands while a rank is still importing ds_seg (torch, DeepSpeed: seconds)
@@ -115,22 +135,9 @@ def test_a_stop_signal_while_the_rank_imports_stops_it_after_its_first_step(tmp_
     `-m ds_seg.cli.train`. The signal is sent
     once torch's library is mapped into the process, i.e. in the middle of the imports."""
     tmp = str(tmp_path)
-    if program == 'ds-seg-train':
-        script = os.path.join(os.path.dirname(sys.executable), program)
-        assert os.path.isfile(script), 'the console script is installed with the package (pip install -e .)'
-        cmd = [script]
-    else:
-        cmd = [sys.executable, *program.split()]
     env = _env(SLURM_PROCID='0', SLURM_LOCALID='0', SLURM_NTASKS='1', SLURM_STEP_ID='0', SLURM_JOB_ID=str(_free_port()),
                SLURM_JOB_NODELIST='localhost')
-    proc = subprocess.Popen(cmd + _args(tmp, 'run', 6, 6), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and proc.poll() is None:
-        with open(f'/proc/{proc.pid}/maps') as f:
-            if 'libtorch' in f.read():
-                break
-        time.sleep(0.01)
+    proc = _importing(program, _args(tmp, 'run', 6, 6), env)
     os.kill(proc.pid, signal.SIGUSR1)
     out = proc.communicate(timeout=240)[0]
     assert proc.returncode == 75, out[-3000:]
@@ -146,18 +153,7 @@ def test_a_ctrl_c_while_the_rank_imports_is_one_line_and_130(tmp_path, program):
     torch's or rasterio's import (one per rank under a launcher) and death by SIGINT, where a Ctrl-C
     a moment later is one line and status 130. Sent once torch's library is mapped."""
     tmp = str(tmp_path)
-    if program == 'ds-seg-train':
-        cmd = [os.path.join(os.path.dirname(sys.executable), program)]
-    else:
-        cmd = [sys.executable, *program.split()]
-    proc = subprocess.Popen(cmd + _args(tmp, 'run', 6, 6), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and proc.poll() is None:
-        with open(f'/proc/{proc.pid}/maps') as f:
-            if 'libtorch' in f.read():
-                break
-        time.sleep(0.01)
+    proc = _importing(program, _args(tmp, 'run', 6, 6), _env())
     os.kill(proc.pid, signal.SIGINT)
     out = proc.communicate(timeout=240)[0]
     assert proc.returncode == 130 and 'Traceback' not in out, out[-3000:]
