@@ -116,7 +116,7 @@ def _importing(program, args, env):
     else:
         cmd = [sys.executable, *program.split()]
     proc = subprocess.Popen(cmd + args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=_sigint_default)
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None:
         with open(f'/proc/{proc.pid}/maps') as f:
