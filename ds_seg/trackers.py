@@ -30,7 +30,7 @@ def _flatten(node, prefix=''):
 # a time limit) is KILLED, not FAILED: its checkpoint is there and `--resume auto` goes on with it.
 # 'refused': a start refused after the trackers started (FAILED; a reopened run keeps KILLED).
 MLFLOW_STATUS = {'completed': 'FINISHED', 'preempted': 'KILLED', 'interrupted': 'KILLED', 'running': 'KILLED'}
-STOPPED = ('preempted', 'interrupted', 'running')
+STOPPED = tuple(reason for reason, status in MLFLOW_STATUS.items() if status == 'KILLED')
 
 
 def _numeric(record, prefix):

@@ -73,6 +73,7 @@ _SIGNUMS = 128       # above every signal code: (step, signal) packed into one i
 # list (Ctrl-C is the user's own word; a launcher passing it on as SIGTERM does not change it).
 _PRECEDENCE = ('LAUNCHER_GONE', 'SIGUSR1', 'SIGTERM', 'SIGINT')
 INTERRUPT = 'SIGINT'
+_REPEAT_WINDOW_S = 1.0  # a second SIGINT sooner is the same Ctrl-C (torchrun passes the terminal's on)
 # The launcher that started this rank (deepspeed, torchrun) exited without stopping it: a signal
 # to the launcher alone (`kill <pid>`, a Ctrl-C that only it got) left the ranks training on,
 # unseen, holding the work dir. A stop by the user, as a Ctrl-C is.
@@ -120,7 +121,6 @@ def launcher_ancestors(levels=3):
             found.append((pid, stat[1], name))
         pid = stat[0]
     return found
-_REPEAT_WINDOW_S = 1.0  # a second SIGINT sooner is the same Ctrl-C (torchrun passes the terminal's on)
 
 
 def ignore_stop_signals():

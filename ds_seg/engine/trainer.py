@@ -242,7 +242,8 @@ class Trainer:
             with self._classified_failures(faults):
                 while self.step < t.max_steps:
                     log_now = (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.max_steps
-                    lr = self.backend.lr()  # this step's: its update moves the schedule on (a host float)
+                    # This step's LR, read before its update moves the schedule on (a host float).
+                    lr = self.backend.lr() if log_now else None
                     self.metrics.add_step(self.train_step(want_grad_norm=log_now))
                     self.step += 1
                     faults.after_step(self.step)
