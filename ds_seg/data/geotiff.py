@@ -62,8 +62,9 @@ from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
 from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, file_identity, gdal_path,
-                     is_remote, label_nodata, nodata_mask, open_raster, pixel_grid, pixel_type_refusal, raster_env, read_error, read_label_band,
-                     read_window, same_file_key, same_pixels, same_value, user_cache_dir, uses_mask_band)
+                     is_remote, label_nodata, nodata_mask, open_raster, pixel_grid, pixel_type_refusal, raster_env,
+                     read_error, read_label_band, read_window, same_file_key, same_pixels, same_value, user_cache_dir,
+                     uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
