@@ -70,6 +70,9 @@ class Checkpointer:
         self.max_steps = cfg.train.max_steps
         self.best_metric = cfg.train.get('save_best')  # None, or the eval.jsonl score to keep the best of
         self.best = None  # (score, step) of the best checkpointed evaluation so far
+        # The metric that chose checkpoints/best: this run's save_best, or, in a run resumed
+        # without it, the one recorded in the best checkpoint's marker (summary.json names it).
+        self.kept_best_metric = self.best_metric
 
     def due(self, step):
         """A periodic checkpoint at this step (``train.checkpoint_interval``, and the last step)."""
@@ -85,7 +88,7 @@ class Checkpointer:
         """``summary.json``'s ``best``: metric, score, step and checkpoint, or None."""
         if self.best is None:
             return None
-        return dict(metric=self.best_metric, value=self.best[0], step=self.best[1],
+        return dict(metric=self.kept_best_metric, value=self.best[0], step=self.best[1],
                     checkpoint=os.path.join(self.root, checkpoint.tag_for(self.best[1])))
 
     # -- saving ----------------------------------------------------------------------------
@@ -103,7 +106,8 @@ class Checkpointer:
         tag = checkpoint.save(self.backend, self.root, step, client_state, keep=self.keep,
                               marker_extra={'param_shapes': self.param_shapes(), 'precision': self.spec.precision,
                                             'optimizer': optimizer_family(self.spec.ds_config),
-                                            'optimizer_params': restored_hyperparameters(self.spec.ds_config)},
+                                            'optimizer_params': restored_hyperparameters(self.spec.ds_config),
+                                            **({'best_metric': self.best_metric} if best_record is not None else {})},
                               best=best_record is not None)
         if best_record is not None:
             self.best = (best_record[self.best_metric], step)
@@ -156,27 +160,31 @@ class Checkpointer:
         elif resume == 'auto' and not tag:
             self.report(f'--resume auto: no checkpoint in {self.root}; starting from step 0')
         if tag:
-            self.best = distributed.from_main(self._best_of_resumed_run(step) if distributed.is_main() else None)
+            kept = (self._best_of_resumed_run(step), self.kept_best_metric) if distributed.is_main() else None
+            self.best, self.kept_best_metric = distributed.from_main(kept)
         return step, offset, set_aside
 
     def _best_of_resumed_run(self, step):
         """(score, step) of the checkpoint ``checkpoints/best`` names, at or before ``step``, its
-        score read from eval.jsonl; None without one (save_best off, or never a best saved)."""
-        tag = checkpoint.read_pointer(self.root, 'best') if self.best_metric else None
+        score read from eval.jsonl; None without one (never a best saved). A run resumed without
+        save_best still reports the kept best, by the metric its marker records."""
+        tag = checkpoint.read_pointer(self.root, 'best')
         if tag is None or not checkpoint.is_complete(self.root, tag):
             return None
+        metric = self.best_metric or checkpoint.read_marker(os.path.join(self.root, tag)).get('best_metric')
         best_step = int(checkpoint.TAG_RE.match(tag).group(1))
         path = os.path.join(self.work_dir, 'eval.jsonl')
-        if best_step > step or not os.path.isfile(path):
+        if metric is None or best_step > step or not os.path.isfile(path):
             return None
+        self.kept_best_metric = metric
         with open(path) as f:
             for line in f:
                 try:
                     row = json.loads(line)
                 except ValueError:  # a line cut short by a full disk
                     continue
-                if row.get('step') == best_step and row.get(self.best_metric) is not None:
-                    return float(row[self.best_metric]), best_step
+                if row.get('step') == best_step and row.get(metric) is not None:
+                    return float(row[metric]), best_step
         return None
 
     def _load(self, root, tag):

@@ -49,10 +49,12 @@ def test_the_best_checkpoint_outlives_keep_checkpoints_and_a_resume(tmp_path):
     assert checkpoint.find_checkpoint(str(best)) == str(tmp_path / 'work' / 'checkpoints' / 'step_00000010')
     rows = [json.loads(line) for line in open(tmp_path / 'work' / 'eval.jsonl')]
     assert [(r['step'], r['mIoU']) for r in rows] == [(2, 0.3), (4, 0.5), (6, 0.4), (8, 0.45), (10, 0.6)]
-    # Resumed without save_best: the best weights the work dir holds are not pruned away.
+    # Resumed without save_best: the best weights the work dir holds are not pruned away, and
+    # summary.json still names them, by the metric that chose them (from their marker).
     summary = _run(tmp_path, 14, {12: 0.1, 14: 0.2}, resume='auto', save_best=None)
     assert _checkpoints(tmp_path) == (['step_00000010', 'step_00000014'], 'step_00000010')
-    assert summary['best'] is None
+    assert summary['best'] == dict(metric='mIoU', value=0.6, step=10,
+                                   checkpoint=str(tmp_path / 'work' / 'checkpoints' / 'step_00000010'))
 
 
 @pytest.mark.parametrize('options, message', [
