@@ -136,6 +136,17 @@ def write_card(card, out):
     return json_path, md_path
 
 
+def require_onnx_export():
+    """One line naming the install when a package of ``--format onnx`` is missing: the exporter
+    (onnx, onnxscript) or the runtime that checks its file (onnxruntime). Called before a
+    checkpoint is read, so a missing package costs no model load and no trace."""
+    for name in ('onnx', 'onnxscript', 'onnxruntime'):
+        try:
+            __import__(name)
+        except ImportError as exc:
+            raise ConfigError(f"--format onnx needs the {name} package: {extra_hint('onnx')}.") from exc
+
+
 def export_onnx(model, out, info, work_dir=None, step=None):
     """Write ``model`` as ONNX (opset 18, torch.export-based exporter) with dynamic batch, height
     and width (the batch alone for a model of one input size, at that size), the card in its
@@ -145,11 +156,8 @@ def export_onnx(model, out, info, work_dir=None, step=None):
 
     Example: ``export_onnx(model, 'out/unet.onnx', info, work_dir='work_dirs/default')``
     """
-    try:
-        import onnx
-        import onnxscript  # noqa: F401  (torch's exporter translates through it)
-    except ImportError as exc:
-        raise ConfigError(f"--format onnx needs the {exc.name} package: {extra_hint('onnx')}.") from exc
+    require_onnx_export()
+    import onnx
     from torch.export import Dim
     refuse_existing(out, *card_paths(out))
     model = model.eval().cpu()

@@ -85,6 +85,8 @@ def main(argv=None):
 def export_deployable(source, fmt, out=None):
     """``source`` (checkpoint folder, work dir or weights file) -> an ONNX / torch.export file + card."""
     from ds_seg.inference import load_model
+    if fmt == 'onnx':
+        deploy.require_onnx_export()
     if os.path.isfile(source):
         payload = checkpoint.load_weights_file(source)
         ckpt = payload.get('source') or source

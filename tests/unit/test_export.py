@@ -292,6 +292,21 @@ def test_a_missing_runtime_is_named_with_the_install_for_this_installation(tmp_p
     assert config.extra_hint('wandb') == 'pip install wandb'
 
 
+@pytest.mark.parametrize('package', ['onnx', 'onnxscript', 'onnxruntime'])
+def test_a_missing_export_package_is_named_before_the_checkpoint_is_read(tmp_path, monkeypatch, package):
+    """Without onnx the export loaded the checkpoint and built its model before the install hint;
+    without onnxruntime it traced and wrote the file, then failed in its check. The source here is
+    not a checkpoint at all: the package is named first, in one line, and nothing is written."""
+    from ds_seg.cli.export import export_deployable
+    from ds_seg.config import ConfigError
+    source = tmp_path / 'not_a_checkpoint.pt'
+    source.write_bytes(b'never read')
+    monkeypatch.setitem(sys.modules, package, None)
+    with pytest.raises(ConfigError, match=rf"^--format onnx needs the {package} package: pip install"):
+        export_deployable(str(source), 'onnx', str(tmp_path / 'm.onnx'))
+    assert sorted(os.listdir(tmp_path)) == ['not_a_checkpoint.pt']
+
+
 def test_an_export_never_replaces_a_link_even_one_to_nothing(weights, tmp_path):
     """--out dangling.pt, a user's symlink to a missing file: the export replaced the link with
     a file of its own. It is refused as an existing path is."""
