@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 from importlib.util import find_spec
 
@@ -119,3 +120,24 @@ def test_wheel_contents_and_console_scripts_from_a_fresh_venv(tmp_path):
     for option, name in ((['--sbatch-template'], 'train.sbatch'), (['--sbatch-template', 'multinode'],
                                                                     'train_multinode.sbatch')):
         assert run('ds-seg-train', *option) == (REPO_ROOT / 'launch' / 'slurm' / name).read_text()
+
+
+def test_the_source_distribution_holds_every_tracked_file(tmp_path):
+    """MANIFEST.in promises "a checkout minus git"; the sdist left out .ci/run, the command that
+    runs the README's tests from scratch. Built from a ``git archive`` of HEAD (what a clean clone
+    holds), it must hold every file of HEAD but git's own."""
+    if shutil.which('git') is None or not (REPO_ROOT / '.git').exists():
+        pytest.skip('needs a git checkout to know the tracked files')
+    src = tmp_path / 'src'
+    src.mkdir()
+    archive = subprocess.run(['git', '-C', str(REPO_ROOT), 'archive', 'HEAD'], check=True, capture_output=True).stdout
+    subprocess.run(['tar', '-x', '-C', str(src)], input=archive, check=True)
+    tracked = sorted(os.path.relpath(os.path.join(folder, name), src) for folder, _, names in os.walk(src)
+                     for name in names if not name.startswith('.git'))
+    subprocess.run([sys.executable, 'setup.py', '-q', 'sdist', '-d', str(tmp_path / 'dist')], cwd=src, check=True,
+                   capture_output=True, timeout=300)
+    sdist, = (tmp_path / 'dist').iterdir()
+    with tarfile.open(sdist) as tar:
+        held = {name.split('/', 1)[1] for name in tar.getnames() if '/' in name}
+    assert 'ds_seg/engine/trainer.py' in tracked and '.ci/run' in tracked
+    assert [name for name in tracked if name not in held] == []
