@@ -204,8 +204,9 @@ class TrainSection(_Section):
                                     _int_at_least(0))
     max_nonfinite_steps: int = setting(5, 'consecutive non-finite losses that stop the run', _int_at_least(1))
     stop_check_interval: Optional[int] = setting(
-        None, "steps between the ranks' agreement on stop signals and non-finite losses "
-              '(None: 1 on a CPU, 10 on a GPU: no host sync in between)', _optional(_int_at_least(1)))
+        None, "steps between the ranks' agreement on stop signals and non-finite losses (None: every "
+              'step on a CPU; on a GPU every 10, sooner where 10 steps take over 2 s: no host sync in between)',
+        _optional(_int_at_least(1)))
     profile_steps: int = setting(0, '>0: torch.profiler trace of that many steps after warm-up', _int_at_least(0))
     peak_tflops: Optional[float] = setting(None, 'device peak for MFU (None: the telemetry table by GPU name)',
                                            _number_above(0, allow_none=True))

@@ -1,8 +1,9 @@
 """How a run stops: signals, agreement between ranks, heartbeats, exit codes, failure classes.
 
 * SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (preemption, ``scancel``) only set
-  a flag. Ranks agree on it at *check steps* (every ``train.stop_check_interval`` steps, and at
-  every log, evaluation and checkpoint step), then all checkpoint at that same step and exit 75.
+  a flag. Ranks agree on it at *check steps* (:class:`CheckSchedule`: every step on a CPU, at most
+  10 steps or 2 s apart on a GPU, or every ``train.stop_check_interval`` steps; and at every log,
+  evaluation and checkpoint step), then all checkpoint at that same step and exit 75.
 * Non-finite losses are counted on the device (no host read per step) and exchanged at the same
   check steps; ``train.max_nonfinite_steps`` consecutive ones stop the run (exit 3).
 * A failed collective (a rank died, hung, or the network broke) becomes :class:`LostRankError`
@@ -152,6 +153,7 @@ class StopRequests:
         self.steps_done = start_step
         self.arrived_after = start_step if self.signal_name else None
         self.agreed = None
+        self.slowest_step_s = 0.0
         self._group = None
         self._interrupted_at = None
         self._previous_interrupt_handler = None
@@ -209,20 +211,23 @@ class StopRequests:
         if self._previous_interrupt_handler is not None:
             signal.signal(signal.SIGINT, self._previous_interrupt_handler)
 
-    def agree(self, nonfinite_counts):
+    def agree(self, nonfinite_counts, seconds_per_step=0.0):
         """Collective. ``nonfinite_counts`` = (longest run of consecutive non-finite steps since the
         last check, current run) on this rank, as a device tensor. Returns ``(any rank signalled,
         longest run, current run)``, the maximum over ranks: the same answer everywhere. The
         signal that arrived first (after the fewest steps; the later in _PRECEDENCE on a tie) is agreed
-        too, so every rank's :meth:`describe` names it even if its own copy is late or differs."""
+        too, so every rank's :meth:`describe` names it even if its own copy is late or differs;
+        so is the slowest ``seconds_per_step`` (``slowest_step_s``, for :class:`CheckSchedule`)."""
         counts = nonfinite_counts.to('cpu', torch.int64)     # the one device read of a check step
         # One number whose maximum is the earliest arrival, then the later in _PRECEDENCE.
         first = (-self.arrived_after * _SIGNUMS + 1 + _PRECEDENCE.index(self.signal_name)) if self.signal_name \
             else -_NEVER
-        flags = torch.cat([torch.tensor([first], dtype=torch.int64), counts])
+        step_us = round(seconds_per_step * 1e6)   # integral: every rank reduces to the same number
+        flags = torch.cat([torch.tensor([first], dtype=torch.int64), counts, torch.tensor([step_us])])
         if dist.is_initialized() and distributed.world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        first, longest, current = flags.tolist()
+        first, longest, current, step_us = flags.tolist()
+        self.slowest_step_s = step_us / 1e6
         signalled = first != -_NEVER
         if signalled:   # -a*K + c, 0 < c < K: Python's % gives c back, then a
             code = first % _SIGNUMS
@@ -386,11 +391,62 @@ class Faults:
 
 
 def default_stop_check_interval(device):
-    """Every step on a CPU (work is synchronous there, the exchange costs nothing), every 10 on a
-    GPU, so that the host runs ahead of the device between checks."""
+    """Every step on a CPU (work is synchronous there, the exchange costs nothing), at most every
+    10 on a GPU, so that the host runs ahead of the device between checks."""
     return 1 if device.type != 'cuda' else 10
 
 
+# The most training time between two check steps of the default schedule. A stop must reach its
+# check step and write its checkpoint before the launcher's or Slurm's SIGKILL (30 s after a
+# Ctrl-C or the time limit's SIGTERM); a check costs one wait for the device's queue, nothing
+# next to 2 s of steps.
+CHECK_SPACING_S = 2.0
+
+
+class CheckSchedule:
+    """Which steps are *check steps*, besides log, evaluation and checkpoint steps (always are).
+
+    ``train.stop_check_interval`` N fixes them at every N-th step. The default is every step on a
+    CPU; on a GPU every 10th, or sooner where 10 steps take longer than CHECK_SPACING_S: the steps
+    of a ZeRO-3 offload run take seconds each, and at 10 of them a stop signal's checkpoint came
+    after the SIGKILL. The step time it goes by is the slowest rank's since the last check, agreed
+    in that check's all-reduce (:meth:`StopRequests.agree`), so every rank picks the same next check
+    step. It is read on the host clock at check steps only, which wait for the device anyway.
+
+    Example::
+
+        checks = CheckSchedule(cfg.train.stop_check_interval, device, start_step=step)
+        ...  # after a step: if not (log_now or checks.due(step)): continue
+        signalled, longest, current = stop.agree(counts, checks.seconds_per_step(step))
+        ...  # evaluation, checkpoint
+        checks.checked(step, stop.slowest_step_s)
+    """
+
+    def __init__(self, interval, device, start_step=0):
+        self.fixed = interval
+        self.most = interval or default_stop_check_interval(device)
+        self.next = start_step + 1   # the first step is a check: its time sets the next one
+        self._since = (time.perf_counter(), start_step)   # (host clock, step) as the last check ended
+
+    def due(self, step):
+        return step % self.fixed == 0 if self.fixed else step >= self.next
+
+    def seconds_per_step(self, step):
+        """This rank's mean time per step since the last check step ended (or the loop began)."""
+        if step <= self._since[1]:
+            return 0.0
+        return (time.perf_counter() - self._since[0]) / (step - self._since[1])
+
+    def checked(self, step, slowest_step_s):
+        """A check step is over: the next one comes after at most ``most`` steps, fewer where the
+        slowest rank's steps would pass CHECK_SPACING_S first."""
+        steps = self.most
+        if slowest_step_s > 0:
+            steps = max(1, min(self.most, int(CHECK_SPACING_S / slowest_step_s)))
+        self.next = step + steps
+        self._since = (time.perf_counter(), step)
+
+
 __all__ = ['EXIT_CODES', 'EXIT_DATA_ERROR', 'EXIT_INTERRUPTED', 'EXIT_IO_ERROR', 'EXIT_LOST_RANK', 'EXIT_NONFINITE',
-           'EXIT_PREEMPTED', 'INTERRUPT', 'Faults', 'Heartbeat', 'LostRankError', 'RunIOError', 'StopRequests',
+           'EXIT_PREEMPTED', 'INTERRUPT', 'CheckSchedule', 'Faults', 'Heartbeat', 'LostRankError', 'RunIOError', 'StopRequests',
            'default_stop_check_interval', 'describe_io_error', 'is_collective_failure']

@@ -31,7 +31,7 @@ from ..telemetry import RunLog, forward_flops, peak_flops
 from . import backend as backends
 from . import checkpoint
 from .checkpointer import Checkpointer, data_normalisation
-from .faults import USER_STOPS, Faults, default_stop_check_interval, describe_io_error
+from .faults import USER_STOPS, CheckSchedule, Faults, describe_io_error
 from .run_metrics import RunMetrics
 from .run_spec import describe_run
 from .speed import channels_last_for
@@ -108,7 +108,6 @@ class Trainer:
                                  channels_last=channels_last_for(cfg.model.type, cfg.train.get('channels_last')))
         self.rank, self.world_size, self.device = self.spec.rank, self.spec.world_size, self.spec.device
         self.work_dir = work_dir or default_work_dir(cfg)
-        self.stop_check_interval = cfg.train.get('stop_check_interval') or default_stop_check_interval(self.device)
         self.exit_reason = 'running'
         self._state_memory_step = 1  # the step whose backward measures state memory (fit() sets it)
         self.error = None             # the one-line reason when the run stopped on an error
@@ -223,9 +222,9 @@ class Trainer:
     def fit(self):
         """Train until ``train.max_steps``; returns the summary written to ``summary.json``.
 
-        Only *check steps* (every ``train.stop_check_interval`` steps, and log, evaluation and
-        checkpoint steps) read anything back from the device or talk to the other ranks: that is
-        where a stop signal or a run of non-finite losses is agreed on and acted upon.
+        Only *check steps* (:class:`CheckSchedule`'s, and log, evaluation and checkpoint steps)
+        read anything back from the device or talk to the other ranks: that is where a stop
+        signal or a run of non-finite losses is agreed on and acted upon.
         """
         t = self.cfg.train
         if self.step >= t.max_steps:
@@ -238,6 +237,7 @@ class Trainer:
         # and from the start of a resumed one.
         self._state_memory_step = self.step or 1
         faults = self._start_loop()
+        checks = CheckSchedule(t.get('stop_check_interval'), self.device, start_step=self.step)
         try:
             with self._classified_failures(faults):
                 while self.step < t.max_steps:
@@ -251,9 +251,10 @@ class Trainer:
                         samples = self._data_position() * self.spec.micro_batch * self.world_size
                         self.metrics.log_window(self.step, samples_seen=samples, lr=lr)
                     evaluating, saving = self._evaluation_due(), self.checkpointer.due(self.step)
-                    if not (log_now or evaluating or saving or self.step % self.stop_check_interval == 0):
+                    if not (log_now or evaluating or saving or checks.due(self.step)):
                         continue  # a plain step: nothing read back from the device, no collective
-                    signalled, longest, current = faults.stop.agree(self.metrics.take_nonfinite_counts())
+                    signalled, longest, current = faults.stop.agree(self.metrics.take_nonfinite_counts(),
+                                                                    checks.seconds_per_step(self.step))
                     if longest >= t.max_nonfinite_steps:
                         self._stop('nonfinite_loss', f'the loss was not finite for {longest} consecutive steps; the '
                                    f'last checkpoint in {self.checkpointer.root} is intact (lower the learning rate '
@@ -275,6 +276,7 @@ class Trainer:
                             'checkpoint saved; continue with --resume auto.' if current == 0
                             else 'no checkpoint (the loss was not finite).'))
                         break
+                    checks.checked(self.step, faults.stop.slowest_step_s)
                 else:
                     self.exit_reason = 'completed'
         finally:
