@@ -1,6 +1,8 @@
 """Tiny experiments shared by the distributed and launcher tests."""
 import copy
 import json
+import os
+import signal
 
 from ds_seg.config import REPO_ROOT, load_config
 
@@ -64,3 +66,23 @@ def argparse_refusal(main, argv, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     return stop.value.code, capsys.readouterr().err
+
+
+def signal_at_step(trainer, step, signum=signal.SIGUSR1):
+    """This process receives ``signum`` as ``trainer`` starts its step ``step`` (1-based): a
+    scheduler's signal in the middle of a real run, at a step the test decides."""
+    real_step = trainer.train_step
+
+    def train_step(want_grad_norm=False):
+        if trainer.step + 1 == step:
+            os.kill(os.getpid(), signum)   # the handler has run when os.kill returns
+        return real_step(want_grad_norm=want_grad_norm)
+    trainer.train_step = train_step
+
+
+def fit_and_close(trainer):
+    """``trainer.fit()``'s summary; the trainer is closed whatever happens."""
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

@@ -7,7 +7,6 @@ the stop's checkpoint was lost.
 The ranks here run on CPUs, where the default is every step; the GPU default's cap of 10 is put
 in place by the test, and ``DS_SEG_FAULT=slow@step`` makes one rank's steps slow (a slow node)."""
 import os
-import signal
 import time
 
 import torch
@@ -15,7 +14,7 @@ import torch
 from ds_seg.engine import faults
 from ds_seg.engine.faults import CHECK_SPACING_S, CheckSchedule
 from tests.dist import run_on_ranks
-from tests.tiny import ds_config, tiny_cfg
+from tests.tiny import ds_config, fit_and_close, signal_at_step, tiny_cfg
 
 SLOW_STEP_S = 0.6     # rank 1's steps take at least this: at most int(2 / 0.6) = 3 steps between checks
 SIGNAL_AT = 5         # rank 0 gets SIGUSR1 while it runs step 5
@@ -57,17 +56,9 @@ def _run(tmp):
         checked.append((step, slowest_step_s))
         real_checked(schedule, step, slowest_step_s)
     CheckSchedule.checked = record
-    real_step = trainer.train_step
-
-    def train_step(want_grad_norm=False):
-        if trainer.step + 1 == SIGNAL_AT and rank == 0:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return real_step(want_grad_norm=want_grad_norm)
-    trainer.train_step = train_step
-    try:
-        summary = trainer.fit()
-    finally:
-        trainer.close()
+    if rank == 0:
+        signal_at_step(trainer, SIGNAL_AT)
+    summary = fit_and_close(trainer)
     saved = sorted(n for n in os.listdir(os.path.join(tmp, 'work', 'checkpoints')) if n.startswith('step_'))
     return dict(checked=checked, summary=summary, saved=saved)
 

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from tests.dist import run_on_ranks
-from tests.tiny import ds_config, read_jsonl, tiny_cfg
+from tests.tiny import ds_config, fit_and_close, read_jsonl, signal_at_step, tiny_cfg
 
 
 def _train(tmp, uri):
@@ -174,7 +174,6 @@ def test_unknown_tracker_is_refused_naming_the_known_ones():
 def _preempted_then_resumed(tmp, uri):
     """A run SIGUSR1 stops at step 3 (a checkpoint, exit 75), then ``--resume auto`` to step 5:
     the MLflow runs with their status and loss history, and each pass's W&B run id."""
-    import signal
     from mlflow.tracking import MlflowClient
     from ds_seg.engine.trainer import Trainer
     os.environ.update(WANDB_MODE='offline', WANDB_SILENT='true')
@@ -184,17 +183,9 @@ def _preempted_then_resumed(tmp, uri):
         cfg.merge_from_dict({'log': dict(trackers=['tensorboard', 'mlflow', 'wandb'], mlflow_tracking_uri=uri,
                                          experiment='resumed', wandb_project='resumed')})
         trainer = Trainer(cfg, ds_config(0, micro_batch=2), work_dir=os.path.join(tmp, 'run'), resume=resume)
-        real_step = trainer.train_step
-
-        def train_step(want_grad_norm=False, trainer=trainer, real_step=real_step, resume=resume):
-            if trainer.step + 1 == 3 and resume is None:
-                os.kill(os.getpid(), signal.SIGUSR1)  # the scheduler's warning, during step 3
-            return real_step(want_grad_norm=want_grad_norm)
-        trainer.train_step = train_step
-        try:
-            summary = trainer.fit()
-        finally:
-            trainer.close()
+        if resume is None:
+            signal_at_step(trainer, 3)  # the scheduler's warning, during step 3
+        summary = fit_and_close(trainer)
         seen.setdefault('exit_reasons', []).append(summary['exit_reason'])
         seen.setdefault('wandb_ids', []).append(trainer.log.tracker_runs()['wandb']['id'])
         os.environ['MLFLOW_ALLOW_FILE_STORE'] = 'true'
