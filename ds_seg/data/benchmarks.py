@@ -10,9 +10,9 @@ says which published convention the evaluation follows; keep it in mind when com
     data = dict(train=dict(type='Potsdam', data_root='data/potsdam', split='train'),
                 val=dict(type='Potsdam', data_root='data/potsdam', split='val'))
 """
-import glob
 import os
 import re
+import zlib
 
 from ds_seg.registry import DATASETS
 
@@ -27,14 +27,64 @@ ISPRS_IGNORE = ((0, 0, 0),)
 _CORNER_TOLERANCE = 127
 
 
-def _find(data_root, name, what):
-    """The file called ``name`` anywhere under ``data_root`` (one match), or a DataError."""
+def _files(data_root, what):
+    """Every file under ``data_root``, in sorted order (symbolic links to folders followed once),
+    or a DataError when ``data_root`` is not a folder."""
     if not os.path.isdir(data_root):
         raise DataError(f"{what}: data_root {data_root} is not a directory")
-    hits = sorted(glob.glob(os.path.join(glob.escape(data_root), '**', name), recursive=True))
-    if not hits:
-        raise DataError(f"{what}: {name} not found under {data_root}")
-    return hits
+    found, seen = [], set()
+    for folder, dirs, names in os.walk(data_root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        found.extend(os.path.join(folder, n) for n in sorted(names))
+    return found
+
+
+def _named(files, pattern):
+    """``{first group: [paths]}`` of the files whose name is ``pattern`` (a regex), in any letter
+    case: an archive extracted on another system may spell ``.TIF`` or ``.JPG``."""
+    found = {}
+    for path in files:
+        m = re.fullmatch(pattern, os.path.basename(path), re.IGNORECASE)
+        if m:
+            found.setdefault(m.group(1), []).append(path)
+    return found
+
+
+def _one_copy(paths, what, data_root):
+    """The one path of an official file name; two copies under ``data_root`` (the tree extracted
+    twice, a backup) are refused: which one to read would be a guess, and an image of one copy
+    could pair with a label of the other."""
+    if len(paths) > 1:
+        raise DataError(f"{what}: {os.path.basename(paths[0])} is under {data_root} {len(paths)} times "
+                        f"({paths[0]}; {paths[1]}); keep one copy of the dataset there, or point data_root at one")
+    return paths[0]
+
+
+def _ids(given, name):
+    """``tiles='2_10'`` is one tile, not the tiles '2', '_', '1', '0'; ``areas=[1, 3]`` are '1', '3'."""
+    return (str(given),) if isinstance(given, (str, int)) else tuple(str(g) for g in given)
+
+
+def _partial_split(what, split, wanted, found, unit):
+    """The line that says a split is incomplete (a partial download or extraction), or None."""
+    missing = [t for t in wanted if t not in found]
+    if not missing:
+        return None
+    listed = ', '.join(missing[:6]) + (', ...' if len(missing) > 6 else '')
+    return (f"{what} {split}: {len(wanted) - len(missing)} of the split's {len(wanted)} {unit} found "
+            f"(missing {listed}); using those found")
+
+
+def _partial_count(what, split, found, official, unit):
+    if found >= official:
+        return None
+    return (f"{what} {split}: {found} of the official {official} {unit} found; a partial download "
+            f"or extraction? using those found")
 
 
 def _split_for(split, names):
@@ -53,8 +103,9 @@ class Potsdam(GeoTiffScenes):
     Split: mmsegmentation's 24 training tiles and 14 test tiles (``'val'`` == ``'test'``).
 
     ``modality``: which image product to read ('RGB', 'RGBIR' 4 bands, 'IRRG').
-    ``eroded``: use the ``noBoundary`` labels (boundaries ignored); default: on for val/test
-    (the ISPRS evaluation), off for train.
+    ``eroded``: use the ``noBoundary`` labels (boundaries ignored), as mmsegmentation does for
+    every split (its converter reads only ``5_Labels_all_noBoundary.zip``) and the ISPRS
+    evaluation does; ``eroded=False`` reads the full labels of ``5_Labels_all``.
 
     Metric convention (``METRIC``): mmsegmentation's, mIoU over all 6 classes on the eroded
     labels (DeepLabV3+ ~77-79). GeoSeg-style papers report mIoU *without clutter* (~86-87):
@@ -76,36 +127,36 @@ class Potsdam(GeoTiffScenes):
     }
     SPLITS['test'] = SPLITS['val']
 
-    def __init__(self, data_root, split='train', crop_size=512, seed=0, modality='RGB', eroded=None,
+    def __init__(self, data_root, split='train', crop_size=512, seed=0, modality='RGB', eroded=True,
                  tiles=None, **kw):
         if modality not in ('RGB', 'RGBIR', 'IRRG'):
             raise ValueError(f"modality must be 'RGB', 'RGBIR' or 'IRRG', got {modality!r}")
-        tiles = tiles or _split_for(split, self.SPLITS)
-        eroded = split != 'train' if eroded is None else eroded
+        tiles = _ids(tiles, 'tiles') if tiles else _split_for(split, self.SPLITS)
         suffix = '_label_noBoundary.tif' if eroded else '_label.tif'
+        files = _files(data_root, 'Potsdam')
+        present = _named(files, rf'top_potsdam_(\d+_\d+)_{modality}\.tif')
+        label_files = _named(files, rf'top_potsdam_(\d+_\d+){re.escape(suffix)}')
         images, labels = [], []
-        present = self._present_tiles(data_root, modality)
         for t in tiles:
             if t not in present:
                 continue  # a subset of the tiles (e.g. a smaller download) is fine...
-            images.append(present[t])
-            labels.append(_find(data_root, f'top_potsdam_{t}{suffix}', 'Potsdam')[0])
+            images.append(_one_copy(present[t], 'Potsdam', data_root))
+            if t not in label_files:
+                where = ('5_Labels_all_noBoundary; eroded=False reads the full labels of 5_Labels_all' if eroded
+                         else '5_Labels_all')
+                raise DataError(f"Potsdam: top_potsdam_{t}{suffix} not found under {data_root} ({where})")
+            labels.append(_one_copy(label_files[t], 'Potsdam', data_root))
         if not images:  # ...but not none of them
+            others = [m for m in ('RGB', 'RGBIR', 'IRRG')
+                      if m != modality and _named(files, rf'top_potsdam_(\d+_\d+)_{m}\.tif')]
+            hint = f"; there are *_{others[0]}.tif files: modality='{others[0]}'" if others else ''
             raise DataError(f"Potsdam: no top_potsdam_*_{modality}.tif of the {split} split under "
-                            f"{data_root} (tiles {', '.join(tiles[:4])}, ...)")
+                            f"{data_root} (tiles {', '.join(tiles[:4])}, ...){hint}")
         self.data_root, self.tiles = data_root, [t for t in tiles if t in present]
+        self.notes = [n for n in [_partial_split('Potsdam', split, tiles, present, 'tiles')] if n]
         kw.setdefault('palette_tolerance', _CORNER_TOLERANCE)
         super().__init__(images, labels, crop_size=crop_size, split=split, seed=seed,
                          classes=self.CLASSES, palette=self.PALETTE, palette_ignore=ISPRS_IGNORE, **kw)
-
-    @staticmethod
-    def _present_tiles(data_root, modality):
-        found = {}
-        for path in _find(data_root, f'top_potsdam_*_{modality}.tif', 'Potsdam'):
-            m = re.fullmatch(rf'top_potsdam_(\d+_\d+)_{modality}\.tif', os.path.basename(path))
-            if m:
-                found[m.group(1)] = path
-        return found
 
 
 @DATASETS.register_module()
@@ -116,7 +167,8 @@ class Vaihingen(GeoTiffScenes):
     (ISPRS_semantic_labeling_Vaihingen.zip), full labels with the same file name in any other
     folder (..._ground_truth_COMPLETE.zip), eroded labels ``top_mosaic_09cm_area{N}_noBoundary.tif``
     (..._ground_truth_eroded_COMPLETE.zip). Split: the 16 training / 17 test areas of the
-    challenge (mmsegmentation's lists); ``'val'`` == ``'test'``.
+    challenge (mmsegmentation's lists); ``'val'`` == ``'test'``. ``eroded`` (default, as
+    mmsegmentation for every split): the eroded labels; ``eroded=False``: the full ones.
 
     Metric convention (``METRIC``): mmsegmentation's 6-class mIoU on eroded labels
     (DeepLabV3+ ~72-74); papers without clutter differ.
@@ -135,30 +187,38 @@ class Vaihingen(GeoTiffScenes):
     }
     SPLITS['test'] = SPLITS['val']
 
-    def __init__(self, data_root, split='train', crop_size=512, seed=0, eroded=None, areas=None, **kw):
-        areas = areas or _split_for(split, self.SPLITS)
-        eroded = split != 'train' if eroded is None else eroded
+    def __init__(self, data_root, split='train', crop_size=512, seed=0, eroded=True, areas=None, **kw):
+        areas = _ids(areas, 'areas') if areas else _split_for(split, self.SPLITS)
+        files = _files(data_root, 'Vaihingen')
+        named = _named(files, r'top_mosaic_09cm_area(\d+)\.tif')
+        eroded_files = _named(files, r'top_mosaic_09cm_area(\d+)_noBoundary\.tif')
         images, labels, used = [], [], []
         for a in areas:
             name = f'top_mosaic_09cm_area{a}.tif'
-            hits = glob.glob(os.path.join(glob.escape(data_root), '**', name), recursive=True)
-            tops = [h for h in hits if os.path.basename(os.path.dirname(h)) == 'top']
+            tops = [h for h in named.get(a, ()) if os.path.basename(os.path.dirname(h)).lower() == 'top']
             if not tops:
                 continue
             if eroded:
-                label = _find(data_root, f'top_mosaic_09cm_area{a}_noBoundary.tif', 'Vaihingen')[0]
+                if a not in eroded_files:
+                    raise DataError(f"Vaihingen: top_mosaic_09cm_area{a}_noBoundary.tif not found under {data_root} "
+                                    f"(the ground_truth_eroded_COMPLETE archive; eroded=False reads the full labels)")
+                label = _one_copy(eroded_files[a], 'Vaihingen', data_root)
             else:
-                others = [h for h in hits if h not in tops]
+                others = [h for h in named[a] if h not in tops]
                 if not others:
                     raise DataError(f"Vaihingen: no full label {name} (outside top/) under {data_root}; "
                                     f"unzip the ground_truth_COMPLETE archive or use eroded=True")
+                if len(others) > 1:  # a copy of the images, or of the labels: either would be a guess
+                    raise DataError(f"Vaihingen: {name} is under {data_root} outside top/ {len(others)} times "
+                                    f"({others[0]}; {others[1]}); keep only the full ground truth there")
                 label = others[0]
-            images.append(tops[0])
+            images.append(_one_copy(tops, 'Vaihingen', data_root))
             labels.append(label)
             used.append(a)
         if not images:
             raise DataError(f"Vaihingen: no top/top_mosaic_09cm_area*.tif of the {split} split under {data_root}")
         self.data_root, self.areas = data_root, used
+        self.notes = [n for n in [_partial_split('Vaihingen', split, areas, used, 'areas')] if n]
         kw.setdefault('palette_tolerance', _CORNER_TOLERANCE)
         super().__init__(images, labels, crop_size=crop_size, split=split, seed=seed,
                          classes=self.CLASSES, palette=self.PALETTE, palette_ignore=ISPRS_IGNORE, **kw)
@@ -185,21 +245,27 @@ class LoveDA(GeoTiffScenes):
                (255, 195, 128))
     METRIC = 'mmseg: 7-class mIoU, label 0 (no-data) ignored'
 
+    # Images per split and domain in the official release (the LoveDA paper, Table 2).
+    OFFICIAL_COUNTS = {('Train', 'Urban'): 1156, ('Train', 'Rural'): 1366, ('Val', 'Urban'): 677,
+                       ('Val', 'Rural'): 992}
+
     def __init__(self, data_root, split='train', crop_size=512, seed=0, domain='both', **kw):
         folder = _split_for(split, {'train': 'Train', 'val': 'Val', 'test': 'Test'})
         if split == 'test':
             raise DataError("LoveDA: the Test split has no public masks; train on 'train', evaluate on "
                             "'val', and predict Test with launch/predict.py")
         domains = _split_for(domain, {'urban': ('Urban',), 'rural': ('Rural',), 'both': ('Urban', 'Rural')})
-        images, labels = [], []
+        images, labels, self.notes = [], [], []
         for d in domains:
             img_dir = self._locate(data_root, folder, d)
-            for name in sorted(os.listdir(img_dir)):
-                if name.endswith('.png'):
-                    images.append(os.path.join(img_dir, name))
-                    labels.append(os.path.join(os.path.dirname(img_dir), 'masks_png', name))
-                    if not os.path.exists(labels[-1]):
-                        raise DataError(f"LoveDA: {images[-1]} has no mask: expected {labels[-1]}")
+            found = [n for n in sorted(os.listdir(img_dir)) if n.lower().endswith('.png') and not n.startswith('.')]
+            for name in found:
+                images.append(os.path.join(img_dir, name))
+                labels.append(os.path.join(os.path.dirname(img_dir), 'masks_png', name))
+                if not os.path.exists(labels[-1]):
+                    raise DataError(f"LoveDA: {images[-1]} has no mask: expected {labels[-1]}")
+            note = _partial_count(f'LoveDA {d}', split, len(found), self.OFFICIAL_COUNTS[folder, d], 'images')
+            self.notes += [note] if note else []
         if not images:
             raise DataError(f"LoveDA: no images_png/*.png in {folder}/{'+'.join(domains)} under {data_root}")
         self.data_root, self.domain = data_root, domain
@@ -208,10 +274,24 @@ class LoveDA(GeoTiffScenes):
 
     @staticmethod
     def _locate(data_root, folder, domain):
-        hits = sorted(glob.glob(os.path.join(glob.escape(data_root), '**', folder, domain, 'images_png'),
-                                recursive=True))
+        """``<folder>/<domain>/images_png`` at any depth (an archive extracted one level deeper:
+        ``Train/Train/Urban``), in any letter case; one copy only."""
+        if not os.path.isdir(data_root):
+            raise DataError(f"LoveDA: data_root {data_root} is not a directory")
+        wanted = (folder.lower(), domain.lower(), 'images_png')
+        hits = []
+        for path, dirs, _ in os.walk(data_root, followlinks=True):
+            dirs.sort()
+            if tuple(p.lower() for p in path.split(os.sep)[-3:]) == wanted:
+                hits.append(path)
+                dirs[:] = []   # nothing to find among the images
+            elif path.count(os.sep) - data_root.count(os.sep) >= 8:
+                dirs[:] = []   # deeper than any extraction puts it (and no link loop runs forever)
         if not hits:
             raise DataError(f"LoveDA: {folder}/{domain}/images_png not found under {data_root}")
+        if len(hits) > 1:
+            raise DataError(f"LoveDA: {folder}/{domain}/images_png is under {data_root} twice ({hits[0]}; "
+                            f"{hits[1]}); keep one copy of the dataset there, or point data_root at one")
         return hits[0]
 
 
@@ -237,20 +317,25 @@ class InriaAerial(GeoTiffScenes):
 
     def __init__(self, data_root, split='train', crop_size=512, seed=0, val_tiles=5, **kw):
         _split_for(split, {'train': 0, 'val': 0})
-        found = _find(data_root, os.path.join('train', 'images', '*.tif'), 'InriaAerial')
+        files = [f for f in _files(data_root, 'InriaAerial')
+                 if [p.lower() for p in f.split(os.sep)[-3:-1]] == ['train', 'images']]
+        tiles = _named(files, r'([a-z-]+?\d+)\.tif')
         images, labels = [], []
-        for path in found:
-            m = re.fullmatch(r'([a-z-]+?)(\d+)\.tif', os.path.basename(path))
-            if not m or m.group(1) not in self.CITIES:
+        for tile, paths in sorted(tiles.items()):
+            m = re.fullmatch(r'([a-z-]+?)(\d+)', tile.lower())
+            if m.group(1) not in self.CITIES:
                 continue
             if (int(m.group(2)) <= val_tiles) != (split == 'val'):
                 continue
+            path = _one_copy(paths, 'InriaAerial', data_root)
             label = os.path.join(os.path.dirname(os.path.dirname(path)), 'gt', os.path.basename(path))
             images.append(path)
             labels.append(label)
         if not images:
             raise DataError(f"InriaAerial: no train/images/{{city}}{{n}}.tif of the {split} split under {data_root}")
         self.data_root = data_root
+        official = len(self.CITIES) * (val_tiles if split == 'val' else 36 - val_tiles)
+        self.notes = [n for n in [_partial_count('InriaAerial', split, len(images), official, 'tiles')] if n]
         super().__init__(images, labels, crop_size=crop_size, split=split, seed=seed,
                          classes=self.CLASSES, label_map={255: 1}, **kw)
 
@@ -261,7 +346,8 @@ class DeepGlobeLandCover(GeoTiffScenes):
 
     Files (official layout): ``train/{id}_sat.jpg`` with ``train/{id}_mask.png``. The
     challenge's valid/test folders have no masks, so the labelled images are split
-    deterministically: every 5th id (sorted) is ``'val'``, the rest ``'train'``; ``'all'``
+    deterministically, by the id alone (:meth:`is_val`): ids that are multiples of 5 are
+    ``'val'``, the rest ``'train'``; ``'all'``
     is everything. Masks are decoded by nearest palette corner (thresholding at 128, as
     the organisers do), which absorbs their compression noise; 'unknown' (black) is ignored.
 
@@ -275,21 +361,39 @@ class DeepGlobeLandCover(GeoTiffScenes):
     CLASSES = ('urban_land', 'agriculture_land', 'rangeland', 'forest_land', 'water', 'barren_land')
     PALETTE = ((0, 255, 255), (255, 255, 0), (255, 0, 255), (0, 255, 0), (0, 0, 255), (255, 255, 255))
     UNKNOWN = ((0, 0, 0),)
-    METRIC = '6-class mIoU, unknown ignored (challenge convention); val is every 5th labelled id'
+    METRIC = '6-class mIoU, unknown ignored (challenge convention); val is the ids that are multiples of 5'
+
+    OFFICIAL_COUNT = 803   # labelled images in the challenge's train folder
 
     def __init__(self, data_root, split='train', crop_size=512, seed=0, **kw):
         _split_for(split, {'train': 0, 'val': 0, 'all': 0})
-        sats = _find(data_root, os.path.join('train', '*_sat.jpg'), 'DeepGlobeLandCover')
+        files = [f for f in _files(data_root, 'DeepGlobeLandCover')
+                 if os.path.basename(os.path.dirname(f)).lower() == 'train']
+        sats = _named(files, r'(.+)_sat\.jpg')
+        masks = _named(files, r'(.+)_mask\.png')
         images, labels = [], []
-        for k, path in enumerate(sorted(sats, key=lambda p: os.path.basename(p))):
-            if split != 'all' and (k % 5 == 0) != (split == 'val'):
+        for id_, paths in sorted(sats.items()):
+            if split != 'all' and self.is_val(id_) != (split == 'val'):
                 continue
-            images.append(path)
-            labels.append(path[:-len('_sat.jpg')] + '_mask.png')
+            images.append(_one_copy(paths, 'DeepGlobeLandCover', data_root))
+            # The mask beside the image, in whatever case it is spelt; named as expected if none.
+            beside = [m for m in masks.get(id_, ()) if os.path.dirname(m) == os.path.dirname(images[-1])]
+            labels.append(beside[0] if beside else images[-1][:-len('_sat.jpg')] + '_mask.png')
         if not images:
             raise DataError(f"DeepGlobeLandCover: no train/*_sat.jpg for split {split} under {data_root}")
         self.data_root = data_root
+        self.notes = [n for n in [_partial_count('DeepGlobeLandCover', 'train folder', len(sats),
+                                                 self.OFFICIAL_COUNT, 'labelled images')] if n]
         kw.setdefault('palette_tolerance', _CORNER_TOLERANCE)
         super().__init__(images, labels, crop_size=crop_size, split='train' if split == 'all' else split,
                          seed=seed, classes=self.CLASSES, palette=self.PALETTE, palette_ignore=self.UNKNOWN,
                          **kw)
+
+    @staticmethod
+    def is_val(image_id):
+        """Whether an id is in ``'val'``: its number is a multiple of 5 (a CRC-32 for an id that is
+        not a number). Decided by the id alone: the position in the sorted list moved ids between
+        train and val when one file was missing or added, so a resumed run or a later evaluation
+        scored images it had trained on."""
+        number = int(image_id) if image_id.isdigit() else zlib.crc32(image_id.encode())
+        return number % 5 == 0

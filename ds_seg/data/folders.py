@@ -23,12 +23,16 @@ def pair_folder(img_dir, ann_dir, img_suffix=IMAGE_SUFFIXES, seg_map_suffix='.pn
     images = sorted(f for f in os.listdir(img_dir) if f.lower().endswith(tuple(x.lower() for x in suffixes)))
     if not images:
         raise DataError(f"{img_dir}: no image files ending in {', '.join(suffixes)}")
-    pairs = []
+    pairs, paired = [], {}
     for name in images:
         stem = name[:-len(next(x for x in suffixes if name.lower().endswith(x.lower())))]
         label = os.path.join(ann_dir, stem + seg_map_suffix)
         if not os.path.exists(label):
             raise DataError(f"{os.path.join(img_dir, name)} has no label: expected {label}")
+        if label in paired:  # x.png and x.jpg: one label counted twice in every metric
+            raise DataError(f"{paired[label]} and {os.path.join(img_dir, name)} both pair with the label {label}; "
+                            f"keep one of the images (or narrow img_suffix)")
+        paired[label] = os.path.join(img_dir, name)
         pairs.append((os.path.join(img_dir, name), label))
     return [p[0] for p in pairs], [p[1] for p in pairs]
 

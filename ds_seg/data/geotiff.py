@@ -316,10 +316,25 @@ def inspect_pair(image, label, palette=None):
         if palette is not None and lbl.count < 3:
             raise DataError(f"label {label} has {lbl.count} band(s) but `palette` expects RGB "
                             f"colour-coded labels (image {image})")
+        if palette is not None and _same_corner(img, lbl):
+            raise DataError(f"label {label} holds the same pixels as its image {image}: a copy of the image, "
+                            f"not its labels; point the label at the ground truth")
         return dict(image=image, label=label, width=img.width, height=img.height,
                     count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img),
                     dtype=img.dtypes[0], floating=np.dtype(img.dtypes[0]).kind == 'f', label_nodata=lbl.nodata,
                     colorinterp=[c.name for c in img.colorinterp])
+
+
+def _same_corner(img, lbl, size=64):
+    """True when an image and its label hold the same, non-constant pixels in their top-left
+    corner (the rows any format decodes first): a copy of the image taken as its colour label,
+    which a decoding with a wide tolerance turns into classes without a word. (Asked of colour
+    labels only: a one-band image of class values is a test's way to see alignment.)"""
+    if img.count != lbl.count or img.dtypes != lbl.dtypes:
+        return False
+    window = Window(0, 0, min(size, img.width), min(size, img.height))
+    corner = img.read(window=window)
+    return bool(np.ptp(corner) > 0) and np.array_equal(corner, lbl.read(window=window))
 
 
 def label_nodata_message(label, value, class_index, class_name, ignore_index):
@@ -663,8 +678,16 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             return {}
         path = os.path.join(os.path.dirname(os.path.abspath(first_image)), STATS_FILE)
         if os.path.exists(path):
-            with open(path) as f:
-                return json.load(f)
+            try:
+                with open(path) as f:
+                    stats = json.load(f)
+            except ValueError as exc:
+                raise DataError(f"{path}: not valid JSON ({exc}); fix it, or move it away to have the "
+                                f"statistics computed from the images") from exc
+            if not isinstance(stats, dict):
+                raise DataError(f"{path}: expected a JSON object with mean/std (and classes), got "
+                                f"{type(stats).__name__}; fix it, or move it away")
+            return stats
         return {}
 
     def _resolve_classes(self, classes, stats):
@@ -753,6 +776,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 rule = 'a finite number > 0' if key == 'std' else 'a finite number'
                 raise ValueError(f"{key}={value!r}: each band's {key} must be {rule}, in the file's units")
             given[key] = self._select(values, key)
+        self._refuse_unit_scaled_stats(given['mean'], given['std'])
         if mean is None or std is None:
             if 'mean' in stats and 'std' in stats:
                 file_stats = stats
@@ -771,6 +795,19 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         # A constant band (computed std 0) normalises to 0, not to inf.
         std = np.where(given['std'] > 0, given['std'], 1.0)
         return given['mean'].astype(np.float32), std.astype(np.float32)
+
+    def _refuse_unit_scaled_stats(self, mean, std):
+        """``mean=[0.485, ...], std=[0.229, ...]`` (ImageNet's, in 0-1 units: a timm or torchgeo
+        habit) for integer images: inputs came out hundreds of sigma wide, and the run trained."""
+        dtype = np.dtype(self._scenes[0]['dtype'])
+        if std is None or dtype.kind not in 'ui' or not (std < 1).all():
+            return
+        if mean is not None and (np.abs(mean) > 1).any():
+            return
+        top = np.iinfo(dtype).max
+        raise ValueError(f"std={std.tolist()} is below 1 in every band of {dtype} images (0-{top}): mean and std "
+                         f"are in the file's units, not 0-1 (ImageNet's 0-1 values x 255 for 8-bit images); "
+                         f"or leave them out to have them computed")
 
     # Scenes read for computed statistics: all of a set up to this many, else this many spread
     # evenly over it (a decimated read each, once; the result is cached).

@@ -377,8 +377,12 @@ def open_scene(path):
         with StackedRaster(path) as src:
             yield src
         return
-    with raster_env(path), rasterio.open(gdal_path(path)) as src:
-        yield src
+    with raster_env(path):
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', NotGeoreferencedWarning)  # PNG/JPG patches, ISPRS labels
+            src = rasterio.open(gdal_path(path))
+        with src:
+            yield src
 
 
 def pixel_grid(src):

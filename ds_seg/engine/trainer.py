@@ -19,6 +19,7 @@ import torch
 from .. import distributed
 from ..config import ConfigError, default_work_dir, unused_settings
 from ..data.loader import build_train_loader
+from ..data.raster import same_file_key
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
 from ..inference.model import native_input_size, window_refusal
@@ -61,6 +62,29 @@ def _build_dataset(cfg, where, crop_size, seed):
         raise
     except (ValueError, OSError, RuntimeError) as exc:  # rasterio's errors derive from these
         raise ConfigError(f'{where} ({cfg.get("type")}): {exc}') from exc
+
+
+def _images_key(scene):
+    """A scene's image files (every date of a time series) as one comparable key."""
+    image = scene.get('image')
+    return tuple(same_file_key(f) for f in (image if isinstance(image, (list, tuple)) else [image])
+                 if isinstance(f, str))
+
+
+def data_notes(train_set, val_set):
+    """Lines for the start of training about the data as found: a benchmark split with tiles
+    missing (a partial download), and validation scenes that are also training scenes (their
+    scores are not held out: ``data.val.split='train'``, or one folder for both)."""
+    notes = [f'data.{name}: {note}' for name, ds in (('train', train_set), ('val', val_set))
+             for note in getattr(ds, 'notes', ())]
+    if val_set is None:
+        return notes
+    keys = [{_images_key(scene) for scene in getattr(ds, 'scenes', ())} for ds in (train_set, val_set)]
+    shared = keys[0] & keys[1] - {()}
+    if shared:
+        notes.append(f'data.val: {len(shared)} of its {len(keys[1])} scenes are also in data.train: '
+                     'its scores are not held out')
+    return notes
 
 
 def report(message):
@@ -165,6 +189,8 @@ class Trainer:
             self.val_set = (_build_dataset(data_cfg.val, 'data.val', data_cfg.crop_size, cfg.train.seed)
                             if data_cfg.get('val') else None)
         self._check_train_set_is_endless()
+        for note in data_notes(self.train_set, self.val_set):
+            self.print(note)
         if cfg.train.get('save_best') and (self.val_set is None or not cfg.train.eval_interval):
             why = 'data.val is None' if self.val_set is None else 'train.eval_interval=0'
             raise ConfigError(f"train.save_best={cfg.train.save_best!r} keeps the checkpoint of the best evaluation, "
