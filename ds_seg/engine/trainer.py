@@ -522,14 +522,17 @@ class Trainer:
                               f"mIoU 1 whatever the model learns; segmentation needs at least 2 classes: give "
                               f"classes=('background', {self.train_set.classes[0]!r}) with background pixels "
                               f"labelled 0 (label_map can remap file values).")
+        # The sets agree first: where data.val has more classes than the training labels show
+        # (classes inferred from them), its message gives the fix; model.num_classes set to the
+        # training set's count would be refused next.
+        if self.val_set is not None:
+            self._check_val_matches_train()
         if m.get('num_classes') is not None and m.num_classes != self.train_set.num_classes:
             binary = (' (binary segmentation is 2 classes here, with a softmax, not one sigmoid output)'
                       if m.num_classes == 1 else '')
             raise ConfigError(f"model.num_classes is {m.num_classes} but data.train has "
                               f"{self.train_set.num_classes} classes ({', '.join(self.train_set.classes)}); "
                               f"set model.num_classes={self.train_set.num_classes}{binary}.")
-        if self.val_set is not None:
-            self._check_val_matches_train()
 
     def _check_windows_fit_in_memory(self):
         """A batch of training windows, or of evaluation tiles, larger than this machine's memory
@@ -602,8 +605,10 @@ class Trainer:
             raise ConfigError(f"data.val yields {v.in_channels} band(s) but data.train {t.in_channels}; "
                               f"select the same `bands` (and band count) in both.")
         if tuple(v.classes) != tuple(t.classes):
+            more = (f" (both classes={len(v.classes)} where the training labels lack a class that data.val has)"
+                    if len(v.classes) > len(t.classes) else '')
             raise ConfigError(f"data.val's classes ({', '.join(v.classes)}) are not data.train's "
-                              f"({', '.join(t.classes)}); give both the same `classes`.")
+                              f"({', '.join(t.classes)}); give both the same `classes`{more}.")
         # Evaluation normalises the validation windows with the training set's statistics, in
         # the training files' units and band order: another pixel type or order scores noise.
         t_type, v_type = getattr(t, 'file_dtype', None), getattr(v, 'file_dtype', None)

@@ -155,6 +155,10 @@ def _cases(tmp):
         # a validation set the trained model cannot take: found after training, before this check
         'val_bands': (_train_val(([img], [lbl], 6), ([img4], [lbl], 6)), None, []),
         'val_classes': (_train_val(([img], [lbl], 6), ([img], [lbl4], 4)), None, []),
+        # classes inferred from labels: the training labels lack a class the validation ones have;
+        # the advice was model.num_classes=4, refused next for data.val
+        'val_more_classes_inferred': (_train_val(([img], [lbl4], None), ([img], [lbl], None)) + ['model.num_classes=6'],
+                                      None, []),
         'val_dates': (_train_val(([img], [lbl], 6), ([[img, img_date2]], [lbl], 6)), None, []),
         # evaluated with the training set's statistics and band order: scored noise, exit 0
         'val_dtype': (_train_val(([img], [lbl], 6), ([img16], [lbl], 6)), None, []),
@@ -277,6 +281,9 @@ EXPECTED = {
     'combined_member_ignore_other': ['loss.losses.0.ignore_index is 0', 'data.train marks padding and nodata with 255'],
     'val_bands': ['data.val yields 4 band(s) but data.train 3'],
     'val_classes': ["data.val's classes (class_0, class_1, class_2, class_3) are not data.train's"],
+    'val_more_classes_inferred': ["data.val's classes (class_0, class_1, class_2, class_3, class_4, class_5) are not "
+                                  "data.train's (class_0, class_1, class_2, class_3); give both the same `classes` "
+                                  "(both classes=6 where"],
     'val_dates': ['data.val has 2 date(s) per scene but data.train has 1'],
     'resume_model': ['--resume', 'holds a UNetTiny model', 'builds UNet'],
     'resume_classes': ['--resume', 'trained for 6 classes', 'data has 4'],
