@@ -234,13 +234,67 @@ def check_writable(folder, option='--output', create=False):
                           'can write to.') from exc
 
 
-def partial_path(path):
+def run_token():
+    """This process's mark in its temporary names: a hash of the host and the process id. Two
+    commands writing the same output at once each write their own file, and a leftover of a killed
+    one is told apart from a live one's (:func:`remove_stale_partials`)."""
+    import socket
+    import zlib
+    return f'{zlib.crc32(socket.gethostname().encode()):08x}-{os.getpid()}'
+
+
+PARTIAL = '.ds_seg-partial'
+_NAME_MAX = 255
+
+
+def partial_path(path, token=None):
     """Where an output is written until it is complete (``a_classes.tif`` ->
-    ``a_classes.ds_seg-partial.tif``: same folder, and the extension stays for the format's
-    driver). A name of ds_seg's own: a file there is taken for a killed run's and removed, and a
-    user's ``survey.partial.gpkg`` beside ``--vector survey.gpkg`` was deleted without a word."""
+    ``a_classes.ds_seg-partial-<host>-<pid>.tif``: same folder, and the extension stays for the
+    format's driver). A name of ds_seg's own: a user's ``survey.partial.gpkg`` beside ``--vector
+    survey.gpkg`` was deleted without a word when partial names were plain ``.partial``. Two runs
+    writing one output at once wrote one partial file: each run now has its own (``token``, the
+    same on every rank of a run: :func:`run_token` of rank 0). A name too long for the file system
+    with the mark gets a short hidden one."""
     root, ext = os.path.splitext(path)
-    return f'{root}.ds_seg-partial{ext}'
+    name = f'{root}{PARTIAL}-{token or run_token()}{ext}'
+    if len(os.path.basename(name)) + len('.part000') <= _NAME_MAX:  # a rank's part file is longer still
+        return name
+    import hashlib
+    short = hashlib.sha1(os.path.basename(path).encode()).hexdigest()[:16]
+    return os.path.join(os.path.dirname(path), f'{PARTIAL}-{token or run_token()}-{short}{ext}')
+
+
+def remove_stale_partials(path):
+    """Remove what killed runs left of ``path`` (partial files and ranks' part files): those of
+    this host whose process is gone, and the unmarked ones of older versions. Live runs' files,
+    here or on other hosts sharing the folder, stay."""
+    import glob
+    import hashlib
+    import re
+    folder, name = os.path.split(path)
+    root, ext = os.path.splitext(name)
+    short = hashlib.sha1(name.encode()).hexdigest()[:16]
+    host = run_token().split('-')[0]
+    part = r'(\.part\d+)?'
+    for old in glob.glob(os.path.join(glob.escape(folder or '.'), f'*{PARTIAL}*')):
+        base = os.path.basename(old)
+        if re.fullmatch(re.escape(root + PARTIAL + ext) + part, base):   # an older version's
+            remove_quietly(old)
+            continue
+        m = (re.fullmatch(re.escape(root + PARTIAL) + r'-([0-9a-f]{8})-(\d+)' + re.escape(ext) + part, base)
+             or re.fullmatch(re.escape(PARTIAL) + r'-([0-9a-f]{8})-(\d+)-' + short + re.escape(ext) + part, base))
+        if m and m.group(1) == host and not _alive(int(m.group(2))):
+            remove_quietly(old)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def remove_quietly(*paths):
@@ -250,23 +304,55 @@ def remove_quietly(*paths):
             os.remove(path)
 
 
+def publish(moves, overwrite):
+    """Give finished outputs their final names: ``moves`` = [(partial, final), ...], all or none.
+    With ``overwrite`` a final name is replaced. Without it, one that another process wrote while
+    this one worked (a second command into the same folder) is never replaced: a hard link takes
+    the name only where it is free; this run's finals linked so far are removed again, its
+    partials are left to the caller, and one line says what happened."""
+    done = []
+    try:
+        for tmp, final in moves:
+            if overwrite:
+                os.replace(tmp, final)
+                continue
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                raise FileExistsError(f'{final} was written by another process while this run worked (two runs '
+                                      f'into one output folder?); it is kept as it is, and this run wrote none of '
+                                      f'its outputs') from None
+            except OSError:  # a file system without hard links: the check and the rename are two steps
+                if os.path.lexists(final):
+                    raise FileExistsError(f'{final} was written by another process while this run worked; it is '
+                                          f'kept as it is, and this run wrote none of its outputs') from None
+                os.replace(tmp, final)
+                done.append(final)
+                continue
+            done.append(final)
+            os.remove(tmp)
+    except BaseException:
+        remove_quietly(*done)
+        raise
+
+
 @contextlib.contextmanager
-def replaced_when_done(path):
-    """Yield :func:`partial_path` of ``path`` to write; rename it to ``path`` when the block
-    succeeds, remove it when it fails (an error, Ctrl-C). An interrupted run leaves no
-    valid-looking file under the final name, and an older file (``--overwrite``) is replaced
-    only by the rename of a finished one.
+def replaced_when_done(path, overwrite=True):
+    """Yield :func:`partial_path` of ``path`` to write; give it the name ``path`` when the block
+    succeeds (:func:`publish`), remove it when it fails (an error, Ctrl-C). An interrupted run
+    leaves no valid-looking file under the final name, and an older file (``--overwrite``) is
+    replaced only by the rename of a finished one.
 
     Example::
 
         with replaced_when_done('out/eval.json') as tmp, open(tmp, 'w') as f:
             json.dump(record, f)
     """
+    remove_stale_partials(path)
     tmp = partial_path(path)
-    remove_quietly(tmp)  # left by a run that was killed: a writer that appends would extend it
     try:
         yield tmp
-        os.replace(tmp, path)
+        publish([(tmp, path)], overwrite)
     except BaseException:
         remove_quietly(tmp)
         raise

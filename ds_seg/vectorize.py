@@ -174,7 +174,7 @@ def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, sim
     # The file is written under a temporary name (see below), from which GDAL would name the
     # layer ('a_classes.ds_seg-partial'): name it after the final file, as writing there directly would.
     layer = layer or os.path.splitext(os.path.basename(out_path))[0]
-    with replaced_when_done(out_path) as tmp:
+    with replaced_when_done(out_path, overwrite) as tmp:
         summary = _vectorize(class_path, tmp, probs_path, classes, simplify, min_area, exclude,
                              band_rows, layer, driver)
     return dict(summary, out_path=out_path)

@@ -1,7 +1,9 @@
 """Command-line programs. Each module's ``main()`` is both a console script (``ds-seg-train``,
 ``ds-seg-predict``, ``ds-seg-evaluate``, ``ds-seg-export``, ``ds-seg-benchmark``,
 ``ds-seg-models``; see setup.py) and what ``launch/<name>.py`` runs in a source checkout."""
+import errno
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -56,16 +58,75 @@ def _remove_old_claims(folder, before):
             pass
 
 
-def run_command(name, body, errors):
+class Terminated(BaseException):
+    """SIGTERM during a command (``kill``, ``timeout``, Slurm's end of a job): raised where the
+    command is, as Ctrl-C's KeyboardInterrupt is, so that its partial outputs are removed on the
+    way out (the default action ended the process and left them)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+# An output written to a full, read-only or failing disk: one line naming the path and errno.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES, errno.EPERM,
+                 errno.ENAMETOOLONG}
+_WRITE_TEXTS = ('No space left on device', 'Disk quota exceeded', 'Read-only file system', 'File name too long',
+                'File too large',
+                'Input/output error', 'Permission denied')
+
+
+def io_failure(exc):
+    """One line for an OSError of a write that failed (a full disk...), or None for any other. GDAL
+    reports through rasterio without an errno: its text is matched."""
+    if not isinstance(exc, OSError):
+        return None
+    if exc.errno in _WRITE_ERRNOS:
+        from ..engine.faults import describe_io_error
+        return describe_io_error(exc)
+    text = str(exc).strip().splitlines()
+    if exc.errno is None and text and any(t in text[-1] for t in _WRITE_TEXTS):
+        return text[-1][:300]
+    return None
+
+
+def run_command(name, body, errors, output=None):
     """Run ``body()``; an exception of ``errors`` (a user mistake: a missing file, an output that
-    exists, a bad value) becomes one line ``<name>: error: ...`` on stderr and exit status 2. The
+    exists, a bad value) becomes one line ``<name>: error: ...`` on stderr and exit status 2; a
+    failed write (full disk) one line and status 74; Ctrl-C and SIGTERM one line each and status
+    130 and 143, after the command has removed its partial outputs. ``output()``: the folder the
+    command writes, probed when a write failed without an errno (GDAL's through rasterio). The
     process group is closed either way. Returns the exit status."""
     from .. import distributed
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if _main_thread() else None
     try:
         body()
     except errors as exc:
-        say_once_per_node(f'{name}: error: {exc}')
-        return 2
+        failure = io_failure(exc)
+        say_once_per_node(f'{name}: error: {failure or exc}')
+        return 74 if failure else 2
+    except OSError as exc:
+        failure = io_failure(exc)
+        if failure is None and exc.errno is None and output is not None and output():
+            from ..engine.checkpoint import write_failure
+            failure = write_failure(output(), exc)
+        if failure is None:
+            raise
+        say_once_per_node(f'{name}: error: {failure}; the outputs finished before it are kept, no partial one')
+        return 74
+    except KeyboardInterrupt:
+        say_once_per_node(f'{name}: interrupted (Ctrl-C); the outputs finished before it are kept, no partial one')
+        return 130
+    except Terminated:
+        say_once_per_node(f'{name}: stopped by SIGTERM; the outputs finished before it are kept, no partial one')
+        return 143
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         distributed.close()
     return 0
+
+
+def _main_thread():
+    import threading
+    return threading.current_thread() is threading.main_thread()

@@ -327,16 +327,18 @@ def _run(args):
         os.makedirs(args.output, exist_ok=True)
         record = dict(**metrics, confusion=cm.tolist(), classes=classes, exclude=list(args.exclude),
                       erode_boundary=args.erode, checkpoint=os.path.abspath(args.checkpoint),
+                      checkpoint_read=info.get('source') or os.path.abspath(args.checkpoint),
+                      step=info.get('step'),
                       scenes=[p[0] for p in scene_pairs(scenes)],
                       windows=result['windows'], world_size=distributed.world_size(),
                       settings=window_kwargs(args))
-        with replaced_when_done(os.path.join(args.output, 'eval.json')) as tmp, open(tmp, 'w') as f:
+        with replaced_when_done(os.path.join(args.output, 'eval.json'), args.overwrite) as tmp, open(tmp, 'w') as f:
             json.dump(record, f, indent=1)
-        with replaced_when_done(os.path.join(args.output, 'confusion.png')) as tmp:
+        with replaced_when_done(os.path.join(args.output, 'confusion.png'), args.overwrite) as tmp:
             save_confusion_png(cm, classes, tmp, args.exclude)
         written = result['previews'][:args.previews]
         for i, preview in enumerate(written):
-            with replaced_when_done(os.path.join(args.output, f'preview_{i}.png')) as tmp:
+            with replaced_when_done(os.path.join(args.output, f'preview_{i}.png'), args.overwrite) as tmp:
                 save_preview_png(preview, classes, tmp, bands)
         if args.overwrite:
             remove_stale_previews(args.output, len(written))
@@ -373,7 +375,8 @@ def main(argv=None):
                     "data.eval_tile or crop_size, and data.eval_overlap, as its training evaluated")
     args = parser.parse_args(argv)
     return run_command('evaluate', quiet_about_plain_images(lambda: _run(args)),
-                       errors=(FileNotFoundError, ValueError, KeyError))
+                       errors=(FileNotFoundError, ValueError, KeyError),
+                       output=lambda: args.output if os.path.isdir(args.output) else None)
 
 
 if __name__ == '__main__':

@@ -78,6 +78,12 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as exc:
         print(f'export: error: {exc}', file=sys.stderr)
         return 2
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+        line = checkpoint.write_failure(args.out or args.checkpoint, exc)
+        if line is None:
+            raise
+        print(f'export: error: {line}; nothing was exported', file=sys.stderr)
+        return 74
     print(f'exported {ckpt} -> {out}')
     return 0
 

@@ -299,6 +299,22 @@ def remove_earlier_outputs(out, probs, vector, inputs):
                   f"(--overwrite, and this run's {option} writes none there)", flush=True)
 
 
+def check_name_lengths(paths):
+    """An output name longer than its file system takes (255 bytes on most) failed with a
+    traceback after the model was loaded: refused before any work, naming the input to rename."""
+    for path in paths:
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            limit = os.pathconf(folder if os.path.isdir(folder) else '.', 'PC_NAME_MAX')
+        except (OSError, ValueError):
+            limit = 255
+        name = os.path.basename(path)
+        if len(name.encode()) > limit:
+            raise ConfigError(f"--output: the output name {name[:40]}...{name[-20:]} is {len(name.encode())} bytes, "
+                              f"more than the {limit} the file system takes; give the input a shorter name (or a "
+                              f"link to it)")
+
+
 def _band_count(path):
     from ds_seg.data.raster import open_raster
     with open_raster(path) as src:
@@ -342,6 +358,7 @@ def _run(args):
     check_outputs([v for v in vectors if v], inputs, overwrite=args.overwrite, option='--vector')
     for folder in sorted({args.output} | {os.path.dirname(os.path.abspath(v)) for v in vectors if v}):
         check_writable(folder, '--output' if folder == args.output else '--vector')
+    check_name_lengths([o for pair in outputs for o in pair] + [v for v in vectors if v])
     if args.vector:
         for first in firsts:
             check_vector_georeference(first)
@@ -391,7 +408,7 @@ def _run(args):
         with torch.inference_mode():
             stats = predict_scene(model, path, out, mean=mean, std=std, bands=bands,
                                   classes=info['classes'], probs_path=probs, device=device,
-                                  accumulate_dtype=args.accumulate_dtype,
+                                  accumulate_dtype=args.accumulate_dtype, overwrite=args.overwrite,
                                   progress=Progress(os.path.basename(first)), **windows)
         if distributed.is_main():
             print(f'[predict] {path} -> {out}{" + " + probs if probs else ""} | '
@@ -425,7 +442,8 @@ def main(argv=None):
     add_vector_args(parser)
     args = parser.parse_args(argv)
     return run_command('predict', quiet_about_plain_images(lambda: _run(args)),
-                       errors=(FileNotFoundError, FileExistsError, ValueError, KeyError))
+                       errors=(FileNotFoundError, FileExistsError, ValueError, KeyError),
+                       output=lambda: args.output if os.path.isdir(args.output) else None)
 
 
 if __name__ == '__main__':

@@ -196,6 +196,13 @@ def _seal(root, tmp_tag, tag, step, backend, client_state, marker_extra):
     fsync_path(root)
 
 
+def write_failure(path, exc):
+    """The one line of :func:`_describe_write_failure` where ``exc`` was a failed write into
+    ``path``'s folder (its errno, or one a probe write there gets now: a full disk), else None."""
+    line = _describe_write_failure(path, exc)
+    return line if '[Errno ' in line else None
+
+
 def _describe_write_failure(path, exc):
     """One line naming the path and the errno. Some writers (torch.save) lose the errno, so a
     small probe write into the same folder recovers it (ENOSPC, EROFS, EIO...)."""
@@ -423,7 +430,7 @@ def export(ckpt_dir, out_file, model_cfg=None, classes=None, extra=None):
     classes = classes if classes is not None else marker.get('classes')
     state = consolidated_state_dict(ckpt_dir)
     payload = {'state_dict': state, 'model': dict(model_cfg), 'classes': list(classes or []),
-               'source': os.path.abspath(ckpt_dir)}
+               'source': os.path.abspath(ckpt_dir), 'step': marker.get('step')}
     if marker.get('data'):
         # Bands, mean and std of training: prediction must normalise its inputs the same way.
         payload['data'] = marker['data']

@@ -7,7 +7,7 @@ def load_model(path, device='cpu'):
 
     ``path``: a file written by launch/export.py, a ``step_*`` folder, a ``checkpoints``
     folder or a work dir (the newest complete checkpoint). Returns ``(model, info)`` with
-    ``info = dict(classes, model, data)``; ``data`` holds the training normalisation
+    ``info = dict(classes, model, data, source, step)``; ``data`` holds the training normalisation
     (``bands``, ``mean``, ``std``) when the checkpoint recorded it, else None.
 
     Example::
@@ -26,11 +26,15 @@ def load_model(path, device='cpu'):
         payload = checkpoint.load_weights_file(path)
         state, model_cfg = payload['state_dict'], payload.get('model')
         classes, data = payload.get('classes'), payload.get('data')
+        source, step = os.path.abspath(path), payload.get('step')
     else:
         ckpt = checkpoint.find_checkpoint(path, report=lambda line: print(f'[ds_seg] {line}', flush=True))
         marker = checkpoint.read_marker(ckpt)
         state = checkpoint.consolidated_state_dict(ckpt)
         model_cfg, classes, data = marker.get('model'), marker.get('classes'), marker.get('data')
+        # The step folder actually read: a work dir or 'latest' whose newest checkpoint is damaged
+        # falls back to an older one (said in one line), and records of the result name it.
+        source, step = os.path.abspath(ckpt), marker.get('step')
     if not model_cfg:
         raise ValueError(f"{path}: records no model config; re-export it with launch/export.py")
     # The weights below replace the pretrained ones: that file (and the band_map that maps its
@@ -48,7 +52,8 @@ def load_model(path, device='cpu'):
         raise ValueError(f"{path}: weights do not fit {model_cfg.get('type')}: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     model.to(device).eval()
-    return model, dict(classes=list(classes) if classes else None, model=dict(model_cfg), data=data)
+    return model, dict(classes=list(classes) if classes else None, model=dict(model_cfg), data=data,
+                       source=source, step=step)
 
 
 def fixed_input_size(model_cfg):

@@ -4,15 +4,13 @@ Example::
 
     predict_scene(model.eval(), 'scene.tif', 'scene_classes.tif', mean=m, std=s, classes=names)
 """
-import os
-
 import numpy as np
 
 from .. import distributed
 from ..data.raster import open_scene
 from .engine import run_scene
 from .tiling import ScenePlan
-from ..inputs import partial_path, remove_quietly
+from ..inputs import partial_path, publish, remove_quietly, remove_stale_partials, run_token
 from .writer import CLASS_NODATA, GeoTiffRowWriter, join_parts
 
 
@@ -29,14 +27,16 @@ def _to_outputs(scores, wsum, nodata, with_probs):
 def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes=None,
                   probs_path=None, tile=512, overlap=128, batch_size=8, blend='gaussian',
                   tta='none', block=256, bands=None, device='cpu', accumulate_dtype='float32',
-                  progress=None):
+                  progress=None, overwrite=True):
     """Label one GeoTIFF scene of any size into ``out_path``; returns a summary dict.
 
     A uint8 class map is written with the input's CRS, transform and size, tiled and
     ZSTD-compressed, nodata 255 where the input is nodata, class names in the tags and a colour
     table; ``probs_path`` adds a K-band uint8 GeoTIFF of probabilities x 250. With several
     ranks every rank calls this; each writes its band to a part file next to ``out_path`` and
-    rank 0 joins them (so ``out_path`` must be on a shared file system).
+    rank 0 joins them (so ``out_path`` must be on a shared file system). ``overwrite=False``
+    never replaces an output that exists when the scene is done (another run's, written
+    meanwhile): FileExistsError, and this run's files are removed.
 
     Example::
 
@@ -56,10 +56,15 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
     part = world_size > 1
     plan = ScenePlan(profile['height'], profile['width'], tile, overlap, block, world_size)
     a, b = plan.band(rank)
-    # Written under a temporary name and renamed when complete (see inputs.partial_path); the
-    # ranks' part files are named after it, and rank 0 joins them into it.
-    tmp_out = partial_path(out_path)
-    tmp_probs = partial_path(probs_path) if probs_path else None
+    # Written under a temporary name of this run's (see inputs.partial_path) and given the final
+    # name when complete; the ranks' part files are named after it, and rank 0 joins them into it.
+    token = distributed.from_main(run_token())
+    if rank == 0:
+        for path in (out_path, probs_path):
+            if path:
+                remove_stale_partials(path)
+    tmp_out = partial_path(out_path, token)
+    tmp_probs = partial_path(probs_path, token) if probs_path else None
     parts = (f'{tmp_out}.part{rank}', f'{tmp_probs}.part{rank}' if probs_path else None)
 
     def sink(y0, scores, wsum, nodata):
@@ -86,10 +91,15 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
             distributed.barrier()  # every part file is closed
             if rank == 0:
                 join_parts(tmp_out, tmp_probs, profile, plan, block)
-        if rank == 0:  # complete: now (and only now) the final names
-            if probs_path:
-                os.replace(tmp_probs, probs_path)
-            os.replace(tmp_out, out_path)
+        taken = None
+        if rank == 0:  # complete: now (and only now) the final names, both or neither
+            try:
+                publish([(tmp_out, out_path)] + ([(tmp_probs, probs_path)] if probs_path else []), overwrite)
+            except FileExistsError as exc:
+                taken = str(exc)
+        taken = distributed.first_failure(taken) if part else taken  # no rank waits for rank 0
+        if taken:
+            raise FileExistsError(taken)
     except BaseException:  # an error, Ctrl-C: nothing half-written stays, an older output is intact
         remove_quietly(*parts, *((tmp_out, tmp_probs) if rank == 0 else ()))
         raise
