@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import distributed
 from ..config import ConfigError
 from .common import average_batchnorm_buffers, prepare_batchnorm
-from .param_groups import build_param_groups, scale_lr_by_group
+from .param_groups import apply_schedule_now, build_param_groups, scale_lr_by_group
 from . import speed
 
 # Keys of DeepSpeed's optimizer params that choose an implementation, not a hyper-parameter.
@@ -229,6 +229,7 @@ class DDPBackend:
         self.optimizer.load_state_dict(state['optimizer'])
         if self.scheduler is not None and state['scheduler'] is not None:
             self.scheduler.load_state_dict(state['scheduler'])
+            apply_schedule_now(self.scheduler)
         if self.scaler is not None and state['scaler'] is not None:
             self.scaler.load_state_dict(state['scaler'])
         self.micro_step = state['micro_step']

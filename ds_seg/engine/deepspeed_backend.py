@@ -11,7 +11,7 @@ from ..config import ConfigError
 from . import ds_workarounds, speed
 from .common import (BATCHNORM_STATS, average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32,
                      prepare_batchnorm)
-from .param_groups import build_param_groups, scale_lr_by_group
+from .param_groups import apply_schedule_now, build_param_groups, scale_lr_by_group
 
 
 class DeepSpeedBackend:
@@ -168,6 +168,7 @@ class DeepSpeedBackend:
         path, client_state = self.engine.load_checkpoint(directory, tag=tag)
         if path is None:
             raise RuntimeError(f"{os.path.join(directory, tag)}: DeepSpeed could not load this checkpoint.")
+        apply_schedule_now(self.scheduler)
         return client_state
 
 

@@ -92,6 +92,17 @@ def build_param_groups(model, optim_cfg):
     return sorted(groups.values(), key=lambda g: (-g['lr_mult'], g['name']))
 
 
+def apply_schedule_now(scheduler):
+    """After a resume: the groups' LR is the checkpoint's, which its schedule set for the next
+    step. A resume may change the schedule (its parameters, the ``lr`` it starts from): the
+    restored step count and this run's parameters say what that step's LR is. Without this, the
+    first resumed step trained at the old schedule's LR. A no-op without a scheduler."""
+    if scheduler is None:
+        return
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr()):
+        group['lr'] = lr * group.get('lr_mult', 1.0)
+
+
 def scale_lr_by_group(optimizer, scheduler):
     """Make every group's LR ``scheduled LR x lr_mult`` now and after every ``scheduler.step()``.
 

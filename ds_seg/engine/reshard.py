@@ -26,6 +26,7 @@ import torch
 
 from .. import distributed
 from . import checkpoint
+from .param_groups import apply_schedule_now
 
 
 def needed(marker, world_size):
@@ -85,6 +86,7 @@ def load(backend, root, tag, marker):
         engine._config.load_universal_checkpoint = False
     if path is None:
         raise RuntimeError(f'{ckpt_dir}: DeepSpeed could not load its universal form {out_dir}.')
+    apply_schedule_now(backend.scheduler)  # as backend.load does
     # Universal checkpoints carry parameters only: BatchNorm running statistics come from the original.
     state = checkpoint.consolidated_state_dict(ckpt_dir)
     with torch.no_grad():

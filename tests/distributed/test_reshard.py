@@ -135,6 +135,19 @@ def _resume_with(tmp, params, scheduler):
     return [r['lr'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
 
 
+def _fresh_with(tmp, params):
+    """The LRs of four uninterrupted steps with ``params`` from the start."""
+    from ds_seg.engine.trainer import Trainer
+    ds = ds_config(0, micro_batch=2)
+    ds['optimizer']['params'].update(params)
+    trainer = Trainer(tiny_cfg(os.path.join(tmp, 'cache'), max_steps=4), ds, work_dir=os.path.join(tmp, 'fresh'))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return [r['lr'] for r in read_jsonl(os.path.join(tmp, 'fresh', 'metrics.jsonl'))]
+
+
 @pytest.mark.parametrize('params, scheduler, refused', [
     (dict(weight_decay=0.3), True, "weight_decay 0.01 -> 0.3"),
     (dict(betas=[0.5, 0.9]), True, "betas [0.9, 0.999] -> [0.5, 0.9]"),
@@ -146,7 +159,12 @@ def test_a_resume_that_changes_restored_optimizer_settings_is_refused(tmp_path, 
     # (weight decay, betas, an unscheduled LR) came back from the checkpoint.
     got = run_on_ranks(_resume_with, 1, args=(str(tmp_path), params, scheduler))[0]
     if refused is None:
+        # The resumed steps train on the new schedule from the first one: as a run that had it
+        # from the start. (Step 3 trained at the old schedule's LR, which the checkpoint's
+        # param_groups held, and the new one began a step late.)
+        fresh = run_on_ranks(_fresh_with, 1, args=(str(tmp_path), params))[0]
         assert isinstance(got, list) and len(got) == 4, got
+        assert got[2:] == fresh[2:], (got, fresh)
     else:
         assert isinstance(got, str) and got.startswith('--resume: ') and refused in got, got
         assert 'Resume with the checkpoint\'s values' in got
