@@ -1465,10 +1465,16 @@ def device_supports(precision):
     return acc.is_fp16_supported() if precision == 'fp16' else acc.is_bf16_supported()
 
 
+# deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT (a test compares them): not imported here,
+# config.py is read by predict and evaluate, which do not import DeepSpeed.
+_DEEPSPEED_GRADIENT_CLIPPING = 1.0
+
+
 def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supports=device_supports):
     """Resolve a checked DeepSpeed dict for this run. Returns ``(resolved, precision, notes)``.
 
-    * batch triple made explicit for this world size;
+    * batch triple made explicit for this world size, and DeepSpeed's gradient clipping and
+      Adam(W) weight decay defaults (DDP trains the same experiment);
     * scheduler length filled from ``train.max_steps`` when absent;
     * precision the hardware cannot run replaced by the closest working mode (fp16 -> bf16
       autocast -> fp32), with one line in ``notes`` saying so.
@@ -1482,6 +1488,15 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
     ds['train_micro_batch_size_per_gpu'] = mb
     ds['gradient_accumulation_steps'] = gas
     ds['train_batch_size'] = tbs
+    # DeepSpeed's defaults made explicit: ds_config.json says what ran, and DDP, which builds its
+    # own optimizer and clips by itself, trains the same experiment. Left out, DeepSpeed clipped
+    # at 1.0 and DDP not at all; Adam(W)'s weight decay was 0 in DeepSpeed's own optimizers and
+    # torch's 0.01 under DDP (and under DeepSpeed with torch_adam).
+    ds.setdefault('gradient_clipping', _DEEPSPEED_GRADIENT_CLIPPING)
+    optimizer = ds.get('optimizer')
+    if isinstance(optimizer, dict) and str(optimizer.get('type', '')).lower() in ('adam', 'adamw'):
+        if isinstance(optimizer.setdefault('params', {}), dict):
+            optimizer['params'].setdefault('weight_decay', 0.0)
 
     sched = ds.get('scheduler')
     if sched and sched.get('type') in _SCHEDULERS_WITH_TOTAL:

@@ -244,7 +244,10 @@ class Checkpointer:
         saved_params = marker.get('optimizer_params')  # None: a checkpoint from before this was recorded
         if saved_params is not None:
             now = restored_hyperparameters(self.spec.ds_config)
-            keys = [k for k in (*STATE_HYPERPARAMETERS, 'lr') if k in now and saved_params.get(k) != now[k]]
+            # A key the checkpoint does not record (written before a default was made explicit)
+            # is not compared; an unscheduled lr is ('(scheduled)' before).
+            keys = [k for k in (*STATE_HYPERPARAMETERS, 'lr')
+                    if k in now and (k in saved_params or k == 'lr') and saved_params.get(k) != now[k]]
             if keys:
                 said = ', '.join(f"{k} {repr(saved_params[k]) if k in saved_params else '(scheduled)'} -> {now[k]!r}"
                                  for k in keys)

@@ -89,3 +89,33 @@ def test_sgd_logged_grad_norm_and_loss_equal_ddp_every_step(sgd_runs, name):
             f"step {a['step']}: grad_norm DDP {a['grad_norm']} vs {name} {b['grad_norm']}"
         assert b['loss'] == pytest.approx(a['loss'], rel=RTOL, abs=0), f"step {a['step']}: loss"
         assert a['lr'] == b['lr'] == LR
+
+
+def _train_sgd_json_defaults(tmp, backend, work):
+    """The SGD run with a JSON that leaves gradient_clipping out (DeepSpeed's default applies)."""
+    from ds_seg.engine.trainer import Trainer
+    ds = sgd_ds_config(0)
+    del ds['gradient_clipping']
+    trainer = Trainer(tiny_cfg(os.path.join(tmp, 'cache'), max_steps=STEPS), ds, backend=backend,
+                      work_dir=os.path.join(tmp, work))
+    try:
+        initial = _full_params(trainer)
+        trainer.fit()
+        return dict(initial=initial, params=_full_params(trainer), clip=trainer.spec.ds_config['gradient_clipping'])
+    finally:
+        trainer.close()
+
+
+def test_a_json_without_gradient_clipping_trains_alike_under_deepspeed_and_ddp(tmp_path):
+    """DeepSpeed clips at its default 1.0 when the key is absent; DDP did not clip at all, so the
+    same JSON trained another experiment under --backend ddp, and ds_config.json hid it."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+    runs = {name: run_on_ranks(_train_sgd_json_defaults, 1, args=(str(tmp_path), backend, name))[0]
+            for name, backend in (('ddp', 'ddp'), ('zero0', 'deepspeed'))}
+    assert runs['ddp']['clip'] == runs['zero0']['clip'] == GRADIENT_CLIPPING_DEFAULT
+    norms = [r['grad_norm'] for r in read_jsonl(os.path.join(tmp_path, 'zero0', 'metrics.jsonl'))]
+    assert max(norms) > GRADIENT_CLIPPING_DEFAULT, norms   # the clipping acts: the test can fail
+    ref, got = runs['ddp'], runs['zero0']
+    moved = (ref['params'] - ref['initial']).norm()
+    apart = (ref['params'] - got['params']).norm()
+    assert moved > 0 and apart <= RTOL * moved, f'{float(apart / moved):.2e} of the displacement apart'

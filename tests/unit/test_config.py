@@ -632,3 +632,22 @@ def test_a_config_that_is_a_pipe_says_so(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match=r'^--config: .*config is not a regular file \(a pipe\?\); give a config file \(\.py'):
         load_config(str(fifo))
+
+
+def test_deepspeeds_defaults_are_made_explicit_for_both_backends():
+    """A JSON without gradient_clipping was clipped at 1.0 by DeepSpeed and not at all by DDP; an
+    Adam(W) without weight_decay decayed 0 in DeepSpeed's own optimizers and 0.01 in torch's (DDP,
+    or DeepSpeed with torch_adam). The resolved config, which both backends build from and
+    ds_config.json records, holds DeepSpeed's values."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    from ds_seg.config import resolve_ds_config
+    ds = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}}}
+    resolved, _, _ = resolve_ds_config(ds, 1, 10)
+    assert resolved['gradient_clipping'] == GRADIENT_CLIPPING_DEFAULT
+    assert resolved['optimizer']['params']['weight_decay'] == 0.0
+    given = dict(ds, gradient_clipping=0.0, optimizer={'type': 'Adam', 'params': {'lr': 1e-3, 'weight_decay': 0.05}})
+    resolved, _, _ = resolve_ds_config(given, 1, 10)
+    assert resolved['gradient_clipping'] == 0.0 and resolved['optimizer']['params']['weight_decay'] == 0.05
+    sgd = dict(ds, optimizer={'type': 'SGD', 'params': {'lr': 0.1}})
+    assert 'weight_decay' not in resolve_ds_config(sgd, 1, 10)[0]['optimizer']['params']
