@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import distributed
 from ..config import ConfigError
 from .common import average_batchnorm_buffers, prepare_batchnorm
+from .optimizer_state import kept_implementation
 from .param_groups import apply_schedule_now, build_param_groups, scale_lr_by_group
 from . import speed
 
@@ -226,7 +227,8 @@ class DDPBackend:
             from .checkpoint import UnsafeFileError
             raise UnsafeFileError(path) from exc
         self.ddp.module.load_state_dict(state['module'])
-        self.optimizer.load_state_dict(state['optimizer'])
+        with kept_implementation(self.optimizer):  # e.g. fused on a GPU, from a CPU run's checkpoint
+            self.optimizer.load_state_dict(state['optimizer'])
         if self.scheduler is not None and state['scheduler'] is not None:
             self.scheduler.load_state_dict(state['scheduler'])
             apply_schedule_now(self.scheduler)

@@ -11,6 +11,7 @@ from ..config import ConfigError
 from . import ds_workarounds, speed
 from .common import (BATCHNORM_STATS, average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32,
                      prepare_batchnorm)
+from .optimizer_state import base_optimizer, kept_implementation
 from .param_groups import apply_schedule_now, build_param_groups, scale_lr_by_group
 
 
@@ -165,7 +166,8 @@ class DeepSpeedBackend:
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, directory, tag):
-        path, client_state = self.engine.load_checkpoint(directory, tag=tag)
+        with kept_implementation(base_optimizer(self.optimizer)):
+            path, client_state = self.engine.load_checkpoint(directory, tag=tag)
         if path is None:
             raise RuntimeError(f"{os.path.join(directory, tag)}: DeepSpeed could not load this checkpoint.")
         apply_schedule_now(self.scheduler)

@@ -26,6 +26,7 @@ import torch
 
 from .. import distributed
 from . import checkpoint
+from .optimizer_state import base_optimizer, kept_implementation
 from .param_groups import apply_schedule_now
 
 
@@ -81,7 +82,8 @@ def load(backend, root, tag, marker):
     engine = backend.engine
     engine._config.load_universal_checkpoint = True
     try:
-        path, client_state = engine.load_checkpoint(root, tag=name)
+        with kept_implementation(base_optimizer(backend.optimizer)):
+            path, client_state = engine.load_checkpoint(root, tag=name)
     finally:
         engine._config.load_universal_checkpoint = False
     if path is None:

@@ -168,3 +168,39 @@ def test_a_resume_that_changes_restored_optimizer_settings_is_refused(tmp_path, 
     else:
         assert isinstance(got, str) and got.startswith('--resume: ') and refused in got, got
         assert 'Resume with the checkpoint\'s values' in got
+
+
+def _resume_fused(tmp, backend, stage):
+    """Two steps with torch's default AdamW, then a resume with ``fused: true`` (a run moved to a
+    node where ds_seg picks the fused one): the base optimizer's fused flag and step counts as the
+    resumed run starts, and the implementation its summary names."""
+    import json
+
+    from ds_seg.engine.optimizer_state import base_optimizer
+    from ds_seg.engine.trainer import Trainer
+    work = os.path.join(tmp, 'work')
+    for steps, resume, fused in ((2, None, False), (3, 'auto', True)):
+        ds = ds_config(stage, micro_batch=2)
+        if fused:
+            ds['optimizer']['params']['fused'] = True
+        cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=2)
+        trainer = Trainer(cfg, ds, backend=backend, work_dir=work, resume=resume)
+        try:
+            opt = base_optimizer(trainer.backend.optimizer)
+            started = ([g.get('fused') for g in opt.param_groups],
+                       sorted({float(s['step']) for s in opt.state.values()}))
+            trainer.fit()
+        finally:
+            trainer.close()
+    with open(os.path.join(work, 'summary.json')) as f:
+        return started, json.load(f)['optimizer_impl']
+
+
+@pytest.mark.parametrize('backend, stage', [('ddp', 0), ('deepspeed', 0), ('deepspeed', 2)])
+def test_a_resume_runs_the_optimizer_implementation_this_run_chose(tmp_path, backend, stage):
+    # The checkpoint's param_groups came back whole, fused=None included: the resumed run stepped
+    # single-tensor while its summary said fused (and DeepSpeed's FusedAdam, resumed from torch's
+    # state, failed at its first step on a missing 'bias_correction').
+    (fused, steps), impl = run_on_ranks(_resume_fused, 1, args=(str(tmp_path), backend, stage))[0]
+    assert set(fused) == {True} and steps == [2.0], (fused, steps)
+    assert impl == 'torch.AdamW fused'
