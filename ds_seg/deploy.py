@@ -81,7 +81,8 @@ def model_card(info, fmt, out, work_dir=None, step=None, dynamic=('B', 'H', 'W')
                 output=dict(name=OUTPUT, layout='B, K, H, W float32 logits (argmax over K = class index)'),
                 classes=list(info.get('classes') or []), bands=data.get('bands'), mean=data.get('mean'),
                 std=data.get('std'), ignore_index=data.get('ignore_index'), dtype=data.get('dtype'),
-                file_bands=data.get('file_bands'), label_decoding=data.get('label_decoding'),
+                file_bands=data.get('file_bands'), colours=data.get('colours'),
+                label_decoding=data.get('label_decoding'),
                 model=info.get('model'), source=info.get('source'), step=step, training_config=None,
                 final_metrics=None, torch=torch.__version__)
     if work_dir:
@@ -258,7 +259,7 @@ def load_onnx(path, threads=None):
                           'file from ds-seg-export (launch/export.py) --format onnx') from None
     meta = forward.session.get_modelmeta().custom_metadata_map
     card = json.loads(meta['ds_seg']) if 'ds_seg' in meta else {}
-    data = {k: card.get(k) for k in ('bands', 'mean', 'std', 'ignore_index', 'dtype', 'file_bands',
+    data = {k: card.get(k) for k in ('bands', 'mean', 'std', 'ignore_index', 'dtype', 'file_bands', 'colours',
                                      'label_decoding')} \
         if card.get('mean') else None
     return forward, dict(classes=card.get('classes') or None, model=card.get('model'), data=data)

@@ -385,11 +385,14 @@ def check_checkpoint_option(path, option='--checkpoint'):
         raise ConfigError(f'{option}: {path} {TORCH_EXPORT_PROGRAM}')
 
 
-def check_bands(path, bands, in_channels=None, option='--input'):
-    """The bands the model was trained on must exist in the raster."""
+def check_bands(path, bands, in_channels=None, option='--input', colours=None):
+    """The bands the model was trained on must exist in the raster; ``colours``: what they held
+    in the training files by their colour interpretation (checkpoint ``data.colours``), refused
+    where this raster's tags say the selection holds others (a BGR scene for an RGB model)."""
     import rasterio
 
-    from .data.raster import alpha_as_data_refusal, gdal_path, pixel_type_refusal, raster_env
+    from .data.raster import (alpha_as_data_refusal, colour_order_refusal, gdal_path, pixel_type_refusal,
+                              raster_env)
     from rasterio.enums import ColorInterp
     with raster_env(path), rasterio.open(gdal_path(path)) as src:
         count = src.count
@@ -408,6 +411,10 @@ def check_bands(path, bands, in_channels=None, option='--input'):
             raise ConfigError(f'{option}: the model takes {in_channels} band(s) but {len(wanted)} are selected from '
                               f'{path} ({wanted}); give --bands with {in_channels} band numbers.')
         # As training refuses it: predict wrote nodata and evaluate left out every pixel where the band was 0.
-        refusal = alpha_as_data_refusal(path, src, wanted, f'the bands the model reads ({wanted})')
+        refusal = alpha_as_data_refusal(path, src, wanted, f'the bands the model reads ({wanted})') or \
+            colour_order_refusal(path, [c.name for c in src.colorinterp], wanted, colours,
+                                 f'the bands the model reads ({" ".join(map(str, wanted))})',
+                                 'the model was trained on bands holding',
+                                 lambda right: '--bands ' + ' '.join(map(str, right)))
         if refusal:
             raise ConfigError(f'{option}: {refusal}')

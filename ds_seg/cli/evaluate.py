@@ -163,7 +163,7 @@ def build_scenes(args, info, cfg):
     for image, label in zip(images, labels):
         scenes.append(inspect_pair(image, label))  # size, geotransform, CRS, one label band: as training checks
         check_bands(image, args.bands or (info.get('data') or {}).get('bands'), info['model'].get('in_channels'),
-                    option='--images')
+                    option='--images', colours=(info.get('data') or {}).get('colours'))
     classes = args.classes or info['classes']
     if not classes:
         raise ValueError('the checkpoint records no class names; give --classes')

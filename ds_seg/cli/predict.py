@@ -396,7 +396,8 @@ def _run(args):
                               f"{channels} bands; for one file per date, select each date's bands: --bands "
                               f"{' '.join(str(b) for b in range(1, per_date + 1))}")
         for path in dates:  # the model's channels are the bands of every date
-            check_bands(path, bands, channels // len(dates) if channels else None)
+            check_bands(path, bands, channels // len(dates) if channels else None,
+                        colours=(info.get('data') or {}).get('colours'))
             check_pixel_type(path, info, args)
             if not (stacked and (num_dates or 1) > 1):  # one file of every date holds more bands
                 check_band_count(path, info, args)

@@ -61,10 +61,10 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, file_identity, gdal_path,
-                     is_remote, label_nodata, nodata_mask, open_raster, pixel_grid, pixel_type_refusal, raster_env,
-                     read_error, read_label_band, read_window, same_file_key, same_pixels, same_value, user_cache_dir,
-                     uses_mask_band)
+from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, file_identity,
+                     gdal_path, is_remote, label_nodata, nodata_mask, open_raster, pixel_grid, pixel_type_refusal,
+                     raster_env, read_error, read_label_band, read_window, same_file_key, same_pixels, same_value,
+                     user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -511,6 +511,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if not self.bands or min(self.bands) < 1 or max(self.bands) > count:
             raise DataError(f"bands={bands!r}: {images[0]} has bands 1..{count} (1-based)")
         self._check_band_coding(bands)
+        self.band_colours = self._check_band_colours(bands)
         self.in_channels = len(self.bands)
 
         stats = self._stats_file(images[0])
@@ -613,6 +614,26 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 with open_raster(s['image']) as src:
                     raise DataError(alpha_as_data_refusal(s['image'], src, self.bands,
                                                           f"bands={bands if bands is not None else 'all'}"))
+
+    def _check_band_colours(self, bands):
+        """What the selected bands hold by the files' colour interpretation (['red', 'green',
+        'blue']), recorded with the model so predict and evaluate can refuse a scene of another
+        order; None where no file says. A scene whose tags say another order than an earlier one
+        (a BGR file among RGB ones) is refused: one `bands` selection reads them all."""
+        first = None
+        for s in self._scenes:
+            said = band_colours(s.get('colorinterp'), self.bands)
+            if said is None:
+                continue
+            if first is None:
+                first = (s['image'], said)
+            elif said != first[1]:
+                selected = f"bands={bands}" if bands is not None else 'all bands'
+                raise DataError(f"{s['image']}: its bands {self.bands} hold {', '.join(said)} by the file's colour "
+                                f"interpretation, but {first[0]}'s hold {', '.join(first[1])}; one {selected} reads "
+                                f"every scene, so write them in one band order (gdal_translate -b ...), or correct "
+                                f"the tags if they are wrong (gdal_edit.py -colorinterp_1 ...).")
+        return first and first[1]
 
     def _inspect(self, image, label):
         if is_vector(label):

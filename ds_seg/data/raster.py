@@ -402,6 +402,45 @@ def uses_mask_band(src):
     return any(MaskFlags.per_dataset in f or MaskFlags.alpha in f for f in src.mask_flag_enums)
 
 
+# Colour interpretations that say nothing of what a band holds (GDAL's default for most files).
+_UNSAID_COLOURS = frozenset({'undefined', 'gray'})
+
+
+def band_colours(colorinterp, bands):
+    """What the file's colour interpretation says the selected ``bands`` (1-based) hold, e.g.
+    ``['red', 'green', 'blue']``; None where it does not say for one of them (grey, undefined).
+
+    ``colorinterp``: the file's, as names (``[c.name for c in src.colorinterp]``)."""
+    if not colorinterp or not bands or max(bands) > len(colorinterp):
+        return None
+    said = [str(colorinterp[b - 1]).lower() for b in bands]
+    return None if set(said) & _UNSAID_COLOURS else said
+
+
+def bands_holding(colorinterp, colours):
+    """The 1-based bands of a file whose colour interpretation is ``colours``, in that order
+    (each colour held by exactly one band); None where the file lacks one or holds one twice."""
+    names = [str(c).lower() for c in colorinterp or ()]
+    if not colours or any(names.count(c) != 1 for c in colours):
+        return None
+    return [names.index(c) + 1 for c in colours]
+
+
+def colour_order_refusal(path, colorinterp, bands, expected, bands_said, expected_said, fix):
+    """One line where ``path``'s selected ``bands`` hold other colours, by its colour
+    interpretation, than ``expected`` (the model's, or data.train's); None where they agree or
+    either does not say. ``bands_said``/``expected_said`` name both in the line; ``fix(bands)``
+    says how to select given bands (``--bands 3 2 1``, ``data.val.bands=[3, 2, 1]``)."""
+    said = band_colours(colorinterp, bands)
+    if not said or not expected or len(said) != len(expected) or said == list(expected):
+        return None
+    right = bands_holding(colorinterp, expected)
+    how = f"Select {fix(right)}" if right else f"Give a file whose bands hold {', '.join(expected)}"
+    return (f"{path}: {bands_said} hold {', '.join(said)} by the file's colour interpretation, but "
+            f"{expected_said} {', '.join(expected)}: the model would see the colours swapped. {how}; if the "
+            f"file's tags are wrong, correct them (gdal_edit.py -colorinterp_1 {expected[0]} ... {path}).")
+
+
 def alpha_bands(src):
     """1-based bands the file tags as alpha (masks, not data)."""
     return [i + 1 for i, c in enumerate(src.colorinterp) if c == ColorInterp.alpha]

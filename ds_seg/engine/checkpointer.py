@@ -25,6 +25,8 @@ def data_normalisation(train_set):
                 mean=[float(v) for v in train_set.mean], std=[float(v) for v in train_set.std],
                 ignore_index=int(getattr(train_set, 'ignore_index', 255)),
                 dtype=getattr(train_set, 'file_dtype', None))
+    if getattr(train_set, 'band_colours', None):  # the files' colour order: a BGR scene is refused
+        data['colours'] = list(train_set.band_colours)
     if getattr(train_set, 'num_file_bands', None):  # a scene of more bands is another product
         data['file_bands'] = int(train_set.num_file_bands)
     if getattr(train_set, 'label_decoding', None):  # label_map, reduce_zero_label, palette
@@ -291,6 +293,10 @@ class Checkpointer:
         if saved.get('bands') is not None and list(saved['bands']) != mine['bands']:
             return (f"--resume: {where} was trained on bands {saved['bands']} but data.train takes {mine['bands']}; "
                     f"give data.train.bands={saved['bands']}, or {fresh}.")
+        if saved.get('colours') and mine.get('colours') and saved['colours'] != mine['colours']:
+            return (f"--resume: {where} was trained on bands holding {', '.join(saved['colours'])} but data.train's "
+                    f"hold {', '.join(mine['colours'])} by its files' colour interpretation; select the bands in the "
+                    f"order it was trained on, or {fresh}.")
         differ = [key for key in ('mean', 'std') if saved.get(key) is not None and (
             len(saved[key]) != len(mine[key]) or not np.allclose(saved[key], mine[key], rtol=1e-5, atol=1e-6))]
         if not differ:

@@ -19,7 +19,7 @@ import torch
 from .. import distributed
 from ..config import ConfigError, default_work_dir, unused_settings
 from ..data.loader import build_train_loader
-from ..data.raster import same_file_key
+from ..data.raster import band_colours, colour_order_refusal, same_file_key
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
 from ..inference.model import native_input_size, window_refusal
@@ -619,28 +619,28 @@ class Trainer:
         self._check_val_band_order(t, v)
 
     def _check_val_band_order(self, t, v):
-        """Other `bands` of files with as many bands: refused where the files' colour
-        interpretation shows the selections differ (RGB files, bands [3, 2, 1] on one side only);
-        accepted where it shows they agree (BGR validation files read as [3, 2, 1]); one warning
-        line where the files do not say (grey/undefined bands)."""
+        """data.val's selected bands must hold what data.train's do. Where both files' colour
+        interpretations say (``band_colours``), they must agree, whatever `bands` each gives:
+        BGR validation files read as [3, 2, 1] pass, read as [1, 2, 3] (RGB training files'
+        selection) are refused. Other `bands` of files that do not say (grey/undefined bands):
+        one warning line."""
         t_bands, v_bands = getattr(t, 'bands', None), getattr(v, 'bands', None)
-        if (t_bands is None or v_bands is None or list(t_bands) == list(v_bands)
-                or getattr(t, 'num_file_bands', None) != getattr(v, 'num_file_bands', None)):
+        if t_bands is None or v_bands is None:
             return
-        said = []
-        for ds, bands in ((t, t_bands), (v, v_bands)):
-            interp = (ds.scenes[0].get('colorinterp') or []) if hasattr(ds, 'scenes') else []
-            said.append([interp[b - 1] for b in bands] if len(interp) >= max(bands) else None)
-        informative = all(s and not set(s) & {'gray', 'undefined'} for s in said)
-        if informative and said[0] == said[1]:
+        t_colours, v_colours = getattr(t, 'band_colours', None), getattr(v, 'band_colours', None)
+        if t_colours and v_colours:
+            scene = next(s for s in v.scenes if band_colours(s.get('colorinterp'), list(v_bands)))
+            refusal = colour_order_refusal(scene['image'], scene.get('colorinterp'), list(v_bands), t_colours,
+                                           f'data.val\'s bands {list(v_bands)}', 'data.train\'s bands hold',
+                                           lambda right: f'data.val.bands={right}')
+            if refusal:
+                raise ConfigError(refusal)
             return
-        line = (f"data.val takes bands {list(v_bands)} of its files but data.train bands {list(t_bands)} of files "
-                f"with as many bands")
-        if informative:
-            raise ConfigError(f"{line}: {', '.join(said[1])} against {', '.join(said[0])} by the files' colour "
-                              "interpretation; give data.val the bands that match data.train's.")
-        self.print(f"{line}, and the files do not say which colour each band is: check that they select the same "
-                   "bands in the same order (evaluation normalises data.val with data.train's statistics)")
+        if list(t_bands) == list(v_bands) or getattr(t, 'num_file_bands', None) != getattr(v, 'num_file_bands', None):
+            return
+        self.print(f"data.val takes bands {list(v_bands)} of its files but data.train bands {list(t_bands)} of files "
+                   "with as many bands, and the files do not say which colour each band is: check that they select "
+                   "the same bands in the same order (evaluation normalises data.val with data.train's statistics)")
 
     # Loss buffers that hold one value per class (CrossEntropy/Ohem class_weight, Focal alpha).
     _PER_CLASS_BUFFERS = ('class_weight', 'alpha')

@@ -27,6 +27,17 @@ def _write_tif(path, array_CHW, nodata=None):
     return str(path)
 
 
+def _bgr_copy(path, out):
+    """``path``'s pixels in a file whose colour interpretation says blue, green, red."""
+    import rasterio
+    from rasterio.enums import ColorInterp
+    with rasterio.open(path) as src:
+        _write_tif(out, src.read())
+    with rasterio.open(out, 'r+') as dst:
+        dst.colorinterp = [ColorInterp.blue, ColorInterp.green, ColorInterp.red]
+    return out
+
+
 def _geotiff_data(images, labels, classes=6):
     data = repr(dict(type='GeoTiffScenes', images=images, labels=labels, classes=classes))
     return [f'data.train={data}', 'data.val=None']
@@ -57,6 +68,7 @@ def _cases(tmp):
     lbl_one_class = _write_tif(os.path.join(d, 'lbl_one_class.tif'), np.zeros((1, 64, 64), dtype=np.uint8))
     lbl2 = _write_tif(os.path.join(d, 'lbl2.tif'), rng.integers(0, 2, (1, 64, 64), dtype=np.uint8))
     img16 = _write_tif(os.path.join(d, 'img16.tif'), rng.integers(0, 4000, (3, 64, 64), dtype=np.uint16))
+    img_bgr = _bgr_copy(img, os.path.join(d, 'img_bgr.tif'))
     truncated = os.path.join(d, 'resnet_cut.pth')
     with open(truncated, 'wb') as f:   # the first half of a real weights file (a download cut short)
         import timm
@@ -176,6 +188,8 @@ def _cases(tmp):
                          ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         'resume_bands': (_geotiff_data([img], [lbl]) + tiny + ['data.train.bands=[3,2,1]'], None,
                          ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
+        'resume_colours': (_geotiff_data([img_bgr], [lbl]) + tiny, None,
+                           ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         'resume_stats': (_geotiff_data([img], [lbl]) + tiny + ['data.train.mean=[1,2,3]'], None,
                          ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         # the stats cache edited as another version's statistics would differ: continues (see below)
@@ -288,13 +302,14 @@ EXPECTED = {
     'resume_model': ['--resume', 'holds a UNetTiny model', 'builds UNet'],
     'resume_classes': ['--resume', 'trained for 6 classes', 'data has 4'],
     'val_dtype': ['data.val holds uint16 pixels but data.train uint8', 'gdal_translate -ot'],
-    'val_band_order': ['data.val takes bands [3, 2, 1] of its files but data.train bands [1, 2, 3]',
-                       'blue, green, red against red, green, blue'],
+    'val_band_order': ["img.tif: data.val's bands [3, 2, 1] hold blue, green, red by the file's colour interpretation",
+                       "but data.train's bands hold red, green, blue", 'Select data.val.bands=[1, 2, 3]'],
     'resume_class_names': ['--resume', 'trained with classes class_0, class_1', 'data.train has a, b, c, d, e, f',
                            'load_from='],
     'resume_dtype': ['--resume', 'trained on uint8 pixels but data.train holds uint16'],
     'resume_bands': ['--resume', 'trained on bands [1, 2, 3] but data.train takes [3, 2, 1]',
                      'give data.train.bands=[1, 2, 3]'],
+    'resume_colours': ['--resume', 'trained on bands holding red, green, blue but data.train\'s hold blue, green, red'],
     'resume_stats': ['--resume', 'normalised its inputs with data.train.mean=[', 'but the config gives [1,2,3]',
                      'leave data.train.mean out'],
 }

@@ -229,6 +229,8 @@ def test_validation_bands_are_compared_by_what_the_files_say_they_are(tmp_path):
     from rasterio.enums import ColorInterp
 
     from ds_seg.config import ConfigError
+    from ds_seg.data.raster import DataError
+    from ds_seg.engine.checkpointer import data_normalisation
     from ds_seg.engine.trainer import Trainer
     rng = np.random.default_rng(0)
     lbl = write_tif(tmp_path / 'b_label.tif', rng.integers(0, 2, (32, 32)).astype(np.uint8))
@@ -242,16 +244,29 @@ def test_validation_bands_are_compared_by_what_the_files_say_they_are(tmp_path):
     rgb, bgr = scene('rgb', ('red', 'green', 'blue')), scene('bgr', ('blue', 'green', 'red'))
     grey = scene('grey', ('gray', 'undefined', 'undefined'))
     train = GeoTiffScenes([rgb], [lbl], crop_size=32, classes=2)
+    # Recorded with the model: predict and evaluate refuse a scene of another order.
+    assert data_normalisation(train)['colours'] == ['red', 'green', 'blue']
     printed = []
     fake = SimpleNamespace(print=printed.append)
     check = lambda t, v: Trainer._check_val_band_order(fake, t, v)  # noqa: E731
     check(train, GeoTiffScenes([bgr], [lbl], crop_size=32, classes=2, mode='grid', bands=[3, 2, 1]))
-    with pytest.raises(ConfigError, match='blue, green, red against red, green, blue'):
+    with pytest.raises(ConfigError, match=r"bands \[3, 2, 1\] hold blue, green, red .* data.train's bands hold red, "
+                                          r"green, blue.* Select data.val.bands=\[1, 2, 3\]"):
         check(train, GeoTiffScenes([rgb], [lbl], crop_size=32, classes=2, mode='grid', bands=[3, 2, 1]))
+    # The same `bands` of files in another order: the check was skipped and data.val scored BGR.
+    with pytest.raises(ConfigError, match=r"bgr.tif: data.val's bands \[1, 2, 3\] hold blue, green, red .* "
+                                          r"Select data.val.bands=\[3, 2, 1\]"):
+        check(train, GeoTiffScenes([bgr], [lbl], crop_size=32, classes=2, mode='grid'))
     assert not printed
     check(GeoTiffScenes([grey], [lbl], crop_size=32, classes=2),
           GeoTiffScenes([grey], [lbl], crop_size=32, classes=2, mode='grid', bands=[3, 2, 1]))
     assert len(printed) == 1 and 'do not say which colour each band is' in printed[0]
+    # One `bands` reads every scene of a dataset: a BGR scene among RGB ones was learnt swapped.
+    with pytest.raises(DataError, match=r"bgr.tif: its bands \[1, 2, 3\] hold blue, green, red .* but .*rgb.tif's "
+                                        r"hold red, green, blue"):
+        GeoTiffScenes([rgb, grey, bgr], [lbl] * 3, crop_size=32, classes=2)
+    assert GeoTiffScenes([rgb, grey], [lbl] * 2, crop_size=32, classes=2).band_colours == ['red', 'green', 'blue']
+    assert GeoTiffScenes([grey], [lbl], crop_size=32, classes=2).band_colours is None
 
 
 def test_statistics_cached_by_an_earlier_version_are_computed_again(tmp_path):

@@ -7,6 +7,7 @@ import pyogrio
 import pyogrio.raw
 import pytest
 import rasterio
+from rasterio.enums import ColorInterp
 import shapely
 from rasterio.features import rasterize
 from rasterio.transform import from_origin
@@ -373,3 +374,36 @@ def test_predict_and_evaluate_refuse_a_data_band_tagged_alpha_as_training_does(t
     err = capsys.readouterr().err
     assert code == 2 and 'band 4 is tagged as alpha' in err and not (t['tmp'] / 'ev').exists(), err
     assert _predict(t, '--input', str(rgba)) == 0  # its recorded bands 1-3: the alpha band is the mask it is
+
+
+def test_predict_and_evaluate_refuse_a_scene_whose_colours_are_in_another_order(tiny_weights, capsys):
+    # A model trained on RGB files (recorded: data.colours) read a BGR scene's bands 1-3 as
+    # red, green, blue: every pixel was classified with its colours swapped, without a word.
+    import torch
+
+    from ds_seg.cli import evaluate
+    t = tiny_weights
+    payload = torch.load(t['weights'], weights_only=True)
+    payload['data']['colours'] = ['red', 'green', 'blue']
+    torch.save(payload, t['weights'])
+
+    def tagged(name, interp, **creation):
+        path = _on_the_scenes_grid(t, name, lambda pixels: pixels, **creation)
+        with rasterio.open(path, 'r+') as dst:
+            dst.colorinterp = [getattr(ColorInterp, c) for c in interp]
+        return path
+    bgr = tagged('bgr.tif', ('blue', 'green', 'red'))
+    code = _predict(t, '--input', str(bgr))
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ('bgr.tif: the bands the model reads (1 2 3) hold blue, green, red by the file\'s colour interpretation, '
+            'but the model was trained on bands holding red, green, blue') in err, err
+    assert 'Select --bands 3 2 1' in err and not (t['tmp'] / 'out').exists()
+    label = _on_the_scenes_grid(t, 'label.tif', lambda pixels: np.ones_like(pixels[:1]))
+    code = evaluate.main(['--checkpoint', t['weights'], '--images', str(bgr), '--labels', str(label),
+                          '--output', str(t['tmp'] / 'ev')])
+    err = capsys.readouterr().err
+    assert code == 2 and 'hold blue, green, red' in err and not (t['tmp'] / 'ev').exists(), err
+    # The bands that hold the model's colours, and a file that does not say: both predicted.
+    assert _predict(t, '--input', str(bgr), '--bands', '3', '2', '1') == 0
+    assert _predict(t, '--input', str(tagged('grey.tif', ('gray', 'undefined', 'undefined'))), '--overwrite') == 0
