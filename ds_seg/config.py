@@ -891,6 +891,32 @@ def _check_block_keys(ds, source):
                                       "DeepSpeed would silently ignore it; fix or remove it.")
     _check_plain_block_flags(ds, source)
     _check_activation_checkpointing(ds.get('activation_checkpointing'), source)
+    _check_features_without_effect(ds, source)
+
+
+# DeepSpeed features that act through parts of DeepSpeed ds_seg does not use (its data loader,
+# language-model layers): switched on, they changed nothing without a word, or failed once
+# training had started. (DeepSpeed itself refuses the blocks of features it removed.)
+_DS_WITHOUT_EFFECT = {
+    'data_efficiency': "its data sampling works through DeepSpeed's own data loader (deepspeed_io), which ds_seg "
+                       "does not use, and its random-LTD through transformer layers DeepSpeed converts",
+    'dataloader_drop_last': "it sets DeepSpeed's own data loader; ds_seg's training loader always drops a last "
+                            "partial batch",
+    'hybrid_engine': "it is DeepSpeed's generation engine for RLHF of language models",
+}
+
+
+def _switched_on(value):
+    """True for ``true`` itself, or a block with ``"enabled": true`` at any depth."""
+    if isinstance(value, dict):
+        return value.get('enabled') is True or any(_switched_on(v) for v in value.values() if isinstance(v, dict))
+    return value is True
+
+
+def _check_features_without_effect(ds, source):
+    for key, why in _DS_WITHOUT_EFFECT.items():
+        if _switched_on(ds.get(key)):
+            raise ConfigError(f"{source}: '{key}' is switched on, but it has no effect in ds_seg ({why}); remove it.")
 
 
 def _flag_keys(*modules):

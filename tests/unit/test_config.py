@@ -420,6 +420,16 @@ DS_VALUE_REFUSALS = {
                     "'zero_optimization.offload_optimizer.device' \"nvme\" needs ZeRO stage 3"),
     'nvme_no_path': (dict(zero_optimization={'stage': 3, 'offload_optimizer': {'device': 'nvme'}}),
                      "no 'zero_optimization.offload_optimizer.nvme_path' names the local NVMe folder"),
+    # Features that act through parts of DeepSpeed ds_seg does not use: accepted, they changed
+    # nothing (data sampling, drop_last of DeepSpeed's loader) or failed after training started.
+    'data_efficiency_on': (dict(data_efficiency={'enabled': True, 'data_routing': {'enabled': True, 'random_ltd': {
+        'enabled': True}}}), "'data_efficiency' is switched on, but it has no effect in ds_seg (its data sampling"),
+    'random_ltd_nested': (dict(data_efficiency={'data_routing': {'random_ltd': {'enabled': True}}}),
+                          "'data_efficiency' is switched on"),
+    'drop_last_on': (dict(dataloader_drop_last=True), "'dataloader_drop_last' is switched on, but it has no effect "
+                                                      "in ds_seg (it sets DeepSpeed's own data loader"),
+    'hybrid_engine_on': (dict(hybrid_engine={'enabled': True}), "'hybrid_engine' is switched on, but it has no "
+                                                                 "effect in ds_seg (it is DeepSpeed's generation engine"),
     # ds_seg took 'bfloat16' (off) where DeepSpeed takes 'bf16' (on): the two disagreed.
     'bf16_twice': (dict(bf16={'enabled': True}, bfloat16={'enabled': False}),
                    "both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'."),
@@ -438,6 +448,7 @@ def test_ds_json_plain_dict_blocks_with_right_keys_are_accepted(tmp_path, capsys
     load_ds_config(_write(tmp_path, _shipped_zero0(
         checkpoint={'tag_validation': 'Warn', 'load_universal': False, 'writer': {'type': 'fast'}},
         aio={'block_size': 1048576, 'queue_depth': 8}, flops_profiler={'enabled': False, 'profile_step': 1},
+        data_efficiency={'enabled': False}, dataloader_drop_last=False,
         data_types={'grad_accum_dtype': 'fp32'}, timers={'throughput': {'enabled': True}})))
     # Only defaults: no effect either way, one warning line instead of a refusal.
     load_ds_config(_write(tmp_path, _shipped_zero0(activation_checkpointing={'partition_activations': False})))
