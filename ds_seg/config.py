@@ -1155,18 +1155,27 @@ def _check_schedule_ranges(scheduler, optimizer_params, source):
                           f"{WARMUP_LINEAR_RATE!r}, got {warmup_type!r} (DeepSpeed would use {WARMUP_LOG_RATE!r}).")
 
 
+# Schedulers whose LR comes from a parameter with a DeepSpeed default, not from the optimizer's
+# lr (as WarmupLR's does): that parameter, and what it sets.
+_LR_FROM_OWN_DEFAULT = {'WarmupDecayLR': ('warmup_max_lr', 'peaks at'),
+                        'LRRangeTest': ('lr_range_test_min_lr', 'starts at')}
+
+
 def _check_decay_peak(ds, source):
-    """DeepSpeed's WarmupDecayLR peaks at its own warmup_max_lr default (0.001), not at the
-    optimizer's lr as WarmupLR does: "lr": 1e-4 with it trained at 1e-3 without a word."""
+    """DeepSpeed's WarmupDecayLR peaks at its own warmup_max_lr default (0.001), and LRRangeTest
+    starts at its lr_range_test_min_lr default (0.001), not at the optimizer's lr as WarmupLR
+    does: "lr": 1e-4 with them trained at 1e-3 and upwards without a word."""
     scheduler, optimizer = ds.get('scheduler') or {}, ds.get('optimizer') or {}
     params, lr = scheduler.get('params') or {}, (optimizer.get('params') or {}).get('lr')
-    if scheduler.get('type') != 'WarmupDecayLR' or 'warmup_max_lr' in params or not _is_number(lr):
+    kind = scheduler.get('type')
+    if kind not in _LR_FROM_OWN_DEFAULT or not _is_number(lr):
         return
-    peak = _schedule_default('WarmupDecayLR', 'warmup_max_lr')
-    if peak is not None and lr != peak:
-        raise ConfigError(f"{source}: WarmupDecayLR without 'scheduler.params.warmup_max_lr' peaks at DeepSpeed's "
-                          f"default {peak}, not at 'optimizer.params.lr' ({lr}); give "
-                          f"\"warmup_max_lr\": {lr} (or the peak you want) in scheduler.params.")
+    key, does = _LR_FROM_OWN_DEFAULT[kind]
+    default = _schedule_default(kind, key)
+    if key not in params and default is not None and lr != default:
+        raise ConfigError(f"{source}: {kind} without 'scheduler.params.{key}' {does} DeepSpeed's "
+                          f"default {default}, not at 'optimizer.params.lr' ({lr}); give "
+                          f"\"{key}\": {lr} (or the LR you want) in scheduler.params.")
 
 
 def _check_by_building(ds, source):
@@ -1558,6 +1567,22 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
             default = '' if given else ' (the WarmupLR default)'
             notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup}{default} is not shorter than the run "
                          f"({max_steps} steps); warming up over {params['warmup_num_steps']} step(s) instead.")
+
+    elif sched and sched.get('type') == 'OneCycle':
+        # OneCycle's cycle is 2 x 2000 steps unless told: a shorter run only ever rose towards
+        # cycle_max_lr. Its cycle then spans the run, as the schedules above do.
+        params = sched.setdefault('params', {})
+        first = params.get('cycle_first_step_size', _schedule_default('OneCycle', 'cycle_first_step_size'))
+        second = params.get('cycle_second_step_size')
+        cycle = first + (first if second is None else second) if _is_number(first) and (
+            second is None or _is_number(second)) else None
+        if 'cycle_first_step_size' not in params and cycle is not None and cycle > max_steps:
+            params['cycle_first_step_size'] = max(1, max_steps // 2)
+            if second is None:
+                params['cycle_second_step_size'] = max(1, max_steps - params['cycle_first_step_size'])
+            notes.append(f"{source}: scheduler.params.cycle_first_step_size {first} (the OneCycle default) makes a "
+                         f"cycle of {cycle} steps, longer than the run ({max_steps} steps); cycling over the run "
+                         f"instead ({params['cycle_first_step_size']} step(s) up, then down).")
 
     if 'bfloat16' in ds:  # DeepSpeed's old spelling
         ds['bf16'] = ds.pop('bfloat16')

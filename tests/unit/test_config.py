@@ -398,6 +398,10 @@ DS_VALUE_REFUSALS = {
     'decay_peak': (dict(optimizer__params__lr=1e-4, scheduler={'type': 'WarmupDecayLR', 'params': {'warmup_num_steps': 2}}),
                    "WarmupDecayLR without 'scheduler.params.warmup_max_lr' peaks at DeepSpeed's default 0.001, "
                    "not at 'optimizer.params.lr' (0.0001); give \"warmup_max_lr\": 0.0001"),
+    # LRRangeTest starts at its own 0.001 whatever the optimizer's lr: 10x the 1e-4 written.
+    'range_test_start': (dict(optimizer__params__lr=1e-4, scheduler={'type': 'LRRangeTest', 'params': {}}),
+                         "LRRangeTest without 'scheduler.params.lr_range_test_min_lr' starts at DeepSpeed's default "
+                         "0.001, not at 'optimizer.params.lr' (0.0001); give \"lr_range_test_min_lr\": 0.0001"),
     # DeepSpeed ignores offload blocks its stage does not implement: no offload, no word.
     'offload_param_stage2': (dict(zero_optimization={'stage': 2, 'offload_param': {'device': 'cpu'}}),
                              "'zero_optimization.offload_param' (device 'cpu') needs ZeRO stage 3, and DeepSpeed "
@@ -545,6 +549,34 @@ def test_warmup_lr_longer_than_the_run_is_shortened_with_a_note():
     kept = {'train_micro_batch_size_per_gpu': 2, 'scheduler': {'type': 'WarmupLR', 'params': {'warmup_num_steps': 50}}}
     resolved, _, notes = resolve_ds_config(kept, 1, 400)
     assert resolved['scheduler']['params']['warmup_num_steps'] == 50 and not notes
+
+
+def test_one_cycle_of_the_default_length_spans_a_shorter_run_with_a_note():
+    """OneCycle's default cycle is 2 x 2000 steps: a 100-step run only rose towards cycle_max_lr
+    and ended at its peak region. The cycle now spans the run: up to the peak at its middle, back
+    to cycle_min_lr at its end. An explicit cycle length is the user's, and kept."""
+    import torch
+
+    from ds_seg.engine.ddp_backend import build_scheduler
+    ds = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}},
+          'scheduler': {'type': 'OneCycle', 'params': {'cycle_min_lr': 1e-4, 'cycle_max_lr': 1e-3,
+                                                       'cycle_momentum': False}}}
+    resolved, _, notes = resolve_ds_config(ds, 1, 100, source='x.json')
+    assert notes == ['x.json: scheduler.params.cycle_first_step_size 2000 (the OneCycle default) makes a cycle of '
+                     '4000 steps, longer than the run (100 steps); cycling over the run instead (50 step(s) up, '
+                     'then down).']
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = build_scheduler(optimizer, resolved['scheduler'])
+    lrs = []
+    for _ in range(100):
+        lrs.append(optimizer.param_groups[0]['lr'])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(1e-4) and max(lrs) == pytest.approx(1e-3) and lrs.index(max(lrs)) == 50
+    assert optimizer.param_groups[0]['lr'] == pytest.approx(1e-4)  # the cycle ends with the run
+    ds['scheduler']['params']['cycle_first_step_size'] = 500
+    resolved, _, notes = resolve_ds_config(ds, 1, 100)
+    assert resolved['scheduler']['params']['cycle_first_step_size'] == 500 and not notes
 
 
 @pytest.mark.parametrize('name', sorted(p.stem for p in DS_CONFIGS_DIR.glob('*.json')))
