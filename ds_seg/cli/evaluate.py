@@ -146,7 +146,8 @@ def build_scenes(args, info, cfg):
         with distributed.main_process_first():  # a synthetic set is written once, by rank 0
             ds = build(DATASETS, cfg.data.val, where='data.val', crop_size=cfg.data.crop_size,
                        seed=cfg.train.seed)
-        check_classes(args, list(ds.classes), info)
+        check_classes(args, list(ds.classes), info, data_val=args.config or run_config_of(args.checkpoint)
+                      or 'the embedded default config (synthetic scenes)')
         return ds, list(ds.classes)
     from ds_seg.data.geotiff import (cached_label_histograms, expand_paths, inspect_pair, label_nodata_message,
                                      pair_by_name, refuse_repeated_scenes)
@@ -231,11 +232,17 @@ def output_files(args):
     return [os.path.join(args.output, n) for n in names]
 
 
-def check_classes(args, classes, info):
+def check_classes(args, classes, info, data_val=None):
     """The options that name classes, against the classes evaluated, before any window is
     predicted (an unknown --exclude name was refused only when the metrics were computed, after
-    the whole evaluation; a --classes list of another length was blamed on the label values)."""
+    the whole evaluation; a --classes list of another length was blamed on the label values).
+    ``data_val``: the config whose data.val gave ``classes`` (None: --classes or the checkpoint)."""
     predicted = info['model'].get('num_classes')
+    if predicted and len(classes) != predicted and data_val is not None:
+        # Not the user's --classes: the model was trained on data other than this data.val.
+        raise ValueError(f"data.val of {data_val} has {len(classes)} classes ({', '.join(classes)}) but the model "
+                         f"predicts {predicted}: it was trained on other data; give its run's config (--config), "
+                         "or the scenes to evaluate with --images/--labels")
     if predicted and len(classes) != predicted:
         raise ValueError(f"{len(classes)} classes given ({', '.join(classes)}) but the model predicts {predicted}; "
                          f"give one --classes name per class the model predicts")
@@ -321,6 +328,9 @@ def _run(args):
                                  progress=Progress('evaluation'), **window_kwargs(args))
     cm = result['confusion']
     if int(cm.sum()) == 0:  # metrics of nothing would be null, or a traceback; nothing is written
+        if result['image_pixels'] == 0:  # the images, not the labels, left nothing to measure
+            raise ValueError(f"no pixel of the images ({', '.join(images)}) holds data: all are nodata (their nodata "
+                             "value, mask or alpha band); nothing can be measured. Check the image files")
         raise ValueError(no_class_pixels([p[1] for p in scene_pairs(scenes)], args))
     metrics = metrics_from_confusion(cm, classes, exclude=tuple(args.exclude))
     if distributed.is_main():

@@ -98,7 +98,8 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
     are ``ignore_index``, nodata in the image, or (``erode_boundary=r``) within r px of a
     class boundary in the label are not counted. Every rank must call this (it all-reduces).
     With ``preview_size`` > 0 also returns, per scene, a decimated (prediction, label) pair of
-    at most that many pixels a side, for pictures.
+    at most that many pixels a side, for pictures. ``image_pixels``: the pixels that hold data
+    (not nodata in the image), whatever the labels say.
 
     Example::
 
@@ -123,6 +124,7 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
     cm = torch.zeros(num_classes, num_classes, dtype=torch.int64)
     previews = []
     stats = dict(windows=0, forward_calls=0, seconds=0.0)
+    image_pixels = torch.zeros((), dtype=torch.int64)  # pixels holding data: an all-nodata image is named
     for scene_index, (image_path, label_path) in enumerate(scene_pairs(scenes)):
         with open_scene(image_path) as img:
             height, width = img.height, img.width
@@ -146,6 +148,7 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
                 ignore = boundary_mask(lbl, r, ignore_index)[y0 - top:y0 - top + h] if r else None
                 lbl = lbl[y0 - top:y0 - top + h]
                 pred = scores.argmax(0)
+                image_pixels.add_(int(nodata.size - np.count_nonzero(nodata)))
                 lbl[nodata] = ignore_index
                 if ignore is not None:
                     lbl[ignore] = ignore_index
@@ -173,4 +176,5 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
                                  prediction=both[0].astype(np.uint8), truth=both[1].astype(np.uint8)))
     if world_size > 1:
         distributed.all_reduce_sum(cm)
-    return dict(confusion=cm, previews=previews, **stats)
+        distributed.all_reduce_sum(image_pixels)
+    return dict(confusion=cm, previews=previews, image_pixels=int(image_pixels), **stats)

@@ -1094,6 +1094,39 @@ def test_evaluate_refuses_labels_without_a_class_pixel_before_predicting(tmp_pat
     assert not (tmp_path / 'ev').exists()
 
 
+def test_evaluate_names_the_images_when_they_hold_no_data(tmp_path, capsys):
+    """An image that is nodata everywhere left nothing to score, and the line blamed its labels
+    (all classes) and said to check --ignore-index or --erode."""
+    from ds_seg.cli import evaluate
+    weights, _, label = _cli_files(tmp_path, 'UNetTiny')
+    empty = str(tmp_path / 'empty.tif')
+    with rasterio.open(empty, 'w', driver='GTiff', width=50, height=70, count=3, dtype='uint16', crs='EPSG:32632',
+                       transform=TRANSFORM, nodata=0) as dst:
+        dst.write(np.zeros((3, 70, 50), np.uint16))
+    assert evaluate.main(['--checkpoint', weights, '--images', empty, '--labels', label, '--output',
+                          str(tmp_path / 'ev'), '--tile', '32']) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f'evaluate: error: no pixel of the images ({empty}) holds data: all are '
+                                            'nodata (their nodata value, mask or alpha band); nothing can be '
+                                            'measured. Check the image files'), err
+    assert not (tmp_path / 'ev').exists()
+
+
+def test_evaluate_of_a_data_val_with_other_classes_names_the_config_not_classes_given(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A 5-class model evaluated without --config or --images (its file is not in a run's work
+    dir) read the embedded default's data.val: "6 classes given (grass, ...)", and "give one
+    --classes name per class", an option that does not apply to a config's data.val."""
+    from ds_seg.cli import evaluate
+    monkeypatch.setenv('DS_SEG_CACHE', str(tmp_path / 'cache'))
+    weights, _, _ = _cli_files(tmp_path, 'UNetTiny')
+    assert evaluate.main(['--checkpoint', weights, '--output', str(tmp_path / 'ev')]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ('evaluate: error: data.val of the embedded default config (synthetic scenes) has 6 classes (grass, '
+                   'road, building, tree, water, car) but the model predicts 5: it was trained on other data; give its '
+                   "run's config (--config), or the scenes to evaluate with --images/--labels"), err
+
+
 def test_inputs_one_step_past_the_obvious_get_lines_that_say_what_to_do(tmp_path, capsys):
     """A quoted glob 'did not exist'; a STAC item or a vector layer was 'not a readable raster
     (truncated or corrupt?)'; evaluate --images a,b (predict's date syntax) 'did not exist'; a
