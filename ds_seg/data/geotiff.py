@@ -984,11 +984,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             self.palette, self.ignore_index, list(self.classes), getattr(self, 'label_field', None),
             getattr(self, 'label_fill', None), getattr(self, 'label_layer', None))).encode()).hexdigest()
 
-    def _labelled_valid(self, s, window=None, out_shape=None):
+    def _labelled_valid(self, s, window=None, out_shape=None, images=True):
         """How many pixels of ``window`` (or of a decimated read to ``out_shape``) of scene ``s``
-        are labelled with a class and valid (not nodata/NaN/masked) at every date."""
+        are labelled with a class and valid (not nodata/NaN/masked) at every date; labelled
+        whatever the images hold with ``images=False``."""
         invalid = None
-        for path in s.get('dates', (s['image'],)):
+        for path in s.get('dates', (s['image'],)) if images else ():
             with open_raster(path) as src:
                 raw = src.read(self.bands, window=window, out_shape=None if out_shape is None
                                else (len(self.bands),) + out_shape)
@@ -1052,6 +1053,16 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 break
         if changed:
             _write_cache(cache_path, cache)
+        if not (found or unsure) and not any(
+                self._labelled_valid(s, Window(0, y, s['width'], min(band_rows, s['height'] - y)), images=False)
+                for s in self._scenes for y in range(0, s['height'], band_rows)):
+            # The labels themselves hold no class (all palette_ignore colours, say): not the images.
+            names = [s['label'] for s in self._scenes[:3]]
+            more = f" and {len(self._scenes) - 3} more" if len(self._scenes) > 3 else ''
+            said = 'colours of `palette_ignore`, unknown colours' if self.palette is not None else 'ignore_index'
+            raise DataError(f"{', '.join(names)}{more}: no pixel is labelled with a class (all are {said} or nodata); "
+                            "nothing can be learnt or measured from them; check the label files"
+                            f"{', `palette` or `palette_ignore`' if self.palette is not None else ' or `label_map`'}")
         if not (found or unsure):
             names = [s['image'] for s in self._scenes[:3]]
             more = f" and {len(self._scenes) - 3} more" if len(self._scenes) > 3 else ''
