@@ -249,7 +249,7 @@ class LoveDA(GeoTiffScenes):
     OFFICIAL_COUNTS = {('Train', 'Urban'): 1156, ('Train', 'Rural'): 1366, ('Val', 'Urban'): 677,
                        ('Val', 'Rural'): 992}
 
-    def __init__(self, data_root, split='train', crop_size=512, seed=0, domain='both', **kw):
+    def __init__(self, data_root, split='train', crop_size=512, seed=0, domain='both', reduce_zero_label=True, **kw):
         folder = _split_for(split, {'train': 'Train', 'val': 'Val', 'test': 'Test'})
         if split == 'test':
             raise DataError("LoveDA: the Test split has no public masks; train on 'train', evaluate on "
@@ -270,7 +270,24 @@ class LoveDA(GeoTiffScenes):
             raise DataError(f"LoveDA: no images_png/*.png in {folder}/{'+'.join(domains)} under {data_root}")
         self.data_root, self.domain = data_root, domain
         super().__init__(images, labels, crop_size=crop_size, split=split, seed=seed,
-                         classes=self.CLASSES, reduce_zero_label=True, **kw)
+                         classes=self.CLASSES, reduce_zero_label=reduce_zero_label, **kw)
+        if reduce_zero_label:
+            self._refuse_converted_masks(labels)
+
+    @staticmethod
+    def _refuse_converted_masks(labels):
+        """Masks converted already (classes 0-6, 255 no-data: mmseg's and others' preprocessed
+        copies) were reduced a second time without a word: background ignored, every other class
+        learnt as the one before it. The official masks never hold 255; such a value says so.
+        (The histograms are the ones the label check just read, from its cache.)"""
+        from .geotiff import cached_label_histograms
+        for path, histogram in zip(labels, cached_label_histograms(labels)):
+            if histogram and 255.0 in histogram:
+                raise DataError(f"LoveDA: {path} holds the value 255, which the official masks never do (0 no-data, "
+                                "1-7 the classes): these masks look converted already (classes 0-6, 255 no-data), "
+                                "and would be shifted once more (background ignored, each class read as the one "
+                                "before it). Give LoveDA(..., reduce_zero_label=False) for converted masks, or use "
+                                "the official ones.")
 
     @staticmethod
     def _locate(data_root, folder, domain):

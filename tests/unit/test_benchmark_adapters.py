@@ -114,3 +114,24 @@ def test_loveda_classes_palette_and_zero_label_are_mmsegmentations(tmp_path):
     assert [list(c) for c in LoveDA.PALETTE] == MMSEG_LOVEDA_PALETTE
     expect = np.where(mask == 0, IGNORE, mask.astype(np.int64) - 1)
     np.testing.assert_array_equal(ds[0]['label'].numpy(), expect)
+
+
+def test_loveda_masks_converted_already_are_refused_and_read_as_they_are_when_said(tmp_path):
+    """Masks converted already (classes 0-6, 255 no-data) were reduced once more: background
+    ignored and every other class learnt as the one before it, without a word."""
+    import cv2
+
+    from ds_seg.data.raster import DataError
+    root = tmp_path / 'loveda'
+    converted = np.tile(np.arange(SIZE, dtype=np.uint8) % 8, (SIZE, 1))
+    converted[converted == 7] = 255                                   # 0-6 the classes, 255 no-data
+    for domain in ('Urban', 'Rural'):
+        os.makedirs(root / 'Val' / domain / 'images_png')
+        os.makedirs(root / 'Val' / domain / 'masks_png')
+        cv2.imwrite(str(root / 'Val' / domain / 'images_png' / '7.png'), np.full((SIZE, SIZE, 3), 90, np.uint8))
+        cv2.imwrite(str(root / 'Val' / domain / 'masks_png' / '7.png'), converted)
+    with pytest.raises(DataError, match=r"LoveDA: .*masks_png/7.png holds the value 255, which the official masks "
+                                        r"never do .* reduce_zero_label=False"):
+        LoveDA(str(root), split='val', crop_size=SIZE, mode='grid')
+    ds = LoveDA(str(root), split='val', crop_size=SIZE, mode='grid', reduce_zero_label=False)
+    np.testing.assert_array_equal(ds[0]['label'].numpy(), np.where(converted == 255, IGNORE, converted))
