@@ -109,6 +109,7 @@ class Checkpointer:
                               marker_extra={'param_shapes': self.param_shapes(), 'precision': self.spec.precision,
                                             'optimizer': optimizer_family(self.spec.ds_config),
                                             'optimizer_params': restored_hyperparameters(self.spec.ds_config),
+                                            'schedule': self.spec.ds_config.get('scheduler'),
                                             **({'best_metric': self.best_metric} if best_record is not None else {})},
                               best=best_record is not None)
         if best_record is not None:
@@ -217,7 +218,25 @@ class Checkpointer:
             torch.cuda.set_rng_state(state['rng_cuda'])
         step = int(state['step'])
         self.report(f'resumed from {root}/{tag} at step {step}')
+        self._say_schedule_change(marker.get('schedule'), step)
         return step, offset
+
+    def _say_schedule_change(self, saved, step):
+        """A resume may change the LR schedule (its parameters are this run's, see
+        param_groups.apply_schedule_now): one line says what changed and the LR it goes on at.
+        A smoke test's shortened warmup, resumed with a longer train.max_steps, re-derives it
+        from the JSON: the LR went back into warmup without a word."""
+        now = self.spec.ds_config.get('scheduler')
+        if saved is None or saved == now:  # checkpoints from before this was recorded: not said
+            return
+        if not saved or not now or saved.get('type') != now.get('type'):
+            said = f"{(saved or {}).get('type', 'none')} -> {(now or {}).get('type', 'none')}"
+        else:
+            old, new = saved.get('params') or {}, now.get('params') or {}
+            said = ', '.join(f"{k} {old.get(k, '(default)')} -> {new.get(k, '(default)')}"
+                             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+        self.report(f"--resume: the LR schedule is not the checkpoint's ({said}); from step {step + 1} it follows "
+                    f"this run's: LR {self.backend.lr():.3g} at step {step + 1}")
 
     def check_compatible(self, root, tag):
         """Refuse, before loading anything, a checkpoint this run cannot continue."""

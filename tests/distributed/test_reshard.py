@@ -204,3 +204,32 @@ def test_a_resume_runs_the_optimizer_implementation_this_run_chose(tmp_path, bac
     (fused, steps), impl = run_on_ranks(_resume_fused, 1, args=(str(tmp_path), backend, stage))[0]
     assert set(fused) == {True} and steps == [2.0], (fused, steps)
     assert impl == 'torch.AdamW fused'
+
+
+def _smoke_then_longer(tmp):
+    """A smoke test of 2 steps (the JSON's 3-step warmup shortened to fit), resumed to 6 steps
+    (the JSON's warmup fits now): what the resume printed, and the LRs every step trained at."""
+    import contextlib
+    import io
+
+    from ds_seg.engine.trainer import Trainer
+    work, printed = os.path.join(tmp, 'work'), io.StringIO()
+    for steps, resume in ((2, None), (6, 'auto')):
+        cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=2)
+        with contextlib.redirect_stdout(printed if resume else io.StringIO()):
+            trainer = Trainer(cfg, ds_config(0, micro_batch=2), work_dir=work, resume=resume)
+            try:
+                trainer.fit()
+            finally:
+                trainer.close()
+    return printed.getvalue(), [r['lr'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
+
+
+def test_a_resume_on_another_schedule_says_what_changed_and_the_lr_it_goes_on_at(tmp_path):
+    # The smoke test's warmup (1 step) was re-derived from the JSON (3 steps) for the longer run:
+    # the LR fell from the peak back into warmup at the first resumed step, without a word.
+    printed, lrs = run_on_ranks(_smoke_then_longer, 1, args=(str(tmp_path),))[0]
+    lines = [line for line in printed.splitlines() if "the LR schedule is not the checkpoint's" in line]
+    assert len(lines) == 1, printed
+    assert 'warmup_num_steps 1 -> 3' in lines[0] and 'total_num_steps 2 -> 6' in lines[0], lines
+    assert lines[0].endswith(f'from step 3 it follows this run\'s: LR {lrs[2]:.3g} at step 3'), (lines, lrs)
