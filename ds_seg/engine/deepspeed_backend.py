@@ -59,6 +59,11 @@ class DeepSpeedBackend:
             # the engine (an untested ZeRO optimizer, an op not built for this device): its words,
             # on one line, before any step.
             detail = (str(exc).strip().splitlines() or [''])[0] or type(exc).__name__
+            if spec.device.type == 'cpu' and 'not been implemented on CPU' in detail:
+                # Lamb, Lion, 1-bit Adam...: DeepSpeed's fused CUDA ops.
+                raise ConfigError(f"--deepspeed_config: 'optimizer.type' {ds_config['optimizer'].get('type')} is "
+                                  f"a DeepSpeed CUDA op with no CPU version ({detail}); on the CPU use AdamW, Adam, "
+                                  "SGD or Adagrad, or run on a GPU.") from exc
             raise ConfigError(f"--deepspeed_config: DeepSpeed cannot build this engine ({type(exc).__name__}: "
                               f"{detail}); change the JSON (see ds_configs/ for working ones).") from exc
         if spec.compile_mode:

@@ -116,6 +116,10 @@ def _cases(tmp):
         'label_nodata_is_class': (_geotiff_data([img], [lbl_nodata0]), None, []),
         'ds_block_typo': ([], ds_json('block_typo.json', {**base, 'checkpoint': {'tag_validaton': 'Warn'}}), []),
         # passes ds_seg's checks; DeepSpeed refuses it while building the engine
+        # DeepSpeed's fused CUDA optimizers on the CPU: "DeepSpeed cannot build this engine (This op
+        # had not been implemented on CPU backend.)" said neither which optimizer nor what runs there
+        'ds_lamb_on_cpu': ([], ds_json('lamb.json', {**base, 'optimizer': {'type': 'Lamb', 'params': {'lr': 0.001}}}),
+                           []),
         'ds_engine_refuses': ([], ds_json('untested.json', {
             **base, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.01}},
             'zero_optimization': {'stage': 3, 'offload_optimizer': {'device': 'cpu'}}}), []),
@@ -270,6 +274,8 @@ EXPECTED = {
     'image_all_nan': ['img_nan.tif', 'no pixel is both labelled with a class and valid', 'NaN'],
     'label_nodata_is_class': ['lbl_nodata0.tif', 'nodata tag is 0', "class 0 ('class_0')", 'gdal_edit.py -unsetnodata'],
     'ds_block_typo': ["unknown key 'checkpoint.tag_validaton'", "Did you mean 'checkpoint.tag_validation'?"],
+    'ds_lamb_on_cpu': ["--deepspeed_config: 'optimizer.type' Lamb is a DeepSpeed CUDA op with no CPU version",
+                       'on the CPU use AdamW, Adam, SGD or Adagrad'],
     'ds_engine_refuses': ['--deepspeed_config: DeepSpeed cannot build this engine (AssertionError: You are using '
                           'an untested ZeRO Optimizer'],
     'crop_past_memory': ['data.crop_size 1000000 with train_micro_batch_size_per_gpu 8: one batch of 3-band windows '
