@@ -327,23 +327,24 @@ class ExperimentSection(_Section):
     work_dir: Optional[str] = setting(None, 'where the run writes everything (None: work_dirs/<config name>)',
                                       (_optional_path, 'None or a directory path'))
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.load_from and os.path.isdir(self.load_from):
-            import glob
-            found = sorted(glob.glob(os.path.join(glob.escape(self.load_from), 'weights_*.pt')))
-            raise ConfigError(f"load_from={self.load_from!r} is a folder; give the weights file written by "
-                              f"launch/export.py (<work dir>/weights_<step>.pt"
-                              f"{', e.g. ' + repr(found[-1]) if found else ''}); to continue a run use --resume.")
-        if self.load_from and not os.path.isfile(self.load_from):
-            raise ConfigError(f"load_from={self.load_from!r} does not exist; give a weights file "
-                              "written by launch/export.py.")
-        if self.load_from and os.path.basename(self.load_from) in ('latest', 'best'):
-            from ds_seg.engine.checkpoint import is_pointer_file
-            if is_pointer_file(self.load_from):  # a checkpoints folder's pointer, as for a folder above
-                raise ConfigError(f"load_from={self.load_from!r} names a checkpoint of a run, not a weights file; "
-                                  f"export it first (launch/export.py {self.load_from} --out weights.pt) and give "
-                                  "that file; to continue the run use --resume.")
+
+def load_from_refusal(path):
+    """Why ``load_from=path`` cannot be read, or None. Checked by the trainer where the run reads
+    it: a resumed run takes every weight from its checkpoint and never reads load_from (a
+    requeued job whose file was purged from scratch was refused although it needed nothing of it)."""
+    if os.path.isdir(path):
+        import glob
+        found = sorted(glob.glob(os.path.join(glob.escape(path), 'weights_*.pt')))
+        return (f"load_from={path!r} is a folder; give the weights file written by launch/export.py (<work "
+                f"dir>/weights_<step>.pt{', e.g. ' + repr(found[-1]) if found else ''}); to continue a run use --resume.")
+    if not os.path.isfile(path):
+        return f"load_from={path!r} does not exist; give a weights file written by launch/export.py."
+    if os.path.basename(path) in ('latest', 'best'):
+        from ds_seg.engine.checkpoint import is_pointer_file
+        if is_pointer_file(path):  # a checkpoints folder's pointer, as for a folder above
+            return (f"load_from={path!r} names a checkpoint of a run, not a weights file; export it first "
+                    f"(launch/export.py {path} --out weights.pt) and give that file; to continue the run use --resume.")
+    return None
 
 
 # Checked in this order; the first refusal is the one reported.

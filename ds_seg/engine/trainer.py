@@ -17,7 +17,7 @@ import time
 import torch
 
 from .. import distributed
-from ..config import ConfigError, default_work_dir, unused_settings
+from ..config import ConfigError, default_work_dir, load_from_refusal, unused_settings
 from ..data.loader import build_train_loader
 from ..data.raster import band_colours, colour_order_refusal, same_file_key
 from ..data.prefetch import DevicePrefetcher, default_depth
@@ -207,12 +207,13 @@ class Trainer:
         # (--resume auto) whose pretrained file was purged from scratch, or is not on this node,
         # was refused although its checkpoint held every weight.
         found = checkpoint.resolve_resume(resume, self.work_dir, report=report)
-        model_cfg = without_pretrained(cfg.model) if found or cfg.get('load_from') else cfg.model
+        load_from = self._weights_to_load(cfg.get('load_from'), found)
+        model_cfg = without_pretrained(cfg.model) if found or load_from else cfg.model
         torch.manual_seed(cfg.train.seed)
         # Under ZeRO-3 parameters are partitioned as they are created: no rank holds the model.
         model = backends.build_model(spec, lambda: build(MODELS, model_cfg, where='model'))
-        if cfg.get('load_from'):
-            self._load_weights(model, cfg.load_from)
+        if load_from:
+            self._load_weights(model, load_from)
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
         # After the config, data and model checks (a refused run leaves no MLflow/W&B run behind),
         # before the resume moves anything aside (a tracker that cannot start refuses the run, and
@@ -446,6 +447,21 @@ class Trainer:
         return record
 
     # ------------------------------------------------------------------------------------------
+    def _weights_to_load(self, load_from, found):
+        """``load_from`` where this run reads it; None for a resume, whose checkpoint holds every
+        weight (it was read, then replaced by the checkpoint's, and a requeued job whose file had
+        been purged from scratch was refused)."""
+        if not load_from:
+            return None
+        if found:
+            self.print(f"load_from={load_from} is not read: the run resumes from {os.path.join(*found)}, which "
+                       "holds every weight")
+            return None
+        refusal = load_from_refusal(load_from)
+        if refusal:
+            raise ConfigError(refusal)
+        return load_from
+
     def _load_weights(self, model, path):
         try:
             payload = checkpoint.load_weights_file(path)

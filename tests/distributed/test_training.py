@@ -382,4 +382,10 @@ def test_resume_and_load_from_need_no_pretrained_file(tmp_path):
     from ds_seg.cli import export
     weights = os.path.join(tmp, 'straight.pt')
     assert export.main([os.path.join(tmp, 'straight'), '--out', weights]) == 0
-    run_on_ranks(_train_fpn, 1, args=(tmp, 'from_weights', None, 3, pretrained, weights))
+    from_weights = run_on_ranks(_train_fpn, 1, args=(tmp, 'from_weights', None, 3, pretrained, weights))[0]
+    # A requeued fine-tuning job whose load_from file was purged too: it was read (and refused
+    # when missing) although the checkpoint holds every weight.
+    _lose_last_checkpoint(tmp, 'from_weights')
+    os.remove(weights)
+    resumed = run_on_ranks(_train_fpn, 1, args=(tmp, 'from_weights', 'auto', 3, pretrained, weights))[0]
+    assert torch.equal(from_weights, resumed)
