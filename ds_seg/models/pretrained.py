@@ -8,6 +8,7 @@ Example::
 """
 import contextlib
 import os
+import re
 
 import torch
 
@@ -81,8 +82,9 @@ def read_state_dict(path, where='pretrained'):
         raise ConfigError(f'{where}: {path} is not a readable weights file (truncated, or another format: '
                           f'{detail}); download it again.') from exc
     # 'teacher': DINO/iBOT training checkpoints hold student and teacher; the teacher is the model
-    # they release and evaluate.
-    for key in ('state_dict', 'model', 'module', 'teacher'):
+    # they release and evaluate. timm's training checkpoints hold the EMA copy beside the raw
+    # weights: taken first, as timm's own load_checkpoint does (use_ema=True).
+    for key in ('state_dict_ema', 'model_ema', 'state_dict', 'model', 'module', 'teacher'):
         if isinstance(payload, dict) and isinstance(payload.get(key), dict):
             payload = payload[key]
     if not isinstance(payload, dict) or not payload or not all(isinstance(v, torch.Tensor) for v in payload.values()):
@@ -168,23 +170,37 @@ CLASSIFIER_PREFIXES = ('head.', 'head_dist.', 'fc.', 'classifier.', 'last_linear
                        'attn_pool.', 'pre_logits.', 'mask_token')
 
 
-def _under_prefix(state, wanted):
+def _under_prefix(state, wanted, where='pretrained', source=None):
     """The tensors of ``state`` under the key prefix that holds the ``wanted`` keys, the prefix
     removed: ``backbone.`` of an mmseg/mmpretrain checkpoint, ``backbone.`` of DINO's teacher,
     ``encoder.``... Returns ``(state, prefix)``; ``prefix`` is None when the keys match as they are.
     The tensors outside the prefix (a decode head, a projection head) are other parts of the
     source network, which is what a prefix selects, as mmpretrain's ``init_cfg`` prefix does."""
-    best, hits = None, sum(k in wanted for k in state)
+    hits = sum(k in wanted for k in state)
     if hits == len(wanted):  # the usual case: every key found as it is
         return state, None
     prefixes = {'.'.join(k.split('.')[:depth]) + '.' for k in state for depth in (1, 2, 3) if k.count('.') > depth}
-    for prefix in sorted(prefixes):
-        found = sum(k[len(prefix):] in wanted for k in state if k.startswith(prefix))
-        if found > hits:
-            best, hits = prefix, found
-    if best is None:
+    found = {p: sum(k[len(p):] in wanted for k in state if k.startswith(p)) for p in prefixes}
+    top = max(found.values(), default=0)
+    if top <= hits:
         return state, None
+    # Two full copies (DINOv2's student and teacher, a model and its EMA): the one a release
+    # takes, never the first by name (student. sorted before teacher. and was loaded).
+    tied = sorted(p for p, n in found.items() if n == top)
+    ranked = sorted(tied, key=_copy_rank)
+    if len(tied) > 1 and _copy_rank(ranked[0]) == _copy_rank(ranked[1]):
+        from ..config import ConfigError
+        named = f'{source} ' if isinstance(source, (str, os.PathLike)) else 'the weights '
+        raise ConfigError(f"{where}: {named}holds the weights twice or more, under {', '.join(tied)}, and none "
+                          "is a teacher or EMA copy; save the one to load on its own.")
+    best = ranked[0]
     return {k[len(best):]: v for k, v in state.items() if k.startswith(best)}, best
+
+
+def _copy_rank(prefix):
+    """0 for a teacher or EMA copy (what DINO and timm release), 2 for a student, else 1."""
+    words = set(re.split(r'[._]', prefix.lower()))
+    return 0 if words & {'teacher', 'ema'} else 2 if 'student' in words else 1
 
 
 def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=(), band_map=None,
@@ -221,7 +237,7 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
     # The module's own names are taken too: a file saved from the module itself (a ds_seg
     # segmentor's backbone.model.stages_0...) holds them rather than the classifier's.
     own = set(module.state_dict())
-    state, _ = _under_prefix(state, ({rename(k) for k in own} | own) - {None})
+    state, _ = _under_prefix(state, ({rename(k) for k in own} | own) - {None}, where, source)
     if band_map is not None:
         # A file of the module's own names (a ds_seg segmentor's stem_0.weight) for the
         # classifier's input_key (stem.0.weight).

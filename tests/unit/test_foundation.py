@@ -281,7 +281,14 @@ def test_released_checkpoints_with_the_backbone_under_a_prefix_load(tmp_path):
                                                     'decode_head.conv_seg.weight': torch.zeros(6, 8, 1, 1)}}
     dino = {'student': {'backbone.' + k: v + 1 for k, v in state.items()},
             'teacher': {**{'backbone.' + k: v for k, v in state.items()}, 'head.mlp.0.weight': torch.zeros(4, 4)}}
-    for name, payload in (('mmseg.pth', mmseg), ('dino.pth', dino)):
+    # DINOv2's training checkpoints hold both in one dict ('model': student.backbone., teacher.backbone.):
+    # the student came first by name and was loaded. timm's hold the EMA beside the raw weights.
+    dinov2 = {'iteration': 5, 'model': {**{'student.backbone.' + k: v + 1 for k, v in state.items()},
+                                        **{'teacher.backbone.' + k: v for k, v in state.items()}}}
+    timm_train = {'epoch': 3, 'state_dict': {k: v + 1 for k, v in state.items()}, 'state_dict_ema': state}
+    ema = {'model.' + k: v + 1 for k, v in state.items()} | {'model_ema.' + k: v for k, v in state.items()}
+    for name, payload in (('mmseg.pth', mmseg), ('dino.pth', dino), ('dinov2_train.pth', dinov2),
+                          ('timm_train.pth.tar', timm_train), ('ema.pth', ema)):
         torch.save(payload, tmp_path / name)
         model = build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / name)))
         loaded = model.backbone.model.state_dict()
@@ -289,6 +296,12 @@ def test_released_checkpoints_with_the_backbone_under_a_prefix_load(tmp_path):
         for key, value in loaded.items():
             if not key.endswith('num_batches_tracked'):
                 torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=f'{name}: {key}')
+    # Two copies neither of which is the one a release takes: refused, not the first by name.
+    torch.save({'a.' + k: v for k, v in state.items()} | {'b.' + k: v + 1 for k, v in state.items()},
+               tmp_path / 'two.pth')
+    with pytest.raises(ConfigError, match=r"two.pth holds the weights twice or more, under a., b., and none is a "
+                                          r"teacher or EMA copy"):
+        build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / 'two.pth')))
 
 
 def test_a_pretrained_file_is_exact_for_timm_cnns_too(tmp_path):

@@ -106,7 +106,7 @@ class TimmViT(nn.Module):
         state = read_state_dict(source, where) if isinstance(source, str) else dict(source)
         # Under a prefix (DINO's teacher 'backbone.', an mmpretrain checkpoint's) the DINOv2 names
         # are only recognised once it is removed.
-        state, _ = _under_prefix(state, set(self.model.state_dict()) | {'register_tokens'})
+        state, _ = _under_prefix(state, set(self.model.state_dict()) | {'register_tokens'}, where, source)
         state = _convert_dinov2(state)
         kept = len(self.model.blocks)
         match = re.compile(r'blocks\.(\d+)\.').match
