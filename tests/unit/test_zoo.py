@@ -186,6 +186,29 @@ def test_vit_loads_timm_weights_from_file_with_another_grid(tmp_path):
     torch.testing.assert_close(ours.pos_embed[:, 0], vit.pos_embed[:, 0])  # the class token's
 
 
+@pytest.mark.parametrize('size', [64, 224, 320])
+def test_vit_features_equal_timms_at_any_window_size(tmp_path, size):
+    """The position embedding was resized with plain bicubic for windows other than img_size,
+    timm's dynamic_img_size with antialiased bicubic: the features of the same weights differed
+    by up to 0.1 at 64 px (0.014 at 512)."""
+    import timm
+    torch.manual_seed(5)
+    ref = timm.create_model('vit_tiny_patch16_224', pretrained=False, dynamic_img_size=True).eval()
+    path = str(tmp_path / 'vit_tiny.pth')
+    torch.save(ref.state_dict(), path)
+    ours = build(BACKBONES, dict(type='ViT', variant='vit_tiny_test', embed_dim=192, depth=12, num_heads=3,
+                                 mlp_ratio=4.0, img_size=224, pretrained=path)).eval()
+    normed = []
+    ours.norm.register_forward_hook(lambda module, args, out: normed.append(out))
+    x = torch.randn(1, 3, size, size)
+    with torch.no_grad():
+        ours(x)
+        theirs = ref.forward_intermediates(x, indices=list(ours.out_indices), norm=True, intermediates_only=True)
+    assert len(normed) == len(theirs) == len(ours.out_indices)
+    for a, b in zip(normed, theirs):
+        torch.testing.assert_close(a, b.flatten(2).transpose(1, 2), rtol=0, atol=1e-5)
+
+
 def test_pretrained_errors_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match='missing.pth'):
         build(MODELS, dict(type='SegFormer', variant='mit_b0', pretrained=str(tmp_path / 'missing.pth')))

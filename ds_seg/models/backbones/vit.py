@@ -173,7 +173,9 @@ class ViT(nn.Module):
         old = int(math.sqrt(pos.shape[1]))
         if torch.compiler.is_exporting() or (grid_h, grid_w) != (old, old):  # keep the export's H, W dynamic
             pos = pos.reshape(1, old, old, -1).permute(0, 3, 1, 2)
-            pos = F.interpolate(pos, size=(grid_h, grid_w), mode='bicubic', align_corners=False)
+            # timm's kernel (antialiased bicubic, resample_abs_pos_embed): features equal timm's
+            # ViT with dynamic_img_size at any window size, not only at img_size.
+            pos = F.interpolate(pos, size=(grid_h, grid_w), mode='bicubic', align_corners=False, antialias=True)
             pos = pos.permute(0, 2, 3, 1).reshape(1, grid_h * grid_w, -1)
         return pos
 
