@@ -327,11 +327,20 @@ class ExperimentSection(_Section):
     work_dir: Optional[str] = setting(None, 'where the run writes everything (None: work_dirs/<config name>)',
                                       (_optional_path, 'None or a directory path'))
 
+    def __post_init__(self):
+        super().__post_init__()
+        # A folder or a run's pointer is never a weights file. A missing file is refused by the
+        # trainer, where the run reads it (load_from_refusal): a resumed run never does.
+        refusal = self.load_from and os.path.exists(self.load_from) and load_from_refusal(self.load_from)
+        if refusal:
+            raise ConfigError(refusal)
+
 
 def load_from_refusal(path):
-    """Why ``load_from=path`` cannot be read, or None. Checked by the trainer where the run reads
-    it: a resumed run takes every weight from its checkpoint and never reads load_from (a
-    requeued job whose file was purged from scratch was refused although it needed nothing of it)."""
+    """Why ``load_from=path`` cannot be read, or None. The trainer checks a missing file where
+    the run reads it: a resumed run takes every weight from its checkpoint and never reads
+    load_from (a requeued job whose file was purged from scratch was refused although it needed
+    nothing of it)."""
     if os.path.isdir(path):
         import glob
         found = sorted(glob.glob(os.path.join(glob.escape(path), 'weights_*.pt')))

@@ -160,36 +160,55 @@ def export_onnx(model, out, info, work_dir=None, step=None):
     require_onnx_export()
     import onnx
     from torch.export import Dim
-    refuse_existing(out, *card_paths(out))
+
+    from .inputs import partial_path, remove_quietly
+    # A model over 2 GB keeps its weights in <out>.data beside the graph (protobuf's limit).
+    refuse_existing(out, f'{out}.data', *card_paths(out))
     model = model.eval().cpu()
     first, others, dims = _export_sizes(model, info)
     # Batch 2: torch.export specialises a dimension traced at size 1.
     x = torch.randn(2, _in_channels(model, info), *first)
-    tmp = f'{out}.tmp'
+    # ds_seg's own partial name: a fixed '<out>.tmp' replaced a user's file of that name.
+    tmp = partial_path(out)
+    moved = []  # the external weights file, once at its final name
     try:
-        with torch.no_grad(), _quiet_exporter():
-            program = torch.onnx.export(model, (x,), dynamo=True, opset_version=18, input_names=[INPUT],
-                                        output_names=[OUTPUT], verbose=False,
-                                        dynamic_shapes=({'BCHW'.index(d): Dim.DYNAMIC for d in dims},))
-            program.save(tmp)
-    except Exception as exc:  # an op without an ONNX form, or a size torch.export cannot keep dynamic
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise ConfigError(f'--format onnx: {type(model).__name__} ({(info.get("model") or {}).get("type")}) does not '
-                          f'export to ONNX with dynamic sizes: {str(exc).splitlines()[0][:200]}.') from exc
-    card = model_card(info, 'onnx', out, work_dir, step, dims)
-    proto = onnx.load(tmp)
-    entry = proto.metadata_props.add()
-    entry.key, entry.value = 'ds_seg', json.dumps(card, default=str)
-    onnx.save(proto, tmp)
-    try:
+        try:
+            with torch.no_grad(), _quiet_exporter():
+                program = torch.onnx.export(model, (x,), dynamo=True, opset_version=18, input_names=[INPUT],
+                                            output_names=[OUTPUT], verbose=False,
+                                            dynamic_shapes=({'BCHW'.index(d): Dim.DYNAMIC for d in dims},))
+                program.save(tmp)
+        except Exception as exc:  # an op without an ONNX form, or a size torch.export cannot keep dynamic
+            raise ConfigError(f'--format onnx: {type(model).__name__} ({(info.get("model") or {}).get("type")}) '
+                              f'does not export to ONNX with dynamic sizes: {str(exc).splitlines()[0][:200]}.') from exc
+        card = model_card(info, 'onnx', out, work_dir, step, dims)
+        # The graph alone: external weights stay in their file (loading them would pass protobuf's
+        # 2 GB limit when saved again), and are named for the final file.
+        proto = onnx.load(tmp, load_external_data=False)
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = 'ds_seg', json.dumps(card, default=str)
+        external = _point_external_data_at(proto, f'{os.path.basename(out)}.data')
+        if external:
+            os.replace(f'{tmp}.data', f'{out}.data')
+            moved.append(f'{out}.data')
+        onnx.save(proto, tmp)
         check_onnx(model, tmp, x.shape[1], others)
-    except Exception:
-        os.remove(tmp)
+    except BaseException:  # a failed or interrupted export leaves nothing behind
+        remove_quietly(tmp, f'{tmp}.data', *moved)
         raise
     os.replace(tmp, out)
     write_card(card, out)
     return out
+
+
+def _point_external_data_at(proto, location):
+    """Rename the file the graph's external tensors live in to ``location``; whether any do."""
+    found = False
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == 'location':
+                entry.value, found = location, True
+    return found
 
 
 @contextlib.contextmanager
@@ -293,12 +312,14 @@ def export_torch(model, out, info, work_dir=None, step=None):
                           f'({str(exc).splitlines()[0][:160]}).') from exc
     if worst >= TOLERANCE:
         raise ConfigError(f'--format torch-export: the program differs from the model by {worst:.2e}.')
-    tmp = f'{out}.tmp.pt2'
+    from .inputs import partial_path, remove_quietly
+    tmp = partial_path(out)  # ds_seg's own name: '<out>.tmp.pt2' replaced a user's file of that name
     try:
         torch.export.save(program, tmp)
-    except Exception as exc:  # e.g. a Python math op on sizes the serialiser does not know
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    except BaseException as exc:  # e.g. a Python math op on sizes the serialiser does not know
+        remove_quietly(tmp)
+        if not isinstance(exc, Exception):
+            raise
         raise ConfigError(f'--format torch-export: {type(model).__name__} exports but cannot be saved '
                           f'({str(exc).splitlines()[0][:160]}); use --format onnx.') from exc
     os.replace(tmp, out)

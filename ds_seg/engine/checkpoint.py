@@ -436,7 +436,8 @@ def export(ckpt_dir, out_file, model_cfg=None, classes=None, extra=None):
         payload['data'] = marker['data']
     payload.update(extra or {})
     payload['sha256'] = weights_digest(state)  # checked on every load: a changed byte is refused
-    tmp = f'{out_file}.tmp'
+    from ..inputs import partial_path
+    tmp = partial_path(out_file)  # ds_seg's own name: '<out>.tmp' replaced a user's file of that name
     try:
         torch.save(payload, tmp)
         os.replace(tmp, out_file)

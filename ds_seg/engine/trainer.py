@@ -177,6 +177,10 @@ class Trainer:
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
         for note in (*spec.notes, *unused_settings(cfg)):
             self.print(note)
+        # Which checkpoint a resume continues, and so whether load_from is read: before the data
+        # (a missing load_from is refused before the datasets are scanned).
+        found = checkpoint.resolve_resume(resume, self.work_dir, report=report)
+        load_from = self._weights_to_load(cfg.get('load_from'), found)
 
         # --- data: rank 0 first, so one-off caches (synthetic scenes, band stats) are built once
         data_cfg = cfg.data
@@ -206,8 +210,6 @@ class Trainer:
         # replace every pretrained tensor, so the pretrained file is not read. A requeued job
         # (--resume auto) whose pretrained file was purged from scratch, or is not on this node,
         # was refused although its checkpoint held every weight.
-        found = checkpoint.resolve_resume(resume, self.work_dir, report=report)
-        load_from = self._weights_to_load(cfg.get('load_from'), found)
         model_cfg = without_pretrained(cfg.model) if found or load_from else cfg.model
         torch.manual_seed(cfg.train.seed)
         # Under ZeRO-3 parameters are partitioned as they are created: no rank holds the model.

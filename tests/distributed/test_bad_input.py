@@ -149,6 +149,8 @@ def _cases(tmp):
         'flip_typo': (["data.train.transforms=[{'type': 'RandomFlip', 'direction': 'horizonal'}]"], None, []),
         'load_from_folder': ([f'load_from={tmp}'], None, []),
         # a checkpoints folder's pointer file (the 6-class run's, written before these cases run)
+        # refused by the trainer (a resumed run never reads it), still before any step
+        'load_from_missing': ([f"load_from={os.path.join(tmp, 'gone.pt')!r}"], None, []),
         'load_from_pointer': ([f"load_from={os.path.join(tmp, 'trained6', 'checkpoints', 'latest')}"], None, []),
         # the 6-class run's exported weights (see _run_cases) into a wider UNet: another
         # architecture (another class count is fine-tuning: tests/distributed/test_training.py)
@@ -294,6 +296,7 @@ EXPECTED = {
                    "set data.train.mode='random'"],
     'flip_typo': ['transforms[0] (RandomFlip)', "direction must be one or both of 'horizontal', 'vertical'"],
     'load_from_folder': ['load_from=', 'is a folder', 'launch/export.py'],
+    'load_from_missing': ["load_from='", "gone.pt' does not exist; give a weights file written by launch/export.py"],
     'load_from_pointer': ['load_from=', 'names a checkpoint of a run, not a weights file', 'launch/export.py'],
     'load_from_width': ['load_from: ', 'trained6.pt does not fit model UNet:', 'in the weights',
                         'same architecture (the class count may differ'],

@@ -85,7 +85,9 @@ def test_a_wrong_value_is_refused_naming_the_key(section, name, key, value):
     ('train=3', '--cfg-options: train must be a dict with the keys max_steps, log_interval,'),
     ('optim.paramwise=3', '--cfg-options: optim.paramwise must be a dict of no_weight_decay and backbone_lr_mult'),
     ('data.eval_overlap=32', '--cfg-options: data.eval_overlap (32) must be smaller than the evaluation tile (32'),
-    ('load_from=nowhere.pt', "--cfg-options: load_from='nowhere.pt' does not exist"),
+    # A missing file is refused by the trainer (a resumed run never reads it); a folder never is one.
+    (f'load_from={str(REPO_ROOT / "configs")!r}', f"--cfg-options: load_from={str(REPO_ROOT / 'configs')!r} is a "
+                                                   "folder; give the weights file"),
 ])
 def test_whole_sections_and_cross_field_checks(option, message):
     with pytest.raises(ConfigError) as err:

@@ -318,3 +318,42 @@ def test_an_export_never_replaces_a_link_even_one_to_nothing(weights, tmp_path):
     with pytest.raises(ConfigError, match=r'--out: .*dangling.onnx already exists'):
         deploy.export_onnx(model, str(link), dict(model=dict(type='SegFormerTiny'), classes=CLASSES))
     assert link.is_symlink() and not (tmp_path / 'missing.onnx').exists()
+
+
+@pytest.mark.parametrize('fmt', ['weights', 'onnx', 'torch-export'])
+def test_an_export_never_touches_a_users_file_of_its_temporary_name(trained_run, weights, tmp_path, fmt):
+    """export wrote through fixed temporary names ('<out>.tmp', '<out>.tmp.pt2'): a user's file
+    of that name was overwritten, then renamed into the export."""
+    from ds_seg.cli import export
+    source = os.path.join(trained_run[1], 'checkpoints', 'step_00000004') if fmt == 'weights' else weights[1]
+    out = tmp_path / {'weights': 'm.pt', 'onnx': 'm.onnx', 'torch-export': 'm.pt2'}[fmt]
+    mine = f'{out}.tmp.pt2' if fmt == 'torch-export' else f'{out}.tmp'
+    with open(mine, 'w') as f:
+        f.write('field notes')
+    assert export.main([source, '--out', str(out), '--format', fmt]) == 0
+    assert open(mine).read() == 'field notes'
+    left = set(os.listdir(tmp_path)) - {os.path.basename(mine), out.name, f'{out.name}.card.json', f'{out.name}.card.md'}
+    assert not left, left
+
+
+def test_an_onnx_export_with_external_weights_keeps_them_beside_the_file(weights, tmp_path, monkeypatch):
+    """A model over the exporter's size limit keeps its weights in a file beside the graph: the
+    export left '<out>.tmp.data' behind, named in the graph, and saved the graph with every weight
+    loaded back in (past protobuf's 2 GB for the models that need it). The limit is lowered here
+    so a small model takes that path."""
+    import onnxruntime as ort
+    from torch.onnx._internal.exporter import _onnx_program
+
+    from ds_seg import deploy
+    monkeypatch.setattr(_onnx_program, '_LARGE_MODEL_THRESHOLD', 1000)
+    _, _, model = weights
+    out = str(tmp_path / 'big.onnx')
+    deploy.export_onnx(model, out, dict(model=dict(type='SegFormerTiny'), classes=CLASSES))
+    import onnx
+    assert sorted(os.listdir(tmp_path)) == ['big.onnx', 'big.onnx.card.json', 'big.onnx.card.md', 'big.onnx.data']
+    graph = onnx.load(out, load_external_data=False).graph
+    assert {e.value for t in graph.initializer for e in t.external_data if e.key == 'location'} == {'big.onnx.data'}
+    x = torch.randn(1, 3, 64, 96)
+    session = ort.InferenceSession(out, providers=['CPUExecutionProvider'])
+    with torch.no_grad():
+        assert np.abs(session.run(None, {'images_BCHW': x.numpy()})[0] - model(x).numpy()).max() < 1e-4
