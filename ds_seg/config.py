@@ -1581,18 +1581,20 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
     elif sched and sched.get('type') == 'OneCycle':
         # OneCycle's cycle is 2 x 2000 steps unless told: a shorter run only ever rose towards
         # cycle_max_lr. Its cycle then spans the run, as the schedules above do.
+        # A second half the JSON gives is kept: the first half takes the rest of the run.
         params = sched.setdefault('params', {})
         first = params.get('cycle_first_step_size', _schedule_default('OneCycle', 'cycle_first_step_size'))
         second = params.get('cycle_second_step_size')
-        cycle = first + (first if second is None else second) if _is_number(first) and (
-            second is None or _is_number(second)) else None
-        if 'cycle_first_step_size' not in params and cycle is not None and cycle > max_steps:
-            params['cycle_first_step_size'] = max(1, max_steps // 2)
-            if second is None:
-                params['cycle_second_step_size'] = max(1, max_steps - params['cycle_first_step_size'])
+        if ('cycle_first_step_size' not in params and _is_number(first) and (second is None or _is_number(second))
+                and first + (first if second is None else second) > max_steps
+                and (second is None or second < max_steps)):
+            cycle = first + (first if second is None else second)
+            params['cycle_first_step_size'] = max(1, max_steps // 2 if second is None else max_steps - second)
+            params['cycle_second_step_size'] = max(1, max_steps - params['cycle_first_step_size'])
             notes.append(f"{source}: scheduler.params.cycle_first_step_size {first} (the OneCycle default) makes a "
                          f"cycle of {cycle} steps, longer than the run ({max_steps} steps); cycling over the run "
-                         f"instead ({params['cycle_first_step_size']} step(s) up, then down).")
+                         f"instead ({params['cycle_first_step_size']} step(s) up, "
+                         f"{params['cycle_second_step_size']} down).")
 
     if 'bfloat16' in ds:  # DeepSpeed's old spelling
         ds['bf16'] = ds.pop('bfloat16')

@@ -218,7 +218,8 @@ class Checkpointer:
             torch.cuda.set_rng_state(state['rng_cuda'])
         step = int(state['step'])
         self.report(f'resumed from {root}/{tag} at step {step}')
-        self._say_schedule_change(marker.get('schedule'), step)
+        if 'schedule' in marker:  # recorded since; a resume without a scheduler is refused above
+            self._say_schedule_change(marker['schedule'], step)
         return step, offset
 
     def _say_schedule_change(self, saved, step):
@@ -227,7 +228,7 @@ class Checkpointer:
         A smoke test's shortened warmup, resumed with a longer train.max_steps, re-derives it
         from the JSON: the LR went back into warmup without a word."""
         now = self.spec.ds_config.get('scheduler')
-        if saved is None or saved == now:  # checkpoints from before this was recorded: not said
+        if saved == now:
             return
         if not saved or not now or saved.get('type') != now.get('type'):
             said = f"{(saved or {}).get('type', 'none')} -> {(now or {}).get('type', 'none')}"
@@ -263,6 +264,12 @@ class Checkpointer:
                               f"uses {now!r}; its state cannot carry over: export it (launch/export.py) and use "
                               "load_from= to start the new optimizer from its weights.")
         saved_params = marker.get('optimizer_params')  # None: a checkpoint from before this was recorded
+        scheduler = self.spec.ds_config.get('scheduler')
+        if saved_params is not None and 'lr' in saved_params and scheduler:  # an lr is recorded without one
+            # Its schedule would start over at its first step (DeepSpeed failed loading the state).
+            raise ConfigError(f"--resume: {where} was trained without an LR scheduler, but the DeepSpeed config has "
+                              f"one ({scheduler.get('type')}): it would start over at its first step. Resume without "
+                              "it, or start a new run from its weights (launch/export.py, then load_from=).")
         if saved_params is not None:
             now = restored_hyperparameters(self.spec.ds_config)
             # A key the checkpoint does not record (written before a default was made explicit)

@@ -233,3 +233,31 @@ def test_a_resume_on_another_schedule_says_what_changed_and_the_lr_it_goes_on_at
     assert len(lines) == 1, printed
     assert 'warmup_num_steps 1 -> 3' in lines[0] and 'total_num_steps 2 -> 6' in lines[0], lines
     assert lines[0].endswith(f'from step 3 it follows this run\'s: LR {lrs[2]:.3g} at step 3'), (lines, lrs)
+
+
+def _scheduler_added_on_resume(tmp, backend):
+    """Two steps without a scheduler, then a resume whose JSON has one: the refusal line."""
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    for steps, resume, scheduled in ((2, None, False), (4, 'auto', True)):
+        ds = ds_config(0, micro_batch=2)
+        if not scheduled:
+            ds.pop('scheduler')
+        cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=2)
+        try:
+            trainer = Trainer(cfg, ds, backend=backend, work_dir=os.path.join(tmp, 'work'), resume=resume)
+        except ConfigError as exc:
+            return str(exc)
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    return None
+
+
+@pytest.mark.parametrize('backend', ['ddp', 'deepspeed'])
+def test_a_scheduler_added_on_resume_is_refused(tmp_path, backend):
+    # DeepSpeed failed loading the scheduler state (a TypeError traceback); DDP started the new
+    # schedule over at its first step, at step 3 of the run, without a word.
+    said = run_on_ranks(_scheduler_added_on_resume, 1, args=(str(tmp_path), backend))[0]
+    assert said is not None and said.startswith('--resume: ') and 'was trained without an LR scheduler' in said, said

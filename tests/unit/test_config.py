@@ -564,7 +564,7 @@ def test_one_cycle_of_the_default_length_spans_a_shorter_run_with_a_note():
     resolved, _, notes = resolve_ds_config(ds, 1, 100, source='x.json')
     assert notes == ['x.json: scheduler.params.cycle_first_step_size 2000 (the OneCycle default) makes a cycle of '
                      '4000 steps, longer than the run (100 steps); cycling over the run instead (50 step(s) up, '
-                     'then down).']
+                     '50 down).']
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     scheduler = build_scheduler(optimizer, resolved['scheduler'])
     lrs = []
@@ -574,6 +574,10 @@ def test_one_cycle_of_the_default_length_spans_a_shorter_run_with_a_note():
         scheduler.step()
     assert lrs[0] == pytest.approx(1e-4) and max(lrs) == pytest.approx(1e-3) and lrs.index(max(lrs)) == 50
     assert optimizer.param_groups[0]['lr'] == pytest.approx(1e-4)  # the cycle ends with the run
+    # A second half given in the JSON is kept; the first takes the rest of the run.
+    ds['scheduler']['params']['cycle_second_step_size'] = 30
+    params = resolve_ds_config(ds, 1, 100)[0]['scheduler']['params']
+    assert (params['cycle_first_step_size'], params['cycle_second_step_size']) == (70, 30)
     ds['scheduler']['params']['cycle_first_step_size'] = 500
     resolved, _, notes = resolve_ds_config(ds, 1, 100)
     assert resolved['scheduler']['params']['cycle_first_step_size'] == 500 and not notes
