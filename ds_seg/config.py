@@ -344,8 +344,9 @@ def load_from_refusal(path):
     if os.path.isdir(path):
         import glob
         found = sorted(glob.glob(os.path.join(glob.escape(path), 'weights_*.pt')))
+        example = f", e.g. {found[-1]!r}" if found else ''
         return (f"load_from={path!r} is a folder; give the weights file written by launch/export.py (<work "
-                f"dir>/weights_<step>.pt{', e.g. ' + repr(found[-1]) if found else ''}); to continue a run use --resume.")
+                f"dir>/weights_<step>.pt{example}); to continue a run use --resume.")
     if not os.path.isfile(path):
         return f"load_from={path!r} does not exist; give a weights file written by launch/export.py."
     if os.path.basename(path) in ('latest', 'best'):

@@ -320,6 +320,8 @@ def _run(args):
         check_pixel_type(path, info, args, option)
         if args.images:  # a dataset selects its bands by its own config
             check_band_count(path, info, args, option)
+        else:  # --images were checked against the model's colours as they were paired
+            check_bands(path, bands, None, option, colours=(info.get('data') or {}).get('colours'))
     check_tile_fits(model, info, args.tile, bands, device)
     with torch.inference_mode():
         result = evaluate_scenes(model, scenes, num_classes=len(classes), mean=mean, std=std,
@@ -329,8 +331,9 @@ def _run(args):
     cm = result['confusion']
     if int(cm.sum()) == 0:  # metrics of nothing would be null, or a traceback; nothing is written
         if result['image_pixels'] == 0:  # the images, not the labels, left nothing to measure
-            raise ValueError(f"no pixel of the images ({', '.join(images)}) holds data: all are nodata (their nodata "
-                             "value, mask or alpha band); nothing can be measured. Check the image files")
+            more = f' and {len(images) - 3} more' if len(images) > 3 else ''
+            raise ValueError(f"no pixel of the images ({', '.join(images[:3])}{more}) holds data: all are nodata "
+                             "(their nodata value, mask or alpha band); nothing can be measured. Check the image files")
         raise ValueError(no_class_pixels([p[1] for p in scene_pairs(scenes)], args))
     metrics = metrics_from_confusion(cm, classes, exclude=tuple(args.exclude))
     if distributed.is_main():

@@ -61,10 +61,10 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, file_identity,
-                     gdal_path, is_remote, label_nodata, nodata_mask, open_raster, pixel_grid, pixel_type_refusal,
-                     raster_env, read_error, read_label_band, read_window, same_file_key, same_pixels, same_value,
-                     user_cache_dir, uses_mask_band)
+from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, colours_conflict,
+                     file_identity, gdal_path, is_remote, label_nodata, nodata_mask, open_raster, pixel_grid,
+                     pixel_type_refusal, raster_env, read_error, read_label_band, read_window, same_file_key,
+                     same_pixels, same_value, user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -617,23 +617,33 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     def _check_band_colours(self, bands):
         """What the selected bands hold by the files' colour interpretation (['red', 'green',
-        'blue']), recorded with the model so predict and evaluate can refuse a scene of another
-        order; None where no file says. A scene whose tags say another order than an earlier one
-        (a BGR file among RGB ones) is refused: one `bands` selection reads them all."""
-        first = None
+        'blue', None]), recorded with the model so predict and evaluate can refuse a scene of
+        another order; None where no file says. A file whose tags say another order than an
+        earlier one on a band both name (a BGR file among RGB ones, any date of a time series) is
+        refused: one `bands` selection reads them all."""
+        first, merged = None, None
         for s in self._scenes:
-            said = band_colours(s.get('colorinterp'), self.bands)
-            if said is None:
-                continue
-            if first is None:
-                first = (s['image'], said)
-            elif said != first[1]:
-                selected = f"bands={bands}" if bands is not None else 'all bands'
-                raise DataError(f"{s['image']}: its bands {self.bands} hold {', '.join(said)} by the file's colour "
-                                f"interpretation, but {first[0]}'s hold {', '.join(first[1])}; one {selected} reads "
-                                f"every scene, so write them in one band order (gdal_translate -b ...), or correct "
-                                f"the tags if they are wrong (gdal_edit.py -colorinterp_1 ...).")
-        return first and first[1]
+            for i, path in enumerate(s.get('dates', (s['image'],))):
+                if i == 0:
+                    interp = s.get('colorinterp')
+                else:
+                    with open_raster(path) as src:
+                        interp = [c.name for c in src.colorinterp]
+                said = band_colours(interp, self.bands)
+                if said is None:
+                    continue
+                if first is None:
+                    first, merged = (path, said), list(said)
+                elif colours_conflict(said, merged):
+                    selected = f"bands={bands}" if bands is not None else 'one selection of all bands'
+                    raise DataError(f"{path}: its bands {self.bands} hold {', '.join(c or '(unsaid)' for c in said)} "
+                                    f"by the file's colour interpretation, but {first[0]}'s hold "
+                                    f"{', '.join(c or '(unsaid)' for c in first[1])}; {selected} reads every scene, "
+                                    "so write them in one band order (gdal_translate -b ...), or correct the tags if "
+                                    "they are wrong (gdal_edit.py -colorinterp_1 ...).")
+                else:  # a band the first file left unsaid, named by this one
+                    merged = [m or c for m, c in zip(merged, said)]
+        return merged
 
     def _inspect(self, image, label):
         if is_vector(label):

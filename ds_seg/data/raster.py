@@ -407,38 +407,71 @@ _UNSAID_COLOURS = frozenset({'undefined', 'gray'})
 
 
 def band_colours(colorinterp, bands):
-    """What the file's colour interpretation says the selected ``bands`` (1-based) hold, e.g.
-    ``['red', 'green', 'blue']``; None where it does not say for one of them (grey, undefined).
+    """What the file's colour interpretation says each selected band (1-based) holds, e.g.
+    ``['red', 'green', 'blue', None]`` for RGB + an undefined NIR band (None: grey or undefined,
+    the file does not say); None where it says nothing of any.
 
     ``colorinterp``: the file's, as names (``[c.name for c in src.colorinterp]``)."""
     if not colorinterp or not bands or max(bands) > len(colorinterp):
         return None
-    said = [str(colorinterp[b - 1]).lower() for b in bands]
-    return None if set(said) & _UNSAID_COLOURS else said
+    said = [None if str(colorinterp[b - 1]).lower() in _UNSAID_COLOURS else str(colorinterp[b - 1]).lower()
+            for b in bands]
+    return said if any(said) else None
+
+
+def _aligned(said, expected):
+    """``expected`` at ``said``'s length where one repeats the other per date (a file stacking
+    every date's RGB against one date's colours, or the reverse); None where they do not align."""
+    if len(said) == len(expected):
+        return list(expected)
+    if len(said) % len(expected) == 0:
+        return list(expected) * (len(said) // len(expected))
+    if len(expected) % len(said) == 0 and list(expected) == list(expected[:len(said)]) * (len(expected) // len(said)):
+        return list(expected[:len(said)])
+    return None
+
+
+def colours_conflict(said, expected):
+    """Whether two colour lists (:func:`band_colours`) disagree on a band both say something of."""
+    expected = _aligned(said, expected) if said and expected else None
+    return bool(expected) and any(a and b and a != b for a, b in zip(said, expected))
 
 
 def bands_holding(colorinterp, colours):
-    """The 1-based bands of a file whose colour interpretation is ``colours``, in that order
-    (each colour held by exactly one band); None where the file lacks one or holds one twice."""
+    """The 1-based bands of a file whose colour interpretation is ``colours``, in that order: each
+    colour takes the next band tagged with it (a file stacking dates holds each colour once per
+    date), a None entry the next band that says nothing; None where the file runs out of one."""
     names = [str(c).lower() for c in colorinterp or ()]
-    if not colours or any(names.count(c) != 1 for c in colours):
-        return None
-    return [names.index(c) + 1 for c in colours]
+    used, picked = set(), []
+    for colour in colours or ():
+        band = next((i for i, n in enumerate(names) if i not in used and
+                     (n == colour if colour else n in _UNSAID_COLOURS)), None)
+        if band is None:
+            return None
+        used.add(band)
+        picked.append(band + 1)
+    return picked or None
+
+
+def _said(colours):
+    return ', '.join(c or '(unsaid)' for c in colours)
 
 
 def colour_order_refusal(path, colorinterp, bands, expected, bands_said, expected_said, fix):
     """One line where ``path``'s selected ``bands`` hold other colours, by its colour
-    interpretation, than ``expected`` (the model's, or data.train's); None where they agree or
-    either does not say. ``bands_said``/``expected_said`` name both in the line; ``fix(bands)``
-    says how to select given bands (``--bands 3 2 1``, ``data.val.bands=[3, 2, 1]``)."""
+    interpretation, than ``expected`` (the model's, or data.train's); None where they agree on
+    every band both say something of. ``bands_said``/``expected_said`` name both in the line;
+    ``fix(bands)`` says how to select given bands (``--bands 3 2 1``, ``data.val.bands=[3, 2, 1]``)."""
     said = band_colours(colorinterp, bands)
-    if not said or not expected or len(said) != len(expected) or said == list(expected):
+    if not colours_conflict(said, expected):
         return None
+    expected = _aligned(said, expected)
     right = bands_holding(colorinterp, expected)
-    how = f"Select {fix(right)}" if right else f"Give a file whose bands hold {', '.join(expected)}"
-    return (f"{path}: {bands_said} hold {', '.join(said)} by the file's colour interpretation, but "
-            f"{expected_said} {', '.join(expected)}: the model would see the colours swapped. {how}; if the "
-            f"file's tags are wrong, correct them (gdal_edit.py -colorinterp_1 {expected[0]} ... {path}).")
+    how = f"Select {fix(right)}" if right else f"Give a file whose bands hold {_said(expected)}"
+    first = next(c for c in expected if c)
+    return (f"{path}: {bands_said} hold {_said(said)} by the file's colour interpretation, but {expected_said} "
+            f"{_said(expected)}: the model would see the colours swapped. {how}; if the file's tags are wrong, "
+            f"correct them (gdal_edit.py -colorinterp_1 {first} ... {path}).")
 
 
 def alpha_bands(src):

@@ -14,6 +14,7 @@ import torch
 
 from .. import distributed
 from ..config import ConfigError
+from ..data.raster import colours_conflict
 from . import checkpoint, reshard
 
 
@@ -319,9 +320,10 @@ class Checkpointer:
         if saved.get('bands') is not None and list(saved['bands']) != mine['bands']:
             return (f"--resume: {where} was trained on bands {saved['bands']} but data.train takes {mine['bands']}; "
                     f"give data.train.bands={saved['bands']}, or {fresh}.")
-        if saved.get('colours') and mine.get('colours') and saved['colours'] != mine['colours']:
-            return (f"--resume: {where} was trained on bands holding {', '.join(saved['colours'])} but data.train's "
-                    f"hold {', '.join(mine['colours'])} by its files' colour interpretation; select the bands in the "
+        if colours_conflict(mine.get('colours'), saved.get('colours')):
+            said = lambda colours: ', '.join(c or '(unsaid)' for c in colours)  # noqa: E731
+            return (f"--resume: {where} was trained on bands holding {said(saved['colours'])} but data.train's "
+                    f"hold {said(mine['colours'])} by its files' colour interpretation; select the bands in the "
                     f"order it was trained on, or {fresh}.")
         differ = [key for key in ('mean', 'std') if saved.get(key) is not None and (
             len(saved[key]) != len(mine[key]) or not np.allclose(saved[key], mine[key], rtol=1e-5, atol=1e-6))]

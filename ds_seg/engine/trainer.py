@@ -19,7 +19,7 @@ import torch
 from .. import distributed
 from ..config import ConfigError, default_work_dir, load_from_refusal, unused_settings
 from ..data.loader import build_train_loader
-from ..data.raster import band_colours, colour_order_refusal, same_file_key
+from ..data.raster import band_colours, colour_order_refusal, colours_conflict, same_file_key
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
 from ..inference.model import native_input_size, window_refusal
@@ -647,12 +647,14 @@ class Trainer:
             return
         t_colours, v_colours = getattr(t, 'band_colours', None), getattr(v, 'band_colours', None)
         if t_colours and v_colours:
-            scene = next(s for s in v.scenes if band_colours(s.get('colorinterp'), list(v_bands)))
-            refusal = colour_order_refusal(scene['image'], scene.get('colorinterp'), list(v_bands), t_colours,
-                                           f'data.val\'s bands {list(v_bands)}', 'data.train\'s bands hold',
-                                           lambda right: f'data.val.bands={right}')
-            if refusal:
-                raise ConfigError(refusal)
+            if colours_conflict(v_colours, t_colours):
+                scene = next(s for s in v.scenes if band_colours(s.get('colorinterp'), list(v_bands)))
+                raise ConfigError(colour_order_refusal(
+                    scene['image'], scene.get('colorinterp'), list(v_bands), t_colours,
+                    f'data.val\'s bands {list(v_bands)}', 'data.train\'s bands hold',
+                    lambda right: f'data.val.bands={right}') or
+                    f"data.val's bands {list(v_bands)} hold {v_colours} by its files' colour interpretation, but "
+                    f"data.train's {t_colours}; give data.val the bands that match data.train's.")
             return
         if list(t_bands) == list(v_bands) or getattr(t, 'num_file_bands', None) != getattr(v, 'num_file_bands', None):
             return

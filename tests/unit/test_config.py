@@ -432,8 +432,9 @@ DS_VALUE_REFUSALS = {
                           "'data_efficiency' is switched on"),
     'drop_last_on': (dict(dataloader_drop_last=True), "'dataloader_drop_last' is switched on, but it has no effect "
                                                       "in ds_seg (it sets DeepSpeed's own data loader"),
-    'hybrid_engine_on': (dict(hybrid_engine={'enabled': True}), "'hybrid_engine' is switched on, but it has no "
-                                                                 "effect in ds_seg (it is DeepSpeed's generation engine"),
+    'hybrid_engine_on': (dict(hybrid_engine={'enabled': True}),
+                         "'hybrid_engine' is switched on, but it has no effect in ds_seg (it is DeepSpeed's "
+                         "generation"),
     # ds_seg took 'bfloat16' (off) where DeepSpeed takes 'bf16' (on): the two disagreed.
     'bf16_twice': (dict(bf16={'enabled': True}, bfloat16={'enabled': False}),
                    "both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'."),

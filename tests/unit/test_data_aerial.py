@@ -94,12 +94,12 @@ def test_palette_decoding_tolerates_noise(tmp_path):
 
 def test_colour_labels_without_a_class_colour_are_named_not_the_images(tmp_path):
     # Every pixel black (palette_ignore): the line blamed the images' nodata value and `bands`.
-    from ds_seg.data.raster import DataError
     rng = np.random.default_rng(2)
     img = write_tif(tmp_path / 'img.tif', rng.integers(1, 255, (3, 32, 32)).astype(np.uint8))
     lbl = write_tif(tmp_path / 'black.tif', np.zeros((3, 32, 32), np.uint8))
     with pytest.raises(DataError, match=r"black.tif: no pixel is labelled with a class \(all are colours of "
-                                        r"`palette_ignore`, unknown colours or nodata\).*`palette` or `palette_ignore`"):
+                                        r"`palette_ignore`, unknown colours or nodata\).*`palette` or "
+                                        r"`palette_ignore`"):
         GeoTiffScenes([img], [lbl], crop_size=32, palette=ISPRS_PALETTE, palette_ignore=[(0, 0, 0)])
     # A class colour in one pixel is enough: no refusal.
     one = np.zeros((3, 32, 32), np.uint8)

@@ -267,6 +267,23 @@ def test_validation_bands_are_compared_by_what_the_files_say_they_are(tmp_path):
         GeoTiffScenes([rgb, grey, bgr], [lbl] * 3, crop_size=32, classes=2)
     assert GeoTiffScenes([rgb, grey], [lbl] * 2, crop_size=32, classes=2).band_colours == ['red', 'green', 'blue']
     assert GeoTiffScenes([grey], [lbl], crop_size=32, classes=2).band_colours is None
+    # RGB + an undefined NIR band (the usual aerial 4-band file): compared on the bands they name.
+    def scene4(name, interp):
+        path = write_tif(tmp_path / f'{name}.tif', rng.integers(1, 255, (4, 32, 32)).astype(np.uint8))
+        with rasterio.open(path, 'r+') as dst:
+            dst.colorinterp = [getattr(ColorInterp, c) for c in interp]
+        return path
+    rgbn = scene4('rgbn', ('red', 'green', 'blue', 'undefined'))
+    bgrn = scene4('bgrn', ('blue', 'green', 'red', 'undefined'))
+    assert GeoTiffScenes([rgbn], [lbl], crop_size=32, classes=2).band_colours == ['red', 'green', 'blue', None]
+    with pytest.raises(DataError, match=r"bgrn.tif: its bands \[1, 2, 3, 4\] hold blue, green, red, \(unsaid\)"):
+        GeoTiffScenes([rgbn, bgrn], [lbl] * 2, crop_size=32, classes=2)
+    with pytest.raises(ConfigError, match=r"data.val.bands=\[3, 2, 1, 4\]"):
+        check(GeoTiffScenes([rgbn], [lbl], crop_size=32, classes=2),
+              GeoTiffScenes([bgrn], [lbl], crop_size=32, classes=2, mode='grid'))
+    # Every date of a time series, not only the first.
+    with pytest.raises(DataError, match=r"bgr.tif: its bands \[1, 2, 3\] hold blue, green, red"):
+        GeoTiffScenes([[rgb, grey], [grey, bgr]], [lbl, lbl], crop_size=32, classes=2)
 
 
 def test_statistics_cached_by_an_earlier_version_are_computed_again(tmp_path):

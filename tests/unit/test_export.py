@@ -332,7 +332,8 @@ def test_an_export_never_touches_a_users_file_of_its_temporary_name(trained_run,
         f.write('field notes')
     assert export.main([source, '--out', str(out), '--format', fmt]) == 0
     assert open(mine).read() == 'field notes'
-    left = set(os.listdir(tmp_path)) - {os.path.basename(mine), out.name, f'{out.name}.card.json', f'{out.name}.card.md'}
+    left = set(os.listdir(tmp_path)) - {os.path.basename(mine), out.name, f'{out.name}.card.json',
+                                        f'{out.name}.card.md'}
     assert not left, left
 
 

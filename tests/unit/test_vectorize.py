@@ -376,6 +376,34 @@ def test_predict_and_evaluate_refuse_a_data_band_tagged_alpha_as_training_does(t
     assert _predict(t, '--input', str(rgba)) == 0  # its recorded bands 1-3: the alpha band is the mask it is
 
 
+def test_the_colour_check_follows_dates_and_compares_the_bands_files_name(tmp_path):
+    """A file stacking two dates of BGR passed for a model of RGB dates (the lists differed in
+    length), and an RGB + undefined-NIR model took a BGR + NIR scene (one band said nothing)."""
+    from rasterio.transform import from_origin
+
+    from ds_seg.config import ConfigError
+    from ds_seg.inputs import check_bands
+
+    def tagged(name, interp):
+        path = str(tmp_path / name)
+        with rasterio.open(path, 'w', driver='GTiff', width=16, height=16, count=len(interp), dtype='uint8',
+                           crs='EPSG:32632', transform=from_origin(0, 16, 1, 1)) as dst:
+            dst.write(np.ones((len(interp), 16, 16), np.uint8))
+        with rasterio.open(path, 'r+') as dst:
+            dst.colorinterp = [getattr(ColorInterp, c) for c in interp]
+        return path
+    stacked = tagged('bgr_x2.tif', ('blue', 'green', 'red') * 2)
+    with pytest.raises(ConfigError, match=r"bgr_x2.tif: .* hold blue, green, red, blue, green, red .* Select "
+                                          r"--bands 3 2 1 6 5 4"):
+        check_bands(stacked, None, 6, colours=['red', 'green', 'blue'])
+    bgrn = tagged('bgrn.tif', ('blue', 'green', 'red', 'undefined'))
+    with pytest.raises(ConfigError, match=r"hold blue, green, red, \(unsaid\) .* Select --bands 3 2 1 4"):
+        check_bands(bgrn, None, 4, colours=['red', 'green', 'blue', None])
+    check_bands(bgrn, [3, 2, 1, 4], 4, colours=['red', 'green', 'blue', None])
+    rgbn = tagged('rgbn.tif', ('red', 'green', 'blue', 'undefined'))
+    check_bands(rgbn, None, 4, colours=['red', 'green', 'blue', None])
+
+
 def test_predict_and_evaluate_refuse_a_scene_whose_colours_are_in_another_order(tiny_weights, capsys):
     # A model trained on RGB files (recorded: data.colours) read a BGR scene's bands 1-3 as
     # red, green, blue: every pixel was classified with its colours swapped, without a word.
@@ -404,6 +432,13 @@ def test_predict_and_evaluate_refuse_a_scene_whose_colours_are_in_another_order(
                           '--output', str(t['tmp'] / 'ev')])
     err = capsys.readouterr().err
     assert code == 2 and 'hold blue, green, red' in err and not (t['tmp'] / 'ev').exists(), err
+    # A config's data.val is checked as --images are.
+    config = t['tmp'] / 'bgr_val.py'
+    val = dict(type='GeoTiffScenes', images=[str(bgr)], labels=[str(label)], classes=4)
+    config.write_text(f"data = dict(crop_size=32, train={val!r}, val={val!r})\n")
+    code = evaluate.main(['--checkpoint', t['weights'], '--config', str(config), '--output', str(t['tmp'] / 'ev2')])
+    err = capsys.readouterr().err
+    assert code == 2 and 'bgr.tif: the bands the model reads (1 2 3) hold blue, green, red' in err, err
     # The bands that hold the model's colours, and a file that does not say: both predicted.
     assert _predict(t, '--input', str(bgr), '--bands', '3', '2', '1') == 0
     assert _predict(t, '--input', str(tagged('grey.tif', ('gray', 'undefined', 'undefined'))), '--overwrite') == 0
