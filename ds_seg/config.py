@@ -331,7 +331,8 @@ class ExperimentSection(_Section):
         super().__post_init__()
         # A folder or a run's pointer is never a weights file. A missing file is refused by the
         # trainer, where the run reads it (load_from_refusal): a resumed run never does.
-        refusal = self.load_from and os.path.exists(self.load_from) and load_from_refusal(self.load_from)
+        refusal = self.load_from and (os.path.exists(self.load_from) or '://' in self.load_from) and \
+            load_from_refusal(self.load_from)
         if refusal:
             raise ConfigError(refusal)
 
@@ -341,6 +342,8 @@ def load_from_refusal(path):
     the run reads it: a resumed run takes every weight from its checkpoint and never reads
     load_from (a requeued job whose file was purged from scratch was refused although it needed
     nothing of it)."""
+    if '://' in path:  # as model.pretrained says of one
+        return f"load_from={path!r} is a URL; download the file and give its path."
     if os.path.isdir(path):
         import glob
         found = sorted(glob.glob(os.path.join(glob.escape(path), 'weights_*.pt')))

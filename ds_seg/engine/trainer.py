@@ -494,9 +494,17 @@ class Trainer:
         if missing or unexpected:
             raise ConfigError(f"load_from: {path} does not fit model {self.cfg.model.type}: "
                               f"missing {missing[:5]}, unexpected {unexpected[:5]}.")
+        named, mine = list(payload.get('classes') or []), list(self.train_set.classes)
         if fresh:
             self.print(f'loaded weights from {path}; its {weight_classes} classes are not this run\'s '
                        f'{run_classes}, so the classifier ({", ".join(fresh)}) starts fresh')
+        elif named and named != mine:
+            # As many classes under other names or in another order: the classifier's channel i
+            # is the file's class i, whatever this run calls it.
+            hint = (f"; give data.train.classes in the file's order to keep their meaning"
+                    if sorted(named) == sorted(mine) else '')
+            self.print(f"loaded weights from {path}; its classes ({', '.join(named)}) are not this run's "
+                       f"({', '.join(mine)}): output channel i keeps the file's class i{hint}")
         else:
             self.print(f'loaded weights from {path}')
 

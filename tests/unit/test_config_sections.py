@@ -88,6 +88,7 @@ def test_a_wrong_value_is_refused_naming_the_key(section, name, key, value):
     # A missing file is refused by the trainer (a resumed run never reads it); a folder never is one.
     (f'load_from={str(REPO_ROOT / "configs")!r}', f"--cfg-options: load_from={str(REPO_ROOT / 'configs')!r} is a "
                                                    "folder; give the weights file"),
+    ('load_from="https://host/w.pt"', "--cfg-options: load_from='https://host/w.pt' is a URL; download the file"),
 ])
 def test_whole_sections_and_cross_field_checks(option, message):
     with pytest.raises(ConfigError) as err:

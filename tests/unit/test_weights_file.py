@@ -55,3 +55,31 @@ def test_a_torch_export_program_is_named_as_such_not_as_a_damaged_file(tmp_path)
         with pytest.raises(ValueError, match=r'model\.pt2:? is a torch\.export program .*give the weights file') as info:
             load(path)
         assert 'corrupt' not in str(info.value) and 'truncated' not in str(info.value)
+
+
+@pytest.mark.parametrize('classes, said', [
+    (['a', 'b', 'c', 'd'], None),
+    (['b', 'a', 'c', 'd'], "its classes (a, b, c, d) are not this run's (b, a, c, d): output channel i keeps the "
+                           "file's class i; give data.train.classes in the file's order to keep their meaning"),
+    (['w', 'x', 'y', 'z'], "its classes (a, b, c, d) are not this run's (w, x, y, z): output channel i keeps the "
+                           "file's class i"),
+])
+def test_load_from_says_when_as_many_classes_are_named_or_ordered_otherwise(tmp_path, classes, said):
+    """Only a class count that differs was said (the classifier then starts fresh): the file's
+    'grass' channel became the run's 'road' without a word when the same names came in another order."""
+    from types import SimpleNamespace
+
+    from ds_seg.engine.trainer import Trainer
+    from ds_seg.registry import MODELS, build
+    cfg = dict(type='UNetTiny', in_channels=3, num_classes=4)
+    state = build(MODELS, cfg).state_dict()
+    path = str(tmp_path / 'w.pt')
+    torch.save({'state_dict': state, 'model': cfg, 'classes': ['a', 'b', 'c', 'd'],
+                'sha256': weights_digest(state)}, path)
+    printed = []
+    fake = SimpleNamespace(spec=SimpleNamespace(backend='ddp'), cfg=SimpleNamespace(model=SimpleNamespace(
+        type='UNetTiny')), train_set=SimpleNamespace(num_classes=4, classes=classes), print=printed.append)
+    model = build(MODELS, cfg)
+    Trainer._load_weights(fake, model, path)
+    assert printed == [f'loaded weights from {path}' + (f'; {said}' if said else '')]
+    assert all(torch.equal(p, state[n]) for n, p in model.state_dict().items())
