@@ -139,6 +139,10 @@ def _check_value(key, value, default):
                                        or isinstance(value, float) and not value.is_integer()):
         # A count, size or index: label_fill=1.9 became class 1 and True class 1, without a word.
         raise ConfigError(f"{key}: write a whole number, got {value!r}.")
+    if key.rsplit('.', 1)[-1] == 'pretrained' and isinstance(value, str) and not value.strip():
+        # An unset variable in a config ('pretrained': os.environ.get(...) or ''): random weights.
+        raise ConfigError(f"{key} is an empty string, which loads nothing; give the weights file's path, True "
+                          "(timm's download) or None (random initialisation).")
     if isinstance(value, dict):  # timm's keyword arguments (backbone_kwargs) hold drop rates too
         for inner, item in value.items():
             if isinstance(inner, str) and inner != 'type':

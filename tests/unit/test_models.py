@@ -119,6 +119,9 @@ def test_unknown_argument_names_the_accepted_ones():
     (dict(type='UperNetTiny', aux_head='no'), r"^model\.aux_head: 'no' is a string"),
     # "'int' object is not iterable" from inside the pretrained loader.
     (dict(type='UperNet', backbone='resnet18', pretrained=1), r"^model\.pretrained: write True or False, got 1\.$"),
+    # An unset variable in a config: trained from random weights without a word.
+    (dict(type='UperNet', backbone='resnet18', pretrained=''), r"^model\.pretrained is an empty string, which loads "
+                                                               r"nothing"),
     # Python's own words from inside the class: 'not all arguments converted during string formatting'.
     (dict(type='UNet', base_channels='16'), r"^model\.base_channels: '16' is a string, not a number"),
     # A count as a fraction or a bool: nn.Conv2d's "empty() received an invalid combination" traceback.
