@@ -84,7 +84,8 @@ def main(argv=None):
             raise
         print(f'export: error: {line}; nothing was exported', file=sys.stderr)
         return 74
-    print(f'exported {ckpt} -> {out}')
+    # The file given, not the checkpoint a weights file was exported from.
+    print(f'exported {args.checkpoint if os.path.isfile(args.checkpoint) else ckpt} -> {out}')
     return 0
 
 

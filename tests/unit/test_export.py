@@ -321,7 +321,7 @@ def test_an_export_never_replaces_a_link_even_one_to_nothing(weights, tmp_path):
 
 
 @pytest.mark.parametrize('fmt', ['weights', 'onnx', 'torch-export'])
-def test_an_export_never_touches_a_users_file_of_its_temporary_name(trained_run, weights, tmp_path, fmt):
+def test_an_export_never_touches_a_users_file_of_its_temporary_name(trained_run, weights, tmp_path, fmt, capsys):
     """export wrote through fixed temporary names ('<out>.tmp', '<out>.tmp.pt2'): a user's file
     of that name was overwritten, then renamed into the export."""
     from ds_seg.cli import export
@@ -331,6 +331,7 @@ def test_an_export_never_touches_a_users_file_of_its_temporary_name(trained_run,
     with open(mine, 'w') as f:
         f.write('field notes')
     assert export.main([source, '--out', str(out), '--format', fmt]) == 0
+    assert capsys.readouterr().out.strip().endswith(f'exported {source} -> {out}')  # the file given, not its origin
     assert open(mine).read() == 'field notes'
     left = set(os.listdir(tmp_path)) - {os.path.basename(mine), out.name, f'{out.name}.card.json',
                                         f'{out.name}.card.md'}
