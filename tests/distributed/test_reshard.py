@@ -112,20 +112,22 @@ def test_resume_at_another_micro_batch_goes_on_after_the_samples_consumed(tmp_pa
     assert samples == [4, 8, 12, 14, 16, 18], samples
 
 
-def _resume_with(tmp, params, scheduler):
+def _resume_with(tmp, params, scheduler, backend='deepspeed', scheduler_on_resume=None):
     """Two steps, then a resume to four with ``params`` merged into optimizer.params (and the
-    scheduler kept or removed): the refusal line, or the LRs the resumed steps logged."""
+    scheduler kept or removed; ``scheduler_on_resume``: another choice for the resume): the
+    refusal line, or the LRs the resumed steps logged."""
     from ds_seg.config import ConfigError
     from ds_seg.engine.trainer import Trainer
     work = os.path.join(tmp, 'work')
-    for steps, resume, extra in ((2, None, {}), (4, 'auto', params)):
+    resumed_scheduler = scheduler if scheduler_on_resume is None else scheduler_on_resume
+    for steps, resume, extra, scheduled in ((2, None, {}, scheduler), (4, 'auto', params, resumed_scheduler)):
         ds = ds_config(0, micro_batch=2)
         ds['optimizer']['params'].update(extra)
-        if not scheduler:
+        if not scheduled:
             ds.pop('scheduler')
         cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=2)
         try:
-            trainer = Trainer(cfg, ds, work_dir=work, resume=resume)
+            trainer = Trainer(cfg, ds, backend=backend, work_dir=work, resume=resume)
         except ConfigError as exc:
             return str(exc)
         try:
@@ -235,29 +237,9 @@ def test_a_resume_on_another_schedule_says_what_changed_and_the_lr_it_goes_on_at
     assert lines[0].endswith(f'from step 3 it follows this run\'s: LR {lrs[2]:.3g} at step 3'), (lines, lrs)
 
 
-def _scheduler_added_on_resume(tmp, backend):
-    """Two steps without a scheduler, then a resume whose JSON has one: the refusal line."""
-    from ds_seg.config import ConfigError
-    from ds_seg.engine.trainer import Trainer
-    for steps, resume, scheduled in ((2, None, False), (4, 'auto', True)):
-        ds = ds_config(0, micro_batch=2)
-        if not scheduled:
-            ds.pop('scheduler')
-        cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=2)
-        try:
-            trainer = Trainer(cfg, ds, backend=backend, work_dir=os.path.join(tmp, 'work'), resume=resume)
-        except ConfigError as exc:
-            return str(exc)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
-    return None
-
-
 @pytest.mark.parametrize('backend', ['ddp', 'deepspeed'])
 def test_a_scheduler_added_on_resume_is_refused(tmp_path, backend):
     # DeepSpeed failed loading the scheduler state (a TypeError traceback); DDP started the new
     # schedule over at its first step, at step 3 of the run, without a word.
-    said = run_on_ranks(_scheduler_added_on_resume, 1, args=(str(tmp_path), backend))[0]
-    assert said is not None and said.startswith('--resume: ') and 'was trained without an LR scheduler' in said, said
+    said = run_on_ranks(_resume_with, 1, args=(str(tmp_path), {}, False, backend, True))[0]
+    assert isinstance(said, str) and said.startswith('--resume: ') and 'was trained without an LR scheduler' in said, said
