@@ -130,7 +130,9 @@ REFUSALS = {
     'cfg_workers': ['data.num_workers must be an integer >= 0, got -1'],
     'cfg_overlap': ['data.eval_overlap (32) must be smaller than the evaluation tile (32'],
     'cfg_crop_conflict': ['data.train.crop_size=64 conflicts with data.crop_size=32'],
-    'cfg_load_from': ["load_from='nowhere.pt' does not exist"],
+    # A folder (refused at config load). A missing file is refused by a run that reads it
+    # (test_bad_input); a resumed run does not (test_training).
+    'cfg_load_from': ["is a folder; give the weights file written by launch/export.py"],
     'data_one_bad_pixel': ['lbl_one_bad.tif', '1 pixel(s) have label value 9'],
     'data_unlabelled': ['lbl_unlabelled.tif', 'no pixel is labelled'],
     'data_ignore_is_a_class': ['ignore_index 0 is also class 0'],
@@ -178,7 +180,7 @@ def _refusal_argv(tmp, trained, case):
         'cfg_workers': ['data.num_workers=-1'],
         'cfg_overlap': ['data.eval_overlap=32'],
         'cfg_crop_conflict': ['data.train.crop_size=64'],
-        'cfg_load_from': ['load_from=nowhere.pt'],
+        'cfg_load_from': [f'load_from={tmp!r}'],
         'data_one_bad_pixel': data(lbl_one_bad),
         'data_unlabelled': data(lbl_unlabelled),
         'data_ignore_is_a_class': data(lbl, ignore_index=0),
