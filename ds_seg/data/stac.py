@@ -88,17 +88,23 @@ def _asset(item, name, source, what):
 def _stack_vrt(hrefs, item_id, cache_dir):
     """A VRT of the bands of ``hrefs`` in order (every band of a multi-band asset), read as one
     type (the narrowest that holds them all, so no asset's values wrap); assets must share one
-    grid and one nodata value."""
+    grid and one nodata value. Each band keeps its colour interpretation (an alpha band stays
+    alpha, red stays red), and the assets' GDAL masks and alpha bands hide a pixel of the stack
+    where any of them hides it (a VRT has no mask of its own: without one, masked pixels were
+    read as data)."""
     import numpy as np
     from rasterio import Affine
     from rasterio.dtypes import dtype_rev, typename_fwd
 
-    from .raster import gdal_path, open_raster, same_value
-    grids = []
+    from .raster import gdal_path, open_raster, same_value, uses_mask_band
+    grids, colours, masked = [], [], []
     for h in hrefs:
         with open_raster(h) as src:
             grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.dtypes,
                           src.nodata))
+            colours.append(['Undefined' if c.name == 'palette' else c.name.capitalize() for c in src.colorinterp])
+            if uses_mask_band(src):
+                masked.append(h)
     w, hgt, transform, crs, _, nodata = grids[0]
     for h, g in zip(hrefs[1:], grids[1:]):
         if g[3] != crs:
@@ -117,18 +123,28 @@ def _stack_vrt(hrefs, item_id, cache_dir):
                           f"have no common raster type ({dtype}); convert the assets to one type")
     gdal_type = typename_fwd[dtype_rev[dtype]]
     gt = Affine(*transform).to_gdal()
+    def source(href, band):
+        return (f'<SimpleSource><SourceFilename relativeToVRT="0">{escape(gdal_path(href))}</SourceFilename>'
+                f'<SourceBand>{band}</SourceBand><SrcRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/>'
+                f'<DstRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/></SimpleSource>')
+
     bands = []
-    for h, g in zip(hrefs, grids):
+    for h, g, interp in zip(hrefs, grids, colours):
         nd = f'<NoDataValue>{g[5]}</NoDataValue>' if g[5] is not None else ''
         for b in range(1, len(g[4]) + 1):
-            bands.append(
-                f'<VRTRasterBand dataType="{gdal_type}" band="{len(bands) + 1}">{nd}<SimpleSource>'
-                f'<SourceFilename relativeToVRT="0">{escape(gdal_path(h))}</SourceFilename>'
-                f'<SourceBand>{b}</SourceBand><SrcRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/>'
-                f'<DstRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/></SimpleSource></VRTRasterBand>')
+            bands.append(f'<VRTRasterBand dataType="{gdal_type}" band="{len(bands) + 1}">{nd}'
+                         f'<ColorInterp>{interp[b - 1]}</ColorInterp>{source(h, b)}</VRTRasterBand>')
+    mask = ''
+    if masked:  # 'mask,1': the source's own mask band (its internal mask, or its alpha band)
+        sources = ''.join(source(h, 'mask,1') for h in masked)
+        mask = ('<MaskBand><VRTRasterBand dataType="Byte">' + sources + '</VRTRasterBand></MaskBand>'
+                if len(masked) == 1 else
+                '<MaskBand><VRTRasterBand dataType="Byte" subClass="VRTDerivedRasterBand">'
+                '<PixelFunctionType>min</PixelFunctionType>' + sources + '</VRTRasterBand></MaskBand>')
     xml = (f'<VRTDataset rasterXSize="{w}" rasterYSize="{hgt}">'
            f'<SRS>{escape(crs.to_wkt()) if crs else ""}</SRS>'
-           f'<GeoTransform>{", ".join(repr(float(v)) for v in gt)}</GeoTransform>{"".join(bands)}</VRTDataset>')
+           f'<GeoTransform>{", ".join(repr(float(v)) for v in gt)}</GeoTransform>{"".join(bands)}{mask}'
+           '</VRTDataset>')
     digest = hashlib.sha1(xml.encode()).hexdigest()[:12]
     # An item id is the publisher's text ('T33/2024', '../x'): only safe characters in the name.
     safe_id = re.sub(r'[^A-Za-z0-9._-]', '_', str(item_id)).lstrip('.')[:80] or 'item'

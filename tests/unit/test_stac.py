@@ -246,3 +246,40 @@ def test_statistics_of_stacked_assets_follow_the_assets_and_train_and_val_keep_t
     np.testing.assert_array_equal(again.mean, train.mean)
     np.testing.assert_array_equal(
         GeoTiffScenes([str(tmp_path / 'scene1_rgb.tif')], [str(tmp_path / 'scene1_label.tif')], **kw).mean, val.mean)
+
+
+def test_stacked_assets_keep_their_masks_and_colour_interpretation(catalogue, tmp_path):
+    """A VRT has no mask of its own: the assets' internal GDAL masks (each hiding another part)
+    hide a pixel of the stack where any of them does, and each band keeps its colour
+    interpretation. Masked pixels were read as data: trained, counted in the statistics, scored."""
+    from ds_seg.data.raster import open_raster
+    from ds_seg.data.stac import stac_scenes
+    with rasterio.open(catalogue['stacked'][0]) as src:
+        profile, rgb = src.profile, src.read()
+    h, w = rgb.shape[1:]
+    left, top = np.full((h, w), 255, np.uint8), np.full((h, w), 255, np.uint8)
+    left[:, :w // 2] = 0
+    top[:h // 3] = 0
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True):
+        with rasterio.open(tmp_path / 'rgb.tif', 'w', **profile) as d:
+            d.write(rgb)
+            d.write_mask(left)
+        with rasterio.open(tmp_path / 'nir.tif', 'w', **dict(profile, count=1, photometric='MINISBLACK')) as d:
+            d.write(rgb[:1])
+            d.write_mask(top)
+    item = pystac.Item(id='masked', geometry=None, bbox=None, properties={}, datetime=datetime.datetime(2024, 5, 1))
+    for name, href in (('rgb', 'rgb.tif'), ('nir', 'nir.tif'), ('label', catalogue['labels'][0])):
+        item.add_asset(name, pystac.Asset(href=str(href)))
+    with open(tmp_path / 'item.json', 'w') as f:
+        json.dump(item.to_dict(transform_hrefs=False), f)
+    for assets, hidden in ((['rgb', 'nir'], (left == 0) | (top == 0)), (['nir', 'rgb'], (left == 0) | (top == 0))):
+        (stack,), _ = stac_scenes(str(tmp_path / 'item.json'), assets, 'label')
+        with open_raster(stack) as src:
+            np.testing.assert_array_equal(src.dataset_mask() == 0, hidden)
+            names = [c.name for c in src.colorinterp]
+        assert names == (['red', 'green', 'blue', 'gray'] if assets[0] == 'rgb' else ['gray', 'red', 'green', 'blue'])
+    ds = GeoTiffScenes(stac=str(tmp_path / 'item.json'), stac_bands=['rgb', 'nir'], stac_label='label',
+                       split='val', mode='grid', **dict(KW, crop_size=max(h, w), mean=[127.5] * 4, std=[73.9] * 4))
+    sample = ds[0]
+    label = sample['label'].numpy()[:h, :w]
+    assert (label[hidden] == 255).all() and (label[~hidden] != 255).all()
