@@ -52,10 +52,13 @@ def _worker_message(exc):
     """The message a DataLoader worker's exception was raised with: the main process gets it
     wrapped in the worker's traceback text ("Caught DataError in DataLoader worker ...")."""
     text = str(exc)
-    if 'Original Traceback' in text:
-        last = text.strip().splitlines()[-1]
-        text = last.split(': ', 1)[1] if ': ' in last else last
-    return text
+    if text.startswith('Caught ') and '\nOriginal ' in text:
+        # The worker's formatted traceback: its exception's line is the last that starts with
+        # the exception's name (a chained cause's lines come first; the message may end in a newline).
+        name = f'{type(exc).__module__}.{type(exc).__qualname__}: '
+        lines = [line for line in text.splitlines() if line.startswith(name)]
+        text = lines[-1][len(name):] if lines else text.strip().splitlines()[-1].split(': ', 1)[-1]
+    return text.strip()
 
 
 def main(argv=None):
@@ -128,8 +131,11 @@ def _train(argv, as_program):
     except DataError as exc:
         # A window the start-up checks did not sample. The other ranks wait in a collective for
         # this one: they stop as for a lost rank, and this rank skips the teardown that would wait.
-        print(f'ds_seg: error: {_worker_message(exc)} (at step {trainer.step}; the last checkpoint is '
-              f'intact: fix the file, then --resume auto)', file=sys.stderr, flush=True)
+        last = trainer.checkpointer.last_complete()
+        print(f'ds_seg: error: {_worker_message(exc)} (at step {trainer.step}; '
+              + (f'the last complete checkpoint ({last}) is intact: fix the file, then --resume auto)' if last
+                 else 'no checkpoint was written: fix the file, then start the run again)'),
+              file=sys.stderr, flush=True)
         _close_without_the_process_group(trainer)
         os._exit(EXIT_DATA_ERROR)
     except LostRankError as exc:

@@ -125,12 +125,37 @@ def same_value(a, b):
 
 def read_error(path, exc):
     """What to say of a failed read of ``path``: GDAL's own words, and for a URL what to do."""
-    return remote_hint(exc) if is_remote(path) else gdal_message(exc)
-
-
-def remote_hint(exc):
-    """GDAL's error for a URL, with what to do about the usual causes."""
+    if not is_remote(path):
+        return gdal_message(exc)
     message = gdal_message(exc)
+    if 'response code' not in message and os.fspath(path).startswith(('http://', 'https://')):
+        # A block read that fails mid-run says only "TIFFReadEncodedTile() failed": ask the
+        # server what it answers now (an expired signed URL, a deleted object).
+        status = http_status(path)
+        if status is not None and status >= 400:
+            message = f'{message}; the server now answers it with HTTP response code: {status}'
+    return remote_hint(exc, message)
+
+
+def http_status(url, timeout=10):
+    """The HTTP status a one-byte GET of ``url`` gets now (a GET, not a HEAD: a signed URL is
+    signed for its method), or None where no answer comes."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={'Range': 'bytes=0-0'}),
+                                    timeout=timeout) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return None
+
+
+def remote_hint(exc, message=None):
+    """GDAL's error for a URL (or ``message``, what is known of it), with what to do about the
+    usual causes."""
+    message = message or gdal_message(exc)
     if 'Range downloading not supported' in message:
         return (f"{message} (the server ignores HTTP Range requests, so every window would fetch "
                 f"the whole file; serve it from one that honours Range, or download it and give "

@@ -324,6 +324,11 @@ def test_a_bad_window_found_mid_run_is_one_line_with_exit_65_not_a_traceback(tra
     assert proc.returncode == 65, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert 'Traceback' not in proc.stderr and len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith('ds_seg: error: http://127.0.0.1:') and 'lbl.tif: label value 7 in window' in errors[0]
+    # What the line says of checkpoints is true: it said "the last checkpoint is intact" with none.
+    root = os.path.join(work, 'checkpoints')
+    last = checkpoint.find_latest(root) if os.path.isdir(root) else None
+    assert (f'the last complete checkpoint ({last}) is intact' if last else
+            'no checkpoint was written: fix the file, then start the run again') in errors[0], errors[0]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -212,3 +212,43 @@ def test_urls_read_without_a_writable_home_and_caches_follow_ds_seg_cache(cogs, 
 def test_what_a_failed_url_read_is_told_to_do(gdal_words, hint):
     from ds_seg.data.raster import remote_hint
     assert remote_hint(RuntimeError(gdal_words)).startswith(f'{gdal_words} ({hint}')
+
+
+def test_a_url_that_fails_mid_run_says_what_the_server_answers_now(cogs, tmp_path):
+    """An object deleted (or a signed URL expired) after the dataset opened it: GDAL says only
+    that a tile read failed; the line adds the server's answer now, and its hint."""
+    import shutil
+    served = tmp_path / 'served'
+    served.mkdir()
+    for name in ('img.tif', 'lbl.tif'):
+        shutil.copy(cogs['tmp'] / name, served / name)
+    with RangeServer(served) as server:
+        ds = GeoTiffScenes([server.url('img.tif')], [server.url('lbl.tif')], crop_size=256, classes=4,
+                           mean=[127.5] * 3, std=[73.9] * 3, mode='grid', split='val', check_labels=0)
+        ds[0]
+        os.remove(served / 'img.tif')
+        with pytest.raises(DataError) as caught:
+            ds[len(ds) - 1]  # another tile: not in GDAL's block cache
+    assert 'the server now answers it with HTTP response code: 404 (no such file at that URL' in str(caught.value)
+
+
+def test_a_data_loader_workers_error_is_its_own_message():
+    """A DataLoader worker's exception reaches the trainer wrapped in the worker's traceback text,
+    with GDAL's chained causes first; the line keeps the dataset's own message."""
+    from torch.utils.data import DataLoader, Dataset
+
+    from ds_seg.cli.train import _worker_message
+
+    class Failing(Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            # GDAL's errors come from C: a cause with no Python traceback of its own.
+            raise DataError('http://h/a.tif: cannot read window 3: TIFFReadEncodedTile() failed.\n') \
+                from ValueError('TIFFReadEncodedTile:Read error at row 2816; got 0 bytes')
+
+    with pytest.raises(DataError) as caught:
+        next(iter(DataLoader(Failing(), num_workers=1)))
+    assert str(caught.value).startswith('Caught DataError in DataLoader worker')
+    assert _worker_message(caught.value) == 'http://h/a.tif: cannot read window 3: TIFFReadEncodedTile() failed.'
