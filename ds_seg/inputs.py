@@ -50,6 +50,21 @@ TORCH_EXPORT_PROGRAM = ('is a torch.export program (launch/export.py --format to
                         '(launch/export.py --format weights), an .onnx export or the run instead')
 
 
+def written_by_predict(path):
+    """Whether ``path`` is a class map (``*_classes.tif``) or probabilities (``*_probs.tif``)
+    that predict wrote: by its name and the tags predict gives them."""
+    import rasterio
+    name = os.path.basename(path).lower()
+    if not name.endswith(('_classes.tif', '_probs.tif')):
+        return False
+    try:
+        with rasterio.open(path) as src:
+            tags = src.tags()
+    except rasterio.errors.RasterioError:
+        return False
+    return 'classes' in tags and ('nodata_class' in tags or tags.get('scale') == '1/250')
+
+
 def expand_inputs(paths, option='--input'):
     """Paths as given, with a directory standing for the GeoTIFFs directly inside it (sorted).
     Each file must exist, be non-empty and readable to its last pixel (a truncated download
@@ -68,10 +83,17 @@ def expand_inputs(paths, option='--input'):
         if os.path.isdir(path):
             found = sorted(os.path.join(path, n) for n in os.listdir(path)
                            if n.lower().endswith(FOLDER_SUFFIXES) and os.path.isfile(os.path.join(path, n)))
+            # A folder predicted into itself holds the earlier run's class maps: not scenes.
+            earlier = [f for f in found if written_by_predict(f)]
+            found = [f for f in found if f not in earlier]
+            if earlier:
+                print(f"[ds_seg] {option}: {path}: left out {len(earlier)} class map(s) or probabilities an earlier "
+                      f"predict wrote ({', '.join(os.path.basename(f) for f in earlier[:3])}"
+                      f"{', ...' if len(earlier) > 3 else ''})", flush=True)
             if not found:
                 raise ConfigError(f"{option}: folder {path} holds no GeoTIFF or JPEG 2000 raster "
-                                  f"({', '.join(FOLDER_SUFFIXES)}); give other rasters (.vrt, .png...) by name "
-                                  "or glob.")
+                                  f"({', '.join(FOLDER_SUFFIXES)})" + (" but predict's own outputs" if earlier else "")
+                                  + "; give other rasters (.vrt, .png...) by name or glob.")
             files += found
         elif not os.path.exists(path) and not is_remote(path) and glob.has_magic(path):
             # A quoted glob (the shell left it alone): what the datasets and evaluate.py expand too.

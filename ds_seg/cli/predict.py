@@ -31,7 +31,8 @@ from ds_seg.data.raster import StackedRaster
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inference.model import fixed_input_size, window_refusal
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
-                           check_window_options, check_writable, expand_inputs, output_stems)
+                           check_window_options, check_writable, expand_inputs, output_stems,
+                           written_by_predict)
 from ds_seg.telemetry import format_eta
 from ds_seg.vectorize import (add_vector_args, check_vector_options, exclude_ids, vector_outputs,
                               vectorize_class_map)
@@ -267,12 +268,9 @@ def _written_by_predict(path, kind):
     """Whether ``path`` is a ``kind`` ('probs' or 'vector') output of an earlier predict: its
     probability tags, or exactly the polygon fields the vectoriser writes. Anything else of that
     name (a user's own file) is not ours to remove."""
+    if kind == 'probs':
+        return written_by_predict(path)
     try:
-        if kind == 'probs':
-            import rasterio
-            with rasterio.open(path) as src:
-                tags = src.tags()
-            return tags.get('scale') == '1/250' and 'classes' in tags
         import pyogrio
         fields = list(pyogrio.read_info(path)['fields'])
         return fields in (['class_id', 'class_name', 'area_m2'], ['class_id', 'class_name', 'area_m2', 'mean_prob'])

@@ -938,6 +938,35 @@ def test_a_folder_input_takes_jpeg2000_orthophotos(tmp_path, capsys):
         assert np.array_equal(a.read(), b.read())
 
 
+def test_a_folder_predicted_into_itself_can_be_predicted_again(tmp_path, capsys):
+    """--input F --output F: the second run took the first's scene_classes.tif as a scene, and was
+    refused even with --overwrite ("would replace the input"). predict's own class maps and
+    probabilities in a folder are left out, said in one line; a user's file named so is a scene."""
+    import shutil
+
+    import rasterio
+
+    from ds_seg.cli import predict
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    folder = tmp_path / 'area'
+    folder.mkdir()
+    shutil.copy(scene, folder / 'a.tif')
+    shutil.copy(scene, folder / 'b_classes.tif')  # a user's scene with such a name: not predict's
+    common = ['--checkpoint', weights, '--input', str(folder), '--output', str(folder), '--tile', '32']
+    assert predict.main(common + ['--probs']) == 0, capsys.readouterr().err
+    with rasterio.open(folder / 'a_classes.tif') as src:
+        first = src.read()
+    capsys.readouterr()
+    assert predict.main(common + ['--probs', '--overwrite']) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert ('left out 4 class map(s) or probabilities an earlier predict wrote (a_classes.tif, a_probs.tif, '
+            'b_classes_classes.tif, ...)') in out, out
+    assert sorted(p.name for p in folder.iterdir()) == ['a.tif', 'a_classes.tif', 'a_probs.tif', 'b_classes.tif',
+                                                         'b_classes_classes.tif', 'b_classes_probs.tif']
+    with rasterio.open(folder / 'a_classes.tif') as src:
+        assert np.array_equal(src.read(), first)
+
+
 def test_overwrite_without_probs_removes_the_earlier_runs_probabilities(tmp_path, capsys):
     """An --overwrite run without --probs left the earlier run's scene_probs.tif beside its new
     class map, as if it were that map's; it is removed once the new map is written."""
