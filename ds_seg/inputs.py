@@ -65,6 +65,27 @@ def written_by_predict(path):
     return 'classes' in tags and ('nodata_class' in tags or tags.get('scale') == '1/250')
 
 
+def split_dates(item):
+    """The dates of one ``--input`` scene joined by commas (``a_may.tif,a_aug.tif``), where a
+    comma inside a URL's query (a signed URL: ``...?X-Amz-Credential=a,b``) belongs to the URL;
+    a part that is neither a URL nor an existing file goes on the URL before it.
+
+    Example::
+
+        split_dates('a.tif,b.tif')                    # ['a.tif', 'b.tif']
+        split_dates('https://h/a.tif?sig=x,y')        # ['https://h/a.tif?sig=x,y']
+    """
+    from .data.raster import is_remote
+    dates = []
+    for part in item.split(','):
+        if (dates and is_remote(dates[-1]) and '?' in dates[-1] and not is_remote(part)
+                and not os.path.exists(os.path.expanduser(part))):
+            dates[-1] += ',' + part
+        else:
+            dates.append(part)
+    return dates
+
+
 def expand_inputs(paths, option='--input'):
     """Paths as given, with a directory standing for the GeoTIFFs directly inside it (sorted).
     Each file must exist, be non-empty and readable to its last pixel (a truncated download

@@ -32,7 +32,7 @@ from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inference.model import fixed_input_size, window_refusal
 from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
                            check_window_options, check_writable, expand_inputs, output_stems,
-                           written_by_predict)
+                           split_dates, written_by_predict)
 from ds_seg.telemetry import format_eta
 from ds_seg.vectorize import (add_vector_args, check_vector_options, exclude_ids, vector_outputs,
                               vectorize_class_map)
@@ -329,8 +329,9 @@ def _run(args):
     # 'a_may.tif,a_aug.tif': one scene of several dates (a time series model's input)
     scenes = []
     for item in args.input:
-        if ',' in item and not os.path.exists(item):  # a file whose name has a comma is one scene
-            dates = [os.path.expanduser(d) for d in item.split(',')]  # no shell expands '~' after a comma
+        dates = split_dates(item) if ',' in item and not os.path.exists(item) else [item]
+        if len(dates) > 1:  # a file whose name has a comma is one scene, and so is a URL's query
+            dates = [os.path.expanduser(d) for d in dates]  # no shell expands '~' after a comma
             if not all(d.strip() for d in dates):
                 raise ConfigError(f"--input {item!r}: an empty date; join the dates of one scene with "
                                   f"commas and no spaces (a_may.tif,a_aug.tif)")

@@ -967,6 +967,34 @@ def test_a_folder_predicted_into_itself_can_be_predicted_again(tmp_path, capsys)
         assert np.array_equal(src.read(), first)
 
 
+def test_a_signed_url_with_commas_in_its_query_is_one_scene(tmp_path, capsys):
+    """predict reads 'a.tif,b.tif' as the dates of one scene: a signed URL's query with a comma
+    was split there too ('--input: b&X-Amz-Date=1 does not exist'). A comma after a URL's '?'
+    belongs to it unless what follows is a URL or a file; dates of URLs still split."""
+    import shutil
+
+    import rasterio
+
+    from ds_seg.cli import predict
+    from ds_seg.data.rangeserver import RangeServer
+    from ds_seg.inputs import split_dates
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    served = tmp_path / 'served'
+    served.mkdir()
+    shutil.copy(scene, served / 'a.tif')
+    assert split_dates(f'{scene},{scene}') == [scene, scene]
+    assert split_dates('https://h/a.tif?s=1,2,https://h/b.tif?s=3') == ['https://h/a.tif?s=1,2', 'https://h/b.tif?s=3']
+    assert split_dates(f'https://h/a.tif?s=1,{scene}') == ['https://h/a.tif?s=1', scene]
+    with RangeServer(served) as server:
+        url = server.url('a.tif') + '?X-Amz-Signature=a,b&X-Amz-Date=1'
+        code = predict.main(['--checkpoint', weights, '--input', url, '--output', str(tmp_path / 'out'),
+                             '--tile', '32'])
+    assert code == 0, capsys.readouterr().err
+    (written,) = list((tmp_path / 'out').iterdir())
+    with rasterio.open(written) as src, rasterio.open(scene) as ref:
+        assert src.transform == ref.transform and src.shape == ref.shape
+
+
 def test_overwrite_without_probs_removes_the_earlier_runs_probabilities(tmp_path, capsys):
     """An --overwrite run without --probs left the earlier run's scene_probs.tif beside its new
     class map, as if it were that map's; it is removed once the new map is written."""
