@@ -736,8 +736,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 valid = lbl[(lbl != self.ignore_index) & (True if unlabelled is None else ~unlabelled)]
                 if lbl.dtype.kind == 'f':
                     valid = valid[np.isfinite(valid)]
-                if valid.size:
-                    top = max(top, int(valid.max()))
+                if valid.size and int(valid.max()) > top:
+                    top, top_label = int(valid.max()), s['label']
+            if 0 <= self.ignore_index < top:
+                # Classes above ignore_index would make it a class (256 classes from one stray 256).
+                raise DataError(f"{top_label}: label value {top} is above ignore_index {self.ignore_index}, so "
+                                f"{top + 1} classes would be inferred; fix the file, or give `classes` (the class "
+                                "names or count) so values out of range are named")
             classes = top + 1
         if isinstance(classes, str):
             # ('building') without its comma is a string: tuple() would make one class per letter.

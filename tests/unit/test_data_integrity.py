@@ -1,12 +1,15 @@
 """Data that trained silently wrong: worker transforms that moved pixels but not the nodata mask,
 palettes finer than a lookup bin, statistics of the wrong bands or of masked pixels or of the
 first files only, a user std of 0, and class counts inferred over nodata. Real GeoTIFFs."""
+import re
+
 import numpy as np
 import pytest
 import rasterio
 from rasterio.transform import from_origin
 
 from ds_seg.data import GeoTiffScenes
+from ds_seg.data.raster import DataError
 from ds_seg.data.transforms import Compose, PaletteDecoder, default_palette_tolerance
 
 IGNORE = 255
@@ -201,6 +204,24 @@ def test_inferred_class_count_leaves_out_the_label_nodata_tag(tmp_path, dtype, n
     assert ds.num_classes == 3
     got = ds[0]['label'].numpy()
     assert (got[:, :10] == IGNORE).all() and (got[:, 10:] == lab[:, 10:]).all()
+
+
+def test_an_inferred_class_count_past_ignore_index_names_the_file_and_value(tmp_path):
+    """One stray 256 in an int32 label, classes left out: 257 classes were inferred, then refused
+    as "ignore_index 255 is also class 255 ... use an ignore_index outside 0..256 (255 usually)",
+    naming neither the file nor the value. A value up to ignore_index - 1 still counts."""
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'c_image.tif', rng.integers(1, 255, (3, 32, 32)).astype(np.uint8))
+    lab = rng.integers(0, 3, (32, 32)).astype(np.int32)
+    ok = write_tif(tmp_path / 'ok_label.tif', lab)
+    lab[5, 7] = 256
+    stray = write_tif(tmp_path / 'stray_label.tif', lab)
+    with pytest.raises(DataError, match=rf'^{re.escape(stray)}: label value 256 is above ignore_index 255, so '
+                                        r'257 classes would be inferred; fix the file, or give `classes`'):
+        GeoTiffScenes([img, img], [ok, stray], crop_size=32, mode='grid')
+    lab[5, 7] = 254
+    write_tif(tmp_path / 'stray_label.tif', lab)
+    assert GeoTiffScenes([img], [stray], crop_size=32, mode='grid').num_classes == 255
 
 
 def test_complex_pixels_are_refused_not_cut_to_their_real_part(tmp_path):
