@@ -741,8 +741,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             if 0 <= self.ignore_index < top:
                 # Classes above ignore_index would make it a class (256 classes from one stray 256).
                 raise DataError(f"{top_label}: label value {top} is above ignore_index {self.ignore_index}, so "
-                                f"{top + 1} classes would be inferred; fix the file, or give `classes` (the class "
-                                "names or count) so values out of range are named")
+                                f"{top + 1} classes would be inferred, ignore_index among them; if {top} is a stray "
+                                "value, fix the file or give `classes` (the class names or count) so values out of "
+                                f"range are named; else use an ignore_index outside 0..{top}")
             classes = top + 1
         if isinstance(classes, str):
             # ('building') without its comma is a string: tuple() would make one class per letter.

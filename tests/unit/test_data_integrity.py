@@ -217,7 +217,8 @@ def test_an_inferred_class_count_past_ignore_index_names_the_file_and_value(tmp_
     lab[5, 7] = 256
     stray = write_tif(tmp_path / 'stray_label.tif', lab)
     with pytest.raises(DataError, match=rf'^{re.escape(stray)}: label value 256 is above ignore_index 255, so '
-                                        r'257 classes would be inferred; fix the file, or give `classes`'):
+                                        r'257 classes would be inferred, ignore_index among them; if 256 is a stray value, fix the file '
+                                        r'or give `classes`'):
         GeoTiffScenes([img, img], [ok, stray], crop_size=32, mode='grid')
     lab[5, 7] = 254
     write_tif(tmp_path / 'stray_label.tif', lab)
