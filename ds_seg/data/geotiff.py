@@ -295,16 +295,17 @@ def inspect_pair(image, label, palette=None):
         # has the identity transform: it can only be aligned pixel for pixel, as checked
         # above. Two georeferenced rasters (by geotransform or by ground control points) must
         # also agree on where those pixels are.
-        (img_transform, img_crs, img_fitted), (lbl_transform, lbl_crs, lbl_fitted) = pixel_grid(img), pixel_grid(lbl)
+        (img_transform, img_crs, img_residual), (lbl_transform, lbl_crs, lbl_residual) = pixel_grid(img), pixel_grid(lbl)
         georeferenced = all(crs is not None or not transform.is_identity
                             for transform, crs in ((img_transform, img_crs), (lbl_transform, lbl_crs)))
-        # An affine fit to real ground control points is off by their residuals (tenths of a
-        # pixel): a label placed elsewhere is still refused, at a pixel.
-        tol_px = 1.0 if img_fitted or lbl_fitted else 0.01
+        # An affine fit to ground control points is off by as much as their residuals: the
+        # tolerance grows by those (a half-pixel shift of exactly fitting points is refused).
+        fitted = [r for r in (img_residual, lbl_residual) if r is not None]
+        tol_px = 0.01 + sum(fitted)
         if georeferenced and not same_pixels(img_transform, lbl_transform, img.width, img.height, tol_px):
             raise DataError(f"image {image} and label {label} have different geotransforms "
                             f"({tuple(img_transform)[:6]} vs {tuple(lbl_transform)[:6]}"
-                            f"{'; from ground control points' if img_fitted or lbl_fitted else ''}); "
+                            f"{f'; from ground control points, largest residual {max(fitted):.2f} px' if fitted else ''}); "
                             f"they must cover the same pixels")
         if img_crs and lbl_crs and img_crs != lbl_crs:
             raise DataError(f"image {image} ({img_crs}) and label {label} ({lbl_crs}) have "

@@ -411,13 +411,18 @@ def open_scene(path):
 
 
 def pixel_grid(src):
-    """``(transform, crs, fitted)`` that place a raster's pixels on the ground: its geotransform,
-    or the affine fit to its ground control points (``fitted``: a GCP-located scene has neither
-    a geotransform nor a CRS of its own); ``(identity, None, False)`` for a raster with neither."""
+    """``(transform, crs, residual_px)`` that place a raster's pixels on the ground: its
+    geotransform (``residual_px`` None), or the affine fit to its ground control points (a
+    GCP-located scene has neither a geotransform nor a CRS of its own), with the largest distance
+    in pixels between a point and the fit; ``(identity, None, None)`` for a raster with neither."""
     points, crs = src.gcps
     if points and src.transform.is_identity and src.crs is None:
-        return rasterio.transform.from_gcps(points), crs, True
-    return src.transform, src.crs, False
+        transform = rasterio.transform.from_gcps(points)
+        inverse = ~transform
+        residual = max(math.hypot(col - p.col, row - p.row)
+                       for p in points for col, row in [inverse * (p.x, p.y)])
+        return transform, crs, residual
+    return src.transform, src.crs, None
 
 
 def uses_mask_band(src):

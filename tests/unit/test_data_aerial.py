@@ -566,12 +566,15 @@ def _ground_control_points(east=0.0, centre_east=0.0):
 
 
 @pytest.mark.parametrize('label_located_by, east, accepted', [('gcps', 0, True), ('gcps', 1000, False),
-                                                              ('transform', 0, True), ('transform', 1000, False)])
+                                                              ('gcps', 0.25, False), ('gcps', 0.001, True),
+                                                              ('transform', 0, True), ('transform', 1000, False),
+                                                              ('transform', 0.25, False)])
 def test_a_scene_located_by_ground_control_points_is_paired_by_where_they_put_it(tmp_path, label_located_by, east,
                                                                                    accepted):
     """A GCP-located scene has neither a geotransform nor a CRS of its own, so a label whose
     points put it 1 km away (or a label with its own geotransform elsewhere) trained and was
-    scored without a word."""
+    scored without a word. Half a pixel (0.25 m) off, by points that fit exactly, passed a fixed
+    one-pixel tolerance: the tolerance is the fits' residuals (none here)."""
     from rasterio.transform import Affine
     label = (dict(gcps=_ground_control_points(east), crs='EPSG:32632') if label_located_by == 'gcps'
              else dict(transform=Affine(0.5, 0, 500_000 + east, 0, -0.5, 5_000_000), crs='EPSG:32632'))
