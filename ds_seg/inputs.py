@@ -178,18 +178,15 @@ def _name_parts(path):
     return os.path.normpath(os.path.abspath(path)).split(os.sep)
 
 
-def _same_key(path):
-    return os.path.realpath(path) if os.path.exists(path) else path
-
-
 def output_stems(inputs):
     """One output name stem per input, unique even when two inputs share a file name (parent
     folder names are prepended to the clashing ones: ``a/x.tif``, ``b/x.tif`` -> ``a_x``, ``b_x``)
     or differ only in the extension (``x.tif``, ``x.png`` -> ``x_tif``, ``x_png``). Only the
     same file given twice is refused. An input may be a list of dates (one scene of a time
     series): named after its first date, refused only when every date repeats another scene's."""
+    from .data.raster import same_file_key
     scenes = [tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in inputs]
-    keys = [tuple(_same_key(d) for d in scene) for scene in scenes]
+    keys = [tuple(same_file_key(d) for d in scene) for scene in scenes]
     for key in keys:
         twice = [','.join(scenes[j]) for j, other in enumerate(keys) if other == key]
         if len(twice) > 1:

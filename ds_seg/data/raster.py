@@ -62,9 +62,13 @@ HTTP_TIMEOUT_S = 60
 
 
 def same_file_key(path):
-    """What two spellings of one file share (``a.tif``, ``./x/../a.tif``, a link to it): its real
-    path; a URL as given."""
-    return os.path.realpath(path) if os.path.exists(path) else path
+    """What two spellings of one file share (``a.tif``, ``./x/../a.tif``, a symbolic or hard
+    link to it): its device and inode; a URL as given."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return path
+    return st.st_dev, st.st_ino
 
 
 def is_remote(path):

@@ -319,6 +319,13 @@ def test_a_validation_scene_given_twice_is_refused_and_training_may_repeat_one(t
     train = GeoTiffScenes(repeated, [labels, str(tmp_path / 'lbl' / 'a*.tif')], crop_size=32, classes=2,
                           split='train', mean=[0] * 3, std=[1] * 3)
     assert len(train.scenes) == 3
+    # A hard link is the same file under another name (its real path differs): refused too.
+    for folder in ('img', 'lbl'):
+        os.link(tmp_path / folder / 'a1.tif', tmp_path / folder / 'a1_copy.tif')
+    with pytest.raises(DataError, match=r"images: .*a1_copy.tif is given twice \(also as .*a1.tif\)"):
+        GeoTiffScenes([str(tmp_path / 'img' / n) for n in ('a1.tif', 'b1.tif', 'a1_copy.tif')],
+                      [str(tmp_path / 'lbl' / n) for n in ('a1.tif', 'b1.tif', 'a1_copy.tif')], crop_size=32,
+                      classes=2, split='val', mean=[0] * 3, std=[1] * 3)
 
 
 @pytest.mark.parametrize('kw, named', [(dict(num_scenes=0), 'num_scenes must be an integer >= 1, got 0'),
