@@ -337,3 +337,26 @@ def test_deeplabv3plus_auxiliary_head_reads_the_level_before_the_last_as_mmseg()
     model.train()
     out = model(torch.randn(2, 3, 64, 64))
     assert out['logits'].shape == out['aux'][0][1].shape == (2, 5, 64, 64)
+
+
+def test_mit_features_equal_timms_pvt_v2_with_the_same_weights():
+    """SegFormer's MiT is timm's pvt_v2 with an MLP ratio of 4 (NVlabs' mit_b* and timm's
+    pvt_v2_b* share their layers, in one order). The blocks' and stages' LayerNorms had eps 1e-5
+    where NVlabs (the source of the mit_b* weights) and timm use 1e-6: 1.7e-5 apart at low
+    contrast. Equal to float rounding (equal to the bit here), at a size no multiple of the strides."""
+    import timm
+
+    from ds_seg.models.backbones.mit import MixTransformer
+    torch.manual_seed(0)
+    ours = MixTransformer('mit_b0').eval()
+    peer = timm.create_model('pvt_v2_b0', mlp_ratios=(4, 4, 4, 4), features_only=True).eval()
+    with torch.no_grad():
+        for p in peer.parameters():  # away from the initial LayerNorm ones and zeros
+            p.add_(torch.randn_like(p) * 0.02)
+    weights = list(peer.state_dict().values())
+    assert [tuple(v.shape) for v in weights] == [tuple(v.shape) for v in ours.state_dict().values()]
+    ours.load_state_dict(dict(zip(ours.state_dict(), weights)))
+    images = torch.randn(1, 3, 100, 60) * 0.01  # a hazy, low-contrast scene: where eps shows
+    with torch.no_grad():
+        for a, b in zip(ours(images), peer(images), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=0)

@@ -90,9 +90,11 @@ class MixFFN(nn.Module):
 class MixBlock(nn.Module):
     def __init__(self, dim, num_heads, mlp_ratio, sr_ratio, drop_path):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
+        # eps 1e-6 in the blocks and after each stage, as in NVlabs' MiT that the mit_b* weights
+        # come from (and timm's pvt_v2); the patch embedding and reduction norms keep 1e-5.
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = EfficientAttention(dim, num_heads, sr_ratio)
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = MixFFN(dim, dim * mlp_ratio)
         self.drop_path = DropPath(drop_path)
 
@@ -128,7 +130,7 @@ class MixTransformer(nn.Module):
             setattr(self, f'patch_embed{i}', OverlapPatchEmbed(previous, dim, kernel, stride))
             setattr(self, f'block{i}', nn.ModuleList(
                 MixBlock(dim, heads, mlp_ratio, sr_ratios[i - 1], next(rates)) for _ in range(depth)))
-            setattr(self, f'norm{i}', nn.LayerNorm(dim))
+            setattr(self, f'norm{i}', nn.LayerNorm(dim, eps=1e-6))
             previous = dim
         if pretrained:
             if not isinstance(pretrained, str):
