@@ -475,6 +475,17 @@ def weights_digest(state_dict):
 _TORCH_MAGIC = (b'PK\x03\x04', b'\x80')
 
 
+def not_torch_kind(head):
+    """What a file whose first bytes ``head`` are not torch.save's is, in words."""
+    return ('empty (0 bytes)' if not head else 'a TIFF raster' if head in (b'II*\x00', b'MM\x00*')
+            else 'a text file' if head.strip()[:1] in (b'{', b'[', b'#') or head.isascii() else 'another kind of file')
+
+
+def is_torch_file(head):
+    """Whether the first bytes ``head`` of a file are those torch.save writes."""
+    return head.startswith(_TORCH_MAGIC)
+
+
 def load_weights_file(path):
     """Read an exported weights file safely (no code execution): returns the payload dict."""
     if not os.path.isfile(path):
@@ -487,10 +498,8 @@ def load_weights_file(path):
                          "predict.py and evaluate.py run it; load_from and export take the weights file or "
                          "checkpoint it was exported from (launch/export.py WORK_DIR writes weights_<step>.pt).")
     if not head.startswith(_TORCH_MAGIC):
-        kind = ('empty (0 bytes)' if not head else 'a TIFF raster' if head in (b'II*\x00', b'MM\x00*')
-                else 'a text file' if head.strip()[:1] in (b'{', b'[', b'#') or head.isascii() else 'another kind of file')
-        raise ValueError(f"{path}: is {kind}, not a weights file (torch.save writes a zip archive); give a file "
-                         "written by launch/export.py.")
+        raise ValueError(f"{path}: is {not_torch_kind(head)}, not a weights file (torch.save writes a zip archive); "
+                         "give a file written by launch/export.py.")
     if is_torch_export_archive(path):
         raise ValueError(f"{path}: {TORCH_EXPORT_PROGRAM}")
     try:

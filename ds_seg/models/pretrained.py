@@ -73,7 +73,15 @@ def read_state_dict(path, where='pretrained'):
             from safetensors.torch import load_file
             payload = load_file(path)
         else:
+            from ..engine.checkpoint import is_torch_file, not_torch_kind
+            with open(path, 'rb') as f:
+                head = f.read(4)
+            if not is_torch_file(head):  # a JSON or a config given by mistake: not "unsafe Python objects"
+                raise ConfigError(f'{where}: {path} is {not_torch_kind(head)}, not a weights file (.pth, .pt, .bin '
+                                  'or .safetensors)')
             payload = torch.load(path, map_location='cpu', weights_only=True)
+    except ConfigError:
+        raise
     except pickle.UnpicklingError as exc:  # weights_only refused an object that could run code
         raise ConfigError(f'{where}: {path} holds Python objects other than tensors (loading it could run '
                           'code); refused. Save its state_dict() alone, or convert it to .safetensors.') from exc

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import ds_seg  # noqa: F401  (registers everything)
+from ds_seg.config import ConfigError
 from ds_seg.models import segmentation_loss
 from ds_seg.models.common import BACKBONES, num_params
 from ds_seg.models.pretrained import adapt_input_weight
@@ -216,6 +217,11 @@ def test_pretrained_errors_name_the_problem(tmp_path):
         build(BACKBONES, dict(type='MixTransformer', variant='mit_tiny_test', pretrained=True))
     with pytest.raises(RegistryError, match='TimmBackbone'):
         build(MODELS, dict(type='Segmentor', backbone=dict(type='TimBackbone'), decode_head=dict(type='UperHead')))
+    # A config or JSON given by mistake was "holds Python objects other than tensors (loading it
+    # could run code)": the unpickler's refusal of its first byte.
+    (tmp_path / 'notes.pth').write_text('{"lr": 0.01}\n')
+    with pytest.raises(ConfigError, match=r'notes.pth is a text file, not a weights file \(.pth, .pt'):
+        build(MODELS, dict(type='SegFormer', variant='mit_b0', pretrained=str(tmp_path / 'notes.pth')))
 
 
 def test_model_facts_command_lists_the_zoo(capsys):
