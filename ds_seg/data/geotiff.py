@@ -1081,13 +1081,32 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                             "nothing can be learnt or measured from them; check the label files"
                             f"{', `palette` or `palette_ignore`' if self.palette is not None else ' or `label_map`'}")
         if not (found or unsure):
-            names = [s['image'] for s in self._scenes[:3]]
+            names = [self._scene_name_without_data(s) for s in self._scenes[:3]]
             more = f" and {len(self._scenes) - 3} more" if len(self._scenes) > 3 else ''
             raise DataError(
                 f"{', '.join(names)}{more}: no pixel is both labelled with a class and valid in the image "
                 f"(every labelled pixel is nodata{'/NaN' if any(s['floating'] for s in self._scenes) else ''} "
                 f"or masked in bands {self.bands}); nothing can be learnt or measured. Check the images' "
                 "nodata value (gdal_edit.py -unsetnodata / -a_nodata), `bands`, or the image/label pairing")
+
+    def _scene_name_without_data(self, s, size=512):
+        """A scene's name in a line about its missing data: its image, or for a time series the
+        dates that hold no valid pixel (by a read decimated to ``size``), else every date."""
+        dates = s.get('dates')
+        if not dates:
+            return s['image']
+        shape = (min(size, s['height']), min(size, s['width']))
+        empty = []
+        for path in dates:
+            with open_raster(path) as src:
+                raw = src.read(self.bands, out_shape=(len(self.bands),) + shape)
+                bad = nodata_mask(raw, s['nodata'])
+                if s['masked']:
+                    bad |= src.dataset_mask(out_shape=shape) == 0
+            if bad.all():
+                empty.append(path)
+        return (', '.join(f'{p} (date {dates.index(p) + 1} of {len(dates)})' for p in empty) if empty
+                else ','.join(dates))
 
     def _check_label_values(self):
         """Every pixel of every label file, not a sample: a value that is no class anywhere

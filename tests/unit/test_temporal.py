@@ -245,6 +245,19 @@ def test_prediction_marks_a_pixel_empty_at_any_one_date_as_nodata_like_training(
     np.testing.assert_array_equal(ds[0]['nodata'].numpy(), out == 255)
 
 
+def test_a_series_with_a_date_holding_no_data_names_that_date(tmp_path):
+    """"No pixel is both labelled and valid" named the scene's first date, which held data, not
+    the date that held none."""
+    (t0, t1), label = _change_scene(tmp_path, 'e', 5)
+    for path in (t0, t1):
+        with rasterio.open(path, 'r+') as d:
+            d.nodata = 0
+    with rasterio.open(t1, 'r+') as d:
+        d.write(np.zeros((1, S, S), np.uint8))
+    with pytest.raises(DataError, match=rf'^{re.escape(t1)} \(date 2 of 2\): no pixel is both labelled'):
+        GeoTiffScenes([[t0, t1]], [label], classes=2, crop_size=S, mode='grid', split='val')
+
+
 def test_dates_on_one_grid_to_float_noise_are_accepted_and_one_file_as_two_dates_is_refused(tmp_path):
     """A date whose origin differs from the first's in the last float digits (another tool wrote
     it) is the same grid, as for image and label; one file given as two dates (by two spellings
