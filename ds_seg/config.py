@@ -528,7 +528,9 @@ def parse_cfg_options(options):
             raise ConfigError(f"--cfg-options: {item!r} is not of the form key=value.")
         key, raw = item.split('=', 1)
         value = _option_value(raw)
-        if isinstance(value, str) and ',' in raw and not raw.strip().startswith(('[', '(', '{', '"', "'")):
+        if isinstance(value, str) and raw.strip()[:1] + raw.strip()[-1:] in ('[]', '()'):
+            value = _unquoted_iterable(raw.strip())  # [B04,B03]: no quotes, as a shell leaves it
+        elif isinstance(value, str) and ',' in raw and not raw.strip().startswith(('[', '(', '{', '"', "'")):
             value = [_option_value(part) for part in raw.split(',')]
         node = nested
         parts = key.split('.')
@@ -539,6 +541,25 @@ def parse_cfg_options(options):
                                   f"an earlier option set to {node!r}; give one or the other.")
         node[parts[-1]] = _later_option(node.get(parts[-1]), value)
     return nested
+
+
+def _unquoted_iterable(raw):
+    """``[a,b]`` / ``(a,[b,c])`` of unquoted words as mmengine's ``--cfg-options`` reads them: a
+    list (tuple) of the items between top-level commas, each a literal, a word or such a list."""
+    inner, items, depth, start = raw[1:-1], [], 0, 0
+    for i, ch in enumerate(inner + ','):
+        if ch in '[(':
+            depth += 1
+        elif ch in '])':
+            depth -= 1
+        elif ch == ',' and depth == 0:
+            part = inner[start:i].strip()
+            if part:
+                value = _option_value(part)
+                nested = isinstance(value, str) and part[:1] + part[-1:] in ('[]', '()')
+                items.append(_unquoted_iterable(part) if nested else value)
+            start = i + 1
+    return items if raw[0] == '[' else tuple(items)
 
 
 def _later_option(earlier, later):

@@ -213,6 +213,12 @@ def test_cfg_options_unbracketed_commas_make_a_list_as_in_mmengine():
                        'f': [True, None, 0.5]}
     cfg = load_config(None, ["data.train.classes=grass,building,road,water,tree,bare"])
     assert list(cfg.data.train.classes) == ['grass', 'building', 'road', 'water', 'tree', 'bare']
+    # Brackets of unquoted words (the shell takes the quotes off) are lists and tuples too, as in
+    # mmengine: [B04,B03] was one string, the asset name '[B04,B03]'.
+    options = parse_cfg_options(['a=[B04,B03,B08_20m]', 'b=[[may.tif,aug.tif],[x.tif,y.tif]]', 'c=(1,word)',
+                                 'd=[ab]*.tif', 'e=[a, 0.5, none]', 'f=[]'])
+    assert options == {'a': ['B04', 'B03', 'B08_20m'], 'b': [['may.tif', 'aug.tif'], ['x.tif', 'y.tif']],
+                       'c': (1, 'word'), 'd': '[ab]*.tif', 'e': ['a', 0.5, None], 'f': []}
 
 
 def test_cfg_options_take_dict_calls_as_config_files_write_them():
