@@ -1088,6 +1088,15 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 f"(every labelled pixel is nodata{'/NaN' if any(s['floating'] for s in self._scenes) else ''} "
                 f"or masked in bands {self.bands}); nothing can be learnt or measured. Check the images' "
                 "nodata value (gdal_edit.py -unsetnodata / -a_nodata), `bands`, or the image/label pairing")
+        remote = [s for s in self._scenes if not s.get('vector') and any(
+            is_remote(p) for p in (s['label'], *s.get('dates', (s['image'],))))]
+        if not found and remote:  # not read whole (a download): said, where a local set is refused
+            names = ', '.join(self._scene_name_without_data(s) for s in remote[:3])
+            more = f" and {len(remote) - 3} more" if len(remote) > 3 else ''
+            self.notes = [*getattr(self, 'notes', ()),
+                          f"{names}{more}: a decimated read shows no pixel both labelled with a class and valid in "
+                          "the image, and remote scenes are not read whole; if they hold none, training learns "
+                          "nothing (loss 0). Check the images' nodata value, `bands`, or the image/label pairing"]
 
     def _scene_name_without_data(self, s, size=512):
         """A scene's name in a line about its missing data: its image, or for a time series the

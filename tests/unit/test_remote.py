@@ -252,3 +252,24 @@ def test_a_data_loader_workers_error_is_its_own_message():
         next(iter(DataLoader(Failing(), num_workers=1)))
     assert str(caught.value).startswith('Caught DataError in DataLoader worker')
     assert _worker_message(caught.value) == 'http://h/a.tif: cannot read window 3: TIFFReadEncodedTile() failed.'
+
+
+def test_remote_scenes_without_a_valid_labelled_pixel_are_said(cogs, tmp_path):
+    """A local set whose images hold only nodata is refused (after a whole read); remote scenes
+    are not read whole (a download), so an all-nodata remote set trained to loss 0 without a
+    word. The decimated read that found nothing is now said at the start of training."""
+    served = tmp_path / 'served'
+    served.mkdir()
+    common = dict(driver='GTiff', width=256, height=256, crs='EPSG:32632', transform=from_origin(500000, 5700000, 1, 1),
+                  tiled=True, blockxsize=128, blockysize=128, dtype='uint8')
+    with rasterio.open(served / 'empty.tif', 'w', count=3, nodata=0, **common) as d:
+        d.write(np.zeros((3, 256, 256), np.uint8))
+    with rasterio.open(served / 'lbl.tif', 'w', count=1, **common) as d:
+        d.write(np.ones((1, 256, 256), np.uint8))
+    with RangeServer(served) as server:
+        kw = dict(crop_size=64, classes=4, mean=[127.5] * 3, std=[73.9] * 3)
+        empty = GeoTiffScenes([server.url('empty.tif')], [server.url('lbl.tif')], **kw)
+        held = GeoTiffScenes([cogs['server'].url('img.tif')], [cogs['server'].url('lbl.tif')], **kw)
+    assert len(empty.notes) == 1 and empty.notes[0].startswith(
+        f"{server.url('empty.tif')}: a decimated read shows no pixel both labelled with a class and valid")
+    assert not getattr(held, 'notes', None)
