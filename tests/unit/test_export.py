@@ -92,7 +92,18 @@ def test_torch_export_program_runs_at_another_size(weights):
     x = torch.randn(1, 3, 96, 160)
     with torch.no_grad():
         assert (program(x) - model(x)).abs().max() < 1e-4
-    assert json.loads(open(str(tmp / 'segformer.pt2.card.json')).read())['format'] == 'torch-export'
+    card = json.loads(open(str(tmp / 'segformer.pt2.card.json')).read())
+    assert card['format'] == 'torch-export'
+    # The card says the size the program holds from (a smaller one may fail with torch's raw
+    # shape guard: 100 x 60 did here, and nothing said so); it and sizes above it run.
+    assert card['input']['min_size'] == [64, 64]
+    with torch.no_grad():
+        for size in ((64, 64), (64, 101), (77, 64)):
+            x = torch.randn(1, 3, *size)
+            assert (program(x) - model(x)).abs().max() < 1e-4
+        with pytest.raises(Exception, match='Guard failed'):
+            program(torch.randn(1, 3, 100, 60))
+    assert 'smallest input: 64 x 64 px (H x W)' in open(str(tmp / 'segformer.pt2.card.md')).read()
 
 
 @pytest.mark.parametrize('name', ['UperNetTiny', 'UperNetViTTiny', 'UNetTiny'])
