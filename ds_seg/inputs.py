@@ -205,16 +205,21 @@ def output_stems(inputs):
         names[-1] = root + (ext.replace('.', '_') if keep_ext[i] else '')
         return '_'.join(n for n in names if n)
 
+    def bare(i):  # the stem without the extension that may tell it from a neighbour
+        names = parts[i][-depth[i]:]
+        return '_'.join([*names[:-1], os.path.splitext(names[-1])[0]])
+
     while True:
-        stems = [stem(i) for i in range(len(inputs))]
-        # Scenes of one first date (two time series sharing a baseline) cannot be told apart by
-        # its name: they are numbered below.
-        clashing = [i for i, s in enumerate(stems) if depth[i] < len(parts[i]) and
-                    any(stems[j] == s and parts[j] != parts[i] for j in range(len(stems)))]
+        # Files of one name in other folders take their folder names, whatever else shares the
+        # name (a/x.tif, b/x.tif, a/x.TIF -> a_x_tif, b_x, a_x_TIF). Scenes of one first date (two
+        # time series sharing a baseline) cannot be told apart by its name: numbered below.
+        clashing = [i for i in range(len(inputs)) if depth[i] < len(parts[i]) and
+                    any(bare(j) == bare(i) and roots[j] != roots[i] for j in range(len(inputs)))]
         if not clashing:
             break
         for i in clashing:
             depth[i] += 1
+    stems = [stem(i) for i in range(len(inputs))]
     # Different files whose joined names still clash (/d/a/x.tif, /d/a_x.tif): numbered.
     return [f'{s}_{stems[:i].count(s) + 1}' if s in stems[:i] else s for i, s in enumerate(stems)]
 
