@@ -88,10 +88,10 @@ def _asset(item, name, source, what):
 def _stack_vrt(hrefs, item_id, cache_dir):
     """A VRT of the bands of ``hrefs`` in order (every band of a multi-band asset), read as one
     type (the narrowest that holds them all, so no asset's values wrap); assets must share one
-    grid and one nodata value. Each band keeps its colour interpretation (an alpha band stays
-    alpha, red stays red), and the assets' GDAL masks and alpha bands hide a pixel of the stack
-    where any of them hides it (a VRT has no mask of its own: without one, masked pixels were
-    read as data)."""
+    grid and one nodata value. Each band keeps its colour interpretation (red stays red), an
+    alpha band is left out of the bands, and the assets' GDAL masks and alpha bands hide a pixel
+    of the stack where any of them hides it (a VRT has no mask of its own: without one, masked
+    pixels were read as data, and an RGBA asset's alpha as a band)."""
     import numpy as np
     from rasterio import Affine
     from rasterio.dtypes import dtype_rev, typename_fwd
@@ -132,6 +132,8 @@ def _stack_vrt(hrefs, item_id, cache_dir):
     for h, g, interp in zip(hrefs, grids, colours):
         nd = f'<NoDataValue>{g[5]}</NoDataValue>' if g[5] is not None else ''
         for b in range(1, len(g[4]) + 1):
+            if interp[b - 1] == 'Alpha':  # a mask, not data: it hides pixels through the mask below
+                continue
             bands.append(f'<VRTRasterBand dataType="{gdal_type}" band="{len(bands) + 1}">{nd}'
                          f'<ColorInterp>{interp[b - 1]}</ColorInterp>{source(h, b)}</VRTRasterBand>')
     mask = ''

@@ -267,17 +267,22 @@ def test_stacked_assets_keep_their_masks_and_colour_interpretation(catalogue, tm
         with rasterio.open(tmp_path / 'nir.tif', 'w', **dict(profile, count=1, photometric='MINISBLACK')) as d:
             d.write(rgb[:1])
             d.write_mask(top)
+    # An RGBA 'visual' asset: its alpha is a mask, not a band of the stack (['visual', 'nir'] is RGB+NIR).
+    with rasterio.open(tmp_path / 'rgba.tif', 'w', **dict(profile, count=4, alpha='YES')) as d:
+        d.write(np.concatenate([rgb, left[None]]))
     item = pystac.Item(id='masked', geometry=None, bbox=None, properties={}, datetime=datetime.datetime(2024, 5, 1))
-    for name, href in (('rgb', 'rgb.tif'), ('nir', 'nir.tif'), ('label', catalogue['labels'][0])):
+    for name, href in (('rgb', 'rgb.tif'), ('nir', 'nir.tif'), ('rgba', 'rgba.tif'), ('label', catalogue['labels'][0])):
         item.add_asset(name, pystac.Asset(href=str(href)))
     with open(tmp_path / 'item.json', 'w') as f:
         json.dump(item.to_dict(transform_hrefs=False), f)
-    for assets, hidden in ((['rgb', 'nir'], (left == 0) | (top == 0)), (['nir', 'rgb'], (left == 0) | (top == 0))):
+    hidden = (left == 0) | (top == 0)
+    for assets in (['rgb', 'nir'], ['nir', 'rgb'], ['rgba', 'nir']):
         (stack,), _ = stac_scenes(str(tmp_path / 'item.json'), assets, 'label')
         with open_raster(stack) as src:
             np.testing.assert_array_equal(src.dataset_mask() == 0, hidden)
             names = [c.name for c in src.colorinterp]
-        assert names == (['red', 'green', 'blue', 'gray'] if assets[0] == 'rgb' else ['gray', 'red', 'green', 'blue'])
+            np.testing.assert_array_equal(src.read(4 if assets[0] != 'nir' else 1), rgb[0])
+        assert names == (['gray', 'red', 'green', 'blue'] if assets[0] == 'nir' else ['red', 'green', 'blue', 'gray'])
     ds = GeoTiffScenes(stac=str(tmp_path / 'item.json'), stac_bands=['rgb', 'nir'], stac_label='label',
                        split='val', mode='grid', **dict(KW, crop_size=max(h, w), mean=[127.5] * 4, std=[73.9] * 4))
     sample = ds[0]
