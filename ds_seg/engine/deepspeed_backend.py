@@ -50,8 +50,9 @@ class DeepSpeedBackend:
         self.channels_last = spec.channels_last
         param_groups = build_param_groups(model, optim_cfg)  # its refusals name the config's optim keys
         try:
-            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, model_parameters=param_groups, config=ds_config)
+            with ds_workarounds.inert_initial_fp16_step():
+                self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                    model=model, model_parameters=param_groups, config=ds_config)
         except (torch.OutOfMemoryError, torch.distributed.DistError):  # the device or the ranks, not the JSON
             raise
         except (AssertionError, ValueError, NotImplementedError, RuntimeError) as exc:

@@ -21,6 +21,12 @@ changes it, that test fails, and the workaround (and its test) can be deleted.
   built on it) call ``get_lr()`` in their constructor, which logs "Attempting to get learning
   rate from scheduler before it has started" on every run (and on ds_seg's own check of a JSON's
   scheduler) although nothing is wrong. That one message is filtered from DeepSpeed's logger.
+* :func:`inert_initial_fp16_step` -- DeepSpeed 0.19's ZeRO-0 fp16 optimizers (``FP16_Optimizer``,
+  ``FP16_UnfusedOptimizer``) call the wrapped optimizer's ``step()`` once with zero gradients
+  while they are built, to allocate its state, at the JSON's ``lr``: AdamW's decoupled weight
+  decay shrinks every weight by ``lr x weight_decay`` before training, and Adam's step count
+  starts at 1 (the first real update is bias-corrected as step 2: about 0.74x of DDP's). That
+  step runs with ``lr`` and ``weight_decay`` 0, and its step counts are reset.
 * Universal checkpoints (ds_seg/engine/reshard.py) carry parameters only, no buffers: the
   BatchNorm running statistics are copied from the original checkpoint there, and loading one
   means setting the engine's private ``_config.load_universal_checkpoint``.
@@ -64,6 +70,47 @@ def only_safe_torch_load(module):
         yield
     finally:
         module.torch.load = original
+
+
+def _inert(initialize_optimizer_states):
+    """``initialize_optimizer_states`` whose one zero-gradient step leaves the weights as they
+    are and counts no step (see :func:`inert_initial_fp16_step`)."""
+    def inert(self):
+        groups = self.optimizer.param_groups
+        kept = [(g['lr'], g.get('weight_decay')) for g in groups]
+        for g in groups:
+            g['lr'] = 0.0
+            if g.get('weight_decay') is not None:
+                g['weight_decay'] = 0.0
+        try:
+            return initialize_optimizer_states(self)
+        finally:
+            for g, (lr, decay) in zip(groups, kept):
+                g['lr'] = lr
+                if decay is not None:
+                    g['weight_decay'] = decay
+                if 'step' in g:  # DeepSpeed's FusedAdam counts per group
+                    g['step'] = 0
+            for state in self.optimizer.state.values():
+                if 'step' in state:
+                    state['step'] = torch.zeros_like(state['step']) if torch.is_tensor(state['step']) else 0
+    return inert
+
+
+@contextlib.contextmanager
+def inert_initial_fp16_step():
+    """Within the block (``deepspeed.initialize``), DeepSpeed's ZeRO-0 fp16 optimizers allocate
+    their state without a step that trains (see the module docstring)."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    originals = [(cls, cls.initialize_optimizer_states) for cls in (FP16_Optimizer, FP16_UnfusedOptimizer)]
+    for cls, original in originals:
+        cls.initialize_optimizer_states = _inert(original)
+    try:
+        yield
+    finally:
+        for cls, original in originals:
+            cls.initialize_optimizer_states = original
 
 
 def needs_loss_scaled_here(optimizer, precision):

@@ -247,6 +247,23 @@ class Trainer:
         for name, obj in configs.items():
             self.log.write_json(name, obj)
 
+    def _nonfinite_stop_message(self, longest, current):
+        """What to do after a run of non-finite losses. The checkpoint saved at the step before
+        the first of them holds the weights that gave it (the loss is taken before the update),
+        so the one to go on from is the one before that."""
+        root = self.checkpointer.root
+        said = f'the loss was not finite for {longest} consecutive steps'
+        first_bad = self.step - current + 1 if current else None
+        tags = checkpoint.complete_tags(root)
+        if first_bad is None or checkpoint.tag_for(first_bad - 1) not in tags:
+            return f'{said}; the last checkpoint in {root} is intact (lower the learning rate or check the data).'
+        earlier = [tag for tag in tags if tag < checkpoint.tag_for(first_bad - 1)]
+        where = (f'go on from {earlier[-1]} with a lower learning rate (--resume {os.path.join(root, earlier[-1])}), '
+                 'or check the data' if earlier else 'no checkpoint precedes it: lower the learning rate and '
+                 'start again, or check the data')
+        return (f'{said} (from step {first_bad}); the checkpoint of step {first_bad - 1} holds the weights that '
+                f'gave the first of them: {where}.')
+
     # ------------------------------------------------------------------------------------------
     def fit(self):
         """Train until ``train.max_steps``; returns the summary written to ``summary.json``.
@@ -285,9 +302,7 @@ class Trainer:
                     signalled, longest, current = faults.stop.agree(self.metrics.take_nonfinite_counts(),
                                                                     checks.seconds_per_step(self.step))
                     if longest >= t.max_nonfinite_steps:
-                        self._stop('nonfinite_loss', f'the loss was not finite for {longest} consecutive steps; the '
-                                   f'last checkpoint in {self.checkpointer.root} is intact (lower the learning rate '
-                                   'or check the data).')
+                        self._stop('nonfinite_loss', self._nonfinite_stop_message(longest, current))
                         break
                     best = None
                     if evaluating:

@@ -3,6 +3,7 @@
 Each test asserts DeepSpeed's behaviour itself (not ds_seg's): when one fails after a DeepSpeed
 upgrade, DeepSpeed has changed it, and the matching workaround can be deleted.
 """
+import contextlib
 import inspect
 import os
 
@@ -66,6 +67,19 @@ def _observe(tmp):
     out['fp16_zero0_scale'] = float(engine.optimizer.loss_scale_config.cur_scale)
     out['fp16_zero0_needs_scaling'] = ds_workarounds.needs_loss_scaled_here(engine.optimizer, 'fp16')
 
+    # 2b. fp16 ZeRO-0: building the optimizer takes one zero-gradient step at the JSON's lr
+    # (AdamW's weight decay shrinks the weight 1 -> 1 - 10 x 0.05 = 0.5; Adam counts a step).
+    adamw = {'fp16': {'enabled': True},
+             'optimizer': {'type': 'AdamW', 'params': {'lr': 10.0, 'weight_decay': 0.05, 'torch_adam': True}}}
+    for name, context in (('plain', contextlib.nullcontext), ('inert', ds_workarounds.inert_initial_fp16_step)):
+        with context():
+            engine = _engine(adamw, [[1.0, 1.0]])
+        inner = engine.optimizer.optimizer
+        # The fp32 master weight the first real step starts from (the fp16 copy is written then).
+        out[f'fp16_init_{name}'] = dict(weight=engine.optimizer.fp32_groups[0][0].tolist(),
+                                        steps=[float(st['step']) for st in inner.state.values()],
+                                        group=(inner.param_groups[0]['lr'], inner.param_groups[0]['weight_decay']))
+
     # 3. fp32 ZeRO-0 records no global gradient norm.
     engine = _engine({}, [[1.0, 1.0]])
     engine.backward(engine(torch.tensor([[3.0, 4.0]])).sum())
@@ -90,6 +104,12 @@ def test_deepspeed_zero0_fp16_backward_still_leaves_the_loss_unscaled(observed):
     assert observed['fp16_zero0_scale'] == 1024.0
     assert observed['fp16_zero0_grad'] == [[3.0, 5.0]]
     assert observed['fp16_zero0_needs_scaling'] is True
+
+
+def test_deepspeed_zero0_fp16_optimizers_still_step_while_built_and_ds_seg_makes_it_inert(observed):
+    # Delete inert_initial_fp16_step once FP16_Optimizer/FP16_UnfusedOptimizer stop stepping at init.
+    assert observed['fp16_init_plain'] == dict(weight=[[0.5, 0.5]], steps=[1.0], group=(10.0, 0.05))
+    assert observed['fp16_init_inert'] == dict(weight=[[1.0, 1.0]], steps=[0.0], group=(10.0, 0.05))
 
 
 def test_deepspeed_zero0_fp32_still_records_no_grad_norm(observed):

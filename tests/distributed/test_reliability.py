@@ -278,7 +278,10 @@ def test_a_non_finite_loss_stops_with_exit_3_and_keeps_the_last_checkpoint(train
     """An LR of 1e30 (real training, no fault injected): DeepSpeed's warm-up gives step 1 an LR of
     0 and step 2 1e28, so the weights reach ~1e28 and every forward from step 3 on overflows. With
     max_nonfinite_steps=2 the run stops after step 4 with exit 3; checkpoints (every step) exist for
-    steps 1 and 2 only, the NaN weights of steps 3-4 are never saved, and step 2 verifies."""
+    steps 1 and 2 only, the weights of steps 3-4 are never saved. Step 2's checkpoint holds the
+    weights that gave step 3's loss (the loss comes before the update): the line says so and names
+    step 1's, whose weights are the untouched initial ones (DeepSpeed's fp16 optimizer took one
+    step at the JSON's lr while it was built: every weight was ~1e28 before step 1)."""
     tmp, _ = trained
     work = os.path.join(tmp, 'nonfinite')
     ds = _ds_json(tmp, 'huge_lr', lambda d: d['optimizer']['params'].update(lr=1e30))
@@ -286,14 +289,17 @@ def test_a_non_finite_loss_stops_with_exit_3_and_keeps_the_last_checkpoint(train
                        'train.max_nonfinite_steps=2', ds=ds)
     code, lines, out = run_on_ranks(_run_main, 1, args=('train', argv), timeout=300)[0]
     assert code == 3, (lines, out[-2000:])
-    assert 'stopping at step 4: the loss was not finite for 2 consecutive steps' in out, out[-2000:]
+    assert 'stopping at step 4: the loss was not finite for 2 consecutive steps (from step 3); the checkpoint of ' \
+           'step 2 holds the weights that gave the first of them: go on from step_00000001 with a lower learning ' \
+           f'rate (--resume {os.path.join(work, "checkpoints", "step_00000001")})' in out, out[-2000:]
     losses = [r['loss'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
     assert [math.isfinite(x) for x in losses] == [True, True, False, False], losses
     root = os.path.join(work, 'checkpoints')
     assert sorted(t for t in os.listdir(root) if t.startswith('step_')) == ['step_00000001', 'step_00000002']
     assert checkpoint.find_latest(root) == 'step_00000002' and checkpoint.verify(root, 'step_00000002') is None
-    assert all(torch.isfinite(v).all() for v in checkpoint.consolidated_state_dict(os.path.join(root, 'step_00000002')).values()
-               if v.is_floating_point())
+    first = checkpoint.consolidated_state_dict(os.path.join(root, 'step_00000001'))
+    assert all(torch.isfinite(v).all() for v in first.values() if v.is_floating_point())
+    assert max(float(v.abs().max()) for k, v in first.items() if v.is_floating_point() and 'weight' in k) < 10
     summary = json.load(open(os.path.join(work, 'summary.json')))
     assert summary['exit_reason'] == 'nonfinite_loss' and summary['steps'] == 4
 
