@@ -85,13 +85,17 @@ def _asset(item, name, source, what):
     return item.assets[name].href
 
 
+# The colour interpretations ds_seg's checks read, by GDAL's VRT names; others stay undefined.
+_VRT_COLOURS = {'gray': 'Gray', 'red': 'Red', 'green': 'Green', 'blue': 'Blue', 'alpha': 'Alpha'}
+
+
 def _stack_vrt(hrefs, item_id, cache_dir):
     """A VRT of the bands of ``hrefs`` in order (every band of a multi-band asset), read as one
     type (the narrowest that holds them all, so no asset's values wrap); assets must share one
-    grid and one nodata value. Each band keeps its colour interpretation (red stays red), an
-    alpha band is left out of the bands, and the assets' GDAL masks and alpha bands hide a pixel
-    of the stack where any of them hides it (a VRT has no mask of its own: without one, masked
-    pixels were read as data, and an RGBA asset's alpha as a band)."""
+    grid and one nodata value. Each band keeps what its colour interpretation says of colour
+    (red stays red, alpha stays alpha: selected as data, it is refused as in a file), and the
+    assets' GDAL masks hide a pixel of the stack where any of them hides it (a VRT has no mask of
+    its own: without one, masked pixels were read as data)."""
     import numpy as np
     from rasterio import Affine
     from rasterio.dtypes import dtype_rev, typename_fwd
@@ -102,7 +106,7 @@ def _stack_vrt(hrefs, item_id, cache_dir):
         with open_raster(h) as src:
             grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.dtypes,
                           src.nodata))
-            colours.append(['Undefined' if c.name == 'palette' else c.name.capitalize() for c in src.colorinterp])
+            colours.append([_VRT_COLOURS.get(c.name, 'Undefined') for c in src.colorinterp])
             if uses_mask_band(src):
                 masked.append(h)
     w, hgt, transform, crs, _, nodata = grids[0]
@@ -132,8 +136,6 @@ def _stack_vrt(hrefs, item_id, cache_dir):
     for h, g, interp in zip(hrefs, grids, colours):
         nd = f'<NoDataValue>{g[5]}</NoDataValue>' if g[5] is not None else ''
         for b in range(1, len(g[4]) + 1):
-            if interp[b - 1] == 'Alpha':  # a mask, not data: it hides pixels through the mask below
-                continue
             bands.append(f'<VRTRasterBand dataType="{gdal_type}" band="{len(bands) + 1}">{nd}'
                          f'<ColorInterp>{interp[b - 1]}</ColorInterp>{source(h, b)}</VRTRasterBand>')
     mask = ''

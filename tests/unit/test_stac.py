@@ -13,6 +13,7 @@ from rasterio.transform import from_origin
 
 from ds_seg.config import ConfigError
 from ds_seg.data import GeoTiffScenes
+from ds_seg.data.raster import DataError
 from ds_seg.data.rangeserver import RangeServer
 
 BANDS = ['red', 'green', 'blue']
@@ -267,7 +268,8 @@ def test_stacked_assets_keep_their_masks_and_colour_interpretation(catalogue, tm
         with rasterio.open(tmp_path / 'nir.tif', 'w', **dict(profile, count=1, photometric='MINISBLACK')) as d:
             d.write(rgb[:1])
             d.write_mask(top)
-    # An RGBA 'visual' asset: its alpha is a mask, not a band of the stack (['visual', 'nir'] is RGB+NIR).
+    # An RGBA 'visual' asset: its alpha stays a band tagged alpha (band numbers as the files give
+    # them), and its zeros hide pixels like the other assets' masks.
     with rasterio.open(tmp_path / 'rgba.tif', 'w', **dict(profile, count=4, alpha='YES')) as d:
         d.write(np.concatenate([rgb, left[None]]))
     item = pystac.Item(id='masked', geometry=None, bbox=None, properties={}, datetime=datetime.datetime(2024, 5, 1))
@@ -276,13 +278,17 @@ def test_stacked_assets_keep_their_masks_and_colour_interpretation(catalogue, tm
     with open(tmp_path / 'item.json', 'w') as f:
         json.dump(item.to_dict(transform_hrefs=False), f)
     hidden = (left == 0) | (top == 0)
-    for assets in (['rgb', 'nir'], ['nir', 'rgb'], ['rgba', 'nir']):
+    for assets, names, nir_band in ((['rgb', 'nir'], ['red', 'green', 'blue', 'gray'], 4),
+                                    (['nir', 'rgb'], ['gray', 'red', 'green', 'blue'], 1),
+                                    (['rgba', 'nir'], ['red', 'green', 'blue', 'alpha', 'gray'], 5)):
         (stack,), _ = stac_scenes(str(tmp_path / 'item.json'), assets, 'label')
         with open_raster(stack) as src:
             np.testing.assert_array_equal(src.dataset_mask() == 0, hidden)
-            names = [c.name for c in src.colorinterp]
-            np.testing.assert_array_equal(src.read(4 if assets[0] != 'nir' else 1), rgb[0])
-        assert names == (['gray', 'red', 'green', 'blue'] if assets[0] == 'nir' else ['red', 'green', 'blue', 'gray'])
+            assert [c.name for c in src.colorinterp] == names
+            np.testing.assert_array_equal(src.read(nir_band), rgb[0])
+    with pytest.raises(DataError, match=r'band 4 is tagged as alpha'):  # as a file's alpha is
+        GeoTiffScenes(stac=str(tmp_path / 'item.json'), stac_bands=['rgba', 'nir'], stac_label='label',
+                      split='val', mode='grid', **dict(KW, mean=[127.5] * 5, std=[73.9] * 5))
     ds = GeoTiffScenes(stac=str(tmp_path / 'item.json'), stac_bands=['rgb', 'nir'], stac_label='label',
                        split='val', mode='grid', **dict(KW, crop_size=max(h, w), mean=[127.5] * 4, std=[73.9] * 4))
     sample = ds[0]
