@@ -99,18 +99,24 @@ def expand_inputs(paths, option='--input'):
     from rasterio.windows import Window
 
     from .data.raster import gdal_message, gdal_path, is_remote, raster_env, remote_hint
+    def scenes_only(path, found):
+        """Scenes, not predict's own outputs: a folder (or glob) predicted into itself holds the
+        earlier run's class maps. Labels (evaluate's --labels) may well be class maps."""
+        if option == '--labels':
+            return found, []
+        earlier = [f for f in found if written_by_predict(f)]
+        if earlier and os.environ.get('RANK', '0') == '0':  # before any process group: one rank says it
+            print(f"[ds_seg] {option}: {path}: left out {len(earlier)} class map(s) or probabilities an earlier "
+                  f"predict wrote ({', '.join(os.path.basename(f) for f in earlier[:3])}"
+                  f"{', ...' if len(earlier) > 3 else ''})", flush=True)
+        return [f for f in found if f not in earlier], earlier
+
     files = []
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(os.path.join(path, n) for n in os.listdir(path)
-                           if n.lower().endswith(FOLDER_SUFFIXES) and os.path.isfile(os.path.join(path, n)))
-            # A folder predicted into itself holds the earlier run's class maps: not scenes.
-            earlier = [f for f in found if written_by_predict(f)]
-            found = [f for f in found if f not in earlier]
-            if earlier:
-                print(f"[ds_seg] {option}: {path}: left out {len(earlier)} class map(s) or probabilities an earlier "
-                      f"predict wrote ({', '.join(os.path.basename(f) for f in earlier[:3])}"
-                      f"{', ...' if len(earlier) > 3 else ''})", flush=True)
+            found, earlier = scenes_only(path, sorted(
+                os.path.join(path, n) for n in os.listdir(path)
+                if n.lower().endswith(FOLDER_SUFFIXES) and os.path.isfile(os.path.join(path, n))))
             if not found:
                 raise ConfigError(f"{option}: folder {path} holds no GeoTIFF or JPEG 2000 raster "
                                   f"({', '.join(FOLDER_SUFFIXES)})" + (" but predict's own outputs" if earlier else "")
@@ -118,9 +124,11 @@ def expand_inputs(paths, option='--input'):
             files += found
         elif not os.path.exists(path) and not is_remote(path) and glob.has_magic(path):
             # A quoted glob (the shell left it alone): what the datasets and evaluate.py expand too.
-            found = sorted(f for f in glob.glob(os.path.expanduser(path)) if os.path.isfile(f))
+            found, earlier = scenes_only(path, sorted(
+                f for f in glob.glob(os.path.expanduser(path)) if os.path.isfile(f)))
             if not found:
-                raise ConfigError(f"{option}: the pattern {path} matches no file.")
+                raise ConfigError(f"{option}: the pattern {path} matches no file"
+                                  + (" but predict's own outputs." if earlier else "."))
             files += found
         elif not os.path.exists(path) and not is_remote(path):
             if ',' in path and all(os.path.exists(p) for p in path.split(',')):

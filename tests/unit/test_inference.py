@@ -946,7 +946,7 @@ def test_a_folder_predicted_into_itself_can_be_predicted_again(tmp_path, capsys)
 
     import rasterio
 
-    from ds_seg.cli import predict
+    from ds_seg.cli import evaluate, predict
     weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
     folder = tmp_path / 'area'
     folder.mkdir()
@@ -965,6 +965,16 @@ def test_a_folder_predicted_into_itself_can_be_predicted_again(tmp_path, capsys)
                                                          'b_classes_classes.tif', 'b_classes_probs.tif']
     with rasterio.open(folder / 'a_classes.tif') as src:
         assert np.array_equal(src.read(), first)
+    # A quoted glob of that folder is the same scenes.
+    assert predict.main(common[:2] + ['--input', str(folder / '*.tif')] + common[4:] + ['--probs', '--overwrite']) == 0
+    # Class maps are what evaluate's --labels may hold: a folder of predictions scores (itself: 1.0).
+    preds = tmp_path / 'preds'
+    assert predict.main(['--checkpoint', weights, '--input', str(folder / 'a.tif'), '--output', str(preds),
+                         '--tile', '32']) == 0
+    assert evaluate.main(['--checkpoint', weights, '--images', str(folder / 'a.tif'), '--labels', str(preds),
+                          '--output', str(tmp_path / 'ev'), '--tile', '32', '--previews', '0']) == 0, \
+        capsys.readouterr().err
+    assert json.load(open(tmp_path / 'ev' / 'eval.json'))['mIoU'] == 1.0
 
 
 def test_a_signed_url_with_commas_in_its_query_is_one_scene(tmp_path, capsys):
