@@ -132,13 +132,20 @@ def read_error(path, exc):
     if not is_remote(path):
         return gdal_message(exc)
     message = gdal_message(exc)
-    if 'response code' not in message and os.fspath(path).startswith(('http://', 'https://')):
+    if ('response code' not in message and os.fspath(path).startswith(('http://', 'https://'))
+            and not any(os.environ.get(k) for k in _GDAL_HTTP_CREDENTIALS)):
         # A block read that fails mid-run says only "TIFFReadEncodedTile() failed": ask the
-        # server what it answers now (an expired signed URL, a deleted object).
+        # server what it answers now (an expired signed URL, a deleted object). Not where GDAL
+        # sends credentials this plain request would lack: its 401 would blame them wrongly.
         status = http_status(path)
         if status is not None and status >= 400:
-            message = f'{message}; the server now answers it with HTTP response code: {status}'
+            message = f'{message.rstrip(".")}; the server now answers it with HTTP response code: {status}'
     return remote_hint(exc, message)
+
+
+# GDAL's settings that add credentials or headers to its HTTP requests.
+_GDAL_HTTP_CREDENTIALS = ('GDAL_HTTP_HEADERS', 'GDAL_HTTP_HEADER_FILE', 'GDAL_HTTP_USERPWD', 'GDAL_HTTP_AUTH',
+                          'GDAL_HTTP_BEARER', 'GDAL_HTTP_COOKIE', 'GDAL_HTTP_COOKIEFILE', 'GDAL_HTTP_PROXYUSERPWD')
 
 
 def http_status(url, timeout=10):
