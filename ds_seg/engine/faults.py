@@ -383,8 +383,10 @@ class Faults:
                        f'Resume from the last complete checkpoint with --resume auto. ({exc})')
             return 'lost_rank', LostRankError(message), None
         if isinstance(exc, OSError):  # disk full, read-only, I/O error: checkpoint.save cleaned up
-            message = (f'{describe_io_error(exc)}; stopped at step {step}; the last complete checkpoint '
-                       f"({last_checkpoint() or 'none'}) is intact; free space or fix the disk, then --resume auto.")
+            last = last_checkpoint()
+            message = (f'{describe_io_error(exc)}; stopped at step {step}; ' + (
+                f'the last complete checkpoint ({last}) is intact; free space or fix the disk, then --resume auto.'
+                if last else 'no checkpoint was written; free space or fix the disk, then start the run again.'))
             return 'io_error', RunIOError(message), message
         first_line = (str(exc).strip().splitlines() or [''])[0][:300]  # summary.json says what it was
         return 'error', exc, f'{type(exc).__name__}: {first_line}' if first_line else type(exc).__name__

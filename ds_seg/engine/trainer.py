@@ -255,8 +255,11 @@ class Trainer:
         said = f'the loss was not finite for {longest} consecutive steps'
         first_bad = self.step - current + 1 if current else None
         tags = checkpoint.complete_tags(root)
+        if not tags:
+            return f'{said}; no checkpoint was written: lower the learning rate and start again, or check the data.'
         if first_bad is None or checkpoint.tag_for(first_bad - 1) not in tags:
-            return f'{said}; the last checkpoint in {root} is intact (lower the learning rate or check the data).'
+            return (f'{said}; the last checkpoint ({os.path.join(root, tags[-1])}) is intact: go on from it with a '
+                    'lower learning rate, or check the data.')
         earlier = [tag for tag in tags if tag < checkpoint.tag_for(first_bad - 1)]
         where = (f'go on from {earlier[-1]} with a lower learning rate (--resume {os.path.join(root, earlier[-1])}), '
                  'or check the data' if earlier else 'no checkpoint precedes it: lower the learning rate and '

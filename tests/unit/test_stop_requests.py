@@ -92,3 +92,34 @@ def test_ranks_agree_on_the_signal_that_arrived_first(plan, said):
     results = _agree_on_two_ranks(plan)
     # every rank: the same answer, and the non-finite counters' maximum over ranks
     assert results == [(said is not None, 2, 1, said)] * 2
+
+
+def test_stop_lines_say_which_checkpoint_to_go_on_from_and_never_claim_one_that_is_not_there(tmp_path):
+    """A non-finite-loss stop or a failed write said "the last checkpoint is intact" where none
+    had been written; a non-finite stop names the checkpoint whose weights gave the first
+    non-finite loss (saved at the step before it) and the one before that to go on from."""
+    import errno
+    from types import SimpleNamespace
+
+    from ds_seg.engine import checkpoint
+    from ds_seg.engine.faults import Faults
+    from ds_seg.engine.trainer import Trainer
+    root = tmp_path / 'checkpoints'
+    root.mkdir()
+
+    def message(step, current):
+        run = SimpleNamespace(checkpointer=SimpleNamespace(root=str(root)), step=step)
+        return Trainer._nonfinite_stop_message(run, current, current)
+
+    assert message(4, 2).endswith('no checkpoint was written: lower the learning rate and start again, or check the data.')
+    full = OSError(errno.ENOSPC, 'No space left on device')
+    _, error, _ = Faults().classify(full, 4, lambda: None)
+    assert 'no checkpoint was written; free space or fix the disk, then start the run again.' in str(error)
+    for step in (1, 2):
+        (root / checkpoint.tag_for(step)).mkdir()
+        (root / checkpoint.tag_for(step) / checkpoint.COMPLETE).write_text('{"files": {}}')
+    assert message(4, 2).endswith(f"the checkpoint of step 2 holds the weights that gave the first of them: go on from "
+                                  f"step_00000001 with a lower learning rate (--resume {root / 'step_00000001'}), or "
+                                  "check the data.")
+    assert message(5, 2).endswith(f"the last checkpoint ({root / 'step_00000002'}) is intact: go on from it with a "
+                                  "lower learning rate, or check the data.")
