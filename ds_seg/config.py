@@ -545,20 +545,30 @@ def parse_cfg_options(options):
 
 def _unquoted_iterable(raw):
     """``[a,b]`` / ``(a,[b,c])`` of unquoted words as mmengine's ``--cfg-options`` reads them: a
-    list (tuple) of the items between top-level commas, each a literal, a word or such a list."""
-    inner, items, depth, start = raw[1:-1], [], 0, 0
+    list (tuple) of the items between top-level commas (not inside quotes), each a literal, a
+    word or such a list. Unbalanced brackets are refused, as mmengine does: a typo dropped items."""
+    inner, items, start, quote = raw[1:-1], [], 0, None
+    pairs = {']': '[', ')': '('}
+    opened = []
     for i, ch in enumerate(inner + ','):
-        if ch in '[(':
-            depth += 1
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in '\'"':
+            quote = ch
+        elif ch in '[(':
+            opened.append(ch)
         elif ch in '])':
-            depth -= 1
-        elif ch == ',' and depth == 0:
+            if not opened or opened.pop() != pairs[ch]:
+                raise ConfigError(f"--cfg-options: {raw} has unbalanced brackets; check the value")
+        elif ch == ',' and not opened:
             part = inner[start:i].strip()
             if part:
                 value = _option_value(part)
                 nested = isinstance(value, str) and part[:1] + part[-1:] in ('[]', '()')
                 items.append(_unquoted_iterable(part) if nested else value)
             start = i + 1
+    if opened or quote:
+        raise ConfigError(f"--cfg-options: {raw} has unbalanced brackets or quotes; check the value")
     return items if raw[0] == '[' else tuple(items)
 
 

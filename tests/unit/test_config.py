@@ -219,6 +219,10 @@ def test_cfg_options_unbracketed_commas_make_a_list_as_in_mmengine():
                                  'd=[ab]*.tif', 'e=[a, 0.5, none]', 'f=[]'])
     assert options == {'a': ['B04', 'B03', 'B08_20m'], 'b': [['may.tif', 'aug.tif'], ['x.tif', 'y.tif']],
                        'c': (1, 'word'), 'd': '[ab]*.tif', 'e': ['a', 0.5, None], 'f': []}
+    assert parse_cfg_options(["x=[a, 'b,c']"]) == {'x': ['a', 'b,c']}  # a quoted comma is the item's
+    for typo in ('x=[B04,[B03,B08]', 'x=[a,b]]'):  # an item lost to a typo, refused as in mmengine
+        with pytest.raises(ConfigError, match='unbalanced brackets'):
+            parse_cfg_options([typo])
 
 
 def test_cfg_options_take_dict_calls_as_config_files_write_them():
