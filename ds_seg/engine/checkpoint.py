@@ -476,9 +476,14 @@ _TORCH_MAGIC = (b'PK\x03\x04', b'\x80')
 
 
 def not_torch_kind(head):
-    """What a file whose first bytes ``head`` are not torch.save's is, in words."""
-    return ('empty (0 bytes)' if not head else 'a TIFF raster' if head in (b'II*\x00', b'MM\x00*')
-            else 'a text file' if head.strip()[:1] in (b'{', b'[', b'#') or head.isascii() else 'another kind of file')
+    """What a file whose first bytes ``head`` (up to 512) are not torch.save's is, in words."""
+    if not head:
+        return 'empty (0 bytes)'
+    if head[:4] in (b'II*\x00', b'MM\x00*', b'II+\x00', b'MM\x00+'):  # BigTIFF too
+        return 'a TIFF raster'
+    text = head.decode('utf-8', errors='ignore')  # a character cut at the end is dropped
+    printable = all(c.isprintable() or c in '\t\n\r\f' for c in text)
+    return 'a text file' if printable and len(text.encode()) >= len(head) - 3 else 'another kind of file'
 
 
 def is_torch_file(head):
@@ -491,7 +496,7 @@ def load_weights_file(path):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_from: {path} does not exist.")
     with open(path, 'rb') as f:
-        head = f.read(4)
+        head = f.read(512)
     if not head.startswith(_TORCH_MAGIC) and looks_like_onnx(path, head):
         # Its protobuf bytes read as ASCII: it was called 'a text file', which says nothing useful.
         raise ValueError(f"{path}: is an ONNX model (launch/export.py --format onnx), not a weights file: "

@@ -74,11 +74,12 @@ def read_state_dict(path, where='pretrained'):
             payload = load_file(path)
         else:
             from ..engine.checkpoint import is_torch_file, not_torch_kind
+            from ..inputs import looks_like_onnx
             with open(path, 'rb') as f:
-                head = f.read(4)
+                head = f.read(512)
             if not is_torch_file(head):  # a JSON or a config given by mistake: not "unsafe Python objects"
-                raise ConfigError(f'{where}: {path} is {not_torch_kind(head)}, not a weights file (.pth, .pt, .bin '
-                                  'or .safetensors)')
+                kind = 'an ONNX model' if looks_like_onnx(path, head) else not_torch_kind(head)
+                raise ConfigError(f'{where}: {path} is {kind}, not a weights file (.pth, .pt, .bin or .safetensors)')
             payload = torch.load(path, map_location='cpu', weights_only=True)
     except ConfigError:
         raise

@@ -28,10 +28,12 @@ def _full_params(trainer):
 
 def _train(tmp, backend, ds, work, resume=None, steps=12, checkpoint_interval=0, patch_fp16=False, **train):
     if patch_fp16:
-        # fp16 is refused on this CPU by DeepSpeed; pretend it is supported so the fp16 code paths
-        # (loss scaling, overflow skipping) run for real.
+        # ds_seg runs bf16 autocast for fp16 on any CPU, and DeepSpeed refuses fp16 on CPUs without
+        # fp16 kernels: both are told to run it, so the fp16 code paths (loss scaling, overflow
+        # skipping) run for real.
         from deepspeed.accelerator import get_accelerator
         get_accelerator().is_fp16_supported = lambda: True
+        os.environ['DS_SEG_CPU_FP16'] = '1'
     from ds_seg.engine.trainer import Trainer
     cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=checkpoint_interval, **train)
     trainer = Trainer(cfg, ds, backend=backend, work_dir=os.path.join(tmp, work), resume=resume)

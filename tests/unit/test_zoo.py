@@ -222,6 +222,12 @@ def test_pretrained_errors_name_the_problem(tmp_path):
     (tmp_path / 'notes.pth').write_text('{"lr": 0.01}\n')
     with pytest.raises(ConfigError, match=r'notes.pth is a text file, not a weights file \(.pth, .pt'):
         build(MODELS, dict(type='SegFormer', variant='mit_b0', pretrained=str(tmp_path / 'notes.pth')))
+    # Binary files whose first bytes happen to be ASCII are not called text.
+    for name, head, kind in (('model.onnx', b'\x08\x0e\x12\x07pytorch\x1a\x03', 'an ONNX model'),
+                             ('big.pth', b'II+\x00\x08\x00\x00\x00', 'a TIFF raster')):
+        (tmp_path / name).write_bytes(head + bytes(range(256)))
+        with pytest.raises(ConfigError, match=rf'{re.escape(name)} is {kind}, not a weights file'):
+            build(MODELS, dict(type='SegFormer', variant='mit_b0', pretrained=str(tmp_path / name)))
 
 
 def test_model_facts_command_lists_the_zoo(capsys):
