@@ -115,8 +115,8 @@ def card_markdown(card):
              f"- model: `{json.dumps(card['model'])}`",
              f"- classes: {', '.join(card['classes']) or 'not recorded'}",
              f"- bands: {card['bands']}", f"- mean: {card['mean']}", f"- std: {card['std']}",
-             *([f"- smallest input: {card['input']['min_size'][0]} x {card['input']['min_size'][1]} px (H x W)"]
-               if card['input'].get('min_size') else []),
+             *([f"- input size: from {card['input']['min_size'][0]} x {card['input']['min_size'][1]} px (H x W) up; "
+                "smaller inputs may fail torch's shape guards"] if card['input'].get('min_size') else []),
              f"- source: {card['source']}", f"- created: {card['created']} (torch {card['torch']})", '']
     metrics = card.get('final_metrics') or {}
     if metrics:
@@ -326,9 +326,9 @@ def export_torch(model, out, info, work_dir=None, step=None):
                           f'({str(exc).splitlines()[0][:160]}); use --format onnx.') from exc
     os.replace(tmp, out)
     card = model_card(info, 'torch-export', out, work_dir, step, dims)
-    # Traced at the smallest size every model family holds (twice the coarsest stride); below it
-    # a program may fail with torch's raw shape guard (SegFormer's at 61 px).
-    card['input']['min_size'] = list(first)
+    if 'H' in dims:  # traced at twice the coarsest stride: checked to hold from there up; below it
+        # a program may fail with torch's raw shape guard (SegFormer's at 61 px, UNet's not at 8)
+        card['input']['min_size'] = list(first)
     write_card(card, out)
     return out
 

@@ -355,7 +355,7 @@ def test_mit_features_equal_timms_pvt_v2_with_the_same_weights():
     """SegFormer's MiT is timm's pvt_v2 with an MLP ratio of 4 (NVlabs' mit_b* and timm's
     pvt_v2_b* share their layers, in one order). The blocks' and stages' LayerNorms had eps 1e-5
     where NVlabs (the source of the mit_b* weights) and timm use 1e-6: 1.7e-5 apart at low
-    contrast. Equal to float rounding (equal to the bit here), at a size no multiple of the strides."""
+    contrast. Equal to float rounding, at a size no multiple of the strides."""
     import timm
 
     from ds_seg.models.backbones.mit import MixTransformer
@@ -371,4 +371,5 @@ def test_mit_features_equal_timms_pvt_v2_with_the_same_weights():
     images = torch.randn(1, 3, 100, 60) * 0.01  # a hazy, low-contrast scene: where eps shows
     with torch.no_grad():
         for a, b in zip(ours(images), peer(images), strict=True):
-            torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+            # Float rounding (up to 4e-6 with other kernels) passes; the eps difference (1.7e-5) does not.
+            torch.testing.assert_close(a, b, atol=5e-6, rtol=0)
