@@ -50,14 +50,19 @@ def main(argv=None):
     parser.add_argument('--filter', default=None, help='only models whose name contains this')
     parser.add_argument('--markdown', action='store_true', help='print a Markdown table')
     args = parser.parse_args(argv)
+
+    def refuse(message):  # one line, as the other commands' mistakes (not the usage block first)
+        print(f'{parser.prog}: error: {message}', file=sys.stderr)
+        return 2
+
     for flag, value, low in (('--size', args.size, 16), ('--in-channels', args.in_channels, 1),
                              ('--num-classes', args.num_classes, 1)):
         if value < low:
-            parser.error(f'{flag} must be at least {low}, got {value}')
+            return refuse(f'{flag} must be at least {low}, got {value}')
     rows = zoo(args.filter)
     if not rows:
-        parser.error(f"--filter {args.filter!r} matches no model; the models are "
-                     f"{', '.join(sorted(n for n in MODELS.module_dict if n not in _NOT_A_MODEL))}")
+        return refuse(f"--filter {args.filter!r} matches no model; the models are "
+                      f"{', '.join(sorted(n for n in MODELS.module_dict if n not in _NOT_A_MODEL))}")
     header = ('model', 'params (M)', f'fwd GFLOP @{args.size}')
     if args.markdown:
         print(f'| {header[0]} | {header[1]} | {header[2]} |\n|---|---:|---:|')
