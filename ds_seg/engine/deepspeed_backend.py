@@ -31,6 +31,7 @@ class DeepSpeedBackend:
         import deepspeed
         precision, ds_config = spec.precision, spec.ds_config
         self.precision = precision
+        self.device_type = spec.device.type
         self.zero_stage = spec.zero_stage
         self.global_batch = spec.global_batch
         self.ds_config = ds_config
@@ -106,9 +107,12 @@ class DeepSpeedBackend:
         # runs share the plain optimizer's state.
         saved = marker.get('precision')
         if saved is not None and _optimizer_state_kind(saved) != _optimizer_state_kind(self.precision):
+            # A run trained in native fp16 on a CPU (before ds_seg ran bf16 autocast there instead).
+            cpu_fp16 = (' (DS_SEG_CPU_FP16=1 runs native fp16 on a CPU again, slowly)'
+                        if saved == 'fp16' and self.device_type == 'cpu' else '')
             return (f"--resume: {where} was saved in {saved} but this run uses {self.precision}; DeepSpeed's "
-                    "optimizer state differs between them: use the precision it was trained with, or export "
-                    "it and use load_from= instead.")
+                    f"optimizer state differs between them: use the precision it was trained with{cpu_fp16}, or "
+                    "export it and use load_from= instead.")
         return None
 
     def train(self):

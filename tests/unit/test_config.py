@@ -725,3 +725,18 @@ def test_deepspeeds_defaults_are_made_explicit_for_both_backends():
     assert resolved['gradient_clipping'] == 0.0 and resolved['optimizer']['params']['weight_decay'] == 0.05
     sgd = dict(ds, optimizer={'type': 'SGD', 'params': {'lr': 0.1}})
     assert 'weight_decay' not in resolve_ds_config(sgd, 1, 10)[0]['optimizer']['params']
+
+
+def test_a_native_fp16_run_on_a_cpu_resumes_with_the_way_back_named():
+    """A work dir trained in native fp16 on a CPU (before fp16 fell back there) is refused by a
+    resume in bf16 autocast, as any change of optimizer-state kind is; the line names the switch
+    that runs native fp16 again. Elsewhere the line is as before."""
+    from types import SimpleNamespace
+
+    from ds_seg.engine.deepspeed_backend import DeepSpeedBackend
+    marker = {'zero_stage': 2, 'precision': 'fp16'}
+    for device, hinted in (('cpu', True), ('cuda', False)):
+        run = SimpleNamespace(zero_stage=2, precision='bf16-autocast', device_type=device)
+        line = DeepSpeedBackend.resume_refusal(run, marker, 'step_00000010')
+        assert line.startswith('--resume: step_00000010 was saved in fp16 but this run uses bf16-autocast')
+        assert ('DS_SEG_CPU_FP16=1 runs native fp16 on a CPU again' in line) is hinted, line
