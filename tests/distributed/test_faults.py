@@ -248,7 +248,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
                      rf'\(.*{last}\) is intact: continue with --resume auto', out), out[-3000:]
     summary = json.load(open(os.path.join(work, 'summary.json')))
     # Stopped inside step 3, with step 2's checkpoint the last: none was written for the stop.
-    # Both Ctrl-Cs land in step 3's compute (2 s of fp16 on some 2-core CPUs) or in its planned
+    # Both Ctrl-Cs land in step 3's compute (2 s on a slow machine: native fp16 on a Xeon did) or in its planned
     # sleep after the update: the step count is 2 or 3, and the line names it.
     assert summary['exit_reason'] == 'interrupted' and summary['steps'] in (2, 3), summary
     assert f"interrupted (Ctrl-C) at step {summary['steps']};" in out, out[-3000:]
