@@ -99,6 +99,7 @@ def expand_inputs(paths, option='--input'):
     from rasterio.windows import Window
 
     from .data.raster import gdal_message, gdal_path, is_remote, raster_env, remote_hint
+
     def scenes_only(path, found):
         """Scenes, not predict's own outputs: a folder (or glob) predicted into itself holds the
         earlier run's class maps. Labels (evaluate's --labels) may well be class maps."""

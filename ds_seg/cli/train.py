@@ -125,16 +125,14 @@ def _train(argv, as_program):
         return EXIT_INTERRUPTED if interrupted else 2
     from ds_seg.data.raster import DataError
     from ds_seg.engine.faults import (EXIT_CODES, EXIT_DATA_ERROR, EXIT_IO_ERROR, EXIT_LOST_RANK, LostRankError,
-                                      RunIOError)
+                                      RunIOError, resume_advice)
     try:
         summary = trainer.fit()
     except DataError as exc:
         # A window the start-up checks did not sample. The other ranks wait in a collective for
         # this one: they stop as for a lost rank, and this rank skips the teardown that would wait.
-        last = trainer.checkpointer.last_complete()
-        print(f'ds_seg: error: {_worker_message(exc)} (at step {trainer.step}; '
-              + (f'the last complete checkpoint ({last}) is intact: fix the file, then --resume auto)' if last
-                 else 'no checkpoint was written: fix the file, then start the run again)'),
+        advice = resume_advice(trainer.checkpointer.last_complete(), 'fix the file')
+        print(f'ds_seg: error: {_worker_message(exc)} (at step {trainer.step}; {advice.rstrip(".")})',
               file=sys.stderr, flush=True)
         _close_without_the_process_group(trainer)
         os._exit(EXIT_DATA_ERROR)

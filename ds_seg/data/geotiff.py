@@ -1007,13 +1007,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         whatever the images hold with ``images=False``."""
         invalid = None
         for path in s.get('dates', (s['image'],)) if images else ():
-            with open_raster(path) as src:
-                raw = src.read(self.bands, window=window, out_shape=None if out_shape is None
-                               else (len(self.bands),) + out_shape)
-                bad = nodata_mask(raw, s['nodata']) if s['nodata'] is not None or raw.dtype.kind == 'f' else None
-                if s['masked']:
-                    m = src.dataset_mask(window=window, out_shape=out_shape) == 0
-                    bad = m if bad is None else bad | m
+            bad = self._no_data(path, s, window, out_shape)
             if bad is not None:
                 invalid = bad if invalid is None else invalid | bad
         with open_raster(s['label']) as src:
@@ -1026,6 +1020,19 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if invalid is not None:
             labelled &= ~invalid
         return int(np.count_nonzero(labelled))
+
+    def _no_data(self, path, s, window=None, out_shape=None):
+        """The pixels of one image file (a date) of scene ``s`` that hold no data in the selected
+        bands (the nodata value, a non-finite value, or hidden by the mask band), in ``window``
+        or a read decimated to ``out_shape``; None where nothing can mark one."""
+        with open_raster(path) as src:
+            raw = src.read(self.bands, window=window, out_shape=None if out_shape is None
+                           else (len(self.bands),) + out_shape)
+            bad = nodata_mask(raw, s['nodata']) if s['nodata'] is not None or raw.dtype.kind == 'f' else None
+            if s['masked']:
+                hidden = src.dataset_mask(window=window, out_shape=out_shape) == 0
+                bad = hidden if bad is None else bad | hidden
+        return bad
 
     def _check_labelled_valid_pixels(self, band_rows=1024):
         """Refuse a dataset in which no pixel is both labelled with a class and valid in its image
@@ -1107,12 +1114,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         shape = (min(size, s['height']), min(size, s['width']))
         empty = []
         for path in dates:
-            with open_raster(path) as src:
-                raw = src.read(self.bands, out_shape=(len(self.bands),) + shape)
-                bad = nodata_mask(raw, s['nodata'])
-                if s['masked']:
-                    bad |= src.dataset_mask(out_shape=shape) == 0
-            if bad.all():
+            bad = self._no_data(path, s, out_shape=shape)
+            if bad is not None and bad.all():
                 empty.append(path)
         return (', '.join(f'{p} (date {dates.index(p) + 1} of {len(dates)})' for p in empty) if empty
                 else ','.join(dates))

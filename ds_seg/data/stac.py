@@ -127,6 +127,7 @@ def _stack_vrt(hrefs, item_id, cache_dir):
                           f"have no common raster type ({dtype}); convert the assets to one type")
     gdal_type = typename_fwd[dtype_rev[dtype]]
     gt = Affine(*transform).to_gdal()
+
     def source(href, band):
         return (f'<SimpleSource><SourceFilename relativeToVRT="0">{escape(gdal_path(href))}</SourceFilename>'
                 f'<SourceBand>{band}</SourceBand><SrcRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/>'

@@ -343,6 +343,14 @@ def planned_step_delay():
     return plan[1] if plan and plan[0] == 'slow-step' else 0.0
 
 
+def resume_advice(last, fix):
+    """How to go on after a stop, true to what is on disk: ``last`` (the newest complete
+    checkpoint, or None) is intact and ``--resume auto`` continues it, or none was written."""
+    if last:
+        return f'the last complete checkpoint ({last}) is intact; {fix}, then --resume auto.'
+    return f'no checkpoint was written; {fix}, then start the run again.'
+
+
 class Faults:
     """What the training loop holds while it runs: the stop requests and the heartbeat, and the
     translation of an exception into the run's exit reason.
@@ -379,14 +387,12 @@ class Faults:
         other keeps its own, and its first line goes to summary.json.
         ``last_checkpoint()`` names the newest complete checkpoint (asked only for the message)."""
         if is_collective_failure(exc):
-            message = (f'rank {distributed.rank()}: {self.heartbeat.describe_failure()}; stopping. '
-                       f'Resume from the last complete checkpoint with --resume auto. ({exc})')
+            message = (f'rank {distributed.rank()}: {self.heartbeat.describe_failure()}; stopping; '
+                       f'{resume_advice(last_checkpoint(), "check the node")} ({exc})')
             return 'lost_rank', LostRankError(message), None
         if isinstance(exc, OSError):  # disk full, read-only, I/O error: checkpoint.save cleaned up
-            last = last_checkpoint()
-            message = (f'{describe_io_error(exc)}; stopped at step {step}; ' + (
-                f'the last complete checkpoint ({last}) is intact; free space or fix the disk, then --resume auto.'
-                if last else 'no checkpoint was written; free space or fix the disk, then start the run again.'))
+            message = (f'{describe_io_error(exc)}; stopped at step {step}; '
+                       f'{resume_advice(last_checkpoint(), "free space or fix the disk")}')
             return 'io_error', RunIOError(message), message
         first_line = (str(exc).strip().splitlines() or [''])[0][:300]  # summary.json says what it was
         return 'error', exc, f'{type(exc).__name__}: {first_line}' if first_line else type(exc).__name__

@@ -339,6 +339,8 @@ def test_a_killed_rank_makes_the_survivor_exit_in_bounded_time_naming_it(tmp_pat
     assert time.time() - t0 < 60, 'the survivor must not hang until a wall-clock limit'
     assert codes == [4], out[0][-3000:]
     assert 'rank 1 stopped responding' in out[0], out[0][-2000:]
+    # No checkpoint (checkpoint_interval 0): the line says so, not "resume from the last one".
+    assert 'no checkpoint was written; check the node, then start the run again.' in out[0], out[0][-2000:]
     procs[1].wait()
     # Its os._exit skipped close(): the lock stayed, until the next run took it over.
     assert not os.path.exists(os.path.join(work, '.ds_seg.lock'))

@@ -334,7 +334,7 @@ def test_a_bad_window_found_mid_run_is_one_line_with_exit_65_not_a_traceback(tra
     root = os.path.join(work, 'checkpoints')
     last = checkpoint.find_latest(root) if os.path.isdir(root) else None
     assert (f'the last complete checkpoint ({last}) is intact' if last else
-            'no checkpoint was written: fix the file, then start the run again') in errors[0], errors[0]
+            'no checkpoint was written; fix the file, then start the run again') in errors[0], errors[0]
 
 
 # ------------------------------------------------------------------------------------------------
