@@ -594,7 +594,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
     def use_statistics(self, mean, std):
         """Normalise with these per-channel ``mean``/``std`` (file units): the dataset's own, or
         those a resumed checkpoint was trained with."""
-        self.mean, self.std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+        # float64: the float32 mean of a uint32 band around 2**30 is off by half its spread.
+        self.mean, self.std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
         # What padding, and nodata before a resize, are filled with: the band mean, i.e. 0
         # once normalised, so neither darkens the valid pixels a resize blends them with.
         self._fill = (self.mean if self.image_dtype.kind == 'f' else np.clip(
@@ -832,7 +833,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                         given[key] = self._select(values, key)
         # A constant band (computed std 0) normalises to 0, not to inf.
         std = np.where(given['std'] > 0, given['std'], 1.0)
-        return given['mean'].astype(np.float32), std.astype(np.float32)
+        return given['mean'], std
 
     def _refuse_unit_scaled_stats(self, mean, std):
         """``mean=[0.485, ...], std=[0.229, ...]`` (ImageNet's, in 0-1 units: a timm or torchgeo
@@ -873,15 +874,21 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             cache = folder and os.path.join(folder, f'stats-{digest}.json')
         else:
             cache = os.path.join(os.path.dirname(key[0]['path']), STATS_CACHE_FILE)
+        # Which pixels count depends on the selected bands (nodata in each of them), not on their
+        # order; selecting them all is an entry without this key, as before it existed.
+        masked_by = sorted(set(self.bands))
+        masked_by = None if masked_by == list(range(1, self.num_file_bands + 1)) else masked_by
         held = _read_cache(cache) if cache else {}
         sets = held.get('sets', []) if held.get('version') == STATS_VERSION else []
-        found = next((entry for entry in sets if entry.get('images') == key), None)
+        found = next((entry for entry in sets if entry.get('images') == key
+                      and entry.get('nodata_bands') == masked_by), None)
         if found is not None:
             return found
         # Every date's own statistics, one after the other (per band and date): a series was
         # normalised with its first date's only, later dates reaching the model several sigma off.
         per_date = [self._band_statistics(chosen, paths) for paths in dates]
-        result = dict(images=key, mean=[v for m, _ in per_date for v in m], std=[v for _, v in per_date for v in v])
+        result = dict(images=key, mean=[v for m, _ in per_date for v in m], std=[v for _, v in per_date for v in v],
+                      **({'nodata_bands': masked_by} if masked_by else {}))
         if cache:
             _write_cache(cache, dict(version=STATS_VERSION, sets=(sets + [result])[-STATS_SETS_KEPT:]))
         return result
@@ -905,7 +912,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     x = src.read(out_shape=(s['count'],) + shape).reshape(s['count'], -1).astype(np.float64)
                     # Pixels the training windows mark invalid are not data: nodata, NaN, and
                     # those a GDAL mask band or an alpha band hides.
-                    invalid = nodata_mask(x, s['nodata'])
+                    # ... judged on the selected bands only, as the windows are: a file's other
+                    # band holding data there does not make the pixel data.
+                    invalid = nodata_mask(x[np.array(self.bands) - 1], s['nodata'])
                     if s['masked']:
                         invalid |= src.dataset_mask(out_shape=shape).reshape(-1) == 0
             except rasterio.errors.RasterioError as e:
@@ -949,34 +958,46 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 continue
             f = max(1.0, max(s['height'], s['width']) / _CHECK_PIXELS)
             shape = (max(1, int(s['height'] / f)), max(1, int(s['width'] / f)))
-            try:
-                with open_raster(s['label']) as src:
-                    if self.palette is not None:
-                        raw = src.read([1, 2, 3], out_shape=(3,) + shape, resampling=Resampling.nearest)
-                    else:
-                        raw, hidden = read_label_band(src, out_shape=shape)
-            except rasterio.errors.RasterioError as e:
-                raise DataError(f"{s['label']}: cannot be read (corrupt or truncated?): {e}") from e
-            if self.palette is not None:
-                decoded = self._decode_palette(raw)
-                bad = decoded < 0
-                if bad.mean() > self.palette_max_unmatched:
-                    colour, _ = Counter(map(tuple, raw[:, bad].T.tolist())).most_common(1)[0]
-                    raise DataError(
-                        f"{s['label']}: {100 * bad.mean():.1f}% of the label pixels match no palette "
-                        f"colour (most common: {colour}); palette is {self.palette}; fix `palette`, "
-                        f"`palette_ignore` or `palette_tolerance`")
-            else:
-                decoded = self._map_labels(raw, s.get('label_nodata'), hidden)
-                if (decoded < 0).any():
-                    value = raw[decoded < 0].flat[0]
-                    raise DataError(
-                        f"{s['label']}: label value {value} is not a class index 0..{self.num_classes - 1} "
-                        f"nor ignore_index {self.ignore_index} (classes: {', '.join(self.classes)}); "
-                        f"check `classes`, or remap with `label_map` / `reduce_zero_label`")
+            # GDAL serves a decimated read from the file's overviews, nearest or not: labels with
+            # averaged overviews (gdaladdo -r average) showed values the file does not hold. A
+            # finding is confirmed on the full-resolution pixels before it refuses the file.
+            refusal, had_overviews = self._decimated_label_refusal(s, shape, overviews=True)
+            if refusal and had_overviews:
+                refusal, _ = self._decimated_label_refusal(s, shape, overviews=False)
+            if refusal:
+                raise DataError(refusal)
         if self.palette is None:
             self._check_label_values()
         self._check_labelled_valid_pixels()
+
+    def _decimated_label_refusal(self, s, shape, overviews):
+        """``(why the label file of scene s is refused, or None; whether it has overviews)`` from
+        a nearest read decimated to ``shape`` (from its overviews, or the full-resolution pixels
+        with ``overviews=False``)."""
+        try:
+            with open_raster(s['label'], overviews=overviews) as src:
+                had_overviews = bool(src.overviews(1))
+                if self.palette is not None:
+                    raw = src.read([1, 2, 3], out_shape=(3,) + shape, resampling=Resampling.nearest)
+                else:
+                    raw, hidden = read_label_band(src, out_shape=shape)
+        except rasterio.errors.RasterioError as e:
+            raise DataError(f"{s['label']}: cannot be read (corrupt or truncated?): {e}") from e
+        if self.palette is not None:
+            bad = self._decode_palette(raw) < 0
+            if bad.mean() <= self.palette_max_unmatched:
+                return None, had_overviews
+            colour, _ = Counter(map(tuple, raw[:, bad].T.tolist())).most_common(1)[0]
+            return (f"{s['label']}: {100 * bad.mean():.1f}% of the label pixels match no palette "
+                    f"colour (most common: {colour}); palette is {self.palette}; fix `palette`, "
+                    f"`palette_ignore` or `palette_tolerance`"), had_overviews
+        decoded = self._map_labels(raw, s.get('label_nodata'), hidden)
+        if not (decoded < 0).any():
+            return None, had_overviews
+        value = raw[decoded < 0].flat[0]
+        return (f"{s['label']}: label value {value} is not a class index 0..{self.num_classes - 1} "
+                f"nor ignore_index {self.ignore_index} (classes: {', '.join(self.classes)}); "
+                f"check `classes`, or remap with `label_map` / `reduce_zero_label`"), had_overviews
 
     def _check_label_nodata(self):
         """A label file whose nodata tag is a class value is ambiguous (is that class real, or

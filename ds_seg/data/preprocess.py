@@ -21,14 +21,29 @@ Example::
 import numpy as np
 import torch
 
-_TORCH_HAS = (np.uint8, np.uint16, np.int8, np.int16, np.int32, np.float32)
+_TORCH_HAS = (np.uint8, np.uint16, np.int8, np.int16, np.int32, np.int64, np.float32, np.float64)
+# Pixel types whose values float32 does not hold exactly (above 2**24): cast to float32 before
+# the mean is subtracted, a uint32 band of counts around 2**30 with a spread of 300 reached the
+# model as 2 distinct values (int64 around 2**40 as one). Their windows are carried as int64 or
+# float64 and normalised in float64 (WIDE_TORCH), then handed on as float32.
+WIDE = (np.int32, np.uint32, np.int64, np.uint64, np.float64)
+WIDE_TORCH = (torch.int32, torch.int64, torch.float64)
 
 
 def host_dtype(file_dtype):
     """The dtype image windows carry to the device for rasters of ``file_dtype``: the file's
-    own where torch has it (uint8, uint16, int8, int16, int32, float32), else float32."""
+    own where torch has it (uint8, uint16, int8, int16, int32, int64, float32, float64), uint32
+    as int64 and uint64 as float64 (both exact where float32 is not), anything else as float32."""
     file_dtype = np.dtype(file_dtype)
-    return file_dtype if file_dtype.type in _TORCH_HAS else np.dtype(np.float32)
+    if file_dtype.type in _TORCH_HAS:
+        return file_dtype
+    return np.dtype({np.uint32: np.int64, np.uint64: np.float64}.get(file_dtype.type, np.float32))
+
+
+def work_dtype(image_dtype):
+    """The floating type host-side arithmetic on windows of ``image_dtype`` (resizes, colour
+    jitter) runs in: float64 for the :data:`WIDE` types, float32 for the others."""
+    return np.dtype(np.float64 if np.dtype(image_dtype).type in WIDE else np.float32)
 
 
 def geom_code(hflip, vflip, quarter_turns):
@@ -60,9 +75,11 @@ class BatchPreprocessor:
             raise ValueError('BatchPreprocessor: give both mean and std, or neither')
         self.mean = self.std = None
         if mean is not None:
-            self.mean = torch.as_tensor(np.asarray(mean, np.float32)).reshape(1, -1, 1, 1)
-            std = np.asarray(std, np.float32).reshape(-1)
-            self.std = torch.as_tensor(np.where(std > 0, std, np.float32(1))).reshape(1, -1, 1, 1)
+            # float64 as given (a float32 mean of 2**30 counts is 34 counts off), float32 copies
+            # for the usual types, whose normalisation stays in float32.
+            std = np.asarray(std, np.float64).reshape(-1)
+            self.mean = torch.as_tensor(np.asarray(mean, np.float64)).reshape(1, -1, 1, 1)
+            self.std = torch.as_tensor(np.where(std > 0, std, 1.0)).reshape(1, -1, 1, 1)
         self._on_device = {}
 
     @classmethod
@@ -71,11 +88,12 @@ class BatchPreprocessor:
         mean, std = getattr(dataset, 'mean', None), getattr(dataset, 'std', None)
         return cls(mean, std) if mean is not None and std is not None else cls()
 
-    def _stats(self, device):
-        if device not in self._on_device:
+    def _stats(self, device, dtype):
+        if (device, dtype) not in self._on_device:
             # Host to device, once: queued with the step's work, the host does not wait for it.
-            self._on_device[device] = (self.mean.to(device, non_blocking=True), self.std.to(device, non_blocking=True))
-        return self._on_device[device]
+            self._on_device[device, dtype] = tuple(t.to(dtype).to(device, non_blocking=True)
+                                                   for t in (self.mean, self.std))
+        return self._on_device[device, dtype]
 
     def images(self, image, nodata, device):
         """Raw ``image`` (B, C, H, W) and bool ``nodata`` (B, H, W) or None -> normalised float32
@@ -87,13 +105,15 @@ class BatchPreprocessor:
             image = image.view(torch.int16).to(device, non_blocking=True).to(torch.int32).bitwise_and_(0xFFFF)
         else:
             image = image.to(device, non_blocking=True)
-        image = image.to(torch.float32, copy=True)  # copy: on the CPU .to() returns the input
+        work = torch.float64 if image.dtype in WIDE_TORCH else torch.float32
+        image = image.to(work, copy=True)  # copy: on the CPU .to() returns the input
         if self.mean is not None:
             if image.shape[1] != self.mean.shape[1]:
                 raise ValueError(f'batch has {image.shape[1]} band(s) but the normalisation has '
                                  f'{self.mean.shape[1]} (mean/std of the training set)')
-            mean, std = self._stats(device)
+            mean, std = self._stats(device, work)
             image.sub_(mean).div_(std)
+        image = image.to(torch.float32)
         if nodata is not None:
             image.masked_fill_(nodata.to(device, non_blocking=True).unsqueeze(1), 0.0)
         return image

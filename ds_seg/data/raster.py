@@ -219,12 +219,18 @@ def _vrt_sources(path):
     return sources
 
 
+# Files GDAL reads beside a raster (and so part of its version): an external mask, the PAM
+# file (nodata, scale/offset, statistics) and external overviews, in either case.
+GDAL_SIDECARS = ('.msk', '.MSK', '.aux.xml', '.AUX.XML', '.ovr', '.OVR')
+
+
 def file_identity(path, sample_bytes=1 << 16):
     """What a cache keyed to a file compares, or None where nothing identifies its version.
 
     A local file: absolute path, size, modification time and a SHA-256 of its first and last
     ``sample_bytes`` (a file rewritten in place with the same name, even with its old mtime
-    restored, is recognised as new); a VRT's also the identities of the files it reads. An
+    restored, is recognised as new), and the same of each GDAL sidecar beside it
+    (:data:`GDAL_SIDECARS`); a VRT's also the identities of the files it reads. An
     ``http(s)://`` URL: the server's ETag, Last-Modified and
     size from one HEAD request (a republished file gets new ones); None when the server gives
     neither ETag nor Last-Modified, and for other schemes (s3://...), whose version ds_seg cannot
@@ -234,14 +240,13 @@ def file_identity(path, sample_bytes=1 << 16):
     if is_remote(path):
         return _http_identity(path) if path.startswith(('http://', 'https://')) else None
     path = os.path.abspath(path)
-    st = os.stat(path)
-    digest = hashlib.sha256()
-    with open(path, 'rb') as f:
-        digest.update(f.read(sample_bytes))
-        if st.st_size > sample_bytes:
-            f.seek(max(sample_bytes, st.st_size - sample_bytes))
-            digest.update(f.read(sample_bytes))
-    identity = {'path': path, 'size': st.st_size, 'mtime_ns': st.st_mtime_ns, 'sample_sha256': digest.hexdigest()}
+    identity = {'path': path, **_local_version(path, sample_bytes)}
+    # GDAL reads these beside the file: a rewritten mask (.msk), nodata or scale tag (.aux.xml)
+    # or overview (.ovr) changes what the file's pixels are, the file itself unchanged.
+    sidecars = {suffix: _local_version(path + suffix, sample_bytes) for suffix in GDAL_SIDECARS
+                if os.path.isfile(path + suffix)}
+    if sidecars:
+        identity['sidecars'] = sidecars
     if path.lower().endswith('.vrt'):
         # A VRT is unchanged when the files it reads change (a STAC item's stacked assets, a
         # republished asset): their identities are its version too.
@@ -251,6 +256,17 @@ def file_identity(path, sample_bytes=1 << 16):
             return None
         identity['sources'] = sources
     return identity
+
+
+def _local_version(path, sample_bytes):
+    st = os.stat(path)
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        digest.update(f.read(sample_bytes))
+        if st.st_size > sample_bytes:
+            f.seek(max(sample_bytes, st.st_size - sample_bytes))
+            digest.update(f.read(sample_bytes))
+    return {'size': st.st_size, 'mtime_ns': st.st_mtime_ns, 'sample_sha256': digest.hexdigest()}
 
 
 def _http_identity(url):
@@ -279,17 +295,19 @@ def same_pixels(a, b, width, height, tol_px=0.01):
     return True
 
 
-def open_raster(path):
+def open_raster(path, overviews=True):
     """``rasterio.open`` with the two user errors turned into one line naming the file.
 
     URLs (:func:`is_remote`) open through GDAL's virtual file systems with
-    :data:`REMOTE_GDAL_OPTIONS`.
+    :data:`REMOTE_GDAL_OPTIONS`. ``overviews=False`` hides the file's overviews, so a decimated
+    read samples its full-resolution pixels (GDAL's ``OVERVIEW_LEVEL=NONE``).
     """
+    options = {} if overviews else {'OVERVIEW_LEVEL': 'NONE'}
     if is_remote(path):
         try:
             with raster_env(path), warnings.catch_warnings():
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
-                return rasterio.open(gdal_path(path))
+                return rasterio.open(gdal_path(path), **options)
         except rasterio.errors.RasterioIOError as e:
             raise DataError(f"{path}: cannot open: {remote_hint(e)}") from e
     if not os.path.exists(path):
@@ -297,7 +315,7 @@ def open_raster(path):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore', NotGeoreferencedWarning)  # PNG/JPG patches
-            return rasterio.open(path)
+            return rasterio.open(path, **options)
     except rasterio.errors.RasterioIOError as e:
         raise DataError(f"{path}: not a readable raster (corrupt or not an image): {e}") from e
 

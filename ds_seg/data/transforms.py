@@ -28,6 +28,7 @@ import numbers
 import numpy as np
 
 from ds_seg.config import checked_number
+from ds_seg.data.preprocess import work_dtype
 from ds_seg.registry import TRANSFORMS, build
 
 
@@ -115,8 +116,8 @@ class PhotoMetricDistortion:
         self.mean = self.std = None
 
     def bind_image_stats(self, mean, std):
-        self.mean = np.asarray(mean, np.float32).reshape(-1, 1, 1)
-        self.std = np.asarray(std, np.float32).reshape(-1, 1, 1)
+        self.mean = np.asarray(mean, np.float64).reshape(-1, 1, 1)
+        self.std = np.asarray(std, np.float64).reshape(-1, 1, 1)
 
     def __call__(self, image, label, rng, invalid=None):
         """Pixels stay where they are: ``invalid`` comes back unchanged."""
@@ -127,10 +128,11 @@ class PhotoMetricDistortion:
         s = rng.uniform(1 - self.saturation, 1 + self.saturation)
         if not use.any():
             return (image, label) + keep
-        x = np.array(image, dtype=np.float32, copy=True)
+        x = np.array(image, dtype=work_dtype(image.dtype), copy=True)
         if self.mean is not None:
-            x -= self.mean
-            x /= self.std
+            mean, std = self.mean.astype(x.dtype), self.std.astype(x.dtype)
+            x -= mean
+            x /= std
         if use[0]:
             x += np.float32(b)
         if use[1]:
@@ -139,8 +141,8 @@ class PhotoMetricDistortion:
             grey = x.mean(axis=0, keepdims=True)
             x = grey + np.float32(s) * (x - grey)
         if self.mean is not None:
-            x *= self.std
-            x += self.mean
+            x *= std
+            x += mean
         if image.dtype.kind in 'iu':
             info = np.iinfo(image.dtype)
             x = np.clip(np.rint(x), info.min, info.max).astype(image.dtype)
@@ -246,7 +248,7 @@ def resize(image_CHW, label_HW, invalid_HW, size_hw):
     if image_CHW.shape[-2:] == (h, w):
         return image_CHW, label_HW, invalid_HW
     dtype = image_CHW.dtype
-    work = image_CHW if dtype in (np.uint8, np.uint16, np.int16, np.float32) else image_CHW.astype(np.float32)
+    work = image_CHW if dtype in (np.uint8, np.uint16, np.int16, np.float32) else image_CHW.astype(work_dtype(dtype))
     out = np.empty((image_CHW.shape[0], h, w), work.dtype)
     for band, dst in zip(work, out):
         cv2.resize(np.ascontiguousarray(band), (w, h), dst=dst, interpolation=cv2.INTER_LINEAR)

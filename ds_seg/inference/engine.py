@@ -240,8 +240,8 @@ def run_scene(forward_fn, image_path, sink, mean, std, bands=None, tile=512, ove
             band_idx = [t * src.per_date + b for t in range(dates) for b in band_idx]
         if max(band_idx) > src.count or min(band_idx) < 1:
             raise ValueError(f"{image_path}: has bands 1..{src.count}; bands={band_idx} asked for")
-        mean_c = np.asarray(mean, np.float32).reshape(-1)
-        std_c = np.asarray(std, np.float32).reshape(-1)
+        mean_c = np.asarray(mean, np.float64).reshape(-1)
+        std_c = np.asarray(std, np.float64).reshape(-1)
         if mean_c.size != len(band_idx) or std_c.size != len(band_idx):
             # Not "the model was trained on N bands": mean/std may be a user's --mean/--std.
             raise ValueError(f"{image_path}: {len(band_idx)} band(s) read but mean/std have "

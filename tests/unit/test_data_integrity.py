@@ -1,11 +1,13 @@
 """Data that trained silently wrong: worker transforms that moved pixels but not the nodata mask,
 palettes finer than a lookup bin, statistics of the wrong bands or of masked pixels or of the
 first files only, a user std of 0, and class counts inferred over nodata. Real GeoTIFFs."""
+import os
 import re
 
 import numpy as np
 import pytest
 import rasterio
+import torch
 from rasterio.transform import from_origin
 
 from ds_seg.data import GeoTiffScenes
@@ -402,3 +404,108 @@ def test_a_label_vrt_of_sources_of_unknown_version_is_read_not_cached(tmp_path):
                    f'</SourceFilename><SourceBand>1</SourceBand></SimpleSource></VRTRasterBand></VRTDataset>')
     assert cached_label_histograms([str(vrt)]) == [{0.0: 1, 1.0: 3}]
     assert not (tmp_path / LABELS_CACHE_FILE).exists()
+
+
+@pytest.mark.parametrize('dtype, base, spread', [('uint32', 2 ** 30, 300), ('int64', 2 ** 40, 300),
+                                                 ('int32', 2 ** 29, 300), ('float64', 1e9, 0.5)])
+def test_pixel_types_float32_cannot_hold_reach_the_model_exactly(tmp_path, dtype, base, spread):
+    """uint32 counts around 2^30 with a spread of 300 were cast to float32 before the mean was
+    taken off: the model saw 2 distinct values of 91 (int64 around 2^40: one), in training and
+    in whole-scene prediction alike, and the mean itself was kept in float32 (34 counts off)."""
+    from ds_seg.data import BatchPreprocessor
+    from ds_seg.inference import predict_scene
+    rng = np.random.default_rng(3)
+    image = (base + rng.uniform(0, spread, (2, 64, 64))).astype(dtype)
+    img = write_tif(tmp_path / 'w_image.tif', image)
+    lbl = write_tif(tmp_path / 'w_label.tif', rng.integers(0, 3, (64, 64)).astype(np.uint8))
+    ds = GeoTiffScenes([img], [lbl], crop_size=64, classes=3, mode='grid', split='val')
+    x = image.reshape(2, -1).astype(np.float64)
+    np.testing.assert_allclose(ds.mean, x.mean(1), rtol=1e-15, atol=0)
+    exact = (image.astype(np.float64) - x.mean(1)[:, None, None]) / x.std(1)[:, None, None]
+    sample = ds[0]
+    prep = BatchPreprocessor.for_dataset(ds)
+    seen = prep.images(sample['image'][None], None, 'cpu')[0]
+    assert seen.dtype == torch.float32
+    np.testing.assert_allclose(seen.numpy(), exact, atol=1e-5)   # float32 of the exact values
+
+    inputs = []
+
+    def forward(images_BCHW):
+        inputs.append(images_BCHW.clone())
+        return torch.zeros(images_BCHW.shape[0], 3, *images_BCHW.shape[-2:])
+    predict_scene(forward, img, str(tmp_path / 'classes.tif'), mean=ds.mean.tolist(), std=ds.std.tolist(),
+                  classes=['a', 'b', 'c'], tile=64, overlap=0, batch_size=1)
+    np.testing.assert_allclose(inputs[0][0].numpy(), exact, atol=1e-5)
+
+
+def test_statistics_count_the_pixels_the_selected_bands_call_data(tmp_path):
+    """With bands=[1, 2, 3] of a 4-band file (nodata 0), an RGB collar of zeros where NIR still
+    held values was nodata in every window but data in the statistics: every band's mean was 0.44
+    sigma low. A selection of all bands (in any order) reuses the entry cached before."""
+    rng = np.random.default_rng(9)
+    image = rng.integers(1, 256, (4, 64, 64)).astype(np.uint8)
+    image[:3, :, :20] = 0
+    img = write_tif(tmp_path / 'c_image.tif', image, nodata=0)
+    lbl = write_tif(tmp_path / 'c_label.tif', rng.integers(0, 3, (64, 64)).astype(np.uint8))
+    rgb = GeoTiffScenes([img], [lbl], crop_size=32, classes=3, bands=[1, 2, 3])
+    valid = image[:3, :, 20:].reshape(3, -1).astype(np.float64)
+    np.testing.assert_allclose(rgb.mean, valid.mean(1), rtol=1e-12)
+    np.testing.assert_allclose(rgb.std, valid.std(1), rtol=1e-12)
+    every = GeoTiffScenes([img], [lbl], crop_size=32, classes=3, bands=[4, 3, 2, 1])
+    whole = image.reshape(4, -1).astype(np.float64)   # no pixel is 0 in all four bands
+    np.testing.assert_allclose(every.mean, whole.mean(1)[::-1], rtol=1e-12)
+    again = GeoTiffScenes([img], [lbl], crop_size=32, classes=3, bands=[1, 2, 3])   # from the cache
+    np.testing.assert_array_equal(again.mean, rgb.mean)
+
+
+def test_statistics_are_computed_again_when_a_mask_sidecar_changes(tmp_path):
+    """The cache was keyed to the image file alone: a rewritten img.tif.msk (the image's bytes,
+    size and mtime unchanged) kept the statistics of the old mask."""
+    rng = np.random.default_rng(4)
+    image = rng.integers(1, 100, (3, 64, 64)).astype(np.uint8)
+    image[:, :, :32] = 250
+    path = str(tmp_path / 'm_image.tif')
+    lbl = write_tif(tmp_path / 'm_label.tif', rng.integers(0, 3, (64, 64)).astype(np.uint8))
+    mask = np.full((64, 64), 255, np.uint8)
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=False):
+        with rasterio.open(path, 'w', driver='GTiff', width=64, height=64, count=3, dtype='uint8',
+                           crs='EPSG:32632', transform=from_origin(500_000, 5_500_000, 0.1, 0.1)) as dst:
+            dst.write(image)
+            dst.write_mask(mask)
+    assert os.path.exists(path + '.msk')
+    first = GeoTiffScenes([path], [lbl], crop_size=32, classes=3)
+    np.testing.assert_allclose(first.mean, image.reshape(3, -1).mean(1), rtol=1e-12)
+    before = os.stat(path)
+    mask[:, :32] = 0                                   # the bright half is masked from now on
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=False), rasterio.open(path, 'r+') as dst:
+        dst.write_mask(mask)
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    second = GeoTiffScenes([path], [lbl], crop_size=32, classes=3)
+    np.testing.assert_allclose(second.mean, image[:, :, 32:].reshape(3, -1).mean(1), rtol=1e-12)
+
+
+@pytest.mark.parametrize('palette', [False, True])
+def test_labels_with_averaged_overviews_are_judged_by_their_pixels(tmp_path, palette):
+    """The start-up check's decimated read came from overviews built by averaging (gdaladdo -r
+    average): 'label value 205 is not a class index' for a file holding 0, 1, 2 and 255 only.
+    A file that does hold a stray value is still refused, overviews or not."""
+    from rasterio.enums import Resampling
+    colours = [(0, 0, 0), (255, 0, 0), (0, 0, 255)]
+    rng = np.random.default_rng(2)
+    label = rng.integers(0, 3, (1200, 600)).astype(np.uint8)
+    label[::3] = 255 if not palette else 0
+    img = write_tif(tmp_path / 'o_image.tif', rng.integers(1, 255, (3, 1200, 600)).astype(np.uint8))
+
+    def write_label(values):
+        data = np.stack([np.array(colours, np.uint8)[values][..., i] for i in range(3)]) if palette else values
+        path = write_tif(tmp_path / 'o_label.tif', data)
+        with rasterio.open(path, 'r+') as dst:
+            dst.build_overviews([2, 4, 8], Resampling.average)
+        return path
+    extra = dict(palette=colours, classes=('a', 'b', 'c')) if palette else dict(classes=3)
+    ds = GeoTiffScenes([img], [write_label(label)], crop_size=64, **extra)
+    assert ds.num_classes == 3
+    if not palette:
+        label[500:560, 300:360] = 7
+        with pytest.raises(DataError, match='label value 7 is not a class index'):
+            GeoTiffScenes([img], [write_label(label)], crop_size=64, **extra)
