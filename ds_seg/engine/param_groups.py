@@ -25,7 +25,7 @@ _EMBED = re.compile(r'^backbone\.(?:model\.)?(patch_embed|pos_embed|cls_token|re
 
 def _layer_id(name, num_blocks):
     """0 for the patch/position embeddings and tokens, i + 1 for block i, num_blocks + 1 for the rest."""
-    found = _BLOCK.match(name)
+    found = _BLOCK.match(name) if num_blocks else None
     if found:
         return int(found[1]) + 1
     if _EMBED.match(name):
@@ -64,7 +64,13 @@ def build_param_groups(model, optim_cfg):
     layer_decay, no_weight_decay, backbone_mult = _check(optim_cfg or {})
     if layer_decay is None and not no_weight_decay and backbone_mult == 1.0:
         return [p for _, p in named]
-    num_blocks = 1 + max([int(m[1]) for m in (_BLOCK.match(n) for n, _ in named) if m], default=-1)
+    # Transformer blocks only: timm's EfficientNet/MobileNet features have backbone.model.blocks.N
+    # too (stages, stem outside them), and decay counted over them trained the stem at the full
+    # LR and the first stage at decay^7.
+    from ..models.backbones.timm_vit import TimmViT
+    from ..models.backbones.vit import ViT
+    vit = isinstance(getattr(model, 'backbone', None), (ViT, TimmViT))
+    num_blocks = 1 + max([int(m[1]) for m in (_BLOCK.match(n) for n, _ in named) if m], default=-1) if vit else 0
     if layer_decay is not None and num_blocks == 0:
         raise ConfigError(f'optim.layer_decay: model {type(model).__name__} has no ViT blocks '
                           '(backbone.blocks.N); layer-wise decay applies to ViT backbones only. Set it to None.')

@@ -435,3 +435,17 @@ def test_dilated_cnns_keep_their_pyramid_and_band_mapped_models_load_for_predict
     mapped = build(MODELS, dict(type='FPN', backbone='convnext_atto', in_channels=4, channels=16, pretrained=own,
                                 band_map=[3, 2, 1, 0]))
     assert torch.equal(mapped.backbone.model.stem_0.weight, segmentor.backbone.model.stem_0.weight[:, [3, 2, 1, 0]])
+
+
+def test_a_deeper_vit_file_is_refused_by_a_shallower_timm_vit_and_pruning_still_loads(tmp_path):
+    """A 4-block file into TimmViT(depth=2) loaded its first 2 blocks without a word: blocks 2-3
+    were excused as if pruned after the last feature block, and the file's final norm (trained on
+    block 3's output) ran after block 1. Blocks the model was built with and pruned still load."""
+    path = _save(tmp_path, _timm('vit_small_patch16_224'))
+    with pytest.raises(ConfigError, match=r'no place in the model.*blocks\.[23]\.'):
+        build(BACKBONES, dict(type='TimmViT', name='vit_small_patch16_224', pretrained=path, **dict(TINY, depth=2)))
+    enc = build(BACKBONES, dict(type='TimmViT', name='vit_small_patch16_224', pretrained=path, out_indices=(0, 0, 1, 1),
+                                **TINY))
+    assert len(enc.model.blocks) == 2   # blocks 2-3 of the 4 built were pruned, their weights excused
+    torch.testing.assert_close(enc.model.blocks[1].mlp.fc2.weight, _timm('vit_small_patch16_224').blocks[1].mlp.fc2.weight,
+                               rtol=0, atol=0)

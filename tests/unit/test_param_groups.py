@@ -84,3 +84,15 @@ def test_schedule_scales_every_group_proportionally():
         assert base > 0
         for g in opt.param_groups:
             assert g['lr'] == pytest.approx(base * g['lr_mult'])
+
+
+def test_layer_decay_counts_transformer_blocks_only():
+    """timm's EfficientNet features hold backbone.model.blocks.N too: layer_decay=0.5 was taken,
+    the stem (conv_stem, bn1) trained at the full LR and blocks.0 at 0.5^7. It is refused, as for
+    any backbone without ViT blocks; no_weight_decay alone still applies to it."""
+    model = build(MODELS, dict(type='FPN', backbone='efficientnet_b0', channels=16, aux_head=False))
+    assert any(n.startswith('backbone.model.blocks.6.') for n, _ in model.named_parameters())
+    with pytest.raises(ConfigError, match='optim.layer_decay: model .* has no ViT blocks'):
+        build_param_groups(model, dict(layer_decay=0.5))
+    groups = build_param_groups(model, dict(paramwise=dict(no_weight_decay=True)))
+    assert {g['lr_mult'] for g in groups} == {1.0}

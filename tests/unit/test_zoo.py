@@ -47,6 +47,21 @@ def test_logits_at_input_resolution(name, size):
     assert out['aux'][0][0] == pytest.approx(0.4)
 
 
+@pytest.mark.parametrize('name', TINY + ['UperNet:test_convnext'])
+def test_the_last_row_and_column_reach_the_logits_at_an_odd_size(name):
+    """A ConvNeXt stem (4x4, stride 4, no padding) floors the size: at 65x97 the last row and
+    column changed no logit, and the 64x96 feature grids were stretched over 65x97."""
+    name, _, backbone = name.partition(':')
+    model = make(name, num_classes=5, **({'backbone': backbone, 'channels': 16} if backbone else {})).eval()
+    x = torch.randn(1, 3, 65, 97)
+    edited = x.clone()
+    edited[..., -1, :] += 3.0
+    edited[..., :, -1] += 3.0
+    with torch.no_grad():
+        change = (logits_of(model(x)) - logits_of(model(edited))).abs()
+    assert change[..., -1, :].amax() > 1e-3 and change[..., :, -1].amax() > 1e-3
+
+
 @pytest.mark.parametrize('name', TINY)
 @pytest.mark.parametrize('in_channels', [1, 4, 13])
 def test_any_band_count_trains_every_parameter(name, in_channels):

@@ -124,7 +124,11 @@ class TimmBackbone(nn.Module):
             self._take = deep if levels == 'pyramid' else [deep[0], *([last - 1] if last - 1 > deep[0] else []), last]
         self.out_channels = [list(info.channels())[i] for i in self._take]
         self.strides = [strides[i] for i in self._take]
-        self.size_divisor = 1
+        # The segmentor pads inputs to the deepest stride (mmseg's size_divisor=32): a stem or
+        # downsampler without padding (ConvNeXt's 4x4/4, 2x2/2) floors the size, so at 65x97 the
+        # last row and column had no influence on any logit, and the feature grids, 64x96 wide,
+        # were stretched over 65x97.
+        self.size_divisor = max(strides)
         self.channels_last_output = str(getattr(self.model, 'output_fmt', 'NCHW')).endswith('NHWC')
         self.activation_checkpointing = activation_checkpointing
         self._blocks = self._checkpoint_units() if activation_checkpointing else None

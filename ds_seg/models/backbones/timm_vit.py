@@ -82,7 +82,7 @@ class TimmViT(nn.Module):
         kwargs = dict(timm_kwargs)
         kwargs.setdefault('dynamic_img_size', True)  # position embeddings follow the token grid
         self.model = create_timm_model(name, num_classes=0, in_chans=in_channels, **kwargs)
-        depth = len(self.model.blocks)
+        depth = self.built_depth = len(self.model.blocks)
         self.out_indices = pyramid_block_indices(name, out_indices, depth)
         # The blocks after the last feature block and the classifier are never run: drop them
         # (DDP and ZeRO would otherwise see parameters without gradients).
@@ -112,8 +112,10 @@ class TimmViT(nn.Module):
         match = re.compile(r'blocks\.(\d+)\.').match
 
         def pruned(key):  # blocks after the last feature block were dropped at build
+            # ... not blocks the model was built without: a 12-block file in a 6-block model
+            # loaded its first 6 and put the final norm, trained on block 11, after block 5.
             found = match(key)
-            return bool(found) and int(found[1]) >= kept
+            return bool(found) and kept <= int(found[1]) < self.built_depth
 
         model = self.model
         load_pretrained(model, state, allow_unused=pruned, band_map=band_map, input_key='patch_embed.proj.weight',
