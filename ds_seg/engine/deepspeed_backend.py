@@ -78,6 +78,10 @@ class DeepSpeedBackend:
         self._grad_norm = None
         self._scale_loss_here = ds_workarounds.needs_loss_scaled_here(self.optimizer, precision)
         self._norm_here = ds_workarounds.records_no_grad_norm(self.zero_stage, precision)
+        self._norm_scaled = ds_workarounds.records_scaled_grad_norm(self.optimizer)
+        self._norm_scale = 1.0  # the loss scale DeepSpeed's recorded norm is multiplied by
+        # ZeRO-0 under fp16 autocast: DeepSpeed's torch GradScaler scales the loss in backward.
+        self._autocast_scaler = getattr(self.engine, 'torch_autocast_z0_gradscaler', None)
 
     @property
     def module(self):
@@ -141,7 +145,11 @@ class DeepSpeedBackend:
         """Finish a micro-step; at a boundary the optimizer steps. Returns True if it applied."""
         boundary = self.is_boundary()
         if boundary and want_grad_norm and self._norm_here:  # gradients are reduced by now
-            self._grad_norm = global_grad_norm(self.engine.module.parameters())
+            # (Read at log steps only: the scaler's scale is a device tensor.)
+            scale = float(self._autocast_scaler.get_scale()) if self._autocast_scaler is not None else 1.0
+            self._grad_norm = global_grad_norm(self.engine.module.parameters()) / scale
+        if boundary and want_grad_norm and self._norm_scaled:
+            self._norm_scale = self.loss_scale()  # before the step moves it on
         self.engine.step()
         return boundary and self.engine.was_step_applied()
 
@@ -149,11 +157,13 @@ class DeepSpeedBackend:
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             return self._grad_norm
-        return float(norm)
+        return float(norm) / (self._norm_scale if self._norm_scaled else 1.0)
 
     def loss_scale(self):
-        if self.precision != 'fp16':
+        if self.precision not in ('fp16', 'fp16-autocast'):
             return None
+        if self._autocast_scaler is not None:
+            return float(self._autocast_scaler.get_scale())
         opt = self.optimizer
         for holder in (getattr(opt, 'loss_scale_config', None), opt, getattr(opt, 'loss_scaler', None)):
             scale = getattr(holder, 'cur_scale', None)

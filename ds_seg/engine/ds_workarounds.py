@@ -12,7 +12,13 @@ changes it, that test fails, and the workaround (and its test) can be deleted.
   gradients and check them for overflow in ``step()``, so without this the run would train on
   gradients divided by the scale and never see an overflow.
 * :func:`records_no_grad_norm` -- DeepSpeed 0.19 records no global gradient norm for ZeRO-0
-  without fp16 (``get_global_grad_norm()`` is None); ds_seg computes it for the logs.
+  without native fp16 (``get_global_grad_norm()`` is None); ds_seg computes it for the logs
+  (under fp16 autocast from the gradients its GradScaler scaled, divided by that scale).
+* :func:`records_scaled_grad_norm` -- DeepSpeed 0.19's ``FP16_UnfusedOptimizer`` (ZeRO-0 native
+  fp16 with any optimizer but FusedAdam: torch's AdamW on every GPU ds_seg picks it for) records
+  the norm of the gradients still multiplied by the loss scale (65536 times the real one with
+  the shipped zero0.json); ``FP16_Optimizer`` divides it. ds_seg divides it by the scale the step
+  ran with.
 * :func:`keep_autotuner_from_importing_mlflow` -- DeepSpeed 0.19's autotuner imports mlflow, when
   it is installed, as ``import deepspeed`` runs: about 3 s of every process's start, for a
   feature ds_seg never uses. That one import is refused (ds_seg's own MLflow tracker still
@@ -123,7 +129,13 @@ def needs_loss_scaled_here(optimizer, precision):
 
 def records_no_grad_norm(zero_stage, precision):
     """Whether DeepSpeed leaves ``get_global_grad_norm()`` None, so ds_seg computes the norm."""
-    return zero_stage == 0 and precision in ('fp32', 'bf16-autocast')
+    return zero_stage == 0 and precision in ('fp32', 'bf16-autocast', 'fp16-autocast')
+
+
+def records_scaled_grad_norm(optimizer):
+    """Whether ``get_global_grad_norm()`` after a step is the norm of the loss-scaled gradients."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    return isinstance(optimizer, FP16_UnfusedOptimizer)
 
 
 class _NoMlflowForTheAutotuner(importlib.abc.MetaPathFinder):

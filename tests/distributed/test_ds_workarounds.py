@@ -80,6 +80,15 @@ def _observe(tmp):
                                         steps=[float(st['step']) for st in inner.state.values()],
                                         group=(inner.param_groups[0]['lr'], inner.param_groups[0]['weight_decay']))
 
+    # 2c. fp16 ZeRO-0 with a torch optimizer (FP16_UnfusedOptimizer) records the norm of the
+    # loss-scaled gradients: |(3, 4)| = 5 at scale 2^10 is recorded as 5120.
+    engine = _engine({'fp16': {'enabled': True, 'initial_scale_power': 10}}, [[1.0, 1.0]])
+    loss = engine(torch.tensor([[3.0, 4.0]], dtype=torch.float16)).float().sum()
+    engine.backward(loss * engine.optimizer.loss_scale_config.cur_scale)   # as ds_seg does (needs_loss_scaled_here)
+    engine.step()
+    out['fp16_unfused_norm'] = float(engine.get_global_grad_norm())
+    out['fp16_unfused_recognised'] = ds_workarounds.records_scaled_grad_norm(engine.optimizer)
+
     # 3. fp32 ZeRO-0 records no global gradient norm.
     engine = _engine({}, [[1.0, 1.0]])
     engine.backward(engine(torch.tensor([[3.0, 4.0]])).sum())
@@ -110,6 +119,12 @@ def test_deepspeed_zero0_fp16_optimizers_still_step_while_built_and_ds_seg_makes
     # Delete inert_initial_fp16_step once FP16_Optimizer/FP16_UnfusedOptimizer stop stepping at init.
     assert observed['fp16_init_plain'] == dict(weight=[[0.5, 0.5]], steps=[1.0], group=(10.0, 0.05))
     assert observed['fp16_init_inert'] == dict(weight=[[1.0, 1.0]], steps=[0.0], group=(10.0, 0.05))
+
+
+def test_deepspeed_zero0_fp16_unfused_optimizer_still_records_the_scaled_norm(observed):
+    # Delete records_scaled_grad_norm once FP16_UnfusedOptimizer divides its norm by the scale.
+    assert observed['fp16_unfused_norm'] == 5.0 * 1024
+    assert observed['fp16_unfused_recognised'] is True
 
 
 def test_deepspeed_zero0_fp32_still_records_no_grad_norm(observed):

@@ -224,8 +224,35 @@ def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path, backend, stage):
     assert rows[-1]['loss'] < rows[0]['loss'], 'applied steps train the model'
 
 
-def _train_fp16(tmp, backend, ds):
-    return _train(tmp, backend, ds, 'fp16', None, 20, patch_fp16=True)
+def _train_fp16(tmp, backend, ds, work='fp16', steps=20):
+    return _train(tmp, backend, ds, work, None, steps, patch_fp16=True)
+
+
+def test_fp16_grad_norm_is_the_norm_of_the_unscaled_gradients_in_every_mode(tmp_path):
+    """ZeRO-0 native fp16 (FP16_UnfusedOptimizer, torch's AdamW: the shipped zero0.json on a GPU)
+    logged the norm of the loss-scaled gradients, 1024x the real one at scale 2^10; ZeRO-0 under
+    fp16 autocast logged neither grad_norm nor loss_scale. Each mode's first-step norm is the fp32
+    run's, to fp16 precision (the same initial weights and batch)."""
+    tmp = str(tmp_path)
+    fp16 = ds_config(0, precision='fp16')
+    fp16['fp16']['initial_scale_power'] = 10
+    autocast = ds_config(0, torch_autocast={'enabled': True, 'dtype': 'float16'})
+    modes = {'fp32': ('ddp', ds_config(0), False), 'ddp_fp16': ('ddp', fp16, True),
+             'zero0_fp16': ('deepspeed', fp16, True), 'zero1_fp16': ('deepspeed', dict(fp16, zero_optimization={'stage': 1}), True),
+             'zero0_autocast_fp16': ('deepspeed', autocast, True)}
+    rows = {}
+    for name, (backend, ds, half) in modes.items():
+        ranks = run_on_ranks(_train_fp16 if half else _train, 1,
+                             args=(tmp, backend, ds, name, 2) if half else (tmp, backend, ds, name, None, 2))
+        assert ranks[0]['precision'] in (('fp16', 'fp16-autocast') if half else ('fp32',)), name
+        rows[name] = read_jsonl(os.path.join(tmp, name, 'metrics.jsonl'))
+    reference = rows['fp32'][0]['grad_norm']
+    for name, got in rows.items():
+        first = got[0]
+        assert first['skipped_steps'] == 0, (name, first)
+        assert first['grad_norm'] == pytest.approx(reference, rel=2e-2), (name, first['grad_norm'], reference)
+        if name != 'fp32':
+            assert first['loss_scale'] == 1024.0 if 'autocast' not in name else first['loss_scale'] > 1, (name, first)
 
 
 # -- README: zero3_offload.json and native bf16 train end to end ---------------------------------
