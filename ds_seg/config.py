@@ -962,6 +962,14 @@ def _check_features_without_effect(ds, source):
     for key, why in _DS_WITHOUT_EFFECT.items():
         if _switched_on(ds.get(key)):
             raise ConfigError(f"{source}: '{key}' is switched on, but it has no effect in ds_seg ({why}); remove it.")
+    checkpoint = ds.get('checkpoint') if isinstance(ds.get('checkpoint'), dict) else {}
+    if checkpoint.get('load_universal'):
+        # DeepSpeed then loads every checkpoint as a universal one: a --resume of ds_seg's own
+        # checkpoints died in a traceback (ZeRO-0: no update_lp_params; ZeRO-2: no
+        # zero/optimizer_state.pt), after the data and model were built.
+        raise ConfigError(f"{source}: 'checkpoint.load_universal' is true, but ds_seg saves ordinary DeepSpeed "
+                          "checkpoints and converts one to a universal checkpoint itself when a run resumes at "
+                          "another number of ranks; remove the key.")
 
 
 def _flag_keys(*modules):
@@ -1595,8 +1603,9 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
         warmup = params.get('warmup_num_steps', 0)
         if from_run and warmup >= max_steps:
             # A smoke test (train.max_steps=5) with a JSON written for real runs: warm up over the
-            # first fifth of the run instead of refusing it (DeepSpeed needs at least 1 step).
-            params['warmup_num_steps'] = max(1, max_steps // 5)
+            # first fifth of the run instead of refusing it (DeepSpeed's schedulers warm up over 2
+            # steps at least: a 1 written here would be recorded, and 2 would run).
+            params['warmup_num_steps'] = max(2, max_steps // 5)
             notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup} is not shorter than the run "
                          f"({max_steps} steps); warming up over {params['warmup_num_steps']} step(s) instead.")
         elif not from_run and _is_number(params['total_num_steps']) and params['total_num_steps'] < max_steps:
@@ -1617,7 +1626,7 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
         given = 'warmup_num_steps' in params
         warmup = params.get('warmup_num_steps', _schedule_default('WarmupLR', 'warmup_num_steps'))
         if _is_number(warmup) and warmup >= max_steps:
-            params['warmup_num_steps'] = max(1, max_steps // 5)
+            params['warmup_num_steps'] = max(2, max_steps // 5)
             default = '' if given else ' (the WarmupLR default)'
             notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup}{default} is not shorter than the run "
                          f"({max_steps} steps); warming up over {params['warmup_num_steps']} step(s) instead.")

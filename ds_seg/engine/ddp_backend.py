@@ -39,7 +39,15 @@ def build_optimizer(params, optimizer_cfg, device='cpu'):
         return torch.optim.AdamW(params, **kwargs)
     if lowered == 'sgd':
         return torch.optim.SGD(params, **kwargs)
-    raise ConfigError(f"optimizer.type: {kind!r} has no DDP equivalent here; use Adam, AdamW or SGD (or --backend deepspeed).")
+    if lowered == 'adagrad':
+        return torch.optim.Adagrad(params, **kwargs)
+    # Any other torch.optim name (RMSprop, Adamax, NAdam...) is what DeepSpeed builds for it too.
+    cls = getattr(torch.optim, kind, None)
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+        return cls(params, **kwargs)
+    raise ConfigError(f"--deepspeed_config: 'optimizer.type' {kind!r} is one of DeepSpeed's own optimizers, with no "
+                      "DDP equivalent; under --backend ddp use a torch.optim one (AdamW, Adam, SGD, Adagrad, "
+                      "RMSprop...), or --backend deepspeed.")
 
 
 # No buffer broadcast at each forward (BN statistics are averaged before evaluation and saving).
@@ -51,6 +59,10 @@ NO_BUFFER_SYNC_PER_FORWARD = ({'forward_sync_buffers': False}
                               else {'broadcast_buffers': False})
 
 
+# DeepSpeed's communication_data_type names -> torch's DDP compression hooks.
+_COMPRESS_HOOKS = {'fp16': 'fp16_compress_hook', 'bf16': 'bf16_compress_hook'}
+
+
 def build_scheduler(optimizer, scheduler_cfg):
     if not scheduler_cfg:
         return None
@@ -59,6 +71,109 @@ def build_scheduler(optimizer, scheduler_cfg):
     if cls is None:
         raise ValueError(f"scheduler.type: {scheduler_cfg['type']!r} is not a DeepSpeed scheduler.")
     return cls(optimizer, **scheduler_cfg.get('params', {}))
+
+
+def _not_finite(grads):
+    return bool(grads) and not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+
+
+class DeepSpeedLossScale:
+    """fp16 loss scaling as DeepSpeed's fp16 optimizers do it for the JSON's ``fp16`` block
+    (DeepSpeed 0.19's ``DynamicLossScaler.update_scale``, whose logging needs DeepSpeed's process
+    group): a static ``loss_scale`` stays; a dynamic one starts at 2^initial_scale_power, skips
+    overflowing steps, halves only after ``hysteresis`` of them (not below ``min_loss_scale``) and
+    doubles after ``loss_scale_window`` clean ones. (torch's GradScaler, used before, doubled a
+    static scale every window, had no hysteresis or floor, and grew a step earlier.)"""
+
+    def __init__(self, fp16_block):
+        from deepspeed.runtime.precision_config import get_float16_config
+        cfg = get_float16_config({'fp16': dict(fp16_block, enabled=True)})
+        self.dynamic = cfg.loss_scale == 0
+        self.cur_scale = float(2 ** cfg.initial_scale_power if self.dynamic else cfg.loss_scale)
+        self.scale_window, self.min_scale = cfg.loss_scale_window, cfg.min_loss_scale
+        self.delayed_shift = self.cur_hysteresis = cfg.hysteresis
+        self.consecutive_hysteresis = cfg.consecutive_hysteresis
+        self.cur_iter, self.last_overflow_iter = 0, -1
+
+    def update_scale(self, overflow):
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale:
+                    raise FloatingPointError('fp16: the loss scale is at fp16.min_loss_scale and the gradients '
+                                             'still overflow (as DeepSpeed stops)')
+                self.cur_scale = max(self.cur_scale / 2, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            stable_interval = self.cur_iter - self.last_overflow_iter - 1
+            if stable_interval > 0 and stable_interval % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= 2
+        self.cur_iter += 1
+
+    def scale(self, loss):
+        return loss * self.cur_scale
+
+    def unscale(self, optimizer, params):
+        """Divide the gradients by the scale; True where one of them is not finite (a host read)."""
+        grads = [p.grad for p in params]
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.cur_scale)
+        return _not_finite(grads)
+
+    def step(self, optimizer, overflow):
+        if not overflow:
+            optimizer.step()
+        self.update_scale(overflow)
+
+    def get_scale(self):
+        return float(self.cur_scale)
+
+    _STATE = ('cur_scale', 'cur_iter', 'last_overflow_iter', 'cur_hysteresis')
+
+    def state_dict(self):
+        return {key: getattr(self, key) for key in self._STATE}
+
+    def load_state_dict(self, state):
+        if 'scale' in state:  # a checkpoint of torch's GradScaler (ds_seg before this class)
+            state = {'cur_scale': float(state['scale'])}
+        for key, value in state.items():
+            if key in self._STATE:
+                setattr(self, key, value)
+
+
+class TorchLossScale:
+    """torch's GradScaler with its defaults: what DeepSpeed's ZeRO-0 builds for ``torch_autocast``
+    fp16 (2^16, doubled every 2000 clean steps, halved on each overflow)."""
+
+    def __init__(self, device):
+        self.scaler = torch.amp.GradScaler(device.type)
+
+    def scale(self, loss):
+        return self.scaler.scale(loss)
+
+    def unscale(self, optimizer, params):
+        self.scaler.unscale_(optimizer)
+        return _not_finite([p.grad for p in params])
+
+    def step(self, optimizer, overflow):
+        self.scaler.step(optimizer)   # skips the step where unscale_ found an overflow
+        self.scaler.update()
+
+    def get_scale(self):
+        return float(self.scaler.get_scale())
+
+    def state_dict(self):
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state):
+        self.scaler.load_state_dict(state)
 
 
 class DDPBackend:
@@ -97,18 +212,24 @@ class DDPBackend:
         # BN buffers are averaged before evaluation and saving, exactly as for DeepSpeed.
         self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None,
                                            **NO_BUFFER_SYNC_PER_FORWARD)
+        hook = _COMPRESS_HOOKS.get(str(ds_config.get('communication_data_type')).lower())
+        if hook is not None:
+            # The JSON's communication_data_type: gradients reduced in 16 bits, as DeepSpeed does
+            # (and as fast); it was ignored, DDP reducing in fp32.
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            self.ddp.register_comm_hook(None, getattr(default_hooks, hook))
         self.optimizer = build_optimizer(build_param_groups(model, optim_cfg), ds_config.get('optimizer', {'type': 'AdamW'}),
                                          device)
         self.optimizer_impl = speed.optimizer_impl(self.optimizer, spec.device)
         self.scheduler = build_scheduler(self.optimizer, ds_config.get('scheduler'))
         scale_lr_by_group(self.optimizer, self.scheduler)  # optim.layer_decay / paramwise multipliers
-        fp16 = ds_config.get('fp16', {})
         self.scaler = None
         if self.amp_dtype == torch.float16:
-            loss_scale = fp16.get('loss_scale', 0)
-            self.scaler = torch.amp.GradScaler(
-                device.type, init_scale=2.0 ** fp16.get('initial_scale_power', 16) if not loss_scale else loss_scale,
-                growth_interval=fp16.get('loss_scale_window', 1000), enabled=True)
+            # A JSON's fp16 block scales as DeepSpeed's fp16 optimizers do (its static loss_scale,
+            # hysteresis, min_loss_scale...); torch_autocast fp16 as DeepSpeed's ZeRO-0 does, with
+            # a default torch GradScaler.
+            self.scaler = (DeepSpeedLossScale(ds_config.get('fp16') or {}) if spec.json_precision == 'fp16'
+                           else TorchLossScale(device))
         self.micro_step = 0
         self._skipped = 0
         self._grad_norm = None
@@ -163,24 +284,22 @@ class DDPBackend:
         self.micro_step += 1
         if not boundary:
             return False
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
         params = [p for p in self.ddp.parameters() if p.grad is not None]
+        # fp16: gradients unscaled, and whether any is not finite decided on the host (so the
+        # step and the schedule skip it, as DeepSpeed's do); bf16/fp32 steps read nothing.
+        overflow = self.scaler is not None and self.scaler.unscale(self.optimizer, params)
         # The norm stays a device tensor until grad_norm() is called at a log step.
-        if self.clip > 0:
+        if overflow:
+            self._grad_norm = torch.tensor(float('inf'))
+        elif self.clip > 0:
             self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip)
         elif want_grad_norm:
             self._grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        applied = True
         if self.scaler is not None:
-            # Dynamic loss scaling decides on the host whether the step applied (so the schedule
-            # skips it, as DeepSpeed's does): fp16 steps read the scale; bf16/fp32 steps read nothing.
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            applied = self.scaler.get_scale() >= scale_before  # the scale drops only on overflow
+            self.scaler.step(self.optimizer, overflow)
         else:
             self.optimizer.step()
+        applied = not overflow
         self.optimizer.zero_grad(set_to_none=True)
         if applied:
             if self.scheduler is not None:
@@ -193,7 +312,7 @@ class DDPBackend:
         return None if self._grad_norm is None else float(self._grad_norm)
 
     def loss_scale(self):
-        return float(self.scaler.get_scale()) if self.scaler is not None else None
+        return self.scaler.get_scale() if self.scaler is not None else None
 
     def lr(self):
         return float(self.optimizer.param_groups[0]['lr'])

@@ -32,6 +32,8 @@ class RunSpec:
     notes: tuple = ()          # one line per adjustment made while resolving (printed by rank 0)
     compile_mode: object = None  # a torch.compile mode when train.compile is on, else None
     channels_last: bool = False  # activations (and DDP's parameters) in NHWC memory format
+    json_precision: str = None   # what the JSON asks for (DDP runs a native fp16 block as autocast,
+                                 # with that block's loss scaling)
 
     def describe(self):
         """``backend deepspeed ZeRO-2 | fp32 | 2 rank(s) on cpu | micro-batch 2 x accum 1 x 2 = 4``"""
@@ -71,4 +73,4 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
                    launcher=launcher or distributed.detect_launcher(), micro_batch=resolved['train_micro_batch_size_per_gpu'],
                    grad_accum=resolved['gradient_accumulation_steps'], global_batch=resolved['train_batch_size'],
                    zero_stage=zero_stage, precision=precision, ds_config=resolved, notes=tuple(notes),
-                   compile_mode=compile_mode, channels_last=bool(channels_last))
+                   compile_mode=compile_mode, channels_last=bool(channels_last), json_precision=native)

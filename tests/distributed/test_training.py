@@ -418,3 +418,36 @@ def test_resume_and_load_from_need_no_pretrained_file(tmp_path):
     os.remove(weights)
     resumed = run_on_ranks(_train_fpn, 1, args=(tmp, 'from_weights', 'auto', 3, pretrained, weights))[0]
     assert torch.equal(from_weights, resumed)
+
+
+def test_ddp_reduces_in_the_jsons_communication_data_type_as_deepspeed_does(tmp_path):
+    """communication_data_type "bf16": DeepSpeed reduced gradients in bf16, DDP in fp32 without a
+    word. Both now reduce in bf16: the same first-step gradient norm to float rounding, and not
+    the fp32 one."""
+    tmp = str(tmp_path)
+    norms = {}
+    for name, backend, comm in (('ds_bf16', 'deepspeed', 'bf16'), ('ddp_bf16', 'ddp', 'bf16'), ('ddp_fp32', 'ddp', None)):
+        ds = ds_config(0, **({'communication_data_type': comm} if comm else {}))
+        run_on_ranks(_train, 2, args=(tmp, backend, ds, name, None, 1))
+        norms[name] = read_jsonl(os.path.join(tmp, name, 'metrics.jsonl'))[0]['grad_norm']
+    assert norms['ddp_bf16'] == pytest.approx(norms['ds_bf16'], rel=1e-6), norms
+    assert abs(norms['ddp_fp32'] - norms['ds_bf16']) > 20 * abs(norms['ddp_bf16'] - norms['ds_bf16']), norms
+
+
+@pytest.mark.parametrize('optimizer', [{'type': 'RMSprop', 'params': {'lr': 1e-3, 'alpha': 0.9}},
+                                       {'type': 'Adagrad', 'params': {'lr': 1e-2}}])
+def test_a_torch_optimizer_deepspeed_builds_trains_alike_under_ddp(tmp_path, optimizer):
+    """DeepSpeed builds torch.optim's class for any name it has no own optimizer for (and
+    Adagrad): DDP refused them ('has no DDP equivalent'), so the same JSON could not be compared."""
+    tmp = str(tmp_path)
+    out = {}
+    for backend in ('ddp', 'deepspeed'):
+        ds = ds_config(0, optimizer=optimizer, zero_allow_untested_optimizer=True)
+        ds.pop('scheduler')
+        out[backend] = run_on_ranks(_train, 1, args=(tmp, backend, ds, backend, None, 3))[0]
+        out[backend]['losses'] = logged_losses(os.path.join(tmp, backend))
+    ddp, ds = out['ddp'], out['deepspeed']
+    assert torch.equal(ddp['initial'], ds['initial'])
+    assert ds['losses'] == pytest.approx(ddp['losses'], rel=1e-5)
+    moved = (ddp['params'] - ddp['initial']).norm()
+    assert moved > 0 and (ddp['params'] - ds['params']).norm() <= 1e-4 * moved

@@ -445,6 +445,9 @@ DS_VALUE_REFUSALS = {
     'hybrid_engine_on': (dict(hybrid_engine={'enabled': True}),
                          "'hybrid_engine' is switched on, but it has no effect in ds_seg (it is DeepSpeed's "
                          "generation"),
+    # DeepSpeed then read ds_seg's own checkpoints as universal ones: --resume died in a traceback.
+    'load_universal_on': (dict(checkpoint={'load_universal': True}),
+                          "'checkpoint.load_universal' is true, but ds_seg saves ordinary DeepSpeed checkpoints"),
     # ds_seg took 'bfloat16' (off) where DeepSpeed takes 'bf16' (on): the two disagreed.
     'bf16_twice': (dict(bf16={'enabled': True}, bfloat16={'enabled': False}),
                    "both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'."),
@@ -619,7 +622,14 @@ def test_short_runs_shorten_the_warmup_of_every_shipped_json(name, max_steps):
     assert warmup >= 5  # the shipped JSONs are written for real runs: otherwise this test proves nothing
     resolved, _, notes = resolve_ds_config(ds, 2, max_steps, source=name, supports=lambda p: True)
     params = resolved['scheduler']['params']
-    assert params['total_num_steps'] == max_steps and 1 <= params['warmup_num_steps'] <= max(1, max_steps // 5)
+    assert params['total_num_steps'] == max_steps and params['warmup_num_steps'] == max(2, max_steps // 5)
+    # What ds_config.json records is what DeepSpeed's scheduler runs (it warms up over 2 steps at
+    # least: a recorded 1 ran as 2).
+    import torch
+    from deepspeed.runtime import lr_schedules
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = getattr(lr_schedules, resolved['scheduler']['type'])(optimizer, **params)
+    assert scheduler.warmup_num_steps == params['warmup_num_steps']
     assert [n for n in notes if 'warmup' in n] == [
         f'{name}: scheduler.params.warmup_num_steps {warmup} is not shorter than the run ({max_steps} steps); '
         f'warming up over {params["warmup_num_steps"]} step(s) instead.']
