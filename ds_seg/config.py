@@ -136,6 +136,7 @@ def _is_layer_decay(v):
     return v is None or (_is_number(v) and 0 < v <= 1)
 
 
+MAX_NUM_WORKERS = 128  # data.num_workers per rank
 MAX_PREFETCH_BATCHES = 16
 # torch.compile's modes (torch/_inductor/list_mode_options).
 COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
@@ -229,7 +230,9 @@ class DataSection(_Section):
     crop_size: int = setting(128, 'side of the square training window in pixels, every dataset is built with it',
                              _int_at_least(16))
     num_workers: int = setting(1, 'DataLoader worker processes per rank (0: load in the training process)',
-                               _int_at_least(0))
+                               # 100000 forked workers until the host ran out of memory, then left
+                               # some behind, orphaned; a loader saturates long before this many.
+                               _int_at_least(0, high=MAX_NUM_WORKERS))
     prefetch_batches: Optional[int] = setting(
         None, 'batches copied to the device and preprocessed ahead of the step, on a side CUDA stream '
               '(None: 2 on CUDA, 1 elsewhere; 0: each batch when its step takes it)',
@@ -635,6 +638,9 @@ def load_config(path=None, cfg_options=None):
         except RecursionError as exc:  # mmengine follows _base_ without noticing a cycle
             raise ConfigError(f"{path}: cannot be loaded: its _base_ files inherit from each other "
                               f"(a cycle); break it") from exc
+        except SystemExit as exc:  # sys.exit()/exit() in a config ended the run, its status the config's
+            raise ConfigError(f"{path}: cannot be loaded: it calls sys.exit({exc.code!r}); a config only sets "
+                              "values: remove the call") from exc
         except Exception as exc:  # syntax errors, bad _base_ paths...
             # mmengine's lazy imports end a config that calls an imported function (np.int64(4),
             # math.floor(4.5)) with a bare RuntimeError(): nothing after the colon.

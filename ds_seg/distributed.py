@@ -161,6 +161,47 @@ def _share_cpu_cores():
     torch.set_num_threads(max(1, cores // max(1, local)))
 
 
+# A week: past it a timedelta still holds, and no collective waits that long on purpose.
+_MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
+def env_timeout_s():
+    """Seconds a collective waits for a lost rank, from ``DS_SEG_DIST_TIMEOUT`` (seconds) or
+    ``DEEPSPEED_TIMEOUT`` (minutes, DeepSpeed's), else :data:`DEFAULT_TIMEOUT_S`. A value that is
+    no number > 0 (abc, nan, inf, 0, -5) is one line naming the variable: it was a traceback, or
+    for 0 and below a rendezvous 'timed out after -5000ms' that blamed the port."""
+    found = []  # both are checked: DeepSpeed's import reads DEEPSPEED_TIMEOUT whatever ds_seg takes
+    for name, unit in (('DS_SEG_DIST_TIMEOUT', 1), ('DEEPSPEED_TIMEOUT', 60)):
+        if name not in os.environ:
+            continue
+        text = os.environ[name]
+        try:
+            value = float(text) * unit
+        except ValueError:
+            value = float('nan')
+        if name == 'DEEPSPEED_TIMEOUT' and not text.strip().isdigit():
+            value = float('nan')   # DeepSpeed itself reads it with int() at import
+        if not 0 < value <= _MAX_TIMEOUT_S:
+            from .config import ConfigError
+            what = 'seconds' if unit == 1 else 'whole minutes'
+            raise ConfigError(f"{name}={text!r}: give a number of {what} > 0 (at most a week) that a collective "
+                              f"waits for a lost rank, or unset it (default {DEFAULT_TIMEOUT_S} s).")
+        found.append(value)
+    return found[0] if found else DEFAULT_TIMEOUT_S
+
+
+def check_environment():
+    """The environment variables ds_seg reads, checked before anything is imported or built:
+    one line for a value it cannot use."""
+    env_timeout_s()
+    from .engine.faults import planned_fault
+    planned_fault()
+    value = os.environ.get('DS_SEG_CPU_FP16')
+    if value is not None and value not in ('', '0', '1'):
+        from .config import ConfigError
+        raise ConfigError(f"DS_SEG_CPU_FP16={value!r}: give 1 (native fp16 on a CPU) or 0, or unset it.")
+
+
 def init(use_deepspeed=True, timeout_s=None):
     """Initialise the process group once; returns the launcher name.
 
@@ -171,12 +212,7 @@ def init(use_deepspeed=True, timeout_s=None):
     if dist.is_initialized():
         return launcher
     if timeout_s is None:
-        if 'DS_SEG_DIST_TIMEOUT' in os.environ:
-            timeout_s = float(os.environ['DS_SEG_DIST_TIMEOUT'])
-        elif 'DEEPSPEED_TIMEOUT' in os.environ:
-            timeout_s = 60 * float(os.environ['DEEPSPEED_TIMEOUT'])
-        else:
-            timeout_s = DEFAULT_TIMEOUT_S
+        timeout_s = env_timeout_s()
     timeout = datetime.timedelta(seconds=timeout_s)
     dev = device()
     if dev.type == 'cuda':

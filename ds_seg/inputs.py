@@ -264,6 +264,13 @@ def check_output_folder(folder, option='--output'):
         raise ConfigError(f'{option}: the parent folder {parent} does not exist; create it first.')
 
 
+def user_path(text):
+    """argparse ``type`` of a path option: ``~`` and ``~user`` expanded. A shell leaves them as
+    they are in ``--work-dir=~/runs`` and inside quotes (``"$WORK_DIR"`` in a batch script): a
+    folder named ``~`` was created in the current directory (an invitation to ``rm -rf ~``)."""
+    return os.path.expanduser(text)
+
+
 def check_writable(folder, option='--output', create=False):
     """Refuse, before any work, a folder this process cannot write into (a read-only mount, a
     path under a file, /proc): a probe file (or, for a folder still to be made, a probe folder

@@ -356,7 +356,7 @@ class _NullContext:
 
 def add_vector_args(parser):
     """The ``--vector`` options of ``launch/predict.py``."""
-    parser.add_argument('--vector', default=None, metavar='PATH|FORMAT',
+    parser.add_argument('--vector', type=os.path.expanduser, default=None, metavar='PATH|FORMAT',
                         help='also write class polygons: a .gpkg/.geojson/.fgb path (one input), or '
                              'a format (gpkg, geojson, fgb) for <output>/<name>_classes.<format>')
     parser.add_argument('--simplify', type=float, default=0.0,

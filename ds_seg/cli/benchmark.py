@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from ds_seg.inputs import user_path
 from ds_seg.cli import same_package_env
 from ds_seg.config import DS_CONFIGS_DIR
 from ds_seg.memory import zero_formula
@@ -57,13 +58,13 @@ MEMORY_FIELDS = ['num_params', 'params_bytes', 'grads_bytes', 'master_bytes', 'o
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--config', default=None, help='experiment config (default: the embedded UNet experiment)')
+    p.add_argument('--config', type=user_path, default=None, help='experiment config (default: the embedded UNet experiment)')
     p.add_argument('--backends', default='ddp,zero0,zero1,zero2,zero3',
                    help=f"comma-separated, in run order; known: {','.join(BACKENDS)}; or LABEL=file.json "
                    "for a DeepSpeed variant")
     p.add_argument('--steps', type=int, default=40, help='timed optimizer steps per backend')
     p.add_argument('--warmup', type=int, default=5, help='untimed steps before them')
-    p.add_argument('--work-dir', '--work_dir', dest='work_dir', default='work_dirs/benchmark')
+    p.add_argument('--work-dir', '--work_dir', type=user_path, dest='work_dir', default='work_dirs/benchmark')
     p.add_argument('--nproc', type=int, default=None, help='ranks per run (default: GPUs, or 2 on a CPU)')
     p.add_argument('--launcher', choices=['torchrun', 'deepspeed', 'python'], default='torchrun')
     p.add_argument('--cfg-options', '--cfg_options', nargs='+', action='extend', default=[], metavar='KEY=VALUE',

@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from ds_seg.inputs import user_path
 from ds_seg.cli import same_package_env
 from ds_seg.config import load_config
 from ds_seg.data import build_train_loader
@@ -43,7 +44,7 @@ from ds_seg.registry import DATASETS, build
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--config', default=None, help='experiment config whose data.train is measured; '
+    p.add_argument('--config', type=user_path, default=None, help='experiment config whose data.train is measured; '
                    'default: SyntheticAerial with --num-scenes scenes of --scene-size px')
     p.add_argument('--cfg-options', nargs='+', action='extend', default=[], metavar='KEY=VALUE')
     p.add_argument('--crop', type=int, default=256)
@@ -63,7 +64,7 @@ def parse_args(argv=None):
                    "afterwards (real scenes usually are compressed)")
     p.add_argument('--http', action='store_true', help='also read every variant over HTTP from 127.0.0.1')
     p.add_argument('--latency-ms', type=float, default=0.0, help='--http: delay added to each request')
-    p.add_argument('--out', default=None, help='also write the figures to this JSON file')
+    p.add_argument('--out', type=user_path, default=None, help='also write the figures to this JSON file')
     args = p.parse_args(argv)
     for flag, low in (('crop', 16), ('scene_size', 16), ('num_scenes', 1), ('bands', 1), ('windows', 1),
                       ('repeats', 1), ('workers', 0), ('micro_batch', 1), ('train_steps', 0), ('latency_ms', 0)):

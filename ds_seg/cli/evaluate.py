@@ -26,10 +26,13 @@ from ds_seg.cli.predict import (DEFAULT_TILE, Progress, add_window_args, check_b
 from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import run_command  # noqa: E402
 from ds_seg.inference import default_palette, evaluate_scenes, scene_pairs  # noqa: E402
-from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
+from ds_seg.inputs import (user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
                            check_writable, expand_inputs, replaced_when_done)
 from ds_seg.metrics import metrics_from_confusion  # noqa: E402
 
+
+
+MAX_ERODE = 100  # --erode, px
 
 def save_confusion_png(cm, classes, path, exclude=()):
     """Row-normalised confusion matrix (recall per class on the diagonal) as a PNG."""
@@ -292,6 +295,10 @@ def _run(args):
         raise ValueError("--labels without --images: give the image scenes with --images")
     if args.previews < 0:  # wrote none, without a word
         raise ValueError(f"--previews must be >= 0 (0 writes none), got {args.previews}")
+    if args.erode is not None and args.erode > MAX_ERODE:
+        # Each block row compares (2r + 1)^2 offsets: --erode 100000 ran for hours on a 128 px scene.
+        raise ValueError(f"--erode must be at most {MAX_ERODE} px (ISPRS uses 3; a wider band leaves little but "
+                         f"the insides of large objects), got {args.erode}")
     if args.erode is not None and args.erode < 0:  # was an IndexError traceback after the first window
         raise ValueError(f"--erode must be >= 0 (label pixels within that many px of a class boundary are "
                          f"not counted; ISPRS uses 3), got {args.erode}")
@@ -367,11 +374,11 @@ def _run(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder, work dir, or an .onnx export '
+    parser.add_argument('--checkpoint', type=user_path, required=True, help='weights file, step_* folder, checkpoints folder, work dir, or an .onnx export '
                         '(run with onnxruntime on the CPU)')
-    parser.add_argument('--images', nargs='+', default=None, help='image scenes (paths, globs or folders)')
-    parser.add_argument('--labels', nargs='+', default=None, help='label rasters, paired with --images in order')
-    parser.add_argument('--config', default=None, help="experiment config whose data.val is evaluated "
+    parser.add_argument('--images', type=user_path, nargs='+', default=None, help='image scenes (paths, globs or folders)')
+    parser.add_argument('--labels', type=user_path, nargs='+', default=None, help='label rasters, paired with --images in order')
+    parser.add_argument('--config', type=user_path, default=None, help="experiment config whose data.val is evaluated "
                         "(default without --images: the config.json of the run --checkpoint comes from, "
                         "else the embedded default)")
     parser.add_argument('--cfg-options', nargs='+', action='extend', default=None, help='overrides for --config')
@@ -381,7 +388,7 @@ def main(argv=None):
                         help='ignore label pixels within this many px of a class boundary (ISPRS: 3)')
     parser.add_argument('--ignore-index', type=int, default=None, help='label value not counted (default 255)')
     parser.add_argument('--previews', type=int, default=3, help='side-by-side PNGs to write (default 3)')
-    parser.add_argument('--output', required=True, help='output folder')
+    parser.add_argument('--output', type=user_path, required=True, help='output folder')
     parser.add_argument('--overwrite', action='store_true', help='replace earlier outputs (eval.json, confusion.png, preview_N.png) in '
                         '--output')
     add_window_args(parser, tile_default="512, or the model's img_size; for --config's data.val, "

@@ -21,7 +21,7 @@ import sys
 
 from ds_seg import deploy
 from ds_seg.engine import checkpoint
-from ds_seg.inputs import check_writable
+from ds_seg.inputs import user_path, check_writable
 
 
 def check_out(out):
@@ -50,9 +50,9 @@ def check_suffix(out, fmt):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('checkpoint', help='a step_* folder, a checkpoints/ folder or a work dir '
+    parser.add_argument('checkpoint', type=user_path, help='a step_* folder, a checkpoints/ folder or a work dir '
                         '(for onnx/torch-export also a weights file from this script)')
-    parser.add_argument('--out', default=None, help='output file (default: <work dir>/weights_<tag>.pt, '
+    parser.add_argument('--out', type=user_path, default=None, help='output file (default: <work dir>/weights_<tag>.pt, '
                         'model_<tag>.onnx or model_<tag>.pt2)')
     parser.add_argument('--format', choices=('weights',) + tuple(deploy.FORMATS), default='weights',
                         help='weights (default): plain fp32 state dict for predict/evaluate/load_from; '

@@ -30,7 +30,7 @@ from ds_seg.data.geotiff import configure_gdal_for_worker
 from ds_seg.data.raster import StackedRaster
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inference.model import fixed_input_size, window_refusal
-from ds_seg.inputs import (check_bands, check_checkpoint_option, check_output_folder, check_outputs,
+from ds_seg.inputs import (user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,
                            check_window_options, check_writable, expand_inputs, output_stems,
                            split_dates, written_by_predict)
 from ds_seg.telemetry import format_eta
@@ -429,11 +429,11 @@ def _run(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--checkpoint', required=True, help='weights file, step_* folder, checkpoints folder or work dir')
-    parser.add_argument('--input', nargs='+', required=True,
+    parser.add_argument('--checkpoint', type=user_path, required=True, help='weights file, step_* folder, checkpoints folder or work dir')
+    parser.add_argument('--input', type=user_path, nargs='+', required=True,
                         help='GeoTIFF scene(s), folders of them, or URLs; the dates of one scene '
                              'joined by commas (a time series model)')
-    parser.add_argument('--output', required=True, help='output folder')
+    parser.add_argument('--output', type=user_path, required=True, help='output folder')
     parser.add_argument('--probs', action='store_true', help='also write <name>_probs.tif')
     parser.add_argument('--overwrite', action='store_true', help='replace outputs that already exist')
     parser.add_argument('--accumulate-dtype', choices=('float32', 'float16'), default='float32',

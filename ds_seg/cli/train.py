@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from ds_seg.inputs import user_path
 from ds_seg.cli import say_once_per_node
 from ds_seg.config import (ConfigError, DS_CONFIGS_DIR, SBATCH_DIR, SBATCH_TEMPLATES, find_shipped, load_config,
                            load_ds_config)
@@ -19,9 +20,9 @@ from ds_seg.registry import RegistryError
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--config', default=None, help='experiment config: a path, or the name of a shipped one '
+    parser.add_argument('--config', type=user_path, default=None, help='experiment config: a path, or the name of a shipped one '
                         '(unet_tiny_synthetic); default: the embedded synthetic-aerial UNet experiment')
-    parser.add_argument('--deepspeed_config', '--deepspeed-config', dest='deepspeed_config',
+    parser.add_argument('--deepspeed_config', '--deepspeed-config', type=user_path, dest='deepspeed_config',
                         default=str(DS_CONFIGS_DIR / 'zero2.json'),
                         help='DeepSpeed JSON (precision, ZeRO stage, optimizer, schedule, micro-batch): a path, '
                         'or the name of a shipped one (zero0 ... zero3_offload); also used by --backend ddp')
@@ -30,8 +31,8 @@ def parse_args(argv=None):
     parser.add_argument('--cfg-options', '--cfg_options', nargs='+', action='extend', default=[],
                         metavar='KEY=VALUE', help='override config keys, e.g. train.max_steps=20 data.crop_size=256 '
                                                   '(given twice: both sets apply, the later wins on a key)')
-    parser.add_argument('--work-dir', '--work_dir', dest='work_dir', default=None)
-    parser.add_argument('--resume', default=None,
+    parser.add_argument('--work-dir', '--work_dir', type=user_path, dest='work_dir', default=None)
+    parser.add_argument('--resume', type=user_path, default=None,
                         help="'auto' (newest complete checkpoint in the work dir) or a checkpoint path")
     parser.add_argument('--local_rank', '--local-rank', type=int, default=None,
                         help='set by the deepspeed launcher; the LOCAL_RANK variable is what is used')
@@ -109,6 +110,8 @@ def _train(argv, as_program):
                               ('--deepspeed_config', args.deepspeed_config)):
             if value is not None and not value.strip():  # '' became the default (a fresh run, the default dir)
                 raise ConfigError(f"{option} is empty; give a path, or leave {option} out for its default")
+        from ds_seg import distributed
+        distributed.check_environment()  # before DeepSpeed's import reads DEEPSPEED_TIMEOUT
         cfg = load_config(args.config, args.cfg_options)
         ds_config = load_ds_config(args.deepspeed_config)
         from ds_seg.engine.trainer import Trainer

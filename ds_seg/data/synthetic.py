@@ -478,6 +478,10 @@ class SyntheticAerial(GeoTiffScenes):
                 raise ValueError(f"SyntheticAerial classes must be names from {CLASSES}, got {classes!r}")
             kw['label_map'] = {i: (list(classes).index(c) if c in classes else 0)
                                for i, c in enumerate(CLASSES)}
+        if not isinstance(split, str) or not split.strip():
+            # A list, a number or None reached the scene writer: an AttributeError traceback.
+            raise ValueError(f"SyntheticAerial split must be a name, 'train' or 'val' (its scenes' seed), "
+                             f"got {split!r}")
         if num_scenes is None:
             num_scenes = 8 if split == 'train' else 2
         # True was one scene, 0 a divide-by-zero warning then "images: no files given".

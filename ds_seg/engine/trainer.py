@@ -36,7 +36,7 @@ from .faults import USER_STOPS, CheckSchedule, Faults, describe_io_error
 from .run_metrics import RunMetrics
 from .run_spec import describe_run
 from .speed import channels_last_for
-from .workdir import WorkDirBusy, WorkDirLock
+from .workdir import WorkDirBusy, WorkDirLock, check_checkpoint_folder
 
 # Steps a compiled run keeps out of its throughput whatever train.warmup_log_steps says: the first
 # compiles forward and backward, the second may recompile (gradient accumulation, DDP's sync flag).
@@ -77,6 +77,15 @@ def data_notes(train_set, val_set):
     scores are not held out: ``data.val.split='train'``, or one folder for both)."""
     notes = [f'data.{name}: {note}' for name, ds in (('train', train_set), ('val', val_set))
              for note in getattr(ds, 'notes', ())]
+    sizes = [(s['height'], s['width']) for s in getattr(train_set, 'scenes', ()) if 'height' in s]
+    crop = (getattr(train_set, 'crop_h', None), getattr(train_set, 'crop_w', None))
+    if sizes and None not in crop and all(h < crop[0] or w < crop[1] for h, w in sizes):
+        # Padded windows train, but a crop past every scene trains mostly on padding (ignored).
+        h, w = max(sizes, key=lambda hw: min(hw[0], crop[0]) * min(hw[1], crop[1]))
+        filled = min(h, crop[0]) * min(w, crop[1]) / (crop[0] * crop[1])
+        notes.append(f'data.crop_size {crop[0]}x{crop[1]} is larger than every training scene (the largest '
+                     f'{h}x{w}): at least {100 * (1 - filled):.0f}% of each window is padding, ignored by the loss; '
+                     'a crop_size within the scenes trains on more pixels per step')
     if val_set is None:
         return notes
     keys = [{_images_key(scene) for scene in getattr(ds, 'scenes', ())} for ds in (train_set, val_set)]
@@ -174,6 +183,7 @@ class Trainer:
 
     def _setup(self, resume, t_start):
         cfg, spec = self.cfg, self.spec
+        check_checkpoint_folder(self.work_dir)  # every rank writes checkpoint files into it
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
         for note in (*spec.notes, *unused_settings(cfg)):
             self.print(note)

@@ -117,6 +117,9 @@ class WorkDirLock:
         """Take the lock; returns the previous owner's description when a dead run's lock was
         taken over, else None. Raises :class:`WorkDirBusy` while another run lives."""
         me = identity()
+        if os.path.isdir(self.path):  # (os.remove of a "stale lock" was an IsADirectoryError traceback)
+            raise WorkDirBusy(f"{self.path} is a folder, where ds_seg keeps the lock file of the run that holds "
+                              f"{os.path.dirname(self.path)}; move it away, or use another --work-dir.")
         for _ in range(100):  # another process may hold the take-over mutex, or win the create
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -186,3 +189,31 @@ class WorkDirLock:
             with contextlib.suppress(OSError):
                 os.remove(self.path)
         self.me = None
+
+
+def check_checkpoint_folder(work_dir):
+    """Refuse, before any step, a ``checkpoints`` entry of ``work_dir`` the first save cannot
+    write into: a symbolic link to nothing (scratch purged, a file system not mounted), a file,
+    a ``latest`` that is a folder, a folder this process cannot write (found at the first save,
+    each cost ``checkpoint_interval`` steps of training, on every requeue of the job); and a
+    ``previous`` that is a file."""
+    from ..config import ConfigError
+    from ..inputs import check_writable
+    root = os.path.join(work_dir, 'checkpoints')
+    if os.path.islink(root) and not os.path.exists(root):
+        raise ConfigError(f'--work-dir: {root} is a symbolic link to {os.readlink(root)}, which does not exist '
+                          '(purged, or not mounted here); mount or create it, or remove the link.')
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise ConfigError(f'--work-dir: {root} is a file, not the folder checkpoints are written into; move it '
+                          'away, or choose another --work-dir.')
+    latest = os.path.join(root, 'latest')
+    if os.path.isdir(latest):
+        raise ConfigError(f'--work-dir: {latest} is a folder, where the name of the newest checkpoint is written; '
+                          'move it away, or choose another --work-dir.')
+    if os.path.isdir(root):
+        check_writable(root, '--work-dir')
+    previous = os.path.join(work_dir, 'previous')
+    if os.path.lexists(previous) and not os.path.isdir(previous):
+        # An earlier run's logs are moved into it: a file there was a FileExistsError traceback.
+        raise ConfigError(f'--work-dir: {previous} is a file, where the logs of earlier runs are moved to; move it '
+                          'away, or choose another --work-dir.')

@@ -35,8 +35,9 @@ def boundary_mask(label_HW, radius, ignore_index=255):
         return out
     h, w = lbl.shape
     valid = lbl != ignore_index
-    for dy in range(-radius, radius + 1):
-        for dx in range(-radius, radius + 1):
+    # Offsets past the array compare nothing: the loops stop at its size whatever the radius.
+    for dy in range(-min(radius, h - 1), min(radius, h - 1) + 1):
+        for dx in range(-min(radius, w - 1), min(radius, w - 1) + 1):
             if (dy or dx) and dy * dy + dx * dx <= radius * radius:
                 # compare each pixel p with its neighbour q = p + (dy, dx) where q is inside
                 ys, ye = max(0, -dy), min(h, h - dy)

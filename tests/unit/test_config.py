@@ -118,6 +118,9 @@ def test_an_option_inside_a_section_the_file_made_a_value_is_one_line(tmp_path, 
     ('call.py', 'import numpy as np\ntrain = dict(max_steps=np.int64(4))\n',
      r'call.py: cannot be loaded: RuntimeError without a message; a config that calls a function of an imported '
      r'module needs that call replaced by its value'),
+    # A config's sys.exit() ended the run silently, with the config's status (3: "non-finite losses").
+    ('exits.py', 'import sys\nsys.exit(3)\n', r'exits.py: cannot be loaded: it calls sys.exit\(3\); a config only sets values'),
+    ('exit0.py', 'exit()\n', r'exit0.py: cannot be loaded: it calls sys.exit\(None\)'),
 ])
 def test_config_files_of_the_wrong_shape_say_what_they_are(tmp_path, name, text, message):
     """"'list' object has no attribute 'get'", and for a config calling np.int64(4) nothing at all

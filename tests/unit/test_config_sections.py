@@ -33,7 +33,7 @@ BAD_BY_TYPE = {
 EDGES = {
     'train.max_steps': 0, 'train.log_interval': 0, 'train.max_nonfinite_steps': 0,
     'train.stop_check_interval': 0, 'data.crop_size': 15, 'data.eval_tile': 15, 'data.eval_batch_size': 0,
-    'optim.layer_decay': 1.5,
+    'optim.layer_decay': 1.5, 'data.num_workers': 129, 'data.prefetch_batches': 17,
 }
 
 

@@ -509,3 +509,16 @@ def test_labels_with_averaged_overviews_are_judged_by_their_pixels(tmp_path, pal
         label[500:560, 300:360] = 7
         with pytest.raises(DataError, match='label value 7 is not a class index'):
             GeoTiffScenes([img], [write_label(label)], crop_size=64, **extra)
+
+
+def test_a_crop_larger_than_every_training_scene_is_said(tmp_path):
+    """crop_size=256 on 128 px scenes trained on windows three quarters padding without a word."""
+    from ds_seg.engine.trainer import data_notes
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'p_image.tif', rng.integers(1, 255, (3, 40, 50)).astype(np.uint8))
+    lbl = write_tif(tmp_path / 'p_label.tif', rng.integers(0, 2, (40, 50)).astype(np.uint8))
+    notes = data_notes(GeoTiffScenes([img], [lbl], crop_size=64, classes=2), None)
+    assert notes == ['data.crop_size 64x64 is larger than every training scene (the largest 40x50): at least 51% '
+                     'of each window is padding, ignored by the loss; a crop_size within the scenes trains on more '
+                     'pixels per step']
+    assert data_notes(GeoTiffScenes([img], [lbl], crop_size=40, classes=2), None) == []

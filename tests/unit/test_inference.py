@@ -1254,3 +1254,26 @@ def test_polygons_of_a_scene_without_a_crs_say_so(tmp_path, capsys):
                          '--tile', '32', '--vector', 'gpkg']) == 0
     assert 'nocrs.tif has a geotransform but no CRS' in capsys.readouterr().out
     assert (tmp_path / 'out' / 'nocrs_classes.gpkg').exists()
+
+
+def test_an_erode_radius_past_the_label_compares_only_what_is_there():
+    """--erode 100000 looped over 4e10 offsets on a 128 px scene (hours); offsets past the array
+    compare nothing, so any radius beyond it gives what the array's own size gives."""
+    import time
+    from ds_seg.inference.evaluate import boundary_mask
+    rng = np.random.default_rng(0)
+    lbl = rng.integers(0, 3, (20, 30))
+    lbl[0, 0] = 255
+    t0 = time.perf_counter()
+    far = boundary_mask(lbl, 100000)
+    assert time.perf_counter() - t0 < 30
+    np.testing.assert_array_equal(far, boundary_mask(lbl, 36))   # 36 > the diagonal of 20 x 30
+    assert far.sum() == (lbl != 255).sum()
+
+
+def test_evaluate_refuses_an_erode_radius_past_its_limit(tmp_path, capsys):
+    from ds_seg.cli import evaluate
+    from ds_seg.cli.evaluate import MAX_ERODE
+    status = evaluate.main(['--checkpoint', str(tmp_path), '--images', 'a.tif', '--labels', 'b.tif',
+                            '--output', str(tmp_path / 'ev'), '--erode', str(MAX_ERODE + 1)])
+    assert status == 2 and f'--erode must be at most {MAX_ERODE} px' in capsys.readouterr().err

@@ -56,3 +56,43 @@ def test_a_batch_scripts_own_python_is_one_process_not_rank_0_of_the_allocation(
     env = dict(SLURM_PROCID='1', SLURM_LOCALID='1', SLURM_NTASKS='4', SLURM_STEP_ID='0', SLURM_JOB_ID='77',
                SLURM_JOB_NODELIST='n1')
     assert setup_env(env) == 'slurm' and (env['RANK'], env['WORLD_SIZE']) == ('1', '4')
+
+
+@pytest.mark.parametrize('env, named', [
+    ({'DS_SEG_DIST_TIMEOUT': 'abc'}, "DS_SEG_DIST_TIMEOUT='abc'"),
+    ({'DS_SEG_DIST_TIMEOUT': 'nan'}, "DS_SEG_DIST_TIMEOUT='nan'"),
+    ({'DS_SEG_DIST_TIMEOUT': 'inf'}, "DS_SEG_DIST_TIMEOUT='inf'"),
+    ({'DS_SEG_DIST_TIMEOUT': '0'}, "DS_SEG_DIST_TIMEOUT='0'"),
+    ({'DS_SEG_DIST_TIMEOUT': '-5'}, "DS_SEG_DIST_TIMEOUT='-5'"),
+    ({'DS_SEG_DIST_TIMEOUT': '900', 'DEEPSPEED_TIMEOUT': '1.5'}, "DEEPSPEED_TIMEOUT='1.5'"),
+    ({'DS_SEG_FAULT': 'sigkill@save-files:abc'}, "DS_SEG_FAULT='sigkill@save-files:abc'"),
+    ({'DS_SEG_CPU_FP16': 'yes'}, "DS_SEG_CPU_FP16='yes'"),
+])
+def test_environment_variables_ds_seg_reads_are_one_line_before_anything_starts(monkeypatch, capsys, env, named):
+    """DS_SEG_DIST_TIMEOUT=abc/nan/inf were tracebacks, 0 and -5 a rendezvous 'timed out after
+    -5000ms' that blamed the port; DEEPSPEED_TIMEOUT=abc broke DeepSpeed's import; a bad
+    DS_SEG_FAULT was a traceback after the model was built; DS_SEG_CPU_FP16=yes was ignored."""
+    from ds_seg.cli import train
+    for key in ('DS_SEG_DIST_TIMEOUT', 'DEEPSPEED_TIMEOUT', 'DS_SEG_FAULT', 'DS_SEG_CPU_FP16'):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert train.main(['--cfg-options', 'train.max_steps=1']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f'ds_seg: error: {named}'), err
+
+
+def test_the_timeout_variables_give_seconds():
+    import os
+    saved = {k: os.environ.pop(k, None) for k in ('DS_SEG_DIST_TIMEOUT', 'DEEPSPEED_TIMEOUT')}
+    try:
+        assert distributed.env_timeout_s() == distributed.DEFAULT_TIMEOUT_S
+        os.environ['DEEPSPEED_TIMEOUT'] = '15'
+        assert distributed.env_timeout_s() == 900
+        os.environ['DS_SEG_DIST_TIMEOUT'] = '30.5'
+        assert distributed.env_timeout_s() == 30.5
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v

@@ -178,6 +178,9 @@ def test_a_count_of_the_model_given_as_text_is_named_before_it_is_compared_with_
     (dict(reduce_zero_label='False'), r"^data\.train\.reduce_zero_label: 'False' is a string, which is always true"),
     (dict(crop_size='64'), r"^data\.train\.crop_size: '64' is a string, not a number"),
     (dict(seed=1.5), r"^data\.train\.seed: write a whole number, got 1\.5\.$"),
+    # A list, number or None as the split was an AttributeError traceback from the scene writer.
+    (dict(split=['train']), r"SyntheticAerial split must be a name, 'train' or 'val' .*, got \['train'\]"),
+    (dict(split=None), r"SyntheticAerial split must be a name, 'train' or 'val' .*, got None"),
 ])
 def test_dataset_values_are_checked_like_the_models(tmp_path, kw, message):
     """The same class as the model's flags: a dataset's reduce_zero_label='False' turned the shift
@@ -185,5 +188,5 @@ def test_dataset_values_are_checked_like_the_models(tmp_path, kw, message):
     from ds_seg.config import ConfigError
     from ds_seg.registry import DATASETS
     with pytest.raises(ConfigError, match=message):
-        build(DATASETS, dict(type='SyntheticAerial', split='train', num_scenes=1, scene_size=64,
-                             cache_dir=str(tmp_path), **kw), where='data.train')
+        build(DATASETS, dict(dict(type='SyntheticAerial', split='train', num_scenes=1, scene_size=64,
+                                  cache_dir=str(tmp_path)), **kw), where='data.train')

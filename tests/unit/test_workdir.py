@@ -237,3 +237,57 @@ def test_an_empty_output_folder_is_refused_before_the_model_is_loaded(tmp_path, 
         code = evaluate.main(argv + ['--images', scene, '--labels', scene])
     err = capsys.readouterr().err
     assert code == 2 and '--output is empty; give a folder for the outputs.' in err, err
+
+
+@pytest.mark.parametrize('layout, message', [
+    ('dangling', 'checkpoints is a symbolic link to'),
+    ('file', 'checkpoints is a file, not the folder checkpoints are written into'),
+    ('latest_folder', 'latest is a folder, where the name of the newest checkpoint is written'),
+    ('previous_file', 'previous is a file, where the logs of earlier runs are moved to'),
+    ('lock_folder', '.ds_seg.lock is a folder, where ds_seg keeps the lock file'),
+])
+@pytest.mark.parametrize('resume', [[], ['--resume', 'auto']])
+def test_a_checkpoints_folder_the_first_save_cannot_use_is_refused_before_any_step(tmp_path, capsys, layout,
+                                                                                   message, resume):
+    """A dangling checkpoints link (scratch purged), a checkpoints file, a latest folder: the run
+    trained checkpoint_interval steps, then stopped with exit 74 ('File exists'; 'free space or fix
+    the disk'), and a requeued --resume auto job did the same every time."""
+    from ds_seg.cli import train
+    work = tmp_path / 'run'
+    work.mkdir()
+    if layout == 'dangling':
+        os.symlink(tmp_path / 'purged' / 'ck', work / 'checkpoints')
+    elif layout == 'file':
+        (work / 'checkpoints').write_text('mine')
+    elif layout == 'previous_file':
+        (work / 'previous').write_text('mine')
+        (work / 'config.json').write_text('{}')   # an earlier run's log, to be moved into previous/
+    elif layout == 'lock_folder':
+        (work / LOCK_NAME).mkdir()
+    else:
+        (work / 'checkpoints' / 'latest').mkdir(parents=True)
+    before = sorted(os.listdir(work))
+    assert train.main(['--config', 'unet_tiny_synthetic', '--work-dir', str(work), *resume, '--cfg-options',
+                       'train.max_steps=2', f'data.train.cache_dir={str(tmp_path)!r}',
+                       f'data.val.cache_dir={str(tmp_path)!r}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert sorted(os.listdir(work)) == before
+
+
+def test_a_tilde_in_a_path_option_is_the_home_folder(tmp_path, capsys, monkeypatch):
+    """--work-dir=~/run (no shell expands a ~ after '=' or inside quotes) wrote into a folder
+    named '~' in the current directory; --resume ~/... was 'does not exist'."""
+    from ds_seg.cli import export, train
+    home, elsewhere = tmp_path / 'home', tmp_path / 'cwd'
+    (home / 'run').mkdir(parents=True)
+    elsewhere.mkdir()
+    monkeypatch.setenv('HOME', str(home))
+    monkeypatch.chdir(elsewhere)
+    (home / 'run' / 'checkpoints').write_text('mine')   # a refusal that names the folder it looked at
+    assert train.main(['--config', 'unet_tiny_synthetic', '--work-dir=~/run', '--cfg-options', 'train.max_steps=1',
+                       f'data.train.cache_dir={str(tmp_path)!r}', f'data.val.cache_dir={str(tmp_path)!r}']) == 2
+    assert f"{home / 'run' / 'checkpoints'} is a file" in capsys.readouterr().err
+    assert export.main(['~/run', '--out', '~/weights.pt']) == 2
+    assert str(home / 'run') in capsys.readouterr().err
+    assert os.listdir(elsewhere) == []
