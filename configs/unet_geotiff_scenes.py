@@ -1,11 +1,11 @@
 # Your own GeoTIFF scenes: one label raster (class index per pixel) per image, same size and
 # geotransform (or no georeference at all). Globs are sorted and paired by position. Point the
-# paths at your files, set classes and num_classes, and run:
+# paths at your files, set classes (the model takes its band and class counts from the data), and run:
 #   deepspeed launch/train.py --config configs/unet_geotiff_scenes.py
 # Other GeoTiffScenes options: bands=[1, 2, 3, 4] (1-based), mean/std (else computed once and
 # cached), label_map={file value: class}, reduce_zero_label, palette=[(r, g, b), ...] for
 # colour-coded labels, boundary_ignore, check_labels.
-model = dict(type='UNet', in_channels=3, num_classes=5, base_channels=32, depth=4)
+model = dict(type='UNet', base_channels=32, depth=4)  # in_channels, num_classes: the data's
 loss = dict(type='CrossEntropyLoss', ignore_index=255)
 data = dict(
     train=dict(type='GeoTiffScenes', split='train',

@@ -394,7 +394,7 @@ def unused_settings(cfg):
 # sections are plain dicts (their keys are the built class's arguments); the rest comes from
 # the sections above.
 DEFAULTS = dict(
-    model=dict(type='UNet', in_channels=3, num_classes=6, base_channels=16, depth=4),
+    model=dict(type='UNet', base_channels=16, depth=4),  # in_channels, num_classes: the data's
     loss=dict(type='CrossEntropyLoss', ignore_index=255),
     data=dict(
         train=dict(type='SyntheticAerial', split='train'),

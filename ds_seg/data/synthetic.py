@@ -478,6 +478,11 @@ class SyntheticAerial(GeoTiffScenes):
                 raise ValueError(f"SyntheticAerial classes must be names from {CLASSES}, got {classes!r}")
             kw['label_map'] = {i: (list(classes).index(c) if c in classes else 0)
                                for i, c in enumerate(CLASSES)}
+        given = [key for key in ('images', 'labels') if key in kw]
+        if given:  # was "GeoTiffScenes.__init__() got multiple values for keyword argument 'images'"
+            raise ValueError(f"SyntheticAerial generates its own scenes and takes no {' or '.join(given)}; for "
+                             "your files set type='GeoTiffScenes' (e.g. --cfg-options "
+                             "data.train.type=GeoTiffScenes data.train.images=... data.train.labels=...)")
         if not isinstance(split, str) or not split.strip():
             # A list, a number or None reached the scene writer: an AttributeError traceback.
             raise ValueError(f"SyntheticAerial split must be a name, 'train' or 'val' (its scenes' seed), "

@@ -307,6 +307,10 @@ def find_checkpoint(path, report=None):
         raise FileNotFoundError(f"{path}: is a file, not a checkpoint folder (give a step_* folder, a checkpoints "
                                 "folder or a work dir; weights files go to load_from= or predict/evaluate).")
     if not os.path.isdir(path):
+        if os.path.basename(os.path.normpath(path)) == 'best' and os.path.isdir(os.path.dirname(os.path.normpath(path))):
+            raise FileNotFoundError(f"{path}: does not exist: checkpoints/best is written only by runs with "
+                                    "train.save_best (e.g. train.save_best='mIoU'); give a step_* folder, the "
+                                    "checkpoints folder or the work dir instead.")
         raise FileNotFoundError(f"{path}: does not exist (give a step_* folder, a checkpoints folder or a work dir).")
     skipped_all = []
     for root in (path, os.path.join(path, 'checkpoints')):

@@ -16,6 +16,7 @@ from ..data.raster import label_nodata, open_scene, read_label_band
 from ..data.vector_labels import is_vector
 from ..metrics import confusion_matrix
 from .engine import run_scene
+from .model import training_normalisation
 from .writer import CLASS_NODATA
 
 
@@ -93,7 +94,8 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
     """Confusion matrix (int64 ``[K, K]``, rows = truth) of whole scenes, summed over ranks.
 
     ``scenes`` is a :class:`~ds_seg.data.geotiff.GeoTiffScenes` (its bands, mean, std, classes,
-    ignore index and ``boundary_ignore`` are the defaults, and its label decoding (palette,
+    ignore index and ``boundary_ignore`` are the defaults, after the training normalisation a
+    model from :func:`~ds_seg.inference.load_model` carries, and its label decoding (palette,
     label_map) is applied) or a list of ``(image, label)`` paths. Predictions are
     streamed block row by block row and compared with the labels, never written. Pixels that
     are ``ignore_index``, nodata in the image, or (``erode_boundary=r``) within r px of a
@@ -109,6 +111,12 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
     """
     world_size = distributed.world_size()
     dataset = scenes if hasattr(scenes, 'scenes') else None
+    # A model from load_model brings its training normalisation: it comes before the dataset's
+    # own statistics (computed from the validation scenes, which differ).
+    trained = training_normalisation(forward_fn)
+    if mean is None and std is None and trained[0] is not None:
+        mean, std = trained[0], trained[1]
+        bands = trained[2] if bands is None else bands
     if dataset is not None:
         if ignore_index is None:
             ignore_index = getattr(dataset, 'ignore_index', 255)

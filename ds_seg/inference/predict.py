@@ -9,6 +9,7 @@ import numpy as np
 from .. import distributed
 from ..data.raster import open_scene
 from .engine import run_scene
+from .model import training_normalisation
 from .tiling import ScenePlan
 from ..inputs import partial_path, publish, remove_quietly, remove_stale_partials, run_token
 from .writer import CLASS_NODATA, GeoTiffRowWriter, join_parts
@@ -34,7 +35,9 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
     ZSTD-compressed, nodata 255 where the input is nodata, class names in the tags and a colour
     table; ``probs_path`` adds a K-band uint8 GeoTIFF of probabilities x 250. With several
     ranks every rank calls this; each writes its band to a part file next to ``out_path`` and
-    rank 0 joins them (so ``out_path`` must be on a shared file system). ``overwrite=False``
+    rank 0 joins them (so ``out_path`` must be on a shared file system). ``mean``/``std``/``bands``
+    left out are those a model from :func:`~ds_seg.inference.load_model` was trained with.
+    ``overwrite=False``
     never replaces an output that exists when the scene is done (another run's, written
     meanwhile): FileExistsError, and this run's files are removed.
 
@@ -44,6 +47,9 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
         predict_scene(model.eval(), 'scene.tif', 'scene_classes.tif', mean=m, std=s,
                       classes=payload['classes'], tile=512, overlap=128, batch_size=8)
     """
+    if mean is None and std is None:  # a model from load_model knows them
+        mean, std, trained_bands = training_normalisation(forward_fn)
+        bands = trained_bands if bands is None else bands
     if mean is None or std is None:
         raise ValueError("predict_scene: mean and std (the training normalisation) are required")
     rank, world_size = distributed.rank(), distributed.world_size()

@@ -753,3 +753,14 @@ def test_a_native_fp16_run_on_a_cpu_resumes_with_the_way_back_named():
         line = DeepSpeedBackend.resume_refusal(run, marker, 'step_00000010')
         assert line.startswith('--resume: step_00000010 was saved in fp16 but this run uses bf16-autocast')
         assert ('DS_SEG_CPU_FP16=1 runs native fp16 on a CPU again' in line) is hinted, line
+
+
+@pytest.mark.parametrize('text', ["train = dict(max_steps=3)\n", "model = dict(type='UNet', base_channels=32)\n"])
+def test_a_config_that_leaves_the_counts_out_gets_the_datas_not_the_defaults(tmp_path, text):
+    """The embedded default's in_channels=3, num_classes=6 were merged into a config that gave no
+    model (or the default UNet without them): 4-band data was refused ('model.in_channels is 3'),
+    where the README says counts left out are the data's."""
+    path = tmp_path / 'mine.py'
+    path.write_text(text)
+    cfg = load_config(str(path))
+    assert cfg.model.type == 'UNet' and 'in_channels' not in cfg.model and 'num_classes' not in cfg.model

@@ -1277,3 +1277,32 @@ def test_evaluate_refuses_an_erode_radius_past_its_limit(tmp_path, capsys):
     status = evaluate.main(['--checkpoint', str(tmp_path), '--images', 'a.tif', '--labels', 'b.tif',
                             '--output', str(tmp_path / 'ev'), '--erode', str(MAX_ERODE + 1)])
     assert status == 2 and f'--erode must be at most {MAX_ERODE} px' in capsys.readouterr().err
+
+
+def test_the_api_scores_and_predicts_with_the_training_normalisation_of_a_loaded_model(tmp_path):
+    """README: evaluate_scenes(model, val_set) with a model from load_model normalised with the
+    validation set's own statistics (computed from its scenes): a confusion matrix other than
+    evaluate.py's for the same files, without a word."""
+    from ds_seg.data import GeoTiffScenes
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    model, info = inf.load_model(weights)
+    assert model.training_normalisation == info['data']
+
+    class Threshold(torch.nn.Module):   # class 0 where band 1 is above its mean: any other mean shows
+        def forward(self, x):
+            return torch.cat([x[:, :1], -x[:, :1], torch.zeros_like(x[:, :3])], 1)
+    thresholded = Threshold()
+    thresholded.training_normalisation = info['data']
+    val_set = GeoTiffScenes([scene], [label], classes=info['classes'], crop_size=32, mode='grid', split='val')
+    assert not np.allclose(val_set.mean, info['data']['mean'])   # the test can fail
+    kw = dict(tile=32, overlap=8)
+    got = inf.evaluate_scenes(thresholded, val_set, **kw)['confusion']
+    want = inf.evaluate_scenes(thresholded, val_set, mean=info['data']['mean'], std=info['data']['std'],
+                               **kw)['confusion']
+    own = inf.evaluate_scenes(lambda x: thresholded(x), val_set, **kw)['confusion']   # a plain callable: the dataset's
+    assert torch.equal(got, want) and not torch.equal(got, own)
+    inf.predict_scene(thresholded, scene, str(tmp_path / 'a.tif'), classes=info['classes'], **kw)
+    inf.predict_scene(thresholded, scene, str(tmp_path / 'b.tif'), mean=info['data']['mean'],
+                      std=info['data']['std'], classes=info['classes'], **kw)
+    with rasterio.open(tmp_path / 'a.tif') as a, rasterio.open(tmp_path / 'b.tif') as b:
+        np.testing.assert_array_equal(a.read(), b.read())

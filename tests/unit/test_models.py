@@ -181,6 +181,9 @@ def test_a_count_of_the_model_given_as_text_is_named_before_it_is_compared_with_
     # A list, number or None as the split was an AttributeError traceback from the scene writer.
     (dict(split=['train']), r"SyntheticAerial split must be a name, 'train' or 'val' .*, got \['train'\]"),
     (dict(split=None), r"SyntheticAerial split must be a name, 'train' or 'val' .*, got None"),
+    # README's data.train.images=a.tif,b.tif on the default dataset: "got multiple values for 'images'".
+    (dict(images=['a.tif', 'b.tif']), r"SyntheticAerial generates its own scenes and takes no images; for your "
+                                      r"files set type='GeoTiffScenes'"),
 ])
 def test_dataset_values_are_checked_like_the_models(tmp_path, kw, message):
     """The same class as the model's flags: a dataset's reduce_zero_label='False' turned the shift

@@ -68,3 +68,13 @@ def test_save_best_without_a_metric_to_compare_is_one_line(tmp_path, options, me
         Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp_path / 'work'))
     assert message in str(info.value) and '\n' not in str(info.value)
     assert not (tmp_path / 'work').exists()
+
+
+def test_exporting_a_best_checkpoint_a_run_never_wrote_says_why(tmp_path):
+    """README: export.py work_dirs/default/checkpoints/best on a run without train.save_best
+    said only 'does not exist'."""
+    import pytest as _pytest
+    from ds_seg.engine import checkpoint
+    (tmp_path / 'checkpoints').mkdir()
+    with _pytest.raises(FileNotFoundError, match='checkpoints/best is written only by runs with train.save_best'):
+        checkpoint.find_checkpoint(str(tmp_path / 'checkpoints' / 'best'))
