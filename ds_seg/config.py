@@ -1524,9 +1524,11 @@ def resolve_batch(ds, world_size, source='DeepSpeed config'):
     tbs = ds.get('train_batch_size')
     mb = ds.get('train_micro_batch_size_per_gpu')
     gas = ds.get('gradient_accumulation_steps')
-    if mb is None and gas is None and tbs is None:
+    if mb is None and tbs is None:
+        # Accumulation alone trained at micro-batch 1 without a word; DeepSpeed refuses it.
         raise ConfigError(f"{source}: set 'train_micro_batch_size_per_gpu' (and optionally "
-                          "'gradient_accumulation_steps').")
+                          "'gradient_accumulation_steps')" + (f"; 'gradient_accumulation_steps' {gas} alone leaves "
+                                                              "the micro-batch unsaid" if gas is not None else '') + '.')
     if tbs is not None:
         if mb is None and gas is None:
             mb, gas = tbs // world_size, 1
@@ -1602,6 +1604,11 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
             optimizer['params'].setdefault('weight_decay', 0.0)
 
     sched = ds.get('scheduler')
+    lr = (optimizer.get('params') or {}).get('lr') if isinstance(optimizer, dict) else None
+    if lr == 0 and (not sched or sched.get('type') == 'WarmupCosineLR'):
+        # (Negative and NaN are refused; 0 may be a throughput measurement, so it is said, not refused.)
+        notes.append(f"{source}: optimizer.params.lr is 0" + (" and WarmupCosineLR scales it" if sched else "")
+                     + ": every step trains at LR 0 and the weights never change.")
     if sched and sched.get('type') in _SCHEDULERS_WITH_TOTAL:
         params = sched.setdefault('params', {})
         from_run = 'total_num_steps' not in params
@@ -1666,7 +1673,8 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
     if fp16 and not supports('fp16'):
         ds['fp16']['enabled'] = False
         if supports('bf16'):
-            ds['torch_autocast'] = {'enabled': True, 'dtype': 'bfloat16'}
+            # The JSON's own autocast settings (lower_precision_safe_modules...) are kept.
+            ds['torch_autocast'] = dict(ds.get('torch_autocast') or {}, enabled=True, dtype='bfloat16')
             notes.append(f"{source}: fp16 is not supported on this device; running bf16 autocast instead.")
         else:
             notes.append(f"{source}: fp16 is not supported on this device; running fp32 instead.")

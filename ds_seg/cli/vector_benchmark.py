@@ -20,8 +20,6 @@ import time
 
 import numpy as np
 
-from ds_seg.inputs import user_path
-
 
 MADE_HERE = 'ds_seg_vector_benchmark'  # the class map's tag, and the --dir record of polygon files written
 
@@ -131,7 +129,7 @@ def main(argv=None):
     p.add_argument('--band-rows', type=int, default=256)
     p.add_argument('--format', default='gpkg', choices=['gpkg', 'fgb', 'geojson'])
     p.add_argument('--simplify', type=float, default=0.0)
-    p.add_argument('--dir', type=user_path, default='/tmp/ds_seg_vector_benchmark')
+    p.add_argument('--dir', type=os.path.expanduser, default='/tmp/ds_seg_vector_benchmark')
     p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--make', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--class-map', default=None, help=argparse.SUPPRESS)

@@ -15,6 +15,10 @@ from .optimizer_state import base_optimizer, kept_implementation
 from .param_groups import apply_schedule_now, build_param_groups, scale_lr_by_group
 
 
+# Packages of DeepSpeed's experiment monitors -> the JSON block that starts them.
+_MONITOR_PACKAGES = {'wandb': 'wandb', 'comet_ml': 'comet'}
+
+
 class DeepSpeedBackend:
     name = 'deepspeed'
     uses_deepspeed_comm = True
@@ -68,6 +72,17 @@ class DeepSpeedBackend:
                                   "SGD or Adagrad, or run on a GPU.") from exc
             raise ConfigError(f"--deepspeed_config: DeepSpeed cannot build this engine ({type(exc).__name__}: "
                               f"{detail}); change the JSON (see ds_configs/ for working ones).") from exc
+        except Exception as exc:
+            # DeepSpeed's W&B or Comet monitor (the JSON's "wandb"/"comet" block) failing to start
+            # (no API key, no network) was a 40-line traceback from inside deepspeed.initialize.
+            package = type(exc).__module__.split('.')[0]
+            if package not in _MONITOR_PACKAGES:
+                raise
+            detail = (str(exc).strip().splitlines() or [''])[0] or type(exc).__name__
+            block = _MONITOR_PACKAGES[package]
+            raise ConfigError(f"--deepspeed_config: DeepSpeed's {block} monitor (the JSON's '{block}' block) cannot "
+                              f"start ({detail}); set it up, or remove the block (ds_seg's log.trackers=['{block}'] "
+                              "logs the run under either backend).") from exc
         if spec.compile_mode:
             self.engine.compile(backend=speed.COMPILE_BACKEND, compile_kwargs=speed.compile_kwargs(spec.compile_mode))
         self.optimizer_impl = speed.optimizer_impl(self.state_holders()[2], spec.device)

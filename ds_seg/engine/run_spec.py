@@ -66,6 +66,15 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
                           "{\"type\": \"AdamW\", \"params\": {\"lr\": 0.001}} (see ds_configs/zero2.json).")
     resolved, precision, notes = resolve_ds_config(ds_config, world_size, max_steps, source=source)
     native, (precision, zero_stage) = precision, (engine.precision_run(precision), engine.zero_stage_of(resolved))
+    if not engine.uses_deepspeed_comm:
+        # DeepSpeed's own monitors are part of its engine: under DDP they did nothing, unsaid.
+        monitors = [key for key in ('tensorboard', 'wandb', 'csv_monitor', 'comet')
+                    if isinstance(resolved.get(key), dict) and resolved[key].get('enabled')]
+        if monitors:
+            notes = list(notes) + [
+                f"{source}: {', '.join(repr(k) for k in monitors)}: DeepSpeed's own monitor(s), which run under "
+                "--backend deepspeed only; ds_seg's TensorBoard log (<work dir>/tb) and log.trackers cover both "
+                "backends"]
     if precision != native:  # DDP runs native fp16/bf16 as autocast: ds_config.json says what ran
         resolved = dict(resolved, **{native: dict(resolved[native], enabled=False)},
                         torch_autocast={'enabled': True, 'dtype': 'float16' if native == 'fp16' else 'bfloat16'})

@@ -285,3 +285,26 @@ def test_a_resume_refused_by_its_tracker_leaves_the_work_dir_as_it_was(tmp_path)
             in printed.splitlines())
     assert refused and refused.startswith("log.trackers: 'mlflow' could not start a run")
     assert after == before and 'checkpoints/step_00000006/COMPLETE' in after
+
+
+def _deepspeed_wandb_monitor_without_login(tmp):
+    """DeepSpeed's own W&B monitor (the JSON's "wandb" block) on a machine without `wandb login`."""
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    for name in ('WANDB_MODE', 'WANDB_API_KEY'):
+        os.environ.pop(name, None)
+    os.environ.update(HOME=os.path.join(tmp, 'home'), WANDB_CONFIG_DIR=os.path.join(tmp, 'home', 'wandb'))
+    ds = ds_config(0, micro_batch=2, wandb={'enabled': True, 'project': 'x'})
+    try:
+        Trainer(tiny_cfg(os.path.join(tmp, 'cache'), max_steps=2), ds, work_dir=os.path.join(tmp, 'run')).close()
+    except ConfigError as exc:
+        return str(exc), os.path.exists(os.path.join(tmp, 'run'))
+    return None, None
+
+
+def test_deepspeeds_own_wandb_monitor_that_cannot_start_is_one_line(tmp_path):
+    """A 40-line wandb UsageError traceback from inside deepspeed.initialize."""
+    line, left = run_on_ranks(_deepspeed_wandb_monitor_without_login, 1, args=(str(tmp_path),), timeout=180)[0]
+    assert line is not None and line.startswith("--deepspeed_config: DeepSpeed's wandb monitor (the JSON's 'wandb' "
+                                                "block) cannot start (") and '\n' not in line, line
+    assert left is False   # the refused run removed the work dir it created

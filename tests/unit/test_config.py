@@ -514,6 +514,10 @@ def test_batch_triple():
                        'gradient_accumulation_steps': 2}, 3)
     with pytest.raises(ConfigError, match=r"'train_batch_size' 10 is not divisible"):
         resolve_batch({'train_batch_size': 10, 'train_micro_batch_size_per_gpu': 4}, 2)
+    # Accumulation alone trained at micro-batch 1 without a word (DeepSpeed refuses it).
+    with pytest.raises(ConfigError, match=r"set 'train_micro_batch_size_per_gpu' .*'gradient_accumulation_steps' 4 "
+                                          r"alone leaves the micro-batch unsaid"):
+        resolve_batch({'gradient_accumulation_steps': 4}, 2)
 
 
 def test_precision_fallback_recorded():
@@ -526,6 +530,11 @@ def test_precision_fallback_recorded():
     assert precision == 'fp32' and 'running fp32' in notes[0]
     _, precision, notes = resolve_ds_config(ds, 1, 10, supports=lambda p: True)
     assert precision == 'fp16' and not notes
+    # The JSON's own autocast settings survive the fallback (they were replaced by the whole block).
+    safe = dict(ds, torch_autocast={'enabled': False, 'lower_precision_safe_modules': ['torch.nn.Conv2d']})
+    resolved, precision, _ = resolve_ds_config(safe, 1, 10, supports=lambda p: p == 'bf16')
+    assert resolved['torch_autocast'] == {'enabled': True, 'dtype': 'bfloat16',
+                                          'lower_precision_safe_modules': ['torch.nn.Conv2d']}
 
 
 def test_fp16_never_runs_on_a_cpu_even_where_deepspeed_says_it_can(monkeypatch):
@@ -764,3 +773,25 @@ def test_a_config_that_leaves_the_counts_out_gets_the_datas_not_the_defaults(tmp
     path.write_text(text)
     cfg = load_config(str(path))
     assert cfg.model.type == 'UNet' and 'in_channels' not in cfg.model and 'num_classes' not in cfg.model
+
+
+def test_deepspeeds_own_monitors_are_said_to_do_nothing_under_ddp():
+    from ds_seg.engine.run_spec import describe_run
+    ds = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}},
+          'tensorboard': {'enabled': True, 'output_path': 'tb'}, 'csv_monitor': {'enabled': False}}
+    notes = describe_run(ds, 'ddp', 10, source='x.json').notes
+    assert [n for n in notes if 'monitor' in n] == [
+        "x.json: 'tensorboard': DeepSpeed's own monitor(s), which run under --backend deepspeed only; ds_seg's "
+        "TensorBoard log (<work dir>/tb) and log.trackers cover both backends"]
+    assert not [n for n in describe_run(ds, 'deepspeed', 10, source='x.json').notes if 'monitor' in n]
+
+
+@pytest.mark.parametrize('scheduler, said', [(None, True), ({'type': 'WarmupCosineLR', 'params': {}}, True),
+                                             ({'type': 'WarmupLR', 'params': {'warmup_max_lr': 1e-3}}, False)])
+def test_an_lr_of_zero_that_trains_nothing_is_said(scheduler, said):
+    """"lr": 0 trained the whole run at LR 0 without a line (negative and NaN were refused)."""
+    ds = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 0}}}
+    if scheduler:
+        ds['scheduler'] = scheduler
+    _, _, notes = resolve_ds_config(ds, 1, 100, source='x.json', supports=lambda p: True)
+    assert any('optimizer.params.lr is 0' in n and 'weights never change' in n for n in notes) is said
