@@ -825,6 +825,11 @@ def _is_nonfinite(value):
 
 def check_ds_config(ds, source='DeepSpeed config'):
     """Refuse what DeepSpeed would silently misread: unknown top-level keys and ``"auto"``."""
+    if isinstance(ds.get('ds_seg'), dict) and {'backend', 'precision', 'world_size'} <= set(ds['ds_seg']):
+        raise ConfigError(f"{source}: is the record a run wrote of the DeepSpeed config it used (its 'ds_seg' block "
+                          "says how it ran: resolved for its world size and device); give the JSON that run was "
+                          "started with (e.g. ds_configs/zero2.json), or remove the 'ds_seg' block to start from "
+                          "this one.")
     for key in ds:
         if key not in DS_TOP_LEVEL_KEYS:
             close = difflib.get_close_matches(key, sorted(DS_TOP_LEVEL_KEYS), n=3, cutoff=0.6)

@@ -448,6 +448,9 @@ DS_VALUE_REFUSALS = {
     'hybrid_engine_on': (dict(hybrid_engine={'enabled': True}),
                          "'hybrid_engine' is switched on, but it has no effect in ds_seg (it is DeepSpeed's "
                          "generation"),
+    # A run's own ds_config.json given back: "unknown top-level key 'ds_seg'".
+    'run_record': (dict(ds_seg={'backend': 'deepspeed', 'precision': 'fp32', 'world_size': 2, 'launcher': 'python'}),
+                   "is the record a run wrote of the DeepSpeed config it used"),
     # DeepSpeed then read ds_seg's own checkpoints as universal ones: --resume died in a traceback.
     'load_universal_on': (dict(checkpoint={'load_universal': True}),
                           "'checkpoint.load_universal' is true, but ds_seg saves ordinary DeepSpeed checkpoints"),
