@@ -1520,6 +1520,13 @@ def _known_fields(model_name, loc):
     return sorted(getattr(model, 'model_fields', {}))
 
 
+def _shortened_warmup_note(source, warmup, default, max_steps, shortened):
+    instead = (f"warming up over {shortened} step(s) instead." if shortened < max_steps else
+               f"warming up over DeepSpeed's minimum of {shortened} steps instead: the whole run.")
+    return (f"{source}: scheduler.params.warmup_num_steps {warmup}{default} is not shorter than the run "
+            f"({max_steps} steps); {instead}")
+
+
 def resolve_batch(ds, world_size, source='DeepSpeed config'):
     """Return (micro_batch, grad_accum, global_batch) for this world size, or raise naming the key.
 
@@ -1624,8 +1631,7 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
             # first fifth of the run instead of refusing it (DeepSpeed's schedulers warm up over 2
             # steps at least: a 1 written here would be recorded, and 2 would run).
             params['warmup_num_steps'] = max(2, max_steps // 5)
-            notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup} is not shorter than the run "
-                         f"({max_steps} steps); warming up over {params['warmup_num_steps']} step(s) instead.")
+            notes.append(_shortened_warmup_note(source, warmup, '', max_steps, params['warmup_num_steps']))
         elif not from_run and _is_number(params['total_num_steps']) and params['total_num_steps'] < max_steps:
             # Past its length a schedule stays at its last LR (0 for WarmupDecayLR, the cosine
             # floor for WarmupCosineLR): the rest of the run would train at it without a word.
@@ -1646,8 +1652,7 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
         if _is_number(warmup) and warmup >= max_steps:
             params['warmup_num_steps'] = max(2, max_steps // 5)
             default = '' if given else ' (the WarmupLR default)'
-            notes.append(f"{source}: scheduler.params.warmup_num_steps {warmup}{default} is not shorter than the run "
-                         f"({max_steps} steps); warming up over {params['warmup_num_steps']} step(s) instead.")
+            notes.append(_shortened_warmup_note(source, warmup, default, max_steps, params['warmup_num_steps']))
 
     elif sched and sched.get('type') == 'OneCycle':
         # OneCycle's cycle is 2 x 2000 steps unless told: a shorter run only ever rose towards

@@ -961,43 +961,60 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             # GDAL serves a decimated read from the file's overviews, nearest or not: labels with
             # averaged overviews (gdaladdo -r average) showed values the file does not hold. A
             # finding is confirmed on the full-resolution pixels before it refuses the file.
-            refusal, had_overviews = self._decimated_label_refusal(s, shape, overviews=True)
-            if refusal and had_overviews:
-                refusal, _ = self._decimated_label_refusal(s, shape, overviews=False)
+            # (A VRT's sources serve theirs too, whatever the VRT is opened with: the confirming
+            # read takes whole rows at full resolution.)
+            refusal = self._decimated_label_refusal(s, shape, native=False)
+            if refusal:
+                refusal = self._decimated_label_refusal(s, shape, native=True)
             if refusal:
                 raise DataError(refusal)
         if self.palette is None:
             self._check_label_values()
         self._check_labelled_valid_pixels()
 
-    def _decimated_label_refusal(self, s, shape, overviews):
-        """``(why the label file of scene s is refused, or None; whether it has overviews)`` from
-        a nearest read decimated to ``shape`` (from its overviews, or the full-resolution pixels
-        with ``overviews=False``)."""
+    def _decimated_label_refusal(self, s, shape, native):
+        """Why the label file of scene s is refused, or None, from a nearest read decimated to
+        ``shape``: by GDAL (from overviews where the file has them), or with ``native`` from
+        whole rows of the full-resolution pixels, sampled as GDAL's nearest samples them."""
         try:
-            with open_raster(s['label'], overviews=overviews) as src:
-                had_overviews = bool(src.overviews(1))
-                if self.palette is not None:
-                    raw = src.read([1, 2, 3], out_shape=(3,) + shape, resampling=Resampling.nearest)
+            with open_raster(s['label']) as src:
+                if not native:
+                    if self.palette is not None:
+                        raw = src.read([1, 2, 3], out_shape=(3,) + shape, resampling=Resampling.nearest)
+                    else:
+                        raw, hidden = read_label_band(src, out_shape=shape)
                 else:
-                    raw, hidden = read_label_band(src, out_shape=shape)
+                    ys = ((np.arange(shape[0]) + 0.5) * src.height / shape[0]).astype(int)
+                    xs = ((np.arange(shape[1]) + 0.5) * src.width / shape[1]).astype(int)
+                    rows, masks = [], []
+                    for y in ys:
+                        row = Window(0, int(y), src.width, 1)
+                        if self.palette is not None:
+                            rows.append(src.read([1, 2, 3], window=row)[:, 0, xs])
+                        else:
+                            values, hidden_row = read_label_band(src, row)
+                            rows.append(values[0, xs])
+                            masks.append(None if hidden_row is None else hidden_row[0, xs])
+                    raw = np.stack(rows, axis=-2)
+                    hidden = (None if self.palette is not None or all(m is None for m in masks) else
+                              np.stack([np.zeros(len(xs), bool) if m is None else m for m in masks]))
         except rasterio.errors.RasterioError as e:
             raise DataError(f"{s['label']}: cannot be read (corrupt or truncated?): {e}") from e
         if self.palette is not None:
             bad = self._decode_palette(raw) < 0
             if bad.mean() <= self.palette_max_unmatched:
-                return None, had_overviews
+                return None
             colour, _ = Counter(map(tuple, raw[:, bad].T.tolist())).most_common(1)[0]
             return (f"{s['label']}: {100 * bad.mean():.1f}% of the label pixels match no palette "
                     f"colour (most common: {colour}); palette is {self.palette}; fix `palette`, "
-                    f"`palette_ignore` or `palette_tolerance`"), had_overviews
+                    f"`palette_ignore` or `palette_tolerance`")
         decoded = self._map_labels(raw, s.get('label_nodata'), hidden)
         if not (decoded < 0).any():
-            return None, had_overviews
+            return None
         value = raw[decoded < 0].flat[0]
         return (f"{s['label']}: label value {value} is not a class index 0..{self.num_classes - 1} "
                 f"nor ignore_index {self.ignore_index} (classes: {', '.join(self.classes)}); "
-                f"check `classes`, or remap with `label_map` / `reduce_zero_label`"), had_overviews
+                f"check `classes`, or remap with `label_map` / `reduce_zero_label`")
 
     def _check_label_nodata(self):
         """A label file whose nodata tag is a class value is ambiguous (is that class real, or

@@ -99,13 +99,14 @@ class BatchPreprocessor:
         """Raw ``image`` (B, C, H, W) and bool ``nodata`` (B, H, W) or None -> normalised float32
         on ``device`` (always a new tensor: the caller's are never modified)."""
         device = torch.device(device)
+        # Decided on the type as read: uint16 is widened to int32 below, and stays in float32.
+        work = torch.float64 if image.dtype in WIDE_TORCH else torch.float32
         if image.dtype == torch.uint16:
             # Moved as int16 bits and widened there: casts from uint16 have few kernels
             # outside the CPU ("barebones" unsigned dtype), int16 -> int32 has them everywhere.
             image = image.view(torch.int16).to(device, non_blocking=True).to(torch.int32).bitwise_and_(0xFFFF)
         else:
             image = image.to(device, non_blocking=True)
-        work = torch.float64 if image.dtype in WIDE_TORCH else torch.float32
         image = image.to(work, copy=True)  # copy: on the CPU .to() returns the input
         if self.mean is not None:
             if image.shape[1] != self.mean.shape[1]:

@@ -295,19 +295,17 @@ def same_pixels(a, b, width, height, tol_px=0.01):
     return True
 
 
-def open_raster(path, overviews=True):
+def open_raster(path):
     """``rasterio.open`` with the two user errors turned into one line naming the file.
 
     URLs (:func:`is_remote`) open through GDAL's virtual file systems with
-    :data:`REMOTE_GDAL_OPTIONS`. ``overviews=False`` hides the file's overviews, so a decimated
-    read samples its full-resolution pixels (GDAL's ``OVERVIEW_LEVEL=NONE``).
+    :data:`REMOTE_GDAL_OPTIONS`.
     """
-    options = {} if overviews else {'OVERVIEW_LEVEL': 'NONE'}
     if is_remote(path):
         try:
             with raster_env(path), warnings.catch_warnings():
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
-                return rasterio.open(gdal_path(path), **options)
+                return rasterio.open(gdal_path(path))
         except rasterio.errors.RasterioIOError as e:
             raise DataError(f"{path}: cannot open: {remote_hint(e)}") from e
     if not os.path.exists(path):
@@ -315,7 +313,7 @@ def open_raster(path, overviews=True):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore', NotGeoreferencedWarning)  # PNG/JPG patches
-            return rasterio.open(path, **options)
+            return rasterio.open(path)
     except rasterio.errors.RasterioIOError as e:
         raise DataError(f"{path}: not a readable raster (corrupt or not an image): {e}") from e
 

@@ -141,6 +141,8 @@ class DeepSpeedLossScale:
         return {key: getattr(self, key) for key in self._STATE}
 
     def load_state_dict(self, state):
+        if not self.dynamic:  # a static loss_scale is the JSON's (torch's GradScaler had doubled it)
+            return
         if 'scale' in state:  # a checkpoint of torch's GradScaler (ds_seg before this class)
             state = {'cur_scale': float(state['scale'])}
         for key, value in state.items():
@@ -173,6 +175,8 @@ class TorchLossScale:
         return self.scaler.state_dict()
 
     def load_state_dict(self, state):
+        if 'cur_scale' in state:  # saved under the JSON's fp16 block (DeepSpeedLossScale): its scale goes on
+            state = dict(self.scaler.state_dict(), scale=float(state['cur_scale']))
         self.scaler.load_state_dict(state)
 
 

@@ -183,7 +183,16 @@ class Trainer:
 
     def _setup(self, resume, t_start):
         cfg, spec = self.cfg, self.spec
-        check_checkpoint_folder(self.work_dir)  # every rank writes checkpoint files into it
+        # Every rank writes checkpoint files into it, and all agree: a folder one node cannot use
+        # (node-local scratch not mounted there) stops every rank, none left waiting for it.
+        try:
+            failure = None
+            check_checkpoint_folder(self.work_dir)
+        except ConfigError as exc:
+            failure = str(exc)
+        failure = distributed.first_failure(failure)
+        if failure:
+            raise ConfigError(failure)
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
         for note in (*spec.notes, *unused_settings(cfg)):
             self.print(note)

@@ -677,3 +677,27 @@ def test_refused_prediction_commands_leave_nothing_behind(cli, exported):
     assert sorted(os.listdir(os.path.join(tmp, 'clash'))) == ['y.tif', 'y_classes.tif']
     assert not [n for n in os.listdir(tmp) if n.endswith('.tmp')]
     assert checkpoint.load_weights_file(weights)['state_dict'], 'the existing export is intact'
+
+
+def _one_rank_cannot_use_the_checkpoints_folder(tmp):
+    """Rank 1's node sees a checkpoints folder it cannot use (node-local scratch not mounted)."""
+    from ds_seg.config import ConfigError
+    from ds_seg.engine import trainer as trainer_module
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import ds_config, tiny_cfg
+    if int(os.environ.get('RANK', 0)) == 1:
+        def cannot(work_dir):
+            raise ConfigError(f'--work-dir: {work_dir}/checkpoints is a symbolic link to /scratch/x, which does not exist')
+        trainer_module.check_checkpoint_folder = cannot
+    try:
+        Trainer(tiny_cfg(os.path.join(tmp, 'cache'), max_steps=2), ds_config(0), work_dir=os.path.join(tmp, 'run')).close()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_checkpoints_folder_one_rank_cannot_use_stops_every_rank(tmp_path):
+    """Each rank checked the folder on its own: the rank that could not use it stopped, the others
+    went on and waited at the next collective until the process-group timeout."""
+    lines = run_on_ranks(_one_rank_cannot_use_the_checkpoints_folder, 2, args=(str(tmp_path),), timeout=120)
+    assert lines[0] == lines[1] and 'is a symbolic link to /scratch/x' in lines[0]

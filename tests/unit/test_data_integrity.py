@@ -1,6 +1,7 @@
 """Data that trained silently wrong: worker transforms that moved pixels but not the nodata mask,
 palettes finer than a lookup bin, statistics of the wrong bands or of masked pixels or of the
 first files only, a user std of 0, and class counts inferred over nodata. Real GeoTIFFs."""
+import json
 import os
 import re
 
@@ -454,8 +455,13 @@ def test_statistics_count_the_pixels_the_selected_bands_call_data(tmp_path):
     every = GeoTiffScenes([img], [lbl], crop_size=32, classes=3, bands=[4, 3, 2, 1])
     whole = image.reshape(4, -1).astype(np.float64)   # no pixel is 0 in all four bands
     np.testing.assert_allclose(every.mean, whole.mean(1)[::-1], rtol=1e-12)
-    again = GeoTiffScenes([img], [lbl], crop_size=32, classes=3, bands=[1, 2, 3])   # from the cache
-    np.testing.assert_array_equal(again.mean, rgb.mean)
+    from ds_seg.data.geotiff import STATS_CACHE_FILE
+    cache = tmp_path / STATS_CACHE_FILE
+    held = json.loads(cache.read_text())['sets']
+    assert len(held) == 2 and sorted(str(e.get('nodata_bands')) for e in held) == ['None', '[1, 2, 3]']
+    again = GeoTiffScenes([img], [lbl], crop_size=32, classes=3, bands=[3, 1, 2])   # from the cache
+    np.testing.assert_array_equal(again.mean, rgb.mean[[2, 0, 1]])
+    assert json.loads(cache.read_text())['sets'] == held
 
 
 def test_statistics_are_computed_again_when_a_mask_sidecar_changes(tmp_path):
@@ -505,6 +511,17 @@ def test_labels_with_averaged_overviews_are_judged_by_their_pixels(tmp_path, pal
     extra = dict(palette=colours, classes=('a', 'b', 'c')) if palette else dict(classes=3)
     ds = GeoTiffScenes([img], [write_label(label)], crop_size=64, **extra)
     assert ds.num_classes == 3
+    # A VRT of the file: its source serves the averaged overviews to the VRT's decimated read.
+    vrt = str(tmp_path / 'o_label.vrt')
+    with rasterio.open(tmp_path / 'o_label.tif') as src:
+        bands = ''.join(f'<VRTRasterBand dataType="Byte" band="{b}"><SimpleSource><SourceFilename relativeToVRT="1">'
+                        f'o_label.tif</SourceFilename><SourceBand>{b}</SourceBand></SimpleSource></VRTRasterBand>'
+                        for b in range(1, src.count + 1))
+        t = src.transform
+        open(vrt, 'w').write(f'<VRTDataset rasterXSize="{src.width}" rasterYSize="{src.height}"><SRS>{src.crs.wkt}'
+                             f'</SRS><GeoTransform>{t.c}, {t.a}, {t.b}, {t.f}, {t.d}, {t.e}</GeoTransform>{bands}'
+                             '</VRTDataset>')
+    assert GeoTiffScenes([img], [vrt], crop_size=64, **extra).num_classes == 3
     if not palette:
         label[500:560, 300:360] = 7
         with pytest.raises(DataError, match='label value 7 is not a class index'):

@@ -4,7 +4,7 @@ import types
 import pytest
 import torch
 
-from ds_seg.engine.ddp_backend import DeepSpeedLossScale
+from ds_seg.engine.ddp_backend import DeepSpeedLossScale, TorchLossScale
 
 
 def _deepspeed_scaler(block, monkeypatch):
@@ -49,3 +49,15 @@ def test_a_scale_saved_by_torchs_grad_scaler_resumes():
     again = DeepSpeedLossScale({'loss_scale': 0})
     again.load_state_dict(ours.state_dict())
     assert again.state_dict() == ours.state_dict()
+
+
+def test_a_static_scale_is_the_jsons_and_states_cross_between_the_two_scalers():
+    """A GradScaler checkpoint of a static loss_scale held the doubled scale: resumed, it froze the
+    drifted value; a DeepSpeedLossScale state given to torch's scaler (fp16 block -> torch_autocast
+    on resume) was a KeyError."""
+    static = DeepSpeedLossScale({'loss_scale': 128})
+    static.load_state_dict(torch.amp.GradScaler('cpu', init_scale=4096.0).state_dict())
+    assert static.get_scale() == 128.0
+    torch_scale = TorchLossScale(torch.device('cpu'))
+    torch_scale.load_state_dict(DeepSpeedLossScale({'loss_scale': 0, 'initial_scale_power': 9}).state_dict())
+    assert torch_scale.get_scale() == 512.0
