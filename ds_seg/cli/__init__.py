@@ -130,3 +130,19 @@ def run_command(name, body, errors, output=None):
 def _main_thread():
     import threading
     return threading.current_thread() is threading.main_thread()
+
+
+def exit_without_finalization(status):
+    """End a program that used a process group with ``status`` once everything it wrote is closed.
+
+    The process groups' gloo threads outlive ``destroy_process_group`` while DDP or DeepSpeed
+    still refers to the group, and interpreter finalization ends any thread that is inside
+    native code by unwinding it: 'terminate called without an active exception', status -6, a
+    completed run (or a prediction whose outputs were all written) reported as a failed rank (a
+    Slurm job FAILED, a requeue for nothing). The caller has closed its files, trackers, loader
+    workers, lock and process group: nothing is left for finalization to do."""
+    import atexit
+    atexit._run_exitfuncs()  # what registered itself for exit still runs (DeepSpeed's wandb/comet monitors)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -24,7 +24,7 @@ from ds_seg.cli.predict import (DEFAULT_TILE, Progress, add_window_args, check_b
                                quiet_about_plain_images, setup, tile_from_model, window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
-from ds_seg.cli import run_command  # noqa: E402
+from ds_seg.cli import exit_without_finalization, run_command  # noqa: E402
 from ds_seg.inference import default_palette, evaluate_scenes, scene_pairs  # noqa: E402
 from ds_seg.inputs import (user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
                            check_writable, expand_inputs, replaced_when_done)
@@ -394,9 +394,12 @@ def main(argv=None):
     add_window_args(parser, tile_default="512, or the model's img_size; for --config's data.val, "
                     "data.eval_tile or crop_size, and data.eval_overlap, as its training evaluated")
     args = parser.parse_args(argv)
-    return run_command('evaluate', quiet_about_plain_images(lambda: _run(args)),
+    status = run_command('evaluate', quiet_about_plain_images(lambda: _run(args)),
                        errors=(FileNotFoundError, ValueError, KeyError),
                        output=lambda: args.output if os.path.isdir(args.output) else None)
+    if argv is None:  # the program, not a call from Python: gloo threads must not meet finalization
+        exit_without_finalization(status)
+    return status
 
 
 if __name__ == '__main__':

@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from ds_seg import distributed
-from ds_seg.cli import run_command
+from ds_seg.cli import exit_without_finalization, run_command
 from ds_seg.config import ConfigError
 from ds_seg.data.geotiff import configure_gdal_for_worker
 from ds_seg.data.raster import StackedRaster
@@ -441,9 +441,12 @@ def main(argv=None):
     add_window_args(parser, tile_default=f"{DEFAULT_TILE}, or the model's img_size")
     add_vector_args(parser)
     args = parser.parse_args(argv)
-    return run_command('predict', quiet_about_plain_images(lambda: _run(args)),
+    status = run_command('predict', quiet_about_plain_images(lambda: _run(args)),
                        errors=(FileNotFoundError, FileExistsError, ValueError, KeyError),
                        output=lambda: args.output if os.path.isdir(args.output) else None)
+    if argv is None:  # the program, not a call from Python: gloo threads must not meet finalization
+        exit_without_finalization(status)
+    return status
 
 
 if __name__ == '__main__':

@@ -11,7 +11,7 @@ import os
 import sys
 
 from ds_seg.inputs import user_path
-from ds_seg.cli import say_once_per_node
+from ds_seg.cli import exit_without_finalization, say_once_per_node
 from ds_seg.config import (ConfigError, DS_CONFIGS_DIR, SBATCH_DIR, SBATCH_TEMPLATES, find_shipped, load_config,
                            load_ds_config)
 from ds_seg.engine.faults import EXIT_INTERRUPTED
@@ -69,10 +69,10 @@ def main(argv=None):
         catch_stop_signals()
         if interrupted_during_imports():
             say_once_per_node('ds_seg: interrupted (Ctrl-C) before training started')
-            _exit_without_finalization(EXIT_INTERRUPTED)
+            exit_without_finalization(EXIT_INTERRUPTED)
     status = _train(argv, as_program)
     if as_program:
-        _exit_without_finalization(status)
+        exit_without_finalization(status)
     return status
 
 
@@ -82,22 +82,6 @@ def _close_without_the_process_group(trainer):
     stale one was only taken over by the next run)."""
     trainer.log.close(trainer.exit_reason)
     trainer.lock.release()
-
-
-def _exit_without_finalization(status):
-    """End the training program with ``status`` once everything it wrote is closed.
-
-    The process groups' gloo threads outlive ``destroy_process_group`` while DDP or DeepSpeed
-    still refers to the group, and interpreter finalization ends any thread that is inside
-    native code by unwinding it: 'terminate called without an active exception', status -6, a
-    completed run reported as a failed rank (a Slurm job FAILED, a requeue for nothing). Nothing
-    is left for finalization to do: the trainer closed its logs, trackers, loader workers, lock
-    and process group."""
-    import atexit
-    atexit._run_exitfuncs()  # what registered itself for exit still runs (DeepSpeed's wandb/comet monitors)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def _train(argv, as_program):
