@@ -465,8 +465,8 @@ def write_plot(path, rows, meta):
     ax.bar(names, [r['images_per_s'] for r in ok], color='tab:blue')
     for i, r in enumerate(ok):
         ax.text(i, r['images_per_s'], format_or_dash(r['speedup_vs_ddp'], '.2f') + 'x', ha='center', va='bottom', fontsize=8)
-    ax.set_ylabel('images / s (on top: speed-up vs DDP, by median step time)')
-    ax.set_title('throughput')
+    ax.set_ylabel('images / s')
+    ax.set_title('throughput (on top: speed-up vs DDP, by median step time)', fontsize=9)
     ax = axes[1]
     bottom = [0.0] * len(ok)
     for key, colour in (('params_bytes', 'tab:green'), ('grads_bytes', 'tab:orange'),

@@ -95,7 +95,9 @@ def build_param_groups(model, optim_cfg):
         if not decay:
             group['weight_decay'] = 0.0
         group['params'].append(param)
-    return sorted(groups.values(), key=lambda g: (-g['lr_mult'], g['name']))
+    # The heads' group (lr_mult 1) first whatever the other multipliers: backends log the first
+    # group's LR (a backbone_lr_mult of 2 logged the backbone's, twice the heads').
+    return sorted(groups.values(), key=lambda g: (g['lr_mult'] != 1.0, -g['lr_mult'], g['name']))
 
 
 def apply_schedule_now(scheduler):

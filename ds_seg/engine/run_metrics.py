@@ -8,6 +8,7 @@ timer's events.
 """
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -148,12 +149,15 @@ class RunMetrics:
                         rows.append(json.loads(line))
                     except ValueError:  # a line cut short by a full disk
                         continue
-        ips = sorted(r['images_per_s'] for r in rows if r.get('images_per_s'))
+        # This run's configuration only: rows of a pass at another world size (before a resume
+        # on other ranks) measured another throughput.
+        ips = [r['images_per_s'] for r in rows if r.get('images_per_s') and r.get('world_size', self.spec.world_size)
+               == self.spec.world_size]
         summary = dict(
             exit_reason=exit_reason, steps=step, wall_time_s=time.time() - self.t_start,
             backend=self.spec.backend, zero_stage=self.spec.zero_stage, precision=self.spec.precision,
             world_size=self.spec.world_size, global_batch=self.spec.global_batch,
-            images_per_s_median=ips[len(ips) // 2] if ips else None,
+            images_per_s_median=statistics.median(ips) if ips else None,  # (the upper middle one was taken)
             final_loss=rows[-1]['loss'] if rows else None, skipped_steps=self.backend.skipped_steps,
             mIoU=last['mIoU'] if last else None, OA=last['OA'] if last else None,
             mF1=last['mF1'] if last else None, flops_per_image_fwd=self.flops_per_image,

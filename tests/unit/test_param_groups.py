@@ -96,3 +96,11 @@ def test_layer_decay_counts_transformer_blocks_only():
         build_param_groups(model, dict(layer_decay=0.5))
     groups = build_param_groups(model, dict(paramwise=dict(no_weight_decay=True)))
     assert {g['lr_mult'] for g in groups} == {1.0}
+
+
+def test_the_logged_lr_is_the_heads_whatever_the_backbone_multiplier():
+    """backbone_lr_mult=2 put the backbone's group first: the logged lr was twice the heads'."""
+    model = build(MODELS, VIT)
+    for mult in (2.0, 0.5):
+        groups = build_param_groups(model, dict(paramwise=dict(backbone_lr_mult=mult)))
+        assert groups[0]['lr_mult'] == 1.0 and {g['lr_mult'] for g in groups} == {1.0, mult}

@@ -37,3 +37,20 @@ def test_loss_sum_stays_a_device_tensor_until_the_log_step():
     m = _metrics()
     _feed(m, [1.0, 2.5])
     assert isinstance(m._loss_sum, torch.Tensor) and float(m._loss_sum) == 3.5
+
+
+def test_the_summary_median_is_the_median_of_this_runs_configuration(tmp_path):
+    """Four rows gave the upper middle one (425.81 of [433.82, 415.67, 425.81, 414.25], median
+    420.74); after a resume on another number of ranks the earlier pass's rows counted too."""
+    import json
+    import types
+    from ds_seg.telemetry import RunLog
+    rows = [dict(step=1, images_per_s=100.0, world_size=2), dict(step=2, images_per_s=433.82, world_size=1),
+            dict(step=3, images_per_s=415.67, world_size=1), dict(step=4, images_per_s=425.81, world_size=1),
+            dict(step=5, images_per_s=414.25, world_size=1, loss=1.0)]
+    (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    m = _metrics()
+    m.log = RunLog(str(tmp_path), enabled=True)
+    m.backend = types.SimpleNamespace(skipped_steps=0, optimizer_impl='torch.AdamW')
+    summary = m.write_summary('completed', 5, None, str)
+    assert summary['images_per_s_median'] == (415.67 + 425.81) / 2
