@@ -131,11 +131,14 @@ def expand_inputs(paths, option='--input'):
                 raise ConfigError(f"{option}: the pattern {path} matches no file"
                                   + (" but predict's own outputs." if earlier else "."))
             files += found
+        elif (not os.path.exists(path) and ',' in path
+              and (all(os.path.exists(p) for p in path.split(',')) if not is_remote(path)
+                   else len(split_dates(path)) > 1)):
+            # URLs too (a comma in a signed URL's query is the URL's): they were fetched as one, a 404.
+            raise ConfigError(f"{option}: {path} joins files by commas, which predict.py reads as the dates of "
+                              "one scene; here give a time series by --config whose data.val has "
+                              "images=[[a_may.tif, a_aug.tif], ...].")
         elif not os.path.exists(path) and not is_remote(path):
-            if ',' in path and all(os.path.exists(p) for p in path.split(',')):
-                raise ConfigError(f"{option}: {path} joins files by commas, which predict.py reads as the dates of "
-                                  "one scene; here give a time series by --config whose data.val has "
-                                  "images=[[a_may.tif, a_aug.tif], ...].")
             raise ConfigError(f'{option}: {path} does not exist.')
         else:
             files.append(path)

@@ -24,8 +24,12 @@ _RANGE = re.compile(r'^bytes=(\d*)-(\d*)$')
 class RangeServer:
     """Serves ``root`` on 127.0.0.1 (an ephemeral port) from a background thread."""
 
-    def __init__(self, root, latency_s=0.0, honour_range=True, stall=False):
+    def __init__(self, root, latency_s=0.0, honour_range=True, stall=False, etag=True, json_alias=None):
         self.root = os.path.abspath(root)
+        # 'alias/': a JSON document asked for under it is redirected (302) to the same path without
+        # it, anything else there is 404: a catalogue reached through a short link or a DOI.
+        self.json_alias = json_alias
+        self.etag = bool(etag)  # False: Last-Modified only (whole seconds), as many servers send
         self.latency_s = float(latency_s)
         self.honour_range = bool(honour_range)  # False: a server that always sends the whole file
         self.stall = bool(stall)  # True: accepts connections, never answers (until closed)
@@ -73,8 +77,20 @@ class RangeServer:
             def log_message(self, *args):
                 pass
 
+            def _redirected(self):
+                rel = urlsplit(self.path).path.lstrip('/')
+                if not server.json_alias or not rel.startswith(server.json_alias) or not rel.endswith('.json'):
+                    return False
+                self.send_response(302)
+                self.send_header('Location', '/' + rel[len(server.json_alias):])
+                self.send_header('Content-Length', '0')
+                self.end_headers()
+                return True
+
             def _file(self):
                 rel = unquote(urlsplit(self.path).path).lstrip('/')
+                if server.json_alias and rel.startswith(server.json_alias):
+                    return None
                 path = os.path.abspath(os.path.join(server.root, rel))
                 if not path.startswith(server.root + os.sep) or not os.path.isfile(path):
                     return None
@@ -83,7 +99,8 @@ class RangeServer:
             def _version_headers(self, path):
                 # What object storage and web servers send, and what caches key a URL's version to.
                 st = os.stat(path)
-                self.send_header('ETag', f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
+                if server.etag:
+                    self.send_header('ETag', f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
                 self.send_header('Last-Modified', self.date_time_string(st.st_mtime))
 
             def _stalled(self):
@@ -97,7 +114,7 @@ class RangeServer:
                 self.end_headers()
 
             def do_HEAD(self):
-                if self._stalled():
+                if self._stalled() or self._redirected():
                     return
                 path = self._file()
                 if path is None:
@@ -111,7 +128,7 @@ class RangeServer:
                 server._count(0)
 
             def do_GET(self):
-                if self._stalled():
+                if self._stalled() or self._redirected():
                     return
                 path = self._file()
                 if path is None:

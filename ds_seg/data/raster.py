@@ -279,7 +279,38 @@ def _http_identity(url):
     etag, modified = headers.get('ETag'), headers.get('Last-Modified')
     if not (etag or modified):
         return None
-    return {'path': url, 'etag': etag, 'last_modified': modified, 'size': headers.get('Content-Length')}
+    identity = {'path': url, 'etag': etag, 'last_modified': modified, 'size': headers.get('Content-Length')}
+    # Last-Modified, and nginx's default ETag (mtime and size), count whole seconds: a file
+    # rewritten within the second at its size kept its identity, and its stale statistics. The
+    # first and last 64 KiB are part of it, as for a local file.
+    sample = _http_sample_sha256(url, headers.get('Content-Length'))
+    if sample is not None:
+        identity['sample_sha256'] = sample
+    return identity
+
+
+def _http_sample_sha256(url, size, sample_bytes=1 << 16):
+    """SHA-256 of the first and last ``sample_bytes`` of ``url`` by two Range requests, or None
+    where the server does not answer them as ranges."""
+    import urllib.request
+    try:
+        size = int(size)
+    except (TypeError, ValueError):
+        return None
+    ranges = [(0, min(size, sample_bytes) - 1)]
+    if size > sample_bytes:
+        ranges.append((max(sample_bytes, size - sample_bytes), size - 1))
+    digest = hashlib.sha256()
+    try:
+        for start, end in ranges:
+            request = urllib.request.Request(url, headers={'Range': f'bytes={start}-{end}'})
+            with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as r:
+                if r.status != 206:
+                    return None
+                digest.update(r.read())
+    except (OSError, ValueError):
+        return None
+    return digest.hexdigest()
 
 
 def same_pixels(a, b, width, height, tol_px=0.01):

@@ -21,16 +21,19 @@ from ds_seg.config import ConfigError
 
 
 def _read_json(source):
-    """The JSON document at a path or an http(s) URL, with a time limit on the URL."""
+    """``(document, where it was read)``: the JSON document at a path or an http(s) URL, with a
+    time limit on the URL; where: the URL after redirects (relative hrefs are relative to it)."""
     import json
     import urllib.error
     import urllib.request
 
     from .raster import HTTP_TIMEOUT_S
     try:
+        where = source
         if source.startswith(('http://', 'https://')):
             with urllib.request.urlopen(source, timeout=HTTP_TIMEOUT_S) as r:
                 text = r.read()
+                where = r.geturl()
         else:
             with open(source, 'rb') as f:
                 text = f.read()
@@ -40,14 +43,14 @@ def _read_json(source):
         reason = getattr(e, 'reason', None) or e
         raise ConfigError(f"stac={source!r}: cannot read a STAC JSON document ({reason})") from e
     try:
-        return json.loads(text)
+        return json.loads(text), where
     except ValueError as e:
         raise ConfigError(f"stac={source!r}: not a JSON document ({e}); give a STAC Item or ItemCollection") from e
 
 
 def _read_items(source):
     import pystac
-    doc = _read_json(source)
+    doc, where = _read_json(source)
     kind = doc.get('type') if isinstance(doc, dict) else type(doc).__name__
     try:
         if kind == 'Feature':
@@ -65,7 +68,9 @@ def _read_items(source):
                           f"every item needs an id and assets with an href") from e
     if not items:
         raise ConfigError(f"stac={source!r}: the ItemCollection holds no items")
-    base = source if source.startswith(('http://', 'https://')) else os.path.abspath(source)
+    # The document's final URL (after redirects: an alias, a DOI) is what its relative hrefs are
+    # relative to (RFC 3986); they were joined to the URL first asked for, and 404ed.
+    base = where if where.startswith(('http://', 'https://')) else os.path.abspath(source)
     for item in items:
         item.set_self_href(None)
         for asset in item.assets.values():  # relative hrefs are relative to the document
@@ -73,8 +78,11 @@ def _read_items(source):
                 from urllib.parse import unquote, urlsplit
                 asset.href = unquote(urlsplit(asset.href).path)
             if '://' not in asset.href and not os.path.isabs(asset.href):
-                asset.href = (base.rsplit('/', 1)[0] + '/' + asset.href if '://' in base
-                              else os.path.join(os.path.dirname(base), asset.href))
+                from urllib.parse import unquote, urljoin
+                # An href is a URI: percent-encoded ('dir%20a/b.tif') whether the document is
+                # served or on disk (read from disk it named a file 'dir%20a/b.tif').
+                asset.href = (urljoin(base, asset.href) if '://' in base
+                              else os.path.normpath(os.path.join(os.path.dirname(base), unquote(asset.href))))
     return items
 
 

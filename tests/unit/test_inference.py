@@ -1230,6 +1230,10 @@ def test_inputs_one_step_past_the_obvious_get_lines_that_say_what_to_do(tmp_path
          'labels.gpkg is a vector layer, not a raster; give --config instead, whose data.val reads it'),
         (evaluate, ['--checkpoint', weights, '--images', f'{scene},{scene}', '--labels', label, '--output', out],
          'joins files by commas, which predict.py reads as the dates of one scene'),
+        # URLs too: fetched as one URL, a 404 that said to check the address
+        (evaluate, ['--checkpoint', weights, '--images', 'http://127.0.0.1:9/a_may.tif,http://127.0.0.1:9/a_aug.tif',
+                    '--labels', label, '--output', out],
+         'joins files by commas, which predict.py reads as the dates of one scene'),
         (predict, ['--checkpoint', str(shard_dir / 'mp_rank_00_model_states.pt'), '--input', scene, '--output', out],
          f'mp_rank_00_model_states.pt: is one file of the checkpoint {shard_dir}, not a weights file; give the folder'),
         (export, [str(onnx_file), '--out', str(tmp_path / 'w.pt')], 'model.onnx: is an ONNX model, already exported'),

@@ -157,31 +157,39 @@ def test_a_server_that_stops_answering_is_one_line_not_a_hang(cogs, monkeypatch)
         assert time.monotonic() - t0 < 30
 
 
-def test_a_republished_url_gets_new_band_statistics(tmp_path, monkeypatch):
+@pytest.mark.parametrize('etag', [True, False])
+def test_a_republished_url_gets_new_band_statistics(tmp_path, monkeypatch, etag):
     """The statistics cache of a URL is keyed to the server's ETag / Last-Modified: a file
     republished under the same URL (new values) is measured again, not served old numbers."""
     monkeypatch.setenv('HOME', str(tmp_path / 'home'))
     rng = np.random.default_rng(1)
-    common = dict(driver='GTiff', width=256, height=256, crs='EPSG:32632', transform=from_origin(0, 0, 1, 1),
-                  dtype='uint16', tiled=True, blockxsize=64, blockysize=64)
+    common = dict(driver='GTiff', width=1024, height=1024, crs='EPSG:32632', transform=from_origin(0, 0, 1, 1),
+                  dtype='uint16', tiled=True, blockxsize=256, blockysize=256)
 
     def publish(values):
         with rasterio.open(tmp_path / 'new.tif', 'w', count=3, **common) as d:
             d.write(values)
+        # Within the same second as the first version: Last-Modified alone (no ETag) cannot tell them
+        # apart, and the stale statistics were kept.
+        os.utime(tmp_path / 'new.tif', ns=(1_700_000_000_000_000_000,) * 2)
         os.replace(tmp_path / 'new.tif', tmp_path / 'img.tif')
 
     with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, **common) as d:
-        d.write(rng.integers(0, 4, (1, 256, 256), dtype=np.uint16))
-    image = rng.integers(0, 1000, (3, 256, 256), dtype=np.uint16)
+        d.write(rng.integers(0, 4, (1, 1024, 1024), dtype=np.uint16))
+    image = rng.integers(0, 1000, (3, 1024, 1024), dtype=np.uint16)
     publish(image)
-    with RangeServer(tmp_path) as server:
+    with RangeServer(tmp_path, etag=etag) as server:
         url, label = server.url('img.tif'), server.url('lbl.tif')
         kw = dict(classes=4, crop_size=64, check_labels=0)
         first = GeoTiffScenes([url], [label], **kw).mean
-        np.testing.assert_allclose(first, image.reshape(3, -1).mean(1), rtol=1e-6)
+        # (decimated to 512 px, as the local copy's statistics are)
+        np.testing.assert_allclose(first, image.reshape(3, -1).mean(1), rtol=2e-3)
+        np.testing.assert_array_equal(first, GeoTiffScenes([str(tmp_path / 'img.tif')], [str(tmp_path / 'lbl.tif')],
+                                                           **kw).mean)
         server.reset()
         assert np.array_equal(GeoTiffScenes([url], [label], **kw).mean, first)
         assert server.bytes_served < image.nbytes / 4  # the cache answered: the pixels were not read again
+        # (what was read: the version's first and last 64 KiB, and the label check's decimated read)
         publish(image * 20)  # same size, same name, new values (a new ETag)
         second = GeoTiffScenes([url], [label], **kw).mean
     np.testing.assert_allclose(second, first * 20, rtol=1e-6)

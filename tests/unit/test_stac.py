@@ -88,6 +88,25 @@ def test_stac_over_http(catalogue):
             GeoTiffScenes(stac=server.url('nothing.json'), stac_bands=BANDS, **KW)
 
 
+def test_relative_hrefs_are_relative_to_where_the_document_was_read(catalogue, tmp_path):
+    """A catalogue reached through a redirect (a short link, a DOI) had its relative hrefs joined to
+    the URL asked for: 404. A percent-encoded relative href ('dir%20a/x.tif', a URI) in a document
+    read from disk named a file 'dir%20a/x.tif'."""
+    ref = GeoTiffScenes(catalogue['stacked'], catalogue['labels'], mode='random', **KW)
+    with RangeServer(catalogue['tmp'], json_alias='latest/') as server:
+        _assert_same(ref, GeoTiffScenes(stac=server.url('latest/items.json'), stac_bands=BANDS, mode='random', **KW))
+    folder = tmp_path / 'dir with space'
+    folder.mkdir()
+    with open(catalogue['tmp'] / 'items.json') as f:
+        doc = json.load(f)
+    for feature in doc['features']:
+        for asset in feature['assets'].values():
+            shutil.copy(catalogue['tmp'] / asset['href'], folder / asset['href'])
+            asset['href'] = 'dir%20with%20space/' + asset['href']
+    (tmp_path / 'items.json').write_text(json.dumps(doc))
+    _assert_same(ref, GeoTiffScenes(stac=str(tmp_path / 'items.json'), stac_bands=BANDS, mode='random', **KW))
+
+
 def test_missing_asset_names_the_assets(catalogue):
     with pytest.raises(ConfigError, match=r"no asset 'nir' \(stac_bands\); its assets are red, green, blue, label"):
         GeoTiffScenes(stac=str(catalogue['tmp'] / 'items.json'), stac_bands=['red', 'nir'], **KW)
