@@ -13,6 +13,7 @@ Example::
                                       uses_mask_band(src))
 """
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -108,8 +109,34 @@ def raster_env(path):
     """
     # A VRT (STAC bands stacked) may point at remote assets: its reads need the options too.
     if is_remote(path) or os.fspath(path).lower().endswith('.vrt'):
-        return rasterio.Env(**remote_gdal_options())
+        return rasterio.Env(**remote_gdal_options(**_sidecar_options(os.fspath(path))))
     return contextlib.nullcontext()
+
+
+def _sidecar_options(path):
+    """GDAL options for a URL with files beside it that GDAL reads for a local copy: a PAM file
+    (``.aux.xml``: a PNG's georeferencing, nodata, scale) is looked for (GDAL probes its siblings
+    then, a few requests more); an external mask (``.msk``), which GDAL does not read over HTTP, is
+    refused. Without this a URL's prediction lost its CRS and transform, or predicted masked
+    pixels as data, where the local copy's did not."""
+    found = remote_sidecars(path)
+    if '.msk' in found:
+        raise DataError(f"{path}: {path.partition('?')[0]}.msk beside it holds its mask, which GDAL does not "
+                        "read over HTTP; embed it (gdal_translate --config GDAL_TIFF_INTERNAL_MASK YES in.tif "
+                        "out.tif) or download both and give the local path.")
+    return {'GDAL_DISABLE_READDIR_ON_OPEN': 'YES'} if found else {}
+
+
+@functools.lru_cache(maxsize=4096)
+def remote_sidecars(url):
+    """The GDAL sidecar suffixes (``.aux.xml``, ``.msk``) an http(s) URL has beside it, by a
+    one-byte request each, once per process; () for other paths. A signed URL's signature does
+    not cover its siblings: they read as absent."""
+    if not url.startswith(('http://', 'https://')):
+        return ()
+    base, sep, query = url.partition('?')
+    return tuple(suffix for suffix in ('.aux.xml', '.msk')
+                 if http_status(base + suffix + sep + query, timeout=HTTP_TIMEOUT_S) in (200, 206))
 
 
 def gdal_message(exc):

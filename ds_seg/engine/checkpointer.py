@@ -59,6 +59,22 @@ def restored_hyperparameters(ds_config):
     return {k: params.get(k) for k in keys if params.get(k) is not None}
 
 
+# The fp16 block's loss-scaling settings: DeepSpeed's fp16 optimizers restore them, with the
+# scale, from a checkpoint (a JSON that changes them on resume was recorded and never applied, or,
+# dynamic -> static under ZeRO-0, crashed at the first overflow).
+LOSS_SCALING_KEYS = ('loss_scale', 'loss_scale_window', 'hysteresis', 'consecutive_hysteresis', 'min_loss_scale')
+
+
+def loss_scaling(ds_config):
+    """The fp16 block's loss-scaling settings, DeepSpeed's defaults filled in; None without fp16."""
+    block = ds_config.get('fp16') or {}
+    if not block.get('enabled'):
+        return None
+    from deepspeed.runtime.precision_config import get_float16_config
+    cfg = get_float16_config({'fp16': block})
+    return {key: getattr(cfg, key) for key in LOSS_SCALING_KEYS}
+
+
 def _model_dict(model_cfg):
     return model_cfg.to_dict() if hasattr(model_cfg, 'to_dict') else dict(model_cfg)
 
@@ -110,6 +126,7 @@ class Checkpointer:
                               marker_extra={'param_shapes': self.param_shapes(), 'precision': self.spec.precision,
                                             'optimizer': optimizer_family(self.spec.ds_config),
                                             'optimizer_params': restored_hyperparameters(self.spec.ds_config),
+                                            'loss_scaling': loss_scaling(self.spec.ds_config),
                                             'schedule': self.spec.ds_config.get('scheduler'),
                                             **({'best_metric': self.best_metric} if best_record is not None else {})},
                               best=best_record is not None)

@@ -78,12 +78,14 @@ def _not_finite(grads):
 
 
 class DeepSpeedLossScale:
-    """fp16 loss scaling as DeepSpeed's fp16 optimizers do it for the JSON's ``fp16`` block
+    """fp16 loss scaling as DeepSpeed's ZeRO-1/2/3 optimizers do it for the JSON's ``fp16`` block
     (DeepSpeed 0.19's ``DynamicLossScaler.update_scale``, whose logging needs DeepSpeed's process
     group): a static ``loss_scale`` stays; a dynamic one starts at 2^initial_scale_power, skips
     overflowing steps, halves only after ``hysteresis`` of them (not below ``min_loss_scale``) and
     doubles after ``loss_scale_window`` clean ones. (torch's GradScaler, used before, doubled a
-    static scale every window, had no hysteresis or floor, and grew a step earlier.)"""
+    static scale every window, had no hysteresis or floor, and grew a step earlier.) DeepSpeed's
+    ZeRO-0 fp16 optimizers differ in one respect: they halve at every overflow, ``hysteresis``
+    unused."""
 
     def __init__(self, fp16_block):
         from deepspeed.runtime.precision_config import get_float16_config

@@ -132,6 +132,15 @@ class DeepSpeedBackend:
             return (f"--resume: {where} was saved in {saved} but this run uses {self.precision}; DeepSpeed's "
                     f"optimizer state differs between them: use the precision it was trained with{cpu_fp16}, or "
                     "export it and use load_from= instead.")
+        from .checkpointer import loss_scaling
+        before, now = marker.get('loss_scaling'), loss_scaling(self.ds_config)
+        changed = [key for key in (now or {}) if before and key in before and before[key] != now[key]]
+        if changed:  # DeepSpeed's fp16 optimizers restore these with the scale: the JSON's never apply
+            said = ', '.join(f'{key} {before[key]!r} -> {now[key]!r}' for key in changed)
+            return (f"--resume: {where} holds DeepSpeed's fp16 loss scaler, which a resume restores with its own "
+                    f"settings, but the DeepSpeed config changes them ({said}; a loss_scale of 0 is dynamic): they "
+                    "would be recorded and never applied. Resume with the checkpoint's fp16 block, or start a new "
+                    "run from its weights (launch/export.py, then load_from=).")
         return None
 
     def train(self):

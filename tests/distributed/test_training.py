@@ -451,3 +451,26 @@ def test_a_torch_optimizer_deepspeed_builds_trains_alike_under_ddp(tmp_path, opt
     assert ds['losses'] == pytest.approx(ddp['losses'], rel=1e-5)
     moved = (ddp['params'] - ddp['initial']).norm()
     assert moved > 0 and (ddp['params'] - ds['params']).norm() <= 1e-4 * moved
+
+
+def _resume_with_other_loss_scaling(tmp):
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    dynamic = ds_config(0, precision='fp16')
+    _train(tmp, 'deepspeed', dynamic, 'scaled', None, 2, checkpoint_interval=2, patch_fp16=True)
+    static = ds_config(0, precision='fp16')
+    static['fp16']['loss_scale'] = 128
+    try:
+        Trainer(tiny_cfg(os.path.join(tmp, 'cache'), max_steps=4), static, work_dir=os.path.join(tmp, 'scaled'),
+                resume='auto').close()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_deepspeed_resume_refuses_a_json_that_changes_its_loss_scaler(tmp_path):
+    """DeepSpeed's fp16 optimizers restore their loss scaler, settings included: a dynamic ZeRO-0
+    checkpoint resumed with a static loss_scale crashed at the first overflow ('>' between None and
+    float); under ZeRO-1/2 the static scale was recorded in ds_config.json and never applied."""
+    line = run_on_ranks(_resume_with_other_loss_scaling, 1, args=(str(tmp_path),), timeout=300)[0]
+    assert line is not None and "holds DeepSpeed's fp16 loss scaler" in line and 'loss_scale 0.0 -> 128.0' in line, line

@@ -286,3 +286,29 @@ def test_remote_scenes_without_a_valid_labelled_pixel_are_said(cogs, tmp_path):
     assert len(empty.notes) == 1 and empty.notes[0].startswith(
         f"{server.url('empty.tif')}: a decimated read shows no pixel both labelled with a class and valid")
     assert not getattr(held, 'notes', None)
+
+
+def test_a_url_reads_what_gdal_keeps_beside_the_raster_or_says_it_cannot(tmp_path):
+    """GDAL was told a URL's folder is empty: a PNG's georeferencing in its .aux.xml was lost (CRS
+    None, identity transform) and a .tif.msk mask ignored (masked pixels predicted as data),
+    where the local copies had them."""
+    from ds_seg.data.raster import open_scene, remote_sidecars
+    pixels = np.random.default_rng(0).integers(1, 255, (3, 64, 64)).astype('uint8')
+    grid = dict(width=64, height=64, count=3, dtype='uint8', crs='EPSG:32633',
+                transform=from_origin(500000, 5600000, 0.5, 0.5))
+    with rasterio.open(tmp_path / 's.png', 'w', driver='PNG', **grid) as d:   # georeferencing -> s.png.aux.xml
+        d.write(pixels)
+    mask = np.full((64, 64), 255, np.uint8)
+    mask[:20, :20] = 0
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=False):
+        with rasterio.open(tmp_path / 'm.tif', 'w', driver='GTiff', **grid) as d:   # mask -> m.tif.msk
+            d.write(pixels)
+            d.write_mask(mask)
+    assert (tmp_path / 's.png.aux.xml').exists() and (tmp_path / 'm.tif.msk').exists()
+    with RangeServer(tmp_path) as server:
+        with open_scene(server.url('s.png')) as src, open_scene(str(tmp_path / 's.png')) as local:
+            assert src.crs == local.crs and src.transform == local.transform and src.crs is not None
+        with pytest.raises(DataError, match=r'm.tif.msk beside it holds its mask, which GDAL does not read over HTTP'):
+            with open_scene(server.url('m.tif')):
+                pass
+        assert remote_sidecars(server.url('m.tif?X-Amz-Signature=abc')) == ('.msk',)
