@@ -127,7 +127,7 @@ REFUSALS = {
     'ds_warmup_negative': ["'scheduler.params.warmup_num_steps' must be a number >= 0, got -3"],
     'cfg_log_interval': ['train.log_interval must be a positive integer, got 0'],
     'cfg_keep_string': ["train.keep_checkpoints must be an integer >= 0", "'two'"],
-    'cfg_workers': ['data.num_workers must be an integer >= 0, got -1'],
+    'cfg_workers': ['data.num_workers must be an integer in [0, 128], got -1'],
     'cfg_overlap': ['data.eval_overlap (32) must be smaller than the evaluation tile (32'],
     'cfg_crop_conflict': ['data.train.crop_size=64 conflicts with data.crop_size=32'],
     # A folder (refused at config load). A missing file is refused by a run that reads it

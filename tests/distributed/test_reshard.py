@@ -228,12 +228,12 @@ def _smoke_then_longer(tmp):
 
 
 def test_a_resume_on_another_schedule_says_what_changed_and_the_lr_it_goes_on_at(tmp_path):
-    # The smoke test's warmup (1 step) was re-derived from the JSON (3 steps) for the longer run:
+    # The smoke test's warmup (2 steps, DeepSpeed's minimum) was re-derived from the JSON (3 steps) for the longer run:
     # the LR fell from the peak back into warmup at the first resumed step, without a word.
     printed, lrs = run_on_ranks(_smoke_then_longer, 1, args=(str(tmp_path),))[0]
     lines = [line for line in printed.splitlines() if "the LR schedule is not the checkpoint's" in line]
     assert len(lines) == 1, printed
-    assert 'warmup_num_steps 1 -> 3' in lines[0] and 'total_num_steps 2 -> 6' in lines[0], lines
+    assert 'warmup_num_steps 2 -> 3' in lines[0] and 'total_num_steps 2 -> 6' in lines[0], lines
     assert lines[0].endswith(f'from step 3 it follows this run\'s: LR {lrs[2]:.3g} at step 3'), (lines, lrs)
 
 

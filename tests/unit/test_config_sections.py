@@ -133,7 +133,8 @@ def test_defaults_are_what_the_shipped_default_config_loads_to():
             node = node[part]
         assert node == (asdict(f.default) if is_dataclass(f.default) else _default(f))
     # What the shipped file's header promises.
-    assert DEFAULTS['model'] == dict(type='UNet', in_channels=3, num_classes=6, base_channels=16, depth=4)
+    # (in_channels and num_classes are the data's: 3 bands and 6 classes for the synthetic scenes)
+    assert DEFAULTS['model'] == dict(type='UNet', base_channels=16, depth=4)
     assert (DEFAULTS['data']['crop_size'], DEFAULTS['train']['max_steps']) == (128, 400)
     assert DEFAULTS['train']['eval_interval'] == DEFAULTS['train']['checkpoint_interval'] == 100
 
