@@ -109,34 +109,48 @@ def raster_env(path):
     """
     # A VRT (STAC bands stacked) may point at remote assets: its reads need the options too.
     if is_remote(path) or os.fspath(path).lower().endswith('.vrt'):
-        return rasterio.Env(**remote_gdal_options(**_sidecar_options(os.fspath(path))))
+        refusal = remote_sidecar_refusal(os.fspath(path))
+        if refusal:
+            raise DataError(refusal)
+        return rasterio.Env(**remote_gdal_options())
     return contextlib.nullcontext()
 
 
-def _sidecar_options(path):
-    """GDAL options for a URL with files beside it that GDAL reads for a local copy: a PAM file
-    (``.aux.xml``: a PNG's georeferencing, nodata, scale) is looked for (GDAL probes its siblings
-    then, a few requests more); an external mask (``.msk``), which GDAL does not read over HTTP, is
-    refused. Without this a URL's prediction lost its CRS and transform, or predicted masked
-    pixels as data, where the local copy's did not."""
-    found = remote_sidecars(path)
-    if '.msk' in found:
-        raise DataError(f"{path}: {path.partition('?')[0]}.msk beside it holds its mask, which GDAL does not "
-                        "read over HTTP; embed it (gdal_translate --config GDAL_TIFF_INTERNAL_MASK YES in.tif "
-                        "out.tif) or download both and give the local path.")
-    return {'GDAL_DISABLE_READDIR_ON_OPEN': 'YES'} if found else {}
+# What in a PAM file (.aux.xml) changes where a raster's pixels are or what they mean; the rest
+# (statistics, histograms, metadata QGIS writes beside a COG) changes nothing ds_seg reads.
+_PAM_MEANING = ('<SRS', '<GeoTransform', '<GCPList', '<NoDataValue', '<Offset', '<Scale')
 
 
 @functools.lru_cache(maxsize=4096)
-def remote_sidecars(url):
-    """The GDAL sidecar suffixes (``.aux.xml``, ``.msk``) an http(s) URL has beside it, by a
-    one-byte request each, once per process; () for other paths. A signed URL's signature does
-    not cover its siblings: they read as absent."""
+def remote_sidecar_refusal(url):
+    """One line for an http(s) URL with a file beside it that GDAL reads for a local copy and that
+    ds_seg's remote reads do not look for (no directory listing over HTTP: one request to open):
+    an external mask (``.msk``), or a PAM file (``.aux.xml``) holding georeferencing, nodata or
+    scale (a PNG's CRS and transform). Else None. Once per URL and process, by small requests; a
+    signed URL's signature does not cover its siblings, which then read as absent. Without this a
+    URL's prediction lost its CRS and transform, or predicted masked pixels as data, where the
+    local copy's did not."""
     if not url.startswith(('http://', 'https://')):
-        return ()
+        return None
     base, sep, query = url.partition('?')
-    return tuple(suffix for suffix in ('.aux.xml', '.msk')
-                 if http_status(base + suffix + sep + query, timeout=HTTP_TIMEOUT_S) in (200, 206))
+    fix = "embed it (gdal_translate the file to a GeoTIFF, which carries it), or download both and give the local path."
+    if http_status(base + '.msk' + sep + query, timeout=HTTP_TIMEOUT_S) in (200, 206):
+        return f"{url}: {base}.msk beside it holds its mask, which is not read over HTTP; {fix}"
+    pam = _http_text(base + '.aux.xml' + sep + query)
+    said = [tag[1:] for tag in _PAM_MEANING if pam and tag in pam]
+    if said:
+        return (f"{url}: {base}.aux.xml beside it holds its {', '.join(said)}, which is not read over HTTP; {fix}")
+    return None
+
+
+def _http_text(url, limit=1 << 20):
+    """The text at ``url`` (at most ``limit`` bytes), or None where there is none."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as r:
+            return r.read(limit).decode('utf-8', 'replace')
+    except (OSError, ValueError):
+        return None
 
 
 def gdal_message(exc):

@@ -288,11 +288,11 @@ def test_remote_scenes_without_a_valid_labelled_pixel_are_said(cogs, tmp_path):
     assert not getattr(held, 'notes', None)
 
 
-def test_a_url_reads_what_gdal_keeps_beside_the_raster_or_says_it_cannot(tmp_path):
-    """GDAL was told a URL's folder is empty: a PNG's georeferencing in its .aux.xml was lost (CRS
-    None, identity transform) and a .tif.msk mask ignored (masked pixels predicted as data),
-    where the local copies had them."""
-    from ds_seg.data.raster import open_scene, remote_sidecars
+def test_a_url_with_a_mask_or_georeferencing_beside_it_is_one_line(tmp_path):
+    """Remote reads do not look beside a URL: a PNG's georeferencing in its .aux.xml was lost (CRS
+    None, identity transform) and a .tif.msk mask ignored (masked pixels predicted as data), where
+    the local copies had them. A .aux.xml of statistics only (QGIS writes them beside COGs) is fine."""
+    from ds_seg.data.raster import open_scene, remote_sidecar_refusal
     pixels = np.random.default_rng(0).integers(1, 255, (3, 64, 64)).astype('uint8')
     grid = dict(width=64, height=64, count=3, dtype='uint8', crs='EPSG:32633',
                 transform=from_origin(500000, 5600000, 0.5, 0.5))
@@ -304,11 +304,19 @@ def test_a_url_reads_what_gdal_keeps_beside_the_raster_or_says_it_cannot(tmp_pat
         with rasterio.open(tmp_path / 'm.tif', 'w', driver='GTiff', **grid) as d:   # mask -> m.tif.msk
             d.write(pixels)
             d.write_mask(mask)
+    with rasterio.open(tmp_path / 'c.tif', 'w', driver='GTiff', **grid) as d:
+        d.write(pixels)
+    (tmp_path / 'c.tif.aux.xml').write_text('<PAMDataset><PAMRasterBand band="1"><Metadata><MDI key="STATISTICS_MEAN">'
+                                            '127</MDI></Metadata></PAMRasterBand></PAMDataset>')
     assert (tmp_path / 's.png.aux.xml').exists() and (tmp_path / 'm.tif.msk').exists()
     with RangeServer(tmp_path) as server:
-        with open_scene(server.url('s.png')) as src, open_scene(str(tmp_path / 's.png')) as local:
-            assert src.crs == local.crs and src.transform == local.transform and src.crs is not None
-        with pytest.raises(DataError, match=r'm.tif.msk beside it holds its mask, which GDAL does not read over HTTP'):
-            with open_scene(server.url('m.tif')):
+        with pytest.raises(DataError, match=r's.png.aux.xml beside it holds its SRS, GeoTransform, which is not read '
+                                            r'over HTTP; embed it'):
+            with open_scene(server.url('s.png')):
                 pass
-        assert remote_sidecars(server.url('m.tif?X-Amz-Signature=abc')) == ('.msk',)
+        with pytest.raises(DataError, match=r'm.tif.msk beside it holds its mask, which is not read over HTTP'):
+            open_raster(server.url('m.tif'))
+        with open_scene(server.url('c.tif')) as src:
+            assert src.crs == grid['crs']
+        signed = server.url('m.tif?X-Amz-Signature=abc')   # this server ignores the query: the sibling is found
+        assert 'm.tif.msk beside it' in remote_sidecar_refusal(signed)
