@@ -134,7 +134,8 @@ def remote_sidecar_refusal(url):
         return None
     base, sep, query = url.partition('?')
     fix = "embed it (gdal_translate the file to a GeoTIFF, which carries it), or download both and give the local path."
-    if http_status(base + '.msk' + sep + query, timeout=HTTP_TIMEOUT_S) in (200, 206):
+    # (10 s at most each: a server that does not answer is left to the read's own time limit.)
+    if http_status(base + '.msk' + sep + query, timeout=min(10, HTTP_TIMEOUT_S)) in (200, 206):
         return f"{url}: {base}.msk beside it holds its mask, which is not read over HTTP; {fix}"
     pam = _http_text(base + '.aux.xml' + sep + query)
     said = [tag[1:] for tag in _PAM_MEANING if pam and tag in pam]
@@ -147,7 +148,7 @@ def _http_text(url, limit=1 << 20):
     """The text at ``url`` (at most ``limit`` bytes), or None where there is none."""
     import urllib.request
     try:
-        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as r:
+        with urllib.request.urlopen(url, timeout=min(10, HTTP_TIMEOUT_S)) as r:
             return r.read(limit).decode('utf-8', 'replace')
     except (OSError, ValueError):
         return None
