@@ -66,7 +66,7 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
                           "{\"type\": \"AdamW\", \"params\": {\"lr\": 0.001}} (see ds_configs/zero2.json).")
     resolved, precision, notes = resolve_ds_config(ds_config, world_size, max_steps, source=source)
     native, (precision, zero_stage) = precision, (engine.precision_run(precision), engine.zero_stage_of(resolved))
-    if not engine.uses_deepspeed_comm:
+    if engine.name != 'deepspeed':
         # DeepSpeed's own monitors are part of its engine: under DDP they did nothing, unsaid.
         monitors = [key for key in ('tensorboard', 'wandb', 'csv_monitor', 'comet')
                     if isinstance(resolved.get(key), dict) and resolved[key].get('enabled')]

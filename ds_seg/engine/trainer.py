@@ -36,7 +36,7 @@ from .faults import USER_STOPS, CheckSchedule, Faults, describe_io_error
 from .run_metrics import RunMetrics
 from .run_spec import describe_run
 from .speed import channels_last_for
-from .workdir import WorkDirBusy, WorkDirLock, check_checkpoint_folder
+from .workdir import WorkDirBusy, WorkDirLock, check_work_dir_entries
 
 # Steps a compiled run keeps out of its throughput whatever train.warmup_log_steps says: the first
 # compiles forward and backward, the second may recompile (gradient accumulation, DDP's sync flag).
@@ -187,7 +187,7 @@ class Trainer:
         # (node-local scratch not mounted there) stops every rank, none left waiting for it.
         try:
             failure = None
-            check_checkpoint_folder(self.work_dir)
+            check_work_dir_entries(self.work_dir)
         except ConfigError as exc:
             failure = str(exc)
         failure = distributed.first_failure(failure)

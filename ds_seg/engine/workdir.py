@@ -191,9 +191,9 @@ class WorkDirLock:
         self.me = None
 
 
-def check_checkpoint_folder(work_dir):
-    """Refuse, before any step, a ``checkpoints`` entry of ``work_dir`` the first save cannot
-    write into: a symbolic link to nothing (scratch purged, a file system not mounted), a file,
+def check_work_dir_entries(work_dir):
+    """Refuse, before any step, an entry of ``work_dir`` a run cannot use: a ``checkpoints`` the
+    first save cannot write into: a symbolic link to nothing (scratch purged, a file system not mounted), a file,
     a ``latest`` that is a folder, a folder this process cannot write (found at the first save,
     each cost ``checkpoint_interval`` steps of training, on every requeue of the job); and a
     ``previous`` that is a file."""

@@ -688,7 +688,7 @@ def _one_rank_cannot_use_the_checkpoints_folder(tmp):
     if int(os.environ.get('RANK', 0)) == 1:
         def cannot(work_dir):
             raise ConfigError(f'--work-dir: {work_dir}/checkpoints is a symbolic link to /scratch/x, which does not exist')
-        trainer_module.check_checkpoint_folder = cannot
+        trainer_module.check_work_dir_entries = cannot
     try:
         Trainer(tiny_cfg(os.path.join(tmp, 'cache'), max_steps=2), ds_config(0), work_dir=os.path.join(tmp, 'run')).close()
     except ConfigError as exc:

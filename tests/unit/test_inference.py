@@ -1263,14 +1263,11 @@ def test_polygons_of_a_scene_without_a_crs_say_so(tmp_path, capsys):
 def test_an_erode_radius_past_the_label_compares_only_what_is_there():
     """--erode 100000 looped over 4e10 offsets on a 128 px scene (hours); offsets past the array
     compare nothing, so any radius beyond it gives what the array's own size gives."""
-    import time
     from ds_seg.inference.evaluate import boundary_mask
     rng = np.random.default_rng(0)
     lbl = rng.integers(0, 3, (20, 30))
     lbl[0, 0] = 255
-    t0 = time.perf_counter()
-    far = boundary_mask(lbl, 100000)
-    assert time.perf_counter() - t0 < 30
+    far = boundary_mask(lbl, 100000)   # 4e10 offsets before; pytest's timeout ends a run that loops
     np.testing.assert_array_equal(far, boundary_mask(lbl, 36))   # 36 > the diagonal of 20 x 30
     assert far.sum() == (lbl != 255).sum()
 
