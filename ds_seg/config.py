@@ -1330,6 +1330,32 @@ def _check_offload_stage(zero, source):
                               "DS_BUILD_AIO=1 pip install deepspeed); use \"cpu\".")
 
 
+# zero_optimization keys only DeepSpeed's stage-3 optimizer reads (with their stage3_* aliases).
+# At stages 0-2 DeepSpeed drops them without a word: a JSON copied from a ZeRO-3 one and set to
+# stage 2 still "sets" a prefetch bucket or quantised weights that nothing uses.
+_STAGE3_ONLY = {
+    'prefetch_bucket_size', 'param_persistence_threshold', 'model_persistence_threshold',
+    'max_live_parameters', 'max_reuse_distance', 'gather_16bit_weights_on_model_save',
+    'gather_fp16_weights_on_model_save', 'module_granularity_threshold',
+    'use_all_reduce_for_fetch_params', 'allgather_sequential', 'sub_group_size',
+    'zero_hpz_partition_size', 'zero_quantized_weights', 'zero_quantized_nontrainable_weights',
+    'zero_quantized_gradients', 'log_trace_cache_warnings', 'enable_sanity_checks', 'leaf_module',
+    'memory_efficient_linear', 'override_module_apply'}
+
+
+def _stage3_keys_note(zero, source):
+    """The line naming the zero_optimization keys the JSON's stage ignores (only stage 3 reads
+    them), or None. A note, not a refusal: the run trains as the stage says; the keys do nothing."""
+    stage = zero.get('stage', 0)
+    ignored = sorted(k for k in zero if k in _STAGE3_ONLY or (k.startswith('stage3_') and k[7:] in _STAGE3_ONLY))
+    if stage == 3 or not ignored:
+        return None
+    one = len(ignored) == 1
+    return (f"{source}: {', '.join(f'zero_optimization.{k}' for k in ignored)} {'is' if one else 'are'} read only "
+            f"by ZeRO stage 3, and DeepSpeed ignores {'it' if one else 'them'} at stage {stage}; remove "
+            f"{'it' if one else 'them'} or set 'zero_optimization.stage' to 3.")
+
+
 class _PythonTagInYaml(ValueError):
     pass
 
@@ -1600,7 +1626,7 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
     'fp16-autocast'.
     """
     ds = copy.deepcopy(ds)
-    notes = []
+    notes = [n for n in [_stage3_keys_note(ds.get('zero_optimization') or {}, source)] if n]
     mb, gas, tbs = resolve_batch(ds, world_size, source)
     ds['train_micro_batch_size_per_gpu'] = mb
     ds['gradient_accumulation_steps'] = gas

@@ -800,3 +800,25 @@ def test_an_lr_of_zero_that_trains_nothing_is_said(scheduler, said):
         ds['scheduler'] = scheduler
     _, _, notes = resolve_ds_config(ds, 1, 100, source='x.json', supports=lambda p: True)
     assert any('optimizer.params.lr is 0' in n and 'weights never change' in n for n in notes) is said
+
+
+def test_stage3_keys_at_a_lower_stage_are_named_once():
+    """A JSON copied from a ZeRO-3 one and set to stage 2 keeps keys only stage 3 reads; DeepSpeed
+    drops them without a word. One note names them; at stage 3, and for keys stage 2 reads, none."""
+    import json
+    from pathlib import Path
+    shipped = json.loads((Path(__file__).parents[2] / 'ds_configs' / 'zero3.json').read_text())
+    lowered = dict(shipped, zero_optimization=dict(shipped['zero_optimization'], stage=2,
+                                                   sub_group_size=1000, zero_quantized_weights=True))
+    _, _, notes = resolve_ds_config(lowered, 1, 1000, source='z.json', supports=lambda p: True)
+    assert notes == ["z.json: zero_optimization.stage3_param_persistence_threshold, "
+                     "zero_optimization.stage3_prefetch_bucket_size, zero_optimization.sub_group_size, "
+                     "zero_optimization.zero_quantized_weights are read only by ZeRO stage 3, and DeepSpeed "
+                     "ignores them at stage 2; remove them or set 'zero_optimization.stage' to 3."]
+    for name in ('zero3.json', 'zero2.json', 'zero1.json', 'zero0.json'):
+        ds = json.loads((Path(__file__).parents[2] / 'ds_configs' / name).read_text())
+        assert resolve_ds_config(ds, 1, 1000, supports=lambda p: True)[2] == [], name
+    one = dict(shipped, zero_optimization={'stage': 0, 'max_live_parameters': 10})
+    assert resolve_ds_config(one, 1, 1000, source='o.json', supports=lambda p: True)[2] == [
+        "o.json: zero_optimization.max_live_parameters is read only by ZeRO stage 3, and DeepSpeed ignores it "
+        "at stage 0; remove it or set 'zero_optimization.stage' to 3."]
