@@ -600,7 +600,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         # once normalised, so neither darkens the valid pixels a resize blends them with.
         self._fill = (self.mean if self.image_dtype.kind == 'f' else np.clip(
             np.rint(self.mean), *_dtype_range(self.image_dtype))).astype(self.image_dtype)
-        self.transforms.bind_image_stats(self.mean, self.std)
+        self.transforms.bind_image_stats(self.mean, self.std, num_dates=self.num_dates)
 
     # ------------------------------------------------------------------ construction helpers
     def _check_band_coding(self, bands):

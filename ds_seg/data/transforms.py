@@ -96,10 +96,11 @@ class PhotoMetricDistortion:
 
     brightness: add U(-b, b) standard deviations; contrast: scale the distance from the band
     mean by U(1-c, 1+c); saturation: blend each normalised band with the mean of the bands by
-    U(1-s, 1+s). Integer images stay in their dtype (rounded, clipped to its range), as
-    mmseg's stay in 0..255. The dataset tells the transform its band statistics
-    (:meth:`bind_image_stats`); unbound, it treats the input as already normalised. The label
-    never changes.
+    U(1-s, 1+s); in a time series (``num_dates`` > 1, channels date-major) each date is blended
+    with the mean of its own bands, as each date is its own image. Integer images stay in their
+    dtype (rounded, clipped to its range), as mmseg's stay in 0..255. The dataset tells the
+    transform its band statistics and dates (:meth:`bind_image_stats`); unbound, it treats the
+    input as already normalised. The label never changes.
 
     Example::
 
@@ -114,10 +115,12 @@ class PhotoMetricDistortion:
         self.saturation = float(checked_number('PhotoMetricDistortion', 'saturation', saturation, high=1.0))
         self.prob = float(checked_number('PhotoMetricDistortion', 'prob', prob, high=1.0))
         self.mean = self.std = None
+        self.num_dates = 1
 
-    def bind_image_stats(self, mean, std):
+    def bind_image_stats(self, mean, std, num_dates=1):
         self.mean = np.asarray(mean, np.float64).reshape(-1, 1, 1)
         self.std = np.asarray(std, np.float64).reshape(-1, 1, 1)
+        self.num_dates = int(num_dates)
 
     def __call__(self, image, label, rng, invalid=None):
         """Pixels stay where they are: ``invalid`` comes back unchanged."""
@@ -137,9 +140,12 @@ class PhotoMetricDistortion:
             x += np.float32(b)
         if use[1]:
             x *= np.float32(c)
-        if use[2] and x.shape[0] > 1:
-            grey = x.mean(axis=0, keepdims=True)
-            x = grey + np.float32(s) * (x - grey)
+        if use[2] and x.shape[0] > self.num_dates:
+            # Per date: one grey over every date's bands pulled each date towards the others,
+            # erasing the very differences a temporal model learns from.
+            dated = x.reshape(self.num_dates, -1, *x.shape[1:])
+            grey = dated.mean(axis=1, keepdims=True)
+            x = (grey + np.float32(s) * (dated - grey)).reshape(x.shape)
         if self.mean is not None:
             x *= std
             x += mean
@@ -187,11 +193,14 @@ class Compose:
                                  "`invalid=None` parameter and return (image, label, invalid) moved alike")
         return image, label, invalid
 
-    def bind_image_stats(self, mean, std):
-        """Tell transforms that work in units of the band statistics what those are."""
+    def bind_image_stats(self, mean, std, num_dates=1):
+        """Tell transforms that work in units of the band statistics what those are (``mean``,
+        ``std``: per channel; ``num_dates``: how many dates the channels hold, date-major)."""
         for t in self.transforms:
             if hasattr(t, 'bind_image_stats'):
-                t.bind_image_stats(mean, std)
+                # A user's transform written for single images may not take num_dates.
+                dated = 'num_dates' in inspect.signature(t.bind_image_stats).parameters
+                t.bind_image_stats(mean, std, **({'num_dates': num_dates} if dated else {}))
 
     def __bool__(self):
         return bool(self.transforms)

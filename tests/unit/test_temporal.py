@@ -413,3 +413,27 @@ def test_a_series_takes_stats_json_in_the_order_of_its_bands(tmp_path):
     np.testing.assert_array_equal(one.mean, [30, 20, 10])
     np.testing.assert_array_equal(series.mean, [30, 20, 10, 30, 20, 10])
     np.testing.assert_array_equal(series.std, [3, 2, 1, 3, 2, 1])
+
+
+def test_saturation_jitter_blends_each_date_with_its_own_bands(tmp_path):
+    """Each date is its own image: the stack distorted at once equals each date distorted alone
+    with the same draws (one grey over both dates pulled a dark date towards a bright one)."""
+    from ds_seg.data.transforms import PhotoMetricDistortion
+    rng = np.random.default_rng(0)
+    mean, std = np.array([90., 100., 110.]), np.array([20., 25., 30.])
+    dark, bright = (rng.integers(lo, lo + 40, (3, 8, 8)).astype(np.uint8) for lo in (10, 200))
+    label = np.zeros((8, 8), np.int64)
+
+    def jitter(image, num_dates):
+        t = PhotoMetricDistortion(brightness=0, contrast=0, saturation=0.9, prob=1.0)
+        t.bind_image_stats(np.tile(mean, num_dates), np.tile(std, num_dates), num_dates=num_dates)
+        return t(image, label, np.random.default_rng(5))[0]
+
+    alone = [jitter(d, 1) for d in (dark, bright)]
+    stacked = jitter(np.concatenate([dark, bright]), 2)
+    assert not np.array_equal(alone[0], dark)  # the draw does change the image
+    np.testing.assert_array_equal(stacked, np.concatenate(alone))
+    # The dataset tells its transforms how many dates its channels hold.
+    ds = SyntheticAerial(split='train', num_scenes=1, scene_size=64, crop_size=32, dates=2, cache_dir=str(tmp_path),
+                         transforms=[dict(type='PhotoMetricDistortion', prob=1.0)])
+    assert ds.transforms.transforms[0].num_dates == 2
