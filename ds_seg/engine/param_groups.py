@@ -18,24 +18,49 @@ from ..config import ConfigError
 # Parameters that are positions or tokens rather than weights: never decayed.
 NO_DECAY_NAMES = ('pos_embed', 'cls_token', 'reg_token', 'dist_token', 'mask_token', 'register_tokens',
                   'absolute_pos_embed', 'relative_position_bias_table')
-# ViT blocks of a backbone (ds_seg's ViT: backbone.blocks.i; TimmViT: backbone.model.blocks.i).
-_BLOCK = re.compile(r'^backbone\.(?:model\.)?blocks\.(\d+)\.')
-_EMBED = re.compile(r'^backbone\.(?:model\.)?(patch_embed|pos_embed|cls_token|reg_token|dist_token|mask_token)')
+# Within a ViT (ds_seg's ViT: blocks.i; TimmViT: model.blocks.i).
+_BLOCK = re.compile(r'(?:model\.)?blocks\.(\d+)\.')
+_EMBED = re.compile(r'(?:model\.)?(patch_embed|pos_embed|cls_token|reg_token|dist_token|mask_token)')
 
 
-def _layer_id(name, num_blocks):
-    """0 for the patch/position embeddings and tokens, i + 1 for block i, num_blocks + 1 for the rest."""
-    found = _BLOCK.match(name) if num_blocks else None
+def _layer_id(name, num_blocks, vit_prefix):
+    """0 for the patch/position embeddings and tokens, i + 1 for block i, num_blocks + 1 for the
+    rest. ``vit_prefix``: where the ViT sits (``backbone.``; ``backbone.encoder.`` in a temporal
+    model); its blocks are ``blocks.i`` (ds_seg's ViT) or ``model.blocks.i`` (TimmViT)."""
+    if not num_blocks or not name.startswith(vit_prefix):
+        return num_blocks + 1
+    inner = name[len(vit_prefix):]
+    found = _BLOCK.match(inner)
     if found:
         return int(found[1]) + 1
-    if _EMBED.match(name):
+    if _EMBED.match(inner):
         return 0
     return num_blocks + 1
 
 
-def _in_backbone(name):
-    # The pyramid neck is new (not pretrained): it trains with the heads.
-    return name.startswith('backbone.') and not name.startswith('backbone.neck.')
+def _find_vit(model):
+    """(prefix, module) of the ViT in the model's backbone (nested in a temporal encoder too), or
+    (None, None). Transformer blocks only: timm's EfficientNet/MobileNet features have
+    model.blocks.N too (stages, stem outside them), and decay counted over them trained the stem
+    at the full LR and the first stage at decay^7."""
+    from ..models.backbones.timm_vit import TimmViT
+    from ..models.backbones.vit import ViT
+    for name, module in model.named_modules():
+        if (name == 'backbone' or name.startswith('backbone.')) and isinstance(module, (ViT, TimmViT)):
+            return name + '.', module
+    return None, None
+
+
+def _fresh_prefixes(model):
+    """Parameter-name prefixes of the backbone's freshly initialised parts, which train with the
+    heads: each backbone module names its own in ``fresh_modules`` (a ViT's pyramid neck, a
+    temporal encoder's fusion convolutions)."""
+    return tuple(f'{name}.{part}.' for name, module in model.named_modules()
+                 if name.startswith('backbone') for part in getattr(module, 'fresh_modules', ()))
+
+
+def _in_backbone(name, fresh):
+    return name.startswith('backbone.') and not name.startswith(fresh)
 
 
 def _check(optim_cfg):
@@ -64,27 +89,24 @@ def build_param_groups(model, optim_cfg):
     layer_decay, no_weight_decay, backbone_mult = _check(optim_cfg or {})
     if layer_decay is None and not no_weight_decay and backbone_mult == 1.0:
         return [p for _, p in named]
-    # Transformer blocks only: timm's EfficientNet/MobileNet features have backbone.model.blocks.N
-    # too (stages, stem outside them), and decay counted over them trained the stem at the full
-    # LR and the first stage at decay^7.
-    from ..models.backbones.timm_vit import TimmViT
-    from ..models.backbones.vit import ViT
-    vit = isinstance(getattr(model, 'backbone', None), (ViT, TimmViT))
-    num_blocks = 1 + max([int(m[1]) for m in (_BLOCK.match(n) for n, _ in named) if m], default=-1) if vit else 0
+    vit_prefix, vit = _find_vit(model)
+    num_blocks = 0 if vit is None else 1 + max(
+        [int(m[1]) for m in (_BLOCK.match(n) for n, _ in vit.named_parameters()) if m], default=-1)
+    fresh = _fresh_prefixes(model)
     if layer_decay is not None and num_blocks == 0:
         raise ConfigError(f'optim.layer_decay: model {type(model).__name__} has no ViT blocks '
                           '(backbone.blocks.N); layer-wise decay applies to ViT backbones only. Set it to None.')
-    if backbone_mult != 1.0 and not any(_in_backbone(n) for n, _ in named):
+    if backbone_mult != 1.0 and not any(_in_backbone(n, fresh) for n, _ in named):
         raise ConfigError(f'optim.paramwise.backbone_lr_mult: model {type(model).__name__} has no backbone '
                           "(parameters named backbone.*), so it would change nothing; leave it out, or use a "
                           'model with a pretrained backbone.')
     groups = {}
     for name, param in named:
-        layer = _layer_id(name, num_blocks)
+        layer = _layer_id(name, num_blocks, vit_prefix)
         mult = 1.0
         if layer_decay is not None:
             mult *= layer_decay ** (num_blocks + 1 - layer)
-        in_backbone = _in_backbone(name)
+        in_backbone = _in_backbone(name, fresh)
         if in_backbone:
             mult *= backbone_mult
         decay = not (no_weight_decay and (param.ndim <= 1 or name.rsplit('.', 1)[-1] in NO_DECAY_NAMES))

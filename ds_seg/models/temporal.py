@@ -41,6 +41,7 @@ class TemporalEncoder(nn.Module):
         if hasattr(encoder, 'strides'):
             self.strides = encoder.strides
         T = self.num_dates
+        self.fresh_modules = ('fuse',)  # not pretrained: trains with the heads (param_groups)
         if pooling == 'concat':
             self.fuse = nn.ModuleList(nn.Conv2d(T * c, c, 1) for c in self.out_channels)
         elif pooling == 'attention':

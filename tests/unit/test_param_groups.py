@@ -104,3 +104,25 @@ def test_the_logged_lr_is_the_heads_whatever_the_backbone_multiplier():
     for mult in (2.0, 0.5):
         groups = build_param_groups(model, dict(paramwise=dict(backbone_lr_mult=mult)))
         assert groups[0]['lr_mult'] == 1.0 and {g['lr_mult'] for g in groups} == {1.0, mult}
+
+
+@pytest.mark.parametrize('pooling', ['attention', 'concat'])
+def test_a_temporal_model_over_a_vit_gets_the_same_recipe(pooling):
+    """TemporalSegmentor nests the ViT at backbone.encoder: its new neck and the temporal fusion
+    convolutions trained at the backbone's LR, and layer_decay was refused as 'no ViT blocks'.
+    Each parameter gets the multiplier it has in the one-date UperNet over the same ViT."""
+    kw = VIT['backbone_kwargs']
+    model = build(MODELS, dict(type='TemporalSegmentor', backbone=dict(type='TimmViT', name=VIT['backbone'], **kw),
+                               decode_head=dict(type='UperHead', channels=16), num_dates=2, in_channels=6,
+                               num_classes=6, pooling=pooling))
+    cfg = dict(layer_decay=0.5, paramwise=dict(no_weight_decay=True, backbone_lr_mult=0.1))
+    of = _group_of(build_param_groups(model, cfg), model)
+    single = build(MODELS, VIT)
+    single_of = _group_of(build_param_groups(single, cfg), single)
+    for name in single_of:
+        if name.startswith('backbone.'):
+            temporal = of['backbone.encoder.' + name[len('backbone.'):]]
+            assert temporal['lr_mult'] == pytest.approx(single_of[name]['lr_mult']), name
+            assert ('weight_decay' in temporal) == ('weight_decay' in single_of[name]), name
+    fuse = [n for n in of if n.startswith('backbone.fuse.')]
+    assert fuse and all(of[n]['lr_mult'] == 1.0 for n in fuse)

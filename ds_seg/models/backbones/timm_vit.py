@@ -92,6 +92,7 @@ class TimmViT(nn.Module):
         self.size_divisor = self.patch_size
         dim = self.model.embed_dim
         self.neck = SimplePyramid(dim)
+        self.fresh_modules = ('neck',)  # not pretrained: trains with the heads (param_groups)
         self.out_channels = [dim] * 4
         self.strides = [4, 8, 16, 32]
         if activation_checkpointing:

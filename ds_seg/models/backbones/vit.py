@@ -161,6 +161,7 @@ class ViT(nn.Module):
                                     for i in range(depth))
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.neck = SimplePyramid(dim)
+        self.fresh_modules = ('neck',)  # not pretrained: trains with the heads (param_groups)
         self.out_channels = [dim] * 4
         self.strides = [4, 8, 16, 32]
         if pretrained:
