@@ -71,6 +71,22 @@ def exclude_ids(exclude, classes, option='exclude'):
     return ids
 
 
+def georeference_refusal(src, path):
+    """Why the polygons of the raster ``src`` (at ``path``) cannot be placed on the map, or None.
+    They are written in its geotransform: a raster located only by ground control points or RPCs
+    has none, nor has a plain image (PNG, JPEG, a TIFF without georeferencing), and its polygons
+    would land in pixel coordinates (y down, so upside down in a GIS) with ``area_m2`` counting
+    pixels."""
+    if not src.transform.is_identity:
+        return None
+    gcps = bool(src.gcps[0])
+    if gcps or src.rpcs is not None:
+        return (f"{path} is located by {'GCPs' if gcps else 'RPCs'}, not a geotransform, so polygons would be "
+                "in pixel coordinates; warp the scene first (gdalwarp -t_srs EPSG:<code> in.tif warped.tif)")
+    return (f"{path} has no georeferencing (no geotransform, GCPs or RPCs), so polygons would be in pixel "
+            "coordinates and area_m2 in pixels; georeference it (gdal_translate -a_srs EPSG:<code> -a_ullr ...)")
+
+
 def check_vector_options(simplify, min_area, prefix=''):
     """Refuse a negative simplification tolerance or minimum area (``prefix``: the CLI's names)."""
     for name, value in (('simplify', simplify), ('min-area' if prefix else 'min_area', min_area)):
@@ -190,11 +206,16 @@ def _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, ex
         if src.count != 1 or src.dtypes[0] not in ('uint8', 'uint16', 'int16', 'int32', 'uint32'):
             raise ValueError(f"{class_path}: expected one integer band of class ids, found "
                              f"{src.count} band(s) of {src.dtypes[0]}")
+        refusal = georeference_refusal(src, class_path)
+        if refusal:
+            raise ValueError(refusal)
         if classes is None:
             tag = src.tags().get('classes')
             classes = json.loads(tag) if tag else None
         if classes is None:
-            classes = [f'class_{i}' for i in range(int(np.iinfo(src.dtypes[0]).max) + 1)][:256]
+            # Unnamed: class_<id> for every id the pixel type holds, named when written (a list of
+            # 2^32 names for an int32 map ran out of memory). 256 ids for exclude= to name.
+            classes = [f'class_{i}' for i in range(256)]
         classes = list(classes)
         skip = set(exclude_ids(exclude, classes))
         if psrc is not None and (psrc.width, psrc.height) != (src.width, src.height):
@@ -239,7 +260,8 @@ def _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, ex
             cls_ids = np.array(out['cls'], np.int32)[which]
             fields = ['class_id', 'class_name', 'area_m2']
             data = [cls_ids,
-                    np.array([classes[c] if c < len(classes) else f'class_{c}' for c in cls_ids.tolist()], object),
+                    np.array([classes[c] if 0 <= c < len(classes) else f'class_{c}' for c in cls_ids.tolist()],
+                             object),
                     np.array(out['area'], np.float64)[which]]
             if psrc is not None:
                 fields.append('mean_prob')

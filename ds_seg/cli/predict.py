@@ -156,21 +156,14 @@ class Progress:
 
 
 def check_vector_georeference(path):
-    """Polygons are written in the class map's geotransform: a scene located only by ground
-    control points or RPCs has none, nor has a plain image (PNG, JPEG, a TIFF without
-    georeferencing), and its polygons would land in pixel coordinates (y down, so upside down
-    in a GIS) with ``area_m2`` counting pixels."""
+    """Polygons are written in the class map's geotransform, which is the scene's: refused before
+    any window where the scene has none (see ``vectorize.georeference_refusal``)."""
     from ds_seg.data.raster import open_raster
+    from ds_seg.vectorize import georeference_refusal
     with open_raster(path) as src:
-        located = bool(src.gcps[0]) or src.rpcs is not None
-        if src.transform.is_identity and located:
-            raise ConfigError(f"--vector: {path} is located by {'GCPs' if src.gcps[0] else 'RPCs'}, not a "
-                              "geotransform, so polygons would be in pixel coordinates; warp the scene first "
-                              "(gdalwarp -t_srs EPSG:<code> in.tif warped.tif) and predict on the warped scene")
-        if src.transform.is_identity:
-            raise ConfigError(f"--vector: {path} has no georeferencing (no geotransform, GCPs or RPCs), so "
-                              "polygons would be in pixel coordinates and area_m2 in pixels; georeference the "
-                              "scene (gdal_translate -a_srs EPSG:<code> -a_ullr ...) or leave out --vector")
+        refusal = georeference_refusal(src, path)
+        if refusal:
+            raise ConfigError(f"--vector: {refusal}; then predict on that scene, or leave out --vector")
         # Before the process group exists: the launcher's RANK says who prints.
         if src.crs is None and os.environ.get('RANK', '0') == '0':  # usable, but nothing says what the units are
             print(f"[predict] --vector: {path} has a geotransform but no CRS: the polygons carry none, and "

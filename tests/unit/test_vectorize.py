@@ -445,3 +445,45 @@ def test_predict_and_evaluate_refuse_a_scene_whose_colours_are_in_another_order(
     # The bands that hold the model's colours, and a file that does not say: both predicted.
     assert _predict(t, '--input', str(bgr), '--bands', '3', '2', '1') == 0
     assert _predict(t, '--input', str(tagged('grey.tif', ('gray', 'undefined', 'undefined'))), '--overwrite') == 0
+
+
+def test_an_unnamed_wide_class_map_and_ids_outside_the_names(tmp_path):
+    """An int32 class map without a classes tag named every id its type holds (2^31 strings: out
+    of memory for 2000 pixels); an id below 0 took the last class's name (Python's classes[-1])."""
+    cls = np.zeros((40, 50), np.int32)
+    cls[5:15, 5:25] = 7
+    cls[20:30, 30:45] = 70000
+    cls[:3, :] = -1
+    profile = dict(driver='GTiff', height=40, width=50, count=1, dtype='int32', crs='EPSG:32632',
+                   transform=from_origin(500000.0, 5700000.0, PIXEL, PIXEL))
+    with rasterio.open(tmp_path / 'wide.tif', 'w', nodata=-5, **profile) as dst:
+        dst.write(cls, 1)
+    vectorize_class_map(str(tmp_path / 'wide.tif'), str(tmp_path / 'wide.gpkg'))
+    ids, names, areas = pyogrio.raw.read(tmp_path / 'wide.gpkg')[3]
+    assert dict(zip(ids.tolist(), names.tolist())) == {-1: 'class_-1', 0: 'class_0', 7: 'class_7',
+                                                      70000: 'class_70000'}
+    assert areas[ids.tolist().index(7)] == pytest.approx(200 * PIXEL * PIXEL)
+    with rasterio.open(tmp_path / 'named.tif', 'w', nodata=-5, **profile) as dst:
+        dst.write(cls, 1)
+        dst.update_tags(classes=json.dumps(CLASSES))
+    vectorize_class_map(str(tmp_path / 'named.tif'), str(tmp_path / 'named.gpkg'))
+    ids, names, _ = pyogrio.raw.read(tmp_path / 'named.gpkg')[3]
+    assert dict(zip(ids.tolist(), names.tolist())) == {-1: 'class_-1', 0: 'background', 7: 'class_7',
+                                                      70000: 'class_70000'}
+
+
+@pytest.mark.parametrize('where', ['gcps', 'none'])
+def test_a_class_map_without_a_geotransform_is_refused_alone_as_by_predict(tmp_path, where):
+    """predict --vector refused a scene located by GCPs or not at all; vectorize_class_map on such a
+    class map wrote polygons in pixel coordinates with area_m2 counting pixels."""
+    from rasterio.control import GroundControlPoint
+    path = tmp_path / 'c.tif'
+    with rasterio.open(path, 'w', driver='GTiff', height=40, width=50, count=1, dtype='uint8') as dst:
+        dst.write(np.ones((40, 50), np.uint8), 1)
+        if where == 'gcps':
+            dst.gcps = ([GroundControlPoint(0, 0, 500000, 5700000), GroundControlPoint(0, 50, 500025, 5700000),
+                         GroundControlPoint(40, 0, 500000, 5699980)], rasterio.crs.CRS.from_epsg(32632))
+    expect = 'is located by GCPs, not a geotransform' if where == 'gcps' else 'has no georeferencing'
+    with pytest.raises(ValueError, match=expect):
+        vectorize_class_map(str(path), str(tmp_path / 'c.gpkg'))
+    assert not (tmp_path / 'c.gpkg').exists()
