@@ -450,8 +450,13 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             dates = [[p if is_remote(p) else os.path.expanduser(p)  # '~/ts/a_may.tif': no shell expands it
                       for p in map(os.fspath, [i] if isinstance(i, (str, os.PathLike)) else i)] for i in images]
             if len({len(d) for d in dates}) != 1:
-                raise DataError(f"images: every scene needs the same number of dates, got "
-                                f"{sorted({len(d) for d in dates})} (first scene {dates[0]})")
+                # Name a scene of the rarer count: the one missing (or with an extra) date.
+                counts = [len(d) for d in dates]
+                odd = min(set(counts), key=lambda n: (counts.count(n), n))
+                first = next(d for d in dates if len(d) != odd)
+                raise DataError(f"images: every scene needs the same number of dates, got {sorted(set(counts))}: "
+                                f"scene {counts.index(odd)} has {odd} ({dates[counts.index(odd)]}), scene "
+                                f"{dates.index(first)} has {len(first)} ({first})")
             images = [d[0] for d in dates]
         images = expand_paths(images, 'images')
         labels = expand_paths(labels, 'labels')

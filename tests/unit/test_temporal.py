@@ -437,3 +437,13 @@ def test_saturation_jitter_blends_each_date_with_its_own_bands(tmp_path):
     ds = SyntheticAerial(split='train', num_scenes=1, scene_size=64, crop_size=32, dates=2, cache_dir=str(tmp_path),
                          transforms=[dict(type='PhotoMetricDistortion', prob=1.0)])
     assert ds.transforms.transforms[0].num_dates == 2
+
+
+def test_a_scene_missing_a_date_is_the_one_named(tmp_path):
+    """The refusal named the first scene, complete, whichever scene lacked a date."""
+    scenes = [_change_scene(tmp_path, name, i) for i, name in enumerate('abc')]
+    images = [list(dates) for dates, _ in scenes]
+    images[1] = images[1][:1]
+    with pytest.raises(DataError, match=re.escape(
+            f"got [1, 2]: scene 1 has 1 ([{images[1][0]!r}]), scene 0 has 2 ({images[0]})")):
+        GeoTiffScenes(images, [label for _, label in scenes], classes=2, mean=[0], std=[1])
