@@ -61,8 +61,8 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, colours_conflict,
-                     file_identity, gdal_path, is_remote, label_nodata, nodata_mask, open_raster, pixel_grid,
+from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, boundary_mask,
+                     colours_conflict, file_identity, gdal_path, is_remote, label_nodata, nodata_mask, open_raster, pixel_grid,
                      pixel_type_refusal, raster_env, read_error, read_label_band, read_window, same_file_key,
                      same_pixels, same_value, user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
@@ -401,8 +401,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         cat_max_ratio: redraw a random window (up to ``max_retries`` times) until it holds 2+
             classes, none covering this share of its labelled pixels (mmseg RandomCrop rule).
         max_nodata_ratio: redraw a random window while more than this share is nodata/padding.
-        boundary_ignore: pixels within this many pixels of a class boundary become ignore
-            (ISPRS-style eroded evaluation computed on the fly).
+        boundary_ignore: pixels within this many pixels (a disk) of a class boundary become
+            ignore: ISPRS-style eroded labels computed on the fly, the pixels ``evaluate --erode``
+            leaves out whatever the window (a boundary just outside it counts).
         sampling: ``'uniform'`` (positions uniform over the scenes' area) or ``'rare_class'``
             (random mode: a class drawn with ``p ∝ exp((1 - f_c) / rare_class_temperature)``,
             then a window holding one of its pixels; see :mod:`ds_seg.data.rare_class`).
@@ -1378,7 +1379,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         for _, bad in reads:  # a pixel that holds no data at any one date is invalid
             if bad is not None:
                 invalid = bad if invalid is None else invalid | bad
-        label = self.read_label(scene, window)
+        label = self._label_with_boundaries(scene, window)
         if raw.dtype != self.image_dtype:
             raw = raw.astype(self.image_dtype)
         nodata_pixels = 0
@@ -1388,8 +1389,6 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 label[invalid] = self.ignore_index
             else:
                 invalid = None
-        if self.boundary_ignore:
-            label = self._erode_boundaries(label)
         if (rh, rw) != (h, w):
             padded = np.empty((raw.shape[0], h, w), raw.dtype)
             padded[:] = self._fill.reshape(-1, 1, 1)
@@ -1402,13 +1401,24 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             nodata_pixels += h * w - rh * rw
         return raw, label, invalid, nodata_pixels / float(h * w)
 
-    def _erode_boundaries(self, label):
-        import cv2
-        k = np.ones((2 * self.boundary_ignore + 1,) * 2, np.uint8)
-        lbl = label.astype(np.uint16)
-        edge = cv2.dilate(lbl, k) != cv2.erode(lbl, k)
-        label = label.copy()
-        label[edge] = self.ignore_index
+    def _label_with_boundaries(self, scene, window):
+        """The label of ``window`` with ``boundary_ignore`` applied: the pixels ``evaluate --erode``
+        leaves out, whatever the window. The boundary is found on the label read ``r`` pixels past
+        the window (a class edge just outside it counts), with a disk, before nodata is marked
+        (ignore pixels and nodata are no class: they make no boundary)."""
+        r = self.boundary_ignore
+        if not r:
+            return self.read_label(scene, window)
+        s = self._scenes[scene]
+        y0, x0 = max(0, window.row_off - r), max(0, window.col_off - r)
+        y1 = min(s['height'], window.row_off + window.height + r)
+        x1 = min(s['width'], window.col_off + window.width + r)
+        halo = self.read_label(scene, Window(x0, y0, x1 - x0, y1 - y0))
+        edge = boundary_mask(halo, r, self.ignore_index)
+        inside = (slice(window.row_off - y0, window.row_off - y0 + window.height),
+                  slice(window.col_off - x0, window.col_off - x0 + window.width))
+        label = halo[inside].copy()
+        label[edge[inside]] = self.ignore_index
         return label
 
     def __len__(self):

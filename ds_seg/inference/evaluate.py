@@ -12,43 +12,12 @@ import torch
 from rasterio.windows import Window
 
 from .. import distributed
-from ..data.raster import label_nodata, open_scene, read_label_band
+from ..data.raster import boundary_mask, label_nodata, open_scene, read_label_band
 from ..data.vector_labels import is_vector
 from ..metrics import confusion_matrix
 from .engine import run_scene
 from .model import training_normalisation
 from .writer import CLASS_NODATA
-
-
-def boundary_mask(label_HW, radius, ignore_index=255):
-    """Pixels within ``radius`` px (a disk, ISPRS convention) of a pixel of another class.
-
-    Ignore pixels are no class: they neither create boundaries nor are marked. Pixels outside
-    the array do not count. ``radius=0`` marks nothing.
-
-    Example::
-
-        boundary_mask(np.array([[0, 0, 1, 1]]), 1)   # [[False, True, True, False]]
-    """
-    lbl = np.asarray(label_HW)
-    out = np.zeros(lbl.shape, bool)
-    if radius <= 0:
-        return out
-    h, w = lbl.shape
-    valid = lbl != ignore_index
-    # Offsets past the array compare nothing: the loops stop at its size whatever the radius.
-    for dy in range(-min(radius, h - 1), min(radius, h - 1) + 1):
-        for dx in range(-min(radius, w - 1), min(radius, w - 1) + 1):
-            if (dy or dx) and dy * dy + dx * dx <= radius * radius:
-                # compare each pixel p with its neighbour q = p + (dy, dx) where q is inside
-                ys, ye = max(0, -dy), min(h, h - dy)
-                xs, xe = max(0, -dx), min(w, w - dx)
-                if ys >= ye or xs >= xe:
-                    continue
-                p = lbl[ys:ye, xs:xe]
-                q = lbl[ys + dy:ye + dy, xs + dx:xe + dx]
-                out[ys:ye, xs:xe] |= (p != q) & valid[ys:ye, xs:xe] & valid[ys + dy:ye + dy, xs + dx:xe + dx]
-    return out
 
 
 def scene_pairs(scenes):

@@ -364,3 +364,33 @@ def test_an_unwritable_cache_is_named_by_the_setting_that_chose_it(monkeypatch, 
         SyntheticAerial(split='train', num_scenes=1, scene_size=64, crop_size=32)
     with pytest.raises(ValueError, match=r"\(cache_dir\)"):
         SyntheticAerial(split='train', num_scenes=1, scene_size=64, crop_size=32, cache_dir=str(blocker / 'c'))
+
+
+def test_boundary_ignore_leaves_out_the_pixels_evaluate_erode_does_whatever_the_window(tmp_path):
+    """Training eroded each window on its own with a square, counting nodata as a class: a class
+    edge on a window's border was not eroded, a corner lost a square, and nodata made a
+    boundary. Every window now holds the evaluation's eroded label (a disk over the whole scene,
+    ignore and nodata no class), cut out where the window lies."""
+    from ds_seg.data.raster import boundary_mask
+    h, w, r = 70, 90, 3
+    label = np.zeros((h, w), np.uint8)
+    label[:, 32:] = 1
+    label[20:45, 50:70] = 2
+    label[60:, :20] = 255                       # ignore: no class, no boundary
+    image = np.full((3, h, w), 100, np.uint8)
+    image[:, :, 80:] = 0                        # nodata beside class 1
+    img, lbl = tmp_path / 'i.tif', tmp_path / 'l.tif'
+    write_tif(img, image, nodata=0)
+    write_tif(lbl, label[None])
+    ds = GeoTiffScenes([str(img)], [str(lbl)], classes=3, crop_size=32, boundary_ignore=r, mean=[100] * 3,
+                       std=[10] * 3)
+    expect = label.copy()
+    expect[boundary_mask(label, r, 255)] = 255
+    expect[image[0] == 0] = 255
+    assert (expect[label != 255] == 255).sum() > (expect[image[0] == 0] == 255).sum()  # the disk did mark pixels
+    for y, x in [(0, 0), (10, 29), (8, 40), (38, 66), (5, 58), (38, 70)]:
+        got = ds._read_window(0, y, x, 32, 32)[1]
+        want = np.full((32, 32), 255, np.uint8)
+        part = expect[y:y + 32, x:x + 32]
+        want[:part.shape[0], :part.shape[1]] = part
+        np.testing.assert_array_equal(got, want, err_msg=f'window at {(y, x)}')
