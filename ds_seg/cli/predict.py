@@ -204,7 +204,8 @@ def tile_from_model(args, info, forward_fn, bands, device, program):
 
 def check_tile_fits(forward_fn, info, tile, bands, device):
     """One forward of a blank ``tile`` x ``tile`` window before any scene is read. Every window
-    the engine runs has that size (edges are padded), so a model that cannot take it (SegFormer's
+    the engine runs has that size (edges are padded; a scene smaller than the tile is tried at
+    its own size first), so a model that cannot take it (SegFormer's
     attention reduction below 32 px, an ONNX graph of one fixed size) is one line here, not a
     traceback after the first scenes were written."""
     channels = window_channels(info, bands)

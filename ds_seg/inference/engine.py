@@ -46,6 +46,25 @@ def _softmax_probs(forward_fn, images_BCHW, device, tta):
     return probs.cpu().numpy()
 
 
+@torch.no_grad()
+def _fitted_tile(forward_fn, tile, height, width, channels, device):
+    """``tile`` (h, w) cut down to a scene smaller than it, as mmseg's slide inference does: the
+    scene then goes through the model in one pass at its own size, not padded out to the tile
+    (the padding, nodata, changed about 1 pixel in 100 of a 96 px scene in a 512 px window).
+    Kept where the model cannot take that size (a model of one input size, an ONNX graph of one
+    shape): every rank runs the same probe, so all agree. Returns the tile and the forward calls
+    the probe made (0 or 1)."""
+    tile_hw = (int(tile), int(tile)) if np.isscalar(tile) else (int(tile[0]), int(tile[1]))
+    fitted = (min(tile_hw[0], int(height)), min(tile_hw[1], int(width)))
+    if fitted == tile_hw:
+        return tile_hw, 0
+    try:
+        forward_fn(torch.zeros(1, channels, *fitted, device=device))
+    except Exception:  # any refusal of the size keeps the padded tile
+        return tile_hw, 1
+    return fitted, 1
+
+
 class SceneEngine:
     """The windows of ``rank``'s band of an open scene ``src``, blended and handed to ``sink``
     block row by block row (see :func:`run_scene` for ``sink``).
@@ -248,7 +267,9 @@ def run_scene(forward_fn, image_path, sink, mean, std, bands=None, tile=512, ove
                              f"{mean_c.size}/{std_c.size} values; give one mean and std per band read "
                              f"(bands select the bands)")
         prep = BatchPreprocessor(mean_c, std_c)
+        tile, probes = _fitted_tile(forward_fn, tile, src.height, src.width, len(band_idx), device)
         plan = ScenePlan(src.height, src.width, tile, overlap, block, world_size)
         engine = SceneEngine(src, plan, rank, band_idx, prep, sink, blend=blend, accumulate_dtype=acc_dtype,
                              num_classes=num_classes)
-        return engine.run(forward_fn, batch_size=batch_size, device=device, tta=tta, progress=progress)
+        stats = engine.run(forward_fn, batch_size=batch_size, device=device, tta=tta, progress=progress)
+        return dict(stats, forward_calls=stats['forward_calls'] + probes)

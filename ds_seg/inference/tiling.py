@@ -16,7 +16,7 @@ BLENDS = ('gaussian', 'linear', 'none')
 def window_starts(length, tile, overlap):
     """Start offsets of windows of size ``tile`` with stride ``tile - overlap`` covering
     ``[0, length)``; the last window is flush with the end (a scene shorter than the tile
-    gets one window at 0, padded).
+    gets one window at 0, padded; run_scene first cuts the tile down to such a scene).
 
     Example::
 

@@ -83,7 +83,7 @@ def test_window_starts_cover_the_scene_with_the_last_window_flush():
     (50, 0, 1, 'linear', 32, 'none'),
     (96, 40, 7, 'linear', 48, 'h'),
     (37, 20, 16, 'none', 16, 'hv'),
-    (512, 128, 4, 'gaussian', 256, 'none'),    # one window larger than the scene, padded
+    (512, 128, 4, 'gaussian', 256, 'none'),    # larger than the scene: one window of the scene's size
     ((40, 72), 12, 5, 'gaussian', 32, 'none'),  # non-square tiles
 ])
 def test_fake_model_reproduces_reference_at_any_tiling(scene, tmp_path, tile, overlap, batch_size, blend, block,
@@ -94,7 +94,9 @@ def test_fake_model_reproduces_reference_at_any_tiling(scene, tmp_path, tile, ov
                                    batch_size=batch_size, blend=blend, block=block, tta=tta)
     np.testing.assert_array_equal(classes, ref)
     flips = {'none': 0, 'h': 1, 'hv': 3}[tta]
-    assert model.calls == out['forward_calls'] == np.ceil(out['windows'] / batch_size) * (1 + flips)
+    with rasterio.open(path) as src:  # a tile past the scene is first tried at the scene's size
+        probe = int(any(t > n for t, n in zip(np.broadcast_to(tile, 2), (src.height, src.width))))
+    assert model.calls == out['forward_calls'] == np.ceil(out['windows'] / batch_size) * (1 + flips) + probe
     assert max(model.batch_sizes) <= batch_size
 
 
@@ -1307,3 +1309,33 @@ def test_the_api_scores_and_predicts_with_the_training_normalisation_of_a_loaded
                       std=info['data']['std'], classes=info['classes'], **kw)
     with rasterio.open(tmp_path / 'a.tif') as a, rasterio.open(tmp_path / 'b.tif') as b:
         np.testing.assert_array_equal(a.read(), b.read())
+
+
+def test_a_scene_smaller_than_the_tile_is_one_pass_at_its_own_size(tmp_path):
+    """A 40x52 scene in 512 px windows was padded to 512 (as nodata): the padding reached the
+    scene's pixels through the receptive field. It now goes through the model once at its own
+    size, as mmseg's slide inference does: exactly the model's own forward on the scene. A model
+    that takes one size only keeps the padded window."""
+    torch.manual_seed(0)
+    conv = torch.nn.Sequential(torch.nn.Conv2d(2, 8, 5, padding=2), torch.nn.ReLU(),
+                               torch.nn.Conv2d(8, K, 9, padding=4)).eval()
+    path = str(tmp_path / 's.tif')
+    write_scene(path, 40, 52, nodata=None)
+    with rasterio.open(path) as src:
+        pixels = torch.from_numpy(src.read().astype(np.float32))
+    mean, std = [1500.0, 1400.0], [800.0, 900.0]
+    x = (pixels - torch.tensor(mean).view(2, 1, 1)) / torch.tensor(std).view(2, 1, 1)
+    with torch.no_grad():
+        expect = conv(x[None]).argmax(1)[0].numpy()
+    classes, out = predict_classes(conv, path, tmp_path, mean=mean, std=std, tile=512, overlap=128)
+    np.testing.assert_array_equal(classes, expect)
+    assert out['windows'] == 1
+
+    def only_512(images_BCHW):
+        if images_BCHW.shape[-2:] != (512, 512):
+            raise RuntimeError('this graph takes 512x512 inputs only')
+        return conv(images_BCHW)
+
+    padded, out = predict_classes(only_512, path, tmp_path, mean=mean, std=std, tile=512, overlap=128)
+    assert out['windows'] == 1 and 0 < (padded != expect).mean() < 0.2  # the padding does change the edges
+
