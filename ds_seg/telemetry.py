@@ -55,11 +55,13 @@ def forward_flops(build_model, input_shape_BCHW):
         return None
 
 
-def mfu(flops_per_image_fwd, images_per_s, peak):
-    """Model FLOP utilisation: training costs ~3x the forward (forward + 2x for backward)."""
+def mfu(flops_per_image_fwd, images_per_s, peak, devices=1):
+    """Model FLOP utilisation: training costs ~3x the forward (forward + 2x for backward).
+    ``images_per_s`` is the rate of all ``devices`` together, ``peak`` one device's: the run's
+    images are divided over the peak of every device that trained them."""
     if not flops_per_image_fwd or not peak or not images_per_s:
         return None
-    return 3.0 * flops_per_image_fwd * images_per_s / peak
+    return 3.0 * flops_per_image_fwd * images_per_s / (peak * devices)
 
 
 def max_memory_mb(device):

@@ -202,7 +202,11 @@ def _earlier_results(work_dir, labels):
     names = list(OUTPUTS) + [label + suffix for label in labels for suffix in RUN_SUFFIXES]
     # The earlier benchmark's own runs go with its results, also those of backends this one does
     # not run: left beside the new results, they were mixed in with them (TensorBoard, the table).
+    # So do the run folders of a benchmark stopped before it wrote benchmark.json (Ctrl-C, a kill):
+    # every folder holding a benchmark's command.txt.
     earlier = [label + suffix for label in _labels_of_earlier_benchmark(work_dir) for suffix in RUN_SUFFIXES]
+    if os.path.isdir(work_dir):
+        earlier += sorted(n for n in os.listdir(work_dir) if n != 'previous')
     ours += [n for n in dict.fromkeys(earlier) if n not in names and _made_by_a_benchmark(os.path.join(work_dir, n))]
     for name in names:
         path = os.path.join(work_dir, name)
@@ -225,6 +229,14 @@ def set_aside_earlier_results(work_dir, names):
     for name in names:
         os.replace(os.path.join(work_dir, name), os.path.join(archive, name))
     return archive
+
+
+# Run settings the benchmark gives every run, which --cfg-options may not change.
+BENCHMARK_OWNED = {
+    'train.max_steps': '--warmup + --steps', 'train.log_interval': 'every step is logged, to time each',
+    'train.warmup_log_steps': '--warmup', 'train.eval_interval': 'no evaluation in timed runs',
+    'train.checkpoint_interval': 'no checkpoints in timed runs', 'train.peak_tflops': 'from --peak-tflops',
+    'train.profile_steps': 'from --profile'}
 
 
 def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
@@ -254,13 +266,67 @@ def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_opt
         env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // args.nproc))
     with open(os.path.join(work_dir, 'command.txt'), 'w') as f:
         f.write(' '.join(cmd) + '\n')
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired as exc:
-        return 124, f'timed out after {args.timeout}s: {(exc.stdout or "")[-2000:]}'
+    rc, output = run_child(cmd, env, args.timeout)
     with open(os.path.join(work_dir, 'output.log'), 'w') as f:
-        f.write(proc.stdout + proc.stderr)
-    return proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+        f.write(output)
+    if rc == 124:
+        return rc, f'timed out after {args.timeout}s: {output[-2000:]}'
+    return rc, output[-4000:]
+
+
+def run_child(cmd, env, timeout):
+    """``(exit code, stdout + stderr)`` of ``cmd`` run in its own process group, which is stopped
+    whole when it outlives ``timeout`` (exit 124) or when this process is interrupted: killing the
+    launcher alone left its ranks training beside the next backend's."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out + err
+    except subprocess.TimeoutExpired:
+        stop_process_group(proc)
+        out, err = proc.communicate()
+        return 124, out + err
+    except BaseException:  # Ctrl-C or SIGTERM (see main): the ranks stop with the benchmark
+        stop_process_group(proc)
+        proc.communicate()
+        raise
+
+
+def stop_process_group(proc, grace_s=30):
+    """SIGTERM to ``proc``'s process group (the trainer stops at its next step), SIGKILL to
+    whatever of it is left after ``grace_s``; returns once every process of the group is gone (a
+    launcher can exit before its ranks)."""
+    import signal
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.wait()
+        return
+    deadline = time.monotonic() + grace_s
+    while True:
+        proc.poll()  # reap the launcher: a zombie still counts as a member of its group
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = math.inf
+        time.sleep(0.2)
+    proc.wait()
+
+
+class Terminated(BaseException):
+    """SIGTERM to the benchmark: raised where it waits, so the running backend's ranks are stopped
+    with it (by default Python died at once and left them training)."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
 
 
 def _p90(sorted_times):
@@ -536,6 +602,12 @@ def _check_args(args):
         return f"--launcher python starts one process, but --nproc is {args.nproc}; use torchrun or deepspeed"
     if os.path.exists(args.work_dir) and not os.path.isdir(args.work_dir):
         return f"--work-dir {args.work_dir} is a file; give a folder"
+    for option in args.cfg_options:
+        key = option.split('=', 1)[0].strip()
+        if key in BENCHMARK_OWNED:
+            # Appended after the benchmark's own settings, it won: train.log_interval=5 timed 3
+            # window medians instead of 10 steps, train.max_steps=4 timed 2 of the 10 steps said.
+            return f"--cfg-options {key}: the benchmark sets it ({BENCHMARK_OWNED[key]}); leave it out"
     _, theirs = _earlier_results(args.work_dir, labels)
     if theirs:
         return (f"--work-dir {args.work_dir} already holds {theirs[0]}, which no benchmark wrote (a benchmark "
@@ -587,6 +659,24 @@ def _unequal_batches(args, names):
 
 
 def main(argv=None):
+    import signal
+    import threading
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        return _main(argv)
+    except (KeyboardInterrupt, Terminated) as exc:
+        sig = 'SIGTERM' if isinstance(exc, Terminated) else 'Ctrl-C'
+        print(f'benchmark: stopped by {sig}; the running backend was stopped with it, and no benchmark.json was '
+              'written (the next benchmark into this --work-dir moves these run folders to previous/)',
+              file=sys.stderr, flush=True)
+        return 143 if isinstance(exc, Terminated) else 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv=None):
     args = parse_args(argv)
     problem = _check_args(args)
     if problem:  # before any run starts: each would fail the same way, minutes later

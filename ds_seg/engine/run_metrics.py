@@ -87,7 +87,7 @@ class RunMetrics:
             images_per_s=window['images_per_s'], megapixels_per_s=window['megapixels_per_s'],
             step_time_s=window['step_time_s'], step_time_p90_s=window['step_time_p90_s'],
             data_wait_frac=window['data_wait_frac'], max_mem_mb=max_memory_mb(self.spec.device),
-            mfu=mfu(self.flops_per_image, window['images_per_s'], self.peak_flops),
+            mfu=mfu(self.flops_per_image, window['images_per_s'], self.peak_flops, self.spec.world_size),
             backend=self.spec.backend, zero_stage=self.spec.zero_stage, world_size=self.spec.world_size,
             precision=self.spec.precision, state_memory=self.state_memory,
             optimizer_impl=backend.optimizer_impl, compile_mode=self.spec.compile_mode,

@@ -34,7 +34,11 @@ def _options(tmp):
     cache = os.path.join(tmp, 'cache')
     return ['--config', TINY_CONFIG, '--work-dir', os.path.join(tmp, 'work'), '--cfg-options',
             f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}', 'train.max_steps=24',
-            'train.eval_interval=12', 'train.checkpoint_interval=12', 'train.log_interval=6']
+            'train.eval_interval=12', 'train.checkpoint_interval=12', 'train.log_interval=6',
+            f'train.peak_tflops={PEAK_TFLOPS}']
+
+
+PEAK_TFLOPS = 0.5  # one device's: MFU divides the run's images over every rank's peak
 
 
 def _env(**extra):
@@ -60,6 +64,13 @@ def _check_run(tmp, world_size, backend='deepspeed', stage=None, launcher=None):
     assert rows[-1]['precision'] == summary['precision'] == ds['ds_seg']['precision']
     if stage is not None:
         assert rows[-1]['zero_stage'] == stage
+    # MFU was the whole run's images over one device's peak: world_size times too high.
+    from ds_seg.registry import MODELS, build
+    from ds_seg.telemetry import forward_flops
+    cfg = json.load(open(os.path.join(work, 'config.json')))
+    flops = forward_flops(lambda: build(MODELS, cfg['model']), (1, cfg['model']['in_channels'],
+                                                                cfg['data']['crop_size'], cfg['data']['crop_size']))
+    assert rows[-1]['mfu'] == pytest.approx(3 * flops * rows[-1]['images_per_s'] / (PEAK_TFLOPS * 1e12 * world_size))
     evals = read_jsonl(os.path.join(work, 'eval.jsonl'))
     assert [e['step'] for e in evals] == [12, 24] and 0 <= evals[-1]['mIoU'] <= 1
     assert os.listdir(os.path.join(work, 'tb'))

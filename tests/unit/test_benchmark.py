@@ -1,8 +1,10 @@
 """launch/benchmark.py's arithmetic and output schema, MFU, and the state-memory accounting,
-checked against figures worked out by hand (no processes are launched here)."""
+checked against figures worked out by hand (no training is launched here; one test stops a process group)."""
 import json
 import os
 import statistics
+import sys
+import time
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ def test_mfu_is_three_forwards_per_image_over_peak():
     # 100 GFLOP forward, 50 img/s, 989 TFLOP/s: 3 * 1e11 * 50 / 9.89e14 = 1.5167 %
     assert telemetry.mfu(1e11, 50.0, 989e12) == pytest.approx(0.0151668, rel=1e-4)
     assert telemetry.mfu(None, 50.0, 989e12) is None and telemetry.mfu(1e11, 50.0, None) is None
+    # Two devices training 100 img/s together use each as much as one at 50 img/s.
+    assert telemetry.mfu(1e11, 100.0, 989e12, devices=2) == pytest.approx(0.0151668, rel=1e-4)
 
 
 def test_peak_flops_table_and_override(monkeypatch):
@@ -219,7 +223,11 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     (['--nproc', '0'], '--nproc must be at least 1, got 0'),
     (['--micro-batch', '0'], '--micro-batch must be at least 1, got 0'),
     (['--cfg-options', 'model.type=Nope'], "model.type 'Nope' is not a registered model"),
-    (['--cfg-options', 'train.log_interval=0'], '--cfg-options: train.log_interval must be a positive integer'),
+    (['--cfg-options', 'train.seed=-1'], '--cfg-options: train.seed must be'),
+    # The benchmark's own run settings, which a user's option appended after them overrode: 3
+    # window medians timed instead of 10 steps, or 2 of the 10 steps the table says.
+    (['--cfg-options', 'train.log_interval=5'], '--cfg-options train.log_interval: the benchmark sets it'),
+    (['--cfg-options', 'data.crop_size=64', 'train.max_steps=4'], '--cfg-options train.max_steps: the benchmark sets'),
     # a label is a folder under --work-dir, which was deleted before the run: never a path
     (['--backends', '../victim=ds_configs/zero1.json'], "--backends label '../victim' is not a plain name"),
     (['--backends', '/tmp/x=ds_configs/zero1.json'], "--backends label '/tmp/x' is not a plain name"),
@@ -317,3 +325,33 @@ def test_a_rerun_moves_every_run_of_the_earlier_benchmark_with_its_results(tmp_p
     archive = benchmark.set_aside_earlier_results(str(work), ours)
     assert sorted(p.name for p in work.iterdir()) == ['previous', 'users']
     assert sorted(os.listdir(archive)) == ['benchmark.json', 'ddp', 'mine', 'mine_profile']
+
+
+def test_the_runs_of_a_benchmark_stopped_before_its_table_are_set_aside_too(tmp_path):
+    """A benchmark interrupted during its first backend wrote no benchmark.json; its ddp/ stayed
+    beside the next benchmark's results (TensorBoard showed both)."""
+    work = tmp_path / 'bench'
+    (work / 'ddp' / 'tb').mkdir(parents=True)
+    (work / 'ddp' / 'command.txt').write_text('launch/train.py ...')
+    (work / 'users').mkdir()  # not a benchmark's: never moved
+    ours, theirs = benchmark._earlier_results(str(work), ['zero2'])
+    assert ours == ['ddp'] and theirs == []
+
+
+def test_a_run_past_its_timeout_is_stopped_with_every_process_it_started(tmp_path):
+    """subprocess.run(timeout=) killed the launcher only: its ranks trained on beside the next
+    backend's. The whole process group goes now, and the output is text, not bytes."""
+    pid_file = tmp_path / 'grandchild.pid'
+    script = ('import subprocess, sys, time\n'
+              f'p = subprocess.Popen(["sleep", "300"]); open({str(pid_file)!r}, "w").write(str(p.pid))\n'
+              'print("step 1 of 400", flush=True); time.sleep(300)\n')
+    t0 = time.monotonic()
+    rc, output = benchmark.run_child([sys.executable, '-c', script], dict(os.environ), timeout=3)
+    assert rc == 124 and output == 'step 1 of 400\n' and time.monotonic() - t0 < 60
+    pid = int(pid_file.read_text())
+    try:
+        state = open(f'/proc/{pid}/stat').read().split(')')[-1].split()[0]
+    except FileNotFoundError:
+        state = 'gone'
+    assert state in ('gone', 'Z'), f'the rank-like grandchild {pid} is still running ({state})'
+
