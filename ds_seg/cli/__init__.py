@@ -1,6 +1,7 @@
 """Command-line programs. Each module's ``main()`` is both a console script (``ds-seg-train``,
 ``ds-seg-predict``, ``ds-seg-evaluate``, ``ds-seg-export``, ``ds-seg-benchmark``,
 ``ds-seg-models``; see setup.py) and what ``launch/<name>.py`` runs in a source checkout."""
+import argparse
 import errno
 import os
 import signal
@@ -8,6 +9,15 @@ import sys
 from pathlib import Path
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]   # the folder that holds ds_seg/
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose refusals are one line (``prog: error: ...``, exit 2), as every
+    other mistake of these commands is: argparse printed its usage block first."""
+
+    def error(self, message):
+        print(f'{self.prog}: error: {message}', file=sys.stderr)
+        sys.exit(2)
 
 
 def same_package_env(**overrides):

@@ -25,7 +25,7 @@ import rasterio
 import torch
 from rasterio.transform import from_origin
 
-from ds_seg.cli import same_package_env
+from ds_seg.cli import OneLineParser, same_package_env
 
 
 def make_scene(path, size, bands=3, block=256, source=2048, seed=0):
@@ -75,7 +75,7 @@ def main(argv=None):
         _register_pixel_model()
         from ds_seg.cli import predict
         return predict.main(argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--size', type=int, default=20000, help='scene width and height (default 20000)')
     parser.add_argument('--model', default='UNetTiny',
                         help='a registered model, or BenchPixelNet (1x1 convs; default UNetTiny)')

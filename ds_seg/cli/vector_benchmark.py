@@ -124,6 +124,8 @@ def child(args):
 
 
 def main(argv=None):
+    # argparse's own parser: ds_seg.cli.OneLineParser would import the ds_seg package (and torch)
+    # into the measured child, which runs this file by path.
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--size', type=int, default=20000)
     p.add_argument('--band-rows', type=int, default=256)
@@ -135,24 +137,29 @@ def main(argv=None):
     p.add_argument('--class-map', default=None, help=argparse.SUPPRESS)
     p.add_argument('--out', default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+
+    def refuse(message):  # one line, as the other commands' mistakes (not the usage block first)
+        print(f'{p.prog}: error: {message}', file=sys.stderr)
+        sys.exit(2)
+
     if args.child:
         return child(args)
     if args.make:
         return make_class_map(args.class_map, args.size)
     # Before the class map is made: these were tracebacks (or, for the band rows, accepted).
     if args.size < 16 or args.band_rows < 1 or args.simplify < 0:
-        p.error(f"--size must be at least 16 (got {args.size}), --band-rows at least 1 (got {args.band_rows}) and "
+        refuse(f"--size must be at least 16 (got {args.size}), --band-rows at least 1 (got {args.band_rows}) and "
                 f"--simplify >= 0 (got {args.simplify:g})")
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
-        p.error(f"--dir {args.dir} is a file; give a folder")
+        refuse(f"--dir {args.dir} is a file; give a folder")
     os.makedirs(args.dir, exist_ok=True)
     class_map = os.path.join(args.dir, f'classes_{args.size}.tif')
     out = os.path.join(args.dir, f'polygons_{args.size}.{args.format}')
     # A user's file of one of these names was vectorised (a traceback on a 3-band image) or deleted.
     if os.path.exists(class_map) and not made_here(class_map, args.size):
-        p.error(f"--dir: {class_map} is not a class map this benchmark wrote; give another --dir, or move it")
+        refuse(f"--dir: {class_map} is not a class map this benchmark wrote; give another --dir, or move it")
     if os.path.lexists(out) and os.path.basename(out) not in polygons_written(args.dir):
-        p.error(f"--dir: {out} is not a file this benchmark wrote; give another --dir, or move it")
+        refuse(f"--dir: {out} is not a file this benchmark wrote; give another --dir, or move it")
     if not os.path.exists(class_map):
         # In a process of its own (several hundred MiB at 20000 px), so that this process stays
         # small while the measured child runs beside it.

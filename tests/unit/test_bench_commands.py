@@ -116,12 +116,16 @@ def test_predict_benchmark_reports_a_georeferenced_run(tmp_path, capsys, monkeyp
     # Overwritten without a word, or a FileNotFoundError traceback after the whole benchmark.
     (['--out', __file__], 'already exists; give a new file name'),
     (['--out', '/nonexistent_folder/x.json'], 'the folder /nonexistent_folder does not exist; create it first'),
+    # Measured nothing comparable: a padded 1024 crop against a 128 px raw read; a delay for no server.
+    (['--crop', '1024'], '--crop 1024 is larger than the --scene-size 128 scenes'),
+    (['--latency-ms', '5'], '--latency-ms 5 delays the --http reads, which are not asked for'),
 ])
 def test_data_benchmark_refuses_what_it_would_drop_or_crash_on(argv, message, capsys):
     from tests.tiny import argparse_refusal
     code, err = argparse_refusal(data_benchmark.main, ['--train-steps', '0', '--scene-size', '128', '--num-scenes', '1',
                                                        *argv], capsys)
     assert code == 2 and message in err and 'Traceback' not in err, err
+    assert len(err.strip().splitlines()) == 1, err  # not argparse's usage block first
 
 
 @pytest.mark.parametrize('program, argv, message', [
@@ -145,6 +149,7 @@ def test_the_measuring_commands_refuse_bad_values_in_one_line_before_any_work(tm
         main(argv + extra)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and message in err and 'Traceback' not in err, err
+    assert len(err.strip().splitlines()) == 1, err  # not argparse's usage block first
     assert not (tmp_path / 'cache').exists() and not (tmp_path / 'vb').exists()
 
 
