@@ -492,6 +492,13 @@ def write_markdown(path, rows, meta):
             f"| {r['max_mem_mb']:.0f} | {format_or_dash(r['mfu'], '.1%')} | {format_or_dash(r['speedup_vs_ddp'], '.3f')} "
             f"| {r.get('optimizer_impl') or '-'} | {format_or_dash(r.get('compile_time_s'), '.1f')} "
             f"| {'yes' if r.get('channels_last') else 'no'} |")
+    precisions = {r['backend']: r['precision'] for r in rows if not r.get('error')}
+    if len(set(precisions.values())) > 1:
+        # --precision json with JSONs of different modes (bf16 against bf16-autocast): said, as
+        # the speed-ups then compare modes as well as backends.
+        lines += ['', f"Note: the rows ran in different precisions ({', '.join(f'{b} {p}' for b, p in precisions.items())}); "
+                  "their speed-ups compare precisions as well as backends (the default --precision bf16-autocast "
+                  "runs every backend in one mode)."]
     if any(r.get('num_params') for r in rows):
         lines += ['', 'Per-rank model state, measured from the live tensors (MB) / ZeRO formula (MB):', '',
                   '| backend | params | grads | fp32 master | Adam moments | total | comm buckets |',

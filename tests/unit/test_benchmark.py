@@ -130,6 +130,11 @@ def test_rows_have_the_design_fields_and_correct_figures(tmp_path):
     benchmark.write_markdown(tmp_path / 'b.md', rows, meta)
     text = (tmp_path / 'b.md').read_text()
     assert 'test cpu' in text and '| zero2 | 2 | fp32 | 2 | 4 |' in text and '| 0.500 |' in text
+    assert 'different precisions' not in text
+    # --precision json with JSONs of other modes: the table says its rows compare precisions too.
+    mixed = [dict(ddp, precision='bf16-autocast'), dict(z2, precision='bf16')]
+    benchmark.write_markdown(tmp_path / 'mixed.md', mixed, meta)
+    assert 'rows ran in different precisions (ddp bf16-autocast, zero2 bf16)' in (tmp_path / 'mixed.md').read_text()
     benchmark.write_plot(tmp_path / 'b.png', rows, meta)
     assert (tmp_path / 'b.png').read_bytes()[:4] == b'\x89PNG'
 
