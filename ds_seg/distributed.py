@@ -196,10 +196,15 @@ def check_environment():
     env_timeout_s()
     from .engine.faults import planned_fault
     planned_fault()
+    from .config import ConfigError
     value = os.environ.get('DS_SEG_CPU_FP16')
     if value is not None and value not in ('', '0', '1'):
-        from .config import ConfigError
         raise ConfigError(f"DS_SEG_CPU_FP16={value!r}: give 1 (native fp16 on a CPU) or 0, or unset it.")
+    port = os.environ.get('MASTER_PORT')
+    if port is not None and not (port.strip().isdigit() and 1 <= int(port) <= 65535):
+        # torch's rendezvous said it in a traceback from every rank ("invalid literal for int()").
+        raise ConfigError(f"MASTER_PORT={port!r}: give the rendezvous port, a number from 1 to 65535 "
+                          "(or unset it where the launcher sets it).")
 
 
 def init(use_deepspeed=True, timeout_s=None):

@@ -431,6 +431,26 @@ def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
     assert 'exit 75, not a failure' in out and 'Traceback' not in out and 'ChildFailedError' not in out
 
 
+def test_sbatch_template_run_outside_slurm_exits_75_after_its_stop(tmp_path):
+    """`bash train.sbatch` on a workstation: after a stop the template ran `scontrol requeue
+    "${SLURM_JOB_ID}"` under `set -u` and died on the unbound variable (exit 1, its fallback line
+    never printed). Outside Slurm nothing requeues: it says so and exits 75, the stop's status."""
+    work = tmp_path / 'work'
+    cache = tmp_path / 'cache'
+    env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', NPROC_PER_NODE='1',
+               WORK_DIR=str(work), MASTER_PORT=str(_free_port()), DS_CONFIG='zero2', CONFIG=TINY_CONFIG)
+    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
+               'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
+    job = subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_step(str(work), 2, [job], timeout=180)
+    job.send_signal(signal.SIGUSR1)
+    out = job.communicate(timeout=180)[0]
+    assert job.returncode == 75, out[-3000:]
+    assert 'not a Slurm job, so nothing requeues it; run this script again to resume' in out, out[-3000:]
+    assert 'unbound variable' not in out and json.load(open(work / 'summary.json'))['exit_reason'] == 'preempted'
+
+
 @pytest.mark.parametrize('nproc', [None, '0', 'two'])
 def test_sbatch_template_without_gpus_or_ranks_fails_instead_of_completing(tmp_path, nproc):
     """No nvidia-smi, no SLURM_GPUS_ON_NODE, no NPROC_PER_NODE: the template started 0 ranks and

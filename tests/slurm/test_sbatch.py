@@ -11,6 +11,10 @@ All jobs are submitted at once and driven together, so the whole module costs on
   each with train.sbatch (one node, no srun) and train_multinode.sbatch (srun, on n1+n2);
   (e)        train_multinode.sbatch on n1+n2, `--time=1` with no warning: the end of the time limit
   (f)        both templates on n3+n4, preempted (with a grace time) by a job of a higher-tier partition
+  (g)        a plain `scancel JOB`, both templates: the ranks checkpoint, and the job ends CANCELLED
+             (it was requeued, and ran to the end: scancel could not cancel a running job)
+After them, on their own: a stop in one task of a job array requeues that task alone, and a rank
+that fails at its start ends the job within a minute (the other rank waited until the time limit).
 A requeued job gets a begin time `cred_expire` ahead (10 s on the test cluster: see cluster.py);
 the driver gives (a) and (e) a longer limit for their second start and otherwise lets Slurm start it.
 srun answers a SIGTERM by killing its step at once; the multi-node template keeps it out of the
@@ -88,6 +92,9 @@ CASES = {
                       pace=F_STEP_DELAY),
     'f_preempt_multi': dict(submit=MULTI, partition='preemptible', action='preempt', signal='SIGTERM',
                             pace=F_STEP_DELAY),
+    # A plain scancel: the job is cancelled, after its checkpoint; not requeued.
+    'g_cancel': dict(submit=SINGLE, action=['scancel'], signal='SIGTERM', cancelled=True),
+    'g_cancel_multi': dict(submit=MULTI, action=['scancel'], signal='SIGTERM', cancelled=True),
 }
 URGENT = ['sbatch', '--parsable', '--partition=urgent', '--nodes=2', '--exclusive', '--time=1', '--job-name=urgent',
           '--output=/dev/null', '--wrap', 'sleep 5']
@@ -153,6 +160,8 @@ def runs(slurm_cluster, tmp_path_factory):
         for run in runs.values():
             info = _job(run['job'])
             state = info.get('JobState', '?')
+            if state == 'CANCELLED' and run.get('cancelled') and run['signalled_step'] is not None:
+                continue
             if state in TERMINAL:
                 pytest.fail(f"{run['name']}: job {run['job']} ended {state}:\n{_output(run)[-4000:]}\n"
                             f"{slurm_cluster.log_tail(15)}")
@@ -194,7 +203,7 @@ def test_reference_run_completes(runs):
     assert 'stopping at step' not in _output(run)
 
 
-@pytest.mark.parametrize('name', [n for n in CASES if n != 'reference'])
+@pytest.mark.parametrize('name', [n for n in CASES if n != 'reference' and not CASES[n].get('cancelled')])
 def test_signal_checkpoints_at_its_step_and_the_requeued_run_ends_as_the_reference(runs, name):
     run = runs[name]
     out = _output(run)
@@ -235,3 +244,93 @@ def test_signal_checkpoints_at_its_step_and_the_requeued_run_ends_as_the_referen
             assert torch.allclose(ref[key], got[key], rtol=1e-5, atol=1e-6), (key, (ref[key] - got[key]).abs().max())
         else:
             assert torch.equal(ref[key], got[key]), key
+
+
+def _stops(out):
+    return re.findall(r'stopping at step (\d+) on (SIG\w+) \(arrived after step (\d+)\): checkpoint saved', out)
+
+
+@pytest.mark.parametrize('name', [n for n in CASES if CASES[n].get('cancelled')])
+def test_a_plain_scancel_checkpoints_and_cancels_the_job(runs, name):
+    """`scancel JOB` is how a user ends a job: it was requeued (exit 75) and trained to the end; three
+    scancels in a row gave three requeues. The ranks still checkpoint (nothing is lost), and the
+    job ends CANCELLED, never started again."""
+    run = runs[name]
+    out = _output(run)
+    stops = _stops(out)
+    assert len(stops) == 1 and stops[0][1] == 'SIGTERM', out[-4000:]
+    tag = checkpoint.tag_for(int(stops[0][0]))
+    assert os.path.isfile(os.path.join(run['work'], 'checkpoints', tag, checkpoint.COMPLETE)), out[-3000:]
+    assert f"job {run['job']} was cancelled (scancel): the ranks checkpointed, and it is not requeued" in out, \
+        out[-3000:]
+    info = _job(run['job'])
+    assert info.get('JobState') == 'CANCELLED' and int(info.get('Restarts', 0)) == 0, info
+    assert 'resumed from' not in out and 'requeueing job' not in out, out[-3000:]
+
+
+def _wait_for(job_id, states, timeout_s):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        info = _job(job_id)
+        if info.get('JobState') in states:
+            return info
+        time.sleep(0.5)
+    return _job(job_id)
+
+
+def test_a_stop_in_one_task_of_an_array_requeues_that_task_alone(slurm_cluster, tmp_path):
+    """`scontrol requeue $SLURM_JOB_ID` of an array's first-started task named the whole array: a
+    finished sibling was started again and a running one interrupted."""
+    ds_path = tmp_path / 'ds.json'
+    ds_path.write_text(json.dumps(ds_config(1, micro_batch=2)))
+    cache = str(tmp_path / 'cache')
+    env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', PYTHON=sys.executable,
+               NPROC_PER_NODE='1', DS_CONFIG=str(ds_path), CONFIG=TINY_CONFIG, DS_SEG_FAULT='slow@step:0.3')
+    env.pop('WORK_DIR', None)  # each task its own: work_dirs/<name>-<task's job id> under the submit dir
+    # The submit dir holds no launch/train.py: the template runs the installed ds-seg-train.
+    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}', 'train.max_steps=30',
+               'train.eval_interval=0', 'train.checkpoint_interval=30', 'train.log_interval=1', 'data.num_workers=0']
+    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', '--time=10', '--array=0-1%1',
+           '--job-name=arr', f'--output={tmp_path}/arr-%A_%a.out', '--nodes=1', '--ntasks-per-node=1',
+           '--cpus-per-task=1', str(REPO_ROOT / 'launch/slurm/train.sbatch'), *options]
+    array = subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout.strip()
+    first, second = f'{array}_0', f'{array}_1'
+    assert _wait_for(first, {'COMPLETED'} | TERMINAL, 300).get('JobState') == 'COMPLETED'
+    second_id = None
+    deadline = time.time() + 300
+    while time.time() < deadline:  # the second task started and trained a few steps
+        info = _job(second)
+        second_id = info.get('JobId')
+        work = tmp_path / 'work_dirs' / f'arr-{second_id}'
+        if info.get('JobState') == 'RUNNING' and _steps(str(work)) >= 5:
+            break
+        time.sleep(0.5)
+    subprocess.run(['scancel', '--signal=USR1', '--full', second], check=True)
+    info = _wait_for(second, {'COMPLETED'} | TERMINAL, 300)
+    out = open(f'{tmp_path}/arr-{array}_1.out').read()
+    assert info.get('JobState') == 'COMPLETED' and int(info.get('Restarts', 0)) == 1, (info, out[-3000:])
+    assert f'requeueing job {second}' in out, out[-3000:]
+    assert int(_job(first).get('Restarts', 0)) == 0  # the finished task was not started again
+
+
+def test_a_rank_that_fails_at_its_start_ends_the_job(slurm_cluster, tmp_path):
+    """One rank failing at its start (a port in use, a bad node) left the other in the rendezvous
+    until the time limit. The template ends it 30 s after the failure: the job fails in a minute,
+    with the failing rank's status."""
+    ds_path = tmp_path / 'ds.json'
+    ds_path.write_text(json.dumps(ds_config(2, micro_batch=2)))
+    python = tmp_path / 'python'
+    python.write_text(f'#!/bin/sh\n[ "$RANK" = 1 ] && {{ echo "rank 1: this node is broken" >&2; exit 3; }}\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', PYTHON=str(python),
+               NPROC_PER_NODE='2', WORK_DIR=str(tmp_path / 'work'), DS_CONFIG=str(ds_path), CONFIG=TINY_CONFIG)
+    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', '--time=10', '--job-name=rankfail',
+           f'--output={tmp_path}/rankfail.out', *SINGLE[1:], 'launch/slurm/train.sbatch',
+           '--cfg-options', 'train.max_steps=5']
+    job = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
+    info = _wait_for(job, TERMINAL | {'COMPLETED'}, 150)
+    out = open(tmp_path / 'rankfail.out').read()
+    assert info.get('JobState') == 'FAILED' and info.get('ExitCode') == '3:0', (info, out[-3000:])
+    assert 'rank 1: this node is broken' in out and 'a rank failed (exit 3) 30 s ago: ending rank process' in out
+

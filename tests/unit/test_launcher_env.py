@@ -67,13 +67,17 @@ def test_a_batch_scripts_own_python_is_one_process_not_rank_0_of_the_allocation(
     ({'DS_SEG_DIST_TIMEOUT': '900', 'DEEPSPEED_TIMEOUT': '1.5'}, "DEEPSPEED_TIMEOUT='1.5'"),
     ({'DS_SEG_FAULT': 'sigkill@save-files:abc'}, "DS_SEG_FAULT='sigkill@save-files:abc'"),
     ({'DS_SEG_CPU_FP16': 'yes'}, "DS_SEG_CPU_FP16='yes'"),
+    # A traceback from every rank: torch's int() of the port, or its range check.
+    ({'MASTER_PORT': 'abc'}, "MASTER_PORT='abc': give the rendezvous port"),
+    ({'MASTER_PORT': '99999'}, "MASTER_PORT='99999'"),
 ])
 def test_environment_variables_ds_seg_reads_are_one_line_before_anything_starts(monkeypatch, capsys, env, named):
     """DS_SEG_DIST_TIMEOUT=abc/nan/inf were tracebacks, 0 and -5 a rendezvous 'timed out after
     -5000ms' that blamed the port; DEEPSPEED_TIMEOUT=abc broke DeepSpeed's import; a bad
-    DS_SEG_FAULT was a traceback after the model was built; DS_SEG_CPU_FP16=yes was ignored."""
+    DS_SEG_FAULT was a traceback after the model was built; DS_SEG_CPU_FP16=yes was ignored; a
+    MASTER_PORT that is no port was a traceback from every rank."""
     from ds_seg.cli import train
-    for key in ('DS_SEG_DIST_TIMEOUT', 'DEEPSPEED_TIMEOUT', 'DS_SEG_FAULT', 'DS_SEG_CPU_FP16'):
+    for key in ('DS_SEG_DIST_TIMEOUT', 'DEEPSPEED_TIMEOUT', 'DS_SEG_FAULT', 'DS_SEG_CPU_FP16', 'MASTER_PORT'):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
