@@ -84,8 +84,10 @@ def main(argv=None):
             raise
         print(f'export: error: {line}; nothing was exported', file=sys.stderr)
         return 74
-    # The file given, not the checkpoint a weights file was exported from.
-    print(f'exported {args.checkpoint if os.path.isfile(args.checkpoint) else ckpt} -> {out}')
+    # The file given, not the checkpoint a weights file was exported from; a pointer (latest,
+    # best) as the step folder it named.
+    given = os.path.isfile(args.checkpoint) and not checkpoint.is_pointer_file(args.checkpoint)
+    print(f'exported {args.checkpoint if given else ckpt} -> {out}')
     return 0
 
 
@@ -94,7 +96,8 @@ def export_deployable(source, fmt, out=None):
     from ds_seg.inference import load_model
     if fmt == 'onnx':
         deploy.require_onnx_export()
-    if os.path.isfile(source):
+    weights_file = os.path.isfile(source) and not checkpoint.is_pointer_file(source)  # not checkpoints/latest, best
+    if weights_file:
         payload = checkpoint.load_weights_file(source)
         ckpt = payload.get('source') or source
         tag = os.path.splitext(os.path.basename(source))[0]
@@ -108,7 +111,7 @@ def export_deployable(source, fmt, out=None):
     work_dir = os.path.dirname(os.path.dirname(ckpt)) if step is not None else None
     out = out or os.path.join(work_dir or os.path.dirname(os.path.abspath(source)), f'model_{tag}{deploy.FORMATS[fmt]}')
     check_out(out)  # before the model is loaded and traced
-    model, info = load_model(source if os.path.isfile(source) else ckpt, 'cpu')
+    model, info = load_model(source if weights_file else ckpt, 'cpu')
     info['source'] = os.path.abspath(ckpt)
     (deploy.export_onnx if fmt == 'onnx' else deploy.export_torch)(model, out, info, work_dir=work_dir, step=step)
     return ckpt, out

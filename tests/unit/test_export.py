@@ -370,3 +370,16 @@ def test_an_onnx_export_with_external_weights_keeps_them_beside_the_file(weights
     session = ort.InferenceSession(out, providers=['CPUExecutionProvider'])
     with torch.no_grad():
         assert np.abs(session.run(None, {'images_BCHW': x.numpy()})[0] - model(x).numpy()).max() < 1e-4
+
+
+@pytest.mark.parametrize('fmt, suffix', [('onnx', '.onnx'), ('weights', '.pt')])
+def test_a_checkpoints_pointer_file_exports_the_step_it_names(trained_run, fmt, suffix, capsys):
+    """checkpoints/latest (or best) is given wherever a checkpoint is asked for; --format onnx took
+    it for a weights file and refused it ('is a text file, not a weights file')."""
+    tmp, work, rows = trained_run
+    pointer = os.path.join(work, 'checkpoints', 'latest')
+    out = str(tmp / f'latest_{fmt}{suffix}')
+    said = _run('export.py', pointer, '--format', fmt, '--out', out).stdout
+    assert f"exported {os.path.join(work, 'checkpoints', 'step_00000004')} -> {out}" in said, said
+    card = json.loads(open(f'{out}.card.json').read())
+    assert card['step'] == 4 and card['final_metrics']['mIoU'] == rows[4]['mIoU']
