@@ -97,6 +97,8 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
         num_classes = scenes.num_classes if num_classes is None else num_classes
     ignore_index = 255 if ignore_index is None else int(ignore_index)
     erode_boundary = int(erode_boundary or 0)
+    if num_classes is None and getattr(forward_fn, 'class_names', None):  # a model from load_model
+        num_classes = len(forward_fn.class_names)
     if num_classes is None or mean is None or std is None:
         raise ValueError("evaluate_scenes: num_classes, mean and std are needed (or a dataset)")
     cm = torch.zeros(num_classes, num_classes, dtype=torch.int64)

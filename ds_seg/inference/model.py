@@ -9,8 +9,8 @@ def load_model(path, device='cpu'):
     folder or a work dir (the newest complete checkpoint). Returns ``(model, info)`` with
     ``info = dict(classes, model, data, source, step)``; ``data`` holds the training normalisation
     (``bands``, ``mean``, ``std``) when the checkpoint recorded it, else None; the model carries it
-    as ``training_normalisation``, the default of :func:`~ds_seg.inference.predict_scene` and
-    :func:`~ds_seg.inference.evaluate_scenes`.
+    as ``training_normalisation``, and its class names as ``class_names``: the defaults of
+    :func:`~ds_seg.inference.predict_scene` and :func:`~ds_seg.inference.evaluate_scenes`.
 
     Example::
 
@@ -58,6 +58,8 @@ def load_model(path, device='cpu'):
     # for their defaults (a validation set's own statistics scored another model: tree recall
     # 0.75 instead of 0.96, without a word).
     model.training_normalisation = dict(data) if data else None
+    # And its class names: predict_scene's tags said class_0.. where predict.py wrote the names.
+    model.class_names = list(classes) if classes else None
     return model, dict(classes=list(classes) if classes else None, model=dict(model_cfg), data=data,
                        source=source, step=step)
 

@@ -36,7 +36,8 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
     table; ``probs_path`` adds a K-band uint8 GeoTIFF of probabilities x 250. With several
     ranks every rank calls this; each writes its band to a part file next to ``out_path`` and
     rank 0 joins them (so ``out_path`` must be on a shared file system). ``mean``/``std``/``bands``
-    left out are those a model from :func:`~ds_seg.inference.load_model` was trained with.
+    and ``classes`` left out are those a model from :func:`~ds_seg.inference.load_model` was
+    trained with.
     ``overwrite=False``
     never replaces an output that exists when the scene is done (another run's, written
     meanwhile): FileExistsError, and this run's files are removed.
@@ -52,6 +53,8 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
         bands = trained_bands if bands is None else bands
     if mean is None or std is None:
         raise ValueError("predict_scene: mean and std (the training normalisation) are required")
+    if classes is None:  # a model from load_model knows its class names
+        classes = getattr(forward_fn, 'class_names', None)
     rank, world_size = distributed.rank(), distributed.world_size()
     k = len(classes) if classes is not None else None
     with open_scene(image_path) as src:

@@ -1309,6 +1309,11 @@ def test_the_api_scores_and_predicts_with_the_training_normalisation_of_a_loaded
                       std=info['data']['std'], classes=info['classes'], **kw)
     with rasterio.open(tmp_path / 'a.tif') as a, rasterio.open(tmp_path / 'b.tif') as b:
         np.testing.assert_array_equal(a.read(), b.read())
+    # The loaded model's class names too: predict_scene tagged class_0.. where predict.py wrote them.
+    inf.predict_scene(model, scene, str(tmp_path / 'c.tif'), **kw)
+    with rasterio.open(tmp_path / 'c.tif') as c:
+        assert json.loads(c.tags()['classes']) == info['classes']
+    assert inf.evaluate_scenes(model, [(scene, label)], **kw)['confusion'].shape == (len(info['classes']),) * 2
 
 
 def test_a_scene_smaller_than_the_tile_is_one_pass_at_its_own_size(tmp_path):
