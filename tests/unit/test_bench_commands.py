@@ -106,6 +106,9 @@ def test_predict_benchmark_reports_a_georeferenced_run(tmp_path, capsys, monkeyp
     assert summary['windows'] == 9  # 512 px in 256 px tiles overlapping by 32: 3 x 3
     for key in ('wall_s', 'windows_per_s', 'megapixels_per_s', 'peak_rss_mb'):
         assert summary[key] > 0, key
+    # The rates are predict's own: the child's start-up (torch's import) was in them.
+    assert 0 < summary['predict_s'] < summary['wall_s']
+    assert summary['windows_per_s'] == round(9 / summary['predict_s'], 2)
 
 
 @pytest.mark.parametrize('argv, message', [
