@@ -334,7 +334,7 @@ def _run(args):
         result = evaluate_scenes(model, scenes, num_classes=len(classes), mean=mean, std=std,
                                  bands=bands, ignore_index=args.ignore_index, erode_boundary=args.erode,
                                  device=device, preview_size=512 if args.previews else 0,
-                                 progress=Progress('evaluation'), **window_kwargs(args))
+                                 progress=Progress('evaluation', program='evaluate'), **window_kwargs(args))
     cm = result['confusion']
     if int(cm.sum()) == 0:  # metrics of nothing would be null, or a traceback; nothing is written
         if result['image_pixels'] == 0:  # the images, not the labels, left nothing to measure

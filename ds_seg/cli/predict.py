@@ -142,8 +142,8 @@ def normalisation(args, info, fallback=None):
 class Progress:
     """Prints ``windows done/total, windows/s, ETA`` every few seconds on rank 0."""
 
-    def __init__(self, name, every_s=5.0):
-        self.name, self.every_s, self.last = name, every_s, 0.0
+    def __init__(self, name, every_s=5.0, program='predict'):
+        self.name, self.every_s, self.last, self.program = name, every_s, 0.0, program
 
     def __call__(self, done, total, elapsed):
         if not distributed.is_main() or (elapsed - self.last < self.every_s and done < total):
@@ -151,7 +151,7 @@ class Progress:
         self.last = elapsed
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (total - done) / rate if rate > 0 else None
-        print(f'[predict] {self.name}: {done}/{total} windows ({100 * done / max(total, 1):.0f}%) | '
+        print(f'[{self.program}] {self.name}: {done}/{total} windows ({100 * done / max(total, 1):.0f}%) | '
               f'{rate:.1f} windows/s | ETA {format_eta(eta)}', flush=True)
 
 

@@ -10,11 +10,13 @@ a sink (written to a tiled compressed GeoTIFF, or compared with labels) and free
 therefore ``K x (tile + block) x width`` floats whatever the scene height.
 
 Across ranks a scene is split into contiguous bands of whole block rows. A rank runs every
-window that touches its band (windows straddling a band boundary run on both ranks) and adds
-them in the same global order as a single-rank run, so its rows are bit-identical to a
-single-rank result for any model whose output for a window does not depend on the other
-windows in the batch. Every rank makes the same number of forward calls (missing ones are
-zero-filled dummy batches): under ZeRO-3 each forward is a collective.
+window that touches its band (windows straddling a band boundary run on both ranks) in the
+batches a single rank runs (the global window order cut every ``batch_size`` windows, with
+batch-mates from other ranks' rows where a batch straddles a band), and adds them in the same
+global order, so its rows are bit-identical to a single-rank result (a model's output for a
+window changes in its last bits with its batch-mates). Every rank makes the same number of
+forward calls (missing ones are zero-filled dummy batches): under ZeRO-3 each forward is a
+collective.
 
 Shape legend: B batch, C bands, K classes, H/W height/width.
 

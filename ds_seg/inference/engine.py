@@ -69,8 +69,8 @@ class SceneEngine:
     """The windows of ``rank``'s band of an open scene ``src``, blended and handed to ``sink``
     block row by block row (see :func:`run_scene` for ``sink``).
 
-    Windows are added in the global order of :meth:`ScenePlan.windows`, so a rank's rows are
-    bit-identical to a single-rank run's.
+    Windows run in the batches of :meth:`ScenePlan.global_batches` and are added in the global
+    order of :meth:`ScenePlan.windows`, so a rank's rows are bit-identical to a single-rank run's.
 
     Example::
 
@@ -110,35 +110,50 @@ class SceneEngine:
         n_done = 0
         strip = strip_row = None
         t0 = time.perf_counter()
-        batch, masks, meta = [], [], []
-        for i, (r, c, y, x) in enumerate(self.windows):
-            if strip_row != r:
-                strip, mask = self._read_strip(r)
-                strip_row = r
-            window, window_mask = self._window_arrays(strip, mask, x)
-            batch.append(window)
-            masks.append(window_mask)
-            meta.append((r, y, x, c))
-            if len(batch) == batch_size or i == len(self.windows) - 1:
-                # Normalised on the device, as in training: the same code, the same numbers.
-                images = self.prep.images(torch.from_numpy(np.stack(batch)), torch.from_numpy(np.stack(masks)),
-                                          device)
-                probs = _softmax_probs(forward_fn, images, device, tta)
-                calls += 1 + len(TTA_FLIPS[tta])
-                if self.num_classes is None:
-                    self.num_classes = probs.shape[1]
-                elif probs.shape[1] != self.num_classes:
-                    raise ValueError(f"the model returns {probs.shape[1]} classes, expected {self.num_classes}")
-                for p, (wr, wy, wx, wc) in zip(probs, meta):
-                    self._add(p, wr, wy, wx, wc)
-                    self.remaining[wr] -= 1
-                    if self.remaining[wr] == 0:
-                        self.pending_rows.remove(wr)
-                n_done += len(batch)
-                batch, masks, meta = [], [], []
-                self._emit_finished(all_done=not self.pending_rows)
-                if progress is not None:
-                    progress(n_done, len(self.windows), time.perf_counter() - t0)
+        ncols = len(plan.xs)
+        for k in plan.global_batches(self.rank, batch_size):
+            # The batches a single rank runs (global window order, cut every batch_size windows),
+            # the windows of other ranks in them included: a model's output for a window changes
+            # in its last bits with its batch-mates (the kernels a batch size picks), and a rank
+            # that batched from its own first window wrote other probabilities than one rank.
+            batch, masks, meta = [], [], []
+            for g in range(k * batch_size, min((k + 1) * batch_size, len(plan.ys) * ncols)):
+                r, c = divmod(g, ncols)
+                mine = r in self.remaining
+                if mine:
+                    if strip_row != r:
+                        strip, mask = self._read_strip(r)
+                        strip_row = r
+                    window, window_mask = self._window_arrays(strip, mask, plan.xs[c])
+                else:  # a batch-mate from another rank's rows: only its own window is read
+                    window, window_mask = self._other_window(r, c)
+                batch.append(window)
+                masks.append(window_mask)
+                meta.append((r, plan.ys[r], plan.xs[c], c, mine))
+            # Normalised on the device, as in training: the same code, the same numbers.
+            images = self.prep.images(torch.from_numpy(np.stack(batch)), torch.from_numpy(np.stack(masks)), device)
+            probs = _softmax_probs(forward_fn, images, device, tta)
+            calls += 1 + len(TTA_FLIPS[tta])
+            if probs.shape[-2:] != (th, tw):
+                # A smaller map died in numpy's broadcasting, a larger one was cut to its corner.
+                raise ValueError(f"the model returns {probs.shape[-2]}x{probs.shape[-1]} logits for {th}x{tw} "
+                                 "windows; a segmentation model returns one logit per input pixel (resize "
+                                 "its logits to the input size, as ds_seg's models do)")
+            if self.num_classes is None:
+                self.num_classes = probs.shape[1]
+            elif probs.shape[1] != self.num_classes:
+                raise ValueError(f"the model returns {probs.shape[1]} classes, expected {self.num_classes}")
+            for p, (wr, wy, wx, wc, mine) in zip(probs, meta):
+                if not mine:
+                    continue
+                self._add(p, wr, wy, wx, wc)
+                n_done += 1
+                self.remaining[wr] -= 1
+                if self.remaining[wr] == 0:
+                    self.pending_rows.remove(wr)
+            self._emit_finished(all_done=not self.pending_rows)
+            if progress is not None:
+                progress(n_done, len(self.windows), time.perf_counter() - t0)
         self._emit_finished(all_done=True)
         # ZeRO-3 gathers parameters collectively inside each forward: ranks with fewer
         # windows run zero batches of the same shape so every rank makes the same calls.
@@ -214,6 +229,18 @@ class SceneEngine:
             blk.nodata[yy - k0:y_stop - k0] |= mask[yy - y:y_stop - y]
             yy = y_stop
         return raw, mask
+
+    def _other_window(self, r, c):
+        """The window of row ``r``, column ``c`` of another rank's rows (a batch-mate), read alone."""
+        plan = self.plan
+        y, x = plan.ys[r], plan.xs[c]
+        window = Window(x, y, min(plan.tile_w, plan.width - x), min(plan.tile_h, plan.height - y))
+        try:
+            raw, mask = read_window(self.src, window, self.band_idx, self.nodata, self.masked)
+        except rasterio.errors.RasterioError as e:
+            name = source_name(self.src)
+            raise DataError(f"{name}: cannot read rows {y}-{y + window.height}: {read_error(name, e)}") from e
+        return self._window_arrays(raw, np.zeros(raw.shape[1:], bool) if mask is None else mask, 0)
 
     def _window_arrays(self, raw, mask, x):
         # As read, padded past the scene's edge; padding counts as nodata (0 once normalised).

@@ -6,17 +6,19 @@ Example::
 """
 import contextlib
 import math
+import os
 
 import numpy as np
 import torch
 from rasterio.windows import Window
 
 from .. import distributed
+from ..data.geotiff import inspect_pair
 from ..data.raster import boundary_mask, label_nodata, open_scene, read_label_band
 from ..data.vector_labels import is_vector
 from ..metrics import confusion_matrix
 from .engine import run_scene
-from .model import training_normalisation
+from .model import pixel_type_mismatch, training_normalisation
 from .writer import CLASS_NODATA
 
 
@@ -83,7 +85,8 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
     # A model from load_model brings its training normalisation: it comes before the dataset's
     # own statistics (computed from the validation scenes, which differ).
     trained = training_normalisation(forward_fn)
-    if mean is None and std is None and trained[0] is not None:
+    own_normalisation = mean is None and std is None and trained[0] is not None
+    if own_normalisation:
         mean, std = trained[0], trained[1]
         bands = trained[2] if bands is None else bands
     if dataset is not None:
@@ -105,7 +108,16 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
     previews = []
     stats = dict(windows=0, forward_calls=0, seconds=0.0)
     image_pixels = torch.zeros((), dtype=torch.int64)  # pixels holding data: an all-nodata image is named
-    for scene_index, (image_path, label_path) in enumerate(scene_pairs(scenes)):
+    pairs = scene_pairs(scenes)
+    for image_path, label_path in pairs:  # every scene before the first window, as evaluate.py does
+        refusal = own_normalisation and pixel_type_mismatch(forward_fn, image_path)
+        if refusal:
+            raise ValueError(f"evaluate_scenes: {refusal}")
+        if dataset is None and isinstance(image_path, (str, os.PathLike)) and not is_vector(label_path):
+            # Pairs of the caller's: size, geotransform, CRS and one label band, as training and
+            # evaluate.py check them (a label on another grid was scored, size alone checked).
+            inspect_pair(image_path, label_path)
+    for scene_index, (image_path, label_path) in enumerate(pairs):
         with open_scene(image_path) as img:
             height, width = img.height, img.width
         if not is_vector(label_path):

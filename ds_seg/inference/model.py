@@ -64,6 +64,23 @@ def load_model(path, device='cpu'):
                        source=source, step=step)
 
 
+def pixel_type_mismatch(forward_fn, image_path):
+    """Why a model from :func:`load_model` cannot take ``image_path`` with its own normalisation,
+    or None: its mean/std are in the units of its training scenes' pixel type (a uint16 scene
+    through a uint8 model's statistics predicts garbage without a word; predict.py and
+    evaluate.py refused it, the API did not)."""
+    trained = (getattr(forward_fn, 'training_normalisation', None) or {}).get('dtype')
+    if not trained:
+        return None
+    from ..data.raster import open_scene
+    with open_scene(image_path) as src:
+        if src.dtypes[0] != trained:
+            return (f"{image_path} holds {src.dtypes[0]} pixels but the model was trained on {trained} "
+                    f"(its mean/std are in those units); convert the scene (gdal_translate -ot), or give "
+                    f"mean= and std= for its units")
+    return None
+
+
 def training_normalisation(forward_fn):
     """``(mean, std, bands)`` a model from :func:`load_model` was trained with, else Nones."""
     data = getattr(forward_fn, 'training_normalisation', None) or {}

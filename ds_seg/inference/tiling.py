@@ -132,8 +132,18 @@ class ScenePlan:
         """``(row, column, y, x)`` of every window ``rank`` runs, in the global order."""
         return [(r, c, self.ys[r], x) for r in self.window_rows(rank) for c, x in enumerate(self.xs)]
 
+    def global_batches(self, rank, batch_size):
+        """Indices ``k`` of the batches ``rank`` runs: batch ``k`` holds the windows
+        ``k * batch_size`` to ``(k + 1) * batch_size - 1`` of the global order, as one rank would
+        batch them; ``rank`` runs those that hold a window of its rows (their other windows too)."""
+        rows = self.window_rows(rank)
+        if not rows:
+            return range(0)
+        first, end = rows[0] * len(self.xs), (rows[-1] + 1) * len(self.xs)
+        return range(first // batch_size, math.ceil(end / batch_size))
+
     def forward_batches(self, rank, batch_size):
-        return math.ceil(len(self.window_rows(rank)) * len(self.xs) / batch_size)
+        return len(self.global_batches(rank, batch_size))
 
     def forward_calls(self, batch_size):
         """Batches every rank runs: the maximum over ranks (the others pad with dummies)."""

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import rasterio
 import torch
+from affine import Affine
 from rasterio.transform import from_origin
 
 from ds_seg import inference as inf
@@ -110,18 +111,31 @@ def _block_rows(model, path, rank, world_size, **kw):
     return rows, inf.run_scene(model, path, sink, rank=rank, world_size=world_size, **kw)
 
 
-def test_ranks_split_bands_with_equal_forward_calls_and_identical_rows(scene):
+class BatchMates(LookupModel):
+    """LookupModel plus a little of the batch's mean: a window's output depends on its batch-mates,
+    as a real model's does in its last bits (the kernels a batch size picks)."""
+
+    def __call__(self, images_BCHW):
+        logits = super().__call__(images_BCHW)
+        logits[:, 0] += 1e-3 * images_BCHW.mean()  # one class only: softmax ignores a shift of all
+        return logits
+
+
+@pytest.mark.parametrize('model_class', [LookupModel, BatchMates])
+def test_ranks_split_bands_with_equal_forward_calls_and_identical_rows(scene, model_class):
     # In-process "ranks" (no process group): each computes only its band; together their block
     # rows are the single-rank rows bit for bit, and every rank makes the same number of
-    # forward calls.
+    # forward calls. Each rank runs the single rank's batches (batch-mates from other ranks'
+    # rows included): batched from its own first window, a batch-dependent model differed.
     path, _, ref = scene
-    kw = dict(mean=[0, 0], std=[1, 1], tile=48, overlap=12, batch_size=5, block=32)
-    single, _ = _block_rows(LookupModel(), path, 0, 1, **kw)
+    # 5 windows a row: batches of 7 straddle rows, and so the ranks' bands.
+    kw = dict(mean=[0, 0], std=[1, 1], tile=48, overlap=12, batch_size=7, block=32)
+    single, _ = _block_rows(model_class(), path, 0, 1, **kw)
     for world in (2, 3, 8):  # 8 ranks > 7 block rows: some ranks own nothing but still run
         stitched = {}
         calls = []
         for r in range(world):
-            model = LookupModel()
+            model = model_class()
             rows, out = _block_rows(model, path, r, world, **kw)
             a, b = out['band']
             assert all(a <= y0 < b for y0 in rows), (out['band'], sorted(rows))
@@ -1344,3 +1358,56 @@ def test_a_scene_smaller_than_the_tile_is_one_pass_at_its_own_size(tmp_path):
     padded, out = predict_classes(only_512, path, tmp_path, mean=mean, std=std, tile=512, overlap=128)
     assert out['windows'] == 1 and 0 < (padded != expect).mean() < 0.2  # the padding does change the edges
 
+
+
+def test_the_api_refuses_what_the_command_line_refuses_before_any_window(tmp_path):
+    """predict_scene wrote its class map over the scene it read (and a probs_path equal to out_path
+    was a GDAL error); a uint16 scene through a uint8 model's own normalisation was predicted
+    without a word; evaluate_scenes scored a label on another grid (size alone was checked).
+    predict.py and evaluate.py refused each of them; the API now does too."""
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    model, info = inf.load_model(weights)
+    kw = dict(tile=32, overlap=8)
+    before = open(scene, 'rb').read()
+    with pytest.raises(ValueError, match='would replace the scene it predicts'):
+        inf.predict_scene(model, scene, scene, **kw)
+    assert open(scene, 'rb').read() == before
+    out = str(tmp_path / 'same.tif')
+    with pytest.raises(ValueError, match='probs_path and out_path are both'):
+        inf.predict_scene(model, scene, out, probs_path=out, **kw)
+    # A uint8 copy of the uint16 scene (the model's statistics are in uint16 units).
+    with rasterio.open(scene) as src:
+        profile, pixels = src.profile, src.read()
+    small = str(tmp_path / 'uint8.tif')
+    with rasterio.open(small, 'w', **dict(profile, dtype='uint8', nodata=None)) as dst:
+        dst.write((pixels // 16).astype(np.uint8))
+    with pytest.raises(ValueError, match='holds uint8 pixels but the model was trained on uint16'):
+        inf.predict_scene(model, small, str(tmp_path / 'p.tif'), **kw)
+    with pytest.raises(ValueError, match='holds uint8 pixels but the model was trained on uint16'):
+        inf.evaluate_scenes(model, [(small, label)], **kw)
+    inf.predict_scene(model, small, str(tmp_path / 'p.tif'), mean=[90.0] * 3, std=[50.0] * 3, **kw)  # its units
+    # A label 100 km away on the same size of grid.
+    with rasterio.open(label) as src:
+        lprofile, lpixels = src.profile, src.read()
+    moved = str(tmp_path / 'moved.tif')
+    shifted = lprofile['transform'] * Affine.translation(1e5, 0)
+    with rasterio.open(moved, 'w', **dict(lprofile, transform=shifted)) as dst:
+        dst.write(lpixels)
+    with pytest.raises(ValueError, match='different geotransforms'):
+        inf.evaluate_scenes(model, [(scene, moved)], **kw)
+    assert inf.evaluate_scenes(model, [(scene, label)], **kw)['confusion'].sum() > 0
+
+
+@pytest.mark.parametrize('factor', [0.5, 2])
+def test_a_model_whose_logits_are_not_the_windows_size_is_named(tmp_path, factor):
+    """Half-size logits died in numpy's broadcasting; double-size ones were cut to their top-left
+    quarter and written without a word."""
+    path = str(tmp_path / 's.tif')
+    write_scene(path, 64, 64)
+
+    def resized(x):
+        return torch.nn.functional.interpolate(LookupModel()(x), scale_factor=factor)
+
+    with pytest.raises(ValueError, match=f'the model returns {int(32 * factor)}x{int(32 * factor)} logits for 32x32 '
+                                         'windows'):
+        predict_classes(resized, path, tmp_path, mean=[0, 0], std=[1, 1], tile=32, overlap=8)
