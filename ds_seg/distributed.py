@@ -201,8 +201,9 @@ def check_environment():
     if value is not None and value not in ('', '0', '1'):
         raise ConfigError(f"DS_SEG_CPU_FP16={value!r}: give 1 (native fp16 on a CPU) or 0, or unset it.")
     port = os.environ.get('MASTER_PORT')
-    if port is not None and not (port.strip().isdigit() and 1 <= int(port) <= 65535):
+    if port is not None and not (port.strip().isdigit() and int(port) <= 65535):
         # torch's rendezvous said it in a traceback from every rank ("invalid literal for int()").
+        # (0 is valid: the store picks a free port, as one rank or a file:// rendezvous may ask.)
         raise ConfigError(f"MASTER_PORT={port!r}: give the rendezvous port, a number from 1 to 65535 "
                           "(or unset it where the launcher sets it).")
 
