@@ -98,7 +98,7 @@ def expand_inputs(paths, option='--input'):
     import rasterio
     from rasterio.windows import Window
 
-    from .data.raster import gdal_message, gdal_path, is_remote, raster_env, remote_hint
+    from .data.raster import gdal_message, gdal_path, is_remote, opening_env, remote_hint
 
     def scenes_only(path, found):
         """Scenes, not predict's own outputs: a folder (or glob) predicted into itself holds the
@@ -146,7 +146,7 @@ def expand_inputs(paths, option='--input'):
         if os.path.isfile(path) and os.path.getsize(path) == 0:
             raise ConfigError(f'{option}: {path} is empty (0 bytes); copy or download it again.')
         try:
-            with raster_env(path), rasterio.open(gdal_path(path)) as src:
+            with opening_env(path), rasterio.open(gdal_path(path)) as src:
                 src.read(1, window=Window(src.width - 1, src.height - 1, 1, 1))
         except rasterio.errors.RasterioError as exc:
             if is_remote(path):
@@ -455,10 +455,10 @@ def check_bands(path, bands, in_channels=None, option='--input', colours=None):
     where this raster's tags say the selection holds others (a BGR scene for an RGB model)."""
     import rasterio
 
-    from .data.raster import (alpha_as_data_refusal, colour_order_refusal, gdal_path, pixel_type_refusal,
-                              raster_env)
+    from .data.raster import (alpha_as_data_refusal, colour_order_refusal, gdal_path, opening_env,
+                              pixel_type_refusal)
     from rasterio.enums import ColorInterp
-    with raster_env(path), rasterio.open(gdal_path(path)) as src:
+    with opening_env(path), rasterio.open(gdal_path(path)) as src:
         count = src.count
         refusal = pixel_type_refusal(path, src.dtypes)
         if refusal:

@@ -62,8 +62,8 @@ from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
 from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, boundary_mask,
-                     colours_conflict, file_identity, gdal_path, is_remote, label_nodata, nodata_mask, open_raster, pixel_grid,
-                     pixel_type_refusal, raster_env, read_error, read_label_band, read_window, same_file_key,
+                     colours_conflict, file_identity, gdal_path, is_remote, label_nodata, nodata_mask, open_raster,
+                     opening_env, pixel_grid, pixel_type_refusal, raster_env, read_error, read_label_band, read_window, same_file_key,
                      same_pixels, same_value, user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
@@ -1278,7 +1278,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             self._pid = os.getpid()
         src = self._handles.get(path)
         if src is None:
-            with warnings.catch_warnings(), raster_env(path):
+            with warnings.catch_warnings(), opening_env(path):
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
                 src = rasterio.open(gdal_path(path))
             self._handles[path] = src

@@ -109,11 +109,18 @@ def raster_env(path):
     """
     # A VRT (STAC bands stacked) may point at remote assets: its reads need the options too.
     if is_remote(path) or os.fspath(path).lower().endswith('.vrt'):
-        refusal = remote_sidecar_refusal(os.fspath(path))
-        if refusal:
-            raise DataError(refusal)
         return rasterio.Env(**remote_gdal_options())
     return contextlib.nullcontext()
+
+
+def opening_env(path):
+    """:func:`raster_env` for opening ``path``: a URL with a sidecar its remote reads would miss is
+    refused first (:func:`remote_sidecar_refusal`). At opening only, not in ``raster_env``, which
+    wraps every window read: the check's requests stay off the read path."""
+    refusal = remote_sidecar_refusal(os.fspath(path)) if is_remote(path) else None
+    if refusal:
+        raise DataError(refusal)
+    return raster_env(path)
 
 
 # What in a PAM file (.aux.xml) changes where a raster's pixels are or what they mean; the rest
@@ -376,7 +383,7 @@ def open_raster(path):
     """
     if is_remote(path):
         try:
-            with raster_env(path), warnings.catch_warnings():
+            with opening_env(path), warnings.catch_warnings():
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
                 return rasterio.open(gdal_path(path))
         except rasterio.errors.RasterioIOError as e:
@@ -502,7 +509,7 @@ def open_scene(path):
         with StackedRaster(path) as src:
             yield src
         return
-    with raster_env(path):
+    with opening_env(path):
         with warnings.catch_warnings():
             warnings.simplefilter('ignore', NotGeoreferencedWarning)  # PNG/JPG patches, ISPRS labels
             src = rasterio.open(gdal_path(path))

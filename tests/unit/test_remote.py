@@ -320,3 +320,13 @@ def test_a_url_with_a_mask_or_georeferencing_beside_it_is_one_line(tmp_path):
             assert src.crs == grid['crs']
         signed = server.url('m.tif?X-Amz-Signature=abc')   # this server ignores the query: the sibling is found
         assert 'm.tif.msk beside it' in remote_sidecar_refusal(signed)
+        # Checked where a file is opened, not in raster_env, which wraps every window read: there
+        # its requests hung on the read path (cached per process, up to 4096 URLs).
+        from ds_seg.data.raster import raster_env
+        remote_sidecar_refusal.cache_clear()
+        server.reset()
+        with raster_env(server.url('m.tif')):
+            pass
+        assert server.requests == 0
+        with pytest.raises(DataError, match=r'm.tif.msk beside it'):
+            open_raster(server.url('m.tif'))
