@@ -194,7 +194,7 @@ class WorkDirLock:
 def check_work_dir_entries(work_dir):
     """Refuse, before any step, an entry of ``work_dir`` a run cannot use: a ``checkpoints`` the
     first save cannot write into: a symbolic link to nothing (scratch purged, a file system not mounted), a file,
-    a ``latest`` that is a folder, a folder this process cannot write (found at the first save,
+    a ``latest`` or ``best`` that is a folder, a folder this process cannot write (found at the first save,
     each cost ``checkpoint_interval`` steps of training, on every requeue of the job); and a
     ``previous`` that is a file."""
     from ..config import ConfigError
@@ -206,10 +206,13 @@ def check_work_dir_entries(work_dir):
     if os.path.lexists(root) and not os.path.isdir(root):
         raise ConfigError(f'--work-dir: {root} is a file, not the folder checkpoints are written into; move it '
                           'away, or choose another --work-dir.')
-    latest = os.path.join(root, 'latest')
-    if os.path.isdir(latest):
-        raise ConfigError(f'--work-dir: {latest} is a folder, where the name of the newest checkpoint is written; '
-                          'move it away, or choose another --work-dir.')
+    from .checkpoint import POINTERS
+    for name in POINTERS:  # latest, best (train.save_best): files that name a checkpoint
+        pointer = os.path.join(root, name)
+        if os.path.isdir(pointer):
+            what = 'the newest' if name == 'latest' else 'the best'
+            raise ConfigError(f'--work-dir: {pointer} is a folder, where the name of {what} checkpoint is written; '
+                              'move it away, or choose another --work-dir.')
     if os.path.isdir(root):
         check_writable(root, '--work-dir')
     previous = os.path.join(work_dir, 'previous')

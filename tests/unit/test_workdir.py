@@ -243,6 +243,7 @@ def test_an_empty_output_folder_is_refused_before_the_model_is_loaded(tmp_path, 
     ('dangling', 'checkpoints is a symbolic link to'),
     ('file', 'checkpoints is a file, not the folder checkpoints are written into'),
     ('latest_folder', 'latest is a folder, where the name of the newest checkpoint is written'),
+    ('best_folder', 'best is a folder, where the name of the best checkpoint is written'),
     ('previous_file', 'previous is a file, where the logs of earlier runs are moved to'),
     ('lock_folder', '.ds_seg.lock is a folder, where ds_seg keeps the lock file'),
 ])
@@ -265,7 +266,7 @@ def test_a_checkpoints_folder_the_first_save_cannot_use_is_refused_before_any_st
     elif layout == 'lock_folder':
         (work / LOCK_NAME).mkdir()
     else:
-        (work / 'checkpoints' / 'latest').mkdir(parents=True)
+        (work / 'checkpoints' / layout.split('_')[0]).mkdir(parents=True)
     before = sorted(os.listdir(work))
     assert train.main(['--config', 'unet_tiny_synthetic', '--work-dir', str(work), *resume, '--cfg-options',
                        'train.max_steps=2', f'data.train.cache_dir={str(tmp_path)!r}',
