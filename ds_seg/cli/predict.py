@@ -227,35 +227,26 @@ def check_tile_fits(forward_fn, info, tile, bands, device):
 
 
 def check_pixel_type(path, info, args, option='--input'):
-    """The recorded mean/std are in the units of the training scenes' pixel type: a uint16 scene
-    through a uint8 model's statistics predicts garbage without a word. Refused, unless the
-    command line gives the statistics for this scene's units."""
-    from ds_seg.data.raster import open_raster
-    trained = (info.get('data') or {}).get('dtype')
-    if not trained or (args.mean and args.std):
+    """Refused as :func:`ds_seg.inference.model.trained_dtype_refusal` says, unless the command line
+    gives the statistics for this scene's units."""
+    from ds_seg.inference.model import trained_dtype_refusal
+    if args.mean and args.std:
         return
-    with open_raster(path) as src:
-        if src.dtypes[0] != trained:
-            raise ConfigError(f"{option} {path} holds {src.dtypes[0]} pixels but the model was trained on {trained} "
-                              f"(its mean/std are in those units); convert the scene (gdal_translate -ot), or "
-                              f"give --mean and --std for its units")
+    refusal = trained_dtype_refusal((info.get('data') or {}).get('dtype'), path)
+    if refusal:
+        raise ConfigError(f"{option} {refusal}, or give --mean and --std for its units")
 
 
 def check_band_count(path, info, args, option='--input'):
-    """A model trained on every band of its files (4 of 4) read the first 4 bands of a 6-band
-    scene without a word: another sensor product, or the same bands in another order. Such a
-    scene needs --bands saying which of its bands are the model's."""
-    from ds_seg.data.raster import open_raster
-    data = info.get('data') or {}
-    trained, bands = data.get('file_bands'), data.get('bands')
-    if args.bands or not trained or not bands:
+    """Refused as :func:`ds_seg.inference.model.band_count_refusal` says, unless --bands says
+    which of the scene's bands are the model's."""
+    from ds_seg.inference.model import band_count_refusal
+    if args.bands:
         return
-    with open_raster(path) as src:
-        count = src.count
-    if count != trained:
-        raise ConfigError(f"{option} {path} has {count} bands, but the model was trained on files of {trained} "
-                          f"(its bands {' '.join(map(str, bands))}); say which of this scene's bands those are "
-                          f"with --bands (e.g. --bands {' '.join(map(str, bands))})")
+    refusal = band_count_refusal(info.get('data'), path)
+    if refusal:
+        bands = ' '.join(map(str, info['data']['bands']))
+        raise ConfigError(f"{option} {refusal} with --bands (e.g. --bands {bands})")
 
 
 def _written_by_predict(path, kind):

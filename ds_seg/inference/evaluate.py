@@ -18,7 +18,7 @@ from ..data.raster import boundary_mask, label_nodata, open_scene, read_label_ba
 from ..data.vector_labels import is_vector
 from ..metrics import confusion_matrix
 from .engine import run_scene
-from .model import pixel_type_mismatch, training_normalisation
+from .model import scene_refusal, training_normalisation
 from .writer import CLASS_NODATA
 
 
@@ -86,6 +86,7 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
     # own statistics (computed from the validation scenes, which differ).
     trained = training_normalisation(forward_fn)
     own_normalisation = mean is None and std is None and trained[0] is not None
+    bands_given = bands is not None
     if own_normalisation:
         mean, std = trained[0], trained[1]
         bands = trained[2] if bands is None else bands
@@ -110,7 +111,7 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
     image_pixels = torch.zeros((), dtype=torch.int64)  # pixels holding data: an all-nodata image is named
     pairs = scene_pairs(scenes)
     for image_path, label_path in pairs:  # every scene before the first window, as evaluate.py does
-        refusal = own_normalisation and pixel_type_mismatch(forward_fn, image_path)
+        refusal = own_normalisation and scene_refusal(forward_fn, image_path, bands_given=bands_given)
         if refusal:
             raise ValueError(f"evaluate_scenes: {refusal}")
         if dataset is None and isinstance(image_path, (str, os.PathLike)) and not is_vector(label_path):

@@ -64,20 +64,51 @@ def load_model(path, device='cpu'):
                        source=source, step=step)
 
 
-def pixel_type_mismatch(forward_fn, image_path):
-    """Why a model from :func:`load_model` cannot take ``image_path`` with its own normalisation,
-    or None: its mean/std are in the units of its training scenes' pixel type (a uint16 scene
-    through a uint8 model's statistics predicts garbage without a word; predict.py and
-    evaluate.py refused it, the API did not)."""
-    trained = (getattr(forward_fn, 'training_normalisation', None) or {}).get('dtype')
-    if not trained:
+def trained_dtype_refusal(trained_dtype, path):
+    """Why the scene at ``path`` cannot take statistics measured on ``trained_dtype`` pixels, or
+    None: mean/std are in the units of the training scenes' pixel type, and a uint16 scene
+    through a uint8 model's statistics predicts garbage without a word. Shared by predict.py,
+    evaluate.py and the API; each adds how to give other statistics."""
+    if not trained_dtype:
         return None
-    from ..data.raster import open_scene
-    with open_scene(image_path) as src:
-        if src.dtypes[0] != trained:
-            return (f"{image_path} holds {src.dtypes[0]} pixels but the model was trained on {trained} "
-                    f"(its mean/std are in those units); convert the scene (gdal_translate -ot), or give "
-                    f"mean= and std= for its units")
+    from ..data.raster import open_raster
+    with open_raster(path) as src:
+        if src.dtypes[0] == trained_dtype:
+            return None
+        return (f"{path} holds {src.dtypes[0]} pixels but the model was trained on {trained_dtype} (its mean/std "
+                f"are in those units); convert the scene (gdal_translate -ot)")
+
+
+def band_count_refusal(data, path):
+    """Why a model trained on every band of its files (``data``: load_model's ``info['data']``)
+    cannot read the scene at ``path`` without being told its bands, or None: it read the first 4
+    bands of a 6-band scene without a word (another sensor product, or another band order). Each
+    caller adds how to say which bands."""
+    trained, bands = (data or {}).get('file_bands'), (data or {}).get('bands')
+    if not trained or not bands:
+        return None
+    from ..data.raster import open_raster
+    with open_raster(path) as src:
+        count = src.count
+    if count == trained:
+        return None
+    return (f"{path} has {count} bands, but the model was trained on files of {trained} (its bands "
+            f"{' '.join(map(str, bands))}); say which of this scene's bands those are")
+
+
+def scene_refusal(forward_fn, image_path, bands_given):
+    """The API's own checks of a scene against a model from :func:`load_model` whose training
+    normalisation it takes (predict.py and evaluate.py refuse the same): its pixel type, and,
+    for a one-file scene without ``bands=``, its band count. The line, or None."""
+    data = getattr(forward_fn, 'training_normalisation', None) or {}
+    first = image_path if isinstance(image_path, (str, os.PathLike)) else list(image_path)[0]
+    refusal = trained_dtype_refusal(data.get('dtype'), first)
+    if refusal:
+        return f"{refusal}, or give mean= and std= for its units"
+    if not bands_given and isinstance(image_path, (str, os.PathLike)):
+        refusal = band_count_refusal(data, image_path)
+        if refusal:
+            return f"{refusal} with bands= (e.g. bands={list(data['bands'])})"
     return None
 
 

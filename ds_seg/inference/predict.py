@@ -11,9 +11,9 @@ import numpy as np
 from .. import distributed
 from ..data.raster import open_scene
 from .engine import run_scene
-from .model import pixel_type_mismatch, training_normalisation
+from .model import scene_refusal, training_normalisation
 from .tiling import ScenePlan
-from ..inputs import partial_path, publish, remove_quietly, remove_stale_partials, run_token
+from ..inputs import check_outputs, partial_path, publish, remove_quietly, remove_stale_partials, run_token
 from .writer import CLASS_NODATA, GeoTiffRowWriter, join_parts
 
 
@@ -52,18 +52,16 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
     """
     if mean is None and std is None:  # a model from load_model knows them
         mean, std, trained_bands = training_normalisation(forward_fn)
-        bands = trained_bands if bands is None else bands
-        refusal = mean is not None and pixel_type_mismatch(forward_fn, image_path)
+        refusal = mean is not None and scene_refusal(forward_fn, image_path, bands_given=bands is not None)
         if refusal:
             raise ValueError(f"predict_scene: {refusal}")
+        bands = trained_bands if bands is None else bands
     if mean is None or std is None:
         raise ValueError("predict_scene: mean and std (the training normalisation) are required")
-    # Before any window: the class map written over the scene it reads (the CLI refused it).
-    scene_files = {os.path.realpath(p) for p in ([image_path] if isinstance(image_path, (str, os.PathLike))
-                                                 else image_path) if os.path.exists(p)}
-    for path in (out_path, probs_path):
-        if path and os.path.realpath(path) in scene_files:
-            raise ValueError(f"predict_scene: writing {path} would replace the scene it predicts; choose another name")
+    # Before any window, as predict.py: a class map written over the scene it reads, or over the
+    # probabilities (a GDAL error after the whole scene).
+    scene_files = [image_path] if isinstance(image_path, (str, os.PathLike)) else list(image_path)
+    check_outputs([p for p in (out_path, probs_path) if p], scene_files, overwrite=True, option='predict_scene')
     if probs_path and os.path.realpath(probs_path) == os.path.realpath(out_path):
         raise ValueError(f"predict_scene: probs_path and out_path are both {out_path}; give each its own file")
     if classes is None:  # a model from load_model knows its class names

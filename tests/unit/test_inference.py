@@ -1369,7 +1369,7 @@ def test_the_api_refuses_what_the_command_line_refuses_before_any_window(tmp_pat
     model, info = inf.load_model(weights)
     kw = dict(tile=32, overlap=8)
     before = open(scene, 'rb').read()
-    with pytest.raises(ValueError, match='would replace the scene it predicts'):
+    with pytest.raises(ValueError, match='would replace the input of the same name'):
         inf.predict_scene(model, scene, scene, **kw)
     assert open(scene, 'rb').read() == before
     out = str(tmp_path / 'same.tif')
@@ -1386,6 +1386,15 @@ def test_the_api_refuses_what_the_command_line_refuses_before_any_window(tmp_pat
     with pytest.raises(ValueError, match='holds uint8 pixels but the model was trained on uint16'):
         inf.evaluate_scenes(model, [(small, label)], **kw)
     inf.predict_scene(model, small, str(tmp_path / 'p.tif'), mean=[90.0] * 3, std=[50.0] * 3, **kw)  # its units
+    # A 5-band product for a model of every band of 3-band files: its first 3 bands were read.
+    wide = str(tmp_path / 'wide.tif')
+    with rasterio.open(wide, 'w', **dict(profile, count=5)) as dst:
+        dst.write(np.concatenate([pixels, pixels[:2]]))
+    model.training_normalisation = dict(info['data'], file_bands=3)
+    with pytest.raises(ValueError, match=r'wide.tif has 5 bands, but the model was trained on files of 3 .* with '
+                                         r'bands= \(e.g. bands=\[1, 2, 3\]\)'):
+        inf.predict_scene(model, wide, str(tmp_path / 'w.tif'), **kw)
+    inf.predict_scene(model, wide, str(tmp_path / 'w.tif'), bands=[3, 2, 1], **kw)  # told which bands
     # A label 100 km away on the same size of grid.
     with rasterio.open(label) as src:
         lprofile, lpixels = src.profile, src.read()
