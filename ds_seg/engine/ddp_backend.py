@@ -73,8 +73,13 @@ def build_scheduler(optimizer, scheduler_cfg):
     return cls(optimizer, **scheduler_cfg.get('params', {}))
 
 
-def _not_finite(grads):
-    return bool(grads) and not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+def _norm_and_overflow(grads):
+    """``(global norm as a device tensor, or None; whether it is not finite)``: the overflow check
+    reads the norm once on the host, and the step clips with the same norm (no second pass)."""
+    if not grads:
+        return None, False
+    norm = torch.nn.utils.get_total_norm(grads)
+    return norm, not bool(torch.isfinite(norm))
 
 
 class DeepSpeedLossScale:
@@ -123,11 +128,11 @@ class DeepSpeedLossScale:
         return loss * self.cur_scale
 
     def unscale(self, optimizer, params):
-        """Divide the gradients by the scale; True where one of them is not finite (a host read)."""
+        """Divide the gradients by the scale; ``(their norm, whether one is not finite)`` (a host read)."""
         grads = [p.grad for p in params]
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.cur_scale)
-        return _not_finite(grads)
+        return _norm_and_overflow(grads)
 
     def step(self, optimizer, overflow):
         if not overflow:
@@ -164,7 +169,7 @@ class TorchLossScale:
 
     def unscale(self, optimizer, params):
         self.scaler.unscale_(optimizer)
-        return _not_finite([p.grad for p in params])
+        return _norm_and_overflow([p.grad for p in params])
 
     def step(self, optimizer, overflow):
         self.scaler.step(optimizer)   # skips the step where unscale_ found an overflow
@@ -293,14 +298,18 @@ class DDPBackend:
         params = [p for p in self.ddp.parameters() if p.grad is not None]
         # fp16: gradients unscaled, and whether any is not finite decided on the host (so the
         # step and the schedule skip it, as DeepSpeed's do); bf16/fp32 steps read nothing.
-        overflow = self.scaler is not None and self.scaler.unscale(self.optimizer, params)
+        norm, overflow = self.scaler.unscale(self.optimizer, params) if self.scaler is not None else (None, False)
         # The norm stays a device tensor until grad_norm() is called at a log step.
         if overflow:
             self._grad_norm = torch.tensor(float('inf'))
         elif self.clip > 0:
-            self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip)
+            if norm is None:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            # What clip_grad_norm_ does, with the norm fp16's overflow check already took.
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
+            self._grad_norm = norm
         elif want_grad_norm:
-            self._grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            self._grad_norm = norm if norm is not None else torch.nn.utils.get_total_norm([p.grad for p in params])
         if self.scaler is not None:
             self.scaler.step(self.optimizer, overflow)
         else:
