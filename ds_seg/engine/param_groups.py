@@ -59,6 +59,13 @@ def _fresh_prefixes(model):
                  if name.startswith('backbone') for part in getattr(module, 'fresh_modules', ()))
 
 
+def _ndim(param):
+    """Dimensions of the parameter as the model defines it: under ZeRO-3 it is built partitioned,
+    an empty 1-D tensor with the real shape in ``ds_shape`` (every weight counted as a bias or norm,
+    and ``no_weight_decay`` switched weight decay off for all of them)."""
+    return len(getattr(param, 'ds_shape', param.shape))
+
+
 def _in_backbone(name, fresh):
     return name.startswith('backbone.') and not name.startswith(fresh)
 
@@ -109,7 +116,7 @@ def build_param_groups(model, optim_cfg):
         in_backbone = _in_backbone(name, fresh)
         if in_backbone:
             mult *= backbone_mult
-        decay = not (no_weight_decay and (param.ndim <= 1 or name.rsplit('.', 1)[-1] in NO_DECAY_NAMES))
+        decay = not (no_weight_decay and (_ndim(param) <= 1 or name.rsplit('.', 1)[-1] in NO_DECAY_NAMES))
         key = (layer if layer_decay is not None else 0, in_backbone, mult, decay)
         group = groups.setdefault(key, {'params': [], 'lr_mult': mult,
                                         'name': f'layer{key[0]}{"_backbone" if key[1] else ""}'
@@ -120,6 +127,16 @@ def build_param_groups(model, optim_cfg):
     # The heads' group (lr_mult 1) first whatever the other multipliers: backends log the first
     # group's LR (a backbone_lr_mult of 2 logged the backbone's, twice the heads').
     return sorted(groups.values(), key=lambda g: (g['lr_mult'] != 1.0, -g['lr_mult'], g['name']))
+
+
+def group_layout(groups):
+    """What a checkpoint records of :func:`build_param_groups`' answer: ``[name, lr_mult,
+    weight_decay override or None, number of tensors]`` per group, or None for one plain group. A
+    resume restores every group's settings from the optimizer state, so other groups (another
+    ``optim`` recipe) cannot continue it."""
+    if not groups or not isinstance(groups[0], dict):
+        return None
+    return [[g['name'], g['lr_mult'], g.get('weight_decay'), len(g['params'])] for g in groups]
 
 
 def apply_schedule_now(scheduler):

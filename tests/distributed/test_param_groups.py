@@ -1,6 +1,7 @@
 """The ViT fine-tuning recipe (optim.layer_decay, optim.paramwise) reaches the optimizer as the same
 parameter groups under DeepSpeed (ZeRO-2) and DDP, and the LR schedule scales every group
-proportionally at every step (2 CPU ranks, a tiny DINOv2-reg4 UperNet, 4 steps)."""
+proportionally at every step (2 CPU ranks, a tiny DINOv2-reg4 UperNet, 4 steps). ZeRO-3 builds the
+model partitioned (every parameter an empty 1-D tensor) and gets the same groups."""
 import os
 
 import pytest
@@ -13,7 +14,7 @@ STEPS = 4
 RECIPE = dict(layer_decay=0.5, backbone_lr_mult=0.1)
 
 
-def _group_lrs(tmp, backend):
+def _group_lrs(tmp, backend, stage=2):
     """Train STEPS steps, recording (name, lr, weight_decay) of every group after each."""
     from ds_seg.engine.trainer import Trainer
     cache = os.path.join(tmp, 'cache')
@@ -22,8 +23,8 @@ def _group_lrs(tmp, backend):
         'data.val.scene_size=128', 'data.crop_size=64', f'train.max_steps={STEPS}', 'train.eval_interval=0',
         'train.checkpoint_interval=0', f'optim.layer_decay={RECIPE["layer_decay"]}',
         'optim.paramwise.no_weight_decay=True', f'optim.paramwise.backbone_lr_mult={RECIPE["backbone_lr_mult"]}'])
-    ds = ds_config(2, micro_batch=1)
-    trainer = Trainer(cfg, ds, backend=backend, work_dir=os.path.join(tmp, backend))
+    ds = ds_config(stage, micro_batch=1)
+    trainer = Trainer(cfg, ds, backend=backend, work_dir=os.path.join(tmp, f'{backend}{stage}'))
     rows = []
     step = trainer.backend.step
 
@@ -43,8 +44,9 @@ def _group_lrs(tmp, backend):
 
 
 def _both(tmp):
-    """On each rank, one process group (process start-up dominates): DeepSpeed, then DDP."""
-    return {b: _group_lrs(tmp, b) for b in ('deepspeed', 'ddp')}
+    """On each rank, one process group (process start-up dominates): DeepSpeed, DDP, ZeRO-3."""
+    return dict(deepspeed=_group_lrs(tmp, 'deepspeed'), ddp=_group_lrs(tmp, 'ddp'),
+                zero3=_group_lrs(tmp, 'deepspeed', stage=3))
 
 
 @pytest.fixture(scope='module')
@@ -53,8 +55,11 @@ def lrs(tmp_path_factory):
     return run_on_ranks(_both, 2, args=(tmp,), timeout=300)[0]
 
 
-def test_group_lrs_per_step_equal_under_deepspeed_and_ddp(lrs):
-    ds, ddp = lrs['deepspeed'], lrs['ddp']
+@pytest.mark.parametrize('engine', ['deepspeed', 'zero3'])
+def test_group_lrs_per_step_equal_under_deepspeed_and_ddp(lrs, engine):
+    """ZeRO-3 put every parameter in a no-decay group (its partitions are 1-D): no_weight_decay
+    switched weight decay off for every weight."""
+    ds, ddp = lrs[engine], lrs['ddp']
     assert len(ds) == len(ddp) == STEPS
     for step, (a, b) in enumerate(zip(ds, ddp)):
         assert [(n, wd) for n, _, wd, _ in a] == [(n, wd) for n, _, wd, _ in b], step
