@@ -17,6 +17,7 @@ class Backend(Protocol):
     global_batch: int
     state_partitioned: bool        # optimizer state split over ranks (resume elsewhere reshards)
     optimizer_impl: str            # what runs the update, e.g. 'torch.AdamW fused' (speed.optimizer_impl)
+    param_group_layout: Optional[list]  # param_groups.group_layout of the optimizer's groups
 
     @property
     def module(self) -> torch.nn.Module: ...

@@ -79,6 +79,17 @@ def _model_dict(model_cfg):
     return model_cfg.to_dict() if hasattr(model_cfg, 'to_dict') else dict(model_cfg)
 
 
+def _flat(settings, prefix=''):
+    """``{'paramwise': {'backbone_lr_mult': 0.1}}`` as ``{'paramwise.backbone_lr_mult': 0.1}``."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f'{prefix}{key}.'))
+        else:
+            flat[f'{prefix}{key}'] = value
+    return flat
+
+
 class Checkpointer:
     def __init__(self, work_dir, spec, backend, cfg, train_set, report):
         self.work_dir, self.spec, self.backend, self.cfg = work_dir, spec, backend, cfg
@@ -128,6 +139,8 @@ class Checkpointer:
                                             'optimizer_params': restored_hyperparameters(self.spec.ds_config),
                                             'loss_scaling': loss_scaling(self.spec.ds_config),
                                             'schedule': self.spec.ds_config.get('scheduler'),
+                                            'param_groups': self.backend.param_group_layout,
+                                            'optim': _model_dict(self.cfg.get('optim') or {}),
                                             **({'best_metric': self.best_metric} if best_record is not None else {})},
                               best=best_record is not None)
         if best_record is not None:
@@ -304,6 +317,9 @@ class Checkpointer:
         refusal = self.backend.resume_refusal(marker, where)
         if refusal:
             raise ConfigError(refusal)
+        refusal = self._check_param_groups(marker, where)
+        if refusal:
+            raise ConfigError(refusal)
         saved_shapes = marker.get('param_shapes')
         if saved_shapes is not None:
             now = self.param_shapes()
@@ -317,6 +333,25 @@ class Checkpointer:
                 raise ConfigError(f"--resume: {where} holds a differently shaped model "
                                   f"({'; '.join(keys) or shown}); {len(differ)} tensor(s) differ, e.g. {shown}. "
                                   "Use the config it was trained with, or a new --work-dir.")
+
+    def _check_param_groups(self, marker, where):
+        """The refusal line for a checkpoint whose optimizer groups are not this run's, or None.
+        A resume restores each group's settings (``lr_mult``, ``weight_decay``) from the optimizer
+        state: another ``backbone_lr_mult`` was recorded and never applied, and another grouping
+        (``layer_decay``, ``no_weight_decay``) failed inside DeepSpeed's loader with a traceback."""
+        if 'param_groups' not in marker:  # a checkpoint from before this was recorded: not checked
+            return None
+        saved, now = marker['param_groups'], self.backend.param_group_layout
+        if saved == now:
+            return None
+        old, new = marker.get('optim') or {}, _model_dict(self.cfg.get('optim') or {})
+        keys = sorted(k for k in set(_flat(old)) | set(_flat(new)) if _flat(old).get(k) != _flat(new).get(k))
+        said = ', '.join(f'optim.{k} {_flat(old).get(k, "(default)")!r} there, {_flat(new).get(k, "(default)")!r} here'
+                         for k in keys) or f'{len(saved or [1])} parameter group(s) there, {len(now or [1])} here'
+        return (f"--resume: {where} was trained with other optimizer parameter groups ({said}); its optimizer "
+                "state holds each group's learning-rate multiplier and weight decay, which a resume restores. "
+                "Resume with the checkpoint's optim settings, or start a new run from its weights "
+                "(launch/export.py, then load_from=).")
 
     def _check_data(self, marker, classes, where):
         """The refusal line for a checkpoint trained on other data, or None (after adopting its

@@ -16,7 +16,7 @@ from .. import distributed
 from ..config import ConfigError
 from .common import average_batchnorm_buffers, prepare_batchnorm
 from .optimizer_state import kept_implementation
-from .param_groups import apply_schedule_now, build_param_groups, scale_lr_by_group
+from .param_groups import apply_schedule_now, build_param_groups, group_layout, scale_lr_by_group
 from . import speed
 
 # Keys of DeepSpeed's optimizer params that choose an implementation, not a hyper-parameter.
@@ -229,8 +229,9 @@ class DDPBackend:
             # (and as fast); it was ignored, DDP reducing in fp32.
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             self.ddp.register_comm_hook(None, getattr(default_hooks, hook))
-        self.optimizer = build_optimizer(build_param_groups(model, optim_cfg), ds_config.get('optimizer', {'type': 'AdamW'}),
-                                         device)
+        param_groups = build_param_groups(model, optim_cfg)
+        self.param_group_layout = group_layout(param_groups)
+        self.optimizer = build_optimizer(param_groups, ds_config.get('optimizer', {'type': 'AdamW'}), device)
         self.optimizer_impl = speed.optimizer_impl(self.optimizer, spec.device)
         self.scheduler = build_scheduler(self.optimizer, ds_config.get('scheduler'))
         scale_lr_by_group(self.optimizer, self.scheduler)  # optim.layer_decay / paramwise multipliers

@@ -12,7 +12,7 @@ from . import ds_workarounds, speed
 from .common import (BATCHNORM_STATS, average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32,
                      prepare_batchnorm)
 from .optimizer_state import base_optimizer, kept_implementation
-from .param_groups import apply_schedule_now, build_param_groups, scale_lr_by_group
+from .param_groups import apply_schedule_now, build_param_groups, group_layout, scale_lr_by_group
 
 
 # Packages of DeepSpeed's experiment monitors -> the JSON block that starts them.
@@ -54,6 +54,7 @@ class DeepSpeedBackend:
         # Only the activations go channels_last (forward()).
         self.channels_last = spec.channels_last
         param_groups = build_param_groups(model, optim_cfg)  # its refusals name the config's optim keys
+        self.param_group_layout = group_layout(param_groups)
         try:
             with ds_workarounds.inert_initial_fp16_step():
                 self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(

@@ -172,6 +172,49 @@ def test_a_resume_that_changes_restored_optimizer_settings_is_refused(tmp_path, 
         assert 'Resume with the checkpoint\'s values' in got
 
 
+def _resume_with_optim(tmp, backend, stage, model, before, after):
+    """Two steps with the ``optim`` options ``before``, then a resume to 3 with ``after``: the
+    refusal line, or the resumed run's groups as (name, lr_mult)."""
+    from ds_seg.config import ConfigError, REPO_ROOT, load_config
+    from ds_seg.engine.trainer import Trainer
+    cache = os.path.join(tmp, 'cache')
+    config = dict(unet='unet_tiny_synthetic.py', dinov2='upernet_dinov2_tiny_synthetic.py')[model]
+    for steps, resume, optim in ((2, None, before), (3, 'auto', after)):
+        cfg = load_config(str(REPO_ROOT / 'configs' / config), [
+            f'data.train.cache_dir={cache!r}', f'data.val.cache_dir={cache!r}', 'data.train.scene_size=128',
+            'data.val.scene_size=128', 'data.crop_size=64', f'train.max_steps={steps}', 'train.eval_interval=0',
+            'train.checkpoint_interval=2', *[f'optim.{k}={v!r}' for k, v in optim.items()]])
+        try:
+            trainer = Trainer(cfg, ds_config(stage, micro_batch=1), backend=backend, work_dir=os.path.join(tmp, 'w'),
+                              resume=resume)
+        except ConfigError as exc:
+            return str(exc)
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    return [(g['name'], g['lr_mult']) for g in _base_optimizer(trainer.backend).param_groups]
+
+
+@pytest.mark.parametrize('backend, stage, model, before, after, refused', [
+    ('deepspeed', 2, 'dinov2', {'paramwise.backbone_lr_mult': 0.1}, {'paramwise.backbone_lr_mult': 0.5},
+     'optim.paramwise.backbone_lr_mult 0.1 there, 0.5 here'),
+    ('ddp', 0, 'unet', {}, {'paramwise.no_weight_decay': True},
+     'optim.paramwise.no_weight_decay False there, True here'),
+    ('deepspeed', 3, 'dinov2', {'paramwise.backbone_lr_mult': 0.1}, {'paramwise.backbone_lr_mult': 0.1}, None),
+])
+def test_a_resume_with_other_parameter_groups_is_refused(tmp_path, backend, stage, model, before, after, refused):
+    """The optimizer state holds each group's lr_mult and weight decay, and a resume restores them:
+    another backbone_lr_mult trained at the old one while config.json said the new one, and
+    another grouping (no_weight_decay, layer_decay) was a traceback from the optimizer's loader."""
+    got = run_on_ranks(_resume_with_optim, 1, args=(str(tmp_path), backend, stage, model, before, after))[0]
+    if refused is None:
+        assert isinstance(got, list) and ('layer0_backbone', 0.1) in got and ('layer0', 1.0) in got, got
+    else:
+        assert isinstance(got, str) and got.startswith('--resume: ') and refused in got, got
+        assert "Resume with the checkpoint's optim settings" in got
+
+
 def _resume_fused(tmp, backend, stage):
     """Two steps with torch's default AdamW, then a resume with ``fused: true`` (a run moved to a
     node where ds_seg picks the fused one): the base optimizer's fused flag and step counts as the
