@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -449,6 +450,29 @@ def test_sbatch_template_run_outside_slurm_exits_75_after_its_stop(tmp_path):
     assert job.returncode == 75, out[-3000:]
     assert 'not a Slurm job, so nothing requeues it; run this script again to resume' in out, out[-3000:]
     assert 'unbound variable' not in out and json.load(open(work / 'summary.json'))['exit_reason'] == 'preempted'
+
+
+def test_sbatch_template_ranks_meet_at_a_free_port(tmp_path):
+    """The port was 15000 + job id % 20000: jobs 4242 and 24242 on one node (or anything else
+    listening there) met at the same port, and the second failed at its rendezvous."""
+    port = _free_port()
+    taken = socket.socket()
+    taken.bind(('127.0.0.1', port))
+    taken.listen()
+    work, cache = tmp_path / 'work', tmp_path / 'cache'
+    env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', SLURM_JOB_ID=str(port - 15000 + 20000),
+               NPROC_PER_NODE='2', WORK_DIR=str(work), DS_CONFIG='zero2', CONFIG=TINY_CONFIG, PYTHON=sys.executable)
+    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}', 'train.max_steps=2',
+               'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
+    try:
+        proc = subprocess.run(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        taken.close()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert json.load(open(work / 'summary.json'))['exit_reason'] == 'completed'
+    assert f'port {port},' not in out and ', port ' in out, out[-3000:]
 
 
 @pytest.mark.parametrize('nproc', [None, '0', 'two'])
