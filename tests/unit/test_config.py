@@ -778,6 +778,17 @@ def test_a_config_that_leaves_the_counts_out_gets_the_datas_not_the_defaults(tmp
     path.write_text(text)
     cfg = load_config(str(path))
     assert cfg.model.type == 'UNet' and 'in_channels' not in cfg.model and 'num_classes' not in cfg.model
+    # ... and the trainer then builds the model for 4-band, 5-class data.
+    from types import SimpleNamespace
+
+    import torch
+
+    from ds_seg.engine.trainer import fill_model_from_data
+    from ds_seg.registry import MODELS, build
+    said = []
+    fill_model_from_data(cfg.model, SimpleNamespace(in_channels=4, num_classes=5, num_dates=1), said.append)
+    assert said == ['model: in_channels=4, num_classes=5 from data.train (not set in the model config)']
+    assert build(MODELS, cfg.model)(torch.zeros(1, 4, 32, 32)).shape == (1, 5, 32, 32)
 
 
 def test_deepspeeds_own_monitors_are_said_to_do_nothing_under_ddp():
