@@ -22,7 +22,6 @@ Example::
     image, label = t(image_CHW, label_HW, np.random.default_rng(0))
 """
 import inspect
-import math
 import numbers
 
 import numpy as np

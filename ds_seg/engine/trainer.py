@@ -538,7 +538,7 @@ class Trainer:
         elif named and named != mine:
             # As many classes under other names or in another order: the classifier's channel i
             # is the file's class i, whatever this run calls it.
-            hint = (f"; give data.train.classes in the file's order to keep their meaning"
+            hint = ("; give data.train.classes in the file's order to keep their meaning"
                     if sorted(named) == sorted(mine) else '')
             self.print(f"loaded weights from {path}; its classes ({', '.join(named)}) are not this run's "
                        f"({', '.join(mine)}): output channel i keeps the file's class i{hint}")
