@@ -7,15 +7,14 @@
 Writes the scene once (block row by block row, so generating it needs little memory either)
 under ``$DS_SEG_CACHE/benchmark`` (default ``~/.cache/ds_seg/benchmark``), exports a randomly
 initialised model to a weights file (speed and memory do not depend on the weights), then runs
-``launch/predict.py`` as a child process and prints its peak resident memory (ru_maxrss of the
-child, so the scene generation here does not count), the windows/s and megapixels/s, and checks
-that the output is georeferenced like the input.
+``launch/predict.py`` as a child process and prints its peak resident memory (the child's own
+``VmHWM``, so neither the scene generation nor this process counts), the windows/s and
+megapixels/s, and checks that the output is georeferenced like the input.
 """
 import argparse
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -75,7 +74,10 @@ def main(argv=None):
         # predict.py's own main, in a process whose peak memory is measured alone
         _register_pixel_model()
         from ds_seg.cli import predict
-        return predict.main(argv[1:])
+        from ds_seg.cli.vector_benchmark import peak_rss_mb
+        status = predict.main(argv[1:])
+        print(f'[benchmark] child peak_rss_mb {peak_rss_mb():.0f}', flush=True)
+        return status
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--size', type=int, default=20000, help='scene width and height (default 20000)')
     parser.add_argument('--model', default='UNetTiny',
@@ -127,16 +129,20 @@ def main(argv=None):
         env = same_package_env(OMP_NUM_THREADS=str(args.threads))
         t1 = time.perf_counter()
         child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        predict_s = None
+        predict_s = peak_mb = None
         for line in child.stdout:  # shown as it comes; predict's own time read from its last line
             print(line, end='', flush=True)
             found = re.search(r'(\d+) windows in ([\d.]+) s \(', line)
             if found:
                 predict_s = float(found[2])
+            found = re.match(r'\[benchmark\] child peak_rss_mb (\d+)', line)
+            if found:
+                # The child's own VmHWM: its ru_maxrss (RUSAGE_CHILDREN) starts at this process's
+                # peak (Linux carries it across the fork and exec), torch and the scene included.
+                peak_mb = float(found[1])
         if child.wait():  # the child said why (predict's one line); not a traceback here
             return 2
         wall = time.perf_counter() - t1
-        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # kB on Linux
         from ds_seg.inference import ScenePlan
         plan = ScenePlan(args.size, args.size, args.tile, args.overlap)
         windows = len(plan.ys) * len(plan.xs)
@@ -151,7 +157,8 @@ def main(argv=None):
                        # predict's own time for the scene, without the interpreter's start-up.
                        wall_s=round(wall, 1), predict_s=predict_s,
                        windows_per_s=round(windows / (predict_s or wall), 2),
-                       megapixels_per_s=round(args.size ** 2 / (predict_s or wall) / 1e6, 2), peak_rss_mb=round(peak_mb),
+                       megapixels_per_s=round(args.size ** 2 / (predict_s or wall) / 1e6, 2),
+                       peak_rss_mb=None if peak_mb is None else round(peak_mb),
                        georeferenced_like_input=same_geo, output_mb=round(out_mb, 1))
         print('[benchmark] ' + json.dumps(summary), flush=True)
         return 0 if same_geo else 1

@@ -99,13 +99,19 @@ def test_vector_benchmark_measures_a_child_without_torch(tmp_path, capsys):
 
 def test_predict_benchmark_reports_a_georeferenced_run(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv('DS_SEG_CACHE', str(tmp_path))  # where the scene is written; the child inherits it
+    # This process's peak, 1 GiB above anything predict.py needs here: ru_maxrss of the child
+    # (RUSAGE_CHILDREN) reported it, carried across the fork and exec, as predict's own.
+    ballast = bytearray(2 ** 30)
+    ballast[::4096] = b'\1' * (2 ** 30 // 4096)
     assert predict_benchmark.main(['--size', '512', '--tile', '256', '--overlap', '32', '--model', 'BenchPixelNet',
                                    '--threads', '1']) == 0
+    del ballast
     summary = json.loads(capsys.readouterr().out.splitlines()[-1].removeprefix('[benchmark] '))
     assert summary['georeferenced_like_input'] is True
     assert summary['windows'] == 9  # 512 px in 256 px tiles overlapping by 32: 3 x 3
     for key in ('wall_s', 'windows_per_s', 'megapixels_per_s', 'peak_rss_mb'):
         assert summary[key] > 0, key
+    assert summary['peak_rss_mb'] < vector_benchmark.peak_rss_mb() - 2 ** 10 + 100, summary
     # The rates are predict's own: the child's start-up (torch's import) was in them.
     assert 0 < summary['predict_s'] < summary['wall_s']
     assert summary['windows_per_s'] == round(9 / summary['predict_s'], 2)
