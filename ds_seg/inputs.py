@@ -232,8 +232,18 @@ def output_stems(inputs):
         for i in clashing:
             depth[i] += 1
     stems = [stem(i) for i in range(len(inputs))]
-    # Different files whose joined names still clash (/d/a/x.tif, /d/a_x.tif): numbered.
-    return [f'{s}_{stems[:i].count(s) + 1}' if s in stems[:i] else s for i, s in enumerate(stems)]
+    # Different files whose joined names still clash (/d/a/x.tif, /d/a_x.tif): numbered, with a
+    # number no other input's name already has (a_x_2 next to a file named a_x_2.tif).
+    taken, unique = set(stems), []
+    for i, s in enumerate(stems):
+        if s in stems[:i]:
+            n = stems[:i].count(s) + 1
+            while f'{s}_{n}' in taken:
+                n += 1
+            s = f'{s}_{n}'
+            taken.add(s)
+        unique.append(s)
+    return unique
 
 
 def check_outputs(outputs, inputs, overwrite=False, option='--output'):

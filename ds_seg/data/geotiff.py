@@ -62,9 +62,9 @@ from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
 from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, boundary_mask,
-                     colours_conflict, file_identity, gdal_path, is_remote, label_nodata, nodata_mask, open_raster,
-                     opening_env, pixel_grid, pixel_type_refusal, raster_env, read_error, read_label_band, read_window, same_file_key,
-                     same_pixels, same_value, user_cache_dir, uses_mask_band)
+                     colours_conflict, file_identity, gdal_message, gdal_path, is_remote, label_nodata, nodata_mask,
+                     open_raster, opening_env, pixel_grid, pixel_type_refusal, raster_env, read_error, read_label_band,
+                     read_window, same_file_key, same_pixels, same_value, user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -188,7 +188,7 @@ def cached_label_histograms(label_paths):
             try:
                 histogram = label_histogram(path)
             except rasterio.errors.RasterioError as e:
-                raise DataError(f"{path}: cannot be read (corrupt or truncated?): {e}") from e
+                raise DataError(f"{path}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
             entry = {'identity': ident, 'version': LABELS_VERSION,
                      'values': {str(v): n for v, n in histogram.items()}}
             if ident:
@@ -200,8 +200,10 @@ def cached_label_histograms(label_paths):
     return out
 
 
-def expand_paths(spec, what):
-    """A path, a glob or a list of either -> list of paths (each glob sorted); URLs as given."""
+def expand_paths(spec, what, folders=False):
+    """A path, a glob or a list of either -> list of paths (each glob sorted); URLs as given. With
+    ``folders``, a folder -> the GeoTIFFs directly inside it (sorted), as predict.py reads one."""
+    from ..inputs import FOLDER_SUFFIXES
     if isinstance(spec, (str, os.PathLike)):
         spec = [spec]
     paths = []
@@ -209,7 +211,17 @@ def expand_paths(spec, what):
         item = os.fspath(item)
         if not is_remote(item):
             item = os.path.expanduser(item)  # '~/data/*.tif' in a config: no shell expands it
-        if glob.has_magic(item) and not is_remote(item):  # '?' in a URL is a query, not a glob
+        # (A vector dataset may be a folder: a partitioned .parquet.)
+        if folders and not is_remote(item) and os.path.isdir(item) and not is_vector(item):
+            found = sorted(os.path.join(item, n) for n in os.listdir(item)
+                           if n.lower().endswith(FOLDER_SUFFIXES) and os.path.isfile(os.path.join(item, n)))
+            if not found:
+                raise DataError(f"{what}: folder {item} holds no GeoTIFF or JPEG 2000 raster "
+                                f"({', '.join(FOLDER_SUFFIXES)}); give other rasters by name or glob")
+            paths.extend(found)
+        # A file that exists is that file, '[' in its name included (as a glob, 'tile[1].tif'
+        # matched tile1.tif: another scene). '?' in a URL is a query, not a glob.
+        elif glob.has_magic(item) and not is_remote(item) and not os.path.exists(item):
             matches = sorted(glob.glob(item))
             if not matches:
                 raise DataError(f"{what}: the pattern {item!r} matches no file")
@@ -459,8 +471,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 f"scene {counts.index(odd)} has {odd} ({dates[counts.index(odd)]}), scene "
                                 f"{dates.index(first)} has {len(first)} ({first})")
             images = [d[0] for d in dates]
-        images = expand_paths(images, 'images')
-        labels = expand_paths(labels, 'labels')
+        images = expand_paths(images, 'images', folders=True)
+        labels = expand_paths(labels, 'labels', folders=True)
         if len(labels) == 1 and is_vector(labels[0]):
             labels = labels * len(images)  # one vector layer labels every image
         if len(images) != len(labels):
@@ -924,7 +936,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     if s['masked']:
                         invalid |= src.dataset_mask(out_shape=shape).reshape(-1) == 0
             except rasterio.errors.RasterioError as e:
-                raise DataError(f"{path}: cannot be read (corrupt or truncated?): {e}") from e
+                raise DataError(f"{path}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
             x = x[:, ~invalid]
             if not x.shape[1]:
                 continue
@@ -959,7 +971,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 with open_raster(s['image']) as src:
                     src.read(1, window=Window(s['width'] - 1, s['height'] - 1, 1, 1))
             except rasterio.errors.RasterioError as e:
-                raise DataError(f"{s['image']}: cannot be read (corrupt or truncated?): {e}") from e
+                raise DataError(f"{s['image']}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
             if s.get('vector'):  # its class values were checked when it was read
                 continue
             f = max(1.0, max(s['height'], s['width']) / _CHECK_PIXELS)
@@ -1005,7 +1017,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     hidden = (None if self.palette is not None or all(m is None for m in masks) else
                               np.stack([np.zeros(len(xs), bool) if m is None else m for m in masks]))
         except rasterio.errors.RasterioError as e:
-            raise DataError(f"{s['label']}: cannot be read (corrupt or truncated?): {e}") from e
+            raise DataError(f"{s['label']}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
         if self.palette is not None:
             bad = self._decode_palette(raw) < 0
             if bad.mean() <= self.palette_max_unmatched:
@@ -1095,7 +1107,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 if self._labelled_valid(s, out_shape=shape):
                     return
             except rasterio.errors.RasterioError as e:
-                raise DataError(f"{s['image']} / {s['label']}: cannot be read (corrupt or truncated?): {e}") from e
+                raise DataError(f"{s['image']} / {s['label']}: cannot be read (corrupt or truncated?): "
+                                f"{gdal_message(e)}") from e
         cache_path = os.path.join(os.path.dirname(os.path.abspath(self._scenes[0]['label'])), LABELS_CACHE_FILE)
         cache = _read_cache(cache_path)
         changed = found = False
@@ -1330,7 +1343,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             return raw  # the common case, without a per-pixel table lookup
         if raw.dtype in (np.uint8, np.uint16):
             return self._label_lut[raw]
-        values = np.rint(raw).astype(np.int64) if raw.dtype.kind == 'f' else raw.astype(np.int64)
+        with np.errstate(invalid='ignore'):  # NaN (no nodata tag says so) becomes no class: refused
+            values = np.rint(raw).astype(np.int64) if raw.dtype.kind == 'f' else raw.astype(np.int64)
         inside = (values >= 0) & (values < 65536)
         out = np.full(values.shape, -1, np.int16)
         out[inside] = self._label_lut[values[inside]]

@@ -116,7 +116,13 @@ def raster_env(path):
 def opening_env(path):
     """:func:`raster_env` for opening ``path``: a URL with a sidecar its remote reads would miss is
     refused first (:func:`remote_sidecar_refusal`). At opening only, not in ``raster_env``, which
-    wraps every window read: the check's requests stay off the read path."""
+    wraps every window read: the check's requests stay off the read path.
+
+    A local file opens with GDAL's own directory listing even inside a remote file's environment
+    (evaluate.py holds a URL label open while the local image is opened): under the remote
+    ``EMPTY_DIR`` GDAL never saw the image's ``.msk``, and masked pixels were scored as data."""
+    if not is_remote(path) and not os.fspath(path).lower().endswith('.vrt'):
+        return rasterio.Env(GDAL_DISABLE_READDIR_ON_OPEN=os.environ.get('GDAL_DISABLE_READDIR_ON_OPEN', 'FALSE'))
     refusal = remote_sidecar_refusal(os.fspath(path)) if is_remote(path) else None
     if refusal:
         raise DataError(refusal)
@@ -137,9 +143,11 @@ def remote_sidecar_refusal(url):
     signed URL's signature does not cover its siblings, which then read as absent. Without this a
     URL's prediction lost its CRS and transform, or predicted masked pixels as data, where the
     local copy's did not."""
-    if not url.startswith(('http://', 'https://')):
+    # GDAL's own spelling of a URL (/vsicurl/https://...) lists no directory either.
+    http = url[len('/vsicurl/'):] if url.startswith('/vsicurl/') else url
+    if not http.startswith(('http://', 'https://')):
         return None
-    base, sep, query = url.partition('?')
+    base, sep, query = http.partition('?')
     fix = "embed it (gdal_translate the file to a GeoTIFF, which carries it), or download both and give the local path."
     # (10 s at most each: a server that does not answer is left to the read's own time limit.)
     if http_status(base + '.msk' + sep + query, timeout=min(10, HTTP_TIMEOUT_S)) in (200, 206):

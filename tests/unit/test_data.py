@@ -308,6 +308,24 @@ def test_names_that_share_nothing_keep_the_position_pairing(tmp_path):
     assert pairs == [('scene_b.tif', 'gt_1.tif'), ('scene_c.tif', 'gt_2.tif')]
 
 
+def test_a_file_with_brackets_in_its_name_is_that_file_and_a_folder_is_its_rasters(tmp_path):
+    """'tile[1].tif' was taken as a glob: it trained on tile1.tif beside it (another scene), or was
+    refused as a pattern matching nothing. A folder was refused as "not a readable raster" where
+    predict.py and evaluate.py read its GeoTIFFs."""
+    _tiles(tmp_path, ['tile[1].tif', 'tile1.tif'], ['tile[1].tif', 'tile1.tif'])
+    ds = GeoTiffScenes(str(tmp_path / 'img' / 'tile[1].tif'), str(tmp_path / 'lbl' / 'tile[1].tif'), crop_size=32,
+                       classes=2, mean=[0] * 3, std=[1] * 3)
+    assert [os.path.basename(s['image']) for s in ds.scenes] == ['tile[1].tif']
+    folders = GeoTiffScenes(str(tmp_path / 'img'), str(tmp_path / 'lbl'), crop_size=32, classes=2, mean=[0] * 3,
+                            std=[1] * 3)
+    assert [(os.path.basename(s['image']), os.path.basename(s['label'])) for s in folders.scenes] == [
+        ('tile1.tif', 'tile1.tif'), ('tile[1].tif', 'tile[1].tif')]
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(DataError, match=r'images: folder .*empty holds no GeoTIFF or JPEG 2000 raster'):
+        GeoTiffScenes(str(tmp_path / 'empty'), str(tmp_path / 'lbl'), crop_size=32, classes=2, mean=[0] * 3,
+                      std=[1] * 3)
+
+
 def test_a_validation_scene_given_twice_is_refused_and_training_may_repeat_one(tmp_path):
     # Evaluation windows of a scene given twice (overlapping globs) would count twice in every
     # metric; a training set may repeat a scene (it weighs it twice, as a list says).

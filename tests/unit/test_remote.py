@@ -330,3 +330,10 @@ def test_a_url_with_a_mask_or_georeferencing_beside_it_is_one_line(tmp_path):
         assert server.requests == 0
         with pytest.raises(DataError, match=r'm.tif.msk beside it'):
             open_raster(server.url('m.tif'))
+        # GDAL's own spelling of the URL was read without a word, masked pixels as data.
+        with pytest.raises(DataError, match=r'm.tif.msk beside it holds its mask'):
+            open_raster('/vsicurl/' + server.url('m.tif'))
+        # A local file opened while a URL is open (evaluate.py: a URL label, a local image) keeps
+        # its .msk: under the URL's options GDAL listed no directory, and masked pixels were scored.
+        with open_scene(server.url('c.tif')), open_scene(str(tmp_path / 'm.tif')) as local:
+            assert int((local.read_masks(1) == 0).sum()) == 20 * 20

@@ -282,6 +282,9 @@ def test_predict_cli_scenes_differing_only_in_extension_get_one_class_map_each(t
     with rasterio.open(out / 'x_tif_classes.tif') as a, rasterio.open(out / 'x_png_classes.tif') as b:
         np.testing.assert_array_equal(a.read(1), b.read(1))
     assert output_stems(['/d/a/x.tif', '/e/a/x.tif', '/d/a_x.tif']) == ['d_a_x', 'e_a_x', 'd_a_x_2']
+    # The number is one no other input's name has: d_a_x_2 was given twice, and one class map lost.
+    assert output_stems(['/d/a/x.tif', '/e/a/x.tif', '/d/a_x.tif', '/f/d_a_x_2.tif']) == [
+        'd_a_x', 'e_a_x', 'd_a_x_3', 'd_a_x_2']
     # A name in two folders takes the folders whatever else shares it: b/x.tif was plain 'x' when
     # a/x.TIF sat beside a/x.tif (their extensions told them apart, and the folder went unsaid).
     assert output_stems(['/d/a/x.tif', '/d/b/x.tif', '/d/a/x.TIF']) == ['a_x_tif', 'b_x', 'a_x_TIF']
