@@ -10,6 +10,7 @@ Example::
     ds = load_ds_config('ds_configs/zero2.json')
     ds, precision, notes = resolve_ds_config(ds, world_size=2, max_steps=cfg.train.max_steps)
 """
+import contextlib
 import copy
 import difflib
 import json
@@ -631,9 +632,9 @@ def load_config(path=None, cfg_options=None):
             what = _not_a_file(path, 'config file')
             raise ConfigError(f"--config: {path} {what}. Configs shipped in configs/: "
                               f"{', '.join(candidates) or 'none'}.")
-        _refuse_repeated_keys(path)
+        _check_inherited(path)
         try:
-            with _yaml_parsed_safely():
+            with _yaml_parsed_safely(), _chain_merged_by_ds_seg_rules():
                 loaded = Config.fromfile(str(path)).to_dict()
         except RecursionError as exc:  # mmengine follows _base_ without noticing a cycle
             raise ConfigError(f"{path}: cannot be loaded: its _base_ files inherit from each other "
@@ -661,6 +662,14 @@ def load_config(path=None, cfg_options=None):
             # It names work_dirs/<config_name>: '../../x' put the default work dir anywhere.
             raise ConfigError(f"{path}: config_name {recorded_name!r} must be a plain name (no folders); it names "
                               "the default work dir work_dirs/<config_name>")
+        if recorded_name is not None:
+            # A run's resolved config holds every key of its sections: they replace the defaults'
+            # whole. Merged, a section trained with _delete_ got the defaults back (another model).
+            for section in _REGISTRY_SECTIONS:
+                parent, _, key = section.rpartition('.')
+                holder = loaded.get(parent) if parent else loaded
+                if isinstance(holder, dict) and isinstance(holder.get(key), dict):
+                    holder[key] = {**holder[key], DELETE_KEY: True}
         _check_keys(loaded, DEFAULTS, str(path))
         try:
             cfg = _merge(cfg, loaded)
@@ -1364,8 +1373,6 @@ def _yaml_parsed_safely():
     """mmengine reads YAML configs (and their YAML _base_ files) with yaml's full Loader, which
     runs what a ``!!python/object/apply:os.system`` tag names: a config file ran a shell command.
     Within this context every YAML it reads goes through yaml's SafeLoader: plain values only."""
-    import contextlib
-
     import yaml
     from mmengine.fileio.handlers import file_handlers
     from mmengine.fileio.handlers.yaml_handler import YamlHandler
@@ -1422,6 +1429,87 @@ def _refuse_repeated_keys(path):
         what = 'empty' if top is None else f'a {type(top).__name__} ({json.dumps(top, default=repr)[:60]})'
         raise ConfigError(f"{path}: an experiment config is a mapping of sections (train, data, model...), but "
                           f"this file is {what}; see configs/ for examples.")
+    return top
+
+
+_PARSED_SUFFIXES = ('.json', '.yaml', '.yml')
+
+
+def _check_inherited(path):
+    """The rules of a config file for every file it loads through ``_base_`` too: no key twice in
+    a JSON or YAML file anywhere in the chain, and no Python file under a JSON or YAML config,
+    which is only parsed (a ``.py`` base of a JSON config ran, whoever wrote the JSON: a run's
+    config.json handed on, say). Files that cannot be found or parsed are left to the loading,
+    which says why in its words."""
+    top_parsed = path.suffix.lower() in _PARSED_SUFFIXES
+    seen, todo = set(), [path]
+    while todo:
+        current = todo.pop()
+        if os.path.realpath(current) in seen or not current.is_file():
+            continue
+        seen.add(os.path.realpath(current))
+        if current.suffix.lower() in _PARSED_SUFFIXES:
+            bases = (_refuse_repeated_keys(current) or {}).get('_base_', [])
+        elif top_parsed:
+            raise ConfigError(f"{path}: inherits the Python config {current} through _base_, which would run; a "
+                              "JSON or YAML config is only parsed. Give that base as JSON or YAML, or give a Python "
+                              "config you trust as --config.")
+        else:
+            try:
+                bases = Config._get_base_files(str(current))  # its _base_ line, read without running the file
+            except Exception:
+                continue
+        for base in [bases] if isinstance(bases, str) else bases if isinstance(bases, (list, tuple)) else []:
+            if isinstance(base, str) and '::' not in base:  # (package:: bases are mmengine's packages')
+                todo.append(Path(os.path.join(os.path.dirname(current), base)))
+
+
+@contextlib.contextmanager
+def _chain_merged_by_ds_seg_rules():
+    """mmengine merges a config into its ``_base_`` key by key; within this context the chain
+    follows the rules a section follows against the defaults (README): a registry section of
+    another ``type`` replaces the base's (a base's UperNet became an FPN that kept the UperNet's
+    backbone and channels), and a section with ``_delete_`` keeps the marker, so that the
+    defaults are not merged back into it either (mmengine drops it)."""
+    original = Config.__dict__['_merge_a_into_b']
+    merge = original.__func__
+    nested = []
+
+    def mark(child, base, prefix, deleted):
+        for key, value in child.items():
+            if not isinstance(value, dict):
+                continue
+            path, old = f'{prefix}{key}', base.get(key) if isinstance(base, dict) else None
+            if value.get(DELETE_KEY):
+                deleted.append(path)
+            elif isinstance(old, dict) and path in _REGISTRY_SECTIONS and value.get('type', old.get('type')) \
+                    != old.get('type'):
+                child[key] = type(value)({**value, DELETE_KEY: True})  # mmengine's replace (it drops the marker)
+            elif isinstance(old, dict):
+                mark(value, old, f'{path}.', deleted)
+
+    def merge_chain(a, b, allow_list_keys=False):
+        if nested:  # mmengine's own recursion into sections
+            return merge(a, b, allow_list_keys)
+        deleted = []
+        mark(a, b, '', deleted)
+        nested.append(True)
+        try:
+            out = merge(a, b, allow_list_keys)
+        finally:
+            nested.pop()
+        for path in deleted:
+            node = out
+            for part in path.split('.'):
+                node = node[part]
+            node[DELETE_KEY] = True
+        return out
+
+    Config._merge_a_into_b = staticmethod(merge_chain)
+    try:
+        yield
+    finally:
+        Config._merge_a_into_b = original
 
 
 def _async_io_available():

@@ -833,3 +833,61 @@ def test_stage3_keys_at_a_lower_stage_are_named_once():
     assert resolve_ds_config(one, 1, 1000, source='o.json', supports=lambda p: True)[2] == [
         "o.json: zero_optimization.max_live_parameters is read only by ZeRO stage 3, and DeepSpeed ignores it "
         "at stage 0; remove it or set 'zero_optimization.stage' to 3."]
+
+
+def test_a_json_or_yaml_config_never_runs_a_python_base(tmp_path):
+    """The README says JSON and YAML configs are only parsed; a .py file among their _base_ files
+    ran (a run's config.json handed on with a _base_ added, say)."""
+    ran = tmp_path / 'ran'
+    (tmp_path / 'evil.py').write_text(f"__import__('pathlib').Path({str(ran)!r}).touch()\ntrain = dict(max_steps=3)\n")
+    (tmp_path / 'mid.yaml').write_text("_base_: ./evil.py\n")
+    (tmp_path / 'top.json').write_text(json.dumps({'_base_': './mid.yaml', 'train': {'seed': 1}}))
+    for top in ('top.json', 'mid.yaml'):
+        with pytest.raises(ConfigError, match=r"inherits the Python config .*evil.py through _base_, which would run"):
+            load_config(str(tmp_path / top))
+    assert not ran.exists()
+    (tmp_path / 'top.py').write_text("_base_ = './evil.py'\n")   # a Python config runs its bases, as it runs itself
+    assert load_config(str(tmp_path / 'top.py')).train.max_steps == 3 and ran.exists()
+
+
+def test_a_key_twice_in_an_inherited_json_or_yaml_file_is_refused(tmp_path):
+    """Checked in the file given as --config only: a base's repeated key was kept silently."""
+    (tmp_path / 'dup.json').write_text('{"model": {"type": "UNet", "base_channels": 8, "base_channels": 4}}')
+    (tmp_path / 'dup.yaml').write_text("train:\n  max_steps: 3\ntrain:\n  seed: 2\n")
+    for base in ('dup.json', 'dup.yaml'):
+        (tmp_path / 'top.py').write_text(f"_base_ = './{base}'\n")
+        with pytest.raises(ConfigError, match=rf"{base}: the key '\w+' is given twice in one mapping"):
+            load_config(str(tmp_path / 'top.py'))
+
+
+def test_a_base_configs_sections_follow_the_rules_of_the_defaults(tmp_path):
+    """A section of another type replaces the base's, and _delete_ replaces it and the defaults,
+    as they do against the defaults: through _base_ an FPN kept the base UperNet's backbone and
+    channels, and _delete_ brought the default UNet's base_channels and depth back."""
+    (tmp_path / 'base.py').write_text("model = dict(type='UperNet', backbone='resnet18', channels=32, aux_head=False)\n"
+                                      "data = dict(train=dict(type='GeoTiffScenes', images='a/*.tif', labels='b/*.tif'))\n")
+    files = {'fpn.py': "model = dict(type='FPN')\n",
+             'wider.py': "model = dict(channels=64)\n",
+             'fresh.py': "model = dict(_delete_=True, type='UNet', bilinear=True)\n",
+             'synthetic.py': "data = dict(train=dict(type='SyntheticAerial', split='train'))\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text("_base_ = './base.py'\n" + text)
+    (tmp_path / 'on_fresh.py').write_text("_base_ = './fresh.py'\nmodel = dict(depth=3)\n")
+    model = {name: dict(load_config(str(tmp_path / name)).model) for name in (*files, 'on_fresh.py')}
+    assert model['fpn.py'] == dict(load_config(None, ["model=dict(type='FPN')"]).model) == {'type': 'FPN'}
+    assert model['wider.py'] == {'type': 'UperNet', 'backbone': 'resnet18', 'channels': 64, 'aux_head': False}
+    assert model['fresh.py'] == {'type': 'UNet', 'bilinear': True}
+    assert model['on_fresh.py'] == {'type': 'UNet', 'bilinear': True, 'depth': 3}
+    assert dict(load_config(str(tmp_path / 'synthetic.py')).data.train) == {'type': 'SyntheticAerial', 'split': 'train'}
+
+
+def test_a_runs_config_json_gives_its_sections_back_whole(tmp_path):
+    """A run with `--cfg-options "model=dict(_delete_=True, type='UNet', depth=2)"` (a base-64 UNet)
+    wrote its model without the marker; retrained from that config.json, the defaults' base_channels
+    16 came back: another model."""
+    cfg = load_config(None, ["model=dict(_delete_=True, type='UNet', depth=2)"])
+    path = tmp_path / 'config.json'
+    path.write_text(json.dumps(cfg.to_dict()))
+    again = load_config(str(path))
+    assert dict(again.model) == dict(cfg.model) == {'type': 'UNet', 'depth': 2}
+    assert again.to_dict() == cfg.to_dict()
