@@ -239,6 +239,25 @@ BENCHMARK_OWNED = {
     'train.profile_steps': 'from --profile'}
 
 
+def _keys_set(cfg_options):
+    """Every dotted key ``--cfg-options`` sets, a section given as a dict walked into
+    (``train=dict(max_steps=1)`` sets ``train.max_steps``); a section set to a value is its own key.
+    Options that do not parse are left to load_config, which says why."""
+    from ds_seg.config import ConfigError, parse_cfg_options
+    try:
+        nested = parse_cfg_options(cfg_options)
+    except ConfigError:
+        return []
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                yield from walk(value, f'{prefix}{key}.')
+            else:
+                yield f'{prefix}{key}'
+    return list(walk(nested, ''))
+
+
 def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
     """Train ``warmup + steps`` steps of one backend in fresh processes; returns (rc, output tail)."""
     if _made_by_a_benchmark(work_dir):
@@ -609,12 +628,13 @@ def _check_args(args):
         return f"--launcher python starts one process, but --nproc is {args.nproc}; use torchrun or deepspeed"
     if os.path.exists(args.work_dir) and not os.path.isdir(args.work_dir):
         return f"--work-dir {args.work_dir} is a file; give a folder"
-    for option in args.cfg_options:
-        key = option.split('=', 1)[0].strip()
-        if key in BENCHMARK_OWNED:
+    for key in _keys_set(args.cfg_options):
+        owned = [k for k in BENCHMARK_OWNED if k == key or k.startswith(key + '.')]
+        if owned:
             # Appended after the benchmark's own settings, it won: train.log_interval=5 timed 3
-            # window medians instead of 10 steps, train.max_steps=4 timed 2 of the 10 steps said.
-            return f"--cfg-options {key}: the benchmark sets it ({BENCHMARK_OWNED[key]}); leave it out"
+            # window medians instead of 10 steps, train.max_steps=4 timed 2 of the 10 steps said
+            # (and "train=dict(max_steps=1)" the same, spelt as a section).
+            return f"--cfg-options {owned[0]}: the benchmark sets it ({BENCHMARK_OWNED[owned[0]]}); leave it out"
     _, theirs = _earlier_results(args.work_dir, labels)
     if theirs:
         return (f"--work-dir {args.work_dir} already holds {theirs[0]}, which no benchmark wrote (a benchmark "

@@ -41,6 +41,10 @@ SUFFIX_FORMATS = {'.pt': 'weights', '.pth': 'weights', '.onnx': 'onnx', '.pt2': 
 
 
 def check_suffix(out, fmt):
+    if os.path.splitext(out)[1].lower() == '.safetensors':  # what torch.load and others read as safetensors
+        wanted = '.pt' if fmt == 'weights' else deploy.FORMATS[fmt]
+        raise ValueError(f'--out {out}: the name says safetensors, which export does not write (--format {fmt} '
+                         f'writes {fmt} files); name it {os.path.splitext(out)[0]}{wanted}.')
     said = SUFFIX_FORMATS.get(os.path.splitext(out)[1].lower())
     if said and said != fmt:
         wanted = '.pt' if fmt == 'weights' else deploy.FORMATS[fmt]

@@ -512,7 +512,10 @@ def load_weights_file(path):
     if is_torch_export_archive(path):
         raise ValueError(f"{path}: {TORCH_EXPORT_PROGRAM}")
     try:
-        payload = torch.load(path, map_location='cpu', weights_only=True)
+        # From an open file, as its bytes say: torch.load reads a path ending in .safetensors with
+        # safetensors (this torch file named so was a SafetensorError traceback).
+        with open(path, 'rb') as f:
+            payload = torch.load(f, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as exc:
         # weights_only refuses any pickle that would construct objects or call code.
         raise UnsafeFileError(path) from exc

@@ -732,6 +732,11 @@ class Trainer:
                 if not (value > 0).any():  # every pixel weighs 0: the loss is 0 for the whole run
                     raise ConfigError(f"{key} is 0 for every class, so the loss is 0 and nothing is learnt; "
                                       f"give the classes to learn a weight > 0.")
+        weights = {f"loss{'.' + name if name else ''}.loss_weight": module.loss_weight
+                   for name, module in self.criterion.named_modules() if hasattr(module, 'loss_weight')}
+        if weights and not any(weights.values()):  # (loss.losses.0.loss_weight...: each member's)
+            raise ConfigError(f"{', '.join(weights)} {'is' if len(weights) == 1 else 'are all'} 0, so the loss is 0 "
+                              "and nothing is learnt; give a loss_weight > 0.")
 
     def _check_ignore_index(self, key, loss):
         ignore = getattr(loss, 'ignore_index', None)

@@ -50,7 +50,8 @@ class Segmentor(nn.Module):
         self.aux_head = None
         if aux_head is not None:
             aux_head = dict(aux_head)
-            self.aux_weight = float(aux_head.pop('loss_weight', 0.4))
+            # Checked as a loss's: a negative weight ascended the aux loss, 1e999 trained on inf.
+            self.aux_weight = float(checked_number('model.aux_head', 'loss_weight', aux_head.pop('loss_weight', 0.4)))
             self.aux_head = self._head(aux_head, channels, 'model.aux_head')
 
     def _head(self, cfg, channels, where):

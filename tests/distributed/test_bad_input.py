@@ -141,6 +141,10 @@ def _cases(tmp):
         # every pixel weighs 0: trained at loss 0 for the whole run
         'class_weight_zero': (['loss.class_weight=[0, 0, 0, 0, 0, 0]'], None, []),
         'class_weight_nested': (['loss.class_weight=[[1, 1, 1, 1, 1, 2]]'], None, []),
+        # loss 0 and gradient 0 at every step, exit 0
+        'loss_weight_zero': (['loss.loss_weight=0'], None, []),
+        'combined_weights_zero': ([], None, combined_loss('zero.py', dict(type='CrossEntropyLoss', loss_weight=0),
+                                                          dict(type='DiceLoss', loss_weight=0.0))),
         # a grid gives each window once, then all-ignore padding: trained at loss 0 after that
         # (grid is the default for a split other than 'train', e.g. mmseg's ADE20K 'training')
         'train_grid': ([f"data.train={dict(type='GeoTiffScenes', images=[img], labels=[lbl], classes=6, split='training')!r}",
@@ -292,6 +296,8 @@ EXPECTED = {
     'ds_scheduler_null': ["null.json: 'scheduler' must be an object ({...}), got null"],
     'class_weight_zero': ['loss.class_weight is 0 for every class, so the loss is 0'],
     'class_weight_nested': ['loss.class_weight must be a flat list of numbers, one per class'],
+    'loss_weight_zero': ['loss.loss_weight is 0, so the loss is 0 and nothing is learnt'],
+    'combined_weights_zero': ['loss.losses.0.loss_weight, loss.losses.1.loss_weight are all 0, so the loss is 0'],
     'train_grid': ["data.train reads windows in grid mode (split='training' is not 'train')",
                    "set data.train.mode='random'"],
     'flip_typo': ['transforms[0] (RandomFlip)', "direction must be one or both of 'horizontal', 'vertical'"],

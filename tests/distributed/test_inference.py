@@ -184,6 +184,7 @@ def _refusal_cases(tmp, weights, scene, label):
         'onnx_garbage': ('predict', ['--checkpoint', garbage, '--input', scene, '--output', os.path.join(tmp, 'p7')]),
         'export_onnx_as_pt': ('export', [weights, '--format', 'onnx', '--out', os.path.join(tmp, 'model.pt')]),
         'export_weights_as_onnx': ('export', [weights, '--out', os.path.join(tmp, 'w.onnx')]),
+        'export_safetensors': ('export', [weights, '--out', os.path.join(tmp, 'w.safetensors')]),
     }
     if not torch.cuda.is_available():
         cases['no_gpu'] = ('predict', pred + ['--output', os.path.join(tmp, 'p8'), '--device', 'cuda'])
@@ -228,6 +229,8 @@ def refusals(exported):
     ('onnx_garbage', 'predict', ['garbage.onnx is not an ONNX model']),
     ('export_onnx_as_pt', 'export', ['model.pt: the name says weights', '--format onnx']),
     ('export_weights_as_onnx', 'export', ['w.onnx: the name says onnx', '--format weights']),
+    # torch.load reads a .safetensors name with safetensors: every reader failed on the file.
+    ('export_safetensors', 'export', ['w.safetensors: the name says safetensors', 'name it', 'w.pt']),
 ])
 def test_mistaken_options_are_one_line_before_any_work(refusals, case, program, fragments):
     if case not in refusals:

@@ -233,6 +233,9 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     # window medians timed instead of 10 steps, or 2 of the 10 steps the table says.
     (['--cfg-options', 'train.log_interval=5'], '--cfg-options train.log_interval: the benchmark sets it'),
     (['--cfg-options', 'data.crop_size=64', 'train.max_steps=4'], '--cfg-options train.max_steps: the benchmark sets'),
+    # ... spelt as a section: ran, then "no timed steps" (a traceback), or evaluated inside the timed steps
+    (['--cfg-options', 'train=dict(max_steps=1)'], '--cfg-options train.max_steps: the benchmark sets it'),
+    (['--cfg-options', 'train=dict(seed=1, eval_interval=2)'], '--cfg-options train.eval_interval: the benchmark'),
     # a label is a folder under --work-dir, which was deleted before the run: never a path
     (['--backends', '../victim=ds_configs/zero1.json'], "--backends label '../victim' is not a plain name"),
     (['--backends', '/tmp/x=ds_configs/zero1.json'], "--backends label '/tmp/x' is not a plain name"),

@@ -134,6 +134,13 @@ def test_unknown_argument_names_the_accepted_ones():
      r'^model\.backbone_kwargs\.drop_rate is a probability'),
     (dict(type='UperNetTiny', aux_head=dict(type='FCNHead', in_index=2, dropout=2)),
      r'^model\.aux_head\.dropout is a probability'),
+    # Taken as it came: -1 ascended the aux loss, 1e999 trained on an inf loss, '0.4' a string.
+    (dict(type='UperNetTiny', aux_head=dict(type='FCNHead', in_index=2, loss_weight=-1.0)),
+     r'model\.aux_head loss_weight must be a number >= 0, got -1\.0'),
+    (dict(type='UperNetTiny', aux_head=dict(type='FCNHead', in_index=2, loss_weight=float('inf'))),
+     r'model\.aux_head loss_weight must be a number >= 0, got inf'),
+    (dict(type='UperNetTiny', aux_head=dict(type='FCNHead', in_index=2, loss_weight='0.4')),
+     r"model\.aux_head loss_weight must be a number >= 0, got '0\.4'"),
     # difflib's "'int' object is not iterable" traceback; a non-string argument name likewise.
     (dict(type=3), r"^model\.type: a registered model name \(a string such as '.*'\), got 3$"),
     ({'type': 'UNetTiny', 1: 2}, r"^model: argument names are strings, got 1$"),

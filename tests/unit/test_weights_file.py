@@ -30,6 +30,13 @@ def test_a_byte_changed_inside_a_tensor_is_refused(tmp_path):
         load_weights_file(str(path))
 
 
+def test_a_weights_file_named_safetensors_loads_as_its_bytes_say(tmp_path):
+    """torch.load reads a path ending in .safetensors with safetensors: a weights file named so
+    (export accepted the name) was a SafetensorError traceback in load_from, predict and evaluate."""
+    state = _weights(tmp_path / 'w.safetensors')
+    assert load_weights_file(str(tmp_path / 'w.safetensors'))['state_dict'].keys() == state.keys()
+
+
 def test_files_written_without_a_digest_still_load(tmp_path):
     torch.save({'state_dict': {'w': torch.zeros(2)}}, tmp_path / 'old.pt')
     assert load_weights_file(str(tmp_path / 'old.pt'))['state_dict']['w'].shape == (2,)
