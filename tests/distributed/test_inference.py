@@ -12,6 +12,7 @@ import torch
 
 from ds_seg.config import REPO_ROOT
 from tests.dist import run_on_ranks
+from tests.tiny import TINY_CONFIG
 from tests.unit.test_inference import K, LookupModel, predict_classes, write_scene
 
 
@@ -178,6 +179,9 @@ def _refusal_cases(tmp, weights, scene, label):
         'eval_under_file': ('evaluate', ev + ['--output', os.path.join(a_file, 'sub')]),
         'export_unwritable': ('export', [weights, '--format', 'onnx', '--out', '/proc/self/w.onnx']),
         'eval_existing_png': ('evaluate', ev + ['--output', old_eval]),
+        'eval_model_option': ('evaluate', ['--checkpoint', weights, '--config', TINY_CONFIG, '--device', 'cpu',
+                                           '--output', os.path.join(tmp, 'e3'), '--cfg-options',
+                                           'data.eval_overlap=8', 'model.base_channels=32']),
         'ignore_is_class': ('evaluate', ev + ['--output', os.path.join(tmp, 'e2'), '--ignore-index', '0']),
         'gcp_vector': ('predict', ['--checkpoint', weights, '--input', gcp_scene, '--output', os.path.join(tmp, 'p6'),
                                    '--vector', 'gpkg']),
@@ -224,6 +228,8 @@ def refusals(exported):
     ('eval_under_file', 'evaluate', ['a_file']),
     ('export_unwritable', 'export', ['--out: /proc/self is not writable']),
     ('eval_existing_png', 'evaluate', ['confusion.png already exists', '--overwrite']),
+    # accepted, and the metrics were those without it
+    ('eval_model_option', 'evaluate', ['--cfg-options model...: evaluate scores --checkpoint\'s model', 'leave it out']),
     ('ignore_is_class', 'evaluate', ["--ignore-index 0 is class 0 ('grass')"]),
     ('gcp_vector', 'predict', ['gcp_scene.tif is located by GCPs', 'gdalwarp']),
     ('onnx_garbage', 'predict', ['garbage.onnx is not an ONNX model']),
