@@ -94,7 +94,7 @@ class DeepSpeedBackend:
         self._grad_norm = None
         self._scale_loss_here = ds_workarounds.needs_loss_scaled_here(self.optimizer, precision)
         self._norm_here = ds_workarounds.records_no_grad_norm(self.zero_stage, precision)
-        self._norm_scaled = ds_workarounds.records_scaled_grad_norm(self.optimizer)
+        self._norm_scaled = ds_workarounds.records_scaled_grad_norm(self.optimizer, precision)
         self._norm_scale = 1.0  # the loss scale DeepSpeed's recorded norm is multiplied by
         # ZeRO-0 under fp16 autocast: DeepSpeed's torch GradScaler scales the loss in backward.
         self._autocast_scaler = getattr(self.engine, 'torch_autocast_z0_gradscaler', None)

@@ -132,10 +132,12 @@ def records_no_grad_norm(zero_stage, precision):
     return zero_stage == 0 and precision in ('fp32', 'bf16-autocast', 'fp16-autocast')
 
 
-def records_scaled_grad_norm(optimizer):
-    """Whether ``get_global_grad_norm()`` after a step is the norm of the loss-scaled gradients."""
+def records_scaled_grad_norm(optimizer, precision):
+    """Whether ``get_global_grad_norm()`` after a step is the norm of the loss-scaled gradients.
+    Native fp16 only: ZeRO-0 native bf16 runs the same optimizer class without a loss scale (taken
+    for fp16, its norm was divided by no scale: a TypeError at the first log step)."""
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    return isinstance(optimizer, FP16_UnfusedOptimizer)
+    return precision == 'fp16' and isinstance(optimizer, FP16_UnfusedOptimizer)
 
 
 class _NoMlflowForTheAutotuner(importlib.abc.MetaPathFinder):

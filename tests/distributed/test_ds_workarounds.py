@@ -87,7 +87,7 @@ def _observe(tmp):
     engine.backward(loss * engine.optimizer.loss_scale_config.cur_scale)   # as ds_seg does (needs_loss_scaled_here)
     engine.step()
     out['fp16_unfused_norm'] = float(engine.get_global_grad_norm())
-    out['fp16_unfused_recognised'] = ds_workarounds.records_scaled_grad_norm(engine.optimizer)
+    out['fp16_unfused_recognised'] = ds_workarounds.records_scaled_grad_norm(engine.optimizer, 'fp16')
 
     # 3. fp32 ZeRO-0 records no global gradient norm.
     engine = _engine({}, [[1.0, 1.0]])
