@@ -103,6 +103,7 @@ class Checkpointer:
         # The metric that chose checkpoints/best: this run's save_best, or, in a run resumed
         # without it, the one recorded in the best checkpoint's marker (summary.json names it).
         self.kept_best_metric = self.best_metric
+        self.restored_log_window = None  # the log window the resumed checkpoint was saved inside
 
     def due(self, step):
         """A periodic checkpoint at this step (``train.checkpoint_interval``, and the last step)."""
@@ -122,11 +123,12 @@ class Checkpointer:
                     checkpoint=os.path.join(self.root, checkpoint.tag_for(self.best[1])))
 
     # -- saving ----------------------------------------------------------------------------
-    def save(self, step, micro_step, best_record=None):
+    def save(self, step, micro_step, best_record=None, log_window=None):
         """Every rank calls it. ``micro_step`` is the data position the samplers restart from;
-        ``best_record``: this step's evaluation, a new best (see :meth:`improves_best`)."""
+        ``best_record``: this step's evaluation, a new best (see :meth:`improves_best`);
+        ``log_window``: the open log window (RunMetrics.window_state), given back by a resume."""
         self.backend.sync_batchnorm_stats()
-        client_state = dict(
+        client_state = dict(log_window=log_window,
             step=step, micro_step=micro_step, micro_batch=self.spec.micro_batch, grad_accum=self.spec.grad_accum,
             rng_cpu=torch.get_rng_state(),
             rng_cuda=torch.cuda.get_rng_state() if self.spec.device.type == 'cuda' else None,
@@ -248,6 +250,7 @@ class Checkpointer:
         if state.get('rng_cuda') is not None and spec.device.type == 'cuda':
             torch.cuda.set_rng_state(state['rng_cuda'])
         step = int(state['step'])
+        self.restored_log_window = state.get('log_window')
         self.report(f'resumed from {root}/{tag} at step {step}')
         if 'schedule' in marker:  # recorded since; a resume without a scheduler is refused above
             self._say_schedule_change(marker['schedule'], step)

@@ -34,8 +34,27 @@ class RunMetrics:
         self.t_start = t_start          # when the run began (summary's wall time)
         self.compile_time_s = None      # compiled runs: loop start to the end of the first step
 
-    def start_loop(self, step):
+    def start_loop(self, step, window=None):
+        """``window``: the log window a resumed checkpoint was saved inside (:meth:`window_state`),
+        so that the first row after a resume averages the same steps as the uninterrupted run's
+        (it held only the steps since the checkpoint, another number)."""
         self.t_loop, self.loop_start_step, self.window_start_step = time.time(), step, step
+        if window and window['start'] < step:
+            sums = window['loss_sums']
+            rank, size = distributed.rank(), self.spec.world_size
+            # Each rank its own sum (the same additions as before); at another number of ranks,
+            # rank 0 holds them all.
+            mine = sums[rank] if len(sums) == size else (sum(sums) if rank == 0 else 0.0)
+            self._loss_sum.fill_(mine)
+            self.window_start_step = window['start']
+
+    def window_state(self):
+        """The open log window, for a checkpoint: where it started and every rank's loss sum (a
+        collective: every rank checkpoints; one host read, at a checkpoint)."""
+        sums = torch.zeros(self.spec.world_size, dtype=self._loss_sum.dtype, device=self._loss_sum.device)
+        sums[distributed.rank()] = self._loss_sum
+        distributed.all_reduce_sum(sums)
+        return dict(start=self.window_start_step, loss_sums=sums.tolist())
 
     # -- every step: device operations only -----------------------------------------------
     def add_step(self, loss):

@@ -334,8 +334,8 @@ class Trainer:
                     # evaluation (train.save_best); never weights that may already be NaN: keep-N
                     # pruning would drop the good ones.
                     if current == 0 and (signalled or saving or best):
-                        self.checkpointer.save(self.step, self._data_position(),
-                                               best_record=best)
+                        self.checkpointer.save(self.step, self._data_position(), best_record=best,
+                                               log_window=self.metrics.window_state())
                     if signalled:
                         self._stop('interrupted' if faults.stop.agreed[0] in USER_STOPS else 'preempted',
                                    f'on {faults.stop.describe()}: ' + (
@@ -369,7 +369,7 @@ class Trainer:
         self.print(f'training {self.cfg.model.type} | {self.spec.describe()} | steps {self.step}->{t.max_steps}'
                    f' | {self.work_dir}')
         self.backend.train()
-        self.metrics.start_loop(self.step)
+        self.metrics.start_loop(self.step, self.checkpointer.restored_log_window)
         self.profiler = self._profiler()
         return Faults(self.step)
 
