@@ -75,6 +75,11 @@ def loss_scaling(ds_config):
     return {key: getattr(cfg, key) for key in LOSS_SCALING_KEYS}
 
 
+def _base_lr(ds_config):
+    """The optimizer's ``lr`` in the DeepSpeed JSON (the LR a schedule starts from or scales)."""
+    return ((ds_config.get('optimizer') or {}).get('params') or {}).get('lr')
+
+
 def _model_dict(model_cfg):
     return model_cfg.to_dict() if hasattr(model_cfg, 'to_dict') else dict(model_cfg)
 
@@ -141,6 +146,7 @@ class Checkpointer:
                                             'optimizer_params': restored_hyperparameters(self.spec.ds_config),
                                             'loss_scaling': loss_scaling(self.spec.ds_config),
                                             'schedule': self.spec.ds_config.get('scheduler'),
+                                            'base_lr': _base_lr(self.spec.ds_config),
                                             'param_groups': self.backend.param_group_layout,
                                             'optim': _model_dict(self.cfg.get('optim') or {}),
                                             **({'best_metric': self.best_metric} if best_record is not None else {})},
@@ -253,23 +259,28 @@ class Checkpointer:
         self.restored_log_window = state.get('log_window')
         self.report(f'resumed from {root}/{tag} at step {step}')
         if 'schedule' in marker:  # recorded since; a resume without a scheduler is refused above
-            self._say_schedule_change(marker['schedule'], step)
+            self._say_schedule_change(marker['schedule'], marker.get('base_lr', _base_lr(self.spec.ds_config)), step)
         return step, offset
 
-    def _say_schedule_change(self, saved, step):
+    def _say_schedule_change(self, saved, saved_lr, step):
         """A resume may change the LR schedule (its parameters are this run's, see
         param_groups.apply_schedule_now): one line says what changed and the LR it goes on at.
         A smoke test's shortened warmup, resumed with a longer train.max_steps, re-derives it
-        from the JSON: the LR went back into warmup without a word."""
-        now = self.spec.ds_config.get('scheduler')
-        if saved == now:
+        from the JSON: the LR went back into warmup without a word. The optimizer's ``lr`` is part
+        of it (WarmupCosineLR scales it; twice the lr trained at twice the LR, unsaid)."""
+        now, lr = self.spec.ds_config.get('scheduler'), _base_lr(self.spec.ds_config)
+        if saved == now and saved_lr == lr:
             return
+        said = []
         if not saved or not now or saved.get('type') != now.get('type'):
-            said = f"{(saved or {}).get('type', 'none')} -> {(now or {}).get('type', 'none')}"
+            said.append(f"{(saved or {}).get('type', 'none')} -> {(now or {}).get('type', 'none')}")
         else:
             old, new = saved.get('params') or {}, now.get('params') or {}
-            said = ', '.join(f"{k} {old.get(k, '(default)')} -> {new.get(k, '(default)')}"
-                             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+            said += [f"{k} {old.get(k, '(default)')} -> {new.get(k, '(default)')}"
+                     for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        if saved_lr != lr:
+            said.append(f'optimizer.params.lr {saved_lr} -> {lr}')
+        said = ', '.join(said)
         self.report(f"--resume: the LR schedule is not the checkpoint's ({said}); from step {step + 1} it follows "
                     f"this run's: LR {self.backend.lr():.3g} at step {step + 1}")
 

@@ -286,3 +286,33 @@ def test_a_scheduler_added_on_resume_is_refused(tmp_path, backend):
     # schedule over at its first step, at step 3 of the run, without a word.
     said = run_on_ranks(_resume_with, 1, args=(str(tmp_path), {}, False, backend, True))[0]
     assert isinstance(said, str) and said.startswith('--resume: ') and 'was trained without an LR scheduler' in said, said
+
+
+def _rolled_back_at_another_lr(tmp):
+    """4 steps at lr 0.002 (a checkpoint at 2), then step 2 resumed at lr 0.004: what the resume
+    printed, and the LRs of the steps trained after it."""
+    import contextlib
+    import io
+
+    from ds_seg.engine.trainer import Trainer
+    work, printed = os.path.join(tmp, 'work'), io.StringIO()
+    for resume, lr in ((None, 0.002), (os.path.join(work, 'checkpoints', 'step_00000002'), 0.004)):
+        ds = ds_config(0, micro_batch=2)
+        ds['optimizer']['params']['lr'] = lr
+        cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=4, checkpoint_interval=2)
+        with contextlib.redirect_stdout(printed if resume else io.StringIO()):
+            trainer = Trainer(cfg, ds, work_dir=work, resume=resume)
+            try:
+                trainer.fit()
+            finally:
+                trainer.close()
+    return printed.getvalue(), [r['lr'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
+
+
+def test_a_resume_at_another_optimizer_lr_says_so(tmp_path):
+    """The schedule scales the optimizer's lr: twice the lr trained at twice the LR from the first
+    resumed step, and no line said so (only a change of the scheduler block was said)."""
+    printed, lrs = run_on_ranks(_rolled_back_at_another_lr, 1, args=(str(tmp_path),))[0]
+    lines = [line for line in printed.splitlines() if "the LR schedule is not the checkpoint's" in line]
+    assert len(lines) == 1 and 'optimizer.params.lr 0.002 -> 0.004' in lines[0], printed
+    assert lines[0].endswith(f"from step 3 it follows this run's: LR {lrs[2]:.3g} at step 3"), (lines, lrs)
