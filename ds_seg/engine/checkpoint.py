@@ -139,6 +139,7 @@ def save(backend, root, step, client_state, keep, marker_extra=None, best=False)
         try:
             shutil.rmtree(tmp_path, ignore_errors=True)  # leftover of a killed save
             os.makedirs(root, exist_ok=True)
+            failure = _no_room_for(root, tag)
         except OSError as exc:
             failure = _describe_write_failure(root, exc)
     failure = distributed.first_failure(failure)  # also the barrier before writing
@@ -167,6 +168,29 @@ def save(backend, root, step, client_state, keep, marker_extra=None, best=False)
             shutil.rmtree(tmp_path, ignore_errors=True)  # no partial checkpoint left behind
         raise CheckpointWriteError(failure)
     return tag
+
+
+def _no_room_for(root, tag):
+    """The failure line when ``root``'s file system has less room than the newest complete
+    checkpoint takes (the new one is written before keep-N pruning frees any), else None. Found
+    while writing, a full disk left the ranks in different collectives (one in DeepSpeed's save,
+    one reporting its failure): they waited out the whole distributed timeout and blamed the
+    network. Checked first, every rank stops together. A disk that fills during the write is
+    still caught there."""
+    newest = complete_tags(root)[-1:]
+    if not newest:
+        return None
+    try:
+        need = sum(read_marker(os.path.join(root, newest[0])).get('files', {}).values())
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    free = shutil.disk_usage(root).free
+    if free >= need:
+        return None
+    code = errno_codes.ENOSPC
+    return (f'writing {os.path.join(root, tag)} failed: [Errno {code} {errno_codes.errorcode[code]}] '
+            f'{os.strerror(code)} (it needs about {need / 2 ** 20:.1f} MiB, as {newest[0]} took; '
+            f'{free / 2 ** 20:.1f} MiB free)')
 
 
 def _seal(root, tmp_tag, tag, step, backend, client_state, marker_extra):

@@ -444,6 +444,41 @@ def test_a_full_disk_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(t
     assert summary['exit_reason'] == 'io_error' and 'No space left' in summary['error']
 
 
+def test_a_disk_too_full_for_the_next_checkpoint_stops_two_ranks_at_once(trained, small_disk):
+    """Two ranks, ZeRO-1 (each rank writes its optimizer shard): rank 0 failed inside DeepSpeed's
+    save while rank 1 waited in DeepSpeed's barrier, and both sat out the distributed timeout,
+    then exited 4 blaming the network, the partial checkpoint left filling the disk. A disk with
+    less room than the last checkpoint took stops both ranks before they write."""
+    tmp, _ = trained
+    work = os.path.join(small_disk, 'run2')
+    ds = _ds_json(tmp, 'zero1_short', lambda d: d['zero_optimization'].update(stage=1))
+    argv = _train_argv(tmp, work, 'train.max_steps=12', 'train.checkpoint_interval=4', ds=ds)
+    env = _env(DS_SEG_DIST_TIMEOUT='120', DS_SEG_FAULT='slow@step:0.3')
+    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+                             'launch/train.py', *argv], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    first = os.path.join(work, 'checkpoints', 'step_00000004')
+    deadline = time.time() + 240
+    while not os.path.isfile(os.path.join(first, checkpoint.COMPLETE)):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    size = sum(os.path.getsize(os.path.join(first, f)) for f in os.listdir(first))
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    with open(os.path.join(small_disk, 'filler'), 'wb') as f:   # room for the logs, not for step 8
+        f.write(b'\0' * max(0, free - size // 2))
+    started = time.time()
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0 and time.time() - started < 60, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith('ds_seg: error:')]
+    assert errors and all('ENOSPC' in e and work in e for e in errors), out[-3000:]
+    assert 'network' not in out and 'stopped responding' not in out, out[-3000:]   # (torchrun reports exit 74)
+    root = os.path.join(work, 'checkpoints')
+    assert checkpoint.find_checkpoint(work) == first and checkpoint.verify(root, 'step_00000004') is None
+    assert not [n for n in os.listdir(root) if n.startswith('.tmp')], 'no partial checkpoint left'
+    summary = json.load(open(os.path.join(work, 'summary.json')))
+    assert summary['exit_reason'] == 'io_error'
+
+
 # ------------------------------------------------------------------------------------------------
 # predict / evaluate / export
 # ------------------------------------------------------------------------------------------------
