@@ -161,27 +161,38 @@ class Checkpointer:
         return {name: list(getattr(p, 'ds_shape', p.shape)) for name, p in self.backend.module.named_parameters()}
 
     # -- resuming --------------------------------------------------------------------------
-    def restore(self, resume, found):
-        """Load the checkpoint ``--resume`` names (every rank): ``found``, what
-        ``checkpoint.resolve_resume`` answered for it (None included; the trainer resolves it
-        before building the model, and the SHA-256 checks are not repeated). Returns ``(step,
-        micro_step_offset, set_aside)``: the step to continue from, the data position minus step x
-        accumulation (non-zero after a change of ranks), and where an abandoned branch was moved
-        (or None)."""
+    def check_resume(self, resume, found):
+        """Refuse, before anything is loaded or logged (the trainer calls it before it starts the
+        trackers: a refused run added a FAILED MLflow run, or marked the finished one KILLED), a
+        resume this run cannot make. Arguments as :meth:`restore`'s."""
         if found is None and resume != 'auto':
             held = os.listdir(self.root) if os.path.isdir(self.root) else ()
             if any(checkpoint.TAG_RE.match(n) for n in held):  # verified or not: never written over
                 raise ConfigError(f"--work-dir: {self.work_dir} already holds checkpoints of an earlier run; "
                                   "add --resume auto to continue it, or choose another --work-dir.")
-            return 0, 0, None
+            return
         root, tag = found or (self.root, None)
+        if not tag:
+            return
         # Before loading (which says "resumed from"): it would "complete" at once, logging a run
         # that went backwards.
-        saved_step = int(checkpoint.read_marker(os.path.join(root, tag)).get('step', 0)) if tag else 0
+        saved_step = int(checkpoint.read_marker(os.path.join(root, tag)).get('step', 0))
         if saved_step > self.cfg.train.max_steps:
             raise ConfigError(f"--resume: {os.path.join(root, tag)} is at step {saved_step}, past train.max_steps="
                               f"{self.cfg.train.max_steps}; raise train.max_steps to train on, or export it "
                               f"as it is (launch/export.py).")
+        self.check_compatible(root, tag)
+
+    def restore(self, resume, found):
+        """After :meth:`check_resume`: load the checkpoint ``--resume`` names (every rank): ``found``, what
+        ``checkpoint.resolve_resume`` answered for it (None included; the trainer resolves it
+        before building the model, and the SHA-256 checks are not repeated). Returns ``(step,
+        micro_step_offset, set_aside)``: the step to continue from, the data position minus step x
+        accumulation (non-zero after a change of ranks), and where an abandoned branch was moved
+        (or None)."""
+        if found is None and resume != 'auto':  # (check_resume refused a fresh run over checkpoints)
+            return 0, 0, None
+        root, tag = found or (self.root, None)
         step, offset = self._load(root, tag) if tag else (0, 0)
         # Whatever the work dir holds beyond the checkpoint resumed from (a rollback's later
         # branch, damaged newer ones --resume auto passed over, or all of them when none was
@@ -236,7 +247,6 @@ class Checkpointer:
             raise ConfigError(f'--resume: {exc}') from exc
 
     def _load_checked(self, root, tag):
-        self.check_compatible(root, tag)
         marker = checkpoint.read_marker(os.path.join(root, tag))
         spec = self.spec
         resharded = reshard.needed(marker, spec.world_size)  # another number of ranks (ds_seg/engine/reshard.py)

@@ -236,13 +236,15 @@ class Trainer:
         if load_from:
             self._load_weights(model, load_from)
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
-        # After the config, data and model checks (a refused run leaves no MLflow/W&B run behind),
-        # before the resume moves anything aside (a tracker that cannot start refuses the run, and
-        # a refused run leaves the work dir as it was). A resume logs on to its earlier steps' runs.
+        self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)
+        self.checkpointer.check_resume(resume, found)
+        # After the config, data, model and resume checks (a refused run leaves no MLflow/W&B run
+        # behind, and an earlier run's status as it was), before the resume moves anything aside
+        # (a tracker that cannot start refuses the run, and a refused run leaves the work dir as it
+        # was). A resume logs on to its earlier steps' runs.
         self._start_trackers(cfg, resumed=bool(found))
 
         # --- resume ----------------------------------------------------------------------------
-        self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)
         self.step, self.micro_step_offset, set_aside = self.checkpointer.restore(resume, found)
         if found and not self.step:  # no checkpoint verified: a fresh start after all, in runs of its own
             self._start_trackers(cfg, resumed=False)

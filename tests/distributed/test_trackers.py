@@ -308,3 +308,38 @@ def test_deepspeeds_own_wandb_monitor_that_cannot_start_is_one_line(tmp_path):
     assert line is not None and line.startswith("--deepspeed_config: DeepSpeed's wandb monitor (the JSON's 'wandb' "
                                                 "block) cannot start (") and '\n' not in line, line
     assert left is False   # the refused run removed the work dir it created
+
+
+def _refused_after_a_finished_run(tmp, case):
+    """A finished 2-step run logged to MLflow, then a second start on its work dir that is
+    refused: the MLflow runs' statuses afterwards."""
+    from mlflow.tracking import MlflowClient
+
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    uri = 'file://' + os.path.join(tmp, 'mlruns')
+    work = os.path.join(tmp, 'run')
+
+    def cfg(steps):
+        c = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=2)
+        c.merge_from_dict(dict(log=dict(trackers=['mlflow'], mlflow_tracking_uri=uri)))
+        return c
+    assert fit_and_close(Trainer(cfg(2), ds_config(0, micro_batch=2), work_dir=work))['exit_reason'] == 'completed'
+    second = dict(fresh_over_checkpoints=(cfg(2), 'deepspeed', None), other_backend=(cfg(4), 'ddp', 'auto'),
+                  past_max_steps=(cfg(1), 'deepspeed', 'auto'))[case]
+    try:
+        Trainer(second[0], ds_config(0, micro_batch=2), backend=second[1], work_dir=work, resume=second[2]).close()
+        refused = False
+    except ConfigError:
+        refused = True
+    os.environ['MLFLOW_ALLOW_FILE_STORE'] = 'true'  # this process reads the file store back
+    client = MlflowClient(tracking_uri=uri)
+    return refused, [r.info.status for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+
+
+@pytest.mark.parametrize('case', ['fresh_over_checkpoints', 'other_backend', 'past_max_steps'])
+def test_a_refused_start_on_a_finished_run_leaves_its_tracker_runs_as_they_were(tmp_path, case):
+    """The trackers started before these refusals: each refused attempt added a FAILED MLflow run
+    (into the work dir's own mlruns/ by default), and a refused resume marked the finished run KILLED."""
+    refused, statuses = run_on_ranks(_refused_after_a_finished_run, 1, args=(str(tmp_path), case), timeout=180)[0]
+    assert refused and statuses == ['FINISHED']
