@@ -183,6 +183,10 @@ class Checkpointer:
                               f"as it is (launch/export.py).")
         self.check_compatible(root, tag)
 
+    def resumes_own(self, root):
+        """Whether checkpoints folder ``root`` is this work dir's own (not another run's)."""
+        return os.path.isdir(root) and os.path.isdir(self.root) and os.path.samefile(root, self.root)
+
     def restore(self, resume, found):
         """After :meth:`check_resume`: load the checkpoint ``--resume`` names (every rank): ``found``, what
         ``checkpoint.resolve_resume`` answered for it (None included; the trainer resolves it
@@ -201,7 +205,10 @@ class Checkpointer:
         if distributed.is_main():
             set_aside = checkpoint.set_aside_other_branch(self.work_dir, root, tag, partial=resume != 'auto')
         distributed.barrier()
-        if set_aside and tag and resume != 'auto':
+        if set_aside and tag and not self.resumes_own(root):
+            self.report(f"resuming {root}/{tag}, another run's checkpoint: this work dir's own checkpoints were "
+                        f"moved to {set_aside} (nothing deleted)")
+        elif set_aside and tag and resume != 'auto':
             self.report(f'resuming {tag} abandons a later branch: its checkpoints and log rows '
                         f'after step {step} were moved to {set_aside} (nothing deleted)')
         elif set_aside and tag:

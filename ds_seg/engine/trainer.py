@@ -242,14 +242,18 @@ class Trainer:
         # behind, and an earlier run's status as it was), before the resume moves anything aside
         # (a tracker that cannot start refuses the run, and a refused run leaves the work dir as it
         # was). A resume logs on to its earlier steps' runs.
-        self._start_trackers(cfg, resumed=bool(found))
+        # Another run's checkpoint (--resume other/checkpoints/step_N) continues that run's
+        # lineage: this work dir's own logs and tracker runs are another one's, and are set aside
+        # as a fresh run's are (its rows up to step N stayed live, followed by the other run's).
+        own = bool(found) and self.checkpointer.resumes_own(found[0])
+        self._start_trackers(cfg, resumed=own)
 
         # --- resume ----------------------------------------------------------------------------
         self.step, self.micro_step_offset, set_aside = self.checkpointer.restore(resume, found)
-        if found and not self.step:  # no checkpoint verified: a fresh start after all, in runs of its own
+        if own and not self.step:  # no checkpoint verified: a fresh start after all, in runs of its own
             self._start_trackers(cfg, resumed=False)
         if distributed.is_main():
-            self.log.start(resumed_step=self.step or None, set_aside=set_aside)
+            self.log.start(resumed_step=self.step if own and self.step else None, set_aside=set_aside)
             self.log.record_tracker_runs()
 
         # --- telemetry -------------------------------------------------------------------------

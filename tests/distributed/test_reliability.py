@@ -366,6 +366,31 @@ def test_rollback_moves_the_abandoned_branch_aside_and_all_commands_agree(traine
     assert [r['step'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))] == [4, 8]
 
 
+def test_resuming_another_runs_checkpoint_sets_this_work_dirs_own_lineage_aside(trained):
+    """--resume <another run's step_4> into a work dir with a run of its own: its rows up to step 4
+    stayed live, followed by the other run's continuation (a loss series that jumped), and the
+    resumed run logged on to its tracker runs."""
+    tmp, original = trained
+    work = os.path.join(tmp, 'foreign')
+    shutil.copytree(original, work)
+    own_rows = read_jsonl(os.path.join(work, 'metrics.jsonl'))
+    other = os.path.join(tmp, 'other')
+    argv = _train_argv(tmp, other, 'train.max_steps=4', 'train.checkpoint_interval=4', 'train.seed=7')
+    assert run_on_ranks(_run_main, 1, args=('train', argv), timeout=300)[0][0] == 0
+    argv = _train_argv(tmp, work, 'train.max_steps=8', 'train.checkpoint_interval=4', 'train.seed=7',
+                       resume=os.path.join(other, 'checkpoints', 'step_00000004'))
+    code, lines, out = run_on_ranks(_run_main, 1, args=('train', argv), timeout=300)[0]
+    assert code == 0, lines
+    assert "another run's checkpoint: this work dir's own checkpoints were moved to" in out, out
+    assert [r['step'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))] == [8]   # the other lineage's
+    previous = [os.path.join(work, 'previous', d) for d in os.listdir(os.path.join(work, 'previous'))]
+    assert len(previous) == 1 and read_jsonl(os.path.join(previous[0], 'metrics.jsonl')) == own_rows
+    aside = os.listdir(os.path.join(work, 'abandoned'))
+    assert len(aside) == 1 and sorted(os.listdir(os.path.join(work, 'abandoned', aside[0], 'checkpoints'))) == [
+        'latest', 'step_00000004', 'step_00000008', 'step_00000012']
+    assert sorted(os.listdir(os.path.join(other, 'checkpoints'))) == ['latest', 'step_00000004']  # untouched
+
+
 # ------------------------------------------------------------------------------------------------
 # One run per work dir, with real processes
 # ------------------------------------------------------------------------------------------------
