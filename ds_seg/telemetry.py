@@ -5,6 +5,7 @@ without synchronising measures how fast work is queued, not done; synchronising 
 instead stalls the host. Steps are therefore timed with CUDA events read once per log window;
 warm-up steps are excluded; time spent waiting for the data loader is measured separately.
 """
+import contextlib
 import json
 import math
 import os
@@ -163,6 +164,18 @@ def finite_or_none(obj):
     return obj
 
 
+@contextlib.contextmanager
+def _named_on_failure(path):
+    """An OSError without a file name (a buffered write failing at close on a full disk) gets
+    ``path``: the stop line said "a file: [Errno 28 ENOSPC]"."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), path) from exc
+        raise
+
+
 class RunLog:
     """Rank 0's writer for metrics.jsonl, eval.jsonl and tb/ (other ranks get a no-op)."""
 
@@ -289,7 +302,8 @@ class RunLog:
                   flush=True)
 
     def _append(self, name, record):
-        with open(os.path.join(self.work_dir, name), 'a') as f:
+        path = os.path.join(self.work_dir, name)
+        with _named_on_failure(path), open(path, 'a') as f:
             f.write(json.dumps(record) + '\n')
 
     def metrics(self, record):
@@ -322,7 +336,7 @@ class RunLog:
         if self.enabled:
             tmp = os.path.join(self.work_dir, f'.{name}.tmp')
             try:
-                with open(tmp, 'w') as f:
+                with _named_on_failure(os.path.join(self.work_dir, name)), open(tmp, 'w') as f:
                     # Strict JSON (jq, JavaScript, most parsers refuse NaN): a loss that overflowed
                     # is null in summary.json; metrics.jsonl keeps the step's NaN/Infinity.
                     json.dump(finite_or_none(obj), f, indent=2, default=str)

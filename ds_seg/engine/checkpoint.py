@@ -85,6 +85,8 @@ def verify(root, tag):
         with open(os.path.join(path, COMPLETE)) as f:
             marker = json.load(f)
         sizes, sums = marker['files'], marker.get('sha256', {})
+        if not isinstance(sizes, dict) or not isinstance(sums, dict):  # ('files': [...] was an AttributeError)
+            raise TypeError("'files' and 'sha256' are not mappings of file names")
     except FileNotFoundError:
         return f'no {COMPLETE} marker (killed mid-save?)'
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -291,11 +293,11 @@ def is_pointer_file(path):
 def read_pointer(root, name):
     """The tag ``root/name`` (a pointer file) holds, or None when there is none or it holds no tag."""
     try:
-        with open(os.path.join(root, name)) as f:
-            tag = f.read().strip()
+        with open(os.path.join(root, name), 'rb') as f:
+            tag = f.read(256).decode('ascii', 'replace').strip()  # any bytes: a tag or none
     except OSError:
         return None
-    return tag if TAG_RE.match(tag) else None
+    return tag if TAG_RE.fullmatch(tag) else None
 
 
 def find_checkpoint(path, report=None):

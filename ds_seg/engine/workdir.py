@@ -125,9 +125,11 @@ class WorkDirLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = self._read()
-                if owner is None:
-                    time.sleep(0.2)  # being written right now: read again
-                    owner = self._read()
+                if owner is None and self._age_s() < self.UNREADABLE_GRACE_S:
+                    # Being written right now (on a network file system another node may see it
+                    # empty for a while): read again, until it is old enough to be a dead one's.
+                    time.sleep(0.2)
+                    continue
                 if owner is not None and not owner_gone(owner, me):
                     raise WorkDirBusy(f"{os.path.dirname(self.path)} is in use by another run ({describe(owner)}). "
                                       f"Wait for it, use another --work-dir, or delete {self.path} if that run "
@@ -150,6 +152,14 @@ class WorkDirLock:
     # A take-over mutex older than this was left by a process that died inside one (a few
     # file operations): it is cleared.
     MUTEX_STALE_S = 30
+    # A lock file that holds no owner record is a dead writer's once it is this old.
+    UNREADABLE_GRACE_S = 10
+
+    def _age_s(self):
+        try:
+            return time.time() - os.stat(self.path).st_mtime
+        except OSError:
+            return 0.0
 
     def _take_over(self, owner, me):
         """Remove the dead owner's lock file under the take-over mutex; False if another
@@ -174,11 +184,14 @@ class WorkDirLock:
         return True
 
     def _read(self):
+        """The owner recorded in the lock file, or None where it holds no such record (being
+        written, or damaged: '[1, 2]' was an AttributeError traceback)."""
         try:
             with open(self.path) as f:
-                return json.load(f)
+                owner = json.load(f)
         except (OSError, ValueError):
             return None
+        return owner if isinstance(owner, dict) else None
 
     def release(self):
         """Remove the lock if it is still ours (never another run's)."""

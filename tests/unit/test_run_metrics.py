@@ -54,3 +54,23 @@ def test_the_summary_median_is_the_median_of_this_runs_configuration(tmp_path):
     m.backend = types.SimpleNamespace(skipped_steps=0, optimizer_impl='torch.AdamW')
     summary = m.write_summary('completed', 5, None, str)
     assert summary['images_per_s_median'] == (415.67 + 425.81) / 2
+
+
+def test_a_full_disk_while_logging_names_the_file(tmp_path):
+    """A buffered write fails when the file closes, with no file name: the stop line said
+    "a file: [Errno 28 ENOSPC]". /dev/full answers every write with ENOSPC."""
+    import os
+
+    import pytest
+
+    from ds_seg.engine.faults import describe_io_error
+    from ds_seg.telemetry import RunLog
+    log = RunLog(str(tmp_path), enabled=True)
+    os.symlink('/dev/full', tmp_path / 'metrics.jsonl')
+    os.symlink('/dev/full', tmp_path / '.summary.json.tmp')
+    for write in (lambda: log._append('metrics.jsonl', {'step': 1}), lambda: log.write_json('summary.json', {})):
+        with pytest.raises(OSError) as failed:
+            write()
+        said = describe_io_error(failed.value)
+        assert said.startswith(str(tmp_path)) and 'ENOSPC' in said and 'a file' not in said, said
+    assert not os.path.exists(tmp_path / 'summary.json')   # nothing half-written in its place

@@ -292,3 +292,40 @@ def test_a_tilde_in_a_path_option_is_the_home_folder(tmp_path, capsys, monkeypat
     assert export.main(['~/run', '--out', '~/weights.pt']) == 2
     assert str(home / 'run') in capsys.readouterr().err
     assert os.listdir(elsewhere) == []
+
+
+@pytest.mark.parametrize('content', ['[1, 2]', '42', '"x"', '', 'not json'])
+def test_a_lock_file_without_an_owner_record_is_taken_over_once_it_is_old(tmp_path, content, monkeypatch):
+    """JSON that is not an object was an AttributeError traceback; and an unreadable file was taken
+    over after 0.2 s, where on a network file system another node may still be writing it."""
+    monkeypatch.setattr(WorkDirLock, 'UNREADABLE_GRACE_S', 1.0)
+    path = tmp_path / LOCK_NAME
+    path.write_text(content)
+    started = time.time()
+    lock = WorkDirLock(str(tmp_path))
+    assert lock.acquire() == 'an unreadable lock'
+    assert time.time() - started >= 0.8          # waited for it to age: not a writer's half-written file
+    assert json.loads(path.read_text())['pid'] == os.getpid()
+    lock.release()
+    path.write_text(content)
+    os.utime(path, (time.time() - 60, time.time() - 60))   # a dead writer's, long ago: at once
+    started = time.time()
+    assert WorkDirLock(str(tmp_path)).acquire() == 'an unreadable lock' and time.time() - started < 0.5
+
+
+def test_a_pointer_of_any_bytes_and_a_marker_of_the_wrong_shape_are_named_not_tracebacks(tmp_path):
+    """A `latest` of non-UTF-8 bytes was a UnicodeDecodeError (a traceback from --resume, a line
+    that named no file from export/predict); a COMPLETE marker whose 'files' is a list was an
+    AttributeError from verify (export and --resume auto)."""
+    from ds_seg.engine import checkpoint
+    root = tmp_path / 'checkpoints'
+    (root / 'step_00000004').mkdir(parents=True)
+    (root / 'step_00000004' / checkpoint.COMPLETE).write_text(json.dumps({'step': 4, 'files': ['a.pt']}))
+    (root / 'latest').write_bytes(b'garbage\x00\xff')
+    assert checkpoint.read_pointer(str(root), 'latest') is None
+    with pytest.raises(FileNotFoundError, match=r'latest: does not name a step_\* checkpoint'):
+        checkpoint.find_checkpoint(str(root / 'latest'))
+    assert checkpoint.verify(str(root), 'step_00000004').startswith(f'unreadable {checkpoint.COMPLETE} marker')
+    (root / 'latest').write_text('step_00000004')
+    with pytest.raises(FileNotFoundError, match=r'not a usable checkpoint: unreadable COMPLETE marker'):
+        checkpoint.find_checkpoint(str(root / 'latest'))
