@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist import run_on_ranks
-from tests.tiny import ds_config, read_jsonl, tiny_cfg
+from tests.tiny import ds_config, fit_and_close, read_jsonl, tiny_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -112,12 +112,22 @@ def test_resume_at_another_micro_batch_goes_on_after_the_samples_consumed(tmp_pa
     assert samples == [4, 8, 12, 14, 16, 18], samples
 
 
+def _fit_or_refusal(cfg, ds, **kwargs):
+    """Train ``cfg`` to the end: the (closed) trainer, or the refusal line if it was refused."""
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.trainer import Trainer
+    try:
+        trainer = Trainer(cfg, ds, **kwargs)
+    except ConfigError as exc:
+        return str(exc)
+    fit_and_close(trainer)
+    return trainer
+
+
 def _resume_with(tmp, params, scheduler, backend='deepspeed', scheduler_on_resume=None):
     """Two steps, then a resume to four with ``params`` merged into optimizer.params (and the
     scheduler kept or removed; ``scheduler_on_resume``: another choice for the resume): the
     refusal line, or the LRs the resumed steps logged."""
-    from ds_seg.config import ConfigError
-    from ds_seg.engine.trainer import Trainer
     work = os.path.join(tmp, 'work')
     resumed_scheduler = scheduler if scheduler_on_resume is None else scheduler_on_resume
     for steps, resume, extra, scheduled in ((2, None, {}, scheduler), (4, 'auto', params, resumed_scheduler)):
@@ -126,14 +136,9 @@ def _resume_with(tmp, params, scheduler, backend='deepspeed', scheduler_on_resum
         if not scheduled:
             ds.pop('scheduler')
         cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=2)
-        try:
-            trainer = Trainer(cfg, ds, backend=backend, work_dir=work, resume=resume)
-        except ConfigError as exc:
-            return str(exc)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
+        trainer = _fit_or_refusal(cfg, ds, backend=backend, work_dir=work, resume=resume)
+        if isinstance(trainer, str):
+            return trainer
     return [r['lr'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
 
 
@@ -175,8 +180,7 @@ def test_a_resume_that_changes_restored_optimizer_settings_is_refused(tmp_path, 
 def _resume_with_optim(tmp, backend, stage, model, before, after):
     """Two steps with the ``optim`` options ``before``, then a resume to 3 with ``after``: the
     refusal line, or the resumed run's groups as (name, lr_mult)."""
-    from ds_seg.config import ConfigError, REPO_ROOT, load_config
-    from ds_seg.engine.trainer import Trainer
+    from ds_seg.config import REPO_ROOT, load_config
     cache = os.path.join(tmp, 'cache')
     config = dict(unet='unet_tiny_synthetic.py', dinov2='upernet_dinov2_tiny_synthetic.py')[model]
     for steps, resume, optim in ((2, None, before), (3, 'auto', after)):
@@ -184,15 +188,10 @@ def _resume_with_optim(tmp, backend, stage, model, before, after):
             f'data.train.cache_dir={cache!r}', f'data.val.cache_dir={cache!r}', 'data.train.scene_size=128',
             'data.val.scene_size=128', 'data.crop_size=64', f'train.max_steps={steps}', 'train.eval_interval=0',
             'train.checkpoint_interval=2', *[f'optim.{k}={v!r}' for k, v in optim.items()]])
-        try:
-            trainer = Trainer(cfg, ds_config(stage, micro_batch=1), backend=backend, work_dir=os.path.join(tmp, 'w'),
-                              resume=resume)
-        except ConfigError as exc:
-            return str(exc)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
+        trainer = _fit_or_refusal(cfg, ds_config(stage, micro_batch=1), backend=backend,
+                                  work_dir=os.path.join(tmp, 'w'), resume=resume)
+        if isinstance(trainer, str):
+            return trainer
     return [(g['name'], g['lr_mult']) for g in _base_optimizer(trainer.backend).param_groups]
 
 
@@ -251,18 +250,24 @@ def test_a_resume_runs_the_optimizer_implementation_this_run_chose(tmp_path, bac
     assert impl == 'torch.AdamW fused'
 
 
-def _smoke_then_longer(tmp):
-    """A smoke test of 2 steps (the JSON's 3-step warmup shortened to fit), resumed to 6 steps
-    (the JSON's warmup fits now): what the resume printed, and the LRs every step trained at."""
+def _passes(tmp, passes):
+    """Train each ``(max_steps, resume, lr)`` of ``passes`` in turn in one work dir (a checkpoint
+    every 2 steps; ``resume`` None, 'auto' or a step tag; ``lr`` the optimizer's, None for the
+    JSON's): what the last pass printed, and the LRs every logged step trained at."""
     import contextlib
     import io
 
     from ds_seg.engine.trainer import Trainer
     work, printed = os.path.join(tmp, 'work'), io.StringIO()
-    for steps, resume in ((2, None), (6, 'auto')):
+    for i, (steps, resume, lr) in enumerate(passes):
+        ds = ds_config(0, micro_batch=2)
+        if lr is not None:
+            ds['optimizer']['params']['lr'] = lr
+        if resume not in (None, 'auto'):
+            resume = os.path.join(work, 'checkpoints', resume)
         cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=2)
-        with contextlib.redirect_stdout(printed if resume else io.StringIO()):
-            trainer = Trainer(cfg, ds_config(0, micro_batch=2), work_dir=work, resume=resume)
+        with contextlib.redirect_stdout(printed if i == len(passes) - 1 else io.StringIO()):
+            trainer = Trainer(cfg, ds, work_dir=work, resume=resume)
             try:
                 trainer.fit()
             finally:
@@ -273,7 +278,8 @@ def _smoke_then_longer(tmp):
 def test_a_resume_on_another_schedule_says_what_changed_and_the_lr_it_goes_on_at(tmp_path):
     # The smoke test's warmup (2 steps, DeepSpeed's minimum) was re-derived from the JSON (3 steps) for the longer run:
     # the LR fell from the peak back into warmup at the first resumed step, without a word.
-    printed, lrs = run_on_ranks(_smoke_then_longer, 1, args=(str(tmp_path),))[0]
+    # A smoke test of 2 steps (the JSON's 3-step warmup shortened to fit), resumed to 6 steps.
+    printed, lrs = run_on_ranks(_passes, 1, args=(str(tmp_path), [(2, None, None), (6, 'auto', None)]))[0]
     lines = [line for line in printed.splitlines() if "the LR schedule is not the checkpoint's" in line]
     assert len(lines) == 1, printed
     assert 'warmup_num_steps 2 -> 3' in lines[0] and 'total_num_steps 2 -> 6' in lines[0], lines
@@ -288,31 +294,11 @@ def test_a_scheduler_added_on_resume_is_refused(tmp_path, backend):
     assert isinstance(said, str) and said.startswith('--resume: ') and 'was trained without an LR scheduler' in said, said
 
 
-def _rolled_back_at_another_lr(tmp):
-    """4 steps at lr 0.002 (a checkpoint at 2), then step 2 resumed at lr 0.004: what the resume
-    printed, and the LRs of the steps trained after it."""
-    import contextlib
-    import io
-
-    from ds_seg.engine.trainer import Trainer
-    work, printed = os.path.join(tmp, 'work'), io.StringIO()
-    for resume, lr in ((None, 0.002), (os.path.join(work, 'checkpoints', 'step_00000002'), 0.004)):
-        ds = ds_config(0, micro_batch=2)
-        ds['optimizer']['params']['lr'] = lr
-        cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=4, checkpoint_interval=2)
-        with contextlib.redirect_stdout(printed if resume else io.StringIO()):
-            trainer = Trainer(cfg, ds, work_dir=work, resume=resume)
-            try:
-                trainer.fit()
-            finally:
-                trainer.close()
-    return printed.getvalue(), [r['lr'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
-
-
 def test_a_resume_at_another_optimizer_lr_says_so(tmp_path):
     """The schedule scales the optimizer's lr: twice the lr trained at twice the LR from the first
     resumed step, and no line said so (only a change of the scheduler block was said)."""
-    printed, lrs = run_on_ranks(_rolled_back_at_another_lr, 1, args=(str(tmp_path),))[0]
+    # 4 steps at lr 0.002, then step 2 resumed at lr 0.004 (the same schedule block).
+    printed, lrs = run_on_ranks(_passes, 1, args=(str(tmp_path), [(4, None, 0.002), (4, 'step_00000002', 0.004)]))[0]
     lines = [line for line in printed.splitlines() if "the LR schedule is not the checkpoint's" in line]
     assert len(lines) == 1 and 'optimizer.params.lr 0.002 -> 0.004' in lines[0], printed
     assert lines[0].endswith(f"from step 3 it follows this run's: LR {lrs[2]:.3g} at step 3"), (lines, lrs)
