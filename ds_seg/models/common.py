@@ -87,3 +87,8 @@ class DropPath(nn.Module):
 def linspace(end, steps):
     """Stochastic-depth rates 0..end as Python floats (works while building on the meta device)."""
     return [end * i / max(1, steps - 1) for i in range(steps)]
+
+
+def num_params(module):
+    """Parameters of ``module`` (the model zoo's tests compare them with published counts)."""
+    return sum(p.numel() for p in module.parameters())
