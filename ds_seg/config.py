@@ -1441,19 +1441,19 @@ def _check_inherited(path):
     which is only parsed (a ``.py`` base of a JSON config ran, whoever wrote the JSON: a run's
     config.json handed on, say). Files that cannot be found or parsed are left to the loading,
     which says why in its words."""
-    top_parsed = path.suffix.lower() in _PARSED_SUFFIXES
-    seen, todo = set(), [path]
+    seen, todo = set(), [(path, None)]   # (file, the JSON/YAML file above it in the chain, if any)
     while todo:
-        current = todo.pop()
-        if os.path.realpath(current) in seen or not current.is_file():
+        current, parsed_above = todo.pop()
+        if (os.path.realpath(current), parsed_above is None) in seen or not current.is_file():
             continue
-        seen.add(os.path.realpath(current))
+        seen.add((os.path.realpath(current), parsed_above is None))
         if current.suffix.lower() in _PARSED_SUFFIXES:
             bases = (_refuse_repeated_keys(current) or {}).get('_base_', [])
-        elif top_parsed:
-            raise ConfigError(f"{path}: inherits the Python config {current} through _base_, which would run; a "
-                              "JSON or YAML config is only parsed. Give that base as JSON or YAML, or give a Python "
-                              "config you trust as --config.")
+            parsed_above = parsed_above or current
+        elif parsed_above is not None:  # (a Python config's JSON base handed on: its .py base ran too)
+            raise ConfigError(f"{parsed_above}: inherits the Python config {current} through _base_, which would "
+                              "run; a JSON or YAML config is only parsed. Give that base as JSON or YAML, or give "
+                              "a Python config you trust as --config.")
         else:
             try:
                 bases = Config._get_base_files(str(current))  # its _base_ line, read without running the file
@@ -1461,7 +1461,7 @@ def _check_inherited(path):
                 continue
         for base in [bases] if isinstance(bases, str) else bases if isinstance(bases, (list, tuple)) else []:
             if isinstance(base, str) and '::' not in base:  # (package:: bases are mmengine's packages')
-                todo.append(Path(os.path.join(os.path.dirname(current), base)))
+                todo.append((Path(os.path.join(os.path.dirname(current), base)), parsed_above))
 
 
 @contextlib.contextmanager
@@ -1481,7 +1481,11 @@ def _chain_merged_by_ds_seg_rules():
                 continue
             path, old = f'{prefix}{key}', base.get(key) if isinstance(base, dict) else None
             if value.get(DELETE_KEY):
-                deleted.append(path)
+                # Kept for registry sections (and inside them), which _merge replaces by it; another
+                # section's marker is refused there, and mmengine's replacement of the base is its
+                # meaning (as before).
+                if any(path == r or path.startswith(r + '.') for r in _REGISTRY_SECTIONS):
+                    deleted.append(path)
             elif isinstance(old, dict) and path in _REGISTRY_SECTIONS and value.get('type', old.get('type')) \
                     != old.get('type'):
                 child[key] = type(value)({**value, DELETE_KEY: True})  # mmengine's replace (it drops the marker)

@@ -399,7 +399,10 @@ def open_raster(path):
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
     try:
-        with warnings.catch_warnings():
+        # (opening_env: GDAL finds the file's .msk even inside a remote file's environment. A
+        # VRT opens as before: its sources may be remote, read with their options.)
+        env = contextlib.nullcontext() if os.fspath(path).lower().endswith('.vrt') else opening_env(path)
+        with warnings.catch_warnings(), env:
             warnings.simplefilter('ignore', NotGeoreferencedWarning)  # PNG/JPG patches
             return rasterio.open(path)
     except rasterio.errors.RasterioIOError as e:

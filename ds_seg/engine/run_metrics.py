@@ -42,9 +42,9 @@ class RunMetrics:
         if window and window['start'] < step:
             sums = window['loss_sums']
             rank, size = distributed.rank(), self.spec.world_size
-            # Each rank its own sum (the same additions as before); at another number of ranks,
-            # rank 0 holds them all.
-            mine = sums[rank] if len(sums) == size else (sum(sums) if rank == 0 else 0.0)
+            # Each rank its own sum (the same additions as before). At another number of ranks,
+            # rank 0 holds them all, scaled to this many ranks: the row divides by steps x ranks.
+            mine = sums[rank] if len(sums) == size else (sum(sums) * size / len(sums) if rank == 0 else 0.0)
             self._loss_sum.fill_(mine)
             self.window_start_step = window['start']
 

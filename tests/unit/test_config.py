@@ -846,6 +846,11 @@ def test_a_json_or_yaml_config_never_runs_a_python_base(tmp_path):
         with pytest.raises(ConfigError, match=r"inherits the Python config .*evil.py through _base_, which would run"):
             load_config(str(tmp_path / top))
     assert not ran.exists()
+    # ... nor under a Python config that inherits the JSON (a run's config.json handed on)
+    (tmp_path / 'mine.py').write_text("_base_ = './top.json'\n")
+    with pytest.raises(ConfigError, match=r"top.json: inherits the Python config .*evil.py through _base_"):
+        load_config(str(tmp_path / 'mine.py'))
+    assert not ran.exists()
     (tmp_path / 'top.py').write_text("_base_ = './evil.py'\n")   # a Python config runs its bases, as it runs itself
     assert load_config(str(tmp_path / 'top.py')).train.max_steps == 3 and ran.exists()
 
@@ -879,6 +884,12 @@ def test_a_base_configs_sections_follow_the_rules_of_the_defaults(tmp_path):
     assert model['fresh.py'] == {'type': 'UNet', 'bilinear': True}
     assert model['on_fresh.py'] == {'type': 'UNet', 'bilinear': True, 'depth': 3}
     assert dict(load_config(str(tmp_path / 'synthetic.py')).data.train) == {'type': 'SyntheticAerial', 'split': 'train'}
+    # _delete_ in a section without a type replaces the base's section, as mmengine does (it was
+    # refused as "only a section with a 'type'" once the marker was kept for every section).
+    (tmp_path / 'run.py').write_text("train = dict(max_steps=9, seed=3)\n")
+    (tmp_path / 'steps.py').write_text("_base_ = './run.py'\ntrain = dict(_delete_=True, max_steps=4)\n")
+    train = load_config(str(tmp_path / 'steps.py')).train
+    assert (train.max_steps, train.seed) == (4, load_config(None).train.seed)
 
 
 def test_a_runs_config_json_gives_its_sections_back_whole(tmp_path):

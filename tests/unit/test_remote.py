@@ -4,6 +4,7 @@ A real HTTP server on 127.0.0.1 (ds_seg.data.rangeserver) serves real GeoTIFFs; 
 them through /vsicurl/ (http://) and /vsis3/ (s3:// with AWS_S3_ENDPOINT pointing at it).
 """
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -292,7 +293,7 @@ def test_a_url_with_a_mask_or_georeferencing_beside_it_is_one_line(tmp_path):
     """Remote reads do not look beside a URL: a PNG's georeferencing in its .aux.xml was lost (CRS
     None, identity transform) and a .tif.msk mask ignored (masked pixels predicted as data), where
     the local copies had them. A .aux.xml of statistics only (QGIS writes them beside COGs) is fine."""
-    from ds_seg.data.raster import open_scene, remote_sidecar_refusal
+    from ds_seg.data.raster import open_scene, remote_sidecar_refusal, uses_mask_band
     pixels = np.random.default_rng(0).integers(1, 255, (3, 64, 64)).astype('uint8')
     grid = dict(width=64, height=64, count=3, dtype='uint8', crs='EPSG:32633',
                 transform=from_origin(500000, 5600000, 0.5, 0.5))
@@ -337,3 +338,8 @@ def test_a_url_with_a_mask_or_georeferencing_beside_it_is_one_line(tmp_path):
         # its .msk: under the URL's options GDAL listed no directory, and masked pixels were scored.
         with open_scene(server.url('c.tif')), open_scene(str(tmp_path / 'm.tif')) as local:
             assert int((local.read_masks(1) == 0).sum()) == 20 * 20
+        # ... and so do local dates of a time series, each opened by open_raster.
+        for suffix in ('', '.msk'):
+            shutil.copy(tmp_path / f'm.tif{suffix}', tmp_path / f'm2.tif{suffix}')
+        with open_scene(server.url('c.tif')), open_scene([str(tmp_path / 'm.tif'), str(tmp_path / 'm2.tif')]) as dates:
+            assert uses_mask_band(dates) and int((dates.dataset_mask() == 0).sum()) == 20 * 20

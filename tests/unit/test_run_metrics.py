@@ -74,3 +74,16 @@ def test_a_full_disk_while_logging_names_the_file(tmp_path):
         said = describe_io_error(failed.value)
         assert said.startswith(str(tmp_path)) and 'ENOSPC' in said and 'a file' not in said, said
     assert not os.path.exists(tmp_path / 'summary.json')   # nothing half-written in its place
+
+
+def test_a_window_resumed_at_another_number_of_ranks_keeps_its_mean():
+    """Steps 6-7 of a window were trained on 2 ranks (loss 1.0 each: sums [2, 2]), the rest on 1.
+    Rank 0 took the 2 ranks' sum as it was, and the row (divided by steps x this run's 1 rank)
+    read 1.4 where every loss was 1.0."""
+    m = _metrics()
+    m.start_loop(7, dict(start=5, loss_sums=[2.0, 2.0]))
+    _feed(m, [1.0, 1.0, 1.0])                       # steps 8-10
+    assert m.window_start_step == 5 and float(m._loss_sum) * 1 / (10 - 5) == 1.0
+    same = _metrics()
+    same.start_loop(7, dict(start=5, loss_sums=[2.0]))   # the same number of ranks: its own sum
+    assert float(same._loss_sum) == 2.0
