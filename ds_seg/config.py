@@ -547,6 +547,24 @@ def parse_cfg_options(options):
     return nested
 
 
+def option_keys(options):
+    """Every dotted key ``--cfg-options`` set, a section given as a dict walked into
+    (``train=dict(max_steps=1)`` sets ``train.max_steps``); a section set to a value is its own
+    key. Options that do not parse give none (loading them says why)."""
+    try:
+        nested = parse_cfg_options(options)
+    except ConfigError:
+        return []
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                yield from walk(value, f'{prefix}{key}.')
+            else:
+                yield f'{prefix}{key}'
+    return list(walk(nested, ''))
+
+
 def _unquoted_iterable(raw):
     """``[a,b]`` / ``(a,[b,c])`` of unquoted words as mmengine's ``--cfg-options`` reads them: a
     list (tuple) of the items between top-level commas (not inside quotes), each a literal, a

@@ -86,6 +86,13 @@ def split_dates(item):
     return dates
 
 
+def folder_rasters(folder):
+    """The GeoTIFFs and JPEG 2000 files directly inside ``folder``, sorted: what a folder given
+    for scenes (predict, evaluate, a dataset's images/labels) stands for."""
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder)
+                  if n.lower().endswith(FOLDER_SUFFIXES) and os.path.isfile(os.path.join(folder, n)))
+
+
 def expand_inputs(paths, option='--input'):
     """Paths as given, with a directory standing for the GeoTIFFs directly inside it (sorted).
     Each file must exist, be non-empty and readable to its last pixel (a truncated download
@@ -115,9 +122,7 @@ def expand_inputs(paths, option='--input'):
     files = []
     for path in paths:
         if os.path.isdir(path):
-            found, earlier = scenes_only(path, sorted(
-                os.path.join(path, n) for n in os.listdir(path)
-                if n.lower().endswith(FOLDER_SUFFIXES) and os.path.isfile(os.path.join(path, n))))
+            found, earlier = scenes_only(path, folder_rasters(path))
             if not found:
                 raise ConfigError(f"{option}: folder {path} holds no GeoTIFF or JPEG 2000 raster "
                                   f"({', '.join(FOLDER_SUFFIXES)})" + (" but predict's own outputs" if earlier else "")

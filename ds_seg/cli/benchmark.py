@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ds_seg.inputs import user_path
 from ds_seg.cli import same_package_env
-from ds_seg.config import DS_CONFIGS_DIR
+from ds_seg.config import DS_CONFIGS_DIR, option_keys
 from ds_seg.memory import zero_formula
 
 # Backend name -> (train.py --backend, shipped DeepSpeed JSON). DDP reads its optimizer, schedule,
@@ -237,25 +237,6 @@ BENCHMARK_OWNED = {
     'train.warmup_log_steps': '--warmup', 'train.eval_interval': 'no evaluation in timed runs',
     'train.checkpoint_interval': 'no checkpoints in timed runs', 'train.peak_tflops': 'from --peak-tflops',
     'train.profile_steps': 'from --profile'}
-
-
-def _keys_set(cfg_options):
-    """Every dotted key ``--cfg-options`` sets, a section given as a dict walked into
-    (``train=dict(max_steps=1)`` sets ``train.max_steps``); a section set to a value is its own key.
-    Options that do not parse are left to load_config, which says why."""
-    from ds_seg.config import ConfigError, parse_cfg_options
-    try:
-        nested = parse_cfg_options(cfg_options)
-    except ConfigError:
-        return []
-
-    def walk(node, prefix):
-        for key, value in node.items():
-            if isinstance(value, dict) and value:
-                yield from walk(value, f'{prefix}{key}.')
-            else:
-                yield f'{prefix}{key}'
-    return list(walk(nested, ''))
 
 
 def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
@@ -628,7 +609,7 @@ def _check_args(args):
         return f"--launcher python starts one process, but --nproc is {args.nproc}; use torchrun or deepspeed"
     if os.path.exists(args.work_dir) and not os.path.isdir(args.work_dir):
         return f"--work-dir {args.work_dir} is a file; give a folder"
-    for key in _keys_set(args.cfg_options):
+    for key in option_keys(args.cfg_options):
         owned = [k for k in BENCHMARK_OWNED if k == key or k.startswith(key + '.')]
         if owned:
             # Appended after the benchmark's own settings, it won: train.log_interval=5 timed 3

@@ -289,15 +289,14 @@ def _run(args):
         raise ValueError("--cfg-options change --config's data.val, which --images/--labels replace, so they "
                          "would be ignored; leave them out, or give --config instead of --images/--labels")
     if args.cfg_options:
-        from ds_seg.config import ConfigError, parse_cfg_options
-        try:
-            ignored = sorted(key for key in parse_cfg_options(args.cfg_options) if key != 'data')
-        except ConfigError:
-            ignored = []  # loading the config says why
-        if ignored:  # model.base_channels=32, loss.ignore_index=0: accepted, and the same metrics
-            raise ValueError(f"--cfg-options {ignored[0]}...: evaluate scores --checkpoint's model on the config's "
-                             "data (data.val, its windows); other sections take no part and would be ignored: leave "
-                             "it out")
+        from ds_seg.config import option_keys
+        # data.* and the seed data.val is built with; model.base_channels=32 or loss.ignore_index=0
+        # were accepted and changed nothing.
+        ignored = [k for k in option_keys(args.cfg_options) if not (k.split('.')[0] == 'data' or k == 'train.seed')]
+        if ignored:
+            raise ValueError(f"--cfg-options {ignored[0]}: evaluate scores --checkpoint's model on the config's "
+                             "data (data.val, its windows, train.seed); other settings take no part and would be "
+                             "ignored: leave it out")
     if args.classes and not args.images:  # the dataset's own classes were used, these ignored
         raise ValueError("--classes names the classes of --images/--labels; --config's data.val has its own "
                          "(set data.val.classes with --cfg-options)")

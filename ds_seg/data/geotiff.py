@@ -203,7 +203,7 @@ def cached_label_histograms(label_paths):
 def expand_paths(spec, what, folders=False):
     """A path, a glob or a list of either -> list of paths (each glob sorted); URLs as given. With
     ``folders``, a folder -> the GeoTIFFs directly inside it (sorted), as predict.py reads one."""
-    from ..inputs import FOLDER_SUFFIXES
+    from ..inputs import FOLDER_SUFFIXES, folder_rasters
     if isinstance(spec, (str, os.PathLike)):
         spec = [spec]
     paths = []
@@ -213,8 +213,7 @@ def expand_paths(spec, what, folders=False):
             item = os.path.expanduser(item)  # '~/data/*.tif' in a config: no shell expands it
         # (A vector dataset may be a folder: a partitioned .parquet.)
         if folders and not is_remote(item) and os.path.isdir(item) and not is_vector(item):
-            found = sorted(os.path.join(item, n) for n in os.listdir(item)
-                           if n.lower().endswith(FOLDER_SUFFIXES) and os.path.isfile(os.path.join(item, n)))
+            found = folder_rasters(item)
             if not found:
                 raise DataError(f"{what}: folder {item} holds no GeoTIFF or JPEG 2000 raster "
                                 f"({', '.join(FOLDER_SUFFIXES)}); give other rasters by name or glob")

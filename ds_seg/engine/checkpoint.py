@@ -177,8 +177,9 @@ def _no_room_for(root, tag):
     checkpoint takes (the new one is written before keep-N pruning frees any), else None. Found
     while writing, a full disk left the ranks in different collectives (one in DeepSpeed's save,
     one reporting its failure): they waited out the whole distributed timeout and blamed the
-    network. Checked first, every rank stops together. A disk that fills during the write is
-    still caught there."""
+    network. Checked first, every rank stops together. Only the foreseeable case: a write that
+    fails on one rank mid-save (a disk another job fills, a quota this does not see, an I/O
+    error) still leaves the ranks apart until the timeout."""
     newest = complete_tags(root)[-1:]
     if not newest:
         return None

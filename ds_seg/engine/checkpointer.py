@@ -84,6 +84,22 @@ def _model_dict(model_cfg):
     return model_cfg.to_dict() if hasattr(model_cfg, 'to_dict') else dict(model_cfg)
 
 
+def _first_group_difference(saved, now):
+    """The first parameter group two layouts (param_groups.group_layout) disagree on, in words:
+    the same optim settings can group another model differently (another frozen_stages...)."""
+    def words(group):
+        if group is None:
+            return 'none'
+        name, mult, decay, count = group
+        return f"{name} (lr_mult {mult:g}{'' if decay is None else f', weight_decay {decay:g}'}, {count} tensors)"
+    saved, now = saved or [['all', 1.0, None, '?']], now or [['all', 1.0, None, '?']]
+    for i in range(max(len(saved), len(now))):
+        a, b = (saved[i] if i < len(saved) else None), (now[i] if i < len(now) else None)
+        if a != b:
+            return f'parameter group {i + 1}: {words(a)} there, {words(b)} here'
+    return 'the parameter groups differ'
+
+
 def _flat(settings, prefix=''):
     """``{'paramwise': {'backbone_lr_mult': 0.1}}`` as ``{'paramwise.backbone_lr_mult': 0.1}``."""
     flat = {}
@@ -378,7 +394,7 @@ class Checkpointer:
         old, new = marker.get('optim') or {}, _model_dict(self.cfg.get('optim') or {})
         keys = sorted(k for k in set(_flat(old)) | set(_flat(new)) if _flat(old).get(k) != _flat(new).get(k))
         said = ', '.join(f'optim.{k} {_flat(old).get(k, "(default)")!r} there, {_flat(new).get(k, "(default)")!r} here'
-                         for k in keys) or f'{len(saved or [1])} parameter group(s) there, {len(now or [1])} here'
+                         for k in keys) or _first_group_difference(saved, now)
         return (f"--resume: {where} was trained with other optimizer parameter groups ({said}); its optimizer "
                 "state holds each group's learning-rate multiplier and weight decay, which a resume restores. "
                 "Resume with the checkpoint's optim settings, or start a new run from its weights "

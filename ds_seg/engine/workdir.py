@@ -120,16 +120,23 @@ class WorkDirLock:
         if os.path.isdir(self.path):  # (os.remove of a "stale lock" was an IsADirectoryError traceback)
             raise WorkDirBusy(f"{self.path} is a folder, where ds_seg keeps the lock file of the run that holds "
                               f"{os.path.dirname(self.path)}; move it away, or use another --work-dir.")
-        for _ in range(100):  # another process may hold the take-over mutex, or win the create
+        unreadable = None  # (the file's (mtime, size), when this process first saw it so)
+        for _ in range(200):  # another process may hold the take-over mutex, or win the create
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = self._read()
-                if owner is None and self._age_s() < self.UNREADABLE_GRACE_S:
-                    # Being written right now (on a network file system another node may see it
-                    # empty for a while): read again, until it is old enough to be a dead one's.
-                    time.sleep(0.2)
-                    continue
+                if owner is None:
+                    # Being written right now? (On a network file system another node may see it
+                    # empty for a while.) Read again until it has stayed as it is for the grace
+                    # time, timed here: the server's mtime against this node's clock can be off
+                    # by more than that.
+                    seen = self._signature()
+                    if unreadable is None or unreadable[0] != seen:
+                        unreadable = (seen, time.monotonic())
+                    if time.monotonic() - unreadable[1] < self.UNREADABLE_GRACE_S:
+                        time.sleep(0.2)
+                        continue
                 if owner is not None and not owner_gone(owner, me):
                     raise WorkDirBusy(f"{os.path.dirname(self.path)} is in use by another run ({describe(owner)}). "
                                       f"Wait for it, use another --work-dir, or delete {self.path} if that run "
@@ -152,14 +159,15 @@ class WorkDirLock:
     # A take-over mutex older than this was left by a process that died inside one (a few
     # file operations): it is cleared.
     MUTEX_STALE_S = 30
-    # A lock file that holds no owner record is a dead writer's once it is this old.
+    # A lock file that holds no owner record is a dead writer's once it has stayed so this long.
     UNREADABLE_GRACE_S = 10
 
-    def _age_s(self):
+    def _signature(self):
         try:
-            return time.time() - os.stat(self.path).st_mtime
+            st = os.stat(self.path)
         except OSError:
-            return 0.0
+            return None
+        return st.st_mtime_ns, st.st_size
 
     def _take_over(self, owner, me):
         """Remove the dead owner's lock file under the take-over mutex; False if another

@@ -229,7 +229,8 @@ def refusals(exported):
     ('export_unwritable', 'export', ['--out: /proc/self is not writable']),
     ('eval_existing_png', 'evaluate', ['confusion.png already exists', '--overwrite']),
     # accepted, and the metrics were those without it
-    ('eval_model_option', 'evaluate', ['--cfg-options model...: evaluate scores --checkpoint\'s model', 'leave it out']),
+    ('eval_model_option', 'evaluate', ['--cfg-options model.base_channels: evaluate scores --checkpoint\'s model',
+                                       'leave it out']),
     ('ignore_is_class', 'evaluate', ["--ignore-index 0 is class 0 ('grass')"]),
     ('gcp_vector', 'predict', ['gcp_scene.tif is located by GCPs', 'gdalwarp']),
     ('onnx_garbage', 'predict', ['garbage.onnx is not an ONNX model']),

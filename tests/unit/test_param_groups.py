@@ -126,3 +126,14 @@ def test_a_temporal_model_over_a_vit_gets_the_same_recipe(pooling):
             assert ('weight_decay' in temporal) == ('weight_decay' in single_of[name]), name
     fuse = [n for n in of if n.startswith('backbone.fuse.')]
     assert fuse and all(of[n]['lr_mult'] == 1.0 for n in fuse)
+
+
+def test_a_layout_that_differs_under_the_same_optim_names_the_group():
+    """Another frozen_stages, say, groups the same recipe into other tensor counts: the resume
+    refusal said only "2 parameter group(s) there, 2 here"."""
+    from ds_seg.engine.checkpointer import _first_group_difference
+    saved = [['layer0', 1.0, None, 10], ['layer0_backbone', 0.1, None, 20]]
+    now = [['layer0', 1.0, None, 10], ['layer0_backbone', 0.1, None, 18]]
+    assert _first_group_difference(saved, now) == ('parameter group 2: layer0_backbone (lr_mult 0.1, 20 tensors) '
+                                                    'there, layer0_backbone (lr_mult 0.1, 18 tensors) here')
+    assert _first_group_difference(saved, saved[:1]).endswith('there, none here')
