@@ -449,6 +449,13 @@ def _without_delete(value):
     return copy.deepcopy(value)
 
 
+def _replaces(path, value, old):
+    """Whether section ``value`` at ``path`` replaces ``old`` instead of merging into it: a
+    registry section of another ``type`` (against the defaults and along ``_base_`` alike)."""
+    return (path in _REGISTRY_SECTIONS and isinstance(value, dict) and isinstance(old, dict)
+            and value.get('type', old.get('type')) != old.get('type'))
+
+
 def _merge(base, override, prefix=''):
     out = copy.deepcopy(base)
     for key, value in override.items():
@@ -457,8 +464,7 @@ def _merge(base, override, prefix=''):
             continue
         if isinstance(value, dict) and value.get(DELETE_KEY):
             out[key] = _without_delete(value)
-        elif (path in _REGISTRY_SECTIONS and isinstance(value, dict) and isinstance(out.get(key), dict)
-                and value.get('type', out[key].get('type')) != out[key].get('type')):
+        elif _replaces(path, value, out.get(key)):
             out[key] = _without_delete(value)
         elif isinstance(value, dict) and isinstance(out.get(key), dict) and path not in ('load_from',):
             out[key] = _merge(out[key], value, prefix=f'{path}.')
@@ -552,17 +558,21 @@ def option_keys(options):
     (``train=dict(max_steps=1)`` sets ``train.max_steps``); a section set to a value is its own
     key. Options that do not parse give none (loading them says why)."""
     try:
-        nested = parse_cfg_options(options)
+        return list(dotted(parse_cfg_options(options)))
     except ConfigError:
         return []
 
-    def walk(node, prefix):
-        for key, value in node.items():
-            if isinstance(value, dict) and value:
-                yield from walk(value, f'{prefix}{key}.')
-            else:
-                yield f'{prefix}{key}'
-    return list(walk(nested, ''))
+
+def dotted(settings, prefix=''):
+    """``{'paramwise': {'backbone_lr_mult': 0.1}}`` as ``{'paramwise.backbone_lr_mult': 0.1}``
+    (an empty section is a value of its own)."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            flat.update(dotted(value, f'{prefix}{key}.'))
+        else:
+            flat[f'{prefix}{key}'] = value
+    return flat
 
 
 def _unquoted_iterable(raw):
@@ -1504,8 +1514,7 @@ def _chain_merged_by_ds_seg_rules():
                 # meaning (as before).
                 if any(path == r or path.startswith(r + '.') for r in _REGISTRY_SECTIONS):
                     deleted.append(path)
-            elif isinstance(old, dict) and path in _REGISTRY_SECTIONS and value.get('type', old.get('type')) \
-                    != old.get('type'):
+            elif _replaces(path, value, old):
                 child[key] = type(value)({**value, DELETE_KEY: True})  # mmengine's replace (it drops the marker)
             elif isinstance(old, dict):
                 mark(value, old, f'{path}.', deleted)

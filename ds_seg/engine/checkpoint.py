@@ -374,6 +374,12 @@ def resolve_resume(resume, work_dir, report=None):
     return os.path.dirname(found), os.path.basename(found)
 
 
+def is_own(work_dir, root):
+    """Whether checkpoints folder ``root`` is ``work_dir``'s own (not another run's)."""
+    live = os.path.join(work_dir, 'checkpoints')
+    return os.path.isdir(root) and os.path.isdir(live) and os.path.samefile(root, live)
+
+
 def set_aside_other_branch(work_dir, root, tag, partial=True):
     """A resume from ``root/tag`` abandons whatever the work dir holds beyond it: every later
     checkpoint of the work dir (a rollback, or damaged ones ``--resume auto`` passed over), or
@@ -386,7 +392,7 @@ def set_aside_other_branch(work_dir, root, tag, partial=True):
     live = os.path.join(work_dir, 'checkpoints')
     if not os.path.isdir(live):
         return None
-    same = tag is not None and os.path.isdir(root) and os.path.samefile(root, live)
+    same = tag is not None and is_own(work_dir, root)
     names = [n for n in os.listdir(live)
              if partial and n.startswith('.tmp-step_') or TAG_RE.match(n) and (not same or n > tag)]
     if not names:

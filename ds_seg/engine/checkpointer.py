@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import distributed
-from ..config import ConfigError
+from ..config import ConfigError, dotted
 from ..data.raster import colours_conflict
 from . import checkpoint, reshard
 
@@ -98,17 +98,6 @@ def _first_group_difference(saved, now):
         if a != b:
             return f'parameter group {i + 1}: {words(a)} there, {words(b)} here'
     return 'the parameter groups differ'
-
-
-def _flat(settings, prefix=''):
-    """``{'paramwise': {'backbone_lr_mult': 0.1}}`` as ``{'paramwise.backbone_lr_mult': 0.1}``."""
-    flat = {}
-    for key, value in settings.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f'{prefix}{key}.'))
-        else:
-            flat[f'{prefix}{key}'] = value
-    return flat
 
 
 class Checkpointer:
@@ -199,10 +188,6 @@ class Checkpointer:
                               f"as it is (launch/export.py).")
         self.check_compatible(root, tag)
 
-    def resumes_own(self, root):
-        """Whether checkpoints folder ``root`` is this work dir's own (not another run's)."""
-        return os.path.isdir(root) and os.path.isdir(self.root) and os.path.samefile(root, self.root)
-
     def restore(self, resume, found):
         """After :meth:`check_resume`: load the checkpoint ``--resume`` names (every rank): ``found``, what
         ``checkpoint.resolve_resume`` answered for it (None included; the trainer resolves it
@@ -221,7 +206,7 @@ class Checkpointer:
         if distributed.is_main():
             set_aside = checkpoint.set_aside_other_branch(self.work_dir, root, tag, partial=resume != 'auto')
         distributed.barrier()
-        if set_aside and tag and not self.resumes_own(root):
+        if set_aside and tag and not checkpoint.is_own(self.work_dir, root):
             self.report(f"resuming {root}/{tag}, another run's checkpoint: this work dir's own checkpoints were "
                         f"moved to {set_aside} (nothing deleted)")
         elif set_aside and tag and resume != 'auto':
@@ -392,8 +377,9 @@ class Checkpointer:
         if saved == now:
             return None
         old, new = marker.get('optim') or {}, _model_dict(self.cfg.get('optim') or {})
-        keys = sorted(k for k in set(_flat(old)) | set(_flat(new)) if _flat(old).get(k) != _flat(new).get(k))
-        said = ', '.join(f'optim.{k} {_flat(old).get(k, "(default)")!r} there, {_flat(new).get(k, "(default)")!r} here'
+        old, new = dotted(old), dotted(new)
+        keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        said = ', '.join(f'optim.{k} {old.get(k, "(default)")!r} there, {new.get(k, "(default)")!r} here'
                          for k in keys) or _first_group_difference(saved, now)
         return (f"--resume: {where} was trained with other optimizer parameter groups ({said}); its optimizer "
                 "state holds each group's learning-rate multiplier and weight decay, which a resume restores. "

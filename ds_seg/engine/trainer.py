@@ -245,7 +245,7 @@ class Trainer:
         # Another run's checkpoint (--resume other/checkpoints/step_N) continues that run's
         # lineage: this work dir's own logs and tracker runs are another one's, and are set aside
         # as a fresh run's are (its rows up to step N stayed live, followed by the other run's).
-        own = bool(found) and self.checkpointer.resumes_own(found[0])
+        own = bool(found) and checkpoint.is_own(self.work_dir, found[0])
         self._start_trackers(cfg, resumed=own)
 
         # --- resume ----------------------------------------------------------------------------
