@@ -190,10 +190,29 @@ def env_timeout_s():
     return found[0] if found else DEFAULT_TIMEOUT_S
 
 
+def gpu_memory_gib():
+    """``DS_SEG_GPU_MEMORY_GIB``: GiB of the GPU this process may allocate (torch's per-process
+    memory fraction), or None. The benchmark sets it to measure what fits on a smaller card than
+    the one it runs on (``--gpu-memory-gib``); the CUDA context and NCCL's buffers are outside it."""
+    text = os.environ.get('DS_SEG_GPU_MEMORY_GIB')
+    if text is None or text == '':
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float('nan')
+    if not 0 < value < float('inf'):
+        from .config import ConfigError
+        raise ConfigError(f"DS_SEG_GPU_MEMORY_GIB={text!r}: give the GiB of the GPU a rank may allocate "
+                          "(a number > 0), or unset it.")
+    return value
+
+
 def check_environment():
     """The environment variables ds_seg reads, checked before anything is imported or built:
     one line for a value it cannot use."""
     env_timeout_s()
+    gpu_memory_gib()
     from .engine.faults import planned_fault
     planned_fault()
     from .config import ConfigError
@@ -223,6 +242,10 @@ def init(use_deepspeed=True, timeout_s=None):
     dev = device()
     if dev.type == 'cuda':
         torch.cuda.set_device(dev)
+        cap_gib = gpu_memory_gib()
+        if cap_gib is not None:
+            total = torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), dev)
     else:
         _share_cpu_cores()
     backend = 'nccl' if dev.type == 'cuda' else 'gloo'

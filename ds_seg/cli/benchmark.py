@@ -87,6 +87,9 @@ def parse_args(argv=None):
                    help='first value tried by --find-max-model (default: the value in --cfg-options, else 1)')
     p.add_argument('--max-model', type=int, default=None,
                    help='upper bound for --find-max-model (default 256 on GPU, 4 on CPU where nothing OOMs)')
+    p.add_argument('--gpu-memory-gib', type=float, default=None, metavar='GIB',
+                   help='let each rank allocate at most GIB of its GPU (torch\'s per-process memory '
+                   'fraction): what fits on a smaller card, measured on this one (with --find-max-*)')
     p.add_argument('--profile', type=int, default=0, metavar='STEPS',
                    help='record a torch.profiler trace of STEPS steps per backend (separate, untimed run)')
     p.add_argument('--ds-cpu-adam', action='store_true',
@@ -261,6 +264,8 @@ def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_opt
     if args.config:
         cmd[cmd.index('--backend'):cmd.index('--backend')] = ['--config', args.config]
     env = same_package_env()
+    if args.gpu_memory_gib:
+        env['DS_SEG_GPU_MEMORY_GIB'] = str(args.gpu_memory_gib)
     if not _has_cuda() and 'OMP_NUM_THREADS' not in os.environ:
         # CPU ranks share the cores: without this each rank starts one thread per core and they thrash.
         env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // args.nproc))
@@ -476,7 +481,9 @@ def write_markdown(path, rows, meta):
     mb = 2 ** 20
     lines = [f"# Benchmark: {meta['config']}", '',
              f"Machine: {meta['machine']}. Launcher: {meta['launcher']} x {meta['nproc']} rank(s). "
-             f"{meta['steps']} timed steps after {meta['warmup']} warm-up steps per backend.", '',
+             f"{meta['steps']} timed steps after {meta['warmup']} warm-up steps per backend."
+             + (f" Each rank capped at {meta['gpu_memory_gib']:g} GiB of its GPU (--gpu-memory-gib)."
+                if meta.get('gpu_memory_gib') else ''), '',
              f"Command: `{meta['command']}`", '',
              '| backend | ZeRO | precision | ranks | micro-batch | img/s | MP/s | step median s | step p90 s '
              '| data wait | max mem MB | MFU | speed-up vs DDP (median step time) | optimizer | compile s | NHWC |',
@@ -598,6 +605,8 @@ def _check_args(args):
             return f"--{flag.replace('_', '-')} must be at least 1, got {value}"
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         return f"--peak-tflops must be a finite number > 0 (the device's peak TFLOP/s), got {args.peak_tflops}"
+    if args.gpu_memory_gib is not None and not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
+        return f"--gpu-memory-gib must be a number of GiB > 0, got {args.gpu_memory_gib}"
     if args.timeout < 1 or args.profile < 0:
         return (f"--timeout must be at least 1 s, got {args.timeout}" if args.timeout < 1 else
                 f"--profile must be >= 0 steps, got {args.profile}")
@@ -708,7 +717,7 @@ def _main(argv=None):
     meta = dict(config=args.config or 'default (UNet base 16, synthetic 128 px)', machine=machine_description(),
                 launcher=args.launcher, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
                 device='cuda' if on_gpu else 'cpu', max_batch=args.max_batch,
-                find_max_model=args.find_max_model, max_model=args.max_model,
+                find_max_model=args.find_max_model, max_model=args.max_model, gpu_memory_gib=args.gpu_memory_gib,
                 command=' '.join([os.path.relpath(sys.argv[0]) if sys.argv else 'launch/benchmark.py'] + (argv or sys.argv[1:])),
                 started=time.strftime('%Y-%m-%d %H:%M:%S'))
     rows, spec = [], {}
