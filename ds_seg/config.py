@@ -1846,7 +1846,22 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
         precision = ('fp16' if dtype in ('float16', 'fp16', 'half', 'torch.float16') else 'bf16') + '-autocast'
     else:
         precision = 'fp32'
+    if precision == 'bf16' and 'check_grad_overflow' not in ds['bf16'] and _deepspeed_bf16_has('check_grad_overflow'):
+        # DeepSpeed's ZeRO-1/2 look for inf/NaN in bf16 gradients by reading a flag on the host at
+        # every step (its default): a device synchronisation in every step, found on an H100. bf16
+        # needs no loss scale, and ds_seg counts non-finite losses on the device instead
+        # (train.max_nonfinite_steps), as under DDP. A JSON that sets the key keeps its value.
+        ds['bf16']['check_grad_overflow'] = False
     return ds, precision, notes
+
+
+def _deepspeed_bf16_has(key):
+    """Whether the installed DeepSpeed's ``bf16`` block takes ``key`` (its config forbids unknown keys)."""
+    try:
+        from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    except ImportError:
+        return False
+    return key in getattr(DeepSpeedBF16Config, 'model_fields', {})
 
 
 def default_work_dir(cfg):

@@ -138,6 +138,8 @@ bench() {  # bench NAME BACKENDS MICRO_BATCH MODEL_ARGS... -- CFG_OPTIONS...   (
     args+=(--cfg-options "${model[@]:1}" "${DATA[@]}" "${options[@]}" "data.train.cache_dir=$CACHE")
   fi
   if (( DRY )); then args+=("data.val=None"); fi
+  # ACCEPTANCE_PROFILE=group,...: also a torch.profiler run of 5 steps per backend of these groups
+  if [[ ",${ACCEPTANCE_PROFILE:-}," == *",$name,"* ]]; then args+=(--profile 5); fi
   run_step "$name" python3 launch/benchmark.py "${args[@]}"
 }
 
@@ -150,7 +152,7 @@ bench unet64_1024 "$(rows ddp,zero2,zero3 zero2)" 4 "${UNET[@]}" -- "${LARGE[@]}
 bench vit_large_512 "$(rows ddp,zero2,zero3 zero3)" 8 "${VIT[@]}" -- "${SMALL[@]}"
 
 # -- 5. the largest UperNetViT per backend: model.depth at vit_large's width (1024), 512 px, micro-batch 1,
-# from depth 4 up (doubling, then bisection to 1/8): does ZeRO-3 with offload train >= 2x the
+# from depth 8 up (doubling, then bisection to 1/8): does ZeRO-3 with offload train >= 2x the
 # parameters DDP fits? In a dry run the tiny ViT at depth 1 (the search's one probe).
 if (( DRY )); then
   MAX_MODEL=(--config configs/upernet_vit_tiny_synthetic.py --find-max-model model.depth --max-model 1
@@ -160,7 +162,7 @@ else
   # Each rank capped at 4 GiB of the GPU (--gpu-memory-gib): on the whole 80 GiB the search probes
   # models of billions of parameters, each built on the host for minutes, longer than the lease.
   # Up to depth 32: ZeRO-3 with offload fitting 32 where DDP fits at most 16 is the 2x asked.
-  MAX_MODEL=(--find-max-model model.depth --model-start 4 --max-model 32 --micro-batch 1 --gpu-memory-gib 4
+  MAX_MODEL=(--find-max-model model.depth --model-start 8 --max-model 32 --micro-batch 1 --gpu-memory-gib 4
              "${VIT[@]}" "${DATA[@]}" "${SMALL[@]}")
 fi
 run_step max_model python3 launch/benchmark.py --backends "$(rows ddp,zero3_offload ddp)" --nproc 1 --launcher python \

@@ -271,7 +271,8 @@ def _engine_offload(tmp, stage, precision, work):
         return dict(initial=initial, params=_full_params(trainer), summary=summary, precision=trainer.spec.precision,
                     dtypes={str(p.dtype) for p in trainer.backend.module.parameters()},
                     bn_stats={str(b.dtype) for b in batchnorm_buffers(trainer.backend.module)},
-                    offloaded=(bool(engine.zero_offload_optimizer()), bool(engine.zero_offload_param())))
+                    offloaded=(bool(engine.zero_offload_optimizer()), bool(engine.zero_offload_param())),
+                    overflow_check=getattr(engine.optimizer, 'check_grad_overflow', None))
     finally:
         trainer.close()
 
@@ -322,6 +323,8 @@ def test_offload_is_active_and_bf16_casts_the_model(modes):
         assert modes[name]['ranks'][0]['dtypes'] == {'torch.bfloat16'}
         assert modes[name]['ranks'][0]['bn_stats'] == {'torch.float32'}, 'BatchNorm statistics stay fp32'
     assert modes['bf16_zero3']['ranks'][0]['offloaded'] == (False, False)
+    # ZeRO-2 bf16 without DeepSpeed's per-step host read of its overflow flag (see resolve_ds_config)
+    assert modes['bf16']['ranks'][0]['overflow_check'] is False
 
 
 def _train_cli(argv):

@@ -44,7 +44,9 @@ def _train_without_syncs(tmp, backend, stage):
 
     def train_step(want_grad_norm=False):
         step = trainer.step + 1
-        plain = step % 6 and step % 4 and step > 1   # the first step builds lazily (allocator, kernels)
+        # The first step builds lazily (allocator, kernels); DDP rebuilds its gradient buckets once,
+        # in the second step's forward (torch's Reducer._rebuild_buckets reads sizes on the host).
+        plain = step % 6 and step % 4 and step > 2
         torch.cuda.set_sync_debug_mode('error' if plain else 'default')
         return real_step(want_grad_norm=want_grad_norm)
     trainer.train_step = train_step

@@ -523,6 +523,21 @@ def test_batch_triple():
         resolve_batch({'gradient_accumulation_steps': 4}, 2)
 
 
+def test_native_bf16_skips_deepspeeds_per_step_overflow_read_unless_the_json_asks():
+    """DeepSpeed's ZeRO-1/2 read an inf/NaN flag on the host after every bf16 backward (its
+    default), a device synchronisation per step seen on an H100; ds_seg turns it off where the
+    JSON does not say, and keeps the JSON's own value."""
+    ds = {'train_micro_batch_size_per_gpu': 2, 'bf16': {'enabled': True}, 'zero_optimization': {'stage': 2}}
+    resolved, precision, _ = resolve_ds_config(ds, 1, 10, supports=lambda p: True)
+    assert precision == 'bf16' and resolved['bf16']['check_grad_overflow'] is False
+    asked = dict(ds, bf16={'enabled': True, 'check_grad_overflow': True})
+    resolved, _, _ = resolve_ds_config(asked, 1, 10, supports=lambda p: True)
+    assert resolved['bf16']['check_grad_overflow'] is True
+    fp16 = {'train_micro_batch_size_per_gpu': 2, 'fp16': {'enabled': True}}
+    resolved, _, _ = resolve_ds_config(fp16, 1, 10, supports=lambda p: True)
+    assert 'bf16' not in resolved   # fp16's overflow check drives its loss scale: untouched
+
+
 def test_precision_fallback_recorded():
     ds = {'train_micro_batch_size_per_gpu': 2, 'fp16': {'enabled': True}}
     resolved, precision, notes = resolve_ds_config(ds, 1, 10, supports=lambda p: p == 'bf16')
