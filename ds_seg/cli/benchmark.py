@@ -714,7 +714,11 @@ def _main(argv=None):
                                                                                       for n in names])[0])
     if archive:
         print(f'[benchmark] the earlier results in {args.work_dir} moved to {archive}/', flush=True)
-    meta = dict(config=args.config or 'default (UNet base 16, synthetic 128 px)', machine=machine_description(),
+    # The embedded experiment's description holds only while no --cfg-options reshapes it (the
+    # GPU run's ViT-L table was titled "UNet base 16, synthetic 128 px").
+    default = ('the embedded experiment with the --cfg-options of the command below' if args.cfg_options
+               else 'default (UNet base 16, synthetic 128 px)')
+    meta = dict(config=args.config or default, machine=machine_description(),
                 launcher=args.launcher, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
                 device='cuda' if on_gpu else 'cpu', max_batch=args.max_batch,
                 find_max_model=args.find_max_model, max_model=args.max_model, gpu_memory_gib=args.gpu_memory_gib,
@@ -729,6 +733,11 @@ def _main(argv=None):
         if rc != 0:
             print(f'[benchmark] {name} failed (exit {rc}):\n{tail}', file=sys.stderr, flush=True)
             rows.append(dict({k: None for k in ROW_FIELDS + MEMORY_FIELDS}, backend=label, error=failure_line(tail)))
+            if (args.find_max_batch or args.find_max_model) and _is_oom(tail):
+                # The configured size does not fit (under --gpu-memory-gib, say): the search still
+                # answers what does, from below. Seen on an H100: DDP's row ended at the OOM.
+                rows[-1]['oom'] = True
+                spec[label] = name
             continue
         row = summarise_run(work_dir, label, args.warmup)
         row['json'] = os.path.relpath(_backend(name)[1], DS_CONFIGS_DIR.parent)
@@ -737,20 +746,21 @@ def _main(argv=None):
         print(f"[benchmark] {name}: {row['images_per_s']:.2f} img/s, median step {row['step_time_median_s']:.4f} s",
               flush=True)
     for r in rows:
+        searchable = not r.get('error') or r.get('oom')
         try:
-            if args.find_max_batch and not r.get('error'):
+            if args.find_max_batch and searchable:
                 r['max_micro_batch'], r['max_micro_batch_capped'] = find_max_batch(
-                    args, spec[r['backend']], r['micro_batch'], args.max_batch)
+                    args, spec[r['backend']], r['micro_batch'] or 1, args.max_batch)
                 print(f"[benchmark] {r['backend']}: largest micro-batch {r['max_micro_batch']}"
                       f"{' (capped by --max-batch)' if r['max_micro_batch_capped'] else ''}", flush=True)
-            if args.find_max_model and not r.get('error'):
+            if args.find_max_model and searchable:
                 r['max_model'], r['max_model_capped'], r['max_model_params'] = find_max_model(
                     args, spec[r['backend']], args.find_max_model, model_start, args.max_model)
                 print(f"[benchmark] {r['backend']}: largest {args.find_max_model} {r['max_model']}"
                       f"{' (capped by --max-model)' if r['max_model_capped'] else ''}", flush=True)
         except RuntimeError as exc:  # a probe failed for a reason other than memory: a mistake, not a size
             print(f'[benchmark] size search stopped: {exc}', file=sys.stderr, flush=True)
-            r['error'] = str(exc).strip()[-300:]
+            r['error'], r['oom'] = str(exc).strip()[-300:], False
         if args.profile and not r.get('error'):
             rc, tail = run_backend(args, spec[r['backend']], os.path.join(args.work_dir, f"{r['backend']}_profile"),
                                    steps=args.profile, warmup=max(2, min(args.warmup, 5)),
@@ -762,7 +772,8 @@ def _main(argv=None):
     write_markdown(os.path.join(args.work_dir, 'benchmark.md'), rows, meta)
     write_plot(os.path.join(args.work_dir, 'benchmark.png'), rows, meta)
     print(Path(args.work_dir, 'benchmark.md').read_text(), flush=True)
-    return 1 if any(r.get('error') for r in rows) else 0
+    # A row whose configured size ran out of memory but whose size search answered is a result.
+    return 1 if any(r.get('error') and not r.get('oom') for r in rows) else 0
 
 
 if __name__ == '__main__':

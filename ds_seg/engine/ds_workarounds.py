@@ -33,11 +33,17 @@ changes it, that test fails, and the workaround (and its test) can be deleted.
   decay shrinks every weight by ``lr x weight_decay`` before training, and Adam's step count
   starts at 1 (the first real update is bias-corrected as step 2: about 0.74x of DDP's). That
   step runs with ``lr`` and ``weight_decay`` 0, and its step counts are reset.
+* :func:`sync_free_norm_mask` -- DeepSpeed 0.19's gradient norms (ZeRO-1/2 at every step that
+  clips, ZeRO-3, ``clip_grad_norm_``) end in ``mask_nan_or_inf_with_val_inplace``, which builds
+  ``torch.tensor(-1.0, device=...)`` from a host scalar: a host-to-device copy that
+  ``torch.cuda.set_sync_debug_mode('error')`` stopped as synchronising, once per ZeRO-2 step on an
+  H100 (tests/gpu). ds_seg's version fills the same -1 from a Python scalar, with no copy.
 * Universal checkpoints (ds_seg/engine/reshard.py) carry parameters only, no buffers: the
   BatchNorm running statistics are copied from the original checkpoint there, and loading one
   means setting the engine's private ``_config.load_universal_checkpoint``.
 """
 import contextlib
+import importlib
 import importlib.abc
 import logging
 import pickle
@@ -170,3 +176,30 @@ def quiet_scheduler_start_warning():
     logger = logging.getLogger('DeepSpeed')
     if _not_the_scheduler_start_warning not in logger.filters:
         logger.addFilter(_not_the_scheduler_start_warning)
+
+
+# The modules of DeepSpeed 0.19 that call mask_nan_or_inf_with_val_inplace by its own name.
+deepspeed_norm_mask = None   # DeepSpeed's own, once replaced (its test compares the two)
+_NORM_MASK_USERS = ('deepspeed.runtime.utils', 'deepspeed.runtime.zero.stage_1_and_2', 'deepspeed.runtime.zero.stage3')
+
+
+def _mask_nan_or_inf_inplace(input, device=None, val=-1.):
+    """DeepSpeed's ``mask_nan_or_inf_with_val_inplace`` without its host-to-device copy: inf and
+    NaN become -1.0 (DeepSpeed's fills -1.0 whatever ``val`` says; so does this)."""
+    input.masked_fill_(~torch.isfinite(input), -1.0)
+
+
+def sync_free_norm_mask():
+    """Replace DeepSpeed's norm mask where its modules still hold DeepSpeed's own (see the module
+    docstring); returns the names of the modules changed."""
+    global deepspeed_norm_mask
+    from deepspeed.runtime import utils as ds_utils
+    original = deepspeed_norm_mask or getattr(ds_utils, 'mask_nan_or_inf_with_val_inplace', None)
+    deepspeed_norm_mask = original
+    changed = []
+    for name in _NORM_MASK_USERS:
+        module = importlib.import_module(name)
+        if original is not None and getattr(module, 'mask_nan_or_inf_with_val_inplace', None) is original:
+            module.mask_nan_or_inf_with_val_inplace = _mask_nan_or_inf_inplace
+            changed.append(name)
+    return changed

@@ -156,3 +156,29 @@ def test_deepspeed_schedulers_still_warn_at_construction_and_ds_seg_quiets_it():
     ours = subprocess.run([sys.executable, '-c', check.format('import ds_seg; ')], capture_output=True, text=True)
     assert plain.returncode == 0 and message in plain.stdout + plain.stderr, plain.stderr[-2000:]
     assert ours.returncode == 0 and message not in ours.stdout + ours.stderr, ours.stderr[-2000:]
+
+
+def test_deepspeed_norm_mask_still_copies_a_host_scalar_and_ds_seg_masks_the_same_without():
+    """Delete sync_free_norm_mask once DeepSpeed's mask_nan_or_inf_with_val_inplace stops building
+    a tensor from a host scalar (a host-to-device copy, which synchronised every ZeRO-2 step that
+    clips on an H100: tests/gpu/test_gpu_training.py)."""
+    from unittest import mock
+
+    from deepspeed.runtime import utils as ds_utils
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    from ds_seg.engine import ds_workarounds
+    values = torch.tensor([1.5, float('inf'), -float('inf'), float('nan'), 0.0])
+    theirs, ours = values.clone(), values.clone()
+    original = ds_workarounds.deepspeed_norm_mask or ds_utils.mask_nan_or_inf_with_val_inplace
+    with mock.patch.object(torch, 'tensor', wraps=torch.tensor) as made:
+        original(theirs, device='cpu')
+    assert any(call.args[:1] == (-1.0,) for call in made.call_args_list), 'DeepSpeed no longer copies -1.0 in'
+    with mock.patch.object(torch, 'tensor', wraps=torch.tensor) as made:
+        ds_workarounds._mask_nan_or_inf_inplace(ours, device='cpu')
+    assert not made.called
+    assert torch.equal(ours, theirs) and ours.tolist() == [1.5, -1.0, -1.0, -1.0, 0.0]
+    changed = ds_workarounds.sync_free_norm_mask()
+    for module in (ds_utils, stage_1_and_2, stage3):
+        assert module.mask_nan_or_inf_with_val_inplace is ds_workarounds._mask_nan_or_inf_inplace
+    assert ds_workarounds.sync_free_norm_mask() == [] and set(changed) <= set(ds_workarounds._NORM_MASK_USERS)

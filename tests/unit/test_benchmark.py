@@ -194,6 +194,35 @@ def test_find_max_model_searches_a_config_key_and_reports_the_parameters_of_the_
     assert not os.path.exists(tmp_path / 'ddp_maxmodel'), 'the probe runs are removed'
 
 
+def test_size_search_runs_where_the_configured_size_runs_out_of_memory(monkeypatch, tmp_path):
+    """On an H100 capped to 4 GiB, DDP's timed run of ViT-L (depth 24) ran out of memory and the
+    row ended there: --find-max-model never asked which depth DDP does fit. The search now starts
+    from below; the row keeps its OOM line, and a search that answered is no failure of the command."""
+    def fake_run(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
+        depth = int(extra_options[0].split('=')[1]) if extra_options else 24
+        if depth > 12:
+            return 1, '[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 34.00 MiB.'
+        os.makedirs(work_dir, exist_ok=True)
+        with open(os.path.join(work_dir, 'summary.json'), 'w') as f:
+            json.dump({'state_memory': {'num_params': 1000 * depth}}, f)
+        return 0, 'ok'
+
+    monkeypatch.setattr(benchmark, 'run_backend', fake_run)
+    work = tmp_path / 'bench'
+    assert benchmark.main(['--work-dir', str(work), '--launcher', 'python', '--backends', 'ddp',
+                           '--find-max-model', 'model.depth', '--model-start', '8', '--max-model', '32',
+                           '--cfg-options', 'model.depth=24']) == 0
+    (row,) = json.loads((work / 'benchmark.json').read_text())['rows']
+    assert row['max_model'] == 12 and row['max_model_params'] == 12000 and not row['max_model_capped']
+    assert 'OutOfMemoryError' in row['error']
+    # Another failure of the configured size is still a failure, and no search runs.
+    monkeypatch.setattr(benchmark, 'run_backend', lambda *a, **k: (1, 'ValueError: bad config'))
+    assert benchmark.main(['--work-dir', str(tmp_path / 'other'), '--launcher', 'python', '--backends', 'ddp',
+                           '--find-max-model', 'model.depth']) == 1
+    (row,) = json.loads((tmp_path / 'other' / 'benchmark.json').read_text())['rows']
+    assert 'max_model' not in row and 'bad config' in row['error']
+
+
 def test_derived_config_keeps_the_run_comparable():
     ds = benchmark.derived_ds_config('zero3_offload', 4, 12, 'fp32', on_gpu=False, ds_cpu_adam=False)
     assert ds['train_micro_batch_size_per_gpu'] == 4 and 'fp16' not in ds
