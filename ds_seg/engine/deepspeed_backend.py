@@ -55,7 +55,7 @@ class DeepSpeedBackend:
         self.channels_last = spec.channels_last
         param_groups = build_param_groups(model, optim_cfg)  # its refusals name the config's optim keys
         self.param_group_layout = group_layout(param_groups)
-        ds_workarounds.sync_free_norm_mask()
+        ds_workarounds.sync_free_zero_norms()
         try:
             with ds_workarounds.inert_initial_fp16_step():
                 self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(

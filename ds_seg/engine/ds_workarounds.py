@@ -33,11 +33,14 @@ changes it, that test fails, and the workaround (and its test) can be deleted.
   decay shrinks every weight by ``lr x weight_decay`` before training, and Adam's step count
   starts at 1 (the first real update is bias-corrected as step 2: about 0.74x of DDP's). That
   step runs with ``lr`` and ``weight_decay`` 0, and its step counts are reset.
-* :func:`sync_free_norm_mask` -- DeepSpeed 0.19's gradient norms (ZeRO-1/2 at every step that
-  clips, ZeRO-3, ``clip_grad_norm_``) end in ``mask_nan_or_inf_with_val_inplace``, which builds
-  ``torch.tensor(-1.0, device=...)`` from a host scalar: a host-to-device copy that
-  ``torch.cuda.set_sync_debug_mode('error')`` stopped as synchronising, once per ZeRO-2 step on an
-  H100 (tests/gpu). ds_seg's version fills the same -1 from a Python scalar, with no copy.
+* :func:`sync_free_zero_norms` -- two host reads in every DeepSpeed 0.19 ZeRO-1/2 step that
+  computes the gradient norm, which ``torch.cuda.set_sync_debug_mode('error')`` stopped on an H100
+  (tests/gpu): ``mask_nan_or_inf_with_val_inplace`` (the norm's inf/NaN mask, ZeRO-3's and
+  ``clip_grad_norm_``'s too) builds ``torch.tensor(-1.0, device=...)`` from a host scalar, a
+  host-to-device copy that waits for the stream; and ``unscale_and_clip_grads`` asks on the host
+  whether the norm is finite before it clips. ds_seg's versions compute the same values on the
+  device. They replace DeepSpeed's only where its source is the one they were written against
+  (a SHA-256 of it), so another DeepSpeed keeps its own.
 * Universal checkpoints (ds_seg/engine/reshard.py) carry parameters only, no buffers: the
   BatchNorm running statistics are copied from the original checkpoint there, and loading one
   means setting the engine's private ``_config.load_universal_checkpoint``.
@@ -178,9 +181,22 @@ def quiet_scheduler_start_warning():
         logger.addFilter(_not_the_scheduler_start_warning)
 
 
-# The modules of DeepSpeed 0.19 that call mask_nan_or_inf_with_val_inplace by its own name.
-deepspeed_norm_mask = None   # DeepSpeed's own, once replaced (its test compares the two)
+
+def _source_sha(function):
+    import hashlib
+    import inspect
+    try:
+        return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
+    except (OSError, TypeError):
+        return None
+
+
+# DeepSpeed 0.19.8's sources of what sync_free_zero_norms replaces.
+_DS_NORM_MASK_SHA = '9728853d4df6cd692cc5bc0aa2bfa4b54d85b0b06f30129a424cbdf93cd4ce3c'
+_DS_ZERO_CLIP_SHA = '6bf2ce6f97eafcc24c08a0355e7c180992c8e86da5b7f02026eef6fbd68efa74'
+# The modules that call mask_nan_or_inf_with_val_inplace by their own name for it.
 _NORM_MASK_USERS = ('deepspeed.runtime.utils', 'deepspeed.runtime.zero.stage_1_and_2', 'deepspeed.runtime.zero.stage3')
+deepspeed_originals = {}   # what was replaced: 'mask', 'clip' -> DeepSpeed's function (its test compares the two)
 
 
 def _mask_nan_or_inf_inplace(input, device=None, val=-1.):
@@ -189,17 +205,43 @@ def _mask_nan_or_inf_inplace(input, device=None, val=-1.):
     input.masked_fill_(~torch.isfinite(input), -1.0)
 
 
-def sync_free_norm_mask():
-    """Replace DeepSpeed's norm mask where its modules still hold DeepSpeed's own (see the module
-    docstring); returns the names of the modules changed."""
-    global deepspeed_norm_mask
+def _unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+    """DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer.unscale_and_clip_grads`` with its host test of
+    the norm (``if is_invalid_grad_norm(clip_norm)``) made a ``torch.where`` on the device: an
+    invalid norm (not finite, or DeepSpeed's -1 sentinel) still clips as an infinite one."""
+    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+        return
+    if not torch.is_tensor(total_norm):
+        return deepspeed_originals['clip'](self, grad_groups_flat, total_norm)
+    combined_scale = self.loss_scale
+    if self.clip_grad > 0.:
+        valid = torch.isfinite(total_norm) & (total_norm >= 0)
+        clip_norm = torch.where(valid, total_norm, torch.full_like(total_norm, float('inf'), dtype=torch.float))
+        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
+        clip = torch.clamp(clip, min=1.0)
+        combined_scale = clip * self.loss_scale
+    for grad in grad_groups_flat:
+        for g in (grad if isinstance(grad, list) else [grad]):
+            g.data.mul_(1. / combined_scale)
+
+
+def sync_free_zero_norms():
+    """Install the two replacements (see the module docstring) where DeepSpeed's sources are the
+    known ones; returns what was replaced this call ('mask', 'clip')."""
     from deepspeed.runtime import utils as ds_utils
-    original = deepspeed_norm_mask or getattr(ds_utils, 'mask_nan_or_inf_with_val_inplace', None)
-    deepspeed_norm_mask = original
-    changed = []
-    for name in _NORM_MASK_USERS:
-        module = importlib.import_module(name)
-        if original is not None and getattr(module, 'mask_nan_or_inf_with_val_inplace', None) is original:
-            module.mask_nan_or_inf_with_val_inplace = _mask_nan_or_inf_inplace
-            changed.append(name)
-    return changed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    done = []
+    mask = ds_utils.mask_nan_or_inf_with_val_inplace
+    if mask is not _mask_nan_or_inf_inplace and _source_sha(mask) == _DS_NORM_MASK_SHA:
+        deepspeed_originals['mask'] = mask
+        for name in _NORM_MASK_USERS:
+            module = importlib.import_module(name)
+            if getattr(module, 'mask_nan_or_inf_with_val_inplace', None) is mask:
+                module.mask_nan_or_inf_with_val_inplace = _mask_nan_or_inf_inplace
+        done.append('mask')
+    clip = DeepSpeedZeroOptimizer.unscale_and_clip_grads
+    if clip is not _unscale_and_clip_grads and _source_sha(clip) == _DS_ZERO_CLIP_SHA:
+        deepspeed_originals['clip'] = clip
+        DeepSpeedZeroOptimizer.unscale_and_clip_grads = _unscale_and_clip_grads
+        done.append('clip')
+    return done

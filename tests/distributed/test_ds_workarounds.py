@@ -158,27 +158,55 @@ def test_deepspeed_schedulers_still_warn_at_construction_and_ds_seg_quiets_it():
     assert ours.returncode == 0 and message not in ours.stdout + ours.stderr, ours.stderr[-2000:]
 
 
-def test_deepspeed_norm_mask_still_copies_a_host_scalar_and_ds_seg_masks_the_same_without():
-    """Delete sync_free_norm_mask once DeepSpeed's mask_nan_or_inf_with_val_inplace stops building
-    a tensor from a host scalar (a host-to-device copy, which synchronised every ZeRO-2 step that
-    clips on an H100: tests/gpu/test_gpu_training.py)."""
+
+def test_deepspeed_zero_norms_still_read_the_host_and_ds_seg_computes_the_same_on_the_device():
+    """Delete sync_free_zero_norms once DeepSpeed's norm mask stops copying a host scalar in and its
+    ZeRO-1/2 clipping stops testing the norm on the host (two host reads per step on an H100:
+    tests/gpu/test_gpu_training.py). Then, while they last: ds_seg's versions give DeepSpeed's
+    results, read nothing on the host, and are installed where DeepSpeed's source is the known one."""
+    import inspect
+    import types
     from unittest import mock
 
     from deepspeed.runtime import utils as ds_utils
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
     from ds_seg.engine import ds_workarounds
+    ds_workarounds.sync_free_zero_norms()
+    their_mask = ds_workarounds.deepspeed_originals['mask']
+    their_clip = ds_workarounds.deepspeed_originals['clip']
+    assert 'is_invalid_grad_norm(clip_norm)' in inspect.getsource(their_clip)
+
     values = torch.tensor([1.5, float('inf'), -float('inf'), float('nan'), 0.0])
     theirs, ours = values.clone(), values.clone()
-    original = ds_workarounds.deepspeed_norm_mask or ds_utils.mask_nan_or_inf_with_val_inplace
     with mock.patch.object(torch, 'tensor', wraps=torch.tensor) as made:
-        original(theirs, device='cpu')
+        their_mask(theirs, device='cpu')
     assert any(call.args[:1] == (-1.0,) for call in made.call_args_list), 'DeepSpeed no longer copies -1.0 in'
-    with mock.patch.object(torch, 'tensor', wraps=torch.tensor) as made:
+
+    def no_host_reads(*_):
+        raise AssertionError('read on the host')
+    host_reads = [mock.patch.object(torch.Tensor, name, no_host_reads) for name in ('__bool__', 'item', 'tolist')]
+    with contextlib.ExitStack() as stack:
+        for patch in host_reads:
+            stack.enter_context(patch)
         ds_workarounds._mask_nan_or_inf_inplace(ours, device='cpu')
-    assert not made.called
-    assert torch.equal(ours, theirs) and ours.tolist() == [1.5, -1.0, -1.0, -1.0, 0.0]
-    changed = ds_workarounds.sync_free_norm_mask()
+    assert torch.equal(ours.isnan(), theirs.isnan()) and ours.tolist() == [1.5, -1.0, -1.0, -1.0, 0.0] == theirs.tolist()
+
+    # Clipping: no clip (norm 0.5), a clip (norm 8), an invalid norm (inf, nan, DeepSpeed's -1).
+    for clip_grad, loss_scale in ((1.0, 1.0), (2.0, 1024.0), (0.0, 4.0)):
+        zero = types.SimpleNamespace(clip_grad=clip_grad, loss_scale=loss_scale, device=torch.device('cpu'))
+        for norm in (0.5, 8.0, float('inf'), float('nan'), -1.0):
+            grads = [torch.linspace(-3, 3, 7), [torch.ones(3), torch.full((2,), -2.0)]]
+            expected = [grads[0].clone(), [g.clone() for g in grads[1]]]
+            their_clip(zero, [expected[0], expected[1]], torch.tensor(norm))
+            with contextlib.ExitStack() as stack:
+                for patch in host_reads:
+                    stack.enter_context(patch)
+                ds_workarounds._unscale_and_clip_grads(zero, [grads[0], grads[1]], torch.tensor(norm))
+            assert torch.equal(grads[0], expected[0]), (clip_grad, loss_scale, norm)
+            assert all(torch.equal(a, b) for a, b in zip(grads[1], expected[1])), (clip_grad, loss_scale, norm)
+
     for module in (ds_utils, stage_1_and_2, stage3):
         assert module.mask_nan_or_inf_with_val_inplace is ds_workarounds._mask_nan_or_inf_inplace
-    assert ds_workarounds.sync_free_norm_mask() == [] and set(changed) <= set(ds_workarounds._NORM_MASK_USERS)
+    assert stage_1_and_2.DeepSpeedZeroOptimizer.unscale_and_clip_grads is ds_workarounds._unscale_and_clip_grads
+    assert ds_workarounds.sync_free_zero_norms() == []    # once
