@@ -274,6 +274,8 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     # Each run started, then failed (torchrun's report as the row's error), or was never bounded.
     (['--peak-tflops', '-5'], '--peak-tflops must be a finite number > 0'),
     (['--peak-tflops', 'nan'], '--peak-tflops must be a finite number > 0'),
+    (['--gpu-memory-gib', '0'], '--gpu-memory-gib must be a number of GiB > 0'),
+    (['--gpu-memory-gib', 'inf'], '--gpu-memory-gib must be a number of GiB > 0'),
     (['--timeout', '0'], '--timeout must be at least 1 s, got 0'),
     (['--profile', '-1'], '--profile must be >= 0 steps, got -1'),
     (['--max-batch', '4'], '--max-batch bounds --find-max-batch, which is not given'),

@@ -67,6 +67,9 @@ def test_a_batch_scripts_own_python_is_one_process_not_rank_0_of_the_allocation(
     ({'DS_SEG_DIST_TIMEOUT': '900', 'DEEPSPEED_TIMEOUT': '1.5'}, "DEEPSPEED_TIMEOUT='1.5'"),
     ({'DS_SEG_FAULT': 'sigkill@save-files:abc'}, "DS_SEG_FAULT='sigkill@save-files:abc'"),
     ({'DS_SEG_CPU_FP16': 'yes'}, "DS_SEG_CPU_FP16='yes'"),
+    ({'DS_SEG_GPU_MEMORY_GIB': 'four'}, "DS_SEG_GPU_MEMORY_GIB='four'"),
+    ({'DS_SEG_GPU_MEMORY_GIB': '0'}, "DS_SEG_GPU_MEMORY_GIB='0'"),
+    ({'DS_SEG_GPU_MEMORY_GIB': 'inf'}, "DS_SEG_GPU_MEMORY_GIB='inf'"),
     # A traceback from every rank: torch's int() of the port, or its range check.
     ({'MASTER_PORT': 'abc'}, "MASTER_PORT='abc': give the rendezvous port"),
     ({'MASTER_PORT': '99999'}, "MASTER_PORT='99999'"),
@@ -77,7 +80,8 @@ def test_environment_variables_ds_seg_reads_are_one_line_before_anything_starts(
     DS_SEG_FAULT was a traceback after the model was built; DS_SEG_CPU_FP16=yes was ignored; a
     MASTER_PORT that is no port was a traceback from every rank."""
     from ds_seg.cli import train
-    for key in ('DS_SEG_DIST_TIMEOUT', 'DEEPSPEED_TIMEOUT', 'DS_SEG_FAULT', 'DS_SEG_CPU_FP16', 'MASTER_PORT'):
+    for key in ('DS_SEG_DIST_TIMEOUT', 'DEEPSPEED_TIMEOUT', 'DS_SEG_FAULT', 'DS_SEG_CPU_FP16', 'DS_SEG_GPU_MEMORY_GIB',
+                'MASTER_PORT'):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -100,3 +104,10 @@ def test_the_timeout_variables_give_seconds():
             os.environ.pop(k, None)
             if v is not None:
                 os.environ[k] = v
+
+
+def test_the_gpu_memory_cap_gives_gib(monkeypatch):
+    monkeypatch.delenv('DS_SEG_GPU_MEMORY_GIB', raising=False)
+    assert distributed.gpu_memory_gib() is None
+    monkeypatch.setenv('DS_SEG_GPU_MEMORY_GIB', '4.5')
+    assert distributed.gpu_memory_gib() == 4.5
