@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine that proves ds_seg fast and correct there (issue 14, part 2):
 #
-#   bash tools/gpu_acceptance.sh OUT_DIR             # on one GPU, within 9 minutes on an H100
+#   bash tools/gpu_acceptance.sh OUT_DIR             # on one GPU (see below for an H100's times)
 #   bash tools/gpu_acceptance.sh --dry-run OUT_DIR   # the same steps on a CPU, tiny sizes (CI)
 #
 # Steps: install what the image lacks from the wheel folder carried in the checkout (.whl/, built
@@ -12,6 +12,11 @@
 # the largest micro-batch, and the deepest UperNetViT (vit_large width), for ddp and zero3_offload. Writes OUT_DIR/acceptance.md and
 # OUT_DIR/acceptance.json (every row, every step's exit status and time), plus each step's own
 # folder (benchmark.json/benchmark.md per benchmark group, logs).
+#
+# Measured on an H100 (2026-11-27): install 6-10 s, pytest_gpu 161 s, main 17 s, unet64_512 56-64 s,
+# unet64_1024 137 s with ACCEPTANCE_PROFILE (about 90 s without), vit_large_512 87 s, max_model
+# more than 96 s (stopped there). All steps take longer than one 10-minute call: split them with
+# ACCEPTANCE_STEPS (docs/benchmarks.md, "GPU rows", says what is still to run).
 #
 # A step that fails is recorded and the next one still runs: one broken row must not hide the
 # others. The script exits non-zero if any step failed. Steps that would start after the time
