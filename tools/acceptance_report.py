@@ -72,7 +72,9 @@ def build_report(out, dry_run, seconds):
             continue
         for r in g['rows']:
             if r.get('error'):
-                lines.append(f"| {name} | {r['backend']} | failed: {r['error'][-80:]!r} |")
+                what = 'out of memory at the configured size' if r.get('oom') else 'failed'
+                found = f"; largest micro-batch {r['max_micro_batch']}" if 'max_micro_batch' in r else ''
+                lines.append(f"| {name} | {r['backend']} | {what}: {r['error'][-80:]!r}{found} |")
                 continue
             lines.append(
                 f"| {name} | {r['backend']} | {r['precision']} | {r['micro_batch']} | {r['images_per_s']:.2f} "

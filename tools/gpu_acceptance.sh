@@ -35,6 +35,19 @@ START=$SECONDS
 # ACCEPTANCE_STEPS=pytest_gpu,main,...: run only these steps (the others are recorded as skipped),
 # e.g. to rerun what failed. No step runs longer than ACCEPTANCE_STEP_CAP_S (default 300).
 STEP_CAP_S=${ACCEPTANCE_STEP_CAP_S:-300}
+KNOWN_STEPS="pytest_gpu main unet64_512 unet64_1024 vit_large_512 max_model unet64_512_compiled \
+unet64_512_channels_last upernet_convnext_512 upernet_convnext_512_channels_last segformer_b2_1024 max_batch"
+if ! [[ "$STEP_CAP_S" =~ ^[1-9][0-9]*$ ]]; then
+  echo "ACCEPTANCE_STEP_CAP_S=$STEP_CAP_S: give the most seconds one step may run (a whole number > 0)" >&2; exit 2
+fi
+for var in ACCEPTANCE_STEPS ACCEPTANCE_PROFILE; do
+  names=${!var:-}
+  for step in ${names//,/ }; do
+    if [[ " $KNOWN_STEPS " != *" $step "* ]]; then
+      echo "$var names '$step', which is no step of this script; known: $KNOWN_STEPS" >&2; exit 2
+    fi
+  done
+done
 
 if (( DRY )); then
   BUDGET_S=${ACCEPTANCE_BUDGET_S:-300}
@@ -94,8 +107,7 @@ run_step() {
     return 0
   fi
   if (( elapsed > BUDGET_S )); then
-    echo "[acceptance] $name: skipped (time budget ${BUDGET_S}s spent)"
-    printf '{"step": "%s", "status": "skipped", "seconds": 0}\n' "$name" >> "$STEPS_FILE"
+    skip_step "$name" "time budget ${BUDGET_S}s spent"
     return 0
   fi
   echo "[acceptance] $name: $*"
@@ -166,8 +178,10 @@ if (( DRY )); then
 else
   # Each rank capped at 4 GiB of the GPU (--gpu-memory-gib): on the whole 80 GiB the search probes
   # models of billions of parameters, each built on the host for minutes, longer than the lease.
-  # Up to depth 32: ZeRO-3 with offload fitting 32 where DDP fits at most 16 is the 2x asked.
-  MAX_MODEL=(--find-max-model model.depth --model-start 8 --max-model 32 --micro-batch 1 --gpu-memory-gib 4
+  # ViT-L is about 51.5 M parameters plus 12.6 M per block (353.5 M at depth 24). Under 4 GiB DDP
+  # (16 bytes of model state per parameter) fits fewer than 268 M, depth 17 at most; 2x that is
+  # depth 38 or more, so the search goes up to 64.
+  MAX_MODEL=(--find-max-model model.depth --model-start 8 --max-model 64 --micro-batch 1 --gpu-memory-gib 4
              "${VIT[@]}" "${DATA[@]}" "${SMALL[@]}")
 fi
 run_step max_model python3 launch/benchmark.py --backends "$(rows ddp,zero3_offload ddp)" --nproc 1 --launcher python \

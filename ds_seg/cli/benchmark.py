@@ -490,7 +490,8 @@ def write_markdown(path, rows, meta):
              '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
     for r in rows:
         if r.get('error'):
-            lines.append(f"| {r['backend']} | failed: {r['error'][:80]} |")
+            what = 'out of memory at the configured size (the size search below ran)' if r.get('oom') else 'failed'
+            lines.append(f"| {r['backend']} | {what}: {r['error'][:80]} |")
             continue
         lines.append(
             f"| {r['backend']} | {format_or_dash(r['zero_stage'], 'd')} | {r['precision']} | {r['world_size']} "
@@ -607,6 +608,8 @@ def _check_args(args):
         return f"--peak-tflops must be a finite number > 0 (the device's peak TFLOP/s), got {args.peak_tflops}"
     if args.gpu_memory_gib is not None and not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
         return f"--gpu-memory-gib must be a number of GiB > 0, got {args.gpu_memory_gib}"
+    if args.gpu_memory_gib is not None and not _has_cuda():
+        return '--gpu-memory-gib caps what a rank may allocate on its GPU; this machine has none (leave it out)'
     if args.timeout < 1 or args.profile < 0:
         return (f"--timeout must be at least 1 s, got {args.timeout}" if args.timeout < 1 else
                 f"--profile must be >= 0 steps, got {args.profile}")

@@ -211,7 +211,8 @@ def _unscale_and_clip_grads(self, grad_groups_flat, total_norm):
     invalid norm (not finite, or DeepSpeed's -1 sentinel) still clips as an infinite one."""
     if self.clip_grad == 0.0 and self.loss_scale == 1.0:
         return
-    if not torch.is_tensor(total_norm):
+    if not (torch.is_tensor(total_norm) and total_norm.dtype == torch.float32 and total_norm.numel() == 1):
+        # DeepSpeed 0.19.8 passes a one-element float32 norm; anything else keeps its own arithmetic.
         return deepspeed_originals['clip'](self, grad_groups_flat, total_norm)
     combined_scale = self.loss_scale
     if self.clip_grad > 0.:

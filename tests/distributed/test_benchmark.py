@@ -86,6 +86,9 @@ def test_profile_steps_writes_a_trace_of_exactly_those_steps(tmp_path):
     # Steps 0-1 are warm-up (untimed) and step 1 is the profiler's own warm-up: steps 2 and 3 are recorded.
     assert steps == ['ProfilerStep#2', 'ProfilerStep#3']
     assert any(e.get('name') == '[memory]' for e in events)  # profile_memory=True
+    # ... and the operators ranked by their own time, readable without a trace viewer
+    ops = (work / 'profile' / 'rank0_ops.txt').read_text()
+    assert 'Self CPU' in ops and 'aten::' in ops
 
 
 def test_deepspeed_and_python_launchers_and_a_second_benchmark_keeps_the_first(tmp_path):

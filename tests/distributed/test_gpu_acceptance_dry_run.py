@@ -46,3 +46,18 @@ def test_dry_run_writes_every_table(tmp_path):
     assert f"| ddp | 1 (capped) | {deepest['max_model_params']:,} |" in table
     assert '| vit_large_512 | zero3 | bf16-autocast |' in table and '| max_batch | zero3_offload |' in table
     assert (out / 'unet64_512' / 'benchmark.md').is_file()
+
+
+@pytest.mark.parametrize('env, message', [
+    ({'ACCEPTANCE_STEPS': 'main,max_modle'}, "ACCEPTANCE_STEPS names 'max_modle', which is no step of this script"),
+    ({'ACCEPTANCE_PROFILE': 'unet'}, "ACCEPTANCE_PROFILE names 'unet', which is no step of this script"),
+    ({'ACCEPTANCE_STEP_CAP_S': '0'}, 'ACCEPTANCE_STEP_CAP_S=0: give the most seconds one step may run'),
+    ({'ACCEPTANCE_STEP_CAP_S': 'abc'}, 'ACCEPTANCE_STEP_CAP_S=abc: give the most seconds one step may run'),
+])
+def test_a_mistyped_step_or_cap_is_one_line_before_any_step(tmp_path, env, message):
+    """A typo in ACCEPTANCE_STEPS skipped every step and reported success; a cap of 0 meant no
+    limit at all (timeout 0), and a word stopped the script at its first step with no report."""
+    proc = subprocess.run(['bash', str(REPO_ROOT / 'tools' / 'gpu_acceptance.sh'), '--dry-run', str(tmp_path / 'out')],
+                          cwd=str(tmp_path), env=dict(os.environ, **env), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert message in proc.stderr and not (tmp_path / 'out' / 'steps.jsonl').read_text()

@@ -215,6 +215,23 @@ def test_size_search_runs_where_the_configured_size_runs_out_of_memory(monkeypat
     (row,) = json.loads((work / 'benchmark.json').read_text())['rows']
     assert row['max_model'] == 12 and row['max_model_params'] == 12000 and not row['max_model_capped']
     assert 'OutOfMemoryError' in row['error']
+    table = (work / 'benchmark.md').read_text()
+    assert '| ddp | out of memory at the configured size (the size search below ran): ' in table
+    assert '| ddp | 12 | 0.0 M |' in table
+    # The GPU acceptance report keeps a micro-batch search's answer on such a row.
+    import importlib.util
+    from ds_seg.config import REPO_ROOT
+    spec = importlib.util.spec_from_file_location('acceptance_report', REPO_ROOT / 'tools' / 'acceptance_report.py')
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    out = tmp_path / 'acceptance'
+    (out / 'max_batch').mkdir(parents=True)
+    (out / 'steps.jsonl').write_text('{"step": "max_batch", "status": "ok", "seconds": 1}\n')
+    (out / 'max_batch' / 'benchmark.json').write_text(json.dumps(dict(rows=[dict(
+        backend='ddp', error='torch.OutOfMemoryError: CUDA out of memory.', oom=True, max_micro_batch=6)])))
+    report.build_report(str(out), dry_run=False, seconds=1)
+    assert ("| max_batch | ddp | out of memory at the configured size: 'torch.OutOfMemoryError: CUDA out of memory.'"
+            "; largest micro-batch 6 |") in (out / 'acceptance.md').read_text()
     # Another failure of the configured size is still a failure, and no search runs.
     monkeypatch.setattr(benchmark, 'run_backend', lambda *a, **k: (1, 'ValueError: bad config'))
     assert benchmark.main(['--work-dir', str(tmp_path / 'other'), '--launcher', 'python', '--backends', 'ddp',
@@ -231,6 +248,12 @@ def test_derived_config_keeps_the_run_comparable():
     ddp, z2 = (benchmark.derived_ds_config(n, None, 40, 'json', False, False) for n in ('ddp', 'zero2'))
     for key in ('optimizer', 'scheduler', 'fp16', 'train_micro_batch_size_per_gpu', 'gradient_clipping'):
         assert ddp[key] == z2[key], key   # DDP and ZeRO differ only in zero_optimization
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='the refusal is for a machine without a GPU')
+def test_a_gpu_memory_cap_without_a_gpu_is_refused(tmp_path, capsys):
+    assert benchmark.main(['--work-dir', str(tmp_path / 'bench'), '--launcher', 'python', '--gpu-memory-gib', '4']) == 2
+    assert '--gpu-memory-gib caps what a rank may allocate on its GPU; this machine has none' in capsys.readouterr().err
 
 
 def test_acceptance_report_compares_layouts_per_family_and_backend():
