@@ -46,8 +46,10 @@ changes it, that test fails, and the workaround (and its test) can be deleted.
   means setting the engine's private ``_config.load_universal_checkpoint``.
 """
 import contextlib
+import hashlib
 import importlib
 import importlib.abc
+import inspect
 import logging
 import pickle
 import sys
@@ -181,10 +183,7 @@ def quiet_scheduler_start_warning():
         logger.addFilter(_not_the_scheduler_start_warning)
 
 
-
 def _source_sha(function):
-    import hashlib
-    import inspect
     try:
         return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
     except (OSError, TypeError):
@@ -216,8 +215,7 @@ def _unscale_and_clip_grads(self, grad_groups_flat, total_norm):
         return deepspeed_originals['clip'](self, grad_groups_flat, total_norm)
     combined_scale = self.loss_scale
     if self.clip_grad > 0.:
-        valid = torch.isfinite(total_norm) & (total_norm >= 0)
-        clip_norm = torch.where(valid, total_norm, torch.full_like(total_norm, float('inf'), dtype=torch.float))
+        clip_norm = torch.where(torch.isfinite(total_norm) & (total_norm >= 0), total_norm, float('inf'))
         clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
         clip = torch.clamp(clip, min=1.0)
         combined_scale = clip * self.loss_scale

@@ -49,8 +49,9 @@ def test_dry_run_writes_every_table(tmp_path):
 
 
 @pytest.mark.parametrize('env, message', [
-    ({'ACCEPTANCE_STEPS': 'main,max_modle'}, "ACCEPTANCE_STEPS names 'max_modle', which is no step of this script"),
-    ({'ACCEPTANCE_PROFILE': 'unet'}, "ACCEPTANCE_PROFILE names 'unet', which is no step of this script"),
+    ({'ACCEPTANCE_STEPS': 'main,max_modle'}, "ACCEPTANCE_STEPS names 'max_modle', which is none of: pytest_gpu"),
+    ({'ACCEPTANCE_PROFILE': 'unet'}, "ACCEPTANCE_PROFILE names 'unet', which is none of: unet64_512"),
+    ({'ACCEPTANCE_PROFILE': 'max_model'}, "ACCEPTANCE_PROFILE names 'max_model', which is none of: unet64_512"),
     ({'ACCEPTANCE_STEP_CAP_S': '0'}, 'ACCEPTANCE_STEP_CAP_S=0: give the most seconds one step may run'),
     ({'ACCEPTANCE_STEP_CAP_S': 'abc'}, 'ACCEPTANCE_STEP_CAP_S=abc: give the most seconds one step may run'),
 ])

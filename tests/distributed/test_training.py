@@ -272,9 +272,15 @@ def _engine_offload(tmp, stage, precision, work):
                     dtypes={str(p.dtype) for p in trainer.backend.module.parameters()},
                     bn_stats={str(b.dtype) for b in batchnorm_buffers(trainer.backend.module)},
                     offloaded=(bool(engine.zero_offload_optimizer()), bool(engine.zero_offload_param())),
-                    overflow_check=getattr(engine.optimizer, 'check_grad_overflow', None))
+                    overflow_check=getattr(engine.optimizer, 'check_grad_overflow', None),
+                    clip_is_ds_segs=type(engine.optimizer).unscale_and_clip_grads is _ds_seg_clip())
     finally:
         trainer.close()
+
+
+def _ds_seg_clip():
+    from ds_seg.engine import ds_workarounds
+    return ds_workarounds._unscale_and_clip_grads
 
 
 @pytest.fixture(scope='module')
@@ -325,6 +331,8 @@ def test_offload_is_active_and_bf16_casts_the_model(modes):
     assert modes['bf16_zero3']['ranks'][0]['offloaded'] == (False, False)
     # ZeRO-2 bf16 without DeepSpeed's per-step host read of its overflow flag (see resolve_ds_config)
     assert modes['bf16']['ranks'][0]['overflow_check'] is False
+    # ... and its clipping without host reads (ds_workarounds.sync_free_zero_norms, installed by the backend)
+    assert modes['bf16']['ranks'][0]['clip_is_ds_segs'] is True
 
 
 def _train_cli(argv):
