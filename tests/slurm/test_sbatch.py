@@ -54,6 +54,11 @@ F_STEP_DELAY = 'slow@step:0.4'
 E_STEP_DELAY = 'slow@step:0.8'
 SIGNAL_AT = 8          # steps done before the driver sends a signal
 DRIVE_TIMEOUT_S = 540
+# Every job's own limit, in minutes: train.sbatch warns (USR1@300) 5 minutes before it, so a
+# limit of 10 stopped the uninterrupted reference at step 156 of 160 when a loaded CI machine
+# took over 5 minutes for it. At 30 the warning would come after DRIVE_TIMEOUT_S and the
+# module's timeout. (a) and (e) give their own --time.
+JOB_TIME_MIN = 30
 SINGLE = ['launch/slurm/train.sbatch', '--nodes=1', '--ntasks-per-node=1', '--cpus-per-task=1']
 MULTI = ['launch/slurm/train_multinode.sbatch', '--nodes=2', '--ntasks-per-node=1', '--cpus-per-task=1']
 WARNING = ['--time=2', '--signal=B:USR1@45']
@@ -136,7 +141,7 @@ def _submit(tmp, name, case):
                'train.log_interval=1', 'train.keep_checkpoints=0',  # every stop's checkpoint stays to be checked
                'data.num_workers=1']  # a worker per rank: signals reach it too
     cmd = ['sbatch', '--parsable', f"--partition={case.get('partition', 'debug')}", '--gpus-per-node=0',
-           '--time=10', '--job-name', name,
+           f'--time={JOB_TIME_MIN}', '--job-name', name,
            f'--output={tmp}/{name}-%j.out', *sbatch_opts, script, *options]
     job_id = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
     return dict(case, name=name, job=job_id.split(';')[0], work=work, outs=[f'{tmp}/{name}-{job_id}.out'],
@@ -171,8 +176,8 @@ def runs(slurm_cluster, tmp_path_factory):
                 continue
             pending += 1
             if state == 'PENDING' and info.get('Reason') == 'BeginTime':   # requeued, waiting cred_expire
-                if run.get('time_limit') and info.get('TimeLimit') != '00:10:00':   # (a), (e): one stop each
-                    subprocess.run(['scontrol', 'update', f"JobId={run['job']}", 'TimeLimit=10'], check=True)
+                if run.get('time_limit') and info.get('TimeLimit') != f'00:{JOB_TIME_MIN}:00':   # (a), (e): one stop each
+                    subprocess.run(['scontrol', 'update', f"JobId={run['job']}", f'TimeLimit={JOB_TIME_MIN}'], check=True)
             elif state == 'RUNNING' and isinstance(run['action'], list) and run['signalled_step'] is None:
                 done = _steps(run['work'])
                 if done >= SIGNAL_AT:
@@ -293,7 +298,7 @@ def test_a_stop_in_one_task_of_an_array_requeues_that_task_alone(slurm_cluster, 
     # The submit dir holds no launch/train.py: the template runs the installed ds-seg-train.
     options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}', 'train.max_steps=30',
                'train.eval_interval=0', 'train.checkpoint_interval=30', 'train.log_interval=1', 'data.num_workers=0']
-    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', '--time=10', '--array=0-1%1',
+    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', f'--time={JOB_TIME_MIN}', '--array=0-1%1',
            '--job-name=arr', f'--output={tmp_path}/arr-%A_%a.out', '--nodes=1', '--ntasks-per-node=1',
            '--cpus-per-task=1', str(REPO_ROOT / 'launch/slurm/train.sbatch'), *options]
     array = subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout.strip()
@@ -328,7 +333,7 @@ def test_a_rank_that_fails_at_its_start_ends_the_job(slurm_cluster, tmp_path):
     python.chmod(0o755)
     env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', PYTHON=str(python),
                NPROC_PER_NODE='2', WORK_DIR=str(tmp_path / 'work'), DS_CONFIG=str(ds_path), CONFIG=TINY_CONFIG)
-    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', '--time=10', '--job-name=rankfail',
+    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', f'--time={JOB_TIME_MIN}', '--job-name=rankfail',
            f'--output={tmp_path}/rankfail.out', *SINGLE[1:], 'launch/slurm/train.sbatch',
            '--cfg-options', 'train.max_steps=5']
     job = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
