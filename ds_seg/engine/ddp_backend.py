@@ -343,16 +343,20 @@ class DDPBackend:
     # -- checkpoints: every rank calls these; rank 0 writes ------------------------------------
     def save(self, directory, tag, client_state):
         path = os.path.join(directory, tag)
-        if distributed.is_main():
-            os.makedirs(path, exist_ok=True)
-            torch.save({'module': self.ddp.module.state_dict(),
-                        'optimizer': self.optimizer.state_dict(),
-                        'scheduler': self.scheduler.state_dict() if self.scheduler is not None else None,
-                        'scaler': self.scaler.state_dict() if self.scaler is not None else None,
-                        'micro_step': self.micro_step, 'skipped_steps': self._skipped,
-                        'client_state': client_state},
-                       os.path.join(path, 'ddp_state.pt'))
-        distributed.barrier()
+        try:
+            if distributed.is_main():
+                os.makedirs(path, exist_ok=True)
+                torch.save({'module': self.ddp.module.state_dict(),
+                            'optimizer': self.optimizer.state_dict(),
+                            'scheduler': self.scheduler.state_dict() if self.scheduler is not None else None,
+                            'scaler': self.scaler.state_dict() if self.scaler is not None else None,
+                            'micro_step': self.micro_step, 'skipped_steps': self._skipped,
+                            'client_state': client_state},
+                           os.path.join(path, 'ddp_state.pt'))
+        finally:
+            # Also after a failed write: the other ranks wait here for rank 0, and all of them
+            # then learn of the failure together (checkpoint.save), not at the timeout.
+            distributed.barrier()
 
     def load(self, directory, tag):
         path = os.path.join(directory, tag, 'ddp_state.pt')

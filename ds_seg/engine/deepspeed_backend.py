@@ -209,7 +209,7 @@ class DeepSpeedBackend:
 
     # -- checkpoints: every rank must call these --------------------------------------------
     def save(self, directory, tag, client_state):
-        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
+        ds_workarounds.save_checkpoint_collectively(self.engine, directory, tag, client_state)
 
     def load(self, directory, tag):
         with kept_implementation(base_optimizer(self.optimizer)):

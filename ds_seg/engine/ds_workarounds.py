@@ -41,6 +41,12 @@ changes it, that test fails, and the workaround (and its test) can be deleted.
   whether the norm is finite before it clips. ds_seg's versions compute the same values on the
   device. They replace DeepSpeed's only where its source is the one they were written against
   (a SHA-256 of it), so another DeepSpeed keeps its own.
+* :func:`save_checkpoint_collectively` -- DeepSpeed 0.19's ``save_checkpoint`` ends with
+  collectives that a rank whose own file write raised (a full disk, EFBIG, an I/O error on its
+  shard) never reaches: ZeRO-3's ``checkpoint_event_epilogue`` (an all-gather of the persistent
+  parameters) and a ``dist.barrier()``. The other ranks waited there, the failing one in ds_seg's
+  exchange of failures, until the process-group timeout, and the run then blamed the network.
+  A rank whose write raised runs that tail before the exception goes on.
 * Universal checkpoints (ds_seg/engine/reshard.py) carry parameters only, no buffers: the
   BatchNorm running statistics are copied from the original checkpoint there, and loading one
   means setting the engine's private ``_config.load_universal_checkpoint``.
@@ -53,6 +59,7 @@ import inspect
 import logging
 import pickle
 import sys
+import traceback
 
 import torch
 
@@ -244,3 +251,32 @@ def sync_free_zero_norms():
         DeepSpeedZeroOptimizer.unscale_and_clip_grads = _unscale_and_clip_grads
         done.append('clip')
     return done
+
+
+# DeepSpeed 0.19's save_checkpoint: a barrier, the tag check's all-reduce, then these write the
+# rank's files (no collective among them), then the optimizer's checkpoint epilogue (ZeRO-3: an
+# all-gather) and the closing barrier.
+_DEEPSPEED_WRITERS = frozenset({'_save_checkpoint', '_save_zero_checkpoint', '_create_zero_checkpoint_files',
+                                '_save_moe_checkpoint'})
+
+
+def _raised_while_writing(exc):
+    """Whether ``exc`` came out of save_checkpoint's writing part (after its collectives but the
+    closing barrier), going by the functions its traceback passed through."""
+    frames = {frame.f_code.co_name for frame, _ in traceback.walk_tb(exc.__traceback__)}
+    return bool(frames & _DEEPSPEED_WRITERS)
+
+
+def save_checkpoint_collectively(engine, directory, tag, client_state):
+    """``engine.save_checkpoint``; where this rank's write raises, it first joins the collectives
+    the other ranks go on to (the optimizer's epilogue, the closing barrier), so that every rank
+    reaches ds_seg's exchange of failures (checkpoint.save) at once."""
+    try:
+        engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
+    except Exception as exc:
+        if _raised_while_writing(exc):
+            import deepspeed.comm as ds_comm
+            if engine._optimizer_has_ckpt_event_epilogue():
+                engine.optimizer.checkpoint_event_epilogue()
+            ds_comm.barrier()
+        raise

@@ -210,3 +210,20 @@ def test_deepspeed_zero_norms_still_read_the_host_and_ds_seg_computes_the_same_o
         assert module.mask_nan_or_inf_with_val_inplace is ds_workarounds._mask_nan_or_inf_inplace
     assert stage_1_and_2.DeepSpeedZeroOptimizer.unscale_and_clip_grads is ds_workarounds._unscale_and_clip_grads
     assert ds_workarounds.sync_free_zero_norms() == []    # once
+
+
+def test_deepspeed_save_checkpoint_still_writes_between_its_collectives():
+    """save_checkpoint_collectively runs DeepSpeed's tail (the epilogue, the closing barrier) on a
+    rank whose write raised in one of the writers it names: they must still be the engine's
+    methods, called after the opening barrier and the tag check and before that tail. The
+    behaviour itself: tests/distributed/test_reliability.py (a write failing on one rank)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ds_seg.engine import ds_workarounds
+    assert all(callable(getattr(DeepSpeedEngine, name, None)) for name in ds_workarounds._DEEPSPEED_WRITERS)
+    source = inspect.getsource(DeepSpeedEngine.save_checkpoint)
+    opening, tag_check = source.index('dist.barrier()'), source.index('self._checkpoint_tag_validation(')
+    writes = [source.index(f'self.{name}(') for name in ('_save_checkpoint', '_save_zero_checkpoint')]
+    epilogue, closing = source.index('self.optimizer.checkpoint_event_epilogue()'), source.rindex('dist.barrier()')
+    assert opening < tag_check < min(writes) and max(writes) < epilogue < closing
+    assert source.count('dist.') == 2, 'another collective in save_checkpoint'   # the two barriers

@@ -504,6 +504,66 @@ def test_a_disk_too_full_for_the_next_checkpoint_stops_two_ranks_at_once(trained
     assert summary['exit_reason'] == 'io_error'
 
 
+def _rank_pid(launcher_pid, rank):
+    """The pid of ``launcher_pid``'s child process whose environment says RANK=<rank>."""
+    for entry in os.listdir('/proc'):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f'/proc/{entry}/stat') as f:
+                parent = int(f.read().rsplit(')', 1)[1].split()[1])
+            with open(f'/proc/{entry}/environ', 'rb') as f:
+                environ = f.read().split(b'\0')
+        except OSError:   # gone, or not ours to read
+            continue
+        if parent == launcher_pid and f'RANK={rank}'.encode() in environ:
+            return int(entry)
+    return None
+
+
+@pytest.mark.parametrize('backend, stage, failing_rank', [('deepspeed', 1, 1), ('deepspeed', 3, 0), ('ddp', 0, 0)])
+def test_a_write_failing_on_one_rank_mid_checkpoint_stops_every_rank_at_once(trained, backend, stage, failing_rank):
+    """One rank's checkpoint write fails for real (its file-size limit lowered with prlimit after
+    the first checkpoint: EFBIG inside torch.save) while the other rank's succeeds. The failing
+    rank left DeepSpeed's save before its closing barrier (DDP's: before the barrier after rank
+    0's write), the other rank waited there, and both sat out DS_SEG_DIST_TIMEOUT, then exited
+    blaming the network. Now both stop at once with the failing rank's line, exit 74, and the
+    last complete checkpoint intact."""
+    tmp, _ = trained
+    work = os.path.join(tmp, f'efbig_{backend}{stage}_rank{failing_rank}')
+    ds = _ds_json(tmp, f'zero{stage}_short', lambda d: d['zero_optimization'].update(stage=stage))
+    argv = _train_argv(tmp, work, 'train.max_steps=40', 'train.checkpoint_interval=4', ds=ds)
+    env = _env(DS_SEG_DIST_TIMEOUT='180', DS_SEG_FAULT='slow@step:0.3')
+    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+                             'launch/train.py', '--backend', backend, *argv], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = os.path.join(work, 'checkpoints', 'step_00000004')
+    deadline = time.time() + 240
+    while not os.path.isfile(os.path.join(first, checkpoint.COMPLETE)):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    # The failing rank's largest checkpoint file fails half-way; every other file it writes
+    # (rank 0: the logs) stays far below that.
+    own = [f for f in os.listdir(first) if (f'zero_pp_rank_{failing_rank}_' in f if backend == 'deepspeed'
+                                            else f.endswith('.pt'))]
+    limit = max(os.path.getsize(os.path.join(first, f)) for f in own) // 2
+    assert limit > 50 * os.path.getsize(os.path.join(work, 'metrics.jsonl')), limit
+    pid = _rank_pid(proc.pid, failing_rank)
+    assert pid is not None
+    subprocess.run(['prlimit', f'--pid={pid}', f'--fsize={limit}'], check=True)
+    started = time.time()
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0 and time.time() - started < 60, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith('ds_seg: error:')]
+    assert errors and all('.tmp-step_00000008' in e for e in errors), out[-3000:]
+    assert 'network' not in out and 'stopped responding' not in out, out[-3000:]   # (torchrun reports exit 74)
+    root = os.path.join(work, 'checkpoints')
+    assert checkpoint.find_checkpoint(work) == first and checkpoint.verify(root, 'step_00000004') is None
+    assert not [n for n in os.listdir(root) if n.startswith('.tmp')], 'no partial checkpoint left'
+    summary = json.load(open(os.path.join(work, 'summary.json')))
+    assert summary['exit_reason'] == 'io_error', summary
+
+
 # ------------------------------------------------------------------------------------------------
 # predict / evaluate / export
 # ------------------------------------------------------------------------------------------------
