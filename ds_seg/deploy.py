@@ -12,6 +12,7 @@ Example::
     forward, info = load_onnx('unet.onnx')          # forward(images_BCHW) -> logits_BKHW
 """
 import contextlib
+import io
 import json
 import os
 import time
@@ -181,6 +182,8 @@ def export_onnx(model, out, info, work_dir=None, step=None):
                                             dynamic_shapes=({'BCHW'.index(d): Dim.DYNAMIC for d in dims},))
                 program.save(tmp)
         except Exception as exc:  # an op without an ONNX form, or a size torch.export cannot keep dynamic
+            if _failed_write(tmp, exc):
+                raise
             raise ConfigError(f'--format onnx: {type(model).__name__} ({(info.get("model") or {}).get("type")}) '
                               f'does not export to ONNX with dynamic sizes: {str(exc).splitlines()[0][:200]}.') from exc
         card = model_card(info, 'onnx', out, work_dir, step, dims)
@@ -201,6 +204,41 @@ def export_onnx(model, out, info, work_dir=None, step=None):
     os.replace(tmp, out)
     write_card(card, out)
     return out
+
+
+class _WriteErrorKept(io.RawIOBase):
+    """A file for torch.export.save that keeps the first failed write's OSError for the caller to
+    raise: torch's zip writer, told of a failed write (a full disk), left itself unfinished, and
+    its destructor then aborted the process (C++ terminate, a core dump) after the error line."""
+
+    def __init__(self, file):
+        super().__init__()
+        self.file, self.error = file, None
+
+    def writable(self):
+        return True
+
+    def seekable(self):  # torch.export.save wants a seekable buffer (it seeks to 0 at the end)
+        return True
+
+    def write(self, data):
+        if self.error is None:
+            try:
+                self.file.write(data)
+            except OSError as exc:
+                self.error = exc
+        return len(data)
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        return self.file.seek(offset, whence) if self.error is None else 0
+
+
+def _failed_write(path, exc):
+    """Whether saving to ``path`` failed for the disk's sake (an errno, or one a probe write there
+    gets now: a full disk through torch's stream writer), not the model's: the export command
+    reports those as a failed write (exit 74), not as something the model cannot do."""
+    from .engine.checkpoint import write_failure
+    return isinstance(exc, OSError) or write_failure(path, exc) is not None
 
 
 def _point_external_data_at(proto, location):
@@ -317,10 +355,14 @@ def export_torch(model, out, info, work_dir=None, step=None):
     from .inputs import partial_path, remove_quietly
     tmp = partial_path(out)  # ds_seg's own name: '<out>.tmp.pt2' replaced a user's file of that name
     try:
-        torch.export.save(program, tmp)
+        with open(tmp, 'wb') as f:
+            sink = _WriteErrorKept(f)
+            torch.export.save(program, sink)
+            if sink.error is not None:
+                raise sink.error
     except BaseException as exc:  # e.g. a Python math op on sizes the serialiser does not know
         remove_quietly(tmp)
-        if not isinstance(exc, Exception):
+        if not isinstance(exc, Exception) or _failed_write(tmp, exc):
             raise
         raise ConfigError(f'--format torch-export: {type(model).__name__} exports but cannot be saved '
                           f'({str(exc).splitlines()[0][:160]}); use --format onnx.') from exc

@@ -27,7 +27,8 @@ from ds_seg.inputs import user_path, check_writable
 def check_out(out):
     """Refuse, before any work, an output that is a folder, has no parent folder, or exists
     (with its model cards): export never overwrites and leaves nothing behind."""
-    if os.path.isdir(out):
+    if os.path.isdir(out) or out.endswith(tuple(filter(None, (os.sep, os.altsep)))):
+        # 'exp/' names a folder even where none exists yet: its dirname check below would pass.
         raise ValueError(f'--out: {out} is a folder; give a file name (e.g. {os.path.join(out, "weights.pt")}).')
     if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
         raise ValueError(f'--out: the folder {os.path.dirname(os.path.abspath(out))} does not exist; create it first.')

@@ -635,6 +635,10 @@ def _cli_cases(tmp, weights, a, b):
     results['eval_crs'] = _run_main('evaluate', ['--checkpoint', weights, '--images', a, '--labels', label,
                                                  '--output', os.path.join(tmp, 'eval')])
     results['export_onto_folder'] = _run_main('export', [os.path.join(tmp, 'trained'), '--out', tmp])
+    # A folder that does not exist yet, named by its trailing '/': once failed after the export's
+    # work, as exit 74 ('writing ... failed: ENOENT'), or blamed on the model under --format onnx.
+    results['export_onto_new_folder'] = _run_main('export', [os.path.join(tmp, 'trained'), '--out',
+                                                            os.path.join(tmp, 'exports_new') + '/'])
     results['export_missing_parent'] = _run_main('export', [os.path.join(tmp, 'trained'), '--out',
                                                             os.path.join(tmp, 'nope', 'w.pt')])
     results['export_existing'] = _run_main('export', [os.path.join(tmp, 'trained'), '--out', weights])
@@ -751,6 +755,7 @@ def test_inputs_with_the_same_file_name_get_distinct_outputs(cli, exported):
     ('code_pickle', 'predict', ['evil.pt: refused', 'could run code']),
     ('eval_crs', 'evaluate', ['label_other_crs.tif', 'different CRS']),
     ('export_onto_folder', 'export', ['is a folder']),
+    ('export_onto_new_folder', 'export', ['exports_new/ is a folder', 'give a file name']),
     ('export_missing_parent', 'export', ['does not exist; create it first']),
     ('export_existing', 'export', ['already exists']),
     ('eval_unlabelled', 'evaluate', ['label_unlabelled.tif', 'is a class', 'nothing can be measured']),

@@ -383,3 +383,23 @@ def test_a_checkpoints_pointer_file_exports_the_step_it_names(trained_run, fmt, 
     assert f"exported {os.path.join(work, 'checkpoints', 'step_00000004')} -> {out}" in said, said
     card = json.loads(open(f'{out}.card.json').read())
     assert card['step'] == 4 and card['final_metrics']['mIoU'] == rows[4]['mIoU']
+
+
+@pytest.mark.parametrize('fmt, suffix', [('onnx', '.onnx'), ('torch-export', '.pt2')])
+def test_a_failed_write_of_the_exported_file_is_a_write_failure_not_the_models(weights, tmp_path, fmt, suffix):
+    """The disk refusing the file (here a file-size limit: EFBIG, as a full disk's ENOSPC) once
+    read 'does not export to ONNX with dynamic sizes' (exit 2), or for torch-export 'exports but
+    cannot be saved; use --format onnx': advice about the model for a disk's fault."""
+    import resource
+    _, path, _ = weights
+    out = str(tmp_path / f'model{suffix}')
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))   # Python ignores SIGXFSZ: EFBIG
+    proc = subprocess.run([sys.executable, 'launch/export.py', path, '--format', fmt, '--out', out], cwd=REPO_ROOT,
+                          capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}, timeout=300,
+                          preexec_fn=small_files)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith('export: error:')]
+    assert proc.returncode == 74 and len(errors) == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+    assert 'EFBIG' in errors[0] and 'nothing was exported' in errors[0], errors[0]
+    assert os.listdir(tmp_path) == [], 'the partial file is removed'
