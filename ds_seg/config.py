@@ -726,6 +726,31 @@ def load_config(path=None, cfg_options=None):
     return Config(cfg)
 
 
+# The data sections' keys that hold local paths (a glob, a file, a folder, lists of them).
+DATA_PATH_KEYS = ('images', 'labels', 'data_root', 'cache_dir', 'stac')
+
+
+def with_absolute_data_paths(cfg_dict):
+    """A copy of a resolved config whose relative local data paths (``DATA_PATH_KEYS`` of the
+    ``data`` sections) are made absolute against the current folder: what a run's
+    config.json records. Relative there, evaluate.py (which evaluates the run's config.json by
+    default) read them against the folder it was started in, and found nothing from any other.
+    URLs and GDAL's /vsi* names are kept."""
+    def absolute(value):
+        if isinstance(value, str) and value and '://' not in value and not value.startswith('/vsi'):
+            return os.path.abspath(os.path.expanduser(value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(absolute(item) for item in value)
+        return value
+    out = copy.deepcopy(cfg_dict)
+    for section in (out.get('data') or {}).values():
+        if isinstance(section, dict):
+            for key in DATA_PATH_KEYS:
+                if section.get(key) is not None:
+                    section[key] = absolute(section[key])
+    return out
+
+
 def _expand_user(cfg):
     """A config is not a shell: work_dir='~/runs/x' created a folder named '~' in the current
     directory (one `rm -rf ~` away from the home directory) and load_from='~/w.pt' was missing."""

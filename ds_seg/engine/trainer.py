@@ -17,7 +17,7 @@ import time
 import torch
 
 from .. import distributed
-from ..config import ConfigError, default_work_dir, load_from_refusal, unused_settings
+from ..config import ConfigError, default_work_dir, load_from_refusal, unused_settings, with_absolute_data_paths
 from ..data.loader import build_train_loader
 from ..data.raster import band_colours, colour_order_refusal, colours_conflict, same_file_key
 from ..data.prefetch import DevicePrefetcher, default_depth
@@ -266,7 +266,7 @@ class Trainer:
                                                    COMPILE_WARMUP_STEPS if spec.compile_mode else 0),
                                   max_steps=cfg.train.max_steps,
                                   train_images=len(self.train_set), t_start=t_start)
-        configs = {'config.json': cfg.to_dict(), 'ds_config.json': dict(spec.ds_config, ds_seg=spec.as_json())}
+        configs = {'config.json': with_absolute_data_paths(cfg.to_dict()), 'ds_config.json': dict(spec.ds_config, ds_seg=spec.as_json())}
         if self.step and distributed.is_main():
             self.log.keep_replaced(configs)
         for name, obj in configs.items():

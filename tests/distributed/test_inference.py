@@ -292,3 +292,39 @@ def test_evaluate_with_a_runs_config_scores_as_its_training_evaluated(tmp_path):
         assert proc.returncode != 0 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
             proc.stderr
         assert not (tmp_path / 'refused').exists()
+
+
+def test_evaluate_finds_a_runs_relative_data_paths_from_any_folder(tmp_path):
+    """A run trained from its project folder with relative data paths (images='data/*_image.tif',
+    as a config usually gives them): evaluate.py --checkpoint <work dir>, started from another
+    folder, evaluates the run's config.json, whose paths were read against the folder evaluate
+    started in ('the pattern ... matches no file'). config.json records them absolute."""
+    import rasterio
+    from rasterio.transform import from_origin
+
+    from ds_seg.data.synthetic import generate_scene
+    project, elsewhere = tmp_path / 'project', tmp_path / 'elsewhere'
+    (project / 'data').mkdir(parents=True)
+    elsewhere.mkdir()
+    for i in range(2):
+        image, label = generate_scene(np.random.default_rng(i), (96, 96))
+        for name, array in ((f'{i}_image.tif', image), (f'{i}_label.tif', label[None].astype(np.uint8))):
+            with rasterio.open(project / 'data' / name, 'w', driver='GTiff', width=96, height=96, count=len(array),
+                               dtype='uint8', crs='EPSG:25832', transform=from_origin(360_000, 5_700_000, 0.2, 0.2)) as dst:
+                dst.write(array)
+    scenes = "dict(type='GeoTiffScenes', images='data/*_image.tif', labels='data/*_label.tif')"
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    train = subprocess.run([sys.executable, str(REPO_ROOT / 'launch' / 'train.py'), '--config',
+                            str(REPO_ROOT / 'configs' / 'unet_tiny_synthetic.py'), '--backend', 'ddp',
+                            '--work-dir', 'work', '--cfg-options', 'train.max_steps=2', 'train.eval_interval=0',
+                            'train.checkpoint_interval=2', f'data.train={scenes}', f'data.val={scenes}'],
+                           cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
+    recorded = json.load(open(project / 'work' / 'config.json'))['data']
+    assert recorded['val']['images'] == str(project / 'data' / '*_image.tif'), recorded['val']
+    assert recorded['train']['labels'] == str(project / 'data' / '*_label.tif'), recorded['train']
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / 'launch' / 'evaluate.py'), '--checkpoint',
+                           str(project / 'work'), '--output', 'eval'], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert 0.0 <= json.load(open(elsewhere / 'eval' / 'eval.json'))['mIoU'] <= 1.0
