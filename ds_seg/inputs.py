@@ -88,9 +88,12 @@ def split_dates(item):
 
 def folder_rasters(folder):
     """The GeoTIFFs and JPEG 2000 files directly inside ``folder``, sorted: what a folder given
-    for scenes (predict, evaluate, a dataset's images/labels) stands for."""
+    for scenes (predict, evaluate, a dataset's images/labels) stands for. Hidden files are not
+    scenes, as a shell's or Python's ``*.tif`` glob has it (macOS leaves ``._a.tif`` beside
+    ``a.tif`` on other disks: not a raster)."""
     return sorted(os.path.join(folder, n) for n in os.listdir(folder)
-                  if n.lower().endswith(FOLDER_SUFFIXES) and os.path.isfile(os.path.join(folder, n)))
+                  if n.lower().endswith(FOLDER_SUFFIXES) and not n.startswith('.')
+                  and os.path.isfile(os.path.join(folder, n)))
 
 
 def expand_inputs(paths, option='--input'):

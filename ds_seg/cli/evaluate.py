@@ -183,7 +183,7 @@ def build_scenes(args, info, cfg):
         bad = sorted(v for v in (histogram or {}) if v != ignore and not same_value(v, nodata)  # nodata: unlabelled
                      and not (v.is_integer() and 0 <= v < len(classes)))
         if bad:
-            raise ValueError(f"{scene['label']}: {histogram[bad[0]]} pixel(s) have label value {bad[0]:g}, which is not "
+            raise ValueError(f"{scene['label']}: {histogram[bad[0]]} pixel(s) have label value {bad[0]:.10g}, which is not "
                              f"a class index 0..{len(classes) - 1} nor --ignore-index {ignore}; nothing was evaluated. "
                              "Check --labels, --classes or --ignore-index")
     if all(h is not None for h in histograms) and not any(  # before hours of prediction, not after

@@ -294,6 +294,8 @@ def grid_starts(length, crop):
 def inspect_pair(image, label, palette=None):
     """Open an image and its label and check they can be paired (size, geotransform, CRS, label
     bands); returns what the dataset needs to know of the scene. Shared with evaluation."""
+    if same_file_key(image) == same_file_key(label):  # images and labels given the same glob
+        raise DataError(f"label {label} is the image itself; point labels at the ground-truth rasters")
     img, lbl = open_raster(image), open_raster(label)
     with img, lbl:
         refusal = pixel_type_refusal(image, img.dtypes) or pixel_type_refusal(label, lbl.dtypes)
@@ -351,9 +353,9 @@ def _same_corner(img, lbl, size=64):
 
 def label_nodata_message(label, value, class_index, class_name, ignore_index):
     """The one line for a label file whose nodata tag is also a class (see GeoTiffScenes)."""
-    return (f"{label}: its nodata tag is {value:g}, which is also class {class_index} ({class_name!r}); "
+    return (f"{label}: its nodata tag is {value:.10g}, which is also class {class_index} ({class_name!r}); "
             f"ds_seg learns and scores pixels by value, GDAL tools (overviews, warps, QGIS) treat them as empty. "
-            f"If {value:g} is that class, remove the tag (gdal_edit.py -unsetnodata {label}); if those pixels "
+            f"If {value:.10g} is that class, remove the tag (gdal_edit.py -unsetnodata {label}); if those pixels "
             f"hold no label, rewrite them as ignore_index {ignore_index} (or map the value with `label_map`)")
 
 
@@ -525,6 +527,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 raise DataError(f"{s['image']}: {s['count']} bands, but {images[0]} has {count}; "
                                 f"all scenes of a dataset need the same bands")
         self.num_file_bands = count
+        if bands is not None and (not isinstance(bands, (list, tuple)) or any(
+                isinstance(b, bool) or not isinstance(b, (int, np.integer)) for b in bands)):
+            # int(2.9) read band 2 without a word
+            raise DataError(f"bands={bands!r}: give a list of whole band numbers, 1-based ({images[0]} has bands "
+                            f"1..{count}), e.g. bands=[3, 2, 1]")
         self.bands = list(range(1, count + 1)) if bands is None else [int(b) for b in bands]
         if not self.bands or min(self.bands) < 1 or max(self.bands) > count:
             raise DataError(f"bands={bands!r}: {images[0]} has bands 1..{count} (1-based)")
@@ -1196,7 +1203,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                           else -1)
                 if mapped < 0:
                     raise DataError(
-                        f"{s['label']}: {count} pixel(s) have label value {value:g}, which is not a class index "
+                        f"{s['label']}: {count} pixel(s) have label value {value:.10g}, which is not a class index "
                         f"0..{self.num_classes - 1} nor ignore_index {self.ignore_index} (classes: "
                         f"{', '.join(self.classes)}); check `classes`, or remap with `label_map` / `reduce_zero_label`")
                 if mapped != self.ignore_index:

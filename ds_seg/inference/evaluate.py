@@ -39,12 +39,12 @@ def _label_source(dataset, scene_index, label_path, ignore_index, num_classes):
     raster holds class indices. Values that are no class stop the evaluation with the file named.
     """
     def checked(lbl, window):
-        lbl = lbl.astype(np.int64)
-        bad = ((lbl < 0) | (lbl >= num_classes)) & (lbl != ignore_index)
+        # Before the cast to int64, which read a float label's 1.5 (or NaN) as class 1 (or garbage).
+        bad = ((lbl < 0) | (lbl >= num_classes) | (lbl != np.floor(lbl))) & (lbl != ignore_index)
         if bad.any():
-            raise ValueError(f"{label_path}: label value {int(lbl[bad].flat[0])} in {window} is not "
+            raise ValueError(f"{label_path}: label value {lbl[bad].flat[0]:.10g} in {window} is not "
                              f"a class index 0..{num_classes - 1} nor ignore_index {ignore_index}")
-        return lbl
+        return lbl.astype(np.int64)
 
     if dataset is not None:
         yield lambda window: checked(dataset.read_label(scene_index, window), window)

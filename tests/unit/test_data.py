@@ -412,3 +412,46 @@ def test_boundary_ignore_leaves_out_the_pixels_evaluate_erode_does_whatever_the_
         part = expect[y:y + 32, x:x + 32]
         want[:part.shape[0], :part.shape[1]] = part
         np.testing.assert_array_equal(got, want, err_msg=f'window at {(y, x)}')
+
+
+def test_a_folders_hidden_files_are_not_scenes(tmp_path):
+    """macOS leaves AppleDouble files (``._a.tif``, not rasters) beside the scenes on other disks:
+    a folder given for images/labels was refused as '._a.tif: not a readable raster', and a hidden
+    raster was trained on, where a ``*.tif`` glob of the same folder skips both."""
+    _tiles(tmp_path, ['a.tif', '.c.tif'], ['a.tif', '.c.tif'])
+    for folder in ('img', 'lbl'):
+        (tmp_path / folder / '._a.tif').write_bytes(b'\x00\x05\x16\x07' + bytes(60))   # AppleDouble magic
+    ds = GeoTiffScenes(str(tmp_path / 'img'), str(tmp_path / 'lbl'), crop_size=32, classes=2, mean=[0] * 3,
+                       std=[1] * 3)
+    assert [(os.path.basename(s['image']), os.path.basename(s['label'])) for s in ds.scenes] == [('a.tif', 'a.tif')]
+
+
+def test_an_image_given_as_its_own_label_is_refused(tmp_path):
+    """images and labels given the same glob trained a 255-class model on the pixel values."""
+    images, _ = _tiles(tmp_path, ['a.tif'], ['a.tif'])
+    write_tif(tmp_path / 'gray.tif', np.arange(32 * 32, dtype=np.uint8).reshape(32, 32) % 7)
+    with pytest.raises(DataError, match=r'label .*gray.tif is the image itself; point labels at the ground-truth'):
+        GeoTiffScenes(str(tmp_path / 'gray.tif'), str(tmp_path / 'gray.tif'), crop_size=32)
+    linked = tmp_path / 'linked.tif'
+    os.link(tmp_path / 'gray.tif', linked)   # one file under two names
+    with pytest.raises(DataError, match='is the image itself'):
+        GeoTiffScenes(str(tmp_path / 'gray.tif'), str(linked), crop_size=32)
+
+
+@pytest.mark.parametrize('bands', [[2.9], [1, 2.0], 2, [True], ['2']])
+def test_band_numbers_that_are_not_whole_are_refused(tmp_path, bands):
+    """int(2.9) read band 2 without a word (config.json recorded [2.9])."""
+    images, labels = _tiles(tmp_path, ['a.tif'], ['a.tif'])
+    with pytest.raises(DataError, match=r'bands=.*give a list of whole band numbers, 1-based \(.*a.tif has bands 1..3\)'):
+        GeoTiffScenes(images, labels, crop_size=32, classes=2, bands=bands, mean=[0], std=[1])
+
+
+def test_a_label_value_off_a_class_is_said_exactly(tmp_path):
+    """A float label's 1.0000001 was said as 'label value 1, which is not a class index 0..2'."""
+    label = np.zeros((32, 32), np.float64)
+    label[3, 4] = 1.0000001
+    write_tif(tmp_path / 'img.tif', np.full((3, 32, 32), 5, np.uint8))
+    write_tif(tmp_path / 'lbl.tif', label)
+    with pytest.raises(DataError, match=r'label value 1\.0000001, which is not a class index 0..2'):
+        GeoTiffScenes(str(tmp_path / 'img.tif'), str(tmp_path / 'lbl.tif'), crop_size=32, classes=3, mean=[0] * 3,
+                      std=[1] * 3)

@@ -1420,3 +1420,19 @@ def test_a_model_whose_logits_are_not_the_windows_size_is_named(tmp_path, factor
     with pytest.raises(ValueError, match=f'the model returns {int(32 * factor)}x{int(32 * factor)} logits for 32x32 '
                                          'windows'):
         predict_classes(resized, path, tmp_path, mean=[0, 0], std=[1, 1], tile=32, overlap=8)
+
+
+@pytest.mark.parametrize('value', [1.5, float('nan')])
+def test_evaluate_scenes_refuses_a_fractional_label_value_with_the_value(tmp_path, value):
+    """evaluate_scenes(model, [(image, label)]): a float label's 1.5 was cast to class 1 and counted
+    (NaN without a nodata tag to whatever int64 made of it); the refusal said the cast value."""
+    import ds_seg.inference as inf
+    ip, lp = str(tmp_path / 'img.tif'), str(tmp_path / 'lbl.tif')
+    lbl = np.zeros((1, 3, 4), np.float32)
+    lbl[0, 1, 2] = value
+    for path, array in ((ip, np.arange(12, dtype=np.uint16).reshape(1, 3, 4)), (lp, lbl)):
+        with rasterio.open(path, 'w', driver='GTiff', width=4, height=3, count=1, dtype=array.dtype,
+                           crs='EPSG:32632', transform=TRANSFORM) as dst:
+            dst.write(array)
+    with pytest.raises(ValueError, match=rf'lbl.tif: label value {value} in .* is not a class index 0..4'):
+        inf.evaluate_scenes(LookupModel(), [(ip, lp)], num_classes=K, mean=[0], std=[1], tile=2, overlap=1, block=16)
