@@ -294,10 +294,10 @@ def grid_starts(length, crop):
 def inspect_pair(image, label, palette=None):
     """Open an image and its label and check they can be paired (size, geotransform, CRS, label
     bands); returns what the dataset needs to know of the scene. Shared with evaluation."""
-    if same_file_key(image) == same_file_key(label):  # images and labels given the same glob
-        raise DataError(f"label {label} is the image itself; point labels at the ground-truth rasters")
     img, lbl = open_raster(image), open_raster(label)
     with img, lbl:
+        if same_file_key(image) == same_file_key(label):  # images and labels given the same glob
+            raise DataError(f"label {label} is the image itself; point labels at the ground-truth rasters")
         refusal = pixel_type_refusal(image, img.dtypes) or pixel_type_refusal(label, lbl.dtypes)
         if refusal:
             raise DataError(refusal)
@@ -333,10 +333,15 @@ def inspect_pair(image, label, palette=None):
         if palette is not None and _same_corner(img, lbl):
             raise DataError(f"label {label} holds the same pixels as its image {image}: a copy of the image, "
                             f"not its labels; point the label at the ground truth")
-        return dict(image=image, label=label, width=img.width, height=img.height,
-                    count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img),
-                    dtype=img.dtypes[0], floating=np.dtype(img.dtypes[0]).kind == 'f', label_nodata=lbl.nodata,
-                    colorinterp=[c.name for c in img.colorinterp])
+        return dict(image_facts(image, img), label=label, label_nodata=lbl.nodata)
+
+
+def image_facts(image, img):
+    """What a dataset keeps of a scene's image file (``img``: it opened)."""
+    return dict(image=image, width=img.width, height=img.height, count=img.count, nodata=img.nodata,
+                masked=uses_mask_band(img), alpha=alpha_bands(img), dtype=img.dtypes[0],
+                floating=np.dtype(img.dtypes[0]).kind == 'f', colorinterp=[c.name for c in img.colorinterp],
+                encoding=[[float(a), float(b)] for a, b in zip(img.scales, img.offsets)])
 
 
 def _same_corner(img, lbl, size=64):
@@ -632,10 +637,21 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         would be normalised with the wrong statistics), and no selected band that the file tags
         as alpha (GDAL reads its zeros as nodata: a NIR band tagged so hides every dark pixel)."""
         first = self._scenes[0]
+        encoding = lambda s: [s['encoding'][b - 1] for b in self.bands]  # noqa: E731
+        # The files' band scale and offset (GDAL's, value = raw x scale + offset; Sentinel-2 since
+        # baseline 04.00 stores reflectance + 1000 with offset -1000): ds_seg trains on the raw
+        # values, so every scene must share one encoding; the model records it (predict refuses
+        # a scene of another).
+        self.band_encoding = encoding(first)
         for s in self._scenes:
             if s['dtype'] != first['dtype']:
                 raise DataError(f"{s['image']} holds {s['dtype']} pixels but {first['image']} {first['dtype']}; "
                                 f"give every scene of a dataset one type (gdal_translate -ot)")
+            if encoding(s) != self.band_encoding:
+                raise DataError(f"{s['image']}: its bands' scale/offset {encoding(s)} differ from {first['image']}'s "
+                                f"{self.band_encoding} ([scale, offset] per selected band); ds_seg trains on the raw "
+                                f"values, so the two encodings would be mixed: give every scene one encoding "
+                                f"(gdal_translate -unscale -ot Float32 writes the scaled values)")
             if set(s.get('alpha', ())) & set(self.bands):
                 with open_raster(s['image']) as src:
                     raise DataError(alpha_as_data_refusal(s['image'], src, self.bands,
@@ -679,11 +695,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 refusal = pixel_type_refusal(image, img.dtypes)
                 if refusal:
                     raise DataError(refusal)
-                return dict(image=image, label=label, width=img.width, height=img.height,
-                            count=img.count, nodata=img.nodata, masked=uses_mask_band(img), alpha=alpha_bands(img),
-                            dtype=img.dtypes[0], floating=np.dtype(img.dtypes[0]).kind == 'f', vector=True,
-                            colorinterp=[c.name for c in img.colorinterp],
-                            crs=img.crs, transform=img.transform)
+                return dict(image_facts(image, img), label=label, vector=True, crs=img.crs, transform=img.transform)
         return inspect_pair(image, label, self.palette)
 
     def _load_vectors(self, classes):

@@ -26,6 +26,8 @@ def data_normalisation(train_set):
                 mean=[float(v) for v in train_set.mean], std=[float(v) for v in train_set.std],
                 ignore_index=int(getattr(train_set, 'ignore_index', 255)),
                 dtype=getattr(train_set, 'file_dtype', None))
+    if getattr(train_set, 'band_encoding', None):  # the bands' [scale, offset]: another is refused
+        data['encoding'] = [list(pair) for pair in train_set.band_encoding]
     if getattr(train_set, 'band_colours', None):  # the files' colour order: a BGR scene is refused
         data['colours'] = list(train_set.band_colours)
     if getattr(train_set, 'num_file_bands', None):  # a scene of more bands is another product
@@ -405,6 +407,10 @@ class Checkpointer:
         if saved.get('bands') is not None and list(saved['bands']) != mine['bands']:
             return (f"--resume: {where} was trained on bands {saved['bands']} but data.train takes {mine['bands']}; "
                     f"give data.train.bands={saved['bands']}, or {fresh}.")
+        if saved.get('encoding') and mine.get('encoding') and saved['encoding'] != mine['encoding']:
+            return (f"--resume: {where} was trained on bands scaled/offset {saved['encoding']} but data.train's are "
+                    f"{mine['encoding']} ([scale, offset] per band, the files' GDAL tags); resume on data in the "
+                    f"encoding it was trained on, or {fresh}.")
         if colours_conflict(mine.get('colours'), saved.get('colours')):
             said = lambda colours: ', '.join(c or '(unsaid)' for c in colours)  # noqa: E731
             return (f"--resume: {where} was trained on bands holding {said(saved['colours'])} but data.train's "

@@ -109,7 +109,30 @@ def scene_refusal(forward_fn, image_path, bands_given):
         refusal = band_count_refusal(data, image_path)
         if refusal:
             return f"{refusal} with bands= (e.g. bands={list(data['bands'])})"
+    if not bands_given:
+        return band_encoding_refusal(data, first)
     return None
+
+
+def band_encoding_refusal(data, path):
+    """Why the scene at ``path`` is not in the units the model was trained on, or None: its
+    bands' GDAL scale/offset ([scale, offset] each) differ from those the training scenes had
+    (``data['encoding']``, recorded since; raw values are what the model saw). Raw+1000 with
+    offset -1000 against raw reflectance was predicted on without a word."""
+    trained, bands = (data or {}).get('encoding'), (data or {}).get('bands')
+    if not trained or not bands:
+        return None
+    from ..data.raster import open_raster
+    with open_raster(path) as src:
+        if max(bands) > src.count:
+            return None   # the band count is refused where it matters
+        here = [[float(src.scales[b - 1]), float(src.offsets[b - 1])] for b in bands]
+    if here == [list(pair) for pair in trained]:
+        return None
+    return (f"{path}: its bands' scale/offset {here} differ from those of the scenes the model was trained on "
+            f"{[list(pair) for pair in trained]} ([scale, offset] per band); the model takes raw values in the "
+            f"training encoding: write the scene in it (gdal_translate -a_scale/-a_offset with the values "
+            f"converted), or give mean= and std= for its units")
 
 
 def training_normalisation(forward_fn):

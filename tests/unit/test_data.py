@@ -455,3 +455,28 @@ def test_a_label_value_off_a_class_is_said_exactly(tmp_path):
     with pytest.raises(DataError, match=r'label value 1\.0000001, which is not a class index 0..2'):
         GeoTiffScenes(str(tmp_path / 'img.tif'), str(tmp_path / 'lbl.tif'), crop_size=32, classes=3, mean=[0] * 3,
                       std=[1] * 3)
+
+
+def test_scenes_of_another_band_scale_or_offset_are_refused_and_the_model_records_it(tmp_path):
+    """GDAL's scale/offset tags (Sentinel-2 since baseline 04.00: reflectance + 1000, offset -1000)
+    were ignored: a scene so stored trained beside raw ones (statistics averaged over both
+    encodings), and predict took one without a word. Scenes must share one encoding, which
+    the model records; a scene in another is refused by predict's and evaluate's check."""
+    from ds_seg.engine.checkpointer import data_normalisation
+    from ds_seg.inference.model import scene_refusal
+    images, labels = _tiles(tmp_path, ['a.tif', 'b.tif'], ['a.tif', 'b.tif'])
+    with rasterio.open(tmp_path / 'img' / 'b.tif', 'r+') as dst:
+        dst.offsets = (-1000.0, -1000.0, -1000.0)
+    with pytest.raises(DataError, match=r"b.tif: its bands' scale/offset \[\[1.0, -1000.0\], .* differ from .*a.tif's "
+                                        r"\[\[1.0, 0.0\], \[1.0, 0.0\], \[1.0, 0.0\]\]"):
+        GeoTiffScenes(images, labels, crop_size=32, classes=2, mean=[0] * 3, std=[1] * 3)
+    ds = GeoTiffScenes(str(tmp_path / 'img' / 'a.tif'), str(tmp_path / 'lbl' / 'a.tif'), crop_size=32, classes=2,
+                       bands=[3, 1], mean=[0] * 2, std=[1] * 2)
+    data = data_normalisation(ds)
+    assert data['encoding'] == [[1.0, 0.0], [1.0, 0.0]]
+
+    class Model:
+        training_normalisation = data
+    assert scene_refusal(Model(), str(tmp_path / 'img' / 'a.tif'), bands_given=False) is None
+    said = scene_refusal(Model(), str(tmp_path / 'img' / 'b.tif'), bands_given=False)
+    assert said and "b.tif: its bands' scale/offset [[1.0, -1000.0], [1.0, -1000.0]] differ from" in said, said
