@@ -1757,6 +1757,9 @@ def device_supports(precision):
 _DEEPSPEED_GRADIENT_CLIPPING = 1.0
 
 
+FP16_NAMES = ('float16', 'fp16', 'half', 'torch.float16')   # what torch_autocast.dtype says for fp16
+
+
 def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supports=device_supports):
     """Resolve a checked DeepSpeed dict for this run. Returns ``(resolved, precision, notes)``.
 
@@ -1849,6 +1852,15 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
     autocast = ds.get('torch_autocast', {})
     if fp16 and bf16:
         raise ConfigError(f"{source}: 'fp16.enabled' and 'bf16.enabled' are both true; choose one.")
+    if (fp16 or bf16) and isinstance(autocast, dict) and autocast.get('enabled'):
+        # DeepSpeed ran both (bf16 weights under fp16 autocast: 35x slower on a CPU, recorded as
+        # bf16), and DDP, which runs one precision, rewrote the autocast dtype.
+        native = 'fp16' if fp16 else 'bf16'
+        raise ConfigError(f"{source}: '{native}.enabled' and 'torch_autocast.enabled' are both true; choose one "
+                          f"({native}: the weights in {native}; torch_autocast: fp32 weights, {native} "
+                          f"computation where it is safe).")
+    autocast_fp16 = (isinstance(autocast, dict) and autocast.get('enabled')
+                     and str(autocast.get('dtype', 'bfloat16')) in FP16_NAMES)
 
     if fp16 and not supports('fp16'):
         ds['fp16']['enabled'] = False
@@ -1861,6 +1873,13 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
     elif bf16 and not supports('bf16'):
         ds['bf16']['enabled'] = False
         notes.append(f"{source}: bf16 is not supported on this device; running fp32 instead.")
+    elif autocast_fp16 and not supports('fp16'):   # as native fp16 above: fp16 autocast too is 40x slower
+        if supports('bf16'):
+            ds['torch_autocast'] = dict(autocast, dtype='bfloat16')
+            notes.append(f"{source}: fp16 autocast is not supported on this device; running bf16 autocast instead.")
+        else:
+            ds['torch_autocast'] = dict(autocast, enabled=False)
+            notes.append(f"{source}: fp16 autocast is not supported on this device; running fp32 instead.")
 
     if ds.get('fp16', {}).get('enabled'):
         precision = 'fp16'
@@ -1868,7 +1887,7 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
         precision = 'bf16'
     elif ds.get('torch_autocast', autocast).get('enabled'):
         dtype = str(ds['torch_autocast'].get('dtype', 'bfloat16'))
-        precision = ('fp16' if dtype in ('float16', 'fp16', 'half', 'torch.float16') else 'bf16') + '-autocast'
+        precision = ('fp16' if dtype in FP16_NAMES else 'bf16') + '-autocast'
     else:
         precision = 'fp32'
     if precision == 'bf16' and 'check_grad_overflow' not in ds['bf16'] and _deepspeed_bf16_has('check_grad_overflow'):
