@@ -10,6 +10,7 @@ Example::
     spec.micro_batch, spec.grad_accum, spec.global_batch, spec.precision, spec.zero_stage
 """
 import dataclasses
+import json
 
 import torch
 
@@ -75,6 +76,13 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
                 f"{source}: {', '.join(repr(k) for k in monitors)}: DeepSpeed's own monitor(s), which run under "
                 "--backend deepspeed only; ds_seg's TensorBoard log (<work dir>/tb) and log.trackers cover both "
                 "backends"]
+    changed = _compile_block_settings(resolved.get('compile'))
+    if changed and (engine.name != 'deepspeed' or compile_mode is None):
+        # DeepSpeed reads the block only in engine.compile(): DeepCompile and its offloads
+        # never took effect, and ds_config.json recorded them beside compile_mode null.
+        raise ConfigError(f"{source}: the 'compile' block sets {', '.join(changed)}, which DeepSpeed applies only in "
+                          "engine.compile(): ds_seg calls it with train.compile=True under --backend deepspeed; "
+                          "set those, or remove the block.")
     if precision != native:  # DDP runs native fp16/bf16 as autocast: ds_config.json says what ran
         resolved = dict(resolved, **{native: dict(resolved[native], enabled=False)},
                         torch_autocast={'enabled': True, 'dtype': 'float16' if native == 'fp16' else 'bfloat16'})
@@ -83,3 +91,12 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
                    grad_accum=resolved['gradient_accumulation_steps'], global_batch=resolved['train_batch_size'],
                    zero_stage=zero_stage, precision=precision, ds_config=resolved, notes=tuple(notes),
                    compile_mode=compile_mode, channels_last=bool(channels_last), json_precision=native)
+
+
+def _compile_block_settings(block):
+    """The keys of the DeepSpeed JSON's ``compile`` block set to other than DeepSpeed's defaults."""
+    if not isinstance(block, dict) or not block:
+        return []
+    from deepspeed.compile.config import CompileConfig
+    defaults = CompileConfig().model_dump()
+    return sorted(f'{key}={json.dumps(value)}' for key, value in block.items() if defaults.get(key, object()) != value)

@@ -944,3 +944,18 @@ def test_fp16_autocast_falls_back_as_native_fp16_does():
     assert precision == 'fp32' and not resolved['torch_autocast']['enabled'] and 'running fp32' in notes[0]
     _, precision, notes = resolve_ds_config(ds, 1, 10, supports=lambda p: True)
     assert precision == 'fp16-autocast' and not notes
+
+
+def test_a_compile_block_without_deepspeeds_compile_is_refused():
+    """DeepSpeed reads its 'compile' block (DeepCompile, its offloads) only in engine.compile(),
+    which ds_seg calls with train.compile=True under DeepSpeed: the block did nothing, unsaid."""
+    from ds_seg.engine.run_spec import describe_run
+    ds = dict(load_ds_config(DS_CONFIGS_DIR / 'zero2.json'), compile={'deepcompile': True, 'double_buffer': True})
+    for backend, compile_mode in (('deepspeed', None), ('ddp', None), ('ddp', 'default')):
+        with pytest.raises(ConfigError, match=r"x.json: the 'compile' block sets deepcompile=true, which DeepSpeed "
+                                              r"applies only in engine.compile\(\).*train.compile=True under "
+                                              r"--backend deepspeed"):
+            describe_run(ds, backend, 10, source='x.json', compile_mode=compile_mode)
+    assert describe_run(ds, 'deepspeed', 10, compile_mode='default').ds_config['compile']['deepcompile'] is True
+    defaults_only = dict(ds, compile={'deepcompile': False})
+    assert describe_run(defaults_only, 'ddp', 10).backend == 'ddp'
