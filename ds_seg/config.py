@@ -1488,6 +1488,31 @@ def _refuse_repeated_keys(path):
 _PARSED_SUFFIXES = ('.json', '.yaml', '.yml')
 
 
+def _refuse_reassigned_python_keys(path):
+    """A Python config that assigns a key twice at its top level (train = dict(max_steps=3), later
+    train = dict(seed=5)): the second replaced the first whole and trained the default 20 steps,
+    where the same in JSON or YAML is refused. A second assignment that reads the first
+    (train = dict(train, seed=5)) changes it on purpose. Read without running the file."""
+    import ast
+    try:
+        tree = ast.parse(path.read_text(encoding='utf-8-sig'))
+    except (OSError, SyntaxError, ValueError):   # loading it says why
+        return
+    first = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
+        for target in targets:
+            if not isinstance(target, ast.Name) or target.id.startswith('_'):
+                continue   # the file's own helper variables
+            reads_itself = any(isinstance(n, ast.Name) and n.id == target.id for n in ast.walk(node.value))
+            if target.id in first and not reads_itself:
+                raise ConfigError(f"{path}: line {node.lineno} assigns {target.id!r} again (first at line "
+                                  f"{first[target.id]}); the second would silently replace the first whole: merge "
+                                  f"them into one, or write {target.id} = dict({target.id}, ...) to change it.")
+            first.setdefault(target.id, node.lineno)
+
+
 def _check_inherited(path):
     """The rules of a config file for every file it loads through ``_base_`` too: no key twice in
     a JSON or YAML file anywhere in the chain, and no Python file under a JSON or YAML config,
@@ -1508,6 +1533,7 @@ def _check_inherited(path):
                               "run; a JSON or YAML config is only parsed. Give that base as JSON or YAML, or give "
                               "a Python config you trust as --config.")
         else:
+            _refuse_reassigned_python_keys(current)
             try:
                 bases = Config._get_base_files(str(current))  # its _base_ line, read without running the file
             except Exception:

@@ -959,3 +959,23 @@ def test_a_compile_block_without_deepspeeds_compile_is_refused():
     assert describe_run(ds, 'deepspeed', 10, compile_mode='default').ds_config['compile']['deepcompile'] is True
     defaults_only = dict(ds, compile={'deepcompile': False})
     assert describe_run(defaults_only, 'ddp', 10).backend == 'ddp'
+
+
+def test_a_python_config_assigning_a_key_twice_is_refused(tmp_path):
+    """train = dict(max_steps=3) then train = dict(seed=5): the second replaced the first whole (a
+    20-step run, not 3), where the same in JSON or YAML is refused. dict(train, ...) is on purpose."""
+    base = REPO_ROOT / 'configs' / 'unet_tiny_synthetic.py'
+    twice = tmp_path / 'twice.py'
+    twice.write_text(f"_base_ = [{str(base)!r}]\ntrain = dict(max_steps=3)\n_x = 1\nmodel = dict(base_channels=8)\n"
+                     "train = dict(seed=5)\n")
+    with pytest.raises(ConfigError, match=r"twice.py: line 5 assigns 'train' again \(first at line 2\); the second "
+                                          r"would silently replace the first whole"):
+        load_config(str(twice))
+    (tmp_path / 'child.py').write_text(f"_base_ = [{str(twice)!r}]\n")   # found through _base_ too
+    with pytest.raises(ConfigError, match=r"twice.py: line 5 assigns 'train' again"):
+        load_config(str(tmp_path / 'child.py'))
+    changed = tmp_path / 'changed.py'
+    changed.write_text(f"_base_ = [{str(base)!r}]\ntrain = dict(max_steps=3)\n_x = 1\n_x = 2\n"
+                       "train = dict(train, seed=5)\n")
+    cfg = load_config(str(changed))
+    assert (cfg.train.max_steps, cfg.train.seed) == (3, 5)
