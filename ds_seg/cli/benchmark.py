@@ -628,6 +628,10 @@ def _check_args(args):
             # window medians instead of 10 steps, train.max_steps=4 timed 2 of the 10 steps said
             # (and "train=dict(max_steps=1)" the same, spelt as a section).
             return f"--cfg-options {owned[0]}: the benchmark sets it ({BENCHMARK_OWNED[owned[0]]}); leave it out"
+    training = [n for n in ('checkpoints', 'metrics.jsonl') if os.path.lexists(os.path.join(args.work_dir, n))]
+    if training:  # its files stayed, the benchmark's were mixed in beside them
+        return (f"--work-dir {args.work_dir} holds a training run ({training[0]}); a benchmark writes runs of its "
+                "own: give it another --work-dir")
     _, theirs = _earlier_results(args.work_dir, labels)
     if theirs:
         return (f"--work-dir {args.work_dir} already holds {theirs[0]}, which no benchmark wrote (a benchmark "

@@ -321,9 +321,23 @@ def test_a_folder_no_benchmark_wrote_is_refused_and_left_alone(existing, tmp_pat
     backends = 'zero2' if label == 'zero2' else f'{label}=ds_configs/zero2.json'
     assert benchmark.main(['--work-dir', str(work), '--launcher', 'python', '--backends', backends]) == 2
     err = capsys.readouterr().err
-    assert f'already holds {existing}, which no benchmark wrote' in err and len(err.strip().splitlines()) == 1
+    said = 'holds a training run (checkpoints)' if existing == 'checkpoints' else \
+        f'already holds {existing}, which no benchmark wrote'
+    assert said in err and len(err.strip().splitlines()) == 1, err
     assert (work / existing / 'precious.pt').read_text() == 'weights'
     assert sorted(p.name for p in work.iterdir()) == [existing]
+
+
+def test_a_training_runs_work_dir_is_refused(tmp_path, capsys):
+    """The benchmark wrote its tables and run folders beside a training run's checkpoints and
+    logs, where the README says such a folder is refused."""
+    work = tmp_path / 'run'
+    work.mkdir()
+    (work / 'metrics.jsonl').write_text('{"step": 1}\n')
+    assert benchmark.main(['--work-dir', str(work), '--launcher', 'python', '--backends', 'ddp']) == 2
+    err = capsys.readouterr().err
+    assert 'holds a training run (metrics.jsonl); a benchmark writes runs of its own' in err, err
+    assert sorted(p.name for p in work.iterdir()) == ['metrics.jsonl']
 
 
 def test_a_failed_runs_row_holds_its_refusal_line_not_the_launchers_report():
