@@ -252,23 +252,69 @@ def init(use_deepspeed=True, timeout_s=None):
     # A file:// rendezvous (tests) avoids races for free ports between concurrent jobs.
     init_method = os.environ.get('DS_SEG_INIT_METHOD') or None
     ranks = dict(rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))
+    where = init_method or f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
-        if use_deepspeed:
-            # DeepSpeed JIT-builds a shared-memory all-reduce op on first use on CPU (~40 s); it only
-            # speeds up inference all-reduce, so training skips the build.
-            importlib.import_module('deepspeed.comm.torch').build_shm_op = lambda: None
-            import deepspeed
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
-                                       init_method=init_method, **ranks)
-        else:
-            dist.init_process_group(backend=backend, timeout=timeout, init_method=init_method, **ranks)
+        with _ctrl_c_ends_the_wait(f"rank {ranks['rank']} of {ranks['world_size']} waited for the others at {where}"):
+            _init_process_group(use_deepspeed, backend, timeout, init_method, ranks)
     except (dist.DistNetworkError, dist.DistStoreError) as exc:  # a port in use, ranks that never came
         from ds_seg.config import ConfigError
-        where = init_method or f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"rank {ranks['rank']} of {ranks['world_size']} could not meet the others at {where}: "
                           f"{detail} (another job on that port, or fewer ranks started than WORLD_SIZE)") from exc
     return launcher
+
+
+def _init_process_group(use_deepspeed, backend, timeout, init_method, ranks):
+    if use_deepspeed:
+        # DeepSpeed JIT-builds a shared-memory all-reduce op on first use on CPU (~40 s); it only
+        # speeds up inference all-reduce, so training skips the build.
+        importlib.import_module('deepspeed.comm.torch').build_shm_op = lambda: None
+        import deepspeed
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
+                                   init_method=init_method, **ranks)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, init_method=init_method, **ranks)
+
+
+# Set by a command run as a program (ds_seg.cli.train): a Ctrl-C may end the process outright
+# while it waits at the rendezvous. A Python caller's process is its own.
+EXIT_ON_CTRL_C_WHILE_WAITING = False
+
+
+@contextmanager
+def _ctrl_c_ends_the_wait(waiting):
+    """The rendezvous blocks in C++ (TCPStore) until every rank came or the timeout (10 minutes)
+    passed, and Python runs no signal handler there: a Ctrl-C of a rank started alone (stale
+    WORLD_SIZE/RANK) did nothing. Python's C-level handler still writes the signal's number to
+    a wakeup fd at once; a thread reading it ends the process with the one line of a Ctrl-C
+    before training."""
+    import select
+    import signal
+    import threading
+    if not EXIT_ON_CTRL_C_WHILE_WAITING or threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    earlier = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            if select.select([read_fd], [], [], 0.2)[0] and signal.SIGINT in os.read(read_fd, 64):
+                os.write(2, f'ds_seg: interrupted (Ctrl-C) before training started, while {waiting}\n'.encode())
+                os._exit(130)   # faults.EXIT_INTERRUPTED; nothing was started, nothing to close
+    watcher = threading.Thread(target=watch, name='ds_seg-ctrl-c-at-rendezvous', daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(earlier)
+        watcher.join()
+        os.close(read_fd)
+        os.close(write_fd)
 
 
 def close():

@@ -65,8 +65,10 @@ def _worker_message(exc):
 def main(argv=None):
     as_program = argv is None  # not a call from Python: this process's signal handling is ours
     if as_program:  # a stop signal during start-up is kept, not fatal
+        from ds_seg import distributed
         from ds_seg.stop_signals import catch_stop_signals, interrupted_during_imports
         catch_stop_signals()
+        distributed.EXIT_ON_CTRL_C_WHILE_WAITING = True
         if interrupted_during_imports():
             say_once_per_node('ds_seg: interrupted (Ctrl-C) before training started')
             exit_without_finalization(EXIT_INTERRUPTED)

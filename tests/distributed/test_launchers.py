@@ -192,3 +192,34 @@ def test_a_mistake_under_two_ranks_is_said_once_and_exits_cleanly(tmp_path):
         assert "Did you mean 'UNet'" in errors[0]
         assert 'terminate called' not in out and 'exitcode: -6' not in out, f'{name}: {out[-3000:]}'
         assert not os.path.exists(tmp_path / 'work'), name
+
+
+@pytest.mark.parametrize('backend', ['deepspeed', 'ddp'])
+def test_ctrl_c_while_a_rank_waits_for_the_others_ends_it_with_one_line(tmp_path, backend):
+    """A rank started alone (WORLD_SIZE=2 left in the shell): the rendezvous blocks in C++ for the
+    10-minute timeout, where Python runs no signal handler; a Ctrl-C did nothing (SIGKILL was
+    the way out). Now it ends the rank at once: exit 130, the Ctrl-C line naming the wait, and
+    no work dir."""
+    import signal
+    import time
+    port = _free_port()
+    env = _env(WORLD_SIZE='2', RANK='0', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    proc = subprocess.Popen([sys.executable, 'launch/train.py', '--backend', backend, *_options(str(tmp_path))],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while True:   # rank 0 serves the rendezvous store on MASTER_PORT once it waits there
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        with socket.socket() as probe:
+            if probe.connect_ex(('127.0.0.1', port)) == 0:
+                break
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    try:
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()   # (it waited out the 10-minute rendezvous timeout)
+    assert proc.returncode == 130, out[-3000:]
+    assert ('ds_seg: interrupted (Ctrl-C) before training started, while rank 0 of 2 waited for the others at '
+            f'127.0.0.1:{port}') in out and 'Traceback' not in out, out[-3000:]
+    assert not (tmp_path / 'work').exists()
