@@ -53,11 +53,16 @@ SBATCH_TEMPLATES = {'one-node': 'train.sbatch', 'multinode': 'train_multinode.sb
 
 
 def find_shipped(path, folder, suffix):
-    """``path`` if it is a file; else the shipped file it names (``zero2``, ``zero2.json`` or
+    """``path`` if it is a file; ``path`` + ``suffix`` where that is a file (``cfgs/mine`` for
+    ``cfgs/mine.py``); else the shipped file it names (``zero2``, ``zero2.json`` or
     ``ds_configs/zero2.json`` for ``folder=DS_CONFIGS_DIR``), so a bare name works from any
     directory; else ``path`` unchanged (the caller reports it missing)."""
     p = Path(path)
-    if p.is_file() or p.is_absolute() or str(p.parent) not in ('.', folder.name):
+    if p.is_file():
+        return p
+    if not p.suffix and p.with_name(p.name + suffix).is_file():  # cfgs/mine for cfgs/mine.py, as for shipped names
+        return p.with_name(p.name + suffix)
+    if p.is_absolute() or str(p.parent) not in ('.', folder.name):
         return p
     local = p if p.name.endswith(suffix) else p.with_name(p.name + suffix)
     if local.is_file():  # the user's copy (the README's copy-out recipe) before the shipped file

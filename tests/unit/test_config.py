@@ -269,6 +269,22 @@ def test_a_bare_name_takes_the_users_copy_in_the_current_folder_first(tmp_path, 
     assert load_config('upernet_tiny_synthetic').model.type == 'UperNetTiny'  # no copy here: the shipped one
 
 
+def test_a_config_path_without_its_suffix_is_the_file_with_it(tmp_path):
+    """`--config cfgs/mine` (cfgs/mine.py there) and a shipped config's full path without .py were
+    'does not exist', where a bare shipped name works."""
+    from ds_seg.config import CONFIGS_DIR
+    (tmp_path / 'cfgs').mkdir()
+    text = (CONFIGS_DIR / 'unet_tiny_synthetic.py').read_text().replace("type='UNetTiny'", "type='FPNTiny'")
+    (tmp_path / 'cfgs' / 'mine.py').write_text(text)
+    assert load_config(str(tmp_path / 'cfgs' / 'mine')).model.type == 'FPNTiny'
+    assert load_config(str(CONFIGS_DIR / 'upernet_tiny_synthetic')).model.type == 'UperNetTiny'
+    (tmp_path / 'ds.json').write_text(json.dumps({'train_micro_batch_size_per_gpu': 3, 'optimizer': {
+        'type': 'AdamW', 'params': {'lr': 0.001}}}))
+    assert load_ds_config(str(tmp_path / 'ds'))['train_micro_batch_size_per_gpu'] == 3
+    with pytest.raises(ConfigError, match='does not exist'):
+        load_config(str(tmp_path / 'cfgs' / 'other'))
+
+
 def test_a_shipped_config_copied_out_without_its_bases_says_what_to_copy(tmp_path):
     from ds_seg.config import CONFIGS_DIR
     (tmp_path / 'my_potsdam.py').write_text((CONFIGS_DIR / 'unet_potsdam.py').read_text())
