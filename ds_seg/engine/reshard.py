@@ -76,7 +76,11 @@ def load(backend, root, tag, marker):
     ckpt_dir = os.path.join(root, tag)
     name = f'.universal-{tag}'
     out_dir = os.path.join(root, name)
-    if distributed.is_main() and not os.path.isdir(out_dir):
+    if distributed.is_main():
+        # Converted at every resume: a folder left by a run killed mid-resume may hold another
+        # checkpoint of this tag (a rollback saved the tag again since), whose weights the
+        # resume loaded without a word.
+        shutil.rmtree(out_dir, ignore_errors=True)
         _to_universal(ckpt_dir, out_dir)
     distributed.barrier()
     engine = backend.engine

@@ -302,3 +302,21 @@ def test_a_resume_at_another_optimizer_lr_says_so(tmp_path):
     lines = [line for line in printed.splitlines() if "the LR schedule is not the checkpoint's" in line]
     assert len(lines) == 1 and 'optimizer.params.lr 0.002 -> 0.004' in lines[0], printed
     assert lines[0].endswith(f"from step 3 it follows this run's: LR {lrs[2]:.3g} at step 3"), (lines, lrs)
+
+
+def test_a_universal_folder_left_by_a_killed_resume_is_never_loaded(tmp_path):
+    """``.universal-<tag>`` is the checkpoint converted for another number of ranks, removed after
+    the load; a run killed in between left it, and a rollback then saved that tag again with
+    other weights: the next resume loaded the left folder, the abandoned branch's weights. Here a
+    left folder holds step 3's weights under step 6's name; the resume must start from step 6."""
+    from ds_seg.engine import reshard
+    tmp = str(tmp_path)
+    run_on_ranks(_run, 2, args=(tmp, 'deepspeed', 1, 3, None))
+    saved = run_on_ranks(_run, 2, args=(tmp, 'deepspeed', 1, 6, 'auto'))
+    root = os.path.join(tmp, 'work', 'checkpoints')
+    reshard._to_universal(os.path.join(root, 'step_00000003'), os.path.join(root, '.universal-step_00000006'))
+    one = run_on_ranks(_run, 1, args=(tmp, 'deepspeed', 1, 7, 'auto'))
+    before, after = saved[0]['master_end'], one[0]['master_start']
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), \
+        [k for k in before if not torch.equal(before[k], after[k])]
+    assert not os.path.exists(os.path.join(root, '.universal-step_00000006'))
