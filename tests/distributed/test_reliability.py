@@ -400,6 +400,22 @@ def _train_process(argv):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def test_a_work_dir_inside_another_runs_checkpoints_is_refused(trained):
+    """--work-dir <run>/checkpoints/step_N (or the checkpoints folder itself) trained without a word;
+    that run's keep_checkpoints pruning later deleted the step folder, and this run with it."""
+    tmp, _ = trained
+    other = os.path.join(tmp, 'other_run')
+    shutil.copytree(os.path.join(tmp, 'trained'), other)
+    before = _snapshot(other)
+    for work in (os.path.join(other, 'checkpoints', 'step_00000012', 'nested'), os.path.join(other, 'checkpoints')):
+        code, lines, out = run_on_ranks(_run_main, 1, args=('train', _train_argv(tmp, work, 'train.max_steps=2')),
+                                        timeout=300)[0]
+        errors = [line for line in lines if line.startswith('ds_seg: error:')]
+        assert code == 2 and len(errors) == 1 and 'Traceback' not in out, out[-3000:]
+        assert f'is inside the checkpoints of the run in {other}' in errors[0], errors[0]
+    assert _snapshot(other) == before, 'nothing written into the other run'
+
+
 def test_a_second_run_on_a_busy_work_dir_is_refused_and_a_dead_owner_is_taken_over(trained):
     tmp, _ = trained
     work = os.path.join(tmp, 'busy')
