@@ -72,9 +72,17 @@ def is_complete(root, tag):
     try:
         with open(os.path.join(path, COMPLETE)) as f:
             expected = json.load(f)['files']
-        return all(os.path.getsize(os.path.join(path, name)) == size for name, size in expected.items())
-    except (OSError, ValueError, KeyError, AttributeError):
+        return not _unlisted_state_files(path, expected) and \
+            all(os.path.getsize(os.path.join(path, name)) == size for name, size in expected.items())
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return False
+
+
+def _unlisted_state_files(path, listed):
+    """The state files (``*.pt``: DeepSpeed's and DDP's) in ``path`` its marker does not list. The
+    marker lists every file the save wrote: one edited to drop a damaged file's entry passed the
+    checks, and the resume died in DeepSpeed's loader with a traceback."""
+    return [name for name in _files(path) if name.endswith('.pt') and name not in listed]
 
 
 def verify(root, tag):
@@ -91,6 +99,9 @@ def verify(root, tag):
         return f'no {COMPLETE} marker (killed mid-save?)'
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f'unreadable {COMPLETE} marker ({exc})'
+    unlisted = _unlisted_state_files(path, sizes)
+    if unlisted:
+        return f'{unlisted[0]} is not in its {COMPLETE} marker (an edited marker?)'
     for name, size in sizes.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):

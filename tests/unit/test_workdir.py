@@ -325,3 +325,27 @@ def test_a_pointer_of_any_bytes_and_a_marker_of_the_wrong_shape_are_named_not_tr
     (root / 'latest').write_text('step_00000004')
     with pytest.raises(FileNotFoundError, match=r'not a usable checkpoint: unreadable COMPLETE marker'):
         checkpoint.find_checkpoint(str(root / 'latest'))
+
+
+def test_a_marker_edited_to_drop_a_state_file_does_not_pass(tmp_path):
+    """A COMPLETE marker with a damaged file's entry removed (or 'files': {}) passed verify and
+    is_complete: --resume auto took the checkpoint and died in DeepSpeed's loader with a
+    traceback, where the step before was good. The marker lists every file a save writes."""
+    import hashlib
+
+    from ds_seg.engine import checkpoint
+    tag = tmp_path / 'step_00000006'
+    tag.mkdir()
+    for name, data in (('mp_rank_00_model_states.pt', b'model'), ('zero_pp_rank_0_mp_rank_00_optim_states.pt', b'x' * 9)):
+        (tag / name).write_bytes(data)
+    names = sorted(p.name for p in tag.iterdir())
+    marker = {'step': 6, 'files': {n: (tag / n).stat().st_size for n in names},
+              'sha256': {n: hashlib.sha256((tag / n).read_bytes()).hexdigest() for n in names}}
+    (tag / checkpoint.COMPLETE).write_text(json.dumps(marker))
+    (tag / 'notes.txt').write_text('a file of the user, not state')
+    assert checkpoint.verify(str(tmp_path), tag.name) is None and checkpoint.is_complete(str(tmp_path), tag.name)
+    for dropped in ({'zero_pp_rank_0_mp_rank_00_optim_states.pt'}, set(names)):
+        edited = {key: {n: v for n, v in marker[key].items() if n not in dropped} for key in ('files', 'sha256')}
+        (tag / checkpoint.COMPLETE).write_text(json.dumps(dict(marker, **edited)))
+        assert 'is not in its COMPLETE marker' in checkpoint.verify(str(tmp_path), tag.name)
+        assert not checkpoint.is_complete(str(tmp_path), tag.name)
