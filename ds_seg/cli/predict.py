@@ -227,12 +227,16 @@ def check_tile_fits(forward_fn, info, tile, bands, device):
 
 
 def check_pixel_type(path, info, args, option='--input'):
-    """Refused as :func:`ds_seg.inference.model.trained_dtype_refusal` says, unless the command line
-    gives the statistics for this scene's units."""
-    from ds_seg.inference.model import trained_dtype_refusal
+    """Refused as :func:`ds_seg.inference.model.trained_dtype_refusal` and
+    :func:`~ds_seg.inference.model.band_encoding_refusal` say, unless the command line gives the
+    statistics for this scene's units."""
+    from ds_seg.inference.model import band_encoding_refusal, trained_dtype_refusal
     if args.mean and args.std:
         return
     refusal = trained_dtype_refusal((info.get('data') or {}).get('dtype'), path)
+    # The bands' GDAL scale/offset: raw values in another encoding are other units too.
+    data = dict(info.get('data') or {}, **({'bands': list(args.bands)} if args.bands else {}))
+    refusal = refusal or band_encoding_refusal(data, path)
     if refusal:
         raise ConfigError(f"{option} {refusal}, or give --mean and --std for its units")
 

@@ -456,7 +456,7 @@ class StackedRaster:
         for p in paths:
             with open_raster(p) as src:
                 grids.append((src.width, src.height, src.transform, src.crs, src.count))
-                codings.append((tuple(src.dtypes), src.nodata, uses_mask_band(src)))
+                codings.append((tuple(src.dtypes), src.nodata, uses_mask_band(src), tuple(src.scales), tuple(src.offsets)))
         for p, g in zip(paths[1:], grids[1:]):
             # The grid to a hundredth of a pixel (same_pixels), as for image and label: origins
             # written by another tool differ in the last float digits (500000.10000000003) and
@@ -470,13 +470,14 @@ class StackedRaster:
                                 f"band count differ: {g[:2]} {tuple(g[2])[:6]} {g[3]} {g[4]} vs {grids[0][:2]} "
                                 f"{tuple(transform)[:6]} {crs} {count}); resample the dates onto one grid")
         for p, c in zip(paths[1:], codings[1:]):
-            if c[0] != codings[0][0] or not same_value(c[1], codings[0][1]) or c[2] != codings[0][2]:
+            if c[0] != codings[0][0] or not same_value(c[1], codings[0][1]) or c[2:] != codings[0][2:]:
                 def say(c):
+                    scaled = [[a, b] for a, b in zip(c[3], c[4])]
                     return (f"types {'/'.join(sorted(set(c[0])))}, nodata {c[1]}, "
-                            f"{'a mask band' if c[2] else 'no mask band'}")
+                            f"{'a mask band' if c[2] else 'no mask band'}, band scale/offset {scaled}")
                 raise DataError(f"{p} does not encode pixels like {paths[0]} ({say(c)} vs {say(codings[0])}); "
-                                f"give every date the same type and nodata (gdal_translate -ot, "
-                                f"gdal_edit.py -a_nodata)")
+                                f"give every date the same type, nodata and scale/offset (gdal_translate -ot, "
+                                f"gdal_edit.py -a_nodata, -scale/-offset)")
 
     def read(self, indexes=None, window=None):
         idx = list(range(1, self.count + 1)) if indexes is None else [int(i) for i in indexes]

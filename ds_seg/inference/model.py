@@ -110,7 +110,9 @@ def scene_refusal(forward_fn, image_path, bands_given):
         if refusal:
             return f"{refusal} with bands= (e.g. bands={list(data['bands'])})"
     if not bands_given:
-        return band_encoding_refusal(data, first)
+        refusal = band_encoding_refusal(data, first)
+        if refusal:
+            return f"{refusal}, or give mean= and std= for its units"
     return None
 
 
@@ -131,8 +133,7 @@ def band_encoding_refusal(data, path):
         return None
     return (f"{path}: its bands' scale/offset {here} differ from those of the scenes the model was trained on "
             f"{[list(pair) for pair in trained]} ([scale, offset] per band); the model takes raw values in the "
-            f"training encoding: write the scene in it (gdal_translate -a_scale/-a_offset with the values "
-            f"converted), or give mean= and std= for its units")
+            f"training encoding: write the scene in it (the values converted, and gdal_edit.py -scale/-offset)")
 
 
 def training_normalisation(forward_fn):

@@ -403,3 +403,30 @@ def test_a_failed_write_of_the_exported_file_is_a_write_failure_not_the_models(w
     assert proc.returncode == 74 and len(errors) == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
     assert 'EFBIG' in errors[0] and 'nothing was exported' in errors[0], errors[0]
     assert os.listdir(tmp_path) == [], 'the partial file is removed'
+
+
+@pytest.mark.parametrize('program', ['predict.py', 'evaluate.py'])
+def test_a_scene_in_another_band_encoding_is_refused_by_the_commands(tmp_path, program):
+    """A model records its training scenes' band [scale, offset]; predict.py and evaluate.py pass
+    the model's mean/std to the API themselves, and so skipped its check: a scene stored as raw +
+    1000 with offset -1000 was predicted on without a word. --mean/--std say its units."""
+    from rasterio.transform import from_origin
+    torch.manual_seed(0)
+    cfg = dict(type='SegFormerTiny', in_channels=3, num_classes=6)
+    weights = str(tmp_path / 'weights.pt')
+    torch.save({'state_dict': build(MODELS, cfg).state_dict(), 'model': cfg, 'classes': CLASSES,
+                'data': dict(DATA, dtype='uint8', encoding=[[1.0, 0.0]] * 3)}, weights)
+    scene, label = str(tmp_path / 'scene.tif'), str(tmp_path / 'label.tif')
+    for path, count in ((scene, 3), (label, 1)):
+        with rasterio.open(path, 'w', driver='GTiff', width=64, height=64, count=count, dtype='uint8',
+                           crs='EPSG:25832', transform=from_origin(360_000, 5_700_000, 0.2, 0.2)) as dst:
+            dst.write(np.ones((count, 64, 64), np.uint8))
+            if path == scene:
+                dst.offsets = (-1000.0,) * 3
+    given = ['--input', scene] if program == 'predict.py' else ['--images', scene, '--labels', label]
+    proc = _run(program, '--checkpoint', weights, *given, '--output', str(tmp_path / 'out'), '--tile', '64', ok=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "scene.tif: its bands' scale/offset [[1.0, -1000.0], [1.0, -1000.0], [1.0, -1000.0]] differ" in proc.stderr
+    assert 'or give --mean and --std for its units' in proc.stderr and not (tmp_path / 'out').exists()
+    _run(program, '--checkpoint', weights, *given, '--output', str(tmp_path / 'out'), '--tile', '64',
+         '--mean', '0', '0', '0', '--std', '1', '1', '1')

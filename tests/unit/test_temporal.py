@@ -447,3 +447,21 @@ def test_a_scene_missing_a_date_is_the_one_named(tmp_path):
     with pytest.raises(DataError, match=re.escape(
             f"got [1, 2]: scene 1 has 1 ([{images[1][0]!r}]), scene 0 has 2 ({images[0]})")):
         GeoTiffScenes(images, [label for _, label in scenes], classes=2, mean=[0], std=[1])
+
+
+def test_a_date_in_another_band_scale_or_offset_is_refused(tmp_path):
+    """Scenes of another [scale, offset] are refused, and so must a later date of one scene be
+    (only the first date's encoding was compared): raw + 1000 with offset -1000 beside raw."""
+    from ds_seg.data.raster import StackedRaster
+    paths = []
+    for t, offset in enumerate((0.0, -1000.0)):
+        path = str(tmp_path / f'd{t}.tif')
+        with rasterio.open(path, 'w', driver='GTiff', width=32, height=32, count=3, dtype='uint16', crs='EPSG:32632',
+                           transform=from_origin(500_000, 5_500_000, 0.1, 0.1)) as dst:
+            dst.write(np.ones((3, 32, 32), np.uint16))
+            dst.offsets = (offset,) * 3
+        paths.append(path)
+    with pytest.raises(DataError, match=r"d1.tif does not encode pixels like .*d0.tif .*band scale/offset "
+                                        r"\[\[1.0, -1000.0\], .* vs .*band scale/offset \[\[1.0, 0.0\]"):
+        StackedRaster.check(paths)
+    StackedRaster.check(paths[:1])
