@@ -60,7 +60,8 @@ def _read_items(source):
         else:
             raise ConfigError(f"stac={source!r}: expected a STAC Item or ItemCollection (GeoJSON "
                               f"'Feature' or 'FeatureCollection'), found type {kind!r}")
-    except (KeyError, TypeError, ValueError, AttributeError, pystac.STACError) as e:
+    # STACTypeError (no stac_version, say) is not a STACError: it was a traceback.
+    except (KeyError, TypeError, ValueError, AttributeError, pystac.STACError, pystac.STACTypeError) as e:
         if isinstance(e, ConfigError):
             raise
         detail = f"missing {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]

@@ -191,6 +191,12 @@ def test_multi_band_and_mixed_type_assets_stack_every_band_without_wrapping(cata
     ({'type': 'Feature', 'stac_version': '1.0.0', 'id': 'x', 'geometry': None, 'properties': {'datetime': None},
       'links': [], 'assets': {'red': {'title': 'no href'}}}, r"not a valid STAC Feature \(KeyError: missing 'href'\)"),
     ('not json {', r'not a JSON document'),
+    # No stac_version: pystac's STACTypeError, which is no STACError, was a traceback.
+    ({'type': 'Feature', 'id': 'x', 'geometry': None, 'properties': {'datetime': None}, 'links': [],
+      'assets': {'red': {'href': 'red.tif'}}}, r"not a valid STAC Feature \(STACTypeError: "),
+    ({'type': 'FeatureCollection', 'features': [{'type': 'Feature', 'id': 'x', 'geometry': None, 'links': [],
+      'properties': {'datetime': None}, 'assets': {'red': {'href': 'red.tif'}}}]},
+     r"not a valid STAC FeatureCollection \(STACTypeError: "),
 ])
 def test_documents_that_are_not_stac_are_one_line(tmp_path, document, message):
     path = tmp_path / 'doc.json'
