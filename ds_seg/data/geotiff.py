@@ -519,6 +519,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
         self._scenes = [self._inspect(img, lbl) for img, lbl in zip(images, labels)]
         self.num_dates = 1 if dates is None else len(dates[0])
+        self.dates_listed = dates is not None   # each scene given as its list of dates (one may be all)
         if dates is not None:
             for s, d in zip(self._scenes, dates):
                 StackedRaster.check(d)

@@ -585,7 +585,10 @@ class Trainer:
                               f"{self.train_set.in_channels} band(s); set model.in_channels="
                               f"{self.train_set.in_channels} or select bands in the dataset.")
         data_dates = getattr(self.train_set, 'num_dates', 1)
-        if m.get('num_dates') is not None and data_dates > 1 and m.num_dates != data_dates:
+        # A plain file may stack every date's bands; a list of one date says it is one date (its
+        # bands were read as the model's dates without a word).
+        said = data_dates > 1 or getattr(self.train_set, 'dates_listed', False)
+        if m.get('num_dates') is not None and said and m.num_dates != data_dates:
             raise ConfigError(f"model.num_dates is {m.num_dates} but the scenes of data.train have "
                               f"{data_dates} dates; set model.num_dates={data_dates} (and model.in_channels="
                               f"{self.train_set.in_channels}) or give {m.num_dates} dates per scene.")

@@ -204,6 +204,11 @@ def test_wrong_dates_are_refused_in_one_line_before_any_work(tmp_path, capsys):
         Trainer._check_model_matches_data(fake)
     matching = ConfigDict(model=cfg, loss=dict(ignore_index=255))
     Trainer._check_model_matches_data(SimpleNamespace(**dict(vars(fake), cfg=matching)))  # 2 dates: accepted
+    # A list of one date is one date: a 2-date model read its bands as the dates, without a word.
+    one_date = GeoTiffScenes([[t0]], [label], classes=2, mean=[127.5], std=[64.0], crop_size=32)
+    with pytest.raises(ConfigError, match=r'model.num_dates is 2 but the scenes of data.train have 1 dates'):
+        Trainer._check_model_matches_data(SimpleNamespace(**dict(vars(fake), cfg=ConfigDict(
+            model=dict(cfg, in_channels=None), loss=dict(ignore_index=255)), train_set=one_date)))
 
 
 def test_dates_that_encode_pixels_differently_are_refused(tmp_path):
