@@ -299,6 +299,9 @@ def check_writable(folder, option='--output', create=False):
     not by permission bits. Nothing is left behind, unless ``create``: the folder (and its
     parents) is made first, as a training run's work dir is."""
     import tempfile
+    if os.path.islink(folder) and not os.path.exists(folder):
+        raise ConfigError(f'{option}: {folder} is a symbolic link to {os.readlink(folder)}, which does not exist '
+                          '(purged, or not mounted here); mount or create it, or remove the link.')
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise ConfigError(f'{option}: {folder} is a file, not a folder; give a folder (a new one is created).')
     where = folder if os.path.isdir(folder) else os.path.dirname(os.path.abspath(folder))

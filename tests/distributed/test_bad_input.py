@@ -38,6 +38,13 @@ def _bgr_copy(path, out):
     return out
 
 
+
+def _dangling_link(tmp):
+    link = os.path.join(tmp, 'scratch_link')
+    if not os.path.islink(link):
+        os.symlink(os.path.join(tmp, 'purged_scratch'), link)
+    return link
+
 def _geotiff_data(images, labels, classes=6):
     data = repr(dict(type='GeoTiffScenes', images=images, labels=labels, classes=classes))
     return [f'data.train={data}', 'data.val=None']
@@ -168,6 +175,8 @@ def _cases(tmp):
                                                                 dict(type='DiceLoss'))),
         'work_dir': ([], None, ['--work-dir', os.path.join(a_file, 'run')]),
         'work_dir_is_a_file': ([], None, ['--work-dir', a_file]),
+        # a link to nothing ('is a file, not a folder' said of it)
+        'work_dir_dangling_link': ([], None, ['--work-dir', _dangling_link(tmp)]),
         # a softmax over one class: loss 0 and mIoU 1 whatever is learnt (it trained, "perfectly")
         'one_class': (_geotiff_data([img], [lbl_one_class], classes=1) + ['model.num_classes=1'], None, []),
         'binary_one_output': (_geotiff_data([img], [lbl2], classes=2) + ['model.num_classes=1'], None, []),
@@ -271,6 +280,8 @@ EXPECTED = {
     'ds_batch': ["'train_batch_size' 7"],
     'work_dir': ['--work-dir', 'not writable'],
     'work_dir_is_a_file': ['--work-dir: ', 'a_file is a file, not a folder'],
+    'work_dir_dangling_link': ['--work-dir: ', 'scratch_link is a symbolic link to', 'purged_scratch, which does not '
+                               'exist', 'mount or create it, or remove the link'],
     'one_class': ['data.train has one class (class_0)', 'at least 2 classes'],
     'binary_one_output': ['model.num_classes is 1 but data.train has 2 classes', 'set model.num_classes=2',
                           'not one sigmoid output'],
