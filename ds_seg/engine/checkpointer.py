@@ -189,6 +189,22 @@ class Checkpointer:
                               f"{self.cfg.train.max_steps}; raise train.max_steps to train on, or export it "
                               f"as it is (launch/export.py).")
         self.check_compatible(root, tag)
+        self._check_best_metric(root)
+
+    def _check_best_metric(self, root):
+        """A resume that keeps the best by another metric than the run did (train.save_best=OA
+        after mIoU): its first new best moved ``best`` on, and keep_checkpoints pruned the
+        checkpoint the run had kept as its best, without a word. Refused where pruning is on."""
+        kept = checkpoint.read_pointer(root, 'best')
+        if not self.best_metric or not self.keep or kept is None or not checkpoint.is_complete(root, kept):
+            return
+        before = checkpoint.read_marker(os.path.join(root, kept)).get('best_metric')
+        if before and before != self.best_metric:
+            raise ConfigError(f"--resume: {os.path.join(root, kept)} is the run's best by {before} "
+                              f"(train.save_best={before!r}); keeping the best by {self.best_metric} instead would "
+                              f"let train.keep_checkpoints={self.keep} delete it once another is better by "
+                              f"{self.best_metric}: resume with train.save_best={before!r}, or export that "
+                              "checkpoint first (launch/export.py), or set train.keep_checkpoints=0.")
 
     def restore(self, resume, found):
         """After :meth:`check_resume`: load the checkpoint ``--resume`` names (every rank): ``found``, what

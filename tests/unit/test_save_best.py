@@ -57,6 +57,17 @@ def test_the_best_checkpoint_outlives_keep_checkpoints_and_a_resume(tmp_path):
                                    checkpoint=str(tmp_path / 'work' / 'checkpoints' / 'step_00000010'))
 
 
+def test_a_resume_keeping_the_best_by_another_metric_is_refused_where_pruning_would_delete_it(tmp_path):
+    """save_best=mIoU kept step 4; resumed with save_best=OA, the first OA best moved `best` on and
+    keep_checkpoints=1 pruned step 4, the run's best weights, without a word."""
+    _run(tmp_path, 6, {2: 0.3, 4: 0.5, 6: 0.4})
+    with pytest.raises(ConfigError, match=r"step_00000004 is the run's best by mIoU \(train.save_best='mIoU'\); "
+                                          r"keeping the best by OA instead would let train.keep_checkpoints=1 "
+                                          r"delete it"):
+        _run(tmp_path, 8, {8: 0.45}, resume='auto', save_best='OA')
+    assert _checkpoints(tmp_path) == (['step_00000004', 'step_00000006'], 'step_00000004')
+
+
 @pytest.mark.parametrize('options, message', [
     (dict(save_best='miou'), "train.save_best must be None or one of 'mIoU', 'mF1', 'OA', got 'miou'"),
     (dict(save_best='mIoU', eval_interval=0), "train.save_best='mIoU' keeps the checkpoint of the best evaluation, "
