@@ -370,19 +370,24 @@ class Checkpointer:
         refusal = self._check_param_groups(marker, where)
         if refusal:
             raise ConfigError(refusal)
+        mine = _model_dict(self.cfg.model)
+        show = lambda cfg, k: repr(cfg[k]) if k in cfg else '(default)'  # noqa: E731
         saved_shapes = marker.get('param_shapes')
         if saved_shapes is not None:
             now = self.param_shapes()
             differ = [n for n in sorted(set(saved_shapes) | set(now)) if saved_shapes.get(n) != now.get(n)]
             if differ:
-                mine = _model_dict(self.cfg.model)
-                show = lambda cfg, k: repr(cfg[k]) if k in cfg else '(default)'  # noqa: E731
                 keys = [f'{k}={show(model, k)} there, {show(mine, k)} here'
                         for k in sorted(set(model) | set(mine)) if model.get(k) != mine.get(k)]
                 shown = ', '.join(f'{n} {saved_shapes.get(n)} vs {now.get(n)}' for n in differ[:3])
                 raise ConfigError(f"--resume: {where} holds a differently shaped model "
                                   f"({'; '.join(keys) or shown}); {len(differ)} tensor(s) differ, e.g. {shown}. "
                                   "Use the config it was trained with, or a new --work-dir.")
+        changed = [f'model.{k} {show(model, k)} there, {show(mine, k)} here'
+                   for k in sorted(set(model) | set(mine)) if model and model.get(k) != mine.get(k)]
+        if changed:  # the same shapes (drop_path_rate, say): it may go on, but not unsaid
+            self.report(f"--resume: {where} was trained with another model config ({'; '.join(changed)}); the run "
+                        "goes on with this config's")
 
     def _check_param_groups(self, marker, where):
         """The refusal line for a checkpoint whose optimizer groups are not this run's, or None.

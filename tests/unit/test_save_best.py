@@ -89,3 +89,22 @@ def test_exporting_a_best_checkpoint_a_run_never_wrote_says_why(tmp_path):
     (tmp_path / 'checkpoints').mkdir()
     with _pytest.raises(FileNotFoundError, match='checkpoints/best is written only by runs with train.save_best'):
         checkpoint.find_checkpoint(str(tmp_path / 'checkpoints' / 'best'))
+
+
+def test_a_resume_with_another_model_setting_of_the_same_shapes_says_so(tmp_path, capsys):
+    """Model settings that leave every tensor's shape (activation_checkpointing, a drop-path rate)
+    changed on resume without a word: the marker then recorded the new one for the whole run."""
+    def run(max_steps, **model):
+        cfg = tiny_cfg(tmp_path / 'cache', max_steps=max_steps, eval_interval=0, checkpoint_interval=2)
+        cfg.model.update(model)
+        trainer = Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp_path / 'work'), resume='auto')
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    run(2)
+    capsys.readouterr()
+    run(4, activation_checkpointing=True)
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if 'another model config' in line]
+    assert len(said) == 1 and 'model.activation_checkpointing (default) there, True here' in said[0], out
