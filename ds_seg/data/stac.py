@@ -110,12 +110,15 @@ def _stack_vrt(hrefs, item_id, cache_dir):
     from rasterio.dtypes import dtype_rev, typename_fwd
 
     from .raster import gdal_path, open_raster, same_value, uses_mask_band
-    grids, colours, masked = [], [], []
+    grids, colours, masked, encodings = [], [], [], []
     for h in hrefs:
         with open_raster(h) as src:
             grids.append((src.width, src.height, tuple(src.transform)[:6], src.crs, src.dtypes,
                           src.nodata))
             colours.append([_VRT_COLOURS.get(c.name, 'Undefined') for c in src.colorinterp])
+            # Kept on the stack's bands: the dataset compares every scene's (Sentinel-2's
+            # offset -1000 since baseline 04.00), and a stack without them said [1, 0] for all.
+            encodings.append(list(zip(src.scales, src.offsets)))
             if uses_mask_band(src):
                 masked.append(h)
     w, hgt, transform, crs, _, nodata = grids[0]
@@ -143,11 +146,14 @@ def _stack_vrt(hrefs, item_id, cache_dir):
                 f'<DstRect xOff="0" yOff="0" xSize="{w}" ySize="{hgt}"/></SimpleSource>')
 
     bands = []
-    for h, g, interp in zip(hrefs, grids, colours):
+    for h, g, interp, encoding in zip(hrefs, grids, colours, encodings):
         nd = f'<NoDataValue>{g[5]}</NoDataValue>' if g[5] is not None else ''
         for b in range(1, len(g[4]) + 1):
+            scale, offset = encoding[b - 1]
+            coded = '' if (scale, offset) == (1.0, 0.0) else \
+                f'<Offset>{float(offset)!r}</Offset><Scale>{float(scale)!r}</Scale>'
             bands.append(f'<VRTRasterBand dataType="{gdal_type}" band="{len(bands) + 1}">{nd}'
-                         f'<ColorInterp>{interp[b - 1]}</ColorInterp>{source(h, b)}</VRTRasterBand>')
+                         f'<ColorInterp>{interp[b - 1]}</ColorInterp>{coded}{source(h, b)}</VRTRasterBand>')
     mask = ''
     if masked:  # 'mask,1': the source's own mask band (its internal mask, or its alpha band)
         sources = ''.join(source(h, 'mask,1') for h in masked)

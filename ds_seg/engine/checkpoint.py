@@ -79,10 +79,15 @@ def is_complete(root, tag):
 
 
 def _unlisted_state_files(path, listed):
-    """The state files (``*.pt``: DeepSpeed's and DDP's) in ``path`` its marker does not list. The
+    """The state files (:data:`STATE_FILE_RE`) in ``path`` its marker does not list. The
     marker lists every file the save wrote: one edited to drop a damaged file's entry passed the
     checks, and the resume died in DeepSpeed's loader with a traceback."""
-    return [name for name in _files(path) if name.endswith('.pt') and name not in listed]
+    return [name for name in _files(path) if STATE_FILE_RE.search(name) and name not in listed]
+
+
+# What DeepSpeed (model/optimizer states of each rank) and DDP write into a step folder; a weights
+# file a user exported into it (model.pt) is not checkpoint state.
+STATE_FILE_RE = re.compile(r'(model_states|optim_states)\.pt$|^ddp_state\.pt$')
 
 
 def verify(root, tag):
@@ -188,9 +193,9 @@ def _no_room_for(root, tag):
     checkpoint takes (the new one is written before keep-N pruning frees any), else None. Found
     while writing, a full disk left the ranks in different collectives (one in DeepSpeed's save,
     one reporting its failure): they waited out the whole distributed timeout and blamed the
-    network. Checked first, every rank stops together. Only the foreseeable case: a write that
-    fails on one rank mid-save (a disk another job fills, a quota this does not see, an I/O
-    error) still leaves the ranks apart until the timeout."""
+    network. Checked first, every rank stops together, before writing anything. A write that
+    fails on one rank mid-save anyway (a disk another job fills, a quota this does not see, an
+    I/O error) joins the others' collectives (the backends' ``save``) and stops them at once."""
     newest = complete_tags(root)[-1:]
     if not newest:
         return None

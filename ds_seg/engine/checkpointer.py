@@ -196,7 +196,8 @@ class Checkpointer:
         after mIoU): its first new best moved ``best`` on, and keep_checkpoints pruned the
         checkpoint the run had kept as its best, without a word. Refused where pruning is on."""
         kept = checkpoint.read_pointer(root, 'best')
-        if not self.best_metric or not self.keep or kept is None or not checkpoint.is_complete(root, kept):
+        if not self.best_metric or not self.keep or kept is None or not checkpoint.is_complete(root, kept) \
+                or not checkpoint.is_own(self.work_dir, root):   # another run's: this run prunes its own only
             return
         before = checkpoint.read_marker(os.path.join(root, kept)).get('best_metric')
         if before and before != self.best_metric:
@@ -370,7 +371,7 @@ class Checkpointer:
         refusal = self._check_param_groups(marker, where)
         if refusal:
             raise ConfigError(refusal)
-        mine = _model_dict(self.cfg.model)
+        mine = json.loads(json.dumps(_model_dict(self.cfg.model), default=str))  # tuples as the marker's lists
         show = lambda cfg, k: repr(cfg[k]) if k in cfg else '(default)'  # noqa: E731
         saved_shapes = marker.get('param_shapes')
         if saved_shapes is not None:

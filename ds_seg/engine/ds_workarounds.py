@@ -254,10 +254,11 @@ def sync_free_zero_norms():
 
 
 # DeepSpeed 0.19's save_checkpoint: a barrier, the tag check's all-reduce, then these write the
-# rank's files (no collective among them), then the optimizer's checkpoint epilogue (ZeRO-3: an
+# rank's files (no collective among them; copytree and disk_usage: the NVMe offload files copied
+# in, the largest write of such a save), then the optimizer's checkpoint epilogue (ZeRO-3: an
 # all-gather) and the closing barrier.
 _DEEPSPEED_WRITERS = frozenset({'_save_checkpoint', '_save_zero_checkpoint', '_create_zero_checkpoint_files',
-                                '_save_moe_checkpoint'})
+                                '_save_moe_checkpoint', 'copytree', 'disk_usage'})
 
 
 def _raised_while_writing(exc):

@@ -217,8 +217,10 @@ def _run_whose_checkpoints_hold(work_dir):
     path = os.path.realpath(work_dir)
     while True:
         parent = os.path.dirname(path)
-        if os.path.basename(path) == 'checkpoints' and any(
-                os.path.isfile(os.path.join(parent, name)) for name in ('config.json', 'metrics.jsonl')):
+        # A ds_seg run's: its resolved configs beside the folder (a user's own 'checkpoints'
+        # folder under a project with some tool's config.json is not one).
+        if os.path.basename(path) == 'checkpoints' and all(
+                os.path.isfile(os.path.join(parent, name)) for name in ('config.json', 'ds_config.json')):
             return parent
         if parent == path:
             return None

@@ -129,10 +129,21 @@ def band_encoding_refusal(data, path):
         if max(bands) > src.count:
             return None   # the band count is refused where it matters
         here = [[float(src.scales[b - 1]), float(src.offsets[b - 1])] for b in bands]
-    if here == [list(pair) for pair in trained]:
+    trained = [[float(a), float(b)] for a, b in trained]
+    # A time series: one date's file against a model of files stacking every date (its encoding
+    # holds each date's bands in turn), or a file stacking every date against one of date files.
+    if len(here) == len(trained):
+        expected = [trained]
+    elif len(trained) % len(here) == 0:
+        expected = [trained[i:i + len(here)] for i in range(0, len(trained), len(here))]
+    elif len(here) % len(trained) == 0:
+        expected = [trained * (len(here) // len(trained))]
+    else:
+        return None   # another band count: refused where it matters
+    if here in expected:
         return None
     return (f"{path}: its bands' scale/offset {here} differ from those of the scenes the model was trained on "
-            f"{[list(pair) for pair in trained]} ([scale, offset] per band); the model takes raw values in the "
+            f"{trained} ([scale, offset] per band); the model takes raw values in the "
             f"training encoding: write the scene in it (the values converted, and gdal_edit.py -scale/-offset)")
 
 

@@ -480,3 +480,19 @@ def test_scenes_of_another_band_scale_or_offset_are_refused_and_the_model_record
     assert scene_refusal(Model(), str(tmp_path / 'img' / 'a.tif'), bands_given=False) is None
     said = scene_refusal(Model(), str(tmp_path / 'img' / 'b.tif'), bands_given=False)
     assert said and "b.tif: its bands' scale/offset [[1.0, -1000.0], [1.0, -1000.0]] differ from" in said, said
+
+
+def test_the_band_encoding_check_takes_a_date_file_against_a_model_of_stacked_dates(tmp_path):
+    """A model of files stacking 2 dates x 3 bands records 6 [scale, offset]; predict reads one
+    date's file with --bands 1 2 3 (and the reverse: a stacked file against a model of date
+    files): compared as 3 against 6, such a plain file was refused."""
+    from ds_seg.inference.model import band_encoding_refusal
+    plain = write_tif(tmp_path / 'date.tif', np.ones((3, 16, 16), np.uint8))
+    stacked = write_tif(tmp_path / 'stacked.tif', np.ones((6, 16, 16), np.uint8))
+    assert band_encoding_refusal({'bands': [1, 2, 3], 'encoding': [[1.0, 0.0]] * 6}, plain) is None
+    assert band_encoding_refusal({'bands': [1, 2, 3, 4, 5, 6], 'encoding': [[1.0, 0.0]] * 3}, stacked) is None
+    with rasterio.open(plain, 'r+') as dst:
+        dst.offsets = (-1000.0,) * 3
+    assert 'differ from' in band_encoding_refusal({'bands': [1, 2, 3], 'encoding': [[1.0, 0.0]] * 6}, plain)
+    assert band_encoding_refusal({'bands': [1, 2, 3], 'encoding': [[1.0, 0.0]] * 3 + [[1.0, -1000.0]] * 3},
+                                 plain) is None   # the second date's encoding

@@ -66,6 +66,13 @@ def test_a_resume_keeping_the_best_by_another_metric_is_refused_where_pruning_wo
                                           r"delete it"):
         _run(tmp_path, 8, {8: 0.45}, resume='auto', save_best='OA')
     assert _checkpoints(tmp_path) == (['step_00000004', 'step_00000006'], 'step_00000004')
+    # Another run's checkpoint continued in a work dir of its own: that run's best is never pruned
+    # by this one, which may keep the best by any metric.
+    cfg = tiny_cfg(tmp_path / 'cache', max_steps=8, eval_interval=2, checkpoint_interval=4, keep_checkpoints=1,
+                   save_best='OA')
+    other = Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp_path / 'other'),
+                    resume=str(tmp_path / 'work' / 'checkpoints' / 'step_00000006'))
+    other.close()
 
 
 @pytest.mark.parametrize('options, message', [

@@ -319,3 +319,34 @@ def test_stacked_assets_keep_their_masks_and_colour_interpretation(catalogue, tm
     sample = ds[0]
     label = sample['label'].numpy()[:h, :w]
     assert (label[hidden] == 255).all() and (label[~hidden] != 255).all()
+
+
+def test_a_stacked_items_band_scale_and_offset_are_kept(catalogue, tmp_path):
+    """Per-band assets tagged offset -1000 (Sentinel-2 since baseline 04.00) came out of the
+    item's VRT as [1, 0]: items of two baselines trained together unchecked, and the model
+    recorded [1, 0] for files that carry -1000."""
+    from ds_seg.data.raster import open_raster
+    from ds_seg.data.stac import stac_scenes
+    item = pystac.Item(id='offset', geometry=None, bbox=None, properties={}, datetime=datetime.datetime(2024, 5, 1))
+    for name in BANDS:
+        path = tmp_path / f'{name}.tif'
+        shutil.copy(catalogue['tmp'] / f'scene0_{name}.tif', path)
+        with rasterio.open(path, 'r+') as dst:
+            dst.offsets, dst.scales = (-1000.0,), (0.0001,)
+        item.add_asset(name, pystac.Asset(href=str(path)))
+    item.add_asset('label', pystac.Asset(href=str(catalogue['labels'][0])))
+    with open(tmp_path / 'item.json', 'w') as f:
+        json.dump(item.to_dict(transform_hrefs=False), f)
+    (stack,), _ = stac_scenes(str(tmp_path / 'item.json'), list(BANDS), 'label', cache_dir=str(tmp_path / 'vrt'))
+    with open_raster(stack) as src:
+        assert src.offsets == (-1000.0,) * 3 and src.scales == (0.0001,) * 3
+    plain, _ = stac_scenes(str(catalogue['tmp'] / 'item0.json'), list(BANDS), 'label', cache_dir=str(tmp_path / 'vrt'))
+    with open_raster(plain[0]) as src:
+        assert src.offsets == (0.0,) * 3 and src.scales == (1.0,) * 3
+    raw = json.loads((catalogue['tmp'] / 'item0.json').read_text())
+    for asset in raw['assets'].values():
+        asset['href'] = str(catalogue['tmp'] / asset['href'])
+    both = {'type': 'FeatureCollection', 'features': [raw, json.loads((tmp_path / 'item.json').read_text())]}
+    (tmp_path / 'both.json').write_text(json.dumps(both))
+    with pytest.raises(DataError, match=r"its bands' scale/offset \[\[0.0001, -1000.0\]"):
+        GeoTiffScenes(stac=str(tmp_path / 'both.json'), stac_bands=list(BANDS), **KW)

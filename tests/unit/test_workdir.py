@@ -343,9 +343,24 @@ def test_a_marker_edited_to_drop_a_state_file_does_not_pass(tmp_path):
               'sha256': {n: hashlib.sha256((tag / n).read_bytes()).hexdigest() for n in names}}
     (tag / checkpoint.COMPLETE).write_text(json.dumps(marker))
     (tag / 'notes.txt').write_text('a file of the user, not state')
+    (tag / 'model.pt').write_bytes(b'weights a user exported into it')
     assert checkpoint.verify(str(tmp_path), tag.name) is None and checkpoint.is_complete(str(tmp_path), tag.name)
     for dropped in ({'zero_pp_rank_0_mp_rank_00_optim_states.pt'}, set(names)):
         edited = {key: {n: v for n, v in marker[key].items() if n not in dropped} for key in ('files', 'sha256')}
         (tag / checkpoint.COMPLETE).write_text(json.dumps(dict(marker, **edited)))
         assert 'is not in its COMPLETE marker' in checkpoint.verify(str(tmp_path), tag.name)
         assert not checkpoint.is_complete(str(tmp_path), tag.name)
+
+
+def test_only_a_ds_seg_runs_checkpoints_folder_holds_a_work_dir(tmp_path):
+    """A work dir inside another run's checkpoints/ is refused; a user's own folder named
+    checkpoints under a project with some tool's config.json is not another run's."""
+    from ds_seg.engine.workdir import _run_whose_checkpoints_hold
+    project = tmp_path / 'proj'
+    (project / 'checkpoints' / 'exp1').mkdir(parents=True)
+    (project / 'config.json').write_text('{}')
+    assert _run_whose_checkpoints_hold(str(project / 'checkpoints' / 'exp1')) is None
+    (project / 'ds_config.json').write_text('{}')
+    assert _run_whose_checkpoints_hold(str(project / 'checkpoints' / 'exp1')) == str(project)
+    assert _run_whose_checkpoints_hold(str(project / 'checkpoints')) == str(project)
+    assert _run_whose_checkpoints_hold(str(project)) is None
