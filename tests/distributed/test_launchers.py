@@ -204,8 +204,11 @@ def test_ctrl_c_while_a_rank_waits_for_the_others_ends_it_with_one_line(tmp_path
     import time
     port = _free_port()
     env = _env(WORLD_SIZE='2', RANK='0', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    # Ctrl-C's default action, as a terminal's foreground job has it: pytest run in the background
+    # of a script (CI) passes SIGINT on ignored, and a rank keeps an ignored SIGINT.
     proc = subprocess.Popen([sys.executable, 'launch/train.py', '--backend', backend, *_options(str(tmp_path))],
-                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while True:   # rank 0 serves the rendezvous store on MASTER_PORT once it waits there
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
