@@ -180,12 +180,13 @@ def export_onnx(model, out, info, work_dir=None, step=None):
                 program = torch.onnx.export(model, (x,), dynamo=True, opset_version=18, input_names=[INPUT],
                                             output_names=[OUTPUT], verbose=False,
                                             dynamic_shapes=({'BCHW'.index(d): Dim.DYNAMIC for d in dims},))
-                program.save(tmp)
         except Exception as exc:  # an op without an ONNX form, or a size torch.export cannot keep dynamic
-            if _failed_write(tmp, exc):
-                raise
             raise ConfigError(f'--format onnx: {type(model).__name__} ({(info.get("model") or {}).get("type")}) '
                               f'does not export to ONNX with dynamic sizes: {str(exc).splitlines()[0][:200]}.') from exc
+        # Outside the check above: a failed write (a full disk) is the disk's, not the model's
+        # (export.py: exit 74 with the errno).
+        with _quiet_exporter():
+            program.save(tmp)
         card = model_card(info, 'onnx', out, work_dir, step, dims)
         # The graph alone: external weights stay in their file (loading them would pass protobuf's
         # 2 GB limit when saved again), and are named for the final file.
@@ -231,14 +232,6 @@ class _WriteErrorKept(io.RawIOBase):
 
     def seek(self, offset, whence=io.SEEK_SET):
         return self.file.seek(offset, whence) if self.error is None else 0
-
-
-def _failed_write(path, exc):
-    """Whether saving to ``path`` failed for the disk's sake (an errno, or one a probe write there
-    gets now: a full disk through torch's stream writer), not the model's: the export command
-    reports those as a failed write (exit 74), not as something the model cannot do."""
-    from .engine.checkpoint import write_failure
-    return isinstance(exc, OSError) or write_failure(path, exc) is not None
 
 
 def _point_external_data_at(proto, location):
@@ -362,7 +355,7 @@ def export_torch(model, out, info, work_dir=None, step=None):
                 raise sink.error
     except BaseException as exc:  # e.g. a Python math op on sizes the serialiser does not know
         remove_quietly(tmp)
-        if not isinstance(exc, Exception) or _failed_write(tmp, exc):
+        if not isinstance(exc, Exception) or isinstance(exc, OSError):  # a failed write: the disk's
             raise
         raise ConfigError(f'--format torch-export: {type(model).__name__} exports but cannot be saved '
                           f'({str(exc).splitlines()[0][:160]}); use --format onnx.') from exc

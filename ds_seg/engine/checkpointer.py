@@ -373,19 +373,18 @@ class Checkpointer:
             raise ConfigError(refusal)
         mine = json.loads(json.dumps(_model_dict(self.cfg.model), default=str))  # tuples as the marker's lists
         show = lambda cfg, k: repr(cfg[k]) if k in cfg else '(default)'  # noqa: E731
+        differing = [k for k in sorted(set(model) | set(mine)) if model and model.get(k) != mine.get(k)]
         saved_shapes = marker.get('param_shapes')
         if saved_shapes is not None:
             now = self.param_shapes()
             differ = [n for n in sorted(set(saved_shapes) | set(now)) if saved_shapes.get(n) != now.get(n)]
             if differ:
-                keys = [f'{k}={show(model, k)} there, {show(mine, k)} here'
-                        for k in sorted(set(model) | set(mine)) if model.get(k) != mine.get(k)]
+                keys = [f'{k}={show(model, k)} there, {show(mine, k)} here' for k in differing]
                 shown = ', '.join(f'{n} {saved_shapes.get(n)} vs {now.get(n)}' for n in differ[:3])
                 raise ConfigError(f"--resume: {where} holds a differently shaped model "
                                   f"({'; '.join(keys) or shown}); {len(differ)} tensor(s) differ, e.g. {shown}. "
                                   "Use the config it was trained with, or a new --work-dir.")
-        changed = [f'model.{k} {show(model, k)} there, {show(mine, k)} here'
-                   for k in sorted(set(model) | set(mine)) if model and model.get(k) != mine.get(k)]
+        changed = [f'model.{k} {show(model, k)} there, {show(mine, k)} here' for k in differing]
         if changed:  # the same shapes (drop_path_rate, say): it may go on, but not unsaid
             self.report(f"--resume: {where} was trained with another model config ({'; '.join(changed)}); the run "
                         "goes on with this config's")
