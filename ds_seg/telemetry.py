@@ -223,6 +223,11 @@ class RunLog:
                     with open(path + '.tmp', 'w') as f:
                         f.writelines(keep)
                     os.replace(path + '.tmp', path)
+            # The abandoned branch's summary (its end, past the step resumed from) goes with its
+            # rows: this run's end would write over it.
+            summary = os.path.join(self.work_dir, 'summary.json')
+            if set_aside and os.path.isfile(summary) and not self._summary_at_or_before(summary, resumed_step):
+                os.replace(summary, os.path.join(set_aside, 'summary.json'))
             return
         # A fresh run in a used work dir: the earlier run's logs and the configs that made them
         # move to previous/<time>/ together, so neither is lost nor mistaken for this run's.
@@ -235,6 +240,15 @@ class RunLog:
             # Said, as a resume's move is: the user found their logs gone without a word.
             print(f"[ds_seg] the logs of an earlier run in {self.work_dir} ({', '.join(old)}) moved to {archive}/",
                   flush=True)
+
+    @staticmethod
+    def _summary_at_or_before(path, step):
+        try:
+            with open(path) as f:
+                steps = json.load(f).get('steps')
+        except (OSError, ValueError, AttributeError):
+            return False
+        return isinstance(steps, int) and steps <= step
 
     TRACKER_RUNS = 'trackers.json'  # the MLflow/W&B runs this work dir's steps are logged to
 

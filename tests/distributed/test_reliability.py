@@ -347,6 +347,8 @@ def test_rollback_moves_the_abandoned_branch_aside_and_all_commands_agree(traine
     shutil.copytree(original, work)
     old = {t: _snapshot(os.path.join(work, 'checkpoints', t)) for t in ('step_00000008', 'step_00000012')}
     old_rows = [r for r in read_jsonl(os.path.join(work, 'metrics.jsonl')) if r['step'] > 4]
+    old_summary = json.load(open(os.path.join(work, 'summary.json')))
+    assert old_summary['steps'] == 12
     argv = _train_argv(tmp, work, 'train.max_steps=8', 'train.checkpoint_interval=4',
                        resume=os.path.join(work, 'checkpoints', 'step_00000004'))
     code, lines, out = run_on_ranks(_run_main, 1, args=('train', argv), timeout=300)[0]
@@ -357,6 +359,9 @@ def test_rollback_moves_the_abandoned_branch_aside_and_all_commands_agree(traine
     for tag, snap in old.items():  # the abandoned checkpoints, byte for byte
         assert _snapshot(os.path.join(aside[0], 'checkpoints', tag)) == snap
     assert read_jsonl(os.path.join(aside[0], 'metrics.jsonl')) == old_rows
+    # The abandoned branch's end goes with it; the live summary is this run's (it was written over).
+    assert json.load(open(os.path.join(aside[0], 'summary.json'))) == old_summary
+    assert json.load(open(os.path.join(work, 'summary.json')))['steps'] == 8
     root = os.path.join(work, 'checkpoints')
     assert sorted(t for t in os.listdir(root) if t.startswith('step_')) == ['step_00000004', 'step_00000008']
     assert open(os.path.join(root, 'latest')).read() == 'step_00000008'
