@@ -194,9 +194,11 @@ def read_error(path, exc):
         # A block read that fails mid-run says only "TIFFReadEncodedTile() failed": ask the
         # server what it answers now (an expired signed URL, a deleted object). Not where GDAL
         # sends credentials this plain request would lack: its 401 would blame them wrongly.
-        status = http_status(path)
-        if status is not None and status >= 400:
+        status = http_status(path, timeout=min(10, HTTP_TIMEOUT_S))
+        if isinstance(status, int) and status >= 400:
             message = f'{message.rstrip(".")}; the server now answers it with HTTP response code: {status}'
+        elif isinstance(status, str):  # no answer at all: a stalled or stopped server, not the file
+            message = f'{message.rstrip(".")}; a request for it now {status}'
     return remote_hint(exc, message)
 
 
@@ -207,7 +209,9 @@ _GDAL_HTTP_CREDENTIALS = ('GDAL_HTTP_HEADERS', 'GDAL_HTTP_HEADER_FILE', 'GDAL_HT
 
 def http_status(url, timeout=10):
     """The HTTP status a one-byte GET of ``url`` gets now (a GET, not a HEAD: a signed URL is
-    signed for its method), or None where no answer comes."""
+    signed for its method); where no status comes, what happened instead, in words ("timed out
+    ...", "could not connect ..."), or None (not a URL urllib can ask)."""
+    import socket
     import urllib.error
     import urllib.request
     try:
@@ -216,6 +220,13 @@ def http_status(url, timeout=10):
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
+    except (TimeoutError, socket.timeout):
+        return f'timed out: no answer within {timeout:g} s'
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            return f'timed out: no answer within {timeout:g} s'
+        return f'could not connect ({getattr(reason, "strerror", None) or reason})'
     except (OSError, ValueError):
         return None
 
@@ -232,6 +243,8 @@ def remote_hint(exc, message=None):
         return f"{message} (no such file at that URL; check the address)"
     if 'response code: 401' in message or 'response code: 403' in message:
         return f"{message} (no permission; set GDAL's credentials, e.g. AWS_* for s3://)"
+    if 'could not connect' in message:
+        return f"{message} (the server is down or unreachable now; check it, or try again later)"
     if 'Operation too slow' in message or 'timed out' in message.lower():
         return (f"{message} (the server stopped answering; check it, or allow a slower one with "
                 f"GDAL_HTTP_LOW_SPEED_TIME / GDAL_HTTP_CONNECTTIMEOUT in the environment)")

@@ -158,6 +158,33 @@ def test_a_server_that_stops_answering_is_one_line_not_a_hang(cogs, monkeypatch)
         assert time.monotonic() - t0 < 30
 
 
+def test_a_server_that_stops_mid_run_is_named_as_stopped_not_as_a_bad_url(cogs, monkeypatch):
+    """Windows read, then the server stalls (accepts, never answers) or goes away: the failing
+    read says so. GDAL's own words are only "TIFFReadEncodedTile() failed", and ds_seg's request
+    of its own got no status either: the line blamed the URL, a permission, or the file."""
+    from ds_seg.data import raster
+    monkeypatch.setenv('GDAL_HTTP_LOW_SPEED_TIME', '2')
+    monkeypatch.setattr(raster, 'HTTP_TIMEOUT_S', 2)
+    tmp = cogs['tmp']
+    with RangeServer(tmp) as server:
+        ds = GeoTiffScenes([server.url('img.tif')], [server.url('lbl.tif')], crop_size=256, classes=4,
+                           mean=[127.5] * 3, std=[73.9] * 3, mode='random', seed=3, check_labels=0)
+        ds[0]
+        server.stall = True
+        with pytest.raises(DataError) as stalled:
+            for i in range(1, 8):  # (a window in tiles fetched already reads from GDAL's cache)
+                ds[i]
+        server.stall = False
+    message = str(stalled.value)
+    assert 'img.tif: cannot read window' in message and 'now timed out: no answer within 2 s' in message
+    assert 'the server stopped answering' in message and 'unreachable URL' not in message, message
+    with pytest.raises(DataError) as gone:  # the server has shut down: nothing listens on its port
+        for i in range(8, 16):
+            ds[i]
+    message = str(gone.value)
+    assert 'could not connect' in message and 'the server is down or unreachable now' in message, message
+
+
 @pytest.mark.parametrize('etag', [True, False])
 def test_a_republished_url_gets_new_band_statistics(tmp_path, monkeypatch, etag):
     """The statistics cache of a URL is keyed to the server's ETag / Last-Modified: a file
