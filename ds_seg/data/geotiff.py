@@ -63,8 +63,9 @@ from ds_seg.registry import DATASETS
 from .preprocess import geom_code, host_dtype
 from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, boundary_mask,
                      colours_conflict, file_identity, gdal_message, gdal_path, is_remote, label_nodata, nodata_mask,
-                     open_raster, opening_env, pixel_grid, pixel_type_refusal, raster_env, read_error, read_label_band,
-                     read_window, same_file_key, same_pixels, same_value, user_cache_dir, uses_mask_band)
+                     open_raster, opening_env, pin_versions, pixel_grid, pixel_type_refusal, raster_env, read_error,
+                     read_label_band, read_window, same_file_key, same_pixels, same_value, user_cache_dir,
+                     uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -462,6 +463,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             images, labels = stac_scenes(stac, stac_bands, stac_label)
         if images is None or labels is None:
             raise ConfigError("GeoTiffScenes needs `images` and `labels` (or `stac`)")
+        pin_versions([images, labels])  # remote files: read at the version served now, for the whole run
         # A scene given as a list of paths is a time series: co-registered dates, stacked
         # date-major (T x C bands read as T*C channels; see StackedRaster).
         dates = None

@@ -15,6 +15,7 @@ Example::
 import os
 import re
 import threading
+from email.utils import parsedate_to_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
@@ -96,12 +97,36 @@ class RangeServer:
                     return None
                 return path
 
+            @staticmethod
+            def _etag(path):
+                st = os.stat(path)
+                return f'"{st.st_size:x}-{st.st_mtime_ns:x}"' if server.etag else None
+
             def _version_headers(self, path):
                 # What object storage and web servers send, and what caches key a URL's version to.
-                st = os.stat(path)
                 if server.etag:
-                    self.send_header('ETag', f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
-                self.send_header('Last-Modified', self.date_time_string(st.st_mtime))
+                    self.send_header('ETag', self._etag(path))
+                self.send_header('Last-Modified', self.date_time_string(os.stat(path).st_mtime))
+
+            def _precondition_failed(self, path):
+                """Answer 412 where the request's precondition fails (RFC 9110 13.1.1, 13.1.4: If-Match
+                by strong comparison; else If-Unmodified-Since), as nginx and object storage do."""
+                if_match = self.headers.get('If-Match')
+                if if_match is not None:
+                    tags = [tag.strip() for tag in if_match.split(',')]
+                    ok = '*' in tags or (server.etag and self._etag(path) in tags)
+                else:
+                    ok = True
+                    since = self.headers.get('If-Unmodified-Since')
+                    try:
+                        ok = not since or int(os.stat(path).st_mtime) <= parsedate_to_datetime(since).timestamp()
+                    except (TypeError, ValueError):  # not a date: ignored, as RFC 9110 says
+                        pass
+                if not ok:
+                    self.send_response(412)
+                    self.send_header('Content-Length', '0')
+                    self.end_headers()
+                return not ok
 
             def _stalled(self):
                 if server.stall:
@@ -119,6 +144,8 @@ class RangeServer:
                 path = self._file()
                 if path is None:
                     return self._not_found()
+                if self._precondition_failed(path):
+                    return
                 self.send_response(200)
                 self.send_header('Content-Length', str(os.path.getsize(path)))
                 self._version_headers(path)
@@ -133,6 +160,8 @@ class RangeServer:
                 path = self._file()
                 if path is None:
                     return self._not_found()
+                if self._precondition_failed(path):
+                    return
                 if server.latency_s:
                     threading.Event().wait(server.latency_s)
                 size = os.path.getsize(path)

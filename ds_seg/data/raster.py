@@ -126,7 +126,125 @@ def opening_env(path):
     refusal = remote_sidecar_refusal(os.fspath(path)) if is_remote(path) else None
     if refusal:
         raise DataError(refusal)
+    for url in [path] if is_remote(path) else _vrt_sources(os.fspath(path)):
+        pin_version(url)
     return raster_env(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# One version of a remote file per run: GDAL reads a URL range by range, for as long as the run
+# lasts; a file republished under the same URL mid-run would be read as windows of both versions
+# (blocks at the old offsets of the new file), without a word. Every request GDAL makes for a URL
+# carries the version first seen as a precondition (If-Match its ETag, or If-Unmodified-Since
+# its Last-Modified), as a GDAL path-specific option: the server answers 412 once the file has
+# changed, and the read stops with a line saying so. Process-wide, so DataLoader workers forked
+# later inherit it; a new dataset or scene prediction pins afresh (refresh=True).
+# ----------------------------------------------------------------------------------------------
+_PINNED = {}  # url -> the precondition header its requests carry (None: the server names no version)
+
+
+@functools.lru_cache(maxsize=1)
+def _libgdal():
+    """The GDAL library rasterio uses (ctypes), or None. Not any libgdal in the process: pyogrio
+    loads one of its own, whose options rasterio's reads never see. A symbol looked up through
+    rasterio's extension module resolves in the libraries it links, its GDAL."""
+    import ctypes
+
+    import rasterio._base
+    try:
+        lib = ctypes.CDLL(rasterio._base.__file__)
+        lib.VSISetPathSpecificOption.argtypes = [ctypes.c_char_p] * 3
+        lib.VSIClearPathSpecificOptions.argtypes = [ctypes.c_char_p]
+    except (OSError, AttributeError):  # a GDAL before 3.6
+        return None
+    return lib
+
+
+def _version_precondition(url):
+    """The precondition header naming the version ``url`` serves now, or None: one-byte GET (a
+    signed URL is signed for GET; a HEAD of it is refused)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={'Range': 'bytes=0-0'}),
+                                    timeout=min(10, HTTP_TIMEOUT_S)) as r:
+            etag, modified = r.headers.get('ETag'), r.headers.get('Last-Modified')
+    except (OSError, ValueError):
+        return None
+    # If-Match compares strongly: a weak ETag (W/"..."; a compressing proxy) would never match.
+    if etag and not etag.startswith('W/'):
+        return f'If-Match: {etag}'
+    return f'If-Unmodified-Since: {modified}' if modified else None
+
+
+def pin_version(path, refresh=False):
+    """Make GDAL's reads of an http(s) URL ``path`` from now on require the version it serves
+    now (once per process; ``refresh``: again). Other paths: nothing."""
+    url = os.fspath(path)
+    url = url[len('/vsicurl/'):] if url.startswith('/vsicurl/') else url
+    if not url.startswith(('http://', 'https://')) or (url in _PINNED and not refresh):
+        return
+    lib = _libgdal()
+    if lib is None:
+        return
+    header = _version_precondition(url)
+    prefix = ('/vsicurl/' + url).encode()
+    lib.VSIClearPathSpecificOptions(prefix)
+    _PINNED[url] = header
+    if header:
+        # A path-specific option replaces the global one for this path: the user's own headers
+        # (a token) go along. Lines end in CRLF: GDAL reads a value without one as a
+        # comma-separated list and strips its double quotes, an ETag's.
+        user = os.environ.get('GDAL_HTTP_HEADERS')
+        if not user:
+            lines = []
+        elif '\r\n' in user:
+            lines = [line for line in user.split('\r\n') if line.strip()]
+        else:
+            lines = _gdal_header_list(user)
+        lib.VSISetPathSpecificOption(prefix, b'GDAL_HTTP_HEADERS',
+                                     ''.join(f'{line}\r\n' for line in [*lines, header]).encode())
+
+
+def _gdal_header_list(value):
+    """The headers a one-line GDAL_HTTP_HEADERS names, split as GDAL splits it (CSLTokenizeString2
+    with CSLT_HONOURSTRINGS): at commas outside double quotes, the quotes dropped, ``\\"`` and
+    ``\\\\`` inside them unescaped."""
+    parts, token, quoted, i = [], [], False, 0
+    while i < len(value):
+        c = value[i]
+        if quoted and c == '\\' and i + 1 < len(value) and value[i + 1] in '"\\':
+            token.append(value[i + 1])
+            i += 1
+        elif c == '"':
+            quoted = not quoted
+        elif c == ',' and not quoted:
+            parts.append(''.join(token))
+            token = []
+        else:
+            token.append(c)
+        i += 1
+    parts.append(''.join(token))
+    return [part.strip() for part in parts if part.strip()]
+
+
+def pin_versions(paths):
+    """:func:`pin_version` afresh for every URL in ``paths`` (a path, or lists of them: dates),
+    and every URL a local VRT among them reads: where a dataset or a scene prediction starts."""
+    if isinstance(paths, (str, os.PathLike)):
+        path = os.fspath(paths)
+        for url in [path] if is_remote(path) else _vrt_sources(path) if path.lower().endswith('.vrt') else []:
+            pin_version(url, refresh=True)
+    elif isinstance(paths, (list, tuple)):
+        for p in paths:
+            pin_versions(p)
+
+
+def replaced_since_pinned(url):
+    """True when the http(s) ``url`` was pinned and now serves another version."""
+    url = os.fspath(url)
+    url = url[len('/vsicurl/'):] if url.startswith('/vsicurl/') else url
+    pinned = _PINNED.get(url)
+    return bool(pinned) and _version_precondition(url) not in (None, pinned)
 
 
 # What in a PAM file (.aux.xml) changes where a raster's pixels are or what they mean; the rest
@@ -186,9 +304,15 @@ def same_value(a, b):
 
 def read_error(path, exc):
     """What to say of a failed read of ``path``: GDAL's own words, and for a URL what to do."""
-    if not is_remote(path):
-        return gdal_message(exc)
     message = gdal_message(exc)
+    urls = [path] if is_remote(path) else _vrt_sources(path) if os.fspath(path).lower().endswith('.vrt') else []
+    replaced = [url for url in urls if replaced_since_pinned(url)]
+    if replaced or re.search(r'response code: 412\b', message):
+        return (f"{message.rstrip('.')}: {' and '.join(replaced) or 'the file at this URL'} was replaced since the "
+                "run first read it, and windows of the two versions would mix; start again to read the new "
+                "version, or publish each version under a URL of its own")
+    if not is_remote(path):
+        return message
     if ('response code' not in message and os.fspath(path).startswith(('http://', 'https://'))
             and not any(os.environ.get(k) for k in _GDAL_HTTP_CREDENTIALS)):
         # A block read that fails mid-run says only "TIFFReadEncodedTile() failed": ask the

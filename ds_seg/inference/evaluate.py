@@ -14,7 +14,7 @@ from rasterio.windows import Window
 
 from .. import distributed
 from ..data.geotiff import inspect_pair
-from ..data.raster import boundary_mask, label_nodata, open_scene, read_label_band
+from ..data.raster import boundary_mask, label_nodata, open_scene, pin_versions, read_label_band
 from ..data.vector_labels import is_vector
 from ..metrics import confusion_matrix
 from .engine import run_scene
@@ -110,6 +110,8 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
     stats = dict(windows=0, forward_calls=0, seconds=0.0)
     image_pixels = torch.zeros((), dtype=torch.int64)  # pixels holding data: an all-nodata image is named
     pairs = scene_pairs(scenes)
+    if dataset is None:  # (a dataset pinned its URLs' versions when it was made: the run's)
+        pin_versions(pairs)  # URLs: every window of this scoring from the versions served now
     for image_path, label_path in pairs:  # every scene before the first window, as evaluate.py does
         refusal = own_normalisation and scene_refusal(forward_fn, image_path, bands_given=bands_given)
         if refusal:

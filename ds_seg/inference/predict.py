@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from .. import distributed
-from ..data.raster import open_scene
+from ..data.raster import open_scene, pin_versions
 from .engine import run_scene
 from .model import scene_refusal, training_normalisation
 from .tiling import ScenePlan
@@ -68,6 +68,7 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
         classes = getattr(forward_fn, 'class_names', None)
     rank, world_size = distributed.rank(), distributed.world_size()
     k = len(classes) if classes is not None else None
+    pin_versions(image_path)  # a URL: every window of this prediction from the version served now
     with open_scene(image_path) as src:
         profile = dict(src.profile)
         if src.transform.is_identity:  # located by GCPs or RPCs instead (a stack of dates has none)

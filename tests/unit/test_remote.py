@@ -15,7 +15,7 @@ from rasterio.transform import from_origin
 
 from ds_seg.data import GeoTiffScenes
 from ds_seg.data.geotiff import DataError, gdal_path
-from ds_seg.data.raster import open_raster
+from ds_seg.data.raster import open_raster, raster_env
 from ds_seg.data.rangeserver import RangeServer
 
 SIZE, TILE = 2048, 128
@@ -221,6 +221,89 @@ def test_a_republished_url_gets_new_band_statistics(tmp_path, monkeypatch, etag)
         publish(image * 20)  # same size, same name, new values (a new ETag)
         second = GeoTiffScenes([url], [label], **kw).mean
     np.testing.assert_allclose(second, first * 20, rtol=1e-6)
+
+
+def _republish(path, values, mtime_s):
+    """Replace the file at ``path`` by a new one of the same layout (tile offsets and sizes) and
+    ``values``: its old offsets then hold the new pixels, which GDAL read without a word."""
+    with rasterio.open(path) as src:
+        profile = src.profile
+    tmp = str(path) + '.new'
+    with rasterio.open(tmp, 'w', **profile) as dst:
+        dst.write(values)
+    os.utime(tmp, (mtime_s, mtime_s))
+    os.replace(tmp, path)
+
+
+@pytest.mark.parametrize('etag', [True, False])
+def test_a_url_republished_mid_run_is_refused_not_read_as_two_versions_mixed(tmp_path, etag):
+    """A file replaced under its URL after the run first read it: a training read and a prediction
+    stop with a line saying so (the server's 412 to the version precondition: its
+    ETag, or its Last-Modified where it sends none), where GDAL had gone on reading the new file's
+    blocks at the old offsets. A new dataset or prediction reads the new version."""
+    from tests.unit.test_inference import LookupModel, predict_classes
+    rng = np.random.default_rng(2)
+    common = dict(driver='GTiff', width=1024, height=1024, crs='EPSG:32632', transform=from_origin(0, 0, 1, 1),
+                  tiled=True, blockxsize=128, blockysize=128)
+    first = rng.integers(0, 200, (3, 1024, 1024), dtype=np.uint8)
+    with rasterio.open(tmp_path / 'img.tif', 'w', count=3, dtype='uint8', **common) as d:
+        d.write(first)
+    with rasterio.open(tmp_path / 'lbl.tif', 'w', count=1, dtype='uint8', **common) as d:
+        d.write(rng.integers(0, 4, (1, 1024, 1024), dtype=np.uint8))
+    os.utime(tmp_path / 'img.tif', (1_700_000_000, 1_700_000_000))
+    second = (255 - first).astype(np.uint8)
+    with RangeServer(tmp_path, etag=etag) as server:
+        url = server.url('img.tif')
+        ds = GeoTiffScenes([url], [server.url('lbl.tif')], crop_size=128, classes=4, mean=[127.5] * 3,
+                           std=[73.9] * 3, mode='grid', split='val', check_labels=0)
+        ds[0]
+        _republish(tmp_path / 'img.tif', second, 1_700_000_100)
+        with pytest.raises(DataError) as caught:
+            ds[len(ds) - 1]  # a tile GDAL has not fetched yet
+        message = str(caught.value)
+        assert message.startswith(f'{url}: cannot read window'), message
+        assert f'{url} was replaced since the run first read it' in message, message
+
+        # A prediction: the file is replaced while it runs (at its first forward pass).
+        _republish(tmp_path / 'img.tif', first, 1_700_000_200)
+        model = LookupModel()
+
+        def republishing(images_BCHW):
+            if not getattr(republishing, 'done', False):
+                republishing.done = True
+                _republish(tmp_path / 'img.tif', second, 1_700_000_300)
+            return model(images_BCHW)
+        kw = dict(mean=[0, 0, 0], std=[1, 1, 1], tile=256, overlap=0, batch_size=2, block=256)
+        with pytest.raises(DataError, match='was replaced since the run first read it'):
+            predict_classes(republishing, url, tmp_path, **kw)
+        # A new prediction reads the new version, all of it: as the local file predicts.
+        remote, _ = predict_classes(model, url, tmp_path, **kw)
+        local, _ = predict_classes(model, str(tmp_path / 'img.tif'), tmp_path, **kw)
+        np.testing.assert_array_equal(remote, local)
+        # A new dataset likewise, the same windows as the local file's.
+        kw = dict(crop_size=128, classes=4, mean=[127.5] * 3, std=[73.9] * 3, mode='grid', split='val',
+                  check_labels=0)
+        ds = GeoTiffScenes([url], [server.url('lbl.tif')], **kw)
+        local = GeoTiffScenes([str(tmp_path / 'img.tif')], [str(tmp_path / 'lbl.tif')], **kw)
+        for i in (0, len(ds) - 1):
+            np.testing.assert_array_equal(ds[i]['image'], local[i]['image'])
+
+
+def test_the_version_precondition_keeps_the_users_own_gdal_headers(cogs, monkeypatch):
+    """The precondition is a path-specific GDAL_HTTP_HEADERS, which replaces the user's for that
+    URL: their headers (a token) must go along, split as GDAL splits a one-line list."""
+    monkeypatch.setenv('GDAL_HTTP_HEADERS', 'X-Token: abc, X-Other: "a,b"')
+    seen = []
+    with RangeServer(cogs['tmp']) as server:
+        handler = server._httpd.RequestHandlerClass
+        plain_get = handler.do_GET
+        monkeypatch.setattr(handler, 'do_GET', lambda self: (seen.append(dict(self.headers)), plain_get(self))[1])
+        url = server.url('img.tif')
+        with open_raster(url) as src, raster_env(url):
+            src.read(1, window=((0, 10), (0, 10)))
+    gdal = [h for h in seen if 'X-Token' in h]  # (ds_seg's own requests for the version come first)
+    assert gdal and all(h['X-Token'] == 'abc' and h['X-Other'] == 'a,b' and h['If-Match'].startswith('"')
+                        for h in gdal), seen
 
 
 def test_urls_read_without_a_writable_home_and_caches_follow_ds_seg_cache(cogs, tmp_path, monkeypatch):
