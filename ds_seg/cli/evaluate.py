@@ -59,6 +59,9 @@ def save_confusion_png(cm, classes, path, exclude=()):
     plt.close(fig)
 
 
+PREVIEW_MARK = 'ds_seg evaluate.py preview'
+
+
 def save_preview_png(preview, classes, path, bands=None):
     """Image | label | prediction of one scene (decimated), ignore/nodata in black."""
     import matplotlib
@@ -85,7 +88,8 @@ def save_preview_png(preview, classes, path, bands=None):
         ax.axis('off')
     fig.suptitle(f'{os.path.basename(image)} (every {step}th pixel)')
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    # Marked as evaluate's own: an --overwrite run removes earlier ones of this mark only.
+    fig.savefig(path, dpi=90, metadata={'Software': PREVIEW_MARK})
     plt.close(fig)
 
 
@@ -260,12 +264,29 @@ def check_classes(args, classes, info, data_val=None):
 
 def remove_stale_previews(folder, written):
     """After an --overwrite run: the preview_<n>.png of an earlier evaluation of more scenes (or
-    with more --previews) would stay beside the new eval.json as if they were this run's."""
+    with more --previews) would stay beside the new eval.json as if they were this run's. Removed,
+    said aloud, when evaluate wrote them (their PNG mark); a file of the user's of that name stays."""
     import re
-    for name in os.listdir(folder):
+    for name in sorted(os.listdir(folder)):
         match = re.fullmatch(r'preview_(\d+)\.png', name)
-        if match and int(match.group(1)) >= written:
-            os.remove(os.path.join(folder, name))
+        if not match or int(match.group(1)) < written:
+            continue
+        path = os.path.join(folder, name)
+        if _written_by_evaluate(path):
+            os.remove(path)
+            print(f"[evaluate] removed {path}: an earlier evaluation's preview, not this one's "
+                  f"(--overwrite, and this run wrote {written})", flush=True)
+        else:
+            print(f"[evaluate] kept {path}: not a preview evaluate wrote, though named like one", flush=True)
+
+
+def _written_by_evaluate(path):
+    try:
+        from PIL import Image
+        with Image.open(path) as image:
+            return getattr(image, 'text', {}).get('Software') == PREVIEW_MARK
+    except Exception:  # unreadable, or no PNG at all: not one of ours
+        return False
 
 
 def check_ignore_index(ignore_index, classes):
@@ -358,7 +379,7 @@ def _run(args):
                       erode_boundary=args.erode, checkpoint=os.path.abspath(args.checkpoint),
                       checkpoint_read=info.get('source') or os.path.abspath(args.checkpoint),
                       step=info.get('step'),
-                      scenes=[p[0] for p in scene_pairs(scenes)],
+                      scenes=[p[0] for p in scene_pairs(scenes)], labels=[p[1] for p in scene_pairs(scenes)],
                       windows=result['windows'], world_size=distributed.world_size(),
                       settings=window_kwargs(args))
         with replaced_when_done(os.path.join(args.output, 'eval.json'), args.overwrite) as tmp, open(tmp, 'w') as f:

@@ -233,15 +233,44 @@ def expand_paths(spec, what, folders=False):
     return paths
 
 
+def _stems(paths):
+    """File names without folder, extension or URL query."""
+    return [os.path.splitext(os.path.basename(os.fspath(p).split('?')[0]))[0] for p in paths]
+
+
 def _name_keys(paths):
     """The part of each file name that varies along the list: the stems (no folder, extension or
     URL query) without what they all begin and end with. ``x1.tif, x10.tif`` -> ``1, 10``;
     ``x10_mask.tif, x1_mask.tif`` -> ``10, 1``."""
-    stems = [os.path.splitext(os.path.basename(os.fspath(p).split('?')[0]))[0] for p in paths]
-    prefix = os.path.commonprefix(stems)
-    rests = [s[len(prefix):] for s in stems]
+    rests = _name_rests(paths)
     suffix = os.path.commonprefix([r[::-1] for r in rests])[::-1]
     return [r[:len(r) - len(suffix)] for r in rests]
+
+
+def _name_rests(paths):
+    """The stems without what they all begin with: ``x1_mask, x10_mask, x2_lab`` -> ``1_mask,
+    10_mask, 2_lab``."""
+    stems = _stems(paths)
+    prefix = os.path.commonprefix(stems)
+    return [s[len(prefix):] for s in stems]
+
+
+def _char_class(c):
+    return 'digit' if c.isdigit() else 'letter' if c.isalpha() else None
+
+
+def _names_key(text, key):
+    """``key`` occurs in ``text`` as a whole token: not inside a longer run of digits or of
+    letters (``1`` names ``1_mask`` and ``a1b``, not ``10_mask``)."""
+    start = text.find(key) if key else -1
+    while start >= 0:
+        end = start + len(key)
+        before, after = text[start - 1:start], text[end:end + 1]
+        if all(not c or _char_class(c) is None or _char_class(c) != _char_class(k)
+               for c, k in ((before, key[0]), (after, key[-1]))):
+            return True
+        start = text.find(key, start + 1)
+    return False
 
 
 def pair_by_name(images, labels):
@@ -249,9 +278,12 @@ def pair_by_name(images, labels):
 
     Lists are paired by position, but a sorted glob orders ``x1, x10, x2`` and
     ``x10_mask, x1_mask, x2_mask`` differently: when the varying parts of the names
-    (:func:`_name_keys`) are the same set on both sides, labels are reordered to match. When only
-    some match, a label is missing or extra: refused, naming one of each. Names that share
-    nothing (``img_001`` with ``gt_a``) keep the position pairing."""
+    (:func:`_name_keys`) are the same set on both sides, labels are reordered to match. Else each
+    image's varying part is looked for, as a whole token, in the label names (less what they all
+    begin with): ``x2_lab`` is x2's label beside ``x1_mask, x10_mask``. One label per image, each
+    once: reordered to match; some matched and not all, or an image matching several labels: a
+    label is missing, extra or ambiguous, refused naming one of each. Names that share nothing
+    (``img_001`` with ``gt_a``) keep the position pairing."""
     if len(images) < 2 or len(set(labels)) < 2:  # one scene, or one vector file for all
         return labels
     image_keys, label_keys = _name_keys(images), _name_keys(labels)
@@ -260,13 +292,24 @@ def pair_by_name(images, labels):
     if set(image_keys) == set(label_keys):
         by_key = dict(zip(label_keys, labels))
         return [by_key[k] for k in image_keys]
-    unmatched_images = [i for i, k in zip(images, image_keys) if k not in set(label_keys)]
-    unmatched_labels = [lbl for lbl, k in zip(labels, label_keys) if k not in set(image_keys)]
-    if len(unmatched_images) < len(images):
-        raise DataError(f"images and labels are named alike but do not match one to one: image "
-                        f"{unmatched_images[0]!r} has no label named like it, and label {unmatched_labels[0]!r} "
-                        f"no image ({len(unmatched_images)} of {len(images)} unmatched); give one label per image")
-    return labels
+    rests = _name_rests(labels)
+    found = [[j for j, rest in enumerate(rests) if _names_key(rest, key)] for key in image_keys]
+    named = {j for js in found for j in js}
+    if not named:
+        return labels
+    if len(images) == len(labels) and all(len(js) == 1 for js in found) and len(named) == len(labels):
+        return [labels[js[0]] for js in found]
+    unmatched_images = [i for i, js in zip(images, found) if not js]
+    unmatched_labels = [lbl for j, lbl in enumerate(labels) if j not in named]
+    ambiguous = [(i, [labels[j] for j in js]) for i, js in zip(images, found) if len(js) > 1]
+    if ambiguous:  # (which explains an image left without one)
+        image, several = ambiguous[0]
+        raise DataError(f"images and labels are named alike but do not match one to one: image {image!r} is "
+                        f"named in labels {several[0]!r} and {several[1]!r}; give one label per image, named alike")
+    raise DataError(f"images and labels are named alike but do not match one to one: image "
+                    f"{unmatched_images[0]!r} has no label named like it"
+                    + (f", and label {unmatched_labels[0]!r} no image" if unmatched_labels else '')
+                    + f" ({len(unmatched_images)} of {len(images)} unmatched); give one label per image")
 
 
 def refuse_repeated_scenes(images, what, labels=None, dates=None):

@@ -292,6 +292,27 @@ def test_globs_that_sort_differently_are_paired_by_name(tmp_path):
         assert int(sample['label'].unique()) == int(sample['image'][0, 0, 0]) // 10
 
 
+def test_one_label_named_otherwise_still_pairs_by_name_not_by_position(tmp_path):
+    """x2's label named x2_lab beside x1_mask, x10_mask: the varying parts (1_mask, 10_mask, 2_lab
+    against 1, 10, 2) are not one set, and the pairing fell back to position: x1 with x10_mask and
+    x10 with x1_mask, scored and trained on without a word."""
+    images, labels = _tiles(tmp_path, ['x1.tif', 'x10.tif', 'x2.tif'], ['x1_mask.tif', 'x10_mask.tif', 'x2_lab.tif'],
+                            spacing=0)   # one grid for all: only the names can pair them
+    ds = GeoTiffScenes(images, labels, crop_size=32, classes=3, mode='grid', mean=[0] * 3, std=[1] * 3)
+    pairs = [(os.path.basename(s['image']), os.path.basename(s['label'])) for s in ds.scenes]
+    assert pairs == [('x1.tif', 'x1_mask.tif'), ('x10.tif', 'x10_mask.tif'), ('x2.tif', 'x2_lab.tif')]
+    for i in range(3):
+        sample = ds[i]
+        assert int(sample['label'].unique()) == int(sample['image'][0, 0, 0]) // 10
+
+
+def test_a_label_named_for_two_images_is_refused(tmp_path):
+    images, labels = _tiles(tmp_path, ['x1.tif', 'x2.tif', 'x3.tif'], ['x1_a.tif', 'x1_b.tif', 'x3_a.tif'], spacing=0)
+    with pytest.raises(DataError, match=r"image '.*x1.tif' is named in labels '.*x1_a.tif' and '.*x1_b.tif'; give "
+                                        r"one label per image"):
+        GeoTiffScenes(images, labels, crop_size=32, classes=3, mean=[0] * 3, std=[1] * 3)
+
+
 def test_names_that_match_only_in_part_are_refused_naming_one_of_each(tmp_path):
     images, labels = _tiles(tmp_path, ['x1.tif', 'x2.tif', 'x3.tif'], ['x1_mask.tif', 'x2_mask.tif', 'x4_mask.tif'])
     with pytest.raises(DataError) as err:

@@ -798,9 +798,22 @@ def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path)
     assert evaluate.main(common + ['--images', *[c[0] for c in copies], '--labels', *[c[1] for c in copies]]) == 0
     assert sorted(p.name for p in out.iterdir()) == ['confusion.png', 'eval.json', 'preview_0.png',
                                                      'preview_1.png', 'preview_2.png']
+    # A user's own files named like previews stay (they were all removed): a text file, and a
+    # real PNG of another program's.
+    (out / 'preview_12.png').write_bytes(b'mine')
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig = plt.figure()
+    fig.savefig(out / 'preview_5.png')
+    plt.close(fig)
+    mine = (out / 'preview_5.png').read_bytes()
     assert evaluate.main(common + ['--images', scene, '--labels', label, '--overwrite']) == 0
-    assert sorted(p.name for p in out.iterdir()) == ['confusion.png', 'eval.json', 'preview_0.png']
-    assert json.loads((out / 'eval.json').read_text())['scenes'] == [scene]
+    assert sorted(p.name for p in out.iterdir()) == ['confusion.png', 'eval.json', 'preview_0.png',
+                                                     'preview_12.png', 'preview_5.png']
+    assert (out / 'preview_12.png').read_bytes() == b'mine' and (out / 'preview_5.png').read_bytes() == mine
+    record = json.loads((out / 'eval.json').read_text())
+    assert record['scenes'] == [scene] and record['labels'] == [label]  # the pairing, to check afterwards
     other = tmp_path / 'other'
     other.mkdir()
     (other / 'preview_7.png').write_bytes(b'mine')
