@@ -272,6 +272,18 @@ def check_outputs(outputs, inputs, overwrite=False, option='--output'):
 _FILE_SUFFIXES = GEOTIFF_SUFFIXES + ('.png', '.jpg', '.jpeg', '.vrt', '.json', '.gpkg', '.geojson', '.fgb')
 
 
+def missing_folder(folder):
+    """Why ``folder`` (which is no folder) cannot be written into, in words: it does not exist,
+    or a file stands where it or a folder above it would be (``scene.tif/sub``)."""
+    folder = os.path.abspath(folder)
+    above = folder
+    while not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if os.path.exists(above) and not os.path.isdir(above):
+        return f'{above} is a file, not a folder: nothing can be written under it; choose another path'
+    return f'the folder {folder} does not exist; create it first'
+
+
 def check_output_folder(folder, option='--output'):
     if not folder.strip():  # '' failed after the model was loaded: "[Errno 2] No such file or directory: ''"
         raise ConfigError(f'{option} is empty; give a folder for the outputs.')
@@ -282,7 +294,7 @@ def check_output_folder(folder, option='--output'):
                           f'into; give a folder, e.g. {os.path.splitext(folder)[0]}/')
     parent = os.path.dirname(os.path.abspath(folder))
     if not os.path.isdir(parent):
-        raise ConfigError(f'{option}: the parent folder {parent} does not exist; create it first.')
+        raise ConfigError(f'{option}: {missing_folder(parent).replace("the folder", "the parent folder")}.')
 
 
 def user_path(text):
@@ -443,6 +455,9 @@ def replaced_when_done(path, overwrite=True):
         raise
 
 
+MAX_BLOCK = 4096  # px: the largest GeoTIFF tile (and block row) predict/evaluate write
+
+
 def check_window_options(tile, overlap, batch_size, block=None, tile_said=None):
     """``tile_said``: how the overlap's refusal names a tile the user did not give with --tile."""
     if tile < 16:
@@ -454,6 +469,11 @@ def check_window_options(tile, overlap, batch_size, block=None, tile_said=None):
         raise ConfigError(f'--batch-size must be at least 1, got {batch_size}.')
     if block is not None and (block < 16 or block % 16):
         raise ConfigError(f'--block must be a multiple of 16 (GeoTIFF tiles), got {block}.')
+    if block is not None and block > MAX_BLOCK:
+        # Every reader of the class map (GDAL, QGIS, this tool) decodes a whole tile at once: a
+        # 100000 px one took 10 GB to write a 384 px scene and as much to read it back.
+        raise ConfigError(f'--block {block}: GeoTIFF tiles (and the rows held before a write) of at most '
+                          f'{MAX_BLOCK} px; the default, 256, is what GDAL and QGIS read best.')
 
 
 def check_checkpoint_option(path, option='--checkpoint'):

@@ -412,8 +412,8 @@ def vector_outputs(vector, stems, output_dir, overwrite=False):
                               f"(gpkg, geojson or fgb) to write one file per input into --output")
         parent = os.path.dirname(os.path.abspath(vector))
         if not os.path.isdir(parent) and parent != os.path.abspath(output_dir):
-            raise ConfigError(f"--vector: the folder {parent} does not exist; create it first or write "
-                              f"into --output")
+            from .inputs import missing_folder
+            raise ConfigError(f"--vector: {missing_folder(parent)} (or write into --output)")
         paths = [vector]
     for p in paths:
         if os.path.isdir(p):

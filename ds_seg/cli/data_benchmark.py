@@ -76,7 +76,8 @@ def parse_args(argv=None):
         if not args.out or os.path.exists(args.out) or os.path.islink(args.out):
             p.error(f"--out {args.out!r}: {'already exists' if args.out else 'is empty'}; give a new file name")
         if not os.path.isdir(folder):
-            p.error(f"--out {args.out}: the folder {folder} does not exist; create it first")
+            from ds_seg.inputs import missing_folder
+            p.error(f"--out {args.out}: {missing_folder(folder)}")
     if args.latency_ms and not args.http:  # it delays the HTTP server's replies, and there would be none
         p.error(f'--latency-ms {args.latency_ms:g} delays the --http reads, which are not asked for; add --http')
     if args.cfg_options and not args.config:  # they would be dropped: the synthetic set has its own flags

@@ -21,7 +21,7 @@ import sys
 
 from ds_seg import deploy
 from ds_seg.engine import checkpoint
-from ds_seg.inputs import user_path, check_writable
+from ds_seg.inputs import check_writable, missing_folder, user_path
 
 
 def check_out(out):
@@ -31,7 +31,7 @@ def check_out(out):
         # 'exp/' names a folder even where none exists yet: its dirname check below would pass.
         raise ValueError(f'--out: {out} is a folder; give a file name (e.g. {os.path.join(out, "weights.pt")}).')
     if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise ValueError(f'--out: the folder {os.path.dirname(os.path.abspath(out))} does not exist; create it first.')
+        raise ValueError(f'--out: {missing_folder(os.path.dirname(os.path.abspath(out)))}.')
     deploy.refuse_existing(out, *deploy.card_paths(out))
     check_writable(os.path.dirname(os.path.abspath(out)), '--out')
 

@@ -47,10 +47,14 @@ def add_window_args(parser, tile_default=f'{DEFAULT_TILE}'):
     parser.add_argument('--tile', type=int, default=None, help=f'window size in pixels (default {tile_default})')
     parser.add_argument('--overlap', type=int, default=None, help='overlap of windows (default tile/4)')
     parser.add_argument('--batch-size', type=int, default=8, help='windows per forward call (default 8)')
-    parser.add_argument('--blend', choices=BLENDS, default='gaussian', help='blending of overlaps')
+    parser.add_argument('--blend', choices=BLENDS, default='gaussian',
+                        help="weights of overlapping windows: 'gaussian' (default) or 'linear' fall off towards a "
+                             "window's edges; 'none' weighs every pixel of a window alike")
     parser.add_argument('--tta', choices=sorted(TTA_FLIPS), default='none',
                         help="flip test-time augmentation: 'h' (2 forwards) or 'hv' (4)")
-    parser.add_argument('--block', type=int, default=256, help='GeoTIFF block / flush rows (default 256)')
+    parser.add_argument('--block', type=int, default=256,
+                        help='rows of the scene computed before they are written or scored, and the GeoTIFF '
+                             'tile size of outputs; a multiple of 16 up to 4096 (default 256)')
     parser.add_argument('--mean', type=float, nargs='+', default=None,
                         help='per-band mean of training (default: recorded in the checkpoint)')
     parser.add_argument('--std', type=float, nargs='+', default=None, help='per-band std of training')
@@ -418,7 +422,8 @@ def _run(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--checkpoint', type=user_path, required=True, help='weights file, step_* folder, checkpoints folder or work dir')
+    parser.add_argument('--checkpoint', type=user_path, required=True, help='weights file, step_* folder, checkpoints folder, work dir, or an .onnx export '
+                        '(run with onnxruntime on the CPU)')
     parser.add_argument('--input', type=user_path, nargs='+', required=True,
                         help='GeoTIFF scene(s), folders of them, or URLs; the dates of one scene '
                              'joined by commas (a time series model)')

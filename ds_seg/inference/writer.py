@@ -31,6 +31,10 @@ def _tab20():
     return [tuple(int(h[i:i + 2], 16) / 255 for i in (0, 2, 4)) for h in hexes]
 
 
+def _up16(n):
+    return -(-int(n) // 16) * 16
+
+
 class GeoTiffRowWriter:
     """A class-map GeoTIFF (and optionally a probabilities GeoTIFF) written block row by row.
 
@@ -63,8 +67,11 @@ class GeoTiffRowWriter:
             georef = dict(gcps=gcps, crs=gcp_crs)
         if whole and src_profile.get('rpcs'):
             georef['rpcs'] = src_profile['rpcs']
+        # Tiles no larger than the scene needs (rounded up to GeoTIFF's 16): a reader decodes a
+        # whole tile, and one of `block` px over a small scene cost its every reader that much.
+        tile = min(block, _up16(max(src_profile['width'], height)))
         common = dict(driver='GTiff', width=src_profile['width'], height=height, tiled=True,
-                      blockxsize=block, blockysize=block, compress='zstd', BIGTIFF='IF_SAFER', **georef)
+                      blockxsize=tile, blockysize=tile, compress='zstd', BIGTIFF='IF_SAFER', **georef)
         self.block = block
         self.dst = rasterio.open(path, 'w', count=1, dtype='uint8', nodata=CLASS_NODATA,
                                  photometric='PALETTE', **common)

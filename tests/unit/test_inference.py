@@ -564,6 +564,39 @@ def test_a_palette_image_and_band_zero_are_refused_with_what_to_do(tmp_path, cap
     assert not (tmp_path / 'out').exists()
 
 
+def test_a_huge_block_is_refused_and_tiles_never_exceed_the_scene(tmp_path, capsys):
+    """--block 100000 wrote one 100000 px tile for a 384 px scene: 10 GB to write it and as much for
+    every reader. Above 4096 px it is refused in one line; below, a scene smaller than the block
+    gets tiles of its own size (rounded up to 16), and the same classes."""
+    from ds_seg.cli import predict
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    common = ['--checkpoint', weights, '--input', scene, '--tile', '32', '--device', 'cpu']
+    assert predict.main(common + ['--output', str(tmp_path / 'huge'), '--block', '100000']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('predict: error: --block 100000: GeoTIFF tiles') and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / 'huge').exists()
+    classes = {}
+    for block in (4096, 32):
+        assert predict.main(common + ['--output', str(tmp_path / f'b{block}'), '--block', str(block)]) == 0
+        with rasterio.open(tmp_path / f'b{block}' / 'scene_classes.tif') as dst:
+            assert dst.block_shapes[0] == ((80, 80) if block == 4096 else (32, 32))   # 70 x 50 px scene
+            classes[block] = dst.read(1)
+    np.testing.assert_array_equal(classes[4096], classes[32])
+
+
+def test_an_output_under_a_file_says_the_file_is_in_the_way(tmp_path, capsys):
+    """--output scene.tif/sub said "the parent folder scene.tif does not exist; create it first",
+    which it did, as a file: creating it fails."""
+    from ds_seg.cli import evaluate, predict
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    said = f'{scene} is a file, not a folder: nothing can be written under it; choose another path'
+    assert predict.main(['--checkpoint', weights, '--input', scene, '--output', f'{scene}/sub/deeper']) == 2
+    assert evaluate.main(['--checkpoint', weights, '--images', scene, '--labels', label, '--output',
+                          f'{scene}/sub']) == 2
+    errs = capsys.readouterr().err.strip().splitlines()
+    assert len(errs) == 2 and all(said in e for e in errs), errs
+
+
 def test_a_png_scene_is_predicted_without_warning_lines(tmp_path):
     """A PNG has no georeferencing, which is fine for a class map: predict.py printed rasterio's
     NotGeoreferencedWarning (two lines each, with rasterio's source path) three times, which
