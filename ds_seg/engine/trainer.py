@@ -661,6 +661,15 @@ class Trainer:
             if refusal:  # the first step (or evaluation) would raise it
                 reason, size_is_the_fault = refusal
                 native = native_input_size(m)
+                # The segmentor pads a window to its backbone's deepest stride first: that padded
+                # size is what a model of one input size must be built for (img_size=100 failed on
+                # the 128 px the backbone saw, blamed on "one of its values").
+                divisor = getattr(getattr(model, 'backbone', None), 'size_divisor', 1) or 1
+                seen = -(-size // divisor) * divisor
+                if not size_is_the_fault and native is not None and native % divisor:
+                    raise ConfigError(f"model.img_size {native}: the backbone sees windows padded to a multiple of "
+                                      f"{divisor} (its deepest stride), so a model of one input size takes "
+                                      f"img_size={seen} for {size} px windows ({key} {size}).")
                 if not size_is_the_fault and (native is None or native == size or window_refusal(
                         model, self.train_set.in_channels, native, device='meta') is not None):
                     # It fails at its own size too: a value of the model's (base_channels=0, an
@@ -670,8 +679,9 @@ class Trainer:
                     raise ConfigError(f"model ({m.type}): fails on windows of every size ({reason}); one of "
                                       f"its values is at fault: {given or 'its defaults'}.")
                 advice = (f"use a larger {key.split()[0]}" if size_is_the_fault else
-                          f"a model of one fixed input size (a timm Swin, MLP-Mixer...) takes img_size={size} "
-                          "in the model config")
+                          f"a model of one fixed input size (a timm Swin, MLP-Mixer...) takes img_size={seen} "
+                          f"in the model config" + (f" (the {size} px window padded to a multiple of {divisor}, its "
+                                                   "deepest stride, as the backbone sees it)" if seen != size else ''))
                 raise ConfigError(f"{key} {size}: the model ({m.type}) cannot take {size}x{size} windows "
                                   f"({reason}); {advice}")
 

@@ -665,6 +665,23 @@ def test_training_refuses_a_model_of_one_fixed_input_size_before_any_step(tmp_pa
     trainer = Trainer(load_config(TINY_CONFIG, common + [f'model={dict(swin, img_size=64)!r}']), ds_config(0),
                       backend='ddp', work_dir=str(work))
     trainer.close()
+    # A crop that is no multiple of the deepest stride (32) is padded to one before the backbone
+    # sees it: img_size=100 for 100 px crops was advised, and then failed as "fails on windows of
+    # every size". The advice names the padded size; img_size=100 says why it cannot be.
+    common[-1] = 'data.crop_size=100'
+    with pytest.raises(ConfigError, match=r"^data.crop_size 100: .* takes img_size=128 in the model config \(the "
+                                          r"100 px window padded to a multiple of 32, its deepest stride, as the "
+                                          r"backbone sees it\)$"):
+        Trainer(load_config(TINY_CONFIG, common + [f'model={swin!r}']), ds_config(0), backend='ddp',
+                work_dir=str(work))
+    with pytest.raises(ConfigError, match=r"^model.img_size 100: the backbone sees windows padded to a multiple of "
+                                          r"32 \(its deepest stride\), so a model of one input size takes "
+                                          r"img_size=128 for 100 px windows \(data.crop_size 100\)\.$"):
+        Trainer(load_config(TINY_CONFIG, common + [f'model={dict(swin, img_size=100)!r}']), ds_config(0),
+                backend='ddp', work_dir=str(work))
+    trainer = Trainer(load_config(TINY_CONFIG, common + [f'model={dict(swin, img_size=128)!r}']), ds_config(0),
+                      backend='ddp', work_dir=str(work))
+    trainer.close()
 
 
 @pytest.mark.parametrize('program', ['predict', 'evaluate'])

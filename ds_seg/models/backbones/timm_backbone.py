@@ -18,18 +18,59 @@ from ..common import BACKBONES, run_block
 from ..pretrained import check_band_map, create_timm_model, load_pretrained, timm_state_dict
 
 
-def _original_key(key):
+def _wrapped_prefix(feature_net):
+    """``'model.'`` or ``'body.'`` where timm's feature wrapper holds the classification model
+    whole under that name (FeatureGetterNet; FeatureHookNet of PiT, NASNet, Xception), else None."""
+    children = [name for name, _ in feature_net.named_children()]
+    if type(feature_net).__name__ in ('FeatureGetterNet', 'FeatureHookNet') and len(children) == 1:
+        return children[0] + '.'
+    return None
+
+
+def _original_key(key, flattened=None, prefix='model.'):
     """A key of timm's feature wrapper -> the classification model's key: FeatureListNet flattens
-    ``stages.0`` into ``stages_0``; FeatureGetterNet (ViT, DeiT, DINOv2, EVA) holds the model as
-    ``model.``."""
-    if key.startswith('model.'):
-        return key[len('model.'):]
+    a top-level Sequential's children into names of their own (``stages.0`` -> ``stages_0``,
+    ``stem.conv1`` -> ``stem_conv1``, ``features.conv0`` -> ``features_conv0``); ``flattened``
+    ({flat name: dotted path}, :func:`_flattened_names`) undoes that exactly (a name it lacks is the
+    classifier's own: inception_resnet_v2's ``repeat_1``); unknown (None), a trailing ``_N`` is
+    taken for ``.N``. A wrapper holding the model whole (:func:`_wrapped_prefix`) adds ``prefix``."""
+    if prefix and key.startswith(prefix):
+        return key[len(prefix):]
     head, _, rest = key.partition('.')
+    if flattened is not None:
+        return f'{flattened[head]}.{rest}' if head in flattened else key
     match = re.fullmatch(r'(.+)_(\d+)', head)
     return f'{match[1]}.{match[2]}.{rest}' if match else key
 
 
-def _pruned_by_wrapper(feature_net, classifier_name=None):
+def _classifier(name):
+    """timm's classification model ``name`` on the meta device (no memory, no weights), or None."""
+    import timm
+    import torch
+    try:
+        with torch.device('meta'):
+            return timm.create_model(name, pretrained=False)
+    except Exception:  # not buildable so: judged without it
+        return None
+
+
+def _flattened_names(classifier):
+    """{flat name: dotted path} of the modules timm's FeatureListNet renames when it flattens the
+    classifier's top-level Sequentials (timm's own ``_module_list``), None where unknown."""
+    if classifier is None:
+        return None
+    try:
+        from timm.models._features import _module_list
+    except ImportError:
+        return None
+    # A flat name that is also one of the classifier's own (inception_resnet_v2's repeat_1, beside
+    # its Sequential repeat) is that module: timm flattens such models' features not at all.
+    own = {name for name, _ in classifier.named_children()}
+    return {flat: dotted for flat, dotted, _ in _module_list(classifier, flatten_sequential=True)
+            if flat != dotted and flat not in own}
+
+
+def _pruned_by_wrapper(feature_net, whole=None, flattened=None):
     """A predicate on a pretrained file's keys: True for tensors of the parts timm's feature
     wrapper removed (everything after the last feature stage: final norm, classifier, later
     stages). A tensor under a part the wrapper kept but which the model lacks is not excused."""
@@ -47,19 +88,16 @@ def _pruned_by_wrapper(feature_net, classifier_name=None):
     # after the last feature level). A tensor under a part it kept must land in the model: judged
     # per module instead, a file of a richer architecture (seresnet18's squeeze-excitation
     # tensors into resnet18) lost those tensors without a word.
-    units = tuple(_original_key(f'{name}.x')[:-2] for name, _ in feature_net.named_children())
+    prefix = _wrapped_prefix(feature_net)
+    holder = getattr(feature_net, prefix[:-1]) if prefix else feature_net
+    # (Parts that hold no tensor, a classifier reset to an Identity, take none of the file's.)
+    units = tuple(name if prefix else _original_key(f'{name}.x', flattened)[:-2]
+                  for name, module in holder.named_children() if next(iter(module.state_dict()), None))
     # What it dropped are the classifier's other top-level parts; a tensor under none of them
-    # (a stray 'extra.weight', another model's part) lands nowhere and is refused by name.
-    dropped = None
-    if classifier_name is not None:
-        import timm
-        import torch
-        try:
-            with torch.device('meta'):
-                whole = timm.create_model(classifier_name, pretrained=False)
-            dropped = tuple(n for n, _ in whole.named_children() if n not in units)
-        except Exception:  # not buildable on the meta device: judged by the kept parts alone
-            dropped = None
+    # (a stray 'extra.weight', another model's part) lands nowhere and is refused by name. (A
+    # classifier not buildable on the meta device: judged by the kept parts alone.)
+    # (A flattened Sequential is one of them by its own name: its children after the last kept one.)
+    dropped = None if whole is None else tuple(n for n, _ in whole.named_children() if n not in units)
 
     def pruned(key):
         if any(key == unit or key.startswith(f'{unit}.') for unit in units):
@@ -136,9 +174,11 @@ class TimmBackbone(nn.Module):
             source = timm_state_dict(name) if pretrained is True else pretrained
             # The layer that takes the bands: the model's first 4-d weight (ds_shape: ZeRO-3 partitioned).
             first = next(n for n, p in self.model.named_parameters() if len(getattr(p, 'ds_shape', p.shape)) == 4)
-            load_pretrained(self.model, source, rename=_original_key,
-                            allow_unused=_pruned_by_wrapper(self.model, name), band_map=band_map,
-                            input_key=_original_key(first), where=f'{name} pretrained')
+            whole = _classifier(name)
+            flattened, prefix = _flattened_names(whole), _wrapped_prefix(self.model)
+            load_pretrained(self.model, source, rename=lambda key: _original_key(key, flattened, prefix),
+                            allow_unused=_pruned_by_wrapper(self.model, whole, flattened), band_map=band_map,
+                            input_key=_original_key(first, flattened, prefix), where=f'{name} pretrained')
 
     def _checkpoint_units(self):
         """(name, module) pairs to checkpoint one by one: the blocks of sequential stages, the other
