@@ -332,8 +332,27 @@ class RunLog:
         if self.tensorboard:
             for tag, value in scalars.items():
                 self._writer().add_scalar(tag, value, step)
-        for tracker in self.trackers:
-            tracker.scalars({tag: float(value) for tag, value in scalars.items()}, step)
+        self._to_trackers('scalars', {tag: float(value) for tag, value in scalars.items()}, step)
+
+    def _to_trackers(self, method, *args):
+        """``tracker.method(*args)`` for each tracker. One that fails (its server went away, its
+        store was deleted) is said in one line and dropped for the rest of the run: the work dir's
+        logs and TensorBoard keep every step, and a logging service is no reason to lose the
+        training since the last checkpoint."""
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as exc:
+                self.trackers.remove(tracker)
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                said = ('could not close its run' if method == 'close' else
+                        'failed; it is left out for the rest of this run')
+                print(f"[ds_seg] warning: {tracker.NAME} {said} ({first}); metrics.jsonl, eval.jsonl and TensorBoard "
+                      f"in {self.work_dir} keep every step", flush=True)
+                try:
+                    tracker.close('error')
+                except Exception:  # the same failure again: the run there stays as it is
+                    pass
 
     def eval(self, record):
         if not self.enabled:
@@ -359,11 +378,8 @@ class RunLog:
                 if os.path.exists(tmp):
                     os.remove(tmp)  # no temporary file left behind on a full disk
                 raise
-            for tracker in self.trackers:
-                if name == 'config.json':
-                    tracker.config(obj)
-                elif name == 'summary.json':
-                    tracker.summary(obj)
+            if name in ('config.json', 'summary.json'):
+                self._to_trackers('config' if name == 'config.json' else 'summary', obj)
 
     def close(self, exit_reason=None):
         """``exit_reason``: how the run ended (Trainer.exit_reason), the trackers' run status."""
@@ -373,8 +389,7 @@ class RunLog:
         self.close_trackers(exit_reason)
 
     def close_trackers(self, exit_reason):
-        for tracker in self.trackers:
-            tracker.close(exit_reason)
+        self._to_trackers('close', exit_reason)
         self.trackers = []
 
 

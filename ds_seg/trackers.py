@@ -38,6 +38,73 @@ def _numeric(record, prefix):
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'step'}
 
 
+def _check_server_answers(uri, timeout_s=10):
+    """An http(s) tracking server that nothing listens at (or that never accepts) is one line at
+    once: MLflow's client retries for about 4 minutes before its error, in silence."""
+    import socket
+    from urllib.parse import urlsplit
+    parts = urlsplit(uri)
+    if parts.scheme not in ('http', 'https') or not parts.hostname:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == 'https' else 80)
+    except ValueError:
+        raise ConfigError(f"log.mlflow_tracking_uri {uri!r}: not a valid port; give http://host:port") from None
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = 'no answer within %g s' % timeout_s if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise ConfigError(f"log.mlflow_tracking_uri {uri}: no tracking server at {parts.hostname}:{port} ({reason}); "
+                          "start it (mlflow server), or give a file:// folder") from None
+
+
+def _follow_moved_store(root):
+    """The default store (``<work dir>/mlruns``) of a work dir that was moved: MLflow's file store
+    records absolute artifact locations, so the resumed run's artifacts went to the old place
+    (re-created there, or a NotADirectoryError where a file now stands). Its experiments and runs
+    are pointed at where the store is now; a store of the user's own (a configured URI) is not
+    touched."""
+    import pathlib
+
+    import yaml
+    if not os.path.isdir(root):
+        return
+    new = pathlib.Path(os.path.abspath(root)).as_uri()
+    for experiment in sorted(os.listdir(root)):
+        folder = os.path.join(root, experiment)
+        meta = _read_meta(os.path.join(folder, 'meta.yaml'))
+        location = meta.get('artifact_location') if meta else None
+        if not isinstance(location, str) or not location.endswith('/' + experiment):
+            continue
+        old = location[:-len('/' + experiment)]
+        if old == new:
+            continue
+        metas = [os.path.join(folder, 'meta.yaml')] + [os.path.join(folder, run, 'meta.yaml')
+                                                       for run in sorted(os.listdir(folder))]
+        for path in metas:
+            meta = _read_meta(path)
+            if not meta:
+                continue
+            for key in ('artifact_location', 'artifact_uri'):
+                value = meta.get(key)
+                if isinstance(value, str) and (value == old or value.startswith(old + '/')):
+                    meta[key] = new + value[len(old):]
+            tmp = path + '.ds_seg-tmp'
+            with open(tmp, 'w') as f:
+                yaml.safe_dump(meta, f, default_flow_style=False, allow_unicode=True)
+            os.replace(tmp, path)
+
+
+def _read_meta(path):
+    import yaml
+    try:
+        with open(path) as f:
+            meta = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 class MLflowTracker:
     """One MLflow run per training run: a resumed run (a requeued job, ``--resume auto``) logs on
     to the MLflow run its earlier steps went to, recorded in the work dir's ``trackers.json``."""
@@ -52,6 +119,9 @@ class MLflowTracker:
         self.mlflow = mlflow
         configured = log_cfg.get('mlflow_tracking_uri')
         uri = configured or 'file://' + os.path.abspath(os.path.join(work_dir, 'mlruns'))
+        _check_server_answers(uri)
+        if not configured:
+            _follow_moved_store(os.path.join(work_dir, 'mlruns'))
         if uri.startswith('file:') or '://' not in uri:
             # MLflow 3 refuses its file store unless opted in; a file URI here is the user's choice
             # (or our no-server default), and it needs no database packages.
@@ -157,6 +227,9 @@ def check_trackers(log_cfg):
     unknown = [n for n in names if n not in KNOWN]
     if unknown:
         raise ConfigError(f"log.trackers: {unknown} unknown; known trackers: {', '.join(KNOWN)}.")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # a second MLflow run in the same process failed as "Run ... is already active"
+        raise ConfigError(f"log.trackers names {', '.join(map(repr, twice))} twice; name each tracker once.")
     return names
 
 

@@ -171,6 +171,58 @@ def test_unknown_tracker_is_refused_naming_the_known_ones():
         check_trackers(dict(trackers=['tensorbord']))
 
 
+def test_a_tracker_named_twice_or_a_server_nobody_runs_is_one_line_at_once():
+    """log.trackers=['mlflow', 'mlflow'] failed as "Run ... is already active" after starting a run;
+    an http tracking URI where no server listens took MLflow's 4 minutes of retries to say so."""
+    import time
+
+    from ds_seg.config import ConfigError
+    from ds_seg.trackers import MLflowTracker, check_trackers
+    with pytest.raises(ConfigError, match="^log.trackers names 'mlflow' twice; name each tracker once.$"):
+        check_trackers(dict(trackers=['mlflow', 'tensorboard', 'mlflow']))
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"^log.mlflow_tracking_uri http://127.0.0.1:9: no tracking server at "
+                                          r"127.0.0.1:9 \(Connection refused\); start it"):
+        MLflowTracker(dict(mlflow_tracking_uri='http://127.0.0.1:9'), '/nonexistent', 'x')
+    assert time.monotonic() - t0 < 15
+
+
+def _mlflow_store_lost_mid_run(tmp):
+    """A 6-step run whose MLflow store is deleted after step 3 (a server restarted without its
+    data, a store cleaned up): (summary, metrics.jsonl steps, what the run printed)."""
+    import contextlib
+    import io
+    import shutil
+
+    from ds_seg.engine.trainer import Trainer
+    store = os.path.join(tmp, 'mlruns')
+    cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=6, eval_interval=6)
+    cfg.merge_from_dict({'log': dict(trackers=['tensorboard', 'mlflow'], mlflow_tracking_uri='file://' + store)})
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer = Trainer(cfg, ds_config(0, micro_batch=2), work_dir=os.path.join(tmp, 'run'))
+        real_step = trainer.train_step
+
+        def train_step(want_grad_norm=False):
+            if trainer.step == 3:
+                shutil.rmtree(store)
+            return real_step(want_grad_norm=want_grad_norm)
+        trainer.train_step = train_step
+        summary = fit_and_close(trainer)
+    return summary, [r['step'] for r in read_jsonl(os.path.join(tmp, 'run', 'metrics.jsonl'))], out.getvalue()
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_and_training_goes_on(tmp_path):
+    """The MLflow run's store went away at step 3: the next log step raised MlflowException, the
+    tracker's close raised it again, and the run died with three tracebacks (exit 1, the steps since
+    the last checkpoint lost). Now one line, and the run completes with every step in its logs."""
+    summary, steps, out = run_on_ranks(_mlflow_store_lost_mid_run, 1, args=(str(tmp_path),), timeout=240)[0]
+    assert summary['exit_reason'] == 'completed' and summary['steps'] == 6 and steps == [1, 2, 3, 4, 5, 6]
+    warnings = [line for line in out.splitlines() if 'warning: mlflow' in line]
+    assert len(warnings) == 1 and 'failed; it is left out for the rest of this run' in warnings[0], out[-3000:]
+    assert 'Traceback' not in out
+
+
 def _preempted_then_resumed(tmp, uri):
     """A run SIGUSR1 stops at step 3 (a checkpoint, exit 75), then ``--resume auto`` to step 5:
     the MLflow runs with their status and loss history, and each pass's W&B run id."""
@@ -237,13 +289,20 @@ def test_trackers_json_keeps_runs_of_a_pass_without_them_and_follows_a_moved_wor
         log.close('preempted')
     assert ids[0]['mlflow']['run_id'] == ids[1]['mlflow']['run_id'] == ids[2]['mlflow']['run_id']
     assert ids[1]['wandb'] == ids[0]['wandb'] and ids[2]['wandb']['id'] == ids[0]['wandb']['id']
-    moved = tmp_path / 'moved'
+    moved = tmp_path / 'moved ü "q"'   # (MLflow's file store writes such a path percent-encoded)
     shutil.copytree(first, moved)
     shutil.rmtree(first)
+    first.write_text('a file where the work dir was')
     log = RunLog(str(moved), enabled=True)
     log.trackers = build_trackers(dict(trackers=['mlflow']), str(moved), 'run', earlier=log.tracker_runs())
     assert log.trackers[0].run.info.run_id == ids[0]['mlflow']['run_id'] and log.trackers[0].resumed
+    # The artifacts of the resumed run go to the moved store: MLflow's file store had recorded the
+    # old absolute place (a NotADirectoryError here, a folder re-created there where it could be).
+    log.write_json('summary.json', {'steps': 7})
     log.close('completed')
+    assert first.read_text() == 'a file where the work dir was'
+    written = glob.glob(str(moved / 'mlruns' / '*' / ids[0]['mlflow']['run_id'] / 'artifacts' / 'summary.json'))
+    assert len(written) == 1 and json.load(open(written[0]))['steps'] == 7
 
 
 def _refused_rollback(tmp):
