@@ -283,9 +283,11 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
 
     def adapt(key, tensor, shape):
         if key == first_conv and tensor.dim() == 4 and tensor.shape[0] == shape[0] and tensor.shape[2:] == shape[2:]:
-            if 3 < tensor.shape[1] and shape[1] < tensor.shape[1]:
+            if tensor.shape[1] not in (1, 3) and shape[1] != tensor.shape[1]:
                 # Which of a multispectral file's bands the data holds cannot be guessed: their
-                # mean filter for every band threw the colour information away without a word.
+                # mean filter for every band threw the colour information away without a word,
+                # and on more data bands (a 6-band HLS file on 13-band Sentinel-2) its filters went
+                # to the first data bands by position. Only RGB (and grey) weights adapt by rule.
                 how = (f"say which file band each data band is: {band_map_option}=[...] ({shape[1]} file band "
                        "indices from 0, or None)" if band_map_option else
                        f"this model takes no band_map: give a file of RGB or {shape[1]}-band weights")

@@ -375,8 +375,12 @@ def test_a_multispectral_cnn_file_needs_a_band_map_and_takes_one(tmp_path):
     assert torch.equal(model.backbone.model.conv1.weight, src.conv1.weight[:, [2, 1, 0]])
     with pytest.raises(ConfigError, match='band_map maps the bands of a pretrained file'):
         build(MODELS, dict(cfg, pretrained=False, band_map=[2, 1, 0]))
-    wider = build(MODELS, dict(cfg, in_channels=6))  # more data bands than the file's: the first kept
-    assert torch.equal(wider.backbone.model.conv1.weight[:, :4], src.conv1.weight * (4 / 6))
+    # More data bands than the file's: which they are cannot be guessed either (its four filters
+    # went to the first four data bands by position); band_map says it.
+    with pytest.raises(ConfigError, match=r"takes 4 bands, the data has 6; .*model\.band_map=\[\.\.\.\]"):
+        build(MODELS, dict(cfg, in_channels=6))
+    wider = build(MODELS, dict(cfg, in_channels=6, band_map=[0, 1, 2, 3, None, None]))
+    assert torch.equal(wider.backbone.model.conv1.weight[:, :4], src.conv1.weight)
 
 
 @pytest.mark.parametrize('backbone', ['convnext_atto', 'efficientnet_b0'])
@@ -429,6 +433,15 @@ def test_dilated_cnns_keep_their_pyramid_and_band_mapped_models_load_for_predict
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
     with pytest.raises(ConfigError, match=r"first layer conv1.weight takes 6 bands, the data has 4; .*model\.band_map"):
         build(MODELS, dict(type='DeepLabV3Plus', backbone='resnet18', in_channels=4, pretrained=six, channels=16))
+    # On more data bands than the file's 6 (13-band Sentinel-2) its filters went to data bands 1-6 by
+    # position, without a word; a 2-band (SAR) file likewise on 3 bands. Only RGB and grey adapt.
+    with pytest.raises(ConfigError, match=r"first layer conv1.weight takes 6 bands, the data has 13; .*model\.band_map"):
+        build(MODELS, dict(type='UperNet', backbone='resnet18', in_channels=13, pretrained=six, channels=16))
+    two = _save(tmp_path, timm.create_model('resnet18', in_chans=2, pretrained=False), 'two.pth')
+    with pytest.raises(ConfigError, match=r"first layer conv1.weight takes 2 bands, the data has 3; .*model\.band_map"):
+        build(MODELS, dict(type='UperNet', backbone='resnet18', in_channels=3, pretrained=two, channels=16))
+    build(MODELS, dict(type='UperNet', backbone='resnet18', in_channels=13, pretrained=six, channels=16,
+                       band_map=[0, 1, 2, 3, 4, 5] + [None] * 7))
     dlv3 = build(MODELS, dict(type='DeepLabV3Plus', backbone='resnet18', in_channels=4, pretrained=six,
                               band_map=[0, 1, 2, 5], channels=16))
     source = torch.load(six)
