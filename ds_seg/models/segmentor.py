@@ -9,12 +9,11 @@ instead; :func:`ds_seg.models.losses.segmentation_loss` adds the weighted auxili
 A registered model may carry ``variants`` (label -> kwargs): the presets ``launch/models.py``
 lists.
 """
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..registry import MODELS, build
 from .common import BACKBONES, HEADS, resize
+from .padding import crop_padding, pad_to_multiple
 
 
 @MODELS.register_module()
@@ -60,28 +59,15 @@ class Segmentor(nn.Module):
         return build(HEADS, cfg, where=where, in_channels=channels, num_classes=self.num_classes)
 
     def forward(self, images_BCHW):
-        H, W = images_BCHW.shape[-2:]
-        divisor = getattr(self.backbone, 'size_divisor', 1)
         # Pad bottom/right to the encoder's multiple and crop the logits back: exact at any size.
-        # An exported graph always pads (by 0 at a multiple), so it stays exact at every size.
-        pad_h, pad_w = -H % divisor, -W % divisor
-        if torch.compiler.is_exporting() or pad_h or pad_w:
-            images_BCHW = F.pad(images_BCHW, (0, pad_w, 0, pad_h))
+        images_BCHW, pad_h, pad_w = pad_to_multiple(images_BCHW, getattr(self.backbone, 'size_divisor', 1))
         size = images_BCHW.shape[-2:]
         features = self.backbone(images_BCHW)
-        logits_BKHW = _crop(resize(self.decode_head(features), size), pad_h, pad_w)
+        logits_BKHW = crop_padding(resize(self.decode_head(features), size), pad_h, pad_w)
         if self.aux_head is None or not self.training:
             return logits_BKHW
-        aux_BKHW = _crop(resize(self.aux_head(features), size), pad_h, pad_w)
+        aux_BKHW = crop_padding(resize(self.aux_head(features), size), pad_h, pad_w)
         return {'logits': logits_BKHW, 'aux': [(self.aux_weight, aux_BKHW)]}
-
-
-def _crop(x_BKHW, pad_h, pad_w):
-    """Drop the padded bottom rows and right columns. Exported, as a negative pad: a slice's
-    "is it the whole dimension" check would bind the graph to the traced size's divisibility."""
-    if torch.compiler.is_exporting():
-        return F.pad(x_BKHW, (0, -pad_w, 0, -pad_h))
-    return x_BKHW[..., :x_BKHW.shape[-2] - pad_h, :x_BKHW.shape[-1] - pad_w]
 
 
 def _aux(aux_head, in_index=-2, channels=256):

@@ -21,6 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_seg.registry import MODELS
 
+from .padding import crop_padding, pad_to_multiple
+
 
 class DoubleConv(nn.Sequential):
     """(conv3x3 -> BN -> ReLU) x 2; the convs have no bias because BN's shift replaces it."""
@@ -160,13 +162,16 @@ class UNet(nn.Module):
         return block(*inputs)
 
     def forward(self, images_BCHW):
+        # Padded to a multiple of 2**depth (as the segmentors pad to their encoder's): a window
+        # smaller than that (a 5 x 300 strip, 1 x 1) pooled to nothing, "Output size is too small".
+        images_BCHW, pad_h, pad_w = pad_to_multiple(images_BCHW, 2 ** len(self.downs))
         skips = [self._run(self.inc, images_BCHW)]
         for down in self.downs:
             skips.append(self._run(down, skips[-1]))
         x_BCHW = skips.pop()
         for up in self.ups:
             x_BCHW = self._run(up, x_BCHW, skips.pop())
-        return self.outc(x_BCHW)
+        return crop_padding(self.outc(x_BCHW), pad_h, pad_w)
 
 
 @MODELS.register_module()

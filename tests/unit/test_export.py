@@ -101,8 +101,10 @@ def test_torch_export_program_runs_at_another_size(weights):
         for size in ((64, 64), (64, 101), (77, 64)):
             x = torch.randn(1, 3, *size)
             assert (program(x) - model(x)).abs().max() < 1e-4
-        with pytest.raises(Exception, match='Guard failed'):
-            program(torch.randn(1, 3, 100, 60))
+        # Below min_size a program may fail torch's shape guards (this one did at 100 x 60 before the
+        # segmentor padded SegFormer's inputs to 32); it holds there now.
+        x = torch.randn(1, 3, 100, 60)
+        assert (program(x) - model(x)).abs().max() < 1e-4
     assert 'input size: from 64 x 64 px (H x W) up' in open(str(tmp / 'segformer.pt2.card.md')).read()
 
 

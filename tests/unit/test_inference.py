@@ -475,13 +475,35 @@ def _cli_files(tmp_path, model_type, **model_kwargs):
     return weights, scene, label
 
 
+def _register_min_size_net():
+    """A model that, like SegFormer before the segmentor padded its inputs, cannot take windows
+    under 32 px (every shipped model takes any size now): what the window checks exist for."""
+    from torch import nn
+
+    from ds_seg.registry import MODELS
+
+    class MinSizeNet(nn.Module):
+        def __init__(self, in_channels=3, num_classes=K):
+            super().__init__()
+            self.conv = nn.Conv2d(in_channels, num_classes, 1)
+
+        def forward(self, images_BCHW):
+            if min(images_BCHW.shape[-2:]) < 32:
+                raise RuntimeError(f'Calculated padded input size per channel: {tuple(images_BCHW.shape[-2:])}. '
+                                   'Kernel size: (32 x 32)')
+            return self.conv(images_BCHW)
+    MODELS.register_module(name='MinSizeNet', module=MinSizeNet, force=True)
+
+
 @pytest.mark.parametrize('program', ['predict', 'evaluate'])
 def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, capsys, program):
-    """SegFormer's attention reduction needs windows of at least 32 px: --tile 24 was a torch
-    traceback at the first window (after earlier scenes of the list were written); now one line
-    naming --tile and the model, before anything is written. 32 px works."""
+    """A model that needs windows of at least 32 px (SegFormer's attention reduction did): --tile 24
+    was a torch traceback at the first window (after earlier scenes of the list were written); now
+    one line naming --tile and the model, before anything is written. 32 px works, and SegFormer
+    itself, whose inputs are padded to 32 now, takes 24."""
     from ds_seg.cli import evaluate, predict
-    weights, scene, label = _cli_files(tmp_path, 'SegFormerTiny')
+    _register_min_size_net()
+    weights, scene, label = _cli_files(tmp_path, 'MinSizeNet')
     out = str(tmp_path / 'out')
 
     def run(tile):
@@ -493,9 +515,13 @@ def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, cap
     assert run(24) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and 'Traceback' not in err, err
-    assert err.startswith(f'{program}: error: --tile 24: the model (SegFormerTiny) cannot take 24x24 windows'), err
+    assert err.startswith(f'{program}: error: --tile 24: the model (MinSizeNet) cannot take 24x24 windows'), err
     assert not os.path.exists(out)
     assert run(32) == 0
+    (tmp_path / 'segformer').mkdir()
+    weights, scene, label = _cli_files(tmp_path / 'segformer', 'SegFormerTiny')
+    out = str(tmp_path / 'segformer' / 'out')
+    assert run(24) == 0
 
 
 @pytest.mark.parametrize('args, message', [
@@ -624,22 +650,29 @@ def test_a_png_scene_is_predicted_without_warning_lines(tmp_path):
 @pytest.mark.parametrize('option, key', [('data.eval_tile=24', 'data.eval_tile 24'),
                                          ('data.crop_size=24', 'data.crop_size 24')])
 def test_training_refuses_windows_the_model_cannot_take_before_any_step(tmp_path, option, key):
-    """SegFormerTiny with 24 px evaluation windows trained every step and then died with a torch
-    traceback at the first periodic evaluation, no checkpoint written (24 px crops: at the first
-    step). Now one line naming the key, before the work dir is made. 32 px trains."""
+    """A model that needs 32 px windows (SegFormerTiny did) with 24 px evaluation windows trained
+    every step and then died with a torch traceback at the first periodic evaluation, no
+    checkpoint written (24 px crops: at the first step). Now one line naming the key, before the
+    work dir is made. 32 px trains; SegFormerTiny, padded to 32 now, takes 24."""
     from ds_seg.config import ConfigError, load_config
     from ds_seg.engine.trainer import Trainer
     from tests.tiny import TINY_CONFIG, ds_config
+    _register_min_size_net()
     cache = str(tmp_path / 'cache')
     common = [f'data.train.cache_dir={cache!r}', f'data.val.cache_dir={cache!r}', 'data.num_workers=0',
-              f'model={dict(type="SegFormerTiny", in_channels=3, num_classes=6)!r}', 'data.eval_overlap=0']
+              'data.eval_overlap=0']
+    model = [f'model={dict(type="MinSizeNet", in_channels=3, num_classes=6)!r}']
     work = tmp_path / 'work'
-    with pytest.raises(ConfigError, match=rf'^{key}: the model \(SegFormerTiny\) cannot take 24x24 windows .*'
+    with pytest.raises(ConfigError, match=rf'^{key}: the model \(MinSizeNet\) cannot take 24x24 windows .*'
                                           rf'use a larger {key.split()[0]}$'):
-        Trainer(load_config(TINY_CONFIG, common + [option]), ds_config(0), backend='ddp', work_dir=str(work))
+        Trainer(load_config(TINY_CONFIG, common + model + [option]), ds_config(0), backend='ddp', work_dir=str(work))
     assert not work.exists()
-    trainer = Trainer(load_config(TINY_CONFIG, common + ['data.crop_size=32', 'data.eval_tile=32']), ds_config(0),
-                      backend='ddp', work_dir=str(work))
+    trainer = Trainer(load_config(TINY_CONFIG, common + model + ['data.crop_size=32', 'data.eval_tile=32']),
+                      ds_config(0), backend='ddp', work_dir=str(work))
+    trainer.close()
+    segformer = [f'model={dict(type="SegFormerTiny", in_channels=3, num_classes=6)!r}']
+    trainer = Trainer(load_config(TINY_CONFIG, common + segformer + [option]), ds_config(0), backend='ddp',
+                      work_dir=str(tmp_path / 'segformer'))
     trainer.close()
 
 

@@ -30,7 +30,7 @@ def test_unet_parameter_count_matches_milesial_reference():
 
 @pytest.mark.parametrize('name', UNET_NAMES)
 @pytest.mark.parametrize('bilinear', [False, True])
-@pytest.mark.parametrize('size', [(64, 64), (70, 90), (33, 47)])
+@pytest.mark.parametrize('size', [(64, 64), (70, 90), (33, 47), (1, 1), (5, 300)])
 def test_output_is_logits_at_input_resolution(name, bilinear, size):
     model = make(name, num_classes=5, bilinear=bilinear).eval()
     with torch.no_grad():

@@ -36,7 +36,7 @@ def test_every_family_has_a_tiny_variant():
 
 
 @pytest.mark.parametrize('name', TINY)
-@pytest.mark.parametrize('size', [(64, 64), (70, 45), (33, 47)])
+@pytest.mark.parametrize('size', [(64, 64), (70, 45), (33, 47), (1, 1), (5, 300), (17, 23)])
 def test_logits_at_input_resolution(name, size):
     model = make(name, num_classes=5, aux_head=True)
     with torch.no_grad():

@@ -120,7 +120,9 @@ class MixTransformer(nn.Module):
             raise ValueError(f'MixTransformer variant {variant!r} is unknown; known: {", ".join(MIT_PRESETS)}.')
         arch = MIT_PRESETS[variant]
         self.activation_checkpointing = activation_checkpointing
-        self.size_divisor = 1
+        # Padded by the segmentor to its deepest stride, as mmseg pads SegFormer's inputs: below 32 px
+        # the first stage's attention reduction (an 8 x 8 convolution at stride 4) had no room.
+        self.size_divisor = 32
         self.out_channels = list(arch['embed_dims'])
         self.strides = [4, 8, 16, 32]
         rates = iter(linspace(drop_path_rate, sum(arch['depths'])))
