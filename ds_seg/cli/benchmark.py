@@ -145,7 +145,9 @@ def derived_ds_config(name, micro_batch, total_steps, precision, on_gpu, ds_cpu_
     sched = ds.get('scheduler', {}).get('params', {})
     if 'warmup_num_steps' in sched:  # the LR schedule must fit the (short) benchmark run
         sched['warmup_num_steps'] = min(sched['warmup_num_steps'], max(1, total_steps // 4))
-        sched['total_num_steps'] = total_steps
+        # Its length follows the run's train.max_steps, as a training run's does: given here, a run
+        # of 1 step (--steps 1 --warmup 0) was refused for a warmup this file had set to 1.
+        sched.pop('total_num_steps', None)
     if precision != 'json':
         ds.pop('fp16', None), ds.pop('bf16', None), ds.pop('torch_autocast', None)
         if precision in ('fp16', 'bf16'):
@@ -491,7 +493,7 @@ def write_markdown(path, rows, meta):
     for r in rows:
         if r.get('error'):
             what = 'out of memory at the configured size (the size search below ran)' if r.get('oom') else 'failed'
-            lines.append(f"| {r['backend']} | {what}: {r['error'][:80]} |")
+            lines.append(f"| {r['backend']} | {what}: {r['error']} |")  # (one line, 300 characters at most)
             continue
         lines.append(
             f"| {r['backend']} | {format_or_dash(r['zero_stage'], 'd')} | {r['precision']} | {r['world_size']} "
@@ -641,6 +643,7 @@ def _check_args(args):
         if cfg.model.type not in MODELS.module_dict:
             raise ConfigError(f"model.type {cfg.model.type!r} is not a registered model; known: "
                               f"{', '.join(sorted(MODELS.module_dict))}")
+        _check_model_builds(cfg.model)
         for n in names:
             if '=' in n:
                 load_ds_config(n.split('=', 1)[1])
@@ -658,6 +661,24 @@ def _check_args(args):
     except (ConfigError, RegistryError) as exc:
         return str(exc)
     return None
+
+
+def _check_model_builds(model_cfg):
+    """The model built on the meta device (no memory, no weights read): a key it does not take
+    (``--cfg-options model.nope=3``) or a value it refuses failed every backend's run in turn, each
+    with its launcher's traceback, after the earlier results were moved aside."""
+    import torch
+
+    from ds_seg.config import ConfigError
+    from ds_seg.models.pretrained import without_pretrained
+    from ds_seg.registry import MODELS, RegistryError, build
+    try:
+        with torch.device('meta'):
+            build(MODELS, without_pretrained(model_cfg), where='model')
+    except (ConfigError, RegistryError):
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model ({model_cfg.get('type')}): cannot be built: {str(exc).splitlines()[0]}") from None
 
 
 def _unequal_batches(args, names):
@@ -731,6 +752,13 @@ def _main(argv=None):
                 find_max_model=args.find_max_model, max_model=args.max_model, gpu_memory_gib=args.gpu_memory_gib,
                 command=' '.join([os.path.relpath(sys.argv[0]) if sys.argv else 'launch/benchmark.py'] + (argv or sys.argv[1:])),
                 started=time.strftime('%Y-%m-%d %H:%M:%S'))
+    if args.precision in ('fp16', 'bf16'):
+        from ds_seg.config import device_supports
+        if not device_supports(args.precision):
+            # Said once here, not only in each run's output.log: the table's precision column
+            # names what ran, the command line what was asked for.
+            print(f"[benchmark] --precision {args.precision}: not supported on this {meta['device']}; the runs "
+                  "fall back as train.py does (see the table's precision column)", flush=True)
     rows, spec = [], {}
     for name in names:
         label = name.split('=', 1)[0]
@@ -739,7 +767,9 @@ def _main(argv=None):
         rc, tail = run_backend(args, name, work_dir, args.steps, args.warmup)
         if rc != 0:
             print(f'[benchmark] {name} failed (exit {rc}):\n{tail}', file=sys.stderr, flush=True)
-            rows.append(dict({k: None for k in ROW_FIELDS + MEMORY_FIELDS}, backend=label, error=failure_line(tail)))
+            # A run --timeout stopped ended by the benchmark's own signal: that, not the signal, is why.
+            error = f'timed out after {args.timeout} s (--timeout)' if rc == 124 else failure_line(tail)
+            rows.append(dict({k: None for k in ROW_FIELDS + MEMORY_FIELDS}, backend=label, error=error))
             if (args.find_max_batch or args.find_max_model) and _is_oom(tail):
                 # The configured size does not fit (under --gpu-memory-gib, say): the search still
                 # answers what does, from below. Seen on an H100: DDP's row ended at the OOM.

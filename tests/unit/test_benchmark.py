@@ -244,7 +244,14 @@ def test_derived_config_keeps_the_run_comparable():
     ds = benchmark.derived_ds_config('zero3_offload', 4, 12, 'fp32', on_gpu=False, ds_cpu_adam=False)
     assert ds['train_micro_batch_size_per_gpu'] == 4 and 'fp16' not in ds
     assert ds['optimizer']['params']['torch_adam'] and ds['zero_force_ds_cpu_optimizer'] is False
-    assert ds['scheduler']['params']['warmup_num_steps'] < ds['scheduler']['params']['total_num_steps'] == 12
+    # The schedule's length follows the run (train.max_steps), as a training run's does.
+    assert ds['scheduler']['params']['warmup_num_steps'] == 3 and 'total_num_steps' not in ds['scheduler']['params']
+    # --steps 1 --warmup 0: a warmup of 1 in a schedule of 1 step was refused on every backend,
+    # naming a file and a value the user never wrote.
+    from ds_seg.config import resolve_ds_config
+    one = benchmark.derived_ds_config('zero2', 4, 1, 'fp32', on_gpu=False, ds_cpu_adam=False)
+    resolved, _, _ = resolve_ds_config(one, 1, 1, supports=lambda p: True)
+    assert resolved['scheduler']['params']['total_num_steps'] == 1
     ddp, z2 = (benchmark.derived_ds_config(n, None, 40, 'json', False, False) for n in ('ddp', 'zero2'))
     for key in ('optimizer', 'scheduler', 'fp16', 'train_micro_batch_size_per_gpu', 'gradient_clipping'):
         assert ddp[key] == z2[key], key   # DDP and ZeRO differ only in zero_optimization
@@ -303,6 +310,8 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     (['--profile', '-1'], '--profile must be >= 0 steps, got -1'),
     (['--max-batch', '4'], '--max-batch bounds --find-max-batch, which is not given'),
     (['--find-max-model', 'model.nope'], "--find-max-model 'model.nope': a size argument of the model"),
+    # A key the model does not take: every backend ran and failed in turn, each with torchrun's traceback.
+    (['--cfg-options', 'model.nope=3'], "model.nope: UNet has no argument 'nope'. It accepts: in_channels"),
 ])
 def test_what_would_fail_every_run_is_one_line_before_any(argv, message, tmp_path, capsys):
     assert benchmark.main(['--work-dir', str(tmp_path / 'bench'), '--launcher', 'python', *argv]) == 2
