@@ -24,8 +24,20 @@
 set -uo pipefail
 
 DRY=0
-if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
-OUT=${1:?usage: bash tools/gpu_acceptance.sh [--dry-run] OUT_DIR}
+OUT=
+USAGE='usage: bash tools/gpu_acceptance.sh [--dry-run] OUT_DIR'
+# Options in any order: a --dry-run after OUT_DIR was ignored (the GPU-size run then hogged a CPU
+# machine), and --help became the output folder.
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        -h|--help) echo "$USAGE"; sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -*) echo "gpu_acceptance.sh: unknown option $arg; $USAGE" >&2; exit 2 ;;
+        *) if [[ -n "$OUT" ]]; then echo "gpu_acceptance.sh: one OUT_DIR, got $OUT and $arg; $USAGE" >&2; exit 2; fi
+           OUT=$arg ;;
+    esac
+done
+if [[ -z "$OUT" ]]; then echo "gpu_acceptance.sh: OUT_DIR missing; $USAGE" >&2; exit 2; fi
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
