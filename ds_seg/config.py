@@ -456,9 +456,12 @@ def _without_delete(value):
 
 def _replaces(path, value, old):
     """Whether section ``value`` at ``path`` replaces ``old`` instead of merging into it: a
-    registry section of another ``type`` (against the defaults and along ``_base_`` alike)."""
+    registry section of another ``type`` (against the defaults and along ``_base_`` alike). A base
+    section that names no type holds settings for whatever type the section gets (the shipped
+    recipe's ``cat_max_ratio`` and ``transforms``, the dataset named by the config inheriting it):
+    merged, not replaced; replaced, every benchmark config lost its recipe without a word."""
     return (path in _REGISTRY_SECTIONS and isinstance(value, dict) and isinstance(old, dict)
-            and value.get('type', old.get('type')) != old.get('type'))
+            and old.get('type') is not None and value.get('type', old.get('type')) != old.get('type'))
 
 
 def _merge(base, override, prefix=''):

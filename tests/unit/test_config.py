@@ -915,6 +915,14 @@ def test_a_base_configs_sections_follow_the_rules_of_the_defaults(tmp_path):
     assert model['fresh.py'] == {'type': 'UNet', 'bilinear': True}
     assert model['on_fresh.py'] == {'type': 'UNet', 'bilinear': True, 'depth': 3}
     assert dict(load_config(str(tmp_path / 'synthetic.py')).data.train) == {'type': 'SyntheticAerial', 'split': 'train'}
+    # A base section that names no type holds settings for the type a config inheriting it gives:
+    # merged into it, not replaced by it (the shipped recipe's cat_max_ratio and transforms were
+    # dropped from every benchmark config this way).
+    (tmp_path / 'recipe.py').write_text("data = dict(train=dict(split='train', cat_max_ratio=0.75))\n")
+    (tmp_path / 'dataset.py').write_text("_base_ = './recipe.py'\ndata = dict(train=dict(type='GeoTiffScenes', "
+                                         "images='a/*.tif', labels='b/*.tif'))\n")
+    assert dict(load_config(str(tmp_path / 'dataset.py')).data.train) == {
+        'type': 'GeoTiffScenes', 'images': 'a/*.tif', 'labels': 'b/*.tif', 'split': 'train', 'cat_max_ratio': 0.75}
     # _delete_ in a section without a type replaces the base's section, as mmengine does (it was
     # refused as "only a section with a 'type'" once the marker was kept for every section).
     (tmp_path / 'run.py').write_text("train = dict(max_steps=9, seed=3)\n")
