@@ -93,6 +93,11 @@ def _split_for(split, names):
     return names[split]
 
 
+# The band contents of the ISPRS products, band 1 first.
+PRODUCT_COLOURS = {'RGB': ['red', 'green', 'blue'], 'RGBIR': ['red', 'green', 'blue', 'nir'],
+                   'IRRG': ['nir', 'red', 'green']}
+
+
 @DATASETS.register_module()
 class Potsdam(GeoTiffScenes):
     """ISPRS Potsdam: 38 tiles of 6000x6000 px at 5 cm, colour-coded labels, 6 classes.
@@ -153,6 +158,9 @@ class Potsdam(GeoTiffScenes):
             raise DataError(f"Potsdam: no top_potsdam_*_{modality}.tif of the {split} split under "
                             f"{data_root} (tiles {', '.join(tiles[:4])}, ...){hint}")
         self.data_root, self.tiles = data_root, [t for t in tiles if t in present]
+        # What the product's bands hold, whatever its tags say (the IRRG files are tagged red, green,
+        # blue): an IRRG training set beside an RGB validation set is refused (Trainer).
+        self.modality, self.product_colours = modality, PRODUCT_COLOURS[modality]
         self.notes = [n for n in [_partial_split('Potsdam', split, tiles, present, 'tiles')] if n]
         kw.setdefault('palette_tolerance', _CORNER_TOLERANCE)
         super().__init__(images, labels, crop_size=crop_size, split=split, seed=seed,
@@ -218,6 +226,7 @@ class Vaihingen(GeoTiffScenes):
         if not images:
             raise DataError(f"Vaihingen: no top/top_mosaic_09cm_area*.tif of the {split} split under {data_root}")
         self.data_root, self.areas = data_root, used
+        self.modality, self.product_colours = 'IRRG', PRODUCT_COLOURS['IRRG']
         self.notes = [n for n in [_partial_split('Vaihingen', split, areas, used, 'areas')] if n]
         kw.setdefault('palette_tolerance', _CORNER_TOLERANCE)
         super().__init__(images, labels, crop_size=crop_size, split=split, seed=seed,

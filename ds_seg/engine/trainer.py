@@ -719,6 +719,19 @@ class Trainer:
         t_bands, v_bands = getattr(t, 'bands', None), getattr(v, 'bands', None)
         if t_bands is None or v_bands is None:
             return
+        t_product, v_product = getattr(t, 'product_colours', None), getattr(v, 'product_colours', None)
+        if t_product and v_product:
+            # A benchmark's products say what their bands hold where their tags do not (ISPRS IRRG
+            # files are tagged red, green, blue): an IRRG training set scored on RGB validation
+            # tiles (--cfg-options data.train.modality=IRRG alone) gave mIoU 0.07, without a word.
+            t_holds = [t_product[b - 1] for b in t_bands]
+            v_holds = [v_product[b - 1] for b in v_bands]
+            if t_holds != v_holds:
+                raise ConfigError(
+                    f"data.val's bands {list(v_bands)} hold {', '.join(v_holds)} ({type(v).__name__} "
+                    f"modality {v.modality}), but data.train's hold {', '.join(t_holds)} ({type(t).__name__} "
+                    f"modality {t.modality}); give data.val the same modality (and bands) as data.train.")
+            return
         t_colours, v_colours = getattr(t, 'band_colours', None), getattr(v, 'band_colours', None)
         if t_colours and v_colours:
             if colours_conflict(v_colours, t_colours):

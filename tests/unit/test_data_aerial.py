@@ -663,3 +663,31 @@ def test_a_label_files_nodata_value_is_unlabelled_in_training_and_evaluation(tmp
     np.testing.assert_array_equal(ds[0]['label'].numpy(), expected)
     with _label_source(None, 0, label, IGNORE, 3) as read:
         np.testing.assert_array_equal(read(Window(0, 0, 16, 16)), expected)
+
+
+@pytest.mark.parametrize('val_modality', ['RGB', 'IRRG'])
+def test_a_validation_product_of_other_bands_than_training_is_refused(val_modality, trees, tmp_path):
+    """ISPRS IRRG files are tagged red, green, blue like the RGB ones, so their tags cannot tell
+    them apart: data.train IRRG beside data.val RGB scored near-random mIoU without a word.
+    The products' band contents refuse it before the work dir is written."""
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import ds_config
+    root = trees['Potsdam']
+    train = dict(type='Potsdam', data_root=root, split='train', modality='IRRG')
+    val = dict(type='Potsdam', data_root=root, split='val', modality=val_modality)
+    cfg = load_config(None, ['model=' + repr(dict(type='UNetTiny', in_channels=3, num_classes=6)),
+                             f'data.train={train!r}', f'data.val={val!r}', 'data.crop_size=64',
+                             'data.num_workers=0', 'train.max_steps=1', 'train.eval_interval=1',
+                             'train.checkpoint_interval=0', 'train.warmup_log_steps=0'])
+    work = tmp_path / 'work'
+    if val_modality == 'RGB':
+        with pytest.raises(ConfigError, match=r"data.val's bands \[1, 2, 3\] hold red, green, blue \(Potsdam "
+                                              r"modality RGB\), but data.train's hold nir, red, green"):
+            Trainer(cfg, ds_config(0, micro_batch=2), backend='ddp', work_dir=str(work))
+        assert not work.exists()
+        return
+    trainer = Trainer(cfg, ds_config(0, micro_batch=2), backend='ddp', work_dir=str(work))
+    try:
+        assert trainer.fit()['exit_reason'] == 'completed'
+    finally:
+        trainer.close()
