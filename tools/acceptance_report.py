@@ -101,10 +101,13 @@ def build_report(out, dry_run, seconds):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument('out')
+    p.add_argument('out', help='the folder tools/gpu_acceptance.sh wrote (it holds steps.jsonl)')
     p.add_argument('--dry-run', type=int, default=0)
     p.add_argument('--seconds', type=int, default=0)
     args = p.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.out, 'steps.jsonl')):
+        what = 'no folder' if not os.path.isdir(args.out) else 'no steps.jsonl in'
+        p.error(f'{what} {args.out}: give the OUT_DIR that tools/gpu_acceptance.sh wrote')
     report = build_report(args.out, args.dry_run, args.seconds)
     missing = [name for name, g in report['groups'].items() if g is None]
     skipped = {s['step'] for s in report['steps'] if s['status'].startswith('skipped')}

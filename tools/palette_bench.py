@@ -1,10 +1,26 @@
 """Palette decode of a 512x512 ISPRS-coded label window with JPEG-like noise (+-8): old 8-level
 table vs PaletteDecoder (table + exact decision for mixed bins). Same process, interleaved."""
-import sys, time, importlib.util
+import argparse, ast, os, subprocess, time
 import numpy as np
 from ds_seg.data.transforms import PaletteDecoder, default_palette_tolerance
-spec = importlib.util.spec_from_file_location('old', sys.argv[1])  # palette_lut/decode_palette of 6cfd57^
-old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument('--old-ref', default='e6dc673',
+                    help='the commit whose ds_seg/data/transforms.py holds the old palette_lut/decode_palette')
+ref = parser.parse_args().old_ref
+# The two old functions alone, from git (the old module would register its transforms a second time).
+shown = subprocess.run(['git', 'show', f'{ref}:ds_seg/data/transforms.py'], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if shown.returncode:
+    parser.error(f'git show {ref}:ds_seg/data/transforms.py failed ({shown.stderr.strip()}): run this in a '
+                 'git checkout of ds_seg, with a --old-ref that has that file')
+old = argparse.Namespace()
+namespace = {'np': np}
+for node in ast.parse(shown.stdout).body:
+    if isinstance(node, ast.FunctionDef) and node.name in ('palette_lut', 'decode_palette'):
+        exec(ast.get_source_segment(shown.stdout, node), namespace)
+        setattr(old, node.name, namespace[node.name])
+if not all(hasattr(old, name) for name in ('palette_lut', 'decode_palette')):
+    parser.error(f'{ref}:ds_seg/data/transforms.py has no palette_lut and decode_palette: give an older --old-ref')
 pal = [(255, 255, 255), (0, 0, 255), (0, 255, 255), (0, 255, 0), (255, 255, 0), (255, 0, 0)]
 rng = np.random.default_rng(0)
 lab = rng.integers(0, 6, (512, 512))

@@ -440,3 +440,17 @@ def test_a_run_past_its_timeout_is_stopped_with_every_process_it_started(tmp_pat
         state = 'gone'
     assert state in ('gone', 'Z'), f'the rank-like grandchild {pid} is still running ({state})'
 
+
+
+def test_acceptance_report_refuses_a_folder_the_acceptance_run_did_not_write(tmp_path, capsys):
+    """A mistyped OUT_DIR gave a FileNotFoundError traceback on steps.jsonl."""
+    import importlib.util
+    from ds_seg.config import REPO_ROOT
+    spec = importlib.util.spec_from_file_location('acceptance_report', REPO_ROOT / 'tools' / 'acceptance_report.py')
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    for folder, said in ((tmp_path / 'nowhere', 'no folder'), (tmp_path, 'no steps.jsonl in')):
+        with pytest.raises(SystemExit) as stop:
+            report.main([str(folder)])
+        assert stop.value.code == 2
+        assert f'{said} {folder}: give the OUT_DIR that tools/gpu_acceptance.sh wrote' in capsys.readouterr().err
