@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 
 import torch
@@ -233,6 +234,8 @@ def init(use_deepspeed=True, timeout_s=None):
     ``timeout_s`` bounds how long a collective waits for a lost rank (default: env
     ``DS_SEG_DIST_TIMEOUT`` or ``DEEPSPEED_TIMEOUT`` minutes, else 10 minutes).
     """
+    # RANK/WORLD_SIZE without the LOCAL_RANK every launcher sets: left in a shell, most likely.
+    bare_env = detect_launcher() == 'deepspeed' and 'LOCAL_RANK' not in os.environ
     launcher = setup_env()
     if dist.is_initialized():
         return launcher
@@ -254,7 +257,8 @@ def init(use_deepspeed=True, timeout_s=None):
     ranks = dict(rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))
     where = init_method or f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
-        with _ctrl_c_ends_the_wait(f"rank {ranks['rank']} of {ranks['world_size']} waited for the others at {where}"):
+        with _ctrl_c_ends_the_wait(f"rank {ranks['rank']} of {ranks['world_size']} waited for the others at {where}"), \
+                _say_while_waiting(ranks, where, bare_env):
             _init_process_group(use_deepspeed, backend, timeout, init_method, ranks)
     except (dist.DistNetworkError, dist.DistStoreError) as exc:  # a port in use, ranks that never came
         from ds_seg.config import ConfigError
@@ -274,6 +278,38 @@ def _init_process_group(use_deepspeed, backend, timeout, init_method, ranks):
                                    init_method=init_method, **ranks)
     else:
         dist.init_process_group(backend=backend, timeout=timeout, init_method=init_method, **ranks)
+
+
+# Seconds at the rendezvous before a rank says it is still waiting, then between its lines. Ranks
+# started together meet within seconds; a rank started alone waited the whole timeout in silence.
+WAIT_NOTICE_S = float(os.environ.get('DS_SEG_WAIT_NOTICE_S', 30))
+
+
+@contextmanager
+def _say_while_waiting(ranks, where, bare_env):
+    import threading
+    met = threading.Event()
+    started = time.monotonic()
+
+    def say():
+        interval = WAIT_NOTICE_S
+        while not met.wait(interval):
+            stale = (' (RANK and WORLD_SIZE come from the environment: for one process, unset them)'
+                     if bare_env else '')
+            print(f"ds_seg: rank {ranks['rank']} of {ranks['world_size']} has waited "
+                  f"{time.monotonic() - started:.0f} s for the other ranks at {where}{stale}; it gives up after "
+                  f"{env_timeout_s():.0f} s (DS_SEG_DIST_TIMEOUT)", file=sys.stderr, flush=True)
+            interval = max(WAIT_NOTICE_S, 120)
+    if WAIT_NOTICE_S <= 0:
+        yield
+        return
+    thread = threading.Thread(target=say, name='ds_seg-rendezvous-notice', daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        met.set()
+        thread.join()
 
 
 # Set by a command run as a program (ds_seg.cli.train): a Ctrl-C may end the process outright

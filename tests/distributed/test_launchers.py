@@ -226,3 +226,19 @@ def test_ctrl_c_while_a_rank_waits_for_the_others_ends_it_with_one_line(tmp_path
     assert ('ds_seg: interrupted (Ctrl-C) before training started, while rank 0 of 2 waited for the others at '
             f'127.0.0.1:{port}') in out and 'Traceback' not in out, out[-3000:]
     assert not (tmp_path / 'work').exists()
+
+
+def test_a_rank_started_alone_says_it_is_waiting_and_what_to_unset(tmp_path):
+    """RANK=0 WORLD_SIZE=2 left in a shell: `python launch/train.py` waited the whole rendezvous
+    timeout without a line. It now says, every so often, that it waits and for what, then fails
+    with the rendezvous' one line, before a work dir exists."""
+    port = _free_port()
+    env = _env(WORLD_SIZE='2', RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port),
+               DS_SEG_WAIT_NOTICE_S='2', DS_SEG_DIST_TIMEOUT='8')
+    out = subprocess.run([sys.executable, 'launch/train.py', *_options(str(tmp_path))], cwd=REPO_ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    said = (f'ds_seg: rank 0 of 2 has waited 2 s for the other ranks at 127.0.0.1:{port} (RANK and WORLD_SIZE come '
+            'from the environment: for one process, unset them); it gives up after 8 s (DS_SEG_DIST_TIMEOUT)')
+    assert said in out.stderr, out.stderr[-3000:]
+    assert out.returncode != 0 and f'rank 0 of 2 could not meet the others at 127.0.0.1:{port}' in out.stderr
+    assert 'Traceback' not in out.stderr and not (tmp_path / 'work').exists(), out.stderr[-3000:]
