@@ -93,8 +93,12 @@ def arguments(cls):
         accepted.update({n: p for n, p in params.items() if n != 'self' and n not in accepted
                          and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)})
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            return accepted
-    return None
+            break
+    else:
+        return None
+    # What a class gives its base itself (a benchmark's images, labels and classes) is no argument
+    # of it, though the base takes it: "got multiple values for argument 'images'".
+    return {n: p for n, p in accepted.items() if n not in getattr(cls, 'SETS_ITSELF', ())}
 
 
 # Registries whose values are checked against the types of the arguments' defaults here
@@ -107,6 +111,10 @@ def _check_kwargs(cls, kwargs, where, check_values=False):
     # A typo in an argument a base class takes was the base's TypeError, without a suggestion.
     accepted = arguments(cls)
     for key, value in kwargs.items():
+        if key in getattr(cls, 'SETS_ITSELF', ()):
+            raise RegistryError(f"{where}.{key}: {cls.__name__} sets its {key} itself (from data_root and its "
+                                f"layout); set {where}.data_root instead, or, for files of your own, "
+                                f"type='GeoTiffScenes' with images and labels.")
         if accepted is not None and key not in accepted:
             close = difflib.get_close_matches(key, list(accepted), n=3, cutoff=0.5)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ''

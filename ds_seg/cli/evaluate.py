@@ -205,8 +205,8 @@ def refuse_label_decoding(info):
         said = ', '.join(f'{k}={v!r}' for k, v in decoding.items())
         raise ValueError(f"--labels: the model was trained on labels decoded with {said}, and --labels are read as "
                          "class indices; evaluate through a config that decodes them: --checkpoint <the run's work "
-                         "dir> --cfg-options data.val.images=... data.val.labels=... (or --config with the same "
-                         "label settings)")
+                         "dir> --cfg-options data.val.images=... data.val.labels=... (a benchmark type such as "
+                         "Potsdam: data.val.data_root=...), or --config with the same label settings")
 
 
 def no_class_pixels(labels, args):
@@ -305,7 +305,8 @@ def _run(args):
     if args.config and (args.images or args.labels):
         raise ValueError("--config evaluates its data.val, so --images/--labels would be ignored; give either "
                          "--images/--labels, or --config (its scenes set with --cfg-options data.val.images=... "
-                         "data.val.labels=... to decode labels as that config does)")
+                         "data.val.labels=..., or data.val.data_root=... for a benchmark type such as Potsdam, to "
+                         "decode labels as that config does)")
     if args.cfg_options and not args.config and args.images:
         raise ValueError("--cfg-options change --config's data.val, which --images/--labels replace, so they "
                          "would be ignored; leave them out, or give --config instead of --images/--labels")

@@ -691,3 +691,18 @@ def test_a_validation_product_of_other_bands_than_training_is_refused(val_modali
         assert trainer.fit()['exit_reason'] == 'completed'
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize('name, key', [('Potsdam', 'images'), ('Vaihingen', 'labels'), ('LoveDA', 'classes'),
+                                       ('InriaAerial', 'label_map'), ('DeepGlobeLandCover', 'palette')])
+def test_a_key_a_benchmark_sets_itself_is_one_line_naming_data_root(name, key, trees):
+    """--cfg-options data.val.images=... (what evaluate's own hint said) on a benchmark type was
+    "cannot be built ...: got multiple values for argument 'images'": the adapter passes its
+    images, labels and classes itself. The line names data_root and GeoTiffScenes instead."""
+    from ds_seg.registry import DATASETS, RegistryError, arguments, build
+    cls = BENCHMARKS[name]
+    assert key not in arguments(cls) and 'data_root' in arguments(cls) and 'bands' in arguments(cls)
+    with pytest.raises(RegistryError, match=rf"data.val.{key}: {name} sets its {key} itself \(from data_root and its "
+                                          rf"layout\); set data.val.data_root instead, or, for files of your own, "
+                                          r"type='GeoTiffScenes' with images and labels.$"):
+        build(DATASETS, dict(type=name, data_root=trees[name], split='val', **{key: None}), where='data.val')

@@ -822,8 +822,9 @@ def test_evaluate_refuses_raw_labels_for_a_model_trained_on_decoded_ones(tmp_pat
     err = capsys.readouterr().err
     assert err == ("evaluate: error: --labels: the model was trained on labels decoded with "
                    "label_map={'0': 1, '1': 0}, and --labels are read as class indices; evaluate through a config that decodes them: "
-                   "--checkpoint <the run's work dir> --cfg-options data.val.images=... data.val.labels=... (or "
-                   "--config with the same label settings)\n"), err
+                   "--checkpoint <the run's work dir> --cfg-options data.val.images=... data.val.labels=... (a "
+                   "benchmark type such as Potsdam: data.val.data_root=...), or --config with the same label "
+                   "settings\n"), err
     assert not (tmp_path / 'a').exists()
     payload['data'].pop('label_decoding')
     torch.save(payload, weights)
