@@ -56,8 +56,9 @@ def add_window_args(parser, tile_default=f'{DEFAULT_TILE}'):
                         help='rows of the scene computed before they are written or scored, and the GeoTIFF '
                              'tile size of outputs; a multiple of 16 up to 4096 (default 256)')
     parser.add_argument('--mean', type=float, nargs='+', default=None,
-                        help='per-band mean of training (default: recorded in the checkpoint)')
-    parser.add_argument('--std', type=float, nargs='+', default=None, help='per-band std of training')
+                        help='per-band mean of training, given with --std (default: both recorded in the '
+                             'checkpoint)')
+    parser.add_argument('--std', type=float, nargs='+', default=None, help='per-band std of training, given with --mean')
     parser.add_argument('--bands', type=int, nargs='+', default=None, help='1-based bands to read')
     parser.add_argument('--device', default=None, help='cpu, cuda, cuda:1 (default: cuda if available)')
     parser.add_argument('--cpu-threads', type=int, default=None, help='torch threads on CPU')
@@ -118,6 +119,11 @@ def check_device(name):
 def normalisation(args, info, fallback=None):
     """mean/std/bands: the command line, else the checkpoint, else ``fallback`` (a dataset)."""
     data = info.get('data') or {}
+    if (args.mean is None) != (args.std is None):
+        # One of the two beside the checkpoint's other: statistics of two datasets, silently.
+        given, missing = ('--mean', '--std') if args.std is None else ('--std', '--mean')
+        raise ConfigError(f"{given} without {missing}: the two describe one set of scenes and go together; give "
+                          f"{missing} too (one per band), or neither to use the checkpoint's")
     mean = args.mean or data.get('mean') or (list(fallback.mean) if fallback is not None else None)
     std = args.std or data.get('std') or (list(fallback.std) if fallback is not None else None)
     bands = args.bands or data.get('bands') or (list(fallback.bands) if fallback is not None else None)

@@ -1533,3 +1533,15 @@ def test_evaluate_scenes_refuses_a_fractional_label_value_with_the_value(tmp_pat
             dst.write(array)
     with pytest.raises(ValueError, match=rf'lbl.tif: label value {value} in .* is not a class index 0..4'):
         inf.evaluate_scenes(LookupModel(), [(ip, lp)], num_classes=K, mean=[0], std=[1], tile=2, overlap=1, block=16)
+
+
+@pytest.mark.parametrize('given', [['--mean', '0', '0', '0'], ['--std', '1', '1', '1']])
+def test_mean_without_std_or_std_without_mean_is_refused(tmp_path, capsys, given):
+    """--mean alone was combined with the checkpoint's std (statistics of two datasets), silently."""
+    from ds_seg.cli import predict
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    assert predict.main(['--checkpoint', weights, '--input', scene, '--output', str(tmp_path / 'out'), *given]) == 2
+    missing = '--std' if given[0] == '--mean' else '--mean'
+    err = capsys.readouterr().err
+    assert f'{given[0]} without {missing}: the two describe one set of scenes and go together' in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / 'out').exists()
