@@ -233,6 +233,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # Under ZeRO-3 parameters are partitioned as they are created: no rank holds the model.
         model = backends.build_model(spec, lambda: build(MODELS, model_cfg, where='model'))
+        for module in model.modules():  # what each pretrained load took and adapted (models/pretrained.py)
+            if getattr(module, 'pretrained_report', None):
+                self.print(module.pretrained_report)
         if load_from:
             self._load_weights(model, load_from)
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))

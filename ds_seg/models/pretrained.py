@@ -214,7 +214,7 @@ def _copy_rank(prefix):
 
 def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=(), band_map=None,
                     input_key=None, pos_embed_prefix=1, pos_embed_grid=None, where='pretrained',
-                    band_map_option='model.band_map'):
+                    band_map_option='model.band_map', origin=None):
     """Copy the weights of ``source`` (a path or a state dict) into ``module``: exact or refused.
 
     The file's tensors under a prefix that holds the module's (``backbone.`` of an mmseg or
@@ -236,13 +236,19 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
     without ``band_map``, naming ``band_map_option`` (None: the model takes none). Works on a model
     built partitioned by ZeRO-3 (parameters are gathered module by module).
 
+    What was loaded and adapted is left in ``module.pretrained_report`` (one line; the trainer
+    prints it): ``origin`` names the file where ``source`` is a state dict read from one.
+
     Example::
 
         load_pretrained(vit, 'weights/vit_base.pth', allow_missing=('neck.',))
     """
     from ..config import ConfigError
+    if isinstance(source, (str, os.PathLike)):
+        origin = origin or os.fspath(source)
     state = read_state_dict(source, where) if isinstance(source, (str, os.PathLike)) else dict(source)
     rename = rename or (lambda key: key)
+    changes = []  # what the report says besides the count
     # The module's own names are taken too: a file saved from the module itself (a ds_seg
     # segmentor's backbone.model.stages_0...) holds them rather than the classifier's.
     own = set(module.state_dict())
@@ -256,6 +262,7 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
             raise ConfigError(f'{where}: band_map needs the first-layer weight {input_key!r}, which the '
                               'weights do not hold.')
         state[input_key] = map_input_bands(state[input_key], band_map, where=f'{where}: band_map')
+        changes.append(f'first layer {input_key} mapped to the data bands by band_map {list(band_map)}')
     mapped, used = {}, set()
     for key in module.state_dict():
         src = rename(key)
@@ -293,6 +300,10 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
                        f"this model takes no band_map: give a file of RGB or {shape[1]}-band weights")
                 raise ConfigError(f"{where}: the weights' first layer {key} takes {tensor.shape[1]} bands, the "
                                   f"data has {shape[1]}; {how}.")
+            if tensor.shape[1] != shape[1]:
+                changes.append(f'first layer {key} adapted from {tensor.shape[1]} to {shape[1]} band(s) '
+                               + ('(RGB filters kept, each further band their mean)' if shape[1] > tensor.shape[1]
+                                  else '(the mean filter of its bands)'))
             return adapt_input_weight(tensor.float(), shape[1]).to(tensor.dtype)
         if key.endswith('pos_embed') and tensor.dim() == 3 and tensor.shape[-1] == shape[-1]:
             grid = tensor.shape[1] - pos_embed_prefix
@@ -303,6 +314,8 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
                                   f"the model's {pos_embed_prefix} class/register position(s) are no square grid: "
                                   "the file is of a variant with another token layout (with or without a class "
                                   "token, registers); give the file of this model.")
+            if tensor.shape[1] != shape[1]:
+                changes.append(f'{key} resized from {tensor.shape[1]} to {shape[1]} positions')
             return resize_pos_embed(tensor, shape[1], num_prefix=pos_embed_prefix, grid=pos_embed_grid)
         raise ConfigError(f'{where}: {key} has shape {tuple(tensor.shape)} in the weights but '
                           f'{tuple(shape)} in the model.')
@@ -315,6 +328,11 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
         hint = '' if mapped else f" (none matched: the file's keys look like {next(iter(state))!r})"
         raise ConfigError(f'{where}: the weights lack {len(missing)} tensor(s) of the model, '
                           f'e.g. {missing[:5]}{hint}.')
+    fresh = [k for k in module.state_dict() if k not in mapped and not k.endswith('num_batches_tracked')]
+    module.pretrained_report = (
+        f"{where}: {len(mapped)} tensors loaded{f' from {origin}' if origin else ''}"
+        + (f"; {len(fresh)} start fresh ({', '.join(sorted({k.split('.')[0] for k in fresh}))})" if fresh else '')
+        + ''.join(f'; {change}' for change in changes))
 
 
 def check_band_map(band_map, in_channels, pretrained, name):

@@ -465,3 +465,25 @@ def test_a_deeper_vit_file_is_refused_by_a_shallower_timm_vit_and_pruning_still_
     assert len(enc.model.blocks) == 2   # blocks 2-3 of the 4 built were pruned, their weights excused
     torch.testing.assert_close(enc.model.blocks[1].mlp.fc2.weight, _timm('vit_small_patch16_224').blocks[1].mlp.fc2.weight,
                                rtol=0, atol=0)
+
+
+def test_the_trainer_says_what_the_pretrained_load_took_and_adapted(tmp_path, capsys):
+    """A pretrained file was loaded (or its first layer adapted to the data's bands) without a
+    line: the log did not say whether the weights were used at all. The trainer now prints the
+    count, the file, what starts fresh and each adaptation."""
+    import timm
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import ds_config, tiny_cfg
+    path = tmp_path / 'resnet.pth'
+    torch.save(timm.create_model('test_resnet', pretrained=False).state_dict(), path)
+    cfg = tiny_cfg(tmp_path / 'cache', max_steps=1)
+    cfg.data.train.bands = cfg.data.val.bands = 4
+    cfg.model = dict(type='FPN', backbone='test_resnet', channels=16, num_classes=6, in_channels=4,
+                     pretrained=str(path))
+    trainer = Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp_path / 'work'))
+    trainer.close()
+    backbone = timm.create_model('test_resnet', features_only=True)
+    said = [line for line in capsys.readouterr().out.splitlines() if 'test_resnet pretrained:' in line]
+    assert said == [f'[ds_seg] test_resnet pretrained: {len(backbone.state_dict())} tensors loaded from {path}; '
+                    'first layer conv1.0.weight adapted from 3 to 4 band(s) (RGB filters kept, each further '
+                    'band their mean)'], said

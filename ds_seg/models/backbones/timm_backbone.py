@@ -178,7 +178,8 @@ class TimmBackbone(nn.Module):
             flattened, prefix = _flattened_names(whole), _wrapped_prefix(self.model)
             load_pretrained(self.model, source, rename=lambda key: _original_key(key, flattened, prefix),
                             allow_unused=_pruned_by_wrapper(self.model, whole, flattened), band_map=band_map,
-                            input_key=_original_key(first, flattened, prefix), where=f'{name} pretrained')
+                            input_key=_original_key(first, flattened, prefix), where=f'{name} pretrained',
+                            origin=f"timm's weights for {name}" if pretrained is True else None)
 
     def _checkpoint_units(self):
         """(name, module) pairs to checkpoint one by one: the blocks of sequential stages, the other

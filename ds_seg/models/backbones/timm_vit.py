@@ -10,6 +10,7 @@ quarter of the depth by default; a simple feature pyramid (ViTDet/BEiT-style: tw
 convs, one, identity, max-pool) turns them into strides 4, 8, 16, 32. A patch-14 grid (DINOv2)
 is resampled to the stride-16 grid first, so heads always see strides 4/8/16/32.
 """
+import os
 import re
 
 import torch.nn.functional as F
@@ -99,9 +100,10 @@ class TimmViT(nn.Module):
             self.model.set_grad_checkpointing(True)
         if pretrained:
             source = timm_state_dict(name) if pretrained is True else pretrained
-            self.load_pretrained(source, band_map=band_map, where=f'{name} pretrained')
+            self.load_pretrained(source, band_map=band_map, where=f'{name} pretrained',
+                                 origin=f"timm's weights for {name}" if pretrained is True else None)
 
-    def load_pretrained(self, source, band_map=None, where='pretrained'):
+    def load_pretrained(self, source, band_map=None, where='pretrained', origin=None):
         """Load a timm (or DINOv2-layout) state dict into the ViT; the pyramid neck starts fresh."""
         from ..pretrained import _under_prefix, read_state_dict
         state = read_state_dict(source, where) if isinstance(source, str) else dict(source)
@@ -121,7 +123,8 @@ class TimmViT(nn.Module):
         model = self.model
         load_pretrained(model, state, allow_unused=pruned, band_map=band_map, input_key='patch_embed.proj.weight',
                         pos_embed_prefix=0 if getattr(model, 'no_embed_class', False) else model.num_prefix_tokens,
-                        pos_embed_grid=tuple(model.patch_embed.grid_size), where=where)
+                        pos_embed_grid=tuple(model.patch_embed.grid_size), where=where,
+                        origin=origin or (source if isinstance(source, (str, os.PathLike)) else None))
 
     def block_features(self, images_BCHW):
         """The normed outputs of the ``out_indices`` blocks as ``[B, D, h, w]`` token grids (what
