@@ -294,14 +294,15 @@ def test_a_stop_in_one_task_of_an_array_requeues_that_task_alone(slurm_cluster, 
     cache = str(tmp_path / 'cache')
     env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', PYTHON=sys.executable,
                NPROC_PER_NODE='1', DS_CONFIG=str(ds_path), CONFIG=TINY_CONFIG, DS_SEG_FAULT='slow@step:0.3')
-    env.pop('WORK_DIR', None)  # each task its own: work_dirs/<name>-<task's job id> under the submit dir
-    # The submit dir holds no launch/train.py: the template runs the installed ds-seg-train.
+    env.pop('WORK_DIR', None)  # each task its own: work_dirs/<name>-<task's job id> under --chdir
+    # Submitted from the checkout with --chdir elsewhere (the template's own cd to the submit dir
+    # overrode it): --chdir holds no launch/train.py, so the template runs the installed ds-seg-train.
     options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}', 'train.max_steps=30',
                'train.eval_interval=0', 'train.checkpoint_interval=30', 'train.log_interval=1', 'data.num_workers=0']
     cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', f'--time={JOB_TIME_MIN}', '--array=0-1%1',
            '--job-name=arr', f'--output={tmp_path}/arr-%A_%a.out', '--nodes=1', '--ntasks-per-node=1',
-           '--cpus-per-task=1', str(REPO_ROOT / 'launch/slurm/train.sbatch'), *options]
-    array = subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout.strip()
+           '--cpus-per-task=1', f'--chdir={tmp_path}', 'launch/slurm/train.sbatch', *options]
+    array = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
     first, second = f'{array}_0', f'{array}_1'
     assert _wait_for(first, {'COMPLETED'} | TERMINAL, 300).get('JobState') == 'COMPLETED'
     second_id = None
