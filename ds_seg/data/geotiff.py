@@ -844,6 +844,26 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                              "give each class its own name")
         return classes
 
+    def _decoding_note(self):
+        """Under label_map or reduce_zero_label the file values that are classes are not 0..K-1:
+        say which they are (a LoveDA mask's 8 was 'not a class index 0..6', though its 7 is one)."""
+        if self._identity_labels or self._label_lut is None:
+            return ''
+        def spans(values):
+            values, out = sorted(int(v) for v in values), []
+            for v in values:
+                if out and v == out[-1][1] + 1:
+                    out[-1][1] = v
+                else:
+                    out.append([v, v])
+            return ', '.join(f'{a}' if a == b else f'{a}..{b}' for a, b in out)
+        lut = self._label_lut
+        classes = np.flatnonzero((lut >= 0) & (lut != self.ignore_index))
+        ignored = np.flatnonzero(lut == self.ignore_index)
+        how = ' and '.join(k for k in ('reduce_zero_label', 'label_map') if (self.label_decoding or {}).get(k))
+        return (f"; with {how} the file values that are classes are {spans(classes)}"
+                + (f" and {spans(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored" if len(ignored) else ''))
+
     def _build_label_lut(self, label_map, reduce_zero_label):
         """File value -> class index / ignore_index / -1 (not allowed), for values 0..65535."""
         if self.palette is not None:
@@ -1095,7 +1115,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             return None
         value = raw[decoded < 0].flat[0]
         return (f"{s['label']}: label value {value} is not a class index 0..{self.num_classes - 1} "
-                f"nor ignore_index {self.ignore_index} (classes: {', '.join(self.classes)}); "
+                f"nor ignore_index {self.ignore_index} (classes: {', '.join(self.classes)}{self._decoding_note()}); "
                 f"check `classes`, or remap with `label_map` / `reduce_zero_label`")
 
     def _check_label_nodata(self):
@@ -1263,7 +1283,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     raise DataError(
                         f"{s['label']}: {count} pixel(s) have label value {value:.10g}, which is not a class index "
                         f"0..{self.num_classes - 1} nor ignore_index {self.ignore_index} (classes: "
-                        f"{', '.join(self.classes)}); check `classes`, or remap with `label_map` / `reduce_zero_label`")
+                        f"{', '.join(self.classes)}{self._decoding_note()}); check `classes`, or remap with "
+                        "`label_map` / `reduce_zero_label`")
                 if mapped != self.ignore_index:
                     labelled += count
         if labelled == 0 and checked:

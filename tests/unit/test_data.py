@@ -478,6 +478,25 @@ def test_a_label_value_off_a_class_is_said_exactly(tmp_path):
                       std=[1] * 3)
 
 
+
+@pytest.mark.parametrize('decoding, said', [
+    (dict(reduce_zero_label=True), 'with reduce_zero_label the file values that are classes are 1..3 and 0, 255 are '
+                                   'ignored'),
+    (dict(label_map={10: 0, 20: 1, 30: 2, 0: 255}), 'with label_map the file values that are classes are 1..2, 10, '
+                                                     '20, 30 and 0, 255 are ignored')])
+def test_a_label_value_off_a_decoded_class_names_the_file_values_that_are_classes(tmp_path, decoding, said):
+    """Under reduce_zero_label (LoveDA) a mask's 8 was 'not a class index 0..6', though the file's
+    classes are 1..7: the line now says which file values are classes and which are ignored."""
+    label = np.zeros((32, 32), np.uint8)
+    label[:8] = 1
+    label[3, 4] = 40
+    write_tif(tmp_path / 'img.tif', np.full((3, 32, 32), 5, np.uint8))
+    write_tif(tmp_path / 'lbl.tif', label)
+    with pytest.raises(DataError, match=r'label value 40.* is not a class index 0..2 nor ignore_index 255 \(classes: '
+                                        r'class_0, class_1, class_2; ' + said + r'\)'):
+        GeoTiffScenes(str(tmp_path / 'img.tif'), str(tmp_path / 'lbl.tif'), crop_size=32, classes=3, mean=[0] * 3,
+                      std=[1] * 3, **decoding)
+
 def test_scenes_of_another_band_scale_or_offset_are_refused_and_the_model_records_it(tmp_path):
     """GDAL's scale/offset tags (Sentinel-2 since baseline 04.00: reflectance + 1000, offset -1000)
     were ignored: a scene so stored trained beside raw ones (statistics averaged over both
