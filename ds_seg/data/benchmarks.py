@@ -55,10 +55,37 @@ def _named(files, pattern):
     return found
 
 
+def _same_content(a, b):
+    """Byte-equal files, or rasters of equal pixels (the same ground truth shipped in two archives,
+    written apart: Vaihingen's gts_for_participants/ and its ground_truth_COMPLETE archive)."""
+    import filecmp
+    if os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False):
+        return True
+    import numpy as np
+    import rasterio
+    try:
+        with rasterio.open(a) as x, rasterio.open(b) as y:
+            return ((x.count, x.height, x.width, x.transform) == (y.count, y.height, y.width, y.transform)
+                    and np.array_equal(x.read(), y.read()))
+    except rasterio.errors.RasterioError:
+        return False
+
+
+def _distinct(paths):
+    """``paths`` less the copies of an earlier one (sorted: the choice does not depend on listing order)."""
+    kept = []
+    for path in sorted(paths):
+        if not any(_same_content(path, k) for k in kept):
+            kept.append(path)
+    return kept
+
+
 def _one_copy(paths, what, data_root):
     """The one path of an official file name; two copies under ``data_root`` (the tree extracted
-    twice, a backup) are refused: which one to read would be a guess, and an image of one copy
-    could pair with a label of the other."""
+    twice, a backup) of the same content are one file, and copies that differ are refused: which
+    one to read would be a guess, and an image of one copy could pair with a label of the other."""
+    if len(paths) > 1:
+        paths = _distinct(paths)
     if len(paths) > 1:
         raise DataError(f"{what}: {os.path.basename(paths[0])} is under {data_root} {len(paths)} times "
                         f"({paths[0]}; {paths[1]}); keep one copy of the dataset there, or point data_root at one")
@@ -176,7 +203,8 @@ class Vaihingen(GeoTiffScenes):
 
     Files (official names): images ``top/top_mosaic_09cm_area{N}.tif``
     (ISPRS_semantic_labeling_Vaihingen.zip), full labels with the same file name in any other
-    folder (..._ground_truth_COMPLETE.zip), eroded labels ``top_mosaic_09cm_area{N}_noBoundary.tif``
+    folder (..._ground_truth_COMPLETE.zip; the training areas' copies in gts_for_participants/
+    are the same pixels, so either or both may be there), eroded labels ``top_mosaic_09cm_area{N}_noBoundary.tif``
     (..._ground_truth_eroded_COMPLETE.zip). Split: the 16 training / 17 test areas of the
     challenge (mmsegmentation's lists); ``'val'`` == ``'test'``. ``eroded`` (default, as
     mmsegmentation for every split): the eroded labels; ``eroded=False``: the full ones.
@@ -218,13 +246,14 @@ class Vaihingen(GeoTiffScenes):
                                     f"(the ground_truth_eroded_COMPLETE archive; eroded=False reads the full labels)")
                 label = _one_copy(eroded_files[a], 'Vaihingen', data_root)
             else:
-                others = [h for h in named[a] if h not in tops]
+                others = _distinct([h for h in named[a] if h not in tops])
                 if not others:
                     raise DataError(f"Vaihingen: no full label {name} (outside top/) under {data_root}; "
                                     f"unzip the ground_truth_COMPLETE archive or use eroded=True")
-                if len(others) > 1:  # a copy of the images, or of the labels: either would be a guess
-                    raise DataError(f"Vaihingen: {name} is under {data_root} outside top/ {len(others)} times "
-                                    f"({others[0]}; {others[1]}); keep only the full ground truth there")
+                if len(others) > 1:  # a copy of the images, or labels that differ: either would be a guess
+                    raise DataError(f"Vaihingen: {name} is under {data_root} outside top/ {len(others)} times, "
+                                    f"with other pixels ({others[0]}; {others[1]}); keep only the full ground "
+                                    "truth there")
                 label = others[0]
             images.append(_one_copy(tops, 'Vaihingen', data_root))
             labels.append(label)

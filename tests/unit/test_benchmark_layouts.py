@@ -51,9 +51,22 @@ def test_upper_case_extensions_are_found_not_dropped(tree):
     assert len(LoveDA(loveda, split='train', domain='urban', crop_size=SIZE).scenes) == 2
 
 
-def test_a_second_copy_of_the_tree_is_refused_naming_both(tree, tmp_path):
+def _repaint_corner(path):
+    """The raster at ``path`` with one pixel changed: a copy that is no longer the same file."""
+    import rasterio
+    with rasterio.open(path, 'r+') as dst:
+        pixels = dst.read()
+        pixels[:, 0, 0] = 255 - pixels[:, 0, 0]
+        dst.write(pixels)
+
+
+def test_a_second_copy_of_the_tree_is_refused_naming_both_where_it_differs(tree, tmp_path):
     potsdam = tree('Potsdam')
     shutil.copytree(f'{potsdam}/2_Ortho_RGB', f'{potsdam}/old_copy/2_Ortho_RGB')
+    # The same files twice (the tree extracted twice) are one file: which is read makes no difference.
+    ds = Potsdam(potsdam, split='train', crop_size=SIZE)
+    assert all('old_copy' not in s['image'] for s in ds.scenes)
+    _repaint_corner(f'{potsdam}/old_copy/2_Ortho_RGB/top_potsdam_2_10_RGB.tif')
     with pytest.raises(DataError, match=r"Potsdam: top_potsdam_2_10_RGB\.tif is under .* 2 times \(.*2_Ortho_RGB/"
                                          r"top_potsdam_2_10_RGB\.tif; .*old_copy/2_Ortho_RGB/top_potsdam_2_10_RGB\.tif\)"):
         Potsdam(potsdam, split='train', crop_size=SIZE)
@@ -66,7 +79,8 @@ def test_a_second_copy_of_the_tree_is_refused_naming_both(tree, tmp_path):
 def test_a_copy_of_the_images_is_never_taken_for_vaihingens_full_labels(tree):
     vaihingen = tree('Vaihingen')
     shutil.copytree(f'{vaihingen}/top', f'{vaihingen}/top_backup')
-    with pytest.raises(DataError, match=r'top_mosaic_09cm_area1\.tif is under .* outside top/ 2 times'):
+    with pytest.raises(DataError, match=r'top_mosaic_09cm_area1\.tif is under .* outside top/ 2 times, with other '
+                                         r'pixels'):
         Vaihingen(vaihingen, split='train', crop_size=SIZE, eroded=False)
     shutil.rmtree(f'{vaihingen}/ground_truth')   # the backup is now the only candidate
     with pytest.raises(DataError, match=r'label .*top_backup/top_mosaic_09cm_area1\.tif holds the same pixels as '
@@ -179,3 +193,28 @@ def test_evaluating_scenes_without_georeference_warns_nothing(tree):
         warnings.simplefilter('error', NotGeoreferencedWarning)
         result = evaluate_scenes(lambda x: torch.zeros(x.shape[0], 7, *x.shape[2:]), ds, tile=SIZE, overlap=8)
     assert int(result['confusion'].sum()) == sum(int((np.asarray(ds[i]['label']) != 255).sum()) for i in range(len(ds)))
+
+
+
+def test_vaihingens_full_labels_in_both_of_its_archives_are_one_label(tree):
+    """ISPRS_semantic_labeling_Vaihingen.zip holds the training areas' full labels in
+    gts_for_participants/, and the ground_truth_COMPLETE archive holds them again: with both
+    unzipped, eroded=False refused every training area as a duplicate. The same pixels, written
+    apart (another compression), are one label; a copy whose pixels differ is still refused."""
+    import rasterio
+    vaihingen = tree('Vaihingen')
+    os.makedirs(f'{vaihingen}/gts_for_participants')
+    for name in os.listdir(f'{vaihingen}/ground_truth'):
+        with rasterio.open(f'{vaihingen}/ground_truth/{name}') as src:
+            profile = dict(src.profile, compress='lzw')
+            with rasterio.open(f'{vaihingen}/gts_for_participants/{name}', 'w', **profile) as dst:
+                dst.write(src.read())
+    copy = f'{vaihingen}/gts_for_participants/top_mosaic_09cm_area1.tif'
+    assert open(copy, 'rb').read() != open(f'{vaihingen}/ground_truth/top_mosaic_09cm_area1.tif', 'rb').read()
+    ds = Vaihingen(vaihingen, split='train', crop_size=SIZE, eroded=False)
+    assert [os.path.basename(os.path.dirname(s['label'])) for s in ds.scenes] == ['ground_truth'] * len(ds.scenes)
+    _repaint_corner(copy)
+    with pytest.raises(DataError, match=r'top_mosaic_09cm_area1\.tif is under .* outside top/ 2 times, with other '
+                                         r'pixels \(.*ground_truth/top_mosaic_09cm_area1\.tif; '
+                                         r'.*gts_for_participants/top_mosaic_09cm_area1\.tif\)'):
+        Vaihingen(vaihingen, split='train', crop_size=SIZE, eroded=False)
