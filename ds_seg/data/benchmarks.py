@@ -441,6 +441,7 @@ class DeepGlobeLandCover(GeoTiffScenes):
                  if os.path.basename(os.path.dirname(f)).lower() == 'train']
         sats = _named(files, r'(.+)_sat\.jpg')
         masks = _named(files, r'(.+)_mask\.png')
+        other_masks = _named(files, r'(.+)_mask\.(?!png$)[^.]+')
         images, labels = [], []
         for id_, paths in sorted(sats.items()):
             if split != 'all' and self.is_val(id_) != (split == 'val'):
@@ -448,7 +449,9 @@ class DeepGlobeLandCover(GeoTiffScenes):
             images.append(_one_copy(paths, 'DeepGlobeLandCover', data_root))
             # The mask beside the image, in whatever case it is spelt; named as expected if none.
             beside = [m for m in masks.get(id_, ()) if os.path.dirname(m) == os.path.dirname(images[-1])]
-            labels.append(beside[0] if beside else images[-1][:-len('_sat.jpg')] + '_mask.png')
+            if not beside:
+                self._refuse_missing_mask(images[-1], other_masks.get(id_, ()), data_root)
+            labels.append(beside[0])
         if not images:
             raise DataError(f"DeepGlobeLandCover: no train/*_sat.jpg for split {split} under {data_root}")
         self.data_root = data_root
@@ -458,6 +461,18 @@ class DeepGlobeLandCover(GeoTiffScenes):
         super().__init__(images, labels, crop_size=crop_size, split='train' if split == 'all' else split,
                          seed=seed, classes=self.CLASSES, palette=self.PALETTE, palette_ignore=self.UNKNOWN,
                          **kw)
+
+    @staticmethod
+    def _refuse_missing_mask(image, others, data_root):
+        expected = image[:-len('_sat.jpg')] + '_mask.png'
+        other = next((o for o in others if os.path.dirname(o) == os.path.dirname(image)), None)
+        if other and other.lower().endswith(('.jpg', '.jpeg')):
+            # JPEG's lossy compression blends the colour codes at every class edge: not a label.
+            raise DataError(f"DeepGlobeLandCover: {other} is a JPEG mask, whose compression changes the colour "
+                            f"codes along every class edge; use the official PNG masks ({os.path.basename(expected)})")
+        raise DataError(f"DeepGlobeLandCover: {image} has no mask {os.path.basename(expected)} beside it"
+                        f"{f' (found {os.path.basename(other)})' if other else ' (a partial extraction?)'}; "
+                        f"extract the official train/ folder, images and masks, under {data_root}")
 
     @staticmethod
     def is_val(image_id):

@@ -218,3 +218,20 @@ def test_vaihingens_full_labels_in_both_of_its_archives_are_one_label(tree):
                                          r'pixels \(.*ground_truth/top_mosaic_09cm_area1\.tif; '
                                          r'.*gts_for_participants/top_mosaic_09cm_area1\.tif\)'):
         Vaihingen(vaihingen, split='train', crop_size=SIZE, eroded=False)
+
+
+def test_a_deepglobe_image_without_its_png_mask_is_one_line_naming_it(tree):
+    """A mask saved as JPEG (lossy: colour codes blended at every class edge) or missing was
+    '..._mask.png: no such file', naming a file the user never had."""
+    deepglobe = tree('DeepGlobeLandCover')
+    mask = sorted(n for n in os.listdir(f'{deepglobe}/train') if n.endswith('_mask.png'))[0]
+    ident = mask[:-len('_mask.png')]
+    os.rename(f'{deepglobe}/train/{mask}', f'{deepglobe}/train/{ident}_mask.jpg')
+    with pytest.raises(DataError, match=rf"DeepGlobeLandCover: .*train/{ident}_mask\.jpg is a JPEG mask, whose "
+                                        rf"compression changes the colour codes along every class edge; use the "
+                                        rf"official PNG masks \({ident}_mask\.png\)"):
+        DeepGlobeLandCover(deepglobe, split='all', crop_size=SIZE)
+    os.remove(f'{deepglobe}/train/{ident}_mask.jpg')
+    with pytest.raises(DataError, match=rf"DeepGlobeLandCover: .*train/{ident}_sat\.jpg has no mask {ident}_mask\.png "
+                                        r"beside it \(a partial extraction\?\); extract the official train/ folder"):
+        DeepGlobeLandCover(deepglobe, split='all', crop_size=SIZE)
