@@ -139,8 +139,21 @@ def _check_env(env, launcher):
 
 def device():
     if torch.cuda.is_available():
-        return torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count())
+        return torch.device('cuda', cuda_index(int(os.environ.get('LOCAL_RANK', 0)), torch.cuda.device_count()))
     return torch.device('cpu')
+
+
+def cuda_index(local_rank, visible):
+    """The GPU of local rank ``local_rank`` among ``visible`` GPUs. One visible GPU is each
+    rank's own where the launcher binds one per task (Slurm's --gpus-per-task: every rank sees
+    its GPU as cuda:0). More ranks than several visible GPUs would put two ranks on one GPU
+    (NCCL: "Duplicate GPU detected"), after the model was built: refused."""
+    if visible > 1 and local_rank >= visible:
+        from .config import ConfigError
+        raise ConfigError(f"LOCAL_RANK={local_rank}, but this node shows {visible} GPUs (cuda:0..cuda:{visible - 1}): "
+                          f"start at most {visible} processes per node (deepspeed --num_gpus, torchrun "
+                          "--nproc_per_node, the sbatch templates' NPROC_PER_NODE or --ntasks-per-node)")
+    return local_rank % visible
 
 
 def local_world_size():

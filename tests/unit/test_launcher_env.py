@@ -111,3 +111,14 @@ def test_the_gpu_memory_cap_gives_gib(monkeypatch):
     assert distributed.gpu_memory_gib() is None
     monkeypatch.setenv('DS_SEG_GPU_MEMORY_GIB', '4.5')
     assert distributed.gpu_memory_gib() == 4.5
+
+
+def test_more_local_ranks_than_visible_gpus_are_refused_and_one_bound_gpu_is_each_ranks_own():
+    """LOCAL_RANK modulo the GPU count put local ranks 2 and 0 of a 2-GPU node on one GPU (NCCL's
+    "Duplicate GPU detected", after the model was built). One visible GPU stays each rank's own:
+    Slurm's --gpus-per-task shows every task its GPU as cuda:0."""
+    assert [distributed.cuda_index(r, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert [distributed.cuda_index(r, 1) for r in range(8)] == [0] * 8
+    with pytest.raises(ConfigError, match=r'^LOCAL_RANK=2, but this node shows 2 GPUs \(cuda:0..cuda:1\): start at '
+                                          r'most 2 processes per node'):
+        distributed.cuda_index(2, 2)
