@@ -8,6 +8,7 @@ this class is the one caller of it during training.
 """
 import json
 import os
+import time
 
 import numpy as np
 import torch
@@ -116,6 +117,9 @@ class Checkpointer:
         # without it, the one recorded in the best checkpoint's marker (summary.json names it).
         self.kept_best_metric = self.best_metric
         self.restored_log_window = None  # the log window the resumed checkpoint was saved inside
+        # Seconds the run's earlier passes took up to the checkpoint resumed from (requeues,
+        # crashes): the summary's wall_time_total_s adds this pass's. t_start: this pass's start.
+        self.earlier_wall_time_s, self.t_start = 0.0, time.time()
 
     def due(self, step):
         """A periodic checkpoint at this step (``train.checkpoint_interval``, and the last step)."""
@@ -146,7 +150,8 @@ class Checkpointer:
             rng_cuda=torch.cuda.get_rng_state() if self.spec.device.type == 'cuda' else None,
             model_cfg=_model_dict(self.cfg.model), classes=list(self.train_set.classes),
             world_size=self.spec.world_size, backend=self.spec.backend, zero_stage=self.spec.zero_stage,
-            data=data_normalisation(self.train_set))
+            data=data_normalisation(self.train_set),
+            wall_time_total_s=self.earlier_wall_time_s + time.time() - self.t_start)
         tag = checkpoint.save(self.backend, self.root, step, client_state, keep=self.keep,
                               marker_extra={'param_shapes': self.param_shapes(), 'precision': self.spec.precision,
                                             'optimizer': optimizer_family(self.spec.ds_config),
@@ -294,6 +299,7 @@ class Checkpointer:
             torch.cuda.set_rng_state(state['rng_cuda'])
         step = int(state['step'])
         self.restored_log_window = state.get('log_window')
+        self.earlier_wall_time_s = float(state.get('wall_time_total_s') or 0.0)  # (0: saved before it was kept)
         self.report(f'resumed from {root}/{tag} at step {step}')
         if 'schedule' in marker:  # recorded since; a resume without a scheduler is refused above
             self._say_schedule_change(marker['schedule'], marker.get('base_lr', _base_lr(self.spec.ds_config)), step)

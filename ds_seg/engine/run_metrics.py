@@ -20,7 +20,7 @@ from ..telemetry import StepTimer, format_eta, max_memory_mb, mfu
 
 class RunMetrics:
     def __init__(self, spec, log, backend, *, flops_per_image, peak_flops, warmup_steps, max_steps,
-                 train_images, report, t_start):
+                 train_images, report, t_start, earlier_wall_time_s=0.0):
         self.spec, self.log, self.backend = spec, log, backend
         self.flops_per_image, self.peak_flops = flops_per_image, peak_flops
         self.max_steps, self.train_images, self.report = max_steps, train_images, report
@@ -31,7 +31,8 @@ class RunMetrics:
         # [longest run of consecutive non-finite steps since the last check, current run]
         self._nonfinite = torch.zeros(2, dtype=torch.int64, device=spec.device)
         self._skipped_at_last_log = 0
-        self.t_start = t_start          # when the run began (summary's wall time)
+        self.t_start = t_start          # when this pass began (summary's wall time)
+        self.earlier_wall_time_s = earlier_wall_time_s  # the earlier passes', to the checkpoint resumed
         self.compile_time_s = None      # compiled runs: loop start to the end of the first step
 
     def start_loop(self, step, window=None):
@@ -174,6 +175,7 @@ class RunMetrics:
                == self.spec.world_size]
         summary = dict(
             exit_reason=exit_reason, steps=step, wall_time_s=time.time() - self.t_start,
+            wall_time_total_s=self.earlier_wall_time_s + time.time() - self.t_start,
             backend=self.spec.backend, zero_stage=self.spec.zero_stage, precision=self.spec.precision,
             world_size=self.spec.world_size, global_batch=self.spec.global_batch,
             images_per_s_median=statistics.median(ips) if ips else None,  # (the upper middle one was taken)

@@ -240,6 +240,7 @@ class Trainer:
             self._load_weights(model, load_from)
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
         self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)
+        self.checkpointer.t_start = t_start
         self.checkpointer.check_resume(resume, found)
         # After the config, data, model and resume checks (a refused run leaves no MLflow/W&B run
         # behind, and an earlier run's status as it was), before the resume moves anything aside
@@ -268,7 +269,8 @@ class Trainer:
                                   warmup_steps=max(cfg.train.warmup_log_steps,
                                                    COMPILE_WARMUP_STEPS if spec.compile_mode else 0),
                                   max_steps=cfg.train.max_steps,
-                                  train_images=len(self.train_set), t_start=t_start)
+                                  train_images=len(self.train_set), t_start=t_start,
+                                  earlier_wall_time_s=self.checkpointer.earlier_wall_time_s)
         configs = {'config.json': with_absolute_data_paths(cfg.to_dict()), 'ds_config.json': dict(spec.ds_config, ds_seg=spec.as_json())}
         if self.step and distributed.is_main():
             self.log.keep_replaced(configs)

@@ -87,3 +87,25 @@ def test_a_window_resumed_at_another_number_of_ranks_keeps_its_mean():
     same = _metrics()
     same.start_loop(7, dict(start=5, loss_sums=[2.0]))   # the same number of ranks: its own sum
     assert float(same._loss_sum) == 2.0
+
+
+def test_wall_time_total_adds_the_earlier_passes_up_to_the_checkpoint_resumed(tmp_path):
+    """summary.json's wall_time_s is this pass's: after a requeued job's five starts it said the
+    last one's minutes. wall_time_total_s adds the time of the passes before, up to the
+    checkpoint resumed from (its client state records it)."""
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import ds_config, tiny_cfg
+
+    def run(max_steps, resume=None):
+        cfg = tiny_cfg(tmp_path / 'cache', max_steps=max_steps, checkpoint_interval=2)
+        trainer = Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp_path / 'work'), resume=resume)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
+    first = run(4)
+    assert 0 < first['wall_time_s'] <= first['wall_time_total_s'] < first['wall_time_s'] + 0.5
+    second = run(6, resume='auto')
+    earlier = second['wall_time_total_s'] - second['wall_time_s']
+    # The checkpoint of step 4 was saved before the first pass's end: less, but most of it.
+    assert 0.5 * first['wall_time_s'] < earlier <= first['wall_time_s'], (earlier, first['wall_time_s'])
