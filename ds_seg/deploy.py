@@ -327,12 +327,14 @@ def export_torch(model, out, info, work_dir=None, step=None):
     from torch.export import Dim
     refuse_existing(out, *card_paths(out))
     model = model.eval().cpu()
+    # The config's model type (UperNet), not the class that wraps it (Segmentor).
+    name = (info.get('model') or {}).get('type') or type(model).__name__
     first, others, dims = _export_sizes(model, info)
     x = torch.randn(2, _in_channels(model, info), *first)
     try:
         program = torch.export.export(model, (x,), dynamic_shapes=({'BCHW'.index(d): Dim.AUTO for d in dims},))
     except Exception as exc:
-        raise ConfigError(f'--format torch-export: {type(model).__name__} cannot be exported: '
+        raise ConfigError(f'--format torch-export: {name} cannot be exported: '
                           f'{str(exc).splitlines()[0][:200]}') from exc
     try:
         worst = 0.0
@@ -341,7 +343,7 @@ def export_torch(model, out, info, work_dir=None, step=None):
             with torch.no_grad():
                 worst = max(worst, float((program.module()(y) - model(y)).abs().max()))
     except Exception as exc:  # torch.export specialised a size (a shape guard failed)
-        raise ConfigError(f'--format torch-export: {type(model).__name__} does not keep height/width dynamic '
+        raise ConfigError(f'--format torch-export: {name} does not keep height/width dynamic '
                           f'({str(exc).splitlines()[0][:160]}).') from exc
     if worst >= TOLERANCE:
         raise ConfigError(f'--format torch-export: the program differs from the model by {worst:.2e}.')
@@ -357,7 +359,7 @@ def export_torch(model, out, info, work_dir=None, step=None):
         remove_quietly(tmp)
         if not isinstance(exc, Exception) or isinstance(exc, OSError):  # a failed write: the disk's
             raise
-        raise ConfigError(f'--format torch-export: {type(model).__name__} exports but cannot be saved '
+        raise ConfigError(f'--format torch-export: {name} exports but cannot be saved '
                           f'({str(exc).splitlines()[0][:160]}); use --format onnx.') from exc
     os.replace(tmp, out)
     card = model_card(info, 'torch-export', out, work_dir, step, dims)
