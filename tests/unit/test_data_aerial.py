@@ -12,7 +12,7 @@ from rasterio.transform import from_origin
 
 from ds_seg.config import ConfigError, load_config
 from ds_seg.data import (DataError, DeepGlobeLandCover, GeoTiffScenes, ImageMaskFolder, InriaAerial,
-                         LoveDA, Potsdam, SyntheticAerial, TrainSampler, Vaihingen, build_train_loader)
+                         LoveDA, Potsdam, Vaihingen, build_train_loader)
 from ds_seg.data.benchmarks import ISPRS_PALETTE
 from ds_seg.data.miniature import write_miniature
 from ds_seg.registry import TRANSFORMS, build
