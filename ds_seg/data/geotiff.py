@@ -625,6 +625,14 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                                   self.ignore_index)
             self.palette_max_unmatched = float(palette_max_unmatched)
         self._label_lut = self._build_label_lut(label_map, reduce_zero_label)
+        named = next((v for v in self._vectors.values() if v.named), None)
+        if named is not None and (label_map or reduce_zero_label):
+            # Names are already class indices: decoding them as label values shifted every class
+            # by one (reduce_zero_label: 'building' trained as 'background'), without a word.
+            raise DataError(f"labels {named.path}: field {self.label_field!r} holds class names, which name their "
+                            f"classes directly; {'reduce_zero_label' if reduce_zero_label else 'label_map'} decodes "
+                            "label values and would shift them: leave it out (label_fill=" f"{self.ignore_index} "
+                            "leaves the pixels under no feature ignored)")
         for v in self._vectors.values():
             values = np.append(v.values, self.label_fill)
             bad = (values < 0) | (values > 65535) | (self._label_lut[np.clip(values, 0, 65535)] < 0)

@@ -85,15 +85,21 @@ class VectorLabels:
         geoms = shapely.from_wkb(wkb)
         keep = ~shapely.is_missing(geoms) & ~shapely.is_empty(geoms)
         geoms = geoms[keep]
+        self.named = False  # the field's values are class names (no label value to decode)
         if field is None:
             values = np.ones(len(geoms), np.int64)
         else:
             raw = data[0][keep]
+            if raw.dtype.kind == 'b':  # a yes/no field: classes 0 and 1
+                raw = raw.astype(np.int64)
             missing = np.isnan(raw) if raw.dtype.kind == 'f' else np.array([v is None for v in raw], bool)
             if missing.any():
                 raise ConfigError(f"{what}: {int(missing.sum())} feature(s) have no {field!r} value (null); "
                                   f"give each a class, or drop them")
-            if raw.dtype.kind == 'O' and all(re.fullmatch(r'\s*[-+]?\d+\s*', str(v)) for v in raw):
+            # Text that is all class names is names, digits included: classes ('1', '0') named by
+            # a field of '1'/'0' were read as indices 1 and 0, the reverse of the names.
+            as_names = raw.dtype.kind == 'O' and classes is not None and all(str(v) in classes for v in raw)
+            if raw.dtype.kind == 'O' and not as_names and all(re.fullmatch(r'\s*[-+]?\d+\s*', str(v)) for v in raw):
                 raw = np.array([int(str(v).strip()) for v in raw], np.int64)  # class indices stored as text
             if raw.dtype.kind == 'f' and not np.all(np.mod(raw, 1) == 0):
                 fraction = raw[np.mod(raw, 1) != 0][0]
@@ -112,6 +118,7 @@ class VectorLabels:
                                       f"not in classes {list(classes)}")
                 index = {n: i for i, n in enumerate(classes)}
                 values = np.array([index[n] for n in names], np.int64)
+                self.named = True
         src_crs = meta.get('crs')
         self.file_crs = rasterio.crs.CRS.from_user_input(src_crs) if src_crs else None
         if crs is not None and self.file_crs is not None and self.file_crs != crs:

@@ -279,3 +279,36 @@ def test_fractional_or_negative_class_values_are_named_as_such(scene, values, me
     path = _write_vector(scene['tmp'] / 'odd.gpkg', scene['geoms'][:2], {'class': values})
     with pytest.raises(ConfigError, match=message):
         GeoTiffScenes([scene['img']], path, label_field='class', **KW)
+
+
+@pytest.mark.parametrize('decoding', [dict(reduce_zero_label=True), dict(label_map={1: 0, 2: 1})])
+def test_class_names_are_never_decoded_as_label_values(scene, decoding):
+    """A field of names ('building') is read as class indices at once; reduce_zero_label then
+    shifted them again ('building' trained as 'background', 'road' as 'building'), silently."""
+    with pytest.raises(DataError, match=r"labels .*labels.gpkg: field 'name' holds class names, which name their "
+                                        r"classes directly; " + next(iter(decoding)) + r" decodes label values and "
+                                        r"would shift them: leave it out \(label_fill=255 leaves the pixels under no "
+                                        r"feature ignored\)"):
+        GeoTiffScenes([scene['img']], scene['vec'], label_field='name', **decoding, **KW)
+    # The indices of the 'class' field are label values: decoded as given.
+    shifted = GeoTiffScenes([scene['img']], scene['vec'], label_field='class', reduce_zero_label=True, mode='grid',
+                            crop_size=(H, W), classes=NAMES[1:], mean=[0] * 3, std=[1] * 3)
+    np.testing.assert_array_equal(shifted[0]['label'].numpy(), np.where(scene['ref'] == 0, 255, scene['ref'] - 1))
+
+
+def test_digit_names_are_names_and_a_yes_no_field_is_classes_0_and_1(scene):
+    """Text that is all class names is names, digits included (classes ('1', '0') read '1' as
+    index 1, the reverse of the names); a boolean field was refused as 'names (True, ...)'."""
+    names = _write_vector(scene['tmp'] / 'digits.gpkg', scene['geoms'],
+                          {'class': np.array([str(3 - c) for c in scene['cls']], object)})
+    ds = GeoTiffScenes([scene['img']], names, label_field='class', mode='grid', crop_size=(H, W),
+                       classes=('3', '2', '1', '0'), mean=[0] * 3, std=[1] * 3)
+    label = ds[0]['label'].numpy()
+    inside = scene['ref'] > 0
+    np.testing.assert_array_equal(label[inside], scene['ref'][inside])   # '2' is class 1 ('3' - 1), by name
+    flags = _write_vector(scene['tmp'] / 'flags.gpkg', scene['geoms'], {'is_building': scene['cls'] == 1})
+    ds = GeoTiffScenes([scene['img']], flags, label_field='is_building', mode='grid', crop_size=(H, W),
+                       classes=2, mean=[0] * 3, std=[1] * 3)
+    reference = rasterize(zip(scene['geoms'], (scene['cls'] == 1).astype(int).tolist()), out_shape=(H, W),
+                          transform=TRANSFORM, fill=0, dtype='uint8')
+    np.testing.assert_array_equal(ds[0]['label'].numpy(), reference)
