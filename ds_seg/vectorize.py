@@ -87,6 +87,22 @@ def georeference_refusal(src, path):
             "coordinates and area_m2 in pixels; georeference it (gdal_translate -a_srs EPSG:<code> -a_ullr ...)")
 
 
+def geojson_crs_refusal(crs, path, out_path):
+    """Why polygons in ``crs`` (the scene at ``path``'s) cannot go to the GeoJSON ``out_path``, or
+    None. A GeoJSON file names its CRS only by EPSG code (GDAL's legacy ``crs`` member); without
+    one it is read as WGS84 longitude/latitude (RFC 7946), so polygons of a custom CRS (a PROJ
+    string, LAEA) or of none were placed at metre values read as degrees, without a word."""
+    if DRIVERS.get(os.path.splitext(str(out_path))[1].lower()) != 'GeoJSON':
+        return None
+    if crs is None:
+        return (f"{path} has no CRS, and a GeoJSON file without one is read as WGS84 longitude/latitude; "
+                "write .gpkg or .fgb instead, or set the scene's CRS (gdal_edit.py -a_srs EPSG:<code>)")
+    if crs.to_epsg() is None and not crs.is_geographic:
+        return (f"{path}'s CRS has no EPSG code, which GeoJSON cannot carry (the polygons would be read as WGS84 "
+                "longitude/latitude); write .gpkg or .fgb instead")
+    return None
+
+
 def check_vector_options(simplify, min_area, prefix=''):
     """Refuse a negative simplification tolerance or minimum area (``prefix``: the CLI's names)."""
     for name, value in (('simplify', simplify), ('min-area' if prefix else 'min_area', min_area)):
@@ -206,12 +222,21 @@ def _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, ex
         if src.count != 1 or src.dtypes[0] not in ('uint8', 'uint16', 'int16', 'int32', 'uint32'):
             raise ValueError(f"{class_path}: expected one integer band of class ids, found "
                              f"{src.count} band(s) of {src.dtypes[0]}")
-        refusal = georeference_refusal(src, class_path)
+        refusal = georeference_refusal(src, class_path) or geojson_crs_refusal(src.crs, class_path, out_path)
         if refusal:
             raise ValueError(refusal)
         if classes is None:
             tag = src.tags().get('classes')
-            classes = json.loads(tag) if tag else None
+            try:
+                classes = json.loads(tag) if tag else None
+            except ValueError:
+                classes = None
+            if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+                classes = None
+            if tag and classes is None:  # not the JSON list of names predict writes: not guessed at
+                raise ValueError(f"{class_path}: its 'classes' tag ({tag[:60]!r}) is not a JSON list of class "
+                                 "names; give the names with --classes, or fix the tag "
+                                 "(gdal_edit.py -mo classes='[\"a\", \"b\"]')")
         if classes is None:
             # Unnamed: class_<id> for every id the pixel type holds, named when written (a list of
             # 2^32 names for an int32 map ran out of memory). 256 ids for exclude= to name.

@@ -165,13 +165,14 @@ class Progress:
               f'{rate:.1f} windows/s | ETA {format_eta(eta)}', flush=True)
 
 
-def check_vector_georeference(path):
-    """Polygons are written in the class map's geotransform, which is the scene's: refused before
-    any window where the scene has none (see ``vectorize.georeference_refusal``)."""
+def check_vector_georeference(path, out_path):
+    """Polygons are written in the class map's geotransform and CRS, which are the scene's: refused
+    before any window where the scene has none, or ``out_path`` (GeoJSON) cannot carry its CRS
+    (see ``vectorize.georeference_refusal`` and ``geojson_crs_refusal``)."""
     from ds_seg.data.raster import open_raster
-    from ds_seg.vectorize import georeference_refusal
+    from ds_seg.vectorize import geojson_crs_refusal, georeference_refusal
     with open_raster(path) as src:
-        refusal = georeference_refusal(src, path)
+        refusal = georeference_refusal(src, path) or geojson_crs_refusal(src.crs, path, out_path)
         if refusal:
             raise ConfigError(f"--vector: {refusal}; then predict on that scene, or leave out --vector")
         # Before the process group exists: the launcher's RANK says who prints.
@@ -358,8 +359,8 @@ def _run(args):
         check_writable(folder, '--output' if folder == args.output else '--vector')
     check_name_lengths([o for pair in outputs for o in pair] + [v for v in vectors if v])
     if args.vector:
-        for first in firsts:
-            check_vector_georeference(first)
+        for first, vector in zip(firsts, vectors):
+            check_vector_georeference(first, vector)
     device = setup(args)
     model, info = load_forward(args.checkpoint, device, args.cpu_threads)
     mean, std, bands = normalisation(args, info)

@@ -490,3 +490,48 @@ def test_a_class_map_without_a_geotransform_is_refused_alone_as_by_predict(tmp_p
     with pytest.raises(ValueError, match=expect):
         vectorize_class_map(str(path), str(tmp_path / 'c.gpkg'))
     assert not (tmp_path / 'c.gpkg').exists()
+
+
+LAEA = '+proj=laea +lat_0=52 +lon_0=10 +x_0=4321000 +y_0=3210000 +ellps=GRS80 +units=m +no_defs'
+
+
+@pytest.mark.parametrize('crs', [LAEA, None])
+def test_geojson_polygons_of_a_crs_it_cannot_carry_are_refused(tmp_path, tiny_weights, capsys, crs):
+    """GeoJSON names a CRS by EPSG code only, and a file without one reads as WGS84 lon/lat: the
+    polygons of a LAEA scene (or of one with no CRS) came out at metre values read as degrees,
+    without a word. GeoPackage and FlatGeobuf keep the CRS."""
+    from rasterio.crs import CRS
+    cls = _class_map()
+    path = _write(str(tmp_path / f'cls_{bool(crs)}.tif'), cls, crs=crs)
+    said = ("CRS has no EPSG code, which GeoJSON cannot carry" if crs else
+            "has no CRS, and a GeoJSON file without one is read as WGS84 longitude/latitude")
+    with pytest.raises(ValueError, match=said):
+        vectorize_class_map(path, str(tmp_path / 'polys.geojson'))
+    assert not (tmp_path / 'polys.geojson').exists()
+    if crs:
+        vectorize_class_map(path, str(tmp_path / 'polys.gpkg'))
+        assert CRS.from_wkt(pyogrio.read_info(str(tmp_path / 'polys.gpkg'))['crs']) == CRS.from_user_input(crs)
+    # An EPSG CRS goes to GeoJSON as before, and predict refuses the others before any window.
+    vectorize_class_map(_write(str(tmp_path / 'utm.tif'), cls), str(tmp_path / 'utm.geojson'))
+    assert pyogrio.read_info(str(tmp_path / 'utm.geojson'))['crs'] == 'EPSG:32632'
+    t = tiny_weights
+    with rasterio.open(t['scenes'][0]) as src:
+        profile, pixels = src.profile, src.read()
+    scene = str(tmp_path / 'scene.tif')
+    with rasterio.open(scene, 'w', **dict(profile, crs=crs)) as dst:
+        dst.write(pixels)
+    capsys.readouterr()
+    assert _predict(t, '--input', scene, '--vector', 'geojson') == 2
+    assert said in capsys.readouterr().err and not (t['tmp'] / 'out').exists()
+
+
+def test_a_classes_tag_that_is_no_json_list_of_names_is_one_line(tmp_path):
+    """A class map tagged classes=building,road (not predict's JSON list) was a JSONDecodeError."""
+    path = _write(str(tmp_path / 'cls.tif'), _class_map())
+    for tag in ('building,road', '{"a": 1}'):
+        with rasterio.open(path, 'r+') as dst:
+            dst.update_tags(classes=tag)
+        with pytest.raises(ValueError, match=r"its 'classes' tag .* is not a JSON list of class names; give the "
+                                             r"names with --classes"):
+            vectorize_class_map(path, str(tmp_path / 'polys.gpkg'))
+    vectorize_class_map(path, str(tmp_path / 'polys.gpkg'), classes=CLASSES)
