@@ -312,6 +312,22 @@ def pair_by_name(images, labels):
                     + f" ({len(unmatched_images)} of {len(images)} unmatched); give one label per image")
 
 
+def _expand_dates(dates):
+    """A scene's dates with each glob among them replaced by its matches, sorted by name (ISO
+    dates in the names sort in time): ``[['b_2021-*.tif']]`` is scene b at each of its dates. (The
+    glob was taken as a file name, or its first date expanded into scenes of one date each.)"""
+    out = []
+    for path in dates:
+        if glob.has_magic(path) and not is_remote(path) and not os.path.exists(path):
+            matches = sorted(glob.glob(path))
+            if not matches:
+                raise DataError(f"images: the pattern {path!r} among a scene's dates matches no file")
+            out.extend(matches)
+        else:
+            out.append(path)
+    return out
+
+
 def refuse_repeated_scenes(images, what, labels=None, dates=None):
     """Evaluation scenes each once: overlapping globs (``'val/*.tif' 'val/a*.tif'``) or one file
     under two spellings would count its pixels twice in every metric. With ``labels``, a scene is
@@ -511,8 +527,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         # date-major (T x C bands read as T*C channels; see StackedRaster).
         dates = None
         if not isinstance(images, (str, os.PathLike)) and any(isinstance(i, (list, tuple)) for i in images):
-            dates = [[p if is_remote(p) else os.path.expanduser(p)  # '~/ts/a_may.tif': no shell expands it
-                      for p in map(os.fspath, [i] if isinstance(i, (str, os.PathLike)) else i)] for i in images]
+            dates = [_expand_dates([p if is_remote(p) else os.path.expanduser(p)  # '~/ts/a_may.tif': no shell does
+                                    for p in map(os.fspath, [i] if isinstance(i, (str, os.PathLike)) else i)])
+                     for i in images]
             if len({len(d) for d in dates}) != 1:
                 # Name a scene of the rarer count: the one missing (or with an extra) date.
                 counts = [len(d) for d in dates]

@@ -470,3 +470,20 @@ def test_a_date_in_another_band_scale_or_offset_is_refused(tmp_path):
                                         r"\[\[1.0, -1000.0\], .* vs .*band scale/offset \[\[1.0, 0.0\]"):
         StackedRaster.check(paths)
     StackedRaster.check(paths[:1])
+
+
+def test_a_glob_among_a_scenes_dates_stands_for_its_dates_in_name_order(tmp_path):
+    """images=[['b_t*.tif']] was a traceback in data.val (IndexError) and 'no such file' in
+    data.train: the glob was taken as a file name, or its first date expanded into scenes of one
+    date each. It stands for the scene's dates, sorted by name."""
+    (a0, a1), label_a = _change_scene(tmp_path, 'a', 0)
+    (b0, b1), label_b = _change_scene(tmp_path, 'b', 1)
+    kw = dict(crop_size=32, mode='grid', mean=[128] * 2, std=[50] * 2, classes=2)
+    globbed = GeoTiffScenes([[str(tmp_path / 'a_t*.tif')], [str(tmp_path / 'b_t?.tif')]], [label_a, label_b], **kw)
+    listed = GeoTiffScenes([[a0, a1], [b0, b1]], [label_a, label_b], **kw)
+    assert [list(s['dates']) for s in globbed.scenes] == [[a0, a1], [b0, b1]]
+    assert len(globbed) == len(listed)
+    for i in range(len(listed)):
+        assert torch.equal(globbed[i]['image'], listed[i]['image']) and torch.equal(globbed[i]['label'], listed[i]['label'])
+    with pytest.raises(DataError, match=r"images: the pattern '.*c_t\*\.tif' among a scene's dates matches no file"):
+        GeoTiffScenes([[str(tmp_path / 'c_t*.tif')]], [label_a], **kw)
