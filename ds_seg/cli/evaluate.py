@@ -168,6 +168,7 @@ def build_scenes(args, info, cfg):
     refuse_label_decoding(info)
     labels = pair_by_name(images, labels)  # as training pairs them
     scenes = []
+    refuse_one_date_of_a_series(images[0], info, args.bands)
     for image, label in zip(images, labels):
         scenes.append(inspect_pair(image, label))  # size, geotransform, CRS, one label band: as training checks
         check_bands(image, args.bands or (info.get('data') or {}).get('bands'), info['model'].get('in_channels'),
@@ -194,6 +195,26 @@ def build_scenes(args, info, cfg):
             v != ignore and not same_value(v, s.get('label_nodata')) for s, h in zip(scenes, histograms) for v in h):
         raise ValueError(no_class_pixels(labels, args))
     return list(zip(images, labels)), list(classes)
+
+
+def refuse_one_date_of_a_series(image, info, bands):
+    """--images gives one file per scene; a time-series model takes several dates per scene. A file
+    of one date's bands was told to 'give --bands with 6 band numbers' (a 3-band file has none)."""
+    import rasterio
+
+    from ds_seg.data.raster import gdal_path, opening_env
+    model = info.get('model') or {}
+    dates, channels = model.get('num_dates') or 1, model.get('in_channels')
+    if dates < 2 or not channels or bands:
+        return
+    with opening_env(image), rasterio.open(gdal_path(image)) as src:
+        count = src.count
+    if count < channels:
+        raise ValueError(f"--images: the model ({model.get('type')}) takes {dates} dates of {channels // dates} "
+                         f"band(s) per scene, and {image} is one file of {count} band(s); --images takes one file "
+                         "per scene (all its dates stacked), so give the dates through a config: --checkpoint <the "
+                         "run's work dir> --cfg-options data.val.images=[[date_1, date_2, ...], ...] "
+                         "data.val.labels=[...]")
 
 
 def refuse_label_decoding(info):

@@ -307,6 +307,15 @@ def test_evaluate_a_time_series_val_and_refuse_a_one_date_model_on_it(tmp_path, 
     assert (out / 'preview_0.png').stat().st_size > 1000
     assert int(np.sum(json.loads((out / 'eval.json').read_text())['confusion'])) == S * S
     capsys.readouterr()
+    # One date's file through --images: the dates go through a config (it was told to 'give --bands
+    # with 2 band numbers', which a one-band file does not have).
+    code = evaluate.main(['--checkpoint', str(tmp_path / 'series.pt'), '--images', t0, '--labels', label,
+                          '--output', str(tmp_path / 'one_date'), '--tile', '32'])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f'--images: the model (TinyTemporalSegFormer) takes 2 dates of 1 band(s) per scene, and {t0} is one file '
+            'of 1 band(s); --images takes one file per scene (all its dates stacked), so give the dates through a '
+            'config') in err, err
     code = evaluate.main(['--checkpoint', str(tmp_path / 'single.pt'), '--config', str(config),
                           '--output', str(tmp_path / 'single_eval'), '--tile', '32'])
     err = capsys.readouterr().err
