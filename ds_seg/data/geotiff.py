@@ -46,6 +46,7 @@ import json
 import math
 import os
 import random
+import re
 import warnings
 from collections import Counter, OrderedDict
 
@@ -312,6 +313,26 @@ def pair_by_name(images, labels):
                     + f" ({len(unmatched_images)} of {len(images)} unmatched); give one label per image")
 
 
+_NAME_DATE = re.compile(r'(?<!\d)((?:19|20)\d\d)[-_]?(0[1-9]|1[0-2])(?:[-_]?(0[1-9]|[12]\d|3[01]))?(?!\d)')
+
+
+def _dates_out_of_name_order(dates):
+    """A note where the file names of a scene's dates carry dates (2021-05, 20210815) in another
+    order than given: nothing sorts them, and a misordered scene fed concat/diff pooling its dates
+    swapped, without a word. None where they are in order or the names carry no dates."""
+    for files in dates:
+        found = [_NAME_DATE.search(_stems([f])[0]) for f in files]
+        if len(files) < 2 or not all(found):
+            continue
+        when = [(m[1], m[2], m[3] or '00') for m in found]
+        if when != sorted(when):
+            names = ', '.join(os.path.basename(f) for f in files)
+            return (f"the dates of a scene are given as {names}, which their names place in another order; the "
+                    "order given is the order used (nothing sorts them): check that every scene lists its dates "
+                    "in the same order")
+    return None
+
+
 def _expand_dates(dates):
     """A scene's dates with each glob among them replaced by its matches, sorted by name (ISO
     dates in the names sort in time): ``[['b_2021-*.tif']]`` is scene b at each of its dates. (The
@@ -539,6 +560,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 f"scene {counts.index(odd)} has {odd} ({dates[counts.index(odd)]}), scene "
                                 f"{dates.index(first)} has {len(first)} ({first})")
             images = [d[0] for d in dates]
+            unordered = _dates_out_of_name_order(dates)
+            if unordered:
+                self.notes = [*getattr(self, 'notes', ()), unordered]
         images = expand_paths(images, 'images', folders=True)
         labels = expand_paths(labels, 'labels', folders=True)
         if len(labels) == 1 and is_vector(labels[0]):

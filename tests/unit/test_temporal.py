@@ -496,3 +496,22 @@ def test_a_glob_among_a_scenes_dates_stands_for_its_dates_in_name_order(tmp_path
         assert torch.equal(globbed[i]['image'], listed[i]['image']) and torch.equal(globbed[i]['label'], listed[i]['label'])
     with pytest.raises(DataError, match=r"images: the pattern '.*c_t\*\.tif' among a scene's dates matches no file"):
         GeoTiffScenes([[str(tmp_path / 'c_t*.tif')]], [label_a], **kw)
+
+
+def test_dates_given_out_of_the_order_their_names_say_are_noted(tmp_path):
+    """Nothing sorts a scene's dates; one scene listed as b_2021-08, b_2021-05 fed the model its
+    dates swapped without a word. Where the names carry dates in another order, one note says so."""
+    from ds_seg.data.geotiff import _dates_out_of_name_order
+    (a0, a1), label_a = _change_scene(tmp_path, 'a', 0)
+    named = []
+    for src, name in ((a0, 'b_2021-05-03.tif'), (a1, 'b_20210815.tif')):
+        shutil.copy(src, tmp_path / name)
+        named.append(str(tmp_path / name))
+    kw = dict(crop_size=32, mode='grid', mean=[128] * 2, std=[50] * 2, classes=2)
+    assert not getattr(GeoTiffScenes([named], [label_a], **kw), 'notes', [])
+    swapped = GeoTiffScenes([named[::-1]], [label_a], **kw)
+    assert swapped.notes == [f'the dates of a scene are given as b_20210815.tif, b_2021-05-03.tif, which their names '
+                             'place in another order; the order given is the order used (nothing sorts them): check '
+                             'that every scene lists its dates in the same order']
+    assert _dates_out_of_name_order([[a1, a0]]) is None   # names without dates (t0, t1): nothing to say
+    assert _dates_out_of_name_order([['x_2021-05.tif', 'x_2021-05-20.tif', 'x_2022-01.tif']]) is None
