@@ -220,18 +220,23 @@ def expand_paths(spec, what, folders=False):
                 raise DataError(f"{what}: folder {item} holds no GeoTIFF or JPEG 2000 raster "
                                 f"({', '.join(FOLDER_SUFFIXES)}); give other rasters by name or glob")
             paths.extend(found)
-        # A file that exists is that file, '[' in its name included (as a glob, 'tile[1].tif'
-        # matched tile1.tif: another scene). '?' in a URL is a query, not a glob.
-        elif glob.has_magic(item) and not is_remote(item) and not os.path.exists(item):
-            matches = sorted(glob.glob(item))
-            if not matches:
-                raise DataError(f"{what}: the pattern {item!r} matches no file")
-            paths.extend(matches)
         else:
-            paths.append(item)
+            paths.extend(_glob_matches(item, f"{what}: the pattern {item!r} matches no file") or [item])
     if not paths:
         raise DataError(f"{what}: no files given")
     return paths
+
+
+def _glob_matches(item, none_said):
+    """The sorted matches of ``item`` where it is a local glob, else None (a file that exists is
+    that file, '[' in its name included: as a glob, 'tile[1].tif' matched tile1.tif, another scene;
+    '?' in a URL is a query). A glob that matches nothing raises ``none_said``."""
+    if not glob.has_magic(item) or is_remote(item) or os.path.exists(item):
+        return None
+    matches = sorted(glob.glob(item))
+    if not matches:
+        raise DataError(none_said)
+    return matches
 
 
 def _stems(paths):
@@ -337,16 +342,9 @@ def _expand_dates(dates):
     """A scene's dates with each glob among them replaced by its matches, sorted by name (ISO
     dates in the names sort in time): ``[['b_2021-*.tif']]`` is scene b at each of its dates. (The
     glob was taken as a file name, or its first date expanded into scenes of one date each.)"""
-    out = []
-    for path in dates:
-        if glob.has_magic(path) and not is_remote(path) and not os.path.exists(path):
-            matches = sorted(glob.glob(path))
-            if not matches:
-                raise DataError(f"images: the pattern {path!r} among a scene's dates matches no file")
-            out.extend(matches)
-        else:
-            out.append(path)
-    return out
+    return [match for path in dates
+            for match in _glob_matches(path, f"images: the pattern {path!r} among a scene's dates matches no file")
+            or [path]]
 
 
 def refuse_repeated_scenes(images, what, labels=None, dates=None):

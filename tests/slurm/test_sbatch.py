@@ -357,11 +357,9 @@ def _wait_for_steps(job, work, steps, out, timeout_s=300):
     pytest.fail(f'job {job} did not reach step {steps} in {timeout_s} s')
 
 
-@pytest.mark.parametrize('template', [SINGLE, MULTI], ids=['one_node', 'multi_node'])
-def test_a_stop_that_slurm_will_not_requeue_fails_the_job_and_says_how_to_continue(slurm_cluster, tmp_path, template):
-    """A job submitted with --no-requeue (or on a cluster with JobRequeue=0) cannot be requeued:
-    the template said "(already being requeued)" and exited 0, so a run stopped at step 8 of 30
-    ended COMPLETED. It must fail with the stop's status 75 and say how to continue it."""
+def _submit_small(tmp_path, template, name, max_steps, *sbatch_options):
+    """One rank of the tiny config under ``template``, paced (0.3 s a step) so that the driver's
+    signal comes mid-run; returns (job id, work dir, output file)."""
     ds_path = tmp_path / 'ds.json'
     ds_path.write_text(json.dumps(ds_config(2, micro_batch=2)))
     work = tmp_path / 'work'
@@ -370,15 +368,26 @@ def test_a_stop_that_slurm_will_not_requeue_fails_the_job_and_says_how_to_contin
                DS_SEG_FAULT='slow@step:0.3')
     cache = str(tmp_path / 'cache')
     script, *shape = template
-    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', f'--time={JOB_TIME_MIN}', '--no-requeue',
-           '--job-name=noreq', f'--output={tmp_path}/noreq.out', *shape, script,
-           '--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}', 'train.max_steps=30',
-           'train.eval_interval=0', 'train.checkpoint_interval=30', 'train.log_interval=1', 'data.num_workers=0']
+    out = tmp_path / f'{name}.out'
+    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', f'--time={JOB_TIME_MIN}', *sbatch_options,
+           f'--job-name={name}', f'--output={out}', *shape, script,
+           '--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}', f'train.max_steps={max_steps}',
+           'train.eval_interval=0', f'train.checkpoint_interval={max_steps}', 'train.log_interval=1',
+           'data.num_workers=0']
     job = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
-    _wait_for_steps(job, work, 5, tmp_path / 'noreq.out')
+    return job, work, out
+
+
+@pytest.mark.parametrize('template', [SINGLE, MULTI], ids=['one_node', 'multi_node'])
+def test_a_stop_that_slurm_will_not_requeue_fails_the_job_and_says_how_to_continue(slurm_cluster, tmp_path, template):
+    """A job submitted with --no-requeue (or on a cluster with JobRequeue=0) cannot be requeued:
+    the template said "(already being requeued)" and exited 0, so a run stopped at step 8 of 30
+    ended COMPLETED. It must fail with the stop's status 75 and say how to continue it."""
+    job, work, out_path = _submit_small(tmp_path, template, 'noreq', 30, '--no-requeue')
+    _wait_for_steps(job, work, 5, out_path)
     subprocess.run(['scancel', '--signal=USR1', '--full', job], check=True)
     info = _wait_for(job, TERMINAL | {'COMPLETED'}, 150)
-    out = open(tmp_path / 'noreq.out').read()
+    out = out_path.read_text()
     assert info.get('JobState') == 'FAILED' and info.get('ExitCode') == '75:0', (info, out[-3000:])
     stops = _stops(out)
     assert len(stops) == 1, out[-3000:]
@@ -391,25 +400,13 @@ def test_a_stop_that_slurm_will_not_requeue_fails_the_job_and_says_how_to_contin
 def test_other_signals_to_the_batch_shell_are_said_and_ignored(slurm_cluster, tmp_path, template):
     """bash's default action for SIGHUP/SIGUSR2 ended the batch shell, and Slurm then killed the
     ranks mid-step: the job FAILED with nothing saved since the last checkpoint."""
-    ds_path = tmp_path / 'ds.json'
-    ds_path.write_text(json.dumps(ds_config(2, micro_batch=2)))
-    work = tmp_path / 'work'
-    env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', PYTHON=sys.executable,
-               NPROC_PER_NODE='1', WORK_DIR=str(work), DS_CONFIG=str(ds_path), CONFIG=TINY_CONFIG,
-               DS_SEG_FAULT='slow@step:0.3')
-    script, *shape = template
-    cmd = ['sbatch', '--parsable', '--partition=debug', '--gpus-per-node=0', f'--time={JOB_TIME_MIN}',
-           '--job-name=othersig', f'--output={tmp_path}/othersig.out', *shape, script,
-           '--cfg-options', f'data.train.cache_dir={tmp_path}/cache', f'data.val.cache_dir={tmp_path}/cache',
-           'train.max_steps=16', 'train.eval_interval=0', 'train.checkpoint_interval=16', 'train.log_interval=1',
-           'data.num_workers=0']
-    job = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True).stdout.strip()
-    _wait_for_steps(job, work, 3, tmp_path / 'othersig.out')
+    job, work, out_path = _submit_small(tmp_path, template, 'othersig', 16)
+    _wait_for_steps(job, work, 3, out_path)
     for name in ('HUP', 'USR2'):
         subprocess.run(['scancel', f'--signal={name}', '--batch', job], check=True)
         time.sleep(1)
     info = _wait_for(job, TERMINAL | {'COMPLETED'}, 150)
-    out = open(tmp_path / 'othersig.out').read()
+    out = out_path.read_text()
     assert info.get('JobState') == 'COMPLETED' and int(info.get('Restarts', 0)) == 0, (info, out[-3000:])
     for name in ('HUP', 'USR2'):
         assert f'[sbatch] received {name}: ignored' in out, out[-3000:]
