@@ -166,7 +166,7 @@ def _refusal_cases(tmp, weights, scene, label):
     ev = ['--checkpoint', weights, '--images', scene, '--labels', label, '--tile', '64', '--device', 'cpu']
     cases = {
         'std_zero': ('predict', pred + ['--output', os.path.join(tmp, 'p1'), '--mean', '1', '1', '1', '--std', '0', '0', '0']),
-        'std_nan': ('predict', pred + ['--output', os.path.join(tmp, 'p2'), '--std', '1', 'nan', '1']),
+        'std_nan': ('predict', pred + ['--output', os.path.join(tmp, 'p2'), '--mean', '1', '1', '1', '--std', '1', 'nan', '1']),
         'mean_count': ('predict', pred + ['--output', os.path.join(tmp, 'p3'), '--mean', '1', '2', '--std', '1', '1']),
         'mean_too_many': ('predict', pred + ['--output', os.path.join(tmp, 'p3'), '--mean', '1', '2', '3', '4',
                                              '--std', '1', '1', '1', '1']),
