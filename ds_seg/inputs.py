@@ -11,6 +11,29 @@ import os
 
 from .config import ConfigError
 
+# The commands an installed wheel has as console scripts (setup.py CONSOLE_SCRIPTS).
+CONSOLE_COMMANDS = ('train', 'predict', 'evaluate', 'export', 'benchmark', 'models')
+
+
+def as_invoked(text):
+    """``text`` with the checkout's commands (``python launch/predict.py``, ``launch/export.py``)
+    named as this program's user has them: a program started as a console script (``ds-seg-*``,
+    an installed wheel, which has no launch/ folder) names ``ds-seg-predict``, ``python -m
+    ds_seg.cli.<name>`` for the others, and after torchrun or deepspeed, which take a script path,
+    their module forms (``torchrun ... -m ds_seg.cli.predict``, ``deepspeed --module ...``)."""
+    import re
+    import sys
+    if not text or not os.path.basename(sys.argv[0] or '').startswith('ds-seg-'):
+        return text
+
+    def named(match):
+        name = match.group(2)
+        before = match.string[match.string.rfind('\n', 0, match.start()) + 1:match.start()]
+        if not match.group(1) and re.search(r'\b(torchrun|deepspeed)\b', before):
+            return f"{'-m' if 'torchrun' in before else '--module'} ds_seg.cli.{name}"
+        return f'ds-seg-{name}' if name in CONSOLE_COMMANDS else f'python -m ds_seg.cli.{name}'
+    return re.sub(r'(python3? )?launch/(\w+)\.py', named, text)
+
 GEOTIFF_SUFFIXES = ('.tif', '.tiff', '.gtiff')
 # What a folder given as input stands for: GeoTIFFs and JPEG 2000 orthophotos (as national mapping
 # agencies publish them). Not VRTs: one beside its own source tiles would count them twice.

@@ -34,6 +34,8 @@ def say_once_per_node(line):
     first rank of this launch on this node to say a line claims it with a file in the temporary
     folder (named by the launch: the launcher's process id and rendezvous, and by the line); a
     line no other rank said, or one said over a minute ago (a stale claim), is printed."""
+    from ..inputs import as_invoked
+    line = as_invoked(line)
     if int(os.environ.get('WORLD_SIZE', os.environ.get('SLURM_NTASKS', '1')) or 1) > 1:
         import hashlib
         import tempfile

@@ -21,7 +21,7 @@ import sys
 
 from ds_seg import deploy
 from ds_seg.engine import checkpoint
-from ds_seg.inputs import check_writable, missing_folder, user_path
+from ds_seg.inputs import as_invoked, check_writable, missing_folder, user_path
 
 
 def check_out(out):
@@ -54,7 +54,7 @@ def check_suffix(out, fmt):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('checkpoint', type=user_path, help='a step_* folder, a checkpoints/ folder or a work dir '
                         '(for onnx/torch-export also a weights file from this script)')
     parser.add_argument('--out', type=user_path, default=None, help='output file (default: <work dir>/weights_<tag>.pt, '

@@ -30,7 +30,7 @@ from ds_seg.data.geotiff import configure_gdal_for_worker
 from ds_seg.data.raster import StackedRaster
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inference.model import fixed_input_size, window_refusal
-from ds_seg.inputs import (user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,
+from ds_seg.inputs import (as_invoked, user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,
                            check_window_options, check_writable, expand_inputs, output_stems,
                            split_dates, written_by_predict)
 from ds_seg.telemetry import format_eta
@@ -428,7 +428,7 @@ def _run(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', type=user_path, required=True, help='weights file, step_* folder, checkpoints folder, work dir, or an .onnx export '
                         '(run with onnxruntime on the CPU)')
     parser.add_argument('--input', type=user_path, nargs='+', required=True,

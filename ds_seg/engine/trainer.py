@@ -23,7 +23,7 @@ from ..data.raster import band_colours, colour_order_refusal, colours_conflict, 
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
 from ..inference.model import native_input_size, window_refusal
-from ..inputs import check_writable
+from ..inputs import as_invoked, check_writable
 from ..metrics import metrics_from_confusion
 from ..models.losses import segmentation_loss
 from ..models.pretrained import without_pretrained
@@ -100,7 +100,7 @@ def report(message):
     """One line for the user, from rank 0. (A function, not a method: the parts the trainer hands
     it to hold no reference back to the trainer.)"""
     if distributed.is_main():
-        print(f'[ds_seg] {message}', flush=True)
+        print(f'[ds_seg] {as_invoked(message)}', flush=True)
 
 
 def fill_model_from_data(model_cfg, train_set, report):

@@ -114,8 +114,11 @@ def test_wheel_contents_and_console_scripts_from_a_fresh_venv(tmp_path):
     out = run('ds-seg-export', 'run', '--out', 'unet.pt')
     assert os.path.isfile(os.path.join(outside, 'unet.pt')), out
     assert 'UNetTiny' in run('ds-seg-models', '--filter', 'UNetTiny', '--size', '64')
-    for name in ('predict', 'evaluate', 'benchmark'):
-        assert 'usage' in run(f'ds-seg-{name}', '--help')
+    for name in ('predict', 'evaluate', 'benchmark', 'export', 'train', 'models'):
+        said = run(f'ds-seg-{name}', '--help')
+        # A wheel has no launch/ folder: its commands are named as it has them.
+        assert 'usage' in said and 'launch/' not in said, said
+    assert '--module ds_seg.cli.train' in run('ds-seg-train', '--help')
     # The sbatch templates, which a wheel user has no launch/slurm/ to copy from.
     for option, name in ((['--sbatch-template'], 'train.sbatch'), (['--sbatch-template', 'multinode'],
                                                                     'train_multinode.sbatch')):

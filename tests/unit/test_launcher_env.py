@@ -122,3 +122,21 @@ def test_more_local_ranks_than_visible_gpus_are_refused_and_one_bound_gpu_is_eac
     with pytest.raises(ConfigError, match=r'^LOCAL_RANK=2, but this node shows 2 GPUs \(cuda:0..cuda:1\): start at '
                                           r'most 2 processes per node'):
         distributed.cuda_index(2, 2)
+
+
+def test_an_installed_console_script_names_the_commands_it_has(monkeypatch):
+    """ds-seg-predict --help and its errors said `python launch/predict.py` and `launch/export.py`,
+    which a wheel user does not have; after torchrun/deepspeed the module forms run."""
+    import sys
+    from ds_seg.inputs import as_invoked
+    text = ('give a weights file from launch/export.py, or run python launch/predict.py; '
+            'python -m ds_seg? launch/data_benchmark.py\n'
+            '    torchrun --nproc_per_node 4 launch/predict.py --x\n    deepspeed --num_gpus 2 launch/train.py\n'
+            '    python launch/train.py')
+    monkeypatch.setattr(sys, 'argv', ['/work/main/launch/predict.py'])
+    assert as_invoked(text) == text
+    monkeypatch.setattr(sys, 'argv', ['/venv/bin/ds-seg-predict'])
+    assert as_invoked(text) == ('give a weights file from ds-seg-export, or run ds-seg-predict; '
+                                'python -m ds_seg? python -m ds_seg.cli.data_benchmark\n'
+                                '    torchrun --nproc_per_node 4 -m ds_seg.cli.predict --x\n'
+                                '    deepspeed --num_gpus 2 --module ds_seg.cli.train\n    ds-seg-train')
