@@ -68,7 +68,17 @@ def find_shipped(path, folder, suffix):
     if local.is_file():  # the user's copy (the README's copy-out recipe) before the shipped file
         return local
     shipped = folder / local.name
-    return shipped if shipped.is_file() else p
+    if not shipped.is_file():
+        return p
+    if str(p.parent) == folder.name and str(p) not in _SAID_SHIPPED and os.environ.get('RANK', '0') == '0':
+        # A path, not a bare name: a user who mistyped the path to an edited copy trained the
+        # shipped file without a word.
+        _SAID_SHIPPED.add(str(p))
+        print(f"[ds_seg] {path} is not under {os.getcwd()}: using the shipped {shipped}", file=sys.stderr, flush=True)
+    return shipped
+
+
+_SAID_SHIPPED = set()  # the paths find_shipped said it replaced (once each)
 
 
 class ConfigError(ValueError):

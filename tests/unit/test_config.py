@@ -1,6 +1,7 @@
 """Experiment-config and DeepSpeed-JSON checks: every user mistake named before training."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -1003,3 +1004,24 @@ def test_a_python_config_assigning_a_key_twice_is_refused(tmp_path):
                        "train = dict(train, seed=5)\n")
     cfg = load_config(str(changed))
     assert (cfg.train.max_steps, cfg.train.seed) == (3, 5)
+
+
+def test_a_config_path_not_under_the_folder_says_it_takes_the_shipped_file(tmp_path, monkeypatch, capsys):
+    """`--config configs/x.py` from a folder without configs/ trains the shipped x.py (so the
+    README's commands work anywhere); a user who mistyped the path to an edited copy got the
+    shipped file without a word. A bare name is the shipped file, as documented: nothing said."""
+    from ds_seg.config import CONFIGS_DIR, DS_CONFIGS_DIR, find_shipped
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv('RANK', raising=False)
+    for path, folder, suffix in (('configs/unet_tiny_synthetic.py', CONFIGS_DIR, '.py'),
+                                 ('ds_configs/zero2.json', DS_CONFIGS_DIR, '.json')):
+        assert find_shipped(path, folder, suffix) == folder / os.path.basename(path)
+        assert find_shipped(path, folder, suffix) == folder / os.path.basename(path)
+        said = [line for line in capsys.readouterr().err.splitlines() if path in line]
+        assert said == [f'[ds_seg] {path} is not under {tmp_path}: using the shipped {folder / os.path.basename(path)}']
+    assert find_shipped('zero2', DS_CONFIGS_DIR, '.json') == DS_CONFIGS_DIR / 'zero2.json'
+    assert capsys.readouterr().err == ''
+    (tmp_path / 'configs').mkdir()
+    (tmp_path / 'configs' / 'mine.py').write_text('')
+    assert find_shipped('configs/mine.py', CONFIGS_DIR, '.py') == Path('configs/mine.py')
+    assert capsys.readouterr().err == ''
