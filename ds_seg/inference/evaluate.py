@@ -121,6 +121,9 @@ def evaluate_scenes(forward_fn, scenes, num_classes=None, mean=None, std=None, b
             # evaluate.py check them (a label on another grid was scored, size alone checked).
             inspect_pair(image_path, label_path)
     for scene_index, (image_path, label_path) in enumerate(pairs):
+        if hasattr(progress, 'name') and len(pairs) > 1:  # (evaluate.py's Progress) each scene's own lines
+            first = image_path[0] if isinstance(image_path, (list, tuple)) else image_path
+            progress.name, progress.last = f'{os.path.basename(str(first))} ({scene_index + 1}/{len(pairs)})', 0.0
         with open_scene(image_path) as img:
             height, width = img.height, img.width
         if not is_vector(label_path):

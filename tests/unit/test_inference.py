@@ -1545,3 +1545,18 @@ def test_mean_without_std_or_std_without_mean_is_refused(tmp_path, capsys, given
     err = capsys.readouterr().err
     assert f'{given[0]} without {missing}: the two describe one set of scenes and go together' in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / 'out').exists()
+
+
+def test_evaluate_progress_names_each_scene(tmp_path, capsys):
+    """Two scenes printed '[evaluate] evaluation: 1/1 windows (100%)' twice, alike."""
+    import shutil
+    from ds_seg.cli import evaluate
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    for name in ('a', 'b'):
+        shutil.copy(scene, tmp_path / f'{name}.tif')
+        shutil.copy(label, tmp_path / f'{name}_label.tif')
+    assert evaluate.main(['--checkpoint', weights, '--images', str(tmp_path / 'a.tif'), str(tmp_path / 'b.tif'),
+                          '--labels', str(tmp_path / 'a_label.tif'), str(tmp_path / 'b_label.tif'),
+                          '--output', str(tmp_path / 'e'), '--tile', '64', '--previews', '0']) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if 'windows (100%)' in line]
+    assert [line.split(':')[0] for line in lines] == ['[evaluate] a.tif (1/2)', '[evaluate] b.tif (2/2)'], lines
