@@ -354,10 +354,12 @@ def _run(args):
     if args.erode is not None and args.erode < 0:  # was an IndexError traceback after the first window
         raise ValueError(f"--erode must be >= 0 (label pixels within that many px of a class boundary are "
                          f"not counted; ISPRS uses 3), got {args.erode}")
+    # Before the config's line about which data.val is scored: a missing --checkpoint was told
+    # about the embedded default's scenes first, then refused.
+    check_checkpoint_option(args.checkpoint)
     cfg = evaluated_config(args)
     tile_given = args.tile is not None
     window_kwargs(args, tile_said=resolve_windows(args, cfg))  # checks the window options
-    check_checkpoint_option(args.checkpoint)
     check_output_folder(args.output)
     # Every file this run may write, not only eval.json: an earlier run's pictures are results too.
     check_outputs(output_files(args), [], overwrite=args.overwrite)

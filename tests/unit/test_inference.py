@@ -1560,3 +1560,14 @@ def test_evaluate_progress_names_each_scene(tmp_path, capsys):
                           '--output', str(tmp_path / 'e'), '--tile', '64', '--previews', '0']) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if 'windows (100%)' in line]
     assert [line.split(':')[0] for line in lines] == ['[evaluate] a.tif (1/2)', '[evaluate] b.tif (2/2)'], lines
+
+
+def test_evaluate_refuses_a_missing_checkpoint_before_saying_which_scenes_it_would_score(tmp_path, capsys):
+    """`evaluate --checkpoint nope.pt` first said it would score the embedded default's scenes,
+    then that nope.pt does not exist."""
+    from ds_seg.cli import evaluate
+    assert evaluate.main(['--checkpoint', str(tmp_path / 'nope.pt'), '--output', str(tmp_path / 'e')]) == 2
+    said = capsys.readouterr()
+    assert said.out == '' and said.err.strip() == (f'evaluate: error: --checkpoint: {tmp_path}/nope.pt does not exist '
+                                                   '(give a weights file from launch/export.py, a step_* folder, a '
+                                                   'checkpoints folder or a work dir).'), said
