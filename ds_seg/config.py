@@ -1736,7 +1736,9 @@ def _known_fields(model_name, loc):
 
 def _shortened_warmup_note(source, warmup, default, max_steps, shortened):
     instead = (f"warming up over {shortened} step(s) instead." if shortened < max_steps else
-               f"warming up over DeepSpeed's minimum of {shortened} steps instead: the whole run.")
+               f"warming up over DeepSpeed's minimum of {shortened} steps instead: the whole run, which never "
+               f"reaches the peak learning rate" + (" (its one step trains at learning rate 0)" if max_steps == 1
+                                                    else '') + ".")
     return (f"{source}: scheduler.params.warmup_num_steps {warmup}{default} is not shorter than the run "
             f"({max_steps} steps); {instead}")
 

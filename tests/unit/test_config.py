@@ -681,7 +681,8 @@ def test_short_runs_shorten_the_warmup_of_every_shipped_json(name, max_steps):
         f'{name}: scheduler.params.warmup_num_steps {warmup} is not shorter than the run ({max_steps} steps); '
         f'warming up over {params["warmup_num_steps"]} step(s) instead.' if max_steps > 2 else
         f"{name}: scheduler.params.warmup_num_steps {warmup} is not shorter than the run ({max_steps} steps); "
-        "warming up over DeepSpeed's minimum of 2 steps instead: the whole run."]
+        "warming up over DeepSpeed's minimum of 2 steps instead: the whole run, which never reaches the peak "
+        "learning rate (its one step trains at learning rate 0)."]
 
 
 def test_nvme_offload_needs_the_async_io_op(tmp_path, monkeypatch):
