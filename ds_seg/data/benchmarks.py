@@ -27,11 +27,16 @@ ISPRS_IGNORE = ((0, 0, 0),)
 _CORNER_TOLERANCE = 127
 
 
+def _where(data_root):
+    """Where a relative data_root was looked for (the folder the run started in)."""
+    return '' if os.path.isabs(os.path.expanduser(str(data_root))) else f' (relative to {os.getcwd()})'
+
+
 def _files(data_root, what):
     """Every file under ``data_root``, in sorted order (symbolic links to folders followed once),
     or a DataError when ``data_root`` is not a folder."""
     if not os.path.isdir(data_root):
-        raise DataError(f"{what}: data_root {data_root} is not a directory")
+        raise DataError(f"{what}: data_root {data_root} is not a directory{_where(data_root)}")
     found, seen = [], set()
     for folder, dirs, names in os.walk(data_root, followlinks=True):
         real = os.path.realpath(folder)
@@ -341,7 +346,7 @@ class LoveDA(GeoTiffScenes):
         """``<folder>/<domain>/images_png`` at any depth (an archive extracted one level deeper:
         ``Train/Train/Urban``), in any letter case; one copy only."""
         if not os.path.isdir(data_root):
-            raise DataError(f"LoveDA: data_root {data_root} is not a directory")
+            raise DataError(f"LoveDA: data_root {data_root} is not a directory{_where(data_root)}")
         wanted = (folder.lower(), domain.lower(), 'images_png')
         hits = []
         for path, dirs, _ in os.walk(data_root, followlinks=True):

@@ -235,3 +235,13 @@ def test_a_deepglobe_image_without_its_png_mask_is_one_line_naming_it(tree):
     with pytest.raises(DataError, match=rf"DeepGlobeLandCover: .*train/{ident}_sat\.jpg has no mask {ident}_mask\.png "
                                         r"beside it \(a partial extraction\?\); extract the official train/ folder"):
         DeepGlobeLandCover(deepglobe, split='all', crop_size=SIZE)
+
+
+def test_a_relative_data_root_that_is_missing_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for cls in (Potsdam, LoveDA):
+        with pytest.raises(DataError, match=rf'{cls.__name__}: data_root data/x is not a directory \(relative to '
+                                            rf'{tmp_path}\)$'):
+            cls('data/x', crop_size=SIZE)
+    with pytest.raises(DataError, match=rf'data_root {tmp_path}/x is not a directory$'):
+        Potsdam(str(tmp_path / 'x'), crop_size=SIZE)
