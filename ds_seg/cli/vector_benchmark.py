@@ -20,8 +20,6 @@ import time
 
 import numpy as np
 
-from ds_seg.inputs import as_invoked
-
 
 MADE_HERE = 'ds_seg_vector_benchmark'  # the class map's tag, and the --dir record of polygon files written
 
@@ -128,7 +126,7 @@ def child(args):
 def main(argv=None):
     # argparse's own parser: ds_seg.cli.OneLineParser would import the ds_seg package (and torch)
     # into the measured child, which runs this file by path.
-    p = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--size', type=int, default=20000)
     p.add_argument('--band-rows', type=int, default=256)
     p.add_argument('--format', default='gpkg', choices=['gpkg', 'fgb', 'geojson'])
