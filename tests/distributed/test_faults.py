@@ -452,6 +452,31 @@ def test_sbatch_template_run_outside_slurm_exits_75_after_its_stop(tmp_path):
     assert 'unbound variable' not in out and json.load(open(work / 'summary.json'))['exit_reason'] == 'preempted'
 
 
+def test_sbatch_template_signal_in_the_ranks_first_moments_is_a_stop_not_a_crash(tmp_path):
+    """A signal forwarded while a rank's Python was starting, before launch/train.py caught it,
+    killed the rank (status 138): the stop at the start of a job (a time-limit warning at Slurm's
+    first check, a preemption) became a failed job. The template waits until the rank catches it."""
+    work = tmp_path / 'work'
+    cache = tmp_path / 'cache'
+    env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', NPROC_PER_NODE='1',
+               WORK_DIR=str(work), MASTER_PORT=str(_free_port()), DS_CONFIG='zero2', CONFIG=TINY_CONFIG)
+    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
+               'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
+    job = subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    head = ''
+    for line in job.stdout:   # the ranks are being started as this line is read
+        head += line
+        if line.startswith('[sbatch] job'):
+            break
+    job.send_signal(signal.SIGUSR1)
+    out = head + job.communicate(timeout=240)[0]
+    assert job.returncode == 75, out[-3000:]
+    summary = json.load(open(work / 'summary.json'))
+    assert summary['exit_reason'] == 'preempted' and summary['steps'] == 1, out[-3000:]
+    assert checkpoint.find_latest(str(work / 'checkpoints')) == checkpoint.tag_for(1)
+
+
 def test_sbatch_template_ranks_meet_at_a_free_port(tmp_path):
     """The port was 15000 + job id % 20000: jobs 4242 and 24242 on one node (or anything else
     listening there) met at the same port, and the second failed at its rendezvous."""

@@ -357,14 +357,15 @@ def _wait_for_steps(job, work, steps, out, timeout_s=300):
     pytest.fail(f'job {job} did not reach step {steps} in {timeout_s} s')
 
 
-def _submit_small(tmp_path, template, name, max_steps, *sbatch_options):
+def _submit_small(tmp_path, template, name, max_steps, *sbatch_options, work_dir=None):
     """One rank of the tiny config under ``template``, paced (0.3 s a step) so that the driver's
-    signal comes mid-run; returns (job id, work dir, output file)."""
+    signal comes mid-run; returns (job id, work dir, output file). ``work_dir``: WORK_DIR as given
+    (patterns unexpanded), else tmp_path/work."""
     ds_path = tmp_path / 'ds.json'
     ds_path.write_text(json.dumps(ds_config(2, micro_batch=2)))
     work = tmp_path / 'work'
     env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', PYTHON=sys.executable,
-               NPROC_PER_NODE='1', WORK_DIR=str(work), DS_CONFIG=str(ds_path), CONFIG=TINY_CONFIG,
+               NPROC_PER_NODE='1', WORK_DIR=str(work_dir or work), DS_CONFIG=str(ds_path), CONFIG=TINY_CONFIG,
                DS_SEG_FAULT='slow@step:0.3')
     cache = str(tmp_path / 'cache')
     script, *shape = template
@@ -411,3 +412,57 @@ def test_other_signals_to_the_batch_shell_are_said_and_ignored(slurm_cluster, tm
     for name in ('HUP', 'USR2'):
         assert f'[sbatch] received {name}: ignored' in out, out[-3000:]
     assert json.load(open(work / 'summary.json'))['steps'] == 16 and not _stops(out), out[-3000:]
+
+
+def _wait_for_line(path, text, timeout_s=120):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if os.path.exists(path) and text in open(path).read():
+            return
+        time.sleep(0.1)
+    pytest.fail(f'{text!r} not in {path} after {timeout_s} s')
+
+
+@pytest.mark.parametrize('template', [SINGLE, MULTI], ids=['one_node', 'multi_node'])
+def test_a_warning_that_comes_at_once_is_not_requeued_for_ever(slurm_cluster, tmp_path, template):
+    """With --time=3 the template's --signal=B:USR1@300 warning comes at Slurm's first limit check,
+    0 to 30 s into every start: each requeued start trained a step, checkpointed and was requeued
+    again, for ever. The job must end FAILED (75) with the checkpoint and say what to change.
+    (Slurm drops a signal that comes before the batch shell is up, so the driver sends the
+    warning's USR1 to the batch shell itself, as Slurm's B: warning does, once the shell is up.)"""
+    job, work, out_path = _submit_small(tmp_path, template, 'warnnow', 30, '--time=3')
+    _wait_for_line(out_path, f'[sbatch] job {job}')
+    subprocess.run(['scancel', '--signal=USR1', '--batch', job], check=True)
+    info = _wait_for(job, TERMINAL | {'COMPLETED'}, 180)
+    out = out_path.read_text()
+    assert info.get('JobState') == 'FAILED' and info.get('ExitCode') == '75:0', (info, out[-3000:])
+    assert int(info.get('Restarts', 0)) == 0 and 'requeueing' not in out, out[-3000:]
+    stops = _stops(out)
+    assert len(stops) == 1, out[-3000:]
+    assert os.path.isfile(work / 'checkpoints' / checkpoint.tag_for(int(stops[0][0])) / checkpoint.COMPLETE)
+    assert re.search(rf'the time-limit warning \(USR1\) came \d+ s into this start of job {job}, whose time limit '
+                     rf'is 00:03:00: with a lead \(--signal=B:USR1@300\)', out), out[-3000:]
+    assert f'and WORK_DIR={work}' in out, out[-3000:]
+
+
+def test_work_dir_patterns_give_each_array_task_its_own(slurm_cluster, tmp_path):
+    """WORK_DIR=work_dirs/sweep-%a was taken literally: every task of the array trained in (and
+    resumed from) one directory named sweep-%a. Slurm's --output patterns are expanded."""
+    job, _, out_path = _submit_small(tmp_path, SINGLE, 'sweep', 4, '--array=3,5',
+                                     work_dir=tmp_path / 'w' / '%x-%A-task%2a')
+    for task in (3, 5):
+        info = _wait_for(f'{job}_{task}', TERMINAL | {'COMPLETED'}, 300)
+        out = out_path.read_text()  # both tasks append to it
+        assert info.get('JobState') == 'COMPLETED', (info, out[-3000:])
+        work = tmp_path / 'w' / f'sweep-{job}-task{task:02d}'
+        assert json.load(open(work / 'summary.json'))['steps'] == 4, out[-3000:]
+    assert sorted(os.listdir(tmp_path / 'w')) == [f'sweep-{job}-task03', f'sweep-{job}-task05']
+
+
+def test_a_work_dir_pattern_it_does_not_know_stops_the_job_before_training(slurm_cluster, tmp_path):
+    job, _, out_path = _submit_small(tmp_path, SINGLE, 'badpat', 4, work_dir=tmp_path / 'w' / 'run-%N')
+    info = _wait_for(job, TERMINAL | {'COMPLETED'}, 120)
+    out = out_path.read_text()
+    assert info.get('JobState') == 'FAILED' and info.get('ExitCode') == '2:0', (info, out[-3000:])
+    assert f"[sbatch] WORK_DIR={tmp_path / 'w' / 'run-%N'}: %N is not a pattern this script expands" in out, out
+    assert not (tmp_path / 'w').exists()
