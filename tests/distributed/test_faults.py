@@ -432,18 +432,23 @@ def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
     assert 'exit 75, not a failure' in out and 'Traceback' not in out and 'ChildFailedError' not in out
 
 
-def test_sbatch_template_run_outside_slurm_exits_75_after_its_stop(tmp_path):
-    """`bash train.sbatch` on a workstation: after a stop the template ran `scontrol requeue
-    "${SLURM_JOB_ID}"` under `set -u` and died on the unbound variable (exit 1, its fallback line
-    never printed). Outside Slurm nothing requeues: it says so and exits 75, the stop's status."""
-    work = tmp_path / 'work'
+def _template_outside_slurm(tmp_path, work):
+    """`bash train.sbatch` with one rank of the tiny config and no end in sight, as a Popen."""
     cache = tmp_path / 'cache'
     env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', NPROC_PER_NODE='1',
                WORK_DIR=str(work), MASTER_PORT=str(_free_port()), DS_CONFIG='zero2', CONFIG=TINY_CONFIG)
     options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
                'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
-    job = subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sbatch_template_run_outside_slurm_exits_75_after_its_stop(tmp_path):
+    """`bash train.sbatch` on a workstation: after a stop the template ran `scontrol requeue
+    "${SLURM_JOB_ID}"` under `set -u` and died on the unbound variable (exit 1, its fallback line
+    never printed). Outside Slurm nothing requeues: it says so and exits 75, the stop's status."""
+    work = tmp_path / 'work'
+    job = _template_outside_slurm(tmp_path, work)
     _wait_for_step(str(work), 2, [job], timeout=180)
     job.send_signal(signal.SIGUSR1)
     out = job.communicate(timeout=180)[0]
@@ -457,13 +462,7 @@ def test_sbatch_template_signal_in_the_ranks_first_moments_is_a_stop_not_a_crash
     killed the rank (status 138): the stop at the start of a job (a time-limit warning at Slurm's
     first check, a preemption) became a failed job. The template waits until the rank catches it."""
     work = tmp_path / 'work'
-    cache = tmp_path / 'cache'
-    env = _env(PATH=f'{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', NPROC_PER_NODE='1',
-               WORK_DIR=str(work), MASTER_PORT=str(_free_port()), DS_CONFIG='zero2', CONFIG=TINY_CONFIG)
-    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
-               'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
-    job = subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = _template_outside_slurm(tmp_path, work)
     head = ''
     for line in job.stdout:   # the ranks are being started as this line is read
         head += line
