@@ -405,6 +405,22 @@ def test_sbatch_templates_parse(script):
     subprocess.run(['bash', '-n', str(REPO_ROOT / 'launch' / 'slurm' / script)], check=True)
 
 
+def _bash_functions(script):
+    text = (REPO_ROOT / 'launch' / 'slurm' / script).read_text()
+    return dict(re.findall(r'(?ms)^(\w+)\(\) \{\n(.*?)^\}\n', text))
+
+
+def test_sbatch_templates_share_their_helpers_word_for_word():
+    """Each template is a file of its own (Slurm copies the script alone, nothing beside it to
+    source): the helpers both need are written twice and must not drift apart."""
+    one, multi = _bash_functions('train.sbatch'), _bash_functions('train_multinode.sbatch')
+    shared = {'being_cancelled', 'requeue_or_say_why', 'seconds_of', 'warned_at_once', 'expand_patterns',
+              'until_caught'}
+    assert shared <= set(one) and shared <= set(multi), (sorted(one), sorted(multi))
+    for name in shared:
+        assert one[name] == multi[name], name
+
+
 def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
     """Stand-in for the batch-shell path (tests/slurm/ runs the template on a real Slurm)."""
     bin_dir = tmp_path / 'bin'
