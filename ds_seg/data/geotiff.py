@@ -806,6 +806,14 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         # every pixel label_fill: a wrong file, or coordinates read in the wrong CRS. A file
         # without features is fine on its own (a tile without buildings).
         everything_empty = bool(vectors) and all(v.bounds() is None for v in vectors.values())
+        for s in self._scenes:
+            v = vectors.get(s.get('vector_key'))
+            if v is not None and v.file_crs_declared and s['crs'] is None and s['transform'].is_identity:
+                # Map coordinates read as pixel positions: labels in the wrong place, or none.
+                raise DataError(f"labels {v.path} are in {v.file_crs.to_string()}, but image {s['image']} has no "
+                                f"georeferencing (no CRS, no geotransform): its features cannot be placed on the "
+                                f"image's pixels; georeference the image (gdal_edit.py -a_srs EPSG:<code> -a_ullr "
+                                f"<ulx> <uly> <lrx> <lry> {s['image']}), or give labels in pixel coordinates")
         for key, v in vectors.items():
             scenes = [s for s in self._scenes if s.get('vector_key') == key]
             if (v.bounds() is None and not everything_empty) or any(
@@ -816,10 +824,18 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             box = tuple(round(c, 6) for c in (min(west, east), min(south, north), max(west, east), max(south, north)))
             features = (f"its features span {tuple(round(b, 6) for b in v.bounds())}" if v.bounds()
                         else "it holds no feature")
-            img_crs = s['crs'].to_string() if s['crs'] else 'pixel coordinates'
+            if s['crs'] is not None:
+                img_crs = s['crs'].to_string()
+            elif s['transform'].is_identity:
+                img_crs = 'pixel coordinates (the image has no georeferencing)'
+            else:
+                img_crs = "the image's map units (it declares no CRS)"
             if v.file_crs is None:
                 how = "; the file declares no CRS, so its coordinates were taken to be the image's"
-            elif s['crs'] is not None and v.file_crs != s['crs']:
+            elif s['crs'] is None:
+                how = (f"; the image declares no CRS, so the file's coordinates ({v.file_crs.to_string()}) were "
+                       f"taken as they are")
+            elif v.file_crs != s['crs']:
                 how = f"; reprojected from the file's CRS {v.file_crs.to_string()}"
             else:
                 how = ''

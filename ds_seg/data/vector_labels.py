@@ -121,6 +121,9 @@ class VectorLabels:
                 self.named = True
         src_crs = meta.get('crs')
         self.file_crs = rasterio.crs.CRS.from_user_input(src_crs) if src_crs else None
+        # GDAL gives every GeoJSON EPSG:4326, the format's own (RFC 7946), declared or not: files
+        # in pixel coordinates (annotation tools write them) say it too.
+        self.file_crs_declared = self.file_crs is not None and meta.get('driver') not in ('GeoJSON', 'GeoJSONSeq')
         if crs is not None and self.file_crs is not None and self.file_crs != crs:
             try:
                 geoms = _reproject(geoms, self.file_crs, crs)
@@ -146,12 +149,13 @@ class VectorLabels:
                               f"the one with the labels")
         if layer is not None and str(layer) not in layers:
             raise ConfigError(f"{what}: no layer {layer!r}; its layers are {', '.join(layers)}")
-        fields = list(pyogrio.read_info(source, layer=layer)['fields'])
+        info = pyogrio.read_info(source, layer=layer)
+        fields = list(info['fields'])
         if field is not None and field not in fields:
             raise ConfigError(f"{what}: no field {field!r}; its fields are "
                               f"{', '.join(fields) or '(none)'}; set label_field to one of them")
         meta, _, wkb, data = pyogrio.raw.read(source, layer=layer, columns=[] if field is None else [field])
-        return meta, wkb, data
+        return dict(meta, driver=info.get('driver')), wkb, data
 
     @property
     def max_value(self):

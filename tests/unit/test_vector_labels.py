@@ -312,3 +312,36 @@ def test_digit_names_are_names_and_a_yes_no_field_is_classes_0_and_1(scene):
     reference = rasterize(zip(scene['geoms'], (scene['cls'] == 1).astype(int).tolist()), out_shape=(H, W),
                           transform=TRANSFORM, fill=0, dtype='uint8')
     np.testing.assert_array_equal(ds[0]['label'].numpy(), reference)
+
+
+def test_map_coordinates_on_an_image_without_georeferencing_are_refused_pixel_geojson_is_not(scene):
+    """An image with no CRS and no geotransform took a GeoPackage's UTM metres as pixel positions:
+    every feature off the image (or a few stray pixels on it), trained on without a word. Such a
+    file is refused; a GeoJSON in pixel coordinates (GDAL says EPSG:4326 of every GeoJSON) is
+    burned where it says, and a geotransform without a CRS is described as such."""
+    import json
+    rng = np.random.default_rng(1)
+    plain = str(scene['tmp'] / 'plain.tif')
+    with rasterio.open(plain, 'w', driver='GTiff', width=W, height=H, count=3, dtype='uint8') as dst:
+        dst.write(rng.integers(0, 256, (3, H, W), dtype=np.uint8))
+    with pytest.raises(ConfigError, match=r"^labels .*labels.gpkg are in EPSG:32632, but image .*plain.tif has no "
+                                          r"georeferencing \(no CRS, no geotransform\).*gdal_edit.py -a_srs"):
+        GeoTiffScenes([plain], scene['vec'], label_field='class', **KW)
+    # Pixel coordinates (x right, y down: rasterio's identity transform) in a GeoJSON.
+    box = [[10, 20], [50, 20], [50, 44], [10, 44], [10, 20]]
+    path = scene['tmp'] / 'pixels.geojson'
+    path.write_text(json.dumps({'type': 'FeatureCollection', 'features': [
+        {'type': 'Feature', 'properties': {'class': 2}, 'geometry': {'type': 'Polygon', 'coordinates': [box]}}]}))
+    ds = GeoTiffScenes([plain], str(path), label_field='class', mode='grid', **KW)
+    label = ds.read_label(0, rasterio.windows.Window(0, 0, 64, 64))
+    expected = np.zeros((64, 64), np.uint8)
+    expected[20:44, 10:50] = 2
+    assert np.array_equal(label, expected)
+    # A geotransform but no CRS: the file's coordinates are taken as the image's map units.
+    nocrs = str(scene['tmp'] / 'nocrs.tif')
+    with rasterio.open(nocrs, 'w', driver='GTiff', width=W, height=H, count=3, dtype='uint8',
+                       transform=from_origin(TRANSFORM.c + 9000, TRANSFORM.f, 1, 1)) as dst:
+        dst.write(rng.integers(0, 256, (3, H, W), dtype=np.uint8))
+    with pytest.raises(ConfigError, match=r"both in the image's map units \(it declares no CRS\); the image declares "
+                                          r"no CRS, so the file's coordinates \(EPSG:32632\) were taken as they are\)"):
+        GeoTiffScenes([nocrs], scene['vec'], label_field='class', **KW)
