@@ -5,7 +5,11 @@ installed package's command (``pip install -e .``).
 """
 import sys
 
-from ds_seg.cli.data_benchmark import main
+try:
+    from ds_seg.cli.data_benchmark import main
+except ModuleNotFoundError as e:  # not installed in this Python
+    sys.exit(f"[ds_seg] {sys.executable} cannot import {e.name!r}: install ds_seg in it (pip install -e . "
+             f"in the checkout) or run the Python it is installed in")
 
 if __name__ == '__main__':
     sys.exit(main())

@@ -5,7 +5,11 @@ launch/models.py``) work; it only runs the installed package's command (``pip in
 """
 import sys
 
-from ds_seg.cli.models import main
+try:
+    from ds_seg.cli.models import main
+except ModuleNotFoundError as e:  # not installed in this Python
+    sys.exit(f"[ds_seg] {sys.executable} cannot import {e.name!r}: install ds_seg in it (pip install -e . "
+             f"in the checkout) or run the Python it is installed in")
 
 if __name__ == '__main__':
     sys.exit(main())

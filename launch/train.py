@@ -15,7 +15,11 @@ if __name__ == '__main__':
     for _sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         if signal.getsignal(_sig) is not signal.SIG_IGN:  # SIGINT ignored (a background rank) stays so
             signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
-    from ds_seg.cli.train import main
+    try:
+        from ds_seg.cli.train import main
+    except ModuleNotFoundError as e:  # not installed in this Python
+        sys.exit(f"[ds_seg] {sys.executable} cannot import {e.name!r}: install ds_seg in it (pip install -e . "
+                 f"in the checkout) or run the Python it is installed in")
     from ds_seg import stop_signals
     stop_signals.catch_stop_signals(during_imports=True)  # before reading _early: one in between is kept
     _stops = [name for name in _early if name != 'SIGINT']

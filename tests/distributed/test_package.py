@@ -144,3 +144,18 @@ def test_the_source_distribution_holds_every_tracked_file(tmp_path):
         held = {name.split('/', 1)[1] for name in tar.getnames() if '/' in name}
     assert 'ds_seg/engine/trainer.py' in tracked and '.ci/run' in tracked
     assert [name for name in tracked if name not in held] == []
+
+
+def test_launch_scripts_run_by_a_python_without_ds_seg_say_so_in_one_line(tmp_path):
+    """`python launch/train.py` from a fresh checkout before `pip install -e .`, or under a job's
+    bare environment (sbatch --export=NONE), was a ModuleNotFoundError traceback per rank."""
+    subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(tmp_path / 'bare')], check=True)
+    python = str(tmp_path / 'bare' / 'bin' / 'python')
+    scripts = sorted(p for p in os.listdir(REPO_ROOT / 'launch') if p.endswith('.py'))
+    assert 'train.py' in scripts and len(scripts) >= 9
+    for script in scripts:
+        proc = subprocess.run([python, str(REPO_ROOT / 'launch' / script), '--help'], cwd=tmp_path,
+                              capture_output=True, text=True, env={'PATH': os.environ['PATH']})
+        assert proc.returncode == 1 and proc.stdout == '', (script, proc.stdout, proc.stderr)
+        assert proc.stderr == (f"[ds_seg] {python} cannot import 'ds_seg': install ds_seg in it "
+                               f"(pip install -e . in the checkout) or run the Python it is installed in\n"), script
