@@ -623,3 +623,17 @@ def test_ranks_whose_launcher_is_killed_alone_stop_with_a_checkpoint(tmp_path):
     assert checkpoint.find_latest(os.path.join(work, 'checkpoints')) == checkpoint.tag_for(step), out[-3000:]
     assert f"stopping at step {step} on its launcher's exit (noticed after step" in out, out[-3000:]
     assert not os.path.exists(os.path.join(work, '.ds_seg.lock'))
+
+
+@pytest.mark.parametrize('script', ['train.sbatch', 'train_multinode.sbatch'])
+def test_sbatch_template_without_its_python_says_so_before_starting_ranks(tmp_path, script):
+    """Under `sbatch --export=NONE` the job's PATH is not the submitting shell's: each rank failed
+    with `python: command not found` (or found a Python without ds_seg)."""
+    proc = subprocess.run(['bash', str(REPO_ROOT / 'launch' / 'slurm' / script)], cwd=REPO_ROOT,
+                          env=dict(PATH='/usr/bin:/bin', PYTHON=str(tmp_path / 'nope' / 'python'), NPROC_PER_NODE='1',
+                                   WORK_DIR=str(tmp_path / 'work')),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"[sbatch] {tmp_path / 'nope' / 'python'}: no such command on "), proc.stderr
+    assert "this job's PATH: /usr/bin:/bin" in proc.stderr and 'PYTHON=/path/to/' in proc.stderr
+    assert not (tmp_path / 'work').exists()
