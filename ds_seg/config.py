@@ -1844,13 +1844,17 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
         params = sched.setdefault('params', {})
         from_run = 'total_num_steps' not in params
         params.setdefault('total_num_steps', max_steps)
-        warmup = params.get('warmup_num_steps', 0)
-        if from_run and warmup >= max_steps:
+        # Left out, DeepSpeed's own default (1000 steps for both) warms up: a shorter run never
+        # left its warm-up, never reached the peak nor decayed, with only DeepSpeed's raw warning.
+        given = 'warmup_num_steps' in params
+        warmup = params['warmup_num_steps'] if given else _schedule_default(sched['type'], 'warmup_num_steps')
+        if from_run and _is_number(warmup) and warmup >= max_steps:
             # A smoke test (train.max_steps=5) with a JSON written for real runs: warm up over the
             # first fifth of the run instead of refusing it (DeepSpeed's schedulers warm up over 2
             # steps at least: a 1 written here would be recorded, and 2 would run).
             params['warmup_num_steps'] = max(2, max_steps // 5)
-            notes.append(_shortened_warmup_note(source, warmup, '', max_steps, params['warmup_num_steps']))
+            default = '' if given else f" (the {sched['type']} default)"
+            notes.append(_shortened_warmup_note(source, warmup, default, max_steps, params['warmup_num_steps']))
         elif not from_run and _is_number(params['total_num_steps']) and params['total_num_steps'] < max_steps:
             # Past its length a schedule stays at its last LR (0 for WarmupDecayLR, the cosine
             # floor for WarmupCosineLR): the rest of the run would train at it without a word.
@@ -1859,8 +1863,9 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
                               f"(train.max_steps={max_steps}): its last {max_steps - total} step(s) would train at "
                               f"the schedule's final LR; remove total_num_steps so the schedule follows "
                               f"train.max_steps, or set train.max_steps={total}.")
-        elif warmup >= params['total_num_steps']:
-            raise ConfigError(f"{source}: scheduler.params.warmup_num_steps ({params.get('warmup_num_steps')}) "
+        elif _is_number(warmup) and warmup >= params['total_num_steps']:
+            raise ConfigError(f"{source}: scheduler.params.warmup_num_steps ({warmup}"
+                              f"{'' if given else ', the ' + sched['type'] + ' default'}) "
                               f"must be smaller than the run length ({params['total_num_steps']} steps).")
     elif sched and sched.get('type') == 'WarmupLR':
         # WarmupLR has no length, and warms up over 1000 steps unless told: a shorter run never

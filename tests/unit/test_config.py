@@ -628,6 +628,29 @@ def test_warmup_lr_longer_than_the_run_is_shortened_with_a_note():
     assert resolved['scheduler']['params']['warmup_num_steps'] == 50 and not notes
 
 
+@pytest.mark.parametrize('kind', ['WarmupDecayLR', 'WarmupCosineLR'])
+def test_a_schedule_left_at_deepspeeds_default_warmup_is_shortened_with_a_note(kind):
+    """WarmupCosineLR / WarmupDecayLR without warmup_num_steps warmed up over DeepSpeed's default
+    1000 steps: a 10-step run ended at 6.4e-4 of a 2e-3 peak and never decayed, with only
+    DeepSpeed's own warning. They are shortened as a warmup_num_steps the JSON gives."""
+    for params in (None, {}, {'warmup_max_lr': 2e-3} if kind == 'WarmupDecayLR' else {'warmup_min_ratio': 0.0}):
+        sched = {'type': kind} if params is None else {'type': kind, 'params': dict(params)}
+        ds = {'train_micro_batch_size_per_gpu': 2, 'scheduler': sched}
+        resolved, _, notes = resolve_ds_config(ds, 1, 400, source='x.json')
+        assert resolved['scheduler']['params']['warmup_num_steps'] == 80
+        assert resolved['scheduler']['params']['total_num_steps'] == 400
+        assert notes == [f'x.json: scheduler.params.warmup_num_steps 1000 (the {kind} default) is not shorter than '
+                         f'the run (400 steps); warming up over 80 step(s) instead.']
+    # A length the JSON gives is the user's: the default warm-up not inside it is refused.
+    ds = {'train_micro_batch_size_per_gpu': 2, 'scheduler': {'type': kind, 'params': {'total_num_steps': 500}}}
+    with pytest.raises(ConfigError, match=rf"x.json: scheduler.params.warmup_num_steps \(1000, the {kind} default\) "
+                                          r"must be smaller than the run length \(500 steps\)"):
+        resolve_ds_config(ds, 1, 400, source='x.json')
+    long_run = {'train_micro_batch_size_per_gpu': 2, 'scheduler': {'type': kind}}
+    resolved, _, notes = resolve_ds_config(long_run, 1, 5000)
+    assert 'warmup_num_steps' not in resolved['scheduler']['params'] and not notes
+
+
 def test_one_cycle_of_the_default_length_spans_a_shorter_run_with_a_note():
     """OneCycle's default cycle is 2 x 2000 steps: a 100-step run only rose towards cycle_max_lr
     and ended at its peak region. The cycle now spans the run: up to the peak at its middle, back
