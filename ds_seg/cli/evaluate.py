@@ -280,6 +280,9 @@ def check_classes(args, classes, info, data_val=None):
     twice = sorted({name for name in args.exclude if list(args.exclude).count(name) > 1})
     if twice:  # eval.json said "(mIoU/mF1 without grass, grass)"
         raise ValueError(f"--exclude names {', '.join(twice)} twice; name each class once")
+    if args.exclude and set(args.exclude) >= set(classes):  # the whole evaluation ran to write mIoU null
+        raise ValueError(f"--exclude names every class ({', '.join(classes)}): mIoU and mF1 would average "
+                         f"none; leave at least one class in")
     check_ignore_index(args.ignore_index, classes)
 
 

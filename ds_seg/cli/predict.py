@@ -111,7 +111,9 @@ def check_device(name):
             raise ConfigError(f"--device {name}: no CUDA GPU is visible on this machine; use --device cpu")
         if device.index is not None and device.index >= count:
             raise ConfigError(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}")
-    elif device.type not in ('cpu', 'meta') and not getattr(torch, device.type).is_available():
+    elif device.type == 'meta':  # shapes without data: every forward fails deep in the model
+        raise ConfigError(f"--device {name}: holds no data, so nothing can be computed on it; give cpu, cuda or cuda:N")
+    elif device.type != 'cpu' and not getattr(getattr(torch, device.type, None), 'is_available', lambda: False)():
         raise ConfigError(f"--device {name}: no {device.type} device is available here; use --device cpu")
     return device
 

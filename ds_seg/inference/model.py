@@ -53,6 +53,12 @@ def load_model(path, device='cpu'):
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not fit {model_cfg.get('type')}: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+    heads = model_cfg.get('num_classes')
+    if classes and isinstance(heads, int) and len(classes) != heads:
+        # Found only at the first window, as "the model returns 6 classes, expected 5".
+        raise ValueError(f"{path}: records {len(classes)} class name(s) ({', '.join(map(str, classes))}) for a "
+                         f"{model_cfg.get('type')} of {heads} classes; the file was edited or assembled by hand: "
+                         f"export it again")
     model.to(device).eval()
     # What its inputs were normalised with in training: evaluate_scenes and predict_scene take it
     # for their defaults (a validation set's own statistics scored another model: tree recall

@@ -162,6 +162,11 @@ def _refusal_cases(tmp, weights, scene, label):
         f.write(b'an earlier run')
     a_file = os.path.join(tmp, 'a_file')
     open(a_file, 'w').close()
+    from ds_seg.engine import checkpoint
+    payload = checkpoint.load_weights_file(weights)
+    names = list(payload['classes'])
+    edited = os.path.join(tmp, 'classes_edited.pt')   # one name dropped by hand: the head still has them all
+    torch.save(dict(payload, classes=names[:-1]), edited)
     pred = ['--checkpoint', weights, '--input', scene, '--tile', '64', '--device', 'cpu']
     ev = ['--checkpoint', weights, '--images', scene, '--labels', label, '--tile', '64', '--device', 'cpu']
     cases = {
@@ -172,6 +177,10 @@ def _refusal_cases(tmp, weights, scene, label):
                                              '--std', '1', '1', '1', '1']),
         'device_typo': ('predict', pred + ['--output', os.path.join(tmp, 'p4'), '--device', 'gpu']),
         'eval_device_typo': ('evaluate', ev + ['--output', os.path.join(tmp, 'e1'), '--device', 'gpu']),
+        'eval_exclude_all': ('evaluate', ev + ['--output', os.path.join(tmp, 'e1x'), '--exclude', *names]),
+        'classes_edited': ('predict', ['--checkpoint', edited, '--input', scene, '--output', os.path.join(tmp, 'p4c')]),
+        'device_meta': ('predict', pred + ['--output', os.path.join(tmp, 'p4m'), '--device', 'meta']),
+        'eval_device_fpga': ('evaluate', ev + ['--output', os.path.join(tmp, 'e1f'), '--device', 'fpga']),
         'output_unwritable': ('predict', pred + ['--output', '/proc/ds_seg_out']),
         'output_readonly': ('predict', pred + ['--output', '/proc/self']),
         'vector_unwritable': ('predict', pred + ['--output', os.path.join(tmp, 'p5'), '--vector', '/proc/self/x.gpkg']),
@@ -219,6 +228,10 @@ def refusals(exported):
     ('mean_too_many', 'predict', ['--mean has 4 value(s) but the model takes 3 band(s)', 'e.g. --bands 1 2 3']),
     ('device_typo', 'predict', ['--device gpu: not a device']),
     ('eval_device_typo', 'evaluate', ['--device gpu: not a device']),
+    ('eval_exclude_all', 'evaluate', ['--exclude names every class', 'leave at least one class in']),
+    ('classes_edited', 'predict', ['classes_edited.pt: records 5 class name(s)', 'of 6 classes', 'export it again']),
+    ('device_meta', 'predict', ['--device meta: holds no data', 'give cpu, cuda or cuda:N']),
+    ('eval_device_fpga', 'evaluate', ['--device fpga: no fpga device is available here']),
     ('no_gpu', 'predict', ['--device cuda: no CUDA GPU']),
     ('eval_no_gpu', 'evaluate', ['--device cuda: no CUDA GPU']),
     ('output_unwritable', 'predict', ['--output: /proc/ds_seg_out is not writable']),
