@@ -327,6 +327,33 @@ def user_path(text):
     return os.path.expanduser(text)
 
 
+def run_whose_checkpoints_hold(work_dir):
+    """The work dir of another run whose ``checkpoints`` folder is ``work_dir`` or holds it, or None."""
+    path = os.path.realpath(work_dir)
+    while True:
+        parent = os.path.dirname(path)
+        # A ds_seg run's: its resolved configs beside the folder (a user's own 'checkpoints'
+        # folder under a project with some tool's config.json is not one).
+        if os.path.basename(path) == 'checkpoints' and all(
+                os.path.isfile(os.path.join(parent, name)) for name in ('config.json', 'ds_config.json')):
+            return parent
+        if parent == path:
+            return None
+        path = parent
+
+
+def refuse_inside_checkpoints(path, option):
+    """Refuse an output ``path`` inside a ds_seg run's ``checkpoints`` folder: that run's saves,
+    rollbacks and keep_checkpoints pruning move and delete its step folders, and with them
+    anything written there (an export beside its checkpoint, an evaluation of it)."""
+    run = run_whose_checkpoints_hold(path)
+    if run is not None:
+        raise ConfigError(f"{option}: {path} is inside the checkpoints of the run in {run}, whose saves, rollbacks "
+                          f"and keep_checkpoints pruning move and delete folders there (and what they hold); "
+                          f"choose a folder outside {os.path.join(run, 'checkpoints')}"
+                          + ('.' if option == '--work-dir' else f", e.g. {os.path.join(run, 'exports')}"))
+
+
 def check_writable(folder, option='--output', create=False):
     """Refuse, before any work, a folder this process cannot write into (a read-only mount, a
     path under a file, /proc): a probe file (or, for a folder still to be made, a probe folder

@@ -27,7 +27,7 @@ from ds_seg import distributed  # noqa: E402
 from ds_seg.cli import exit_without_finalization, run_command  # noqa: E402
 from ds_seg.inference import default_palette, evaluate_scenes, scene_pairs  # noqa: E402
 from ds_seg.inputs import (as_invoked, user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
-                           check_writable, expand_inputs, replaced_when_done)
+                           check_writable, refuse_inside_checkpoints, expand_inputs, replaced_when_done)
 from ds_seg.metrics import metrics_from_confusion  # noqa: E402
 
 
@@ -367,6 +367,7 @@ def _run(args):
     # Every file this run may write, not only eval.json: an earlier run's pictures are results too.
     check_outputs(output_files(args), [], overwrite=args.overwrite)
     check_writable(args.output)
+    refuse_inside_checkpoints(args.output, '--output')
     device = setup(args)
     # An .onnx export is evaluated as predict.py runs it (onnxruntime); it was read as a torch file
     # and refused as 'a text file'.

@@ -21,7 +21,7 @@ import sys
 
 from ds_seg import deploy
 from ds_seg.engine import checkpoint
-from ds_seg.inputs import as_invoked, check_writable, missing_folder, user_path
+from ds_seg.inputs import as_invoked, check_writable, refuse_inside_checkpoints, missing_folder, user_path
 
 
 def check_out(out):
@@ -34,6 +34,7 @@ def check_out(out):
         raise ValueError(f'--out: {missing_folder(os.path.dirname(os.path.abspath(out)))}.')
     deploy.refuse_existing(out, *deploy.card_paths(out))
     check_writable(os.path.dirname(os.path.abspath(out)), '--out')
+    refuse_inside_checkpoints(os.path.abspath(out), '--out')
 
 
 # What a file name says it holds: a name that says another format than --format would make the

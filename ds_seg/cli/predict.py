@@ -31,7 +31,7 @@ from ds_seg.data.raster import StackedRaster
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inference.model import fixed_input_size, window_refusal
 from ds_seg.inputs import (as_invoked, user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,
-                           check_window_options, check_writable, expand_inputs, output_stems,
+                           check_window_options, check_writable, refuse_inside_checkpoints, expand_inputs, output_stems,
                            split_dates, written_by_predict)
 from ds_seg.telemetry import format_eta
 from ds_seg.vectorize import (add_vector_args, check_vector_options, exclude_ids, vector_outputs,
@@ -359,6 +359,7 @@ def _run(args):
     check_outputs([v for v in vectors if v], inputs, overwrite=args.overwrite, option='--vector')
     for folder in sorted({args.output} | {os.path.dirname(os.path.abspath(v)) for v in vectors if v}):
         check_writable(folder, '--output' if folder == args.output else '--vector')
+        refuse_inside_checkpoints(folder, '--output' if folder == args.output else '--vector')
     check_name_lengths([o for pair in outputs for o in pair] + [v for v in vectors if v])
     if args.vector:
         for first, vector in zip(firsts, vectors):

@@ -212,21 +212,6 @@ class WorkDirLock:
         self.me = None
 
 
-def _run_whose_checkpoints_hold(work_dir):
-    """The work dir of another run whose ``checkpoints`` folder is ``work_dir`` or holds it, or None."""
-    path = os.path.realpath(work_dir)
-    while True:
-        parent = os.path.dirname(path)
-        # A ds_seg run's: its resolved configs beside the folder (a user's own 'checkpoints'
-        # folder under a project with some tool's config.json is not one).
-        if os.path.basename(path) == 'checkpoints' and all(
-                os.path.isfile(os.path.join(parent, name)) for name in ('config.json', 'ds_config.json')):
-            return parent
-        if parent == path:
-            return None
-        path = parent
-
-
 def check_work_dir_entries(work_dir):
     """Refuse, before any step, an entry of ``work_dir`` a run cannot use: a ``checkpoints`` the
     first save cannot write into: a symbolic link to nothing (scratch purged, a file system not mounted), a file,
@@ -234,13 +219,9 @@ def check_work_dir_entries(work_dir):
     each cost ``checkpoint_interval`` steps of training, on every requeue of the job); and a
     ``previous`` that is a file."""
     from ..config import ConfigError
-    from ..inputs import check_writable
-    run = _run_whose_checkpoints_hold(work_dir)
-    if run is not None:
-        # That run's pruning (train.keep_checkpoints) deleted the step folder this run lived in.
-        raise ConfigError(f"--work-dir: {work_dir} is inside the checkpoints of the run in {run}, whose saves, "
-                          "rollbacks and keep_checkpoints pruning move and delete folders there; choose a folder "
-                          "outside it.")
+    from ..inputs import check_writable, refuse_inside_checkpoints
+    # That run's pruning (train.keep_checkpoints) deleted the step folder this run lived in.
+    refuse_inside_checkpoints(work_dir, '--work-dir')
     root = os.path.join(work_dir, 'checkpoints')
     if os.path.islink(root) and not os.path.exists(root):
         raise ConfigError(f'--work-dir: {root} is a symbolic link to {os.readlink(root)}, which does not exist '

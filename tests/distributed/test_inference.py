@@ -167,6 +167,13 @@ def _refusal_cases(tmp, weights, scene, label):
     names = list(payload['classes'])
     edited = os.path.join(tmp, 'classes_edited.pt')   # one name dropped by hand: the head still has them all
     torch.save(dict(payload, classes=names[:-1]), edited)
+    # A run's checkpoint folder: its keep_checkpoints pruning deleted an export or evaluation put there.
+    run = os.path.join(tmp, 'run')
+    step = os.path.join(run, 'checkpoints', 'step_00000002')
+    os.makedirs(step)
+    for name in ('config.json', 'ds_config.json'):
+        with open(os.path.join(run, name), 'w') as f:
+            f.write('{}')
     pred = ['--checkpoint', weights, '--input', scene, '--tile', '64', '--device', 'cpu']
     ev = ['--checkpoint', weights, '--images', scene, '--labels', label, '--tile', '64', '--device', 'cpu']
     cases = {
@@ -179,6 +186,11 @@ def _refusal_cases(tmp, weights, scene, label):
         'eval_device_typo': ('evaluate', ev + ['--output', os.path.join(tmp, 'e1'), '--device', 'gpu']),
         'eval_exclude_all': ('evaluate', ev + ['--output', os.path.join(tmp, 'e1x'), '--exclude', *names]),
         'classes_edited': ('predict', ['--checkpoint', edited, '--input', scene, '--output', os.path.join(tmp, 'p4c')]),
+        'export_into_step': ('export', [weights, '--format', 'onnx', '--out', os.path.join(step, 'mine.onnx')]),
+        'eval_into_step': ('evaluate', ev + ['--output', step]),
+        'predict_into_step': ('predict', pred + ['--output', os.path.join(step, 'preds')]),
+        'vector_into_checkpoints': ('predict', pred + ['--output', os.path.join(tmp, 'p4v'), '--vector',
+                                                       os.path.join(run, 'checkpoints', 'v.gpkg')]),
         'device_meta': ('predict', pred + ['--output', os.path.join(tmp, 'p4m'), '--device', 'meta']),
         'eval_device_fpga': ('evaluate', ev + ['--output', os.path.join(tmp, 'e1f'), '--device', 'fpga']),
         'output_unwritable': ('predict', pred + ['--output', '/proc/ds_seg_out']),
@@ -230,6 +242,11 @@ def refusals(exported):
     ('eval_device_typo', 'evaluate', ['--device gpu: not a device']),
     ('eval_exclude_all', 'evaluate', ['--exclude names every class', 'leave at least one class in']),
     ('classes_edited', 'predict', ['classes_edited.pt: records 5 class name(s)', 'of 6 classes', 'export it again']),
+    ('export_into_step', 'export', ['step_00000002/mine.onnx is inside the checkpoints of the run in',
+                                    'keep_checkpoints pruning move and delete', 'run/exports']),
+    ('eval_into_step', 'evaluate', ['--output: ', 'step_00000002 is inside the checkpoints of the run in']),
+    ('predict_into_step', 'predict', ['--output: ', 'step_00000002/preds is inside the checkpoints of the run']),
+    ('vector_into_checkpoints', 'predict', ['--vector: ', 'is inside the checkpoints of the run in']),
     ('device_meta', 'predict', ['--device meta: holds no data', 'give cpu, cuda or cuda:N']),
     ('eval_device_fpga', 'evaluate', ['--device fpga: no fpga device is available here']),
     ('no_gpu', 'predict', ['--device cuda: no CUDA GPU']),

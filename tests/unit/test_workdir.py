@@ -355,7 +355,7 @@ def test_a_marker_edited_to_drop_a_state_file_does_not_pass(tmp_path):
 def test_only_a_ds_seg_runs_checkpoints_folder_holds_a_work_dir(tmp_path):
     """A work dir inside another run's checkpoints/ is refused; a user's own folder named
     checkpoints under a project with some tool's config.json is not another run's."""
-    from ds_seg.engine.workdir import _run_whose_checkpoints_hold
+    from ds_seg.inputs import run_whose_checkpoints_hold as _run_whose_checkpoints_hold
     project = tmp_path / 'proj'
     (project / 'checkpoints' / 'exp1').mkdir(parents=True)
     (project / 'config.json').write_text('{}')
