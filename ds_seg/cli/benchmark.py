@@ -399,7 +399,10 @@ def add_speedups(rows):
 
 def _is_oom(text):
     lowered = text.lower()
-    return 'out of memory' in lowered or 'outofmemoryerror' in lowered or 'cannot allocate memory' in lowered
+    # The trainer's own guards refuse sizes far past the memory before a step: those are "does not
+    # fit" too (ds_seg.engine.trainer: _check_windows_fit_in_memory, _check_activations_fit_in_memory).
+    return ('out of memory' in lowered or 'outofmemoryerror' in lowered or 'cannot allocate memory' in lowered
+            or 'of activations for its backward pass' in lowered or 'gib as float32, more than' in lowered)
 
 
 def largest_fitting(fits, start, limit, resolution=lambda good: 1):

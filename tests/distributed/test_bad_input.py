@@ -133,6 +133,9 @@ def _cases(tmp):
         # windows past the machine's memory: a numpy traceback at the first step, or at the first
         # evaluation with the steps before it lost
         'crop_past_memory': (['data.crop_size=1000000'], None, []),
+        # A batch of inputs a twelfth of the memory passes the guard above; UNetTiny's activations (36 to
+        # 72 times its input) do not: the OOM killer ended such a run ("Killed") 100 s into training.
+        'activations_past_memory': ([f'data.crop_size={_crop_of_a_twelfth_of_memory()}'], None, []),
         'eval_tile_past_memory': (['data.eval_tile=1000000', 'train.eval_interval=2'], None, []),
         'micro_batch_past_memory': ([], ds_json('huge_batch.json', {**base, 'train_micro_batch_size_per_gpu': 10 ** 9}), []),
         'ds_act_ckpt': ([], ds_json('act_ckpt.json', {**base, 'activation_checkpointing': {'partition_activations': True}}), []),
@@ -297,6 +300,9 @@ EXPECTED = {
                           'an untested ZeRO Optimizer'],
     'crop_past_memory': ['data.crop_size 1000000 with train_micro_batch_size_per_gpu 8: one batch of 3-band windows '
                          'takes', "GiB as float32, more than this machine's", 'lower data.crop_size'],
+    'activations_past_memory': ['with train_micro_batch_size_per_gpu 8: a training step of UNetTiny keeps about',
+                                'GiB of activations for its backward pass and this machine has',
+                                'lower data.crop_size or the micro-batch'],
     'eval_tile_past_memory': ['data.eval_tile 1000000 with data.eval_batch_size 8', 'lower data.eval_tile'],
     'micro_batch_past_memory': ['with train_micro_batch_size_per_gpu 1000000000', 'or train_micro_batch_size_per_gpu'],
     'ds_act_ckpt': ["'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg", 'partition_activations'],
@@ -339,6 +345,13 @@ EXPECTED = {
     'resume_stats': ['--resume', 'normalised its inputs with data.train.mean=[', 'but the config gives [1,2,3]',
                      'leave data.train.mean out'],
 }
+
+
+def _crop_of_a_twelfth_of_memory():
+    """The crop side at which a batch of 8 three-band float32 windows takes a twelfth of this
+    machine's memory."""
+    memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    return int((memory / 12 / (8 * 3 * 4)) ** 0.5)
 
 
 def test_the_reference_run_trains(outcomes):

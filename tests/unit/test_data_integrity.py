@@ -535,7 +535,9 @@ def test_a_crop_larger_than_every_training_scene_is_said(tmp_path):
     img = write_tif(tmp_path / 'p_image.tif', rng.integers(1, 255, (3, 40, 50)).astype(np.uint8))
     lbl = write_tif(tmp_path / 'p_label.tif', rng.integers(0, 2, (40, 50)).astype(np.uint8))
     notes = data_notes(GeoTiffScenes([img], [lbl], crop_size=64, classes=2), None)
-    assert notes == ['data.crop_size 64x64 is larger than every training scene (the largest 40x50): at least 51% '
+    assert notes == ['data.crop_size 64x64 is larger than every training scene (the largest 40x50): at least 51.1% '
                      'of each window is padding, ignored by the loss; a crop_size within the scenes trains on more '
                      'pixels per step']
     assert data_notes(GeoTiffScenes([img], [lbl], crop_size=40, classes=2), None) == []
+    # 99.92% padding was said as "at least 100%".
+    assert 'at least 99.9% of each window' in data_notes(GeoTiffScenes([img], [lbl], crop_size=1600, classes=2), None)[0]
