@@ -11,9 +11,11 @@ if __name__ == '__main__':
     # (Python's default for SIGUSR1/SIGTERM): remember it for ds_seg.engine.faults.StopRequests
     # (ds_seg.stop_signals does this for the ds-seg-train console script).
     # A Ctrl-C then is kept too, and said in one line (not a KeyboardInterrupt traceback from inside an import).
+    # The sbatch templates start a rank with SIGUSR1/SIGTERM ignored (so that one in its first
+    # moments, before this line, is not fatal): taken over here all the same.
     _early = []
     for _sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        if signal.getsignal(_sig) is not signal.SIG_IGN:  # SIGINT ignored (a background rank) stays so
+        if _sig != signal.SIGINT or signal.getsignal(_sig) is not signal.SIG_IGN:  # SIGINT ignored (a background rank) stays so
             signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
     try:
         from ds_seg.cli.train import main

@@ -414,8 +414,7 @@ def test_sbatch_templates_share_their_helpers_word_for_word():
     """Each template is a file of its own (Slurm copies the script alone, nothing beside it to
     source): the helpers both need are written twice and must not drift apart."""
     one, multi = _bash_functions('train.sbatch'), _bash_functions('train_multinode.sbatch')
-    shared = {'being_cancelled', 'requeue_or_say_why', 'seconds_of', 'warned_at_once', 'expand_patterns',
-              'until_caught'}
+    shared = {'being_cancelled', 'requeue_or_say_why', 'seconds_of', 'warned_at_once', 'expand_patterns'}
     assert shared <= set(one) and shared <= set(multi), (sorted(one), sorted(multi))
     for name in shared:
         assert one[name] == multi[name], name
@@ -513,6 +512,10 @@ def test_sbatch_template_ranks_meet_at_a_free_port(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert json.load(open(work / 'summary.json'))['exit_reason'] == 'completed'
     assert f'port {port},' not in out and ', port ' in out, out[-3000:]
+    # Below the kernel's ephemeral range: the OS's own pick (an ephemeral port) was taken by other
+    # jobs' connections before rank 0 listened there (EADDRINUSE at the rendezvous).
+    used = int(re.search(r', port (\d+),', out).group(1))
+    assert 10000 <= used < int(open('/proc/sys/net/ipv4/ip_local_port_range').read().split()[0]), used
 
 
 @pytest.mark.parametrize('nproc', [None, '0', 'two'])
