@@ -473,6 +473,10 @@ class SyntheticAerial(GeoTiffScenes):
                  cache_dir=None, seed=0, crop_size=256, mode=None, ignore_index=255, classes=None,
                  dates=1, **kw):
         if classes is not None:
+            if isinstance(classes, str) or not isinstance(classes, (list, tuple)):
+                # A count (classes=5, as GeoTiffScenes takes) failed as "'int' object is not iterable".
+                raise ValueError(f"SyntheticAerial classes must be a list of names from {CLASSES} (the ones to "
+                                 f"keep, in order), got {classes!r}; it draws these {len(CLASSES)} classes itself")
             unknown = [c for c in classes if c not in CLASSES]
             if unknown or not classes:
                 raise ValueError(f"SyntheticAerial classes must be names from {CLASSES}, got {classes!r}")

@@ -369,7 +369,11 @@ def test_a_validation_scene_given_twice_is_refused_and_training_may_repeat_one(t
 
 @pytest.mark.parametrize('kw, named', [(dict(num_scenes=0), 'num_scenes must be an integer >= 1, got 0'),
                                        (dict(num_scenes=True), 'num_scenes must be an integer >= 1, got True'),
-                                       (dict(dates=0), 'dates must be an integer >= 1, got 0')])
+                                       (dict(dates=0), 'dates must be an integer >= 1, got 0'),
+                                       # a count, as GeoTiffScenes takes: "'int' object is not iterable"
+                                       (dict(classes=5), r'classes must be a list of names from .* got 5; it draws '
+                                                         r'these 6 classes itself'),
+                                       (dict(classes='road'), "got 'road'")])
 def test_synthetic_scene_counts_that_are_no_count_are_named(tmp_path, kw, named):
     """num_scenes=True trained on one scene; 0 gave a divide-by-zero warning, then "images: no
     files given", naming neither the key nor the split."""
