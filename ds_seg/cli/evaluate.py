@@ -372,6 +372,12 @@ def _run(args):
     # An .onnx export is evaluated as predict.py runs it (onnxruntime); it was read as a torch file
     # and refused as 'a text file'.
     model, info = load_forward(args.checkpoint, device, args.cpu_threads)
+    said = (cfg.get('model') or {}).get('type') if args.config else None
+    scored = (info.get('model') or {}).get('type')
+    if said and scored and said != scored and os.environ.get('RANK', '0') == '0':
+        # Only its data.val is used: the config's model was taken for the one scored.
+        print(f"[evaluate] --config {args.config} trains a {said}; evaluate scores --checkpoint's model, a {scored}, "
+              f"on that config's data.val", flush=True)
     scenes, classes = build_scenes(args, info, cfg)
     check_dates(scenes, info)
     mean, std, bands = normalisation(args, info, fallback=scenes if hasattr(scenes, 'scenes') else None)

@@ -358,3 +358,18 @@ def test_evaluate_finds_a_runs_relative_data_paths_from_any_folder(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert 0.0 <= json.load(open(elsewhere / 'eval' / 'eval.json'))['mIoU'] <= 1.0
+
+
+def test_evaluate_with_another_models_config_says_which_model_it_scores(exported, tmp_path):
+    """--config of an FPN run beside a UNetTiny checkpoint: only the config's data.val is used,
+    and the scores were read as the FPN's without a word."""
+    cache = tmp_path / 'cache'
+    fpn = str(REPO_ROOT / 'configs' / 'fpn_tiny_synthetic.py')
+    out = _run('evaluate.py', '--checkpoint', exported['weights'], '--config', fpn, '--device', 'cpu',
+               '--output', str(tmp_path / 'eval'), '--previews', '0', '--cfg-options',
+               f'data.val.cache_dir={cache}')
+    assert f"[evaluate] --config {fpn} trains a FPNTiny; evaluate scores --checkpoint's model, a UNetTiny, on that " \
+           "config's data.val" in out, out
+    same = _run('evaluate.py', '--checkpoint', exported['weights'], '--config', TINY_CONFIG, '--device', 'cpu',
+                '--output', str(tmp_path / 'eval2'), '--previews', '0', '--cfg-options', f'data.val.cache_dir={cache}')
+    assert 'evaluate scores --checkpoint' not in same, same
