@@ -223,6 +223,7 @@ class Trainer:
         self._check_model_takes_windows()
         self._check_windows_fit_in_memory()
         self._check_activations_fit_in_memory()
+        self.__dict__.pop('_meta_built', None)  # the meta model served only the checks above
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
         self._check_loss_matches_classes()
 
@@ -648,6 +649,17 @@ class Trainer:
                                   f"windows takes {need / ranks / 2 ** 30:,.0f} GiB as float32{per}, more than this "
                                   f"machine's {memory / 2 ** 30:,.0f} GiB; lower {side_key} or {batch_key}.")
 
+    def _meta_model(self):
+        """The model built once on the meta device (no memory, no weights read: without its
+        pretrained file), in eval mode, for the checks before training; None where it cannot be."""
+        if not hasattr(self, '_meta_built'):
+            try:
+                with torch.device('meta'):
+                    self._meta_built = build(MODELS, without_pretrained(self.cfg.model), where='model').eval()
+            except Exception:
+                self._meta_built = None
+        return self._meta_built
+
     def _check_activations_fit_in_memory(self):
         """What a training step keeps for its backward pass (the tensors autograd saves, counted in
         a forward on the meta device: no memory, no compute) for one micro-batch of crops, against
@@ -671,14 +683,17 @@ class Trainer:
             saved[0] += tensor.numel() * tensor.element_size()
             return tensor
         channels, side = self.train_set.in_channels, self.cfg.data.crop_size
+        model = self._meta_model()
+        if model is None:
+            return
         try:
-            with torch.device('meta'):
-                model = build(MODELS, without_pretrained(self.cfg.model), where='model').train()
-                images = torch.zeros(self.spec.micro_batch, channels, side, side)
+            images = torch.zeros(self.spec.micro_batch, channels, side, side, device='meta')
             with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
-                model(images)
+                model.train()(images)
         except Exception:  # a model the meta device cannot run: nothing to estimate with
             return
+        finally:
+            model.eval()
         # Half-precision steps save half the bytes of this float32 pass (about: some ops stay fp32).
         need = saved[0] * (0.5 if any(p in self.spec.precision for p in ('fp16', 'bf16')) else 1.0)
         if ranks * need > 2 * memory:
@@ -699,10 +714,8 @@ class Trainer:
         if self.val_set is not None:
             sizes['data.eval_tile' if d.get('eval_tile') else 'data.crop_size (the evaluation tile)'] = \
                 d.get('eval_tile') or d.crop_size
-        try:  # without its pretrained weights: the real build reads (or downloads) them once
-            with torch.device('meta'):
-                model = build(MODELS, without_pretrained(m), where='model').eval()
-        except Exception:  # cannot be built on meta: the real build below says what is wrong
+        model = self._meta_model()
+        if model is None:  # cannot be built on meta: the real build below says what is wrong
             return
         for key, size in sizes.items():
             refusal = window_refusal(model, self.train_set.in_channels, size, device='meta')
