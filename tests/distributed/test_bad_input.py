@@ -393,3 +393,12 @@ def test_bad_input_stops_with_one_line_naming_it(outcomes, case):
     assert len(errors) == 1 and not any('Traceback' in line for line in lines), lines
     for fragment in EXPECTED[case]:
         assert fragment in errors[0], errors[0]
+
+
+@pytest.mark.parametrize('case', ['crop_past_memory', 'activations_past_memory', 'micro_batch_past_memory'])
+def test_the_benchmarks_size_search_reads_the_memory_refusals_as_not_fitting(outcomes, case):
+    """The trainer's own lines, not copies: reworded, the benchmark's search would call them errors."""
+    from ds_seg.cli.benchmark import _is_oom
+    errors = [line for line in outcomes[case][1] if line.startswith('ds_seg: error:')]
+    assert errors and _is_oom(errors[0]), errors
+    assert not _is_oom(next(line for line in outcomes['backbone_typo'][1] if line.startswith('ds_seg: error:')))

@@ -454,17 +454,3 @@ def test_acceptance_report_refuses_a_folder_the_acceptance_run_did_not_write(tmp
             report.main([str(folder)])
         assert stop.value.code == 2
         assert f'{said} {folder}: give the OUT_DIR that tools/gpu_acceptance.sh wrote' in capsys.readouterr().err
-
-
-def test_the_size_search_counts_the_trainers_memory_refusals_as_not_fitting():
-    """--find-max-batch doubles the micro-batch until a run does not fit: the trainer's own guards
-    refuse sizes far past the memory before a step, and the search took that for an error
-    ("failed for a reason other than memory") instead of the size that does not fit."""
-    activations = ('ds_seg: error: data.crop_size 512 with train_micro_batch_size_per_gpu 4096: a training step of '
-                   'UNet keeps about 3,100 GiB of activations for its backward pass and GPU cuda:0 has 80 GiB; lower '
-                   'data.crop_size or the micro-batch (gradient_accumulation_steps keeps the global batch).')
-    inputs = ("ds_seg: error: data.crop_size 1000000 with train_micro_batch_size_per_gpu 8: one batch of 3-band "
-              "windows takes 89,407 GiB as float32, more than this machine's 24 GiB; lower data.crop_size or "
-              "train_micro_batch_size_per_gpu.")
-    assert benchmark._is_oom(activations) and benchmark._is_oom(inputs)
-    assert not benchmark._is_oom("ds_seg: error: model.backbone: timm has no model 'convnxt_tiny'")
