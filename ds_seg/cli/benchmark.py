@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from ds_seg.inputs import as_invoked, user_path
+from ds_seg.inputs import as_invoked, refuse_inside_checkpoints, user_path
 from ds_seg.cli import same_package_env
 from ds_seg.config import DS_CONFIGS_DIR, option_keys
 from ds_seg.memory import zero_formula
@@ -626,6 +626,10 @@ def _check_args(args):
         return f"--launcher python starts one process, but --nproc is {args.nproc}; use torchrun or deepspeed"
     if os.path.exists(args.work_dir) and not os.path.isdir(args.work_dir):
         return f"--work-dir {args.work_dir} is a file; give a folder"
+    try:  # that run's pruning would delete the benchmark's runs with the step folder they are in
+        refuse_inside_checkpoints(args.work_dir, '--work-dir')
+    except ConfigError as exc:
+        return str(exc)
     for key in option_keys(args.cfg_options):
         owned = [k for k in BENCHMARK_OWNED if k == key or k.startswith(key + '.')]
         if owned:

@@ -454,3 +454,16 @@ def test_acceptance_report_refuses_a_folder_the_acceptance_run_did_not_write(tmp
             report.main([str(folder)])
         assert stop.value.code == 2
         assert f'{said} {folder}: give the OUT_DIR that tools/gpu_acceptance.sh wrote' in capsys.readouterr().err
+
+
+def test_a_work_dir_inside_a_runs_checkpoints_is_refused(tmp_path, capsys):
+    """That run's keep_checkpoints pruning would delete the benchmark's runs with the step folder."""
+    run = tmp_path / 'run'
+    (run / 'checkpoints' / 'step_00000002').mkdir(parents=True)
+    for name in ('config.json', 'ds_config.json'):
+        (run / name).write_text('{}')
+    work = run / 'checkpoints' / 'step_00000002' / 'bench'
+    assert benchmark.main(['--work-dir', str(work), '--launcher', 'python']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f'benchmark: error: --work-dir: {work} is inside the checkpoints of the run in {run}'), err
+    assert not work.exists()
