@@ -141,10 +141,11 @@ def incomplete_tags(root):
     return sorted(t for t in os.listdir(root) if TAG_RE.match(t) and not is_complete(root, t))
 
 
-def save(backend, root, step, client_state, keep, marker_extra=None, best=False):
+def save(backend, root, step, client_state, keep, marker_extra=None, best=False, report=None):
     """Save a checkpoint collectively (every rank calls this); returns the tag. ``best``: also
     point ``best`` at it. Keep-N pruning never removes the checkpoint ``best`` names (a run
-    resumed without ``train.save_best`` included: the user's best weights are not deleted).
+    resumed without ``train.save_best`` included: the user's best weights are not deleted), nor
+    files the save did not write (see :func:`_prune`; ``report(line)`` hears where they went).
 
     Raises :class:`CheckpointWriteError` on every rank if any rank failed to write (the
     temporary folder is removed; earlier checkpoints and ``latest`` are untouched).
@@ -177,7 +178,7 @@ def save(backend, root, step, client_state, keep, marker_extra=None, best=False)
             kept = read_pointer(root, 'best')
             for old in complete_tags(root)[:-keep] if keep > 0 else []:
                 if old != kept:
-                    shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+                    _prune(root, old, report)
         except OSError as exc:
             failure = _describe_write_failure(tmp_path, exc)
     failure = distributed.first_failure(failure)
@@ -186,6 +187,41 @@ def save(backend, root, step, client_state, keep, marker_extra=None, best=False)
             shutil.rmtree(tmp_path, ignore_errors=True)  # no partial checkpoint left behind
         raise CheckpointWriteError(failure)
     return tag
+
+
+def not_written_by_save(ckpt_dir):
+    """Names in a ``step_*`` folder that its save did not write: files or folders a user put
+    there by hand (an exported model, predictions). Without a readable marker only the state
+    files (:data:`STATE_FILE_RE`) count as the save's."""
+    try:
+        listed = set(read_marker(ckpt_dir)['files'])
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = None
+    return sorted(name for name in os.listdir(ckpt_dir) if name != COMPLETE and
+                  (name not in listed if listed is not None else not STATE_FILE_RE.search(name)))
+
+
+def _prune(root, tag, report):
+    """Delete checkpoint ``root/tag`` (keep-N pruning). What the save did not write there goes,
+    first, to ``<work_dir>/kept_from_pruning/<tag>/``: pruning removed whole folders, and with
+    them an exported model or predictions a user had put inside, without a word."""
+    path = os.path.join(root, tag)
+    theirs = not_written_by_save(path)
+    if theirs:
+        base = os.path.join(os.path.dirname(root), 'kept_from_pruning', tag)
+        dest, n = base, 1
+        while os.path.exists(dest):   # the same step pruned again after a rollback
+            dest, n = f'{base}-{n}', n + 1
+        os.makedirs(dest)
+        for name in theirs:
+            shutil.move(os.path.join(path, name), os.path.join(dest, name))
+        fsync_path(dest)
+        if report is not None:
+            names = [n + '/' if os.path.isdir(os.path.join(dest, n)) else n for n in theirs]
+            shown = ', '.join(names[:5]) + (f' and {len(names) - 5} more' if len(names) > 5 else '')
+            report(f'train.keep_checkpoints pruned {path}; what ds_seg had not written there ({shown}) '
+                   f'moved to {dest}')
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _no_room_for(root, tag):
@@ -233,7 +269,10 @@ def _seal(root, tmp_tag, tag, step, backend, client_state, marker_extra):
     fsync_path(tmp_path)
     faults.fault_point('save-marker', step)
     final = os.path.join(root, tag)
-    if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it
+    if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it,
+        for name in not_written_by_save(final):  # keeping what a user had put there
+            if not os.path.lexists(os.path.join(tmp_path, name)):
+                os.replace(os.path.join(final, name), os.path.join(tmp_path, name))
         shutil.rmtree(final)
     os.rename(tmp_path, final)
     fsync_path(root)

@@ -162,7 +162,7 @@ class Checkpointer:
                                             'param_groups': self.backend.param_group_layout,
                                             'optim': _model_dict(self.cfg.get('optim') or {}),
                                             **({'best_metric': self.best_metric} if best_record is not None else {})},
-                              best=best_record is not None)
+                              best=best_record is not None, report=self.report)
         if best_record is not None:
             self.best = (best_record[self.best_metric], step)
         self.report(f'saved checkpoint {self.root}/{tag}'
