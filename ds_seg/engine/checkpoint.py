@@ -71,8 +71,9 @@ def is_complete(root, tag):
     path = os.path.join(root, tag)
     try:
         with open(os.path.join(path, COMPLETE)) as f:
-            expected = json.load(f)['files']
-        return not _unlisted_state_files(path, expected) and \
+            marker = json.load(f)
+        expected = marker['files']
+        return not _unlisted_state_files(path, expected) and not _lacking_state_files(marker, expected) and \
             all(os.path.getsize(os.path.join(path, name)) == size for name, size in expected.items())
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return False
@@ -83,6 +84,31 @@ def _unlisted_state_files(path, listed):
     marker lists every file the save wrote: one edited to drop a damaged file's entry passed the
     checks, and the resume died in DeepSpeed's loader with a traceback."""
     return [name for name in _files(path) if STATE_FILE_RE.search(name) and name not in listed]
+
+
+def _lacking_state_files(marker, listed):
+    """What the marker's own record says the save wrote, and its file list lacks, as a phrase (or
+    None): a marker edited to drop a file's entry, with the file, passed every check and the resume
+    died in DeepSpeed's loader ("[Errno 2] No such file ... optim_states.pt"). A DDP save writes
+    ``ddp_state.pt``; DeepSpeed's, a model-states file (one per rank under ZeRO-3) and, under
+    ZeRO 1-3 or its native bf16 optimizer, one optimizer-states file per rank."""
+    world = marker.get('world_size')
+    if not isinstance(world, int) or world < 1:
+        return None
+    names = [n for n in listed if STATE_FILE_RE.search(n)]
+    if marker.get('backend') == 'ddp':
+        return None if 'ddp_state.pt' in names else 'its marker lists no ddp_state.pt'
+    if marker.get('backend') != 'deepspeed':
+        return None
+    stage = marker.get('zero_stage') or 0
+    models = sum(n.endswith('model_states.pt') for n in names)
+    optims = sum(n.endswith('optim_states.pt') for n in names)
+    if models < (world if stage == 3 else 1):
+        return f'its marker lists {models} model-states file(s), and a ZeRO-{stage} save of {world} rank(s) writes ' \
+               f'{world if stage == 3 else 1}'
+    if (stage >= 1 or optims) and optims != world:
+        return f'its marker lists {optims} optimizer-states file(s), and a save of {world} rank(s) writes {world}'
+    return None
 
 
 # What DeepSpeed (model/optimizer states of each rank) and DDP write into a step folder; a weights
@@ -107,6 +133,9 @@ def verify(root, tag):
     unlisted = _unlisted_state_files(path, sizes)
     if unlisted:
         return f'{unlisted[0]} is not in its {COMPLETE} marker (an edited marker?)'
+    lacking = _lacking_state_files(marker, sizes)
+    if lacking:
+        return f'{lacking} (an edited marker?)'
     for name, size in sizes.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):

@@ -350,6 +350,22 @@ def test_a_marker_edited_to_drop_a_state_file_does_not_pass(tmp_path):
         (tag / checkpoint.COMPLETE).write_text(json.dumps(dict(marker, **edited)))
         assert 'is not in its COMPLETE marker' in checkpoint.verify(str(tmp_path), tag.name)
         assert not checkpoint.is_complete(str(tmp_path), tag.name)
+    # The entry dropped and the file deleted too: the marker's own record (a ZeRO-2 save of one
+    # rank) says what the save wrote. Passed, the resume ended "[Errno 2] No such file ...".
+    marker.update(world_size=1, backend='deepspeed', zero_stage=2)
+    (tag / checkpoint.COMPLETE).write_text(json.dumps(marker))
+    assert checkpoint.verify(str(tmp_path), tag.name) is None and checkpoint.is_complete(str(tmp_path), tag.name)
+    optim = 'zero_pp_rank_0_mp_rank_00_optim_states.pt'
+    (tag / optim).unlink()
+    edited = {key: {n: v for n, v in marker[key].items() if n != optim} for key in ('files', 'sha256')}
+    (tag / checkpoint.COMPLETE).write_text(json.dumps(dict(marker, **edited)))
+    assert checkpoint.verify(str(tmp_path), tag.name) == ('its marker lists 0 optimizer-states file(s), and a save '
+                                                          'of 1 rank(s) writes 1 (an edited marker?)')
+    assert not checkpoint.is_complete(str(tmp_path), tag.name)
+    for record, expected in ((dict(zero_stage=3, world_size=2), 'lists 1 model-states file(s), and a ZeRO-3 save of 2 '
+                              'rank(s) writes 2'), (dict(backend='ddp'), 'its marker lists no ddp_state.pt')):
+        (tag / checkpoint.COMPLETE).write_text(json.dumps(dict(marker, **record)))
+        assert expected in checkpoint.verify(str(tmp_path), tag.name)
 
 
 def test_only_a_ds_seg_runs_checkpoints_folder_holds_a_work_dir(tmp_path):
