@@ -197,6 +197,9 @@ class RunLog:
         return self.tb
 
     LOGS = ('metrics.jsonl', 'eval.jsonl', 'summary.json')
+    # What a save writes into checkpoints/ beside its step folder (DeepSpeed copies its recovery
+    # scripts there).
+    CHECKPOINT_FILES = ('latest', 'best', 'zero_to_fp32.py', 'zero_to_torch.py')
 
     def start(self, resumed_step=None, set_aside=None):
         """Resumed: rows logged after the checkpoint are redone, so they leave the live logs; they
@@ -231,11 +234,15 @@ class RunLog:
             return
         # A fresh run in a used work dir: the earlier run's logs and the configs that made them
         # move to previous/<time>/ together, so neither is lost nor mistaken for this run's.
+        # So do the files this run's saves write into checkpoints/ beside the step folders (a fresh
+        # run holds none of those): a user's own checkpoints/latest was replaced without a word.
         old = [n for n in self.LOGS + ('tb', 'config.json', 'ds_config.json', self.TRACKER_RUNS)
-               if os.path.exists(os.path.join(self.work_dir, n))]
+               + tuple(os.path.join('checkpoints', n) for n in self.CHECKPOINT_FILES)
+               if os.path.lexists(os.path.join(self.work_dir, n))]
         if old:
             archive = new_archive(self.work_dir)
             for name in old:
+                os.makedirs(os.path.dirname(os.path.join(archive, name)), exist_ok=True)
                 os.replace(os.path.join(self.work_dir, name), os.path.join(archive, name))
             # Said, as a resume's move is: the user found their logs gone without a word.
             print(f"[ds_seg] the logs of an earlier run in {self.work_dir} ({', '.join(old)}) moved to {archive}/",

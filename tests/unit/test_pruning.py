@@ -51,3 +51,20 @@ def test_saving_a_step_again_keeps_what_a_user_put_in_its_folder(tmp_path):
     assert _tree(step2) == sorted(['COMPLETE', 'ddp_state.pt', 'my_model.pt', 'preds/scene_classes.tif'])
     from ds_seg.engine import checkpoint
     assert checkpoint.verify(str(step2.parent), step2.name) is None
+
+
+def test_a_fresh_run_moves_a_checkpoints_latest_it_did_not_write_to_previous(tmp_path, capsys):
+    """A work dir holding no checkpoint but a user's own checkpoints/latest (and a model beside it):
+    the fresh run's first save replaced that latest without a word."""
+    checkpoints = tmp_path / 'work' / 'checkpoints'
+    checkpoints.mkdir(parents=True)
+    (checkpoints / 'latest').write_text('my notes\n')
+    (checkpoints / 'my_model.pth').write_bytes(b'a model of mine')
+    fit_and_close(_trainer(tmp_path, 2))
+    (archive,) = os.listdir(tmp_path / 'work' / 'previous')
+    archive = tmp_path / 'work' / 'previous' / archive
+    assert (archive / 'checkpoints' / 'latest').read_text() == 'my notes\n'
+    assert (checkpoints / 'my_model.pth').read_bytes() == b'a model of mine'   # no name a save writes: left alone
+    assert (checkpoints / 'latest').read_text() == 'step_00000002'
+    assert (f"the logs of an earlier run in {tmp_path / 'work'} ({os.path.join('checkpoints', 'latest')}) moved to "
+            f"{archive}/") in capsys.readouterr().out
