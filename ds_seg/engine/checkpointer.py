@@ -52,14 +52,23 @@ def optimizer_family(ds_config):
 # Optimizer settings a checkpoint's optimizer state carries (its param_groups) and a resume restores
 # over the DeepSpeed JSON's: a new value would be written to ds_config.json but never train. The LR
 # only without a scheduler: a scheduler sets it from its own (new) parameters every step.
-STATE_HYPERPARAMETERS = ('weight_decay', 'betas', 'eps', 'momentum', 'dampening', 'nesterov', 'amsgrad')
+# decoupled_weight_decay: AdamW's, or Adam's L2 (DeepSpeed's "Adam" with adam_w_mode false); torch
+# restores it with the groups, so a resume that switched kept training AdamW under a torch.Adam label.
+STATE_HYPERPARAMETERS = ('weight_decay', 'betas', 'eps', 'momentum', 'dampening', 'nesterov', 'amsgrad',
+                         'decoupled_weight_decay')
 
 
 def restored_hyperparameters(ds_config):
     """The JSON's values of the optimizer settings a resume restores from the checkpoint."""
-    params = (ds_config.get('optimizer') or {}).get('params') or {}
+    optimizer = ds_config.get('optimizer') or {}
+    params = optimizer.get('params') or {}
     keys = STATE_HYPERPARAMETERS + (() if ds_config.get('scheduler') else ('lr',))
-    return {k: params.get(k) for k in keys if params.get(k) is not None}
+    found = {k: params.get(k) for k in keys if params.get(k) is not None}
+    kind = str(optimizer.get('type', '')).lower()
+    if kind in ('adam', 'adamw') and params.get('weight_decay'):   # without decay the two are one
+        # DeepSpeed's rule: AdamW always decoupled; Adam unless adam_w_mode is false.
+        found['decoupled_weight_decay'] = kind == 'adamw' or bool(params.get('adam_w_mode', True))
+    return found
 
 
 # The fp16 block's loss-scaling settings: DeepSpeed's fp16 optimizers restore them, with the

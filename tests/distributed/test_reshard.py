@@ -132,6 +132,8 @@ def _resume_with(tmp, params, scheduler, backend='deepspeed', scheduler_on_resum
     resumed_scheduler = scheduler if scheduler_on_resume is None else scheduler_on_resume
     for steps, resume, extra, scheduled in ((2, None, {}, scheduler), (4, 'auto', params, resumed_scheduler)):
         ds = ds_config(0, micro_batch=2)
+        extra = dict(extra)
+        ds['optimizer']['type'] = extra.pop('type', ds['optimizer']['type'])
         ds['optimizer']['params'].update(extra)
         if not scheduled:
             ds.pop('scheduler')
@@ -146,6 +148,8 @@ def _fresh_with(tmp, params):
     """The LRs of four uninterrupted steps with ``params`` from the start."""
     from ds_seg.engine.trainer import Trainer
     ds = ds_config(0, micro_batch=2)
+    params = dict(params)
+    ds['optimizer']['type'] = params.pop('type', ds['optimizer']['type'])
     ds['optimizer']['params'].update(params)
     trainer = Trainer(tiny_cfg(os.path.join(tmp, 'cache'), max_steps=4), ds, work_dir=os.path.join(tmp, 'fresh'))
     try:
@@ -160,6 +164,9 @@ def _fresh_with(tmp, params):
     (dict(betas=[0.5, 0.9]), True, "betas [0.9, 0.999] -> [0.5, 0.9]"),
     (dict(lr=0.005), False, "lr 0.002 -> 0.005"),  # no scheduler: the restored param_groups' LR stays
     (dict(lr=0.005), True, None),                  # a scheduler sets the LR from its (new) parameters
+    # AdamW -> Adam's L2 decay: torch restores decoupled_weight_decay with the groups (AdamW went on).
+    (dict(type='Adam', adam_w_mode=False), True, 'decoupled_weight_decay True -> False'),
+    (dict(type='Adam'), True, None),               # DeepSpeed's Adam is AdamW unless adam_w_mode is false
 ])
 def test_a_resume_that_changes_restored_optimizer_settings_is_refused(tmp_path, params, scheduler, refused):
     # They were written to ds_config.json and never applied: the optimizer state's param_groups
