@@ -443,6 +443,15 @@ class Checkpointer:
         if saved.get('bands') is not None and list(saved['bands']) != mine['bands']:
             return (f"--resume: {where} was trained on bands {saved['bands']} but data.train takes {mine['bands']}; "
                     f"give data.train.bands={saved['bands']}, or {fresh}.")
+        # How label files become classes (label_map, reduce_zero_label, palette): another mid-run
+        # relabels the data under the same class names (file value 0 trained c1, then c0).
+        saved_decoding = saved.get('label_decoding') or None
+        mine_decoding = json.loads(json.dumps(mine.get('label_decoding') or None))
+        if saved_decoding != mine_decoding:
+            said = lambda decoding: ', '.join(f'{k}={v}' for k, v in decoding.items()) if decoding else \
+                'the label files as class indices'  # noqa: E731
+            return (f"--resume: {where} was trained decoding labels with {said(saved_decoding)} but data.train "
+                    f"decodes them with {said(mine_decoding)}; give data.train the checkpoint's, or {fresh}.")
         if saved.get('encoding') and mine.get('encoding') and saved['encoding'] != mine['encoding']:
             return (f"--resume: {where} was trained on bands scaled/offset {saved['encoding']} but data.train's are "
                     f"{mine['encoding']} ([scale, offset] per band, the files' GDAL tags); resume on data in the "

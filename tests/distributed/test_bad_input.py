@@ -210,6 +210,9 @@ def _cases(tmp):
                          ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         'resume_bands': (_geotiff_data([img], [lbl]) + tiny + ['data.train.bands=[3,2,1]'], None,
                          ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
+        # file value 0 trained class_0, then class_1: the same names, relabelled data
+        'resume_label_map': (_geotiff_data([img], [lbl]) + tiny + ['data.train.label_map={0:1,1:0}'], None,
+                             ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         'resume_colours': (_geotiff_data([img_bgr], [lbl]) + tiny, None,
                            ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         'resume_stats': (_geotiff_data([img], [lbl]) + tiny + ['data.train.mean=[1,2,3]'], None,
@@ -341,6 +344,8 @@ EXPECTED = {
     'resume_dtype': ['--resume', 'trained on uint8 pixels but data.train holds uint16'],
     'resume_bands': ['--resume', 'trained on bands [1, 2, 3] but data.train takes [3, 2, 1]',
                      'give data.train.bands=[1, 2, 3]'],
+    'resume_label_map': ['--resume', 'was trained decoding labels with the label files as class indices but '
+                         "data.train decodes them with label_map={'0': 1, '1': 0}"],
     'resume_colours': ['--resume', 'trained on bands holding red, green, blue but data.train\'s hold blue, green, red'],
     'resume_stats': ['--resume', 'normalised its inputs with data.train.mean=[', 'but the config gives [1,2,3]',
                      'leave data.train.mean out'],
