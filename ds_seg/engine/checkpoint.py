@@ -74,6 +74,7 @@ def is_complete(root, tag):
             marker = json.load(f)
         expected = marker['files']
         return not _unlisted_state_files(path, expected) and not _lacking_state_files(marker, expected) and \
+            _marker_of_another_step(tag, marker) is None and \
             all(os.path.getsize(os.path.join(path, name)) == size for name, size in expected.items())
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return False
@@ -84,6 +85,15 @@ def _unlisted_state_files(path, listed):
     marker lists every file the save wrote: one edited to drop a damaged file's entry passed the
     checks, and the resume died in DeepSpeed's loader with a traceback."""
     return [name for name in _files(path) if STATE_FILE_RE.search(name) and name not in listed]
+
+
+def _marker_of_another_step(tag, marker):
+    """The step a ``step_*`` folder's marker records where it is not the folder's (else None): two
+    folders swapped by hand resumed "from step_00000004 at step 2", and the run's save at step 4
+    then replaced the folder that held the only step-2 checkpoint."""
+    match = TAG_RE.match(os.path.basename(os.path.normpath(tag)))
+    step = marker.get('step')
+    return step if match and isinstance(step, int) and step != int(match.group(1)) else None
 
 
 def _lacking_state_files(marker, listed):
@@ -136,6 +146,9 @@ def verify(root, tag):
     lacking = _lacking_state_files(marker, sizes)
     if lacking:
         return f'{lacking} (an edited marker?)'
+    other_step = _marker_of_another_step(tag, marker)
+    if other_step is not None:
+        return f'its {COMPLETE} marker is of step {other_step} (a folder renamed, swapped or linked by hand?)'
     for name, size in sizes.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):

@@ -380,3 +380,29 @@ def test_only_a_ds_seg_runs_checkpoints_folder_holds_a_work_dir(tmp_path):
     assert _run_whose_checkpoints_hold(str(project / 'checkpoints' / 'exp1')) == str(project)
     assert _run_whose_checkpoints_hold(str(project / 'checkpoints')) == str(project)
     assert _run_whose_checkpoints_hold(str(project)) is None
+
+
+def test_a_step_folder_whose_marker_is_of_another_step_does_not_pass(tmp_path):
+    """step_00000002 and step_00000004 swapped by hand resumed "from step_00000004 at step 2", and
+    the save at step 4 then replaced the folder holding the only step-2 checkpoint. A link named
+    for one step to another run's checkpoint of another step passed the same way."""
+    import hashlib
+
+    from ds_seg.engine import checkpoint
+    root = tmp_path / 'checkpoints'
+    for step in (2, 4, 6):
+        tag = root / checkpoint.tag_for(step)
+        tag.mkdir(parents=True)
+        (tag / 'ddp_state.pt').write_bytes(b'state of step %d' % step)
+        names = ['ddp_state.pt']
+        (tag / checkpoint.COMPLETE).write_text(json.dumps({
+            'step': step, 'world_size': 1, 'backend': 'ddp', 'files': {n: (tag / n).stat().st_size for n in names},
+            'sha256': {n: hashlib.sha256((tag / n).read_bytes()).hexdigest() for n in names}}))
+    assert checkpoint.newest_verified(str(root)) == ('step_00000006', [])
+    os.rename(root / 'step_00000004', root / 'swap')
+    os.rename(root / 'step_00000006', root / 'step_00000004')
+    os.rename(root / 'swap', root / 'step_00000006')
+    reason = 'its COMPLETE marker is of step {} (a folder renamed, swapped or linked by hand?)'
+    assert checkpoint.newest_verified(str(root)) == ('step_00000002', [('step_00000006', reason.format(4)),
+                                                                       ('step_00000004', reason.format(6))])
+    assert checkpoint.complete_tags(str(root)) == ['step_00000002']
