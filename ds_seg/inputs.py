@@ -109,14 +109,25 @@ def split_dates(item):
     return dates
 
 
-def folder_rasters(folder):
+def folder_rasters(folder, what=None):
     """The GeoTIFFs and JPEG 2000 files directly inside ``folder``, sorted: what a folder given
     for scenes (predict, evaluate, a dataset's images/labels) stands for. Hidden files are not
     scenes, as a shell's or Python's ``*.tif`` glob has it (macOS leaves ``._a.tif`` beside
-    ``a.tif`` on other disks: not a raster)."""
-    return sorted(os.path.join(folder, n) for n in os.listdir(folder)
-                  if n.lower().endswith(FOLDER_SUFFIXES) and not n.startswith('.')
-                  and os.path.isfile(os.path.join(folder, n)))
+    ``a.tif`` on other disks: not a raster). A symbolic link to nothing among them is refused,
+    naming ``what`` (the option or key): it was left out without a word, and the metrics of a
+    folder of links into a partly unmounted dataset covered fewer scenes."""
+    names = sorted(n for n in os.listdir(folder) if n.lower().endswith(FOLDER_SUFFIXES) and not n.startswith('.'))
+    for name in names:
+        refuse_dangling_link(os.path.join(folder, name), what)
+    return [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))]
+
+
+def refuse_dangling_link(path, what=None):
+    """One line where ``path`` is a symbolic link whose target does not exist."""
+    if os.path.islink(path) and not os.path.exists(path):
+        from .data.raster import DataError
+        raise DataError(f"{what + ': ' if what else ''}{path} is a symbolic link to {os.readlink(path)}, which does not "
+                        "exist (a disk not mounted, a file moved?); restore it, or remove the link.")
 
 
 def expand_inputs(paths, option='--input'):
@@ -147,8 +158,9 @@ def expand_inputs(paths, option='--input'):
 
     files = []
     for path in paths:
+        refuse_dangling_link(path, option)
         if os.path.isdir(path):
-            found, earlier = scenes_only(path, folder_rasters(path))
+            found, earlier = scenes_only(path, folder_rasters(path, option))
             if not found:
                 raise ConfigError(f"{option}: folder {path} holds no GeoTIFF or JPEG 2000 raster "
                                   f"({', '.join(FOLDER_SUFFIXES)})" + (" but predict's own outputs" if earlier else "")
@@ -156,8 +168,10 @@ def expand_inputs(paths, option='--input'):
             files += found
         elif not os.path.exists(path) and not is_remote(path) and glob.has_magic(path):
             # A quoted glob (the shell left it alone): what the datasets and evaluate.py expand too.
-            found, earlier = scenes_only(path, sorted(
-                f for f in glob.glob(os.path.expanduser(path)) if os.path.isfile(f)))
+            matches = sorted(glob.glob(os.path.expanduser(path)))
+            for match in matches:
+                refuse_dangling_link(match, option)
+            found, earlier = scenes_only(path, [f for f in matches if os.path.isfile(f)])
             if not found:
                 raise ConfigError(f"{option}: the pattern {path} matches no file"
                                   + (" but predict's own outputs." if earlier else "."))

@@ -215,7 +215,7 @@ def expand_paths(spec, what, folders=False):
             item = os.path.expanduser(item)  # '~/data/*.tif' in a config: no shell expands it
         # (A vector dataset may be a folder: a partitioned .parquet.)
         if folders and not is_remote(item) and os.path.isdir(item) and not is_vector(item):
-            found = folder_rasters(item)
+            found = folder_rasters(item, what)
             if not found:
                 raise DataError(f"{what}: folder {item} holds no GeoTIFF or JPEG 2000 raster "
                                 f"({', '.join(FOLDER_SUFFIXES)}); give other rasters by name or glob")

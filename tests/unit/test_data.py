@@ -540,3 +540,22 @@ def test_the_band_encoding_check_takes_a_date_file_against_a_model_of_stacked_da
     assert 'differ from' in band_encoding_refusal({'bands': [1, 2, 3], 'encoding': [[1.0, 0.0]] * 6}, plain)
     assert band_encoding_refusal({'bands': [1, 2, 3], 'encoding': [[1.0, 0.0]] * 3 + [[1.0, -1000.0]] * 3},
                                  plain) is None   # the second date's encoding
+
+
+def test_a_symbolic_link_to_nothing_in_a_folder_or_glob_is_refused_naming_it(tmp_path):
+    """A folder of links into a dataset on a disk that is partly unmounted: the dangling ones were
+    left out without a word (fewer scenes trained, predicted and scored), where the same files
+    given as a glob to the datasets were refused."""
+    from ds_seg.inputs import expand_inputs
+    _tiles(tmp_path, ['a.tif', 'b.tif'], ['a.tif', 'b.tif'])
+    for folder in ('img', 'lbl'):
+        os.symlink(tmp_path / 'gone' / 'c.tif', tmp_path / folder / 'c.tif')
+    said = f"is a symbolic link to {tmp_path / 'gone' / 'c.tif'}, which does not exist"
+    with pytest.raises(DataError, match=f"^images: {tmp_path / 'img' / 'c.tif'} {said}"):
+        GeoTiffScenes(str(tmp_path / 'img'), str(tmp_path / 'lbl'), crop_size=32, classes=2, mean=[0] * 3, std=[1] * 3)
+    for given in (str(tmp_path / 'img'), str(tmp_path / 'img' / '*.tif'), str(tmp_path / 'img' / 'c.tif')):
+        with pytest.raises(DataError, match=f"^--input: {tmp_path / 'img' / 'c.tif'} {said}"):
+            expand_inputs([given])
+    os.remove(tmp_path / 'img' / 'c.tif')
+    os.remove(tmp_path / 'lbl' / 'c.tif')
+    assert [os.path.basename(p) for p in expand_inputs([str(tmp_path / 'img')])] == ['a.tif', 'b.tif']
