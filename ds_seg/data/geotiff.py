@@ -659,6 +659,16 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             if twice:  # which class would those pixels be?
                 raise ValueError(f"palette gives the colour {twice[0]} to more than one class "
                                  f"({', '.join(self.classes[i] for i, c in enumerate(self.palette) if c == twice[0])})")
+            if palette_tolerance is not None and (isinstance(palette_tolerance, bool) or not isinstance(
+                    palette_tolerance, (int, float)) or not 0 <= palette_tolerance <= 255):
+                # -1 matched no colour at all: the line blamed the palette, (0, 0, 0) its first entry
+                raise DataError(f"palette_tolerance={palette_tolerance!r}: give how far (0..255 per channel) a "
+                                "label colour may be from its palette colour, or leave it out for half the "
+                                "distance between the closest two")
+            if isinstance(palette_max_unmatched, bool) or not isinstance(palette_max_unmatched, (int, float)) \
+                    or not 0 <= palette_max_unmatched <= 1:
+                raise DataError(f"palette_max_unmatched={palette_max_unmatched!r}: give the share (0..1) of label "
+                                "pixels that may match no palette colour")
             tol = default_palette_tolerance(self.palette) if palette_tolerance is None else int(palette_tolerance)
             self._decode_palette = PaletteDecoder(self.palette, tol, check_colours(palette_ignore, 'palette_ignore'),
                                                   self.ignore_index)

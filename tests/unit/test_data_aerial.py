@@ -169,6 +169,12 @@ def test_bad_palette_and_folder_pairs(tmp_path, trees):
     img, lbl = _pair(tmp_path, labels=np.stack([np.full((32, 32), 128, np.uint8)] * 3))
     with pytest.raises(DataError, match=r'img_label\.tif: 100\.0% of the label pixels match no palette'):
         GeoTiffScenes([img], [lbl], palette=[(0, 0, 0), (255, 255, 255)], palette_tolerance=20)
+    # A negative tolerance matched nothing, and the line above blamed the palette (and its colours).
+    for bad in (-1, 256, 'high', True):
+        with pytest.raises(DataError, match=rf"^palette_tolerance={bad!r}: give how far \(0\.\.255 per channel\)"):
+            GeoTiffScenes([img], [lbl], palette=[(0, 0, 0), (255, 255, 255)], palette_tolerance=bad)
+    with pytest.raises(DataError, match=r"^palette_max_unmatched=1\.5: give the share \(0\.\.1\)"):
+        GeoTiffScenes([img], [lbl], palette=[(0, 0, 0), (255, 255, 255)], palette_max_unmatched=1.5)
     root = write_miniature('ImageMaskFolder', str(tmp_path / 'folder'), size=32)
     os.remove(os.path.join(root, 'ann_dir', 'train', '0_0_0_32_32.png'))
     with pytest.raises(DataError, match=r'img_dir/train/0_0_0_32_32\.png has no label: expected .*ann_dir/train/0_0_0_32_32\.png'):
