@@ -625,7 +625,7 @@ def is_torch_file(head):
     return head.startswith(_TORCH_MAGIC)
 
 
-def load_weights_file(path):
+def load_weights_file(path, folder_taken=True):
     """Read an exported weights file safely (no code execution): returns the payload dict."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_from: {path} does not exist.")
@@ -655,6 +655,10 @@ def load_weights_file(path):
     if not isinstance(payload, dict) or 'state_dict' not in payload:
         folder = os.path.dirname(os.path.abspath(path))
         if os.path.isfile(os.path.join(folder, COMPLETE)):  # mp_rank_00_model_states.pt, a ZeRO shard...
+            if not folder_taken:   # load_from: a weights file only
+                raise ValueError(f"{path}: is one file of the checkpoint {folder}, not a weights file; export it "
+                                 f"first (launch/export.py {folder}) and give the file that writes, or continue "
+                                 f"that run with --resume {folder}.")
             raise ValueError(f"{path}: is one file of the checkpoint {folder}, not a weights file; give the "
                              f"folder itself ({folder}), or export it first (launch/export.py {folder}).")
         raise ValueError(f"{path}: is not a ds_seg weights file (a torch file without 'state_dict'; made by "

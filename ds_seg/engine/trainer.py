@@ -527,7 +527,7 @@ class Trainer:
 
     def _load_weights(self, model, path):
         try:
-            payload = checkpoint.load_weights_file(path)
+            payload = checkpoint.load_weights_file(path, folder_taken=False)
         except ValueError as exc:  # unreadable, not a ds_seg weights file, or carrying code
             message = str(exc)
             raise ConfigError(message if message.startswith('load_from') else f'load_from: {message}') from exc

@@ -166,6 +166,9 @@ def _cases(tmp):
         # refused by the trainer (a resumed run never reads it), still before any step
         'load_from_missing': ([f"load_from={os.path.join(tmp, 'gone.pt')!r}"], None, []),
         'load_from_pointer': ([f"load_from={os.path.join(tmp, 'trained6', 'checkpoints', 'latest')}"], None, []),
+        # one rank file of a checkpoint: the line said to give the folder, which load_from refuses
+        'load_from_rank_file': ([f"load_from={os.path.join(tmp, 'trained6', 'checkpoints', 'step_00000024', 'mp_rank_00_model_states.pt')!r}"],
+                                None, []),
         # the 6-class run's exported weights (see _run_cases) into a wider UNet: another
         # architecture (another class count is fine-tuning: tests/distributed/test_training.py)
         'load_from_width': (_geotiff_data([img], [lbl]) + tiny[1:] +
@@ -323,6 +326,8 @@ EXPECTED = {
     'flip_typo': ['transforms[0] (RandomFlip)', "direction must be one or both of 'horizontal', 'vertical'"],
     'load_from_folder': ['load_from=', 'is a folder', 'launch/export.py'],
     'load_from_missing': ["load_from='", "gone.pt' does not exist; give a weights file written by launch/export.py"],
+    'load_from_rank_file': ['load_from: ', 'mp_rank_00_model_states.pt: is one file of the checkpoint', 'export it first '
+                            '(launch/export.py', 'continue that run with --resume'],
     'load_from_pointer': ['load_from=', 'names a checkpoint of a run, not a weights file', 'launch/export.py'],
     'load_from_width': ['load_from: ', 'trained6.pt does not fit model UNet:', 'in the weights',
                         'same architecture (the class count may differ'],
