@@ -86,7 +86,7 @@ class VectorLabels:
         keep = ~shapely.is_missing(geoms) & ~shapely.is_empty(geoms)
         geoms = geoms[keep]
         self.named = False  # the field's values are class names (no label value to decode)
-        if field is None:
+        if field is None or not len(data):   # (no column read: a file without features, see _read)
             values = np.ones(len(geoms), np.int64)
         else:
             raw = data[0][keep]
@@ -151,6 +151,10 @@ class VectorLabels:
             raise ConfigError(f"{what}: no layer {layer!r}; its layers are {', '.join(layers)}")
         info = pyogrio.read_info(source, layer=layer)
         fields = list(info['fields'])
+        # A file without features is a tile without labelled objects (below): an empty GeoJSON
+        # has no fields to check either, and was refused as having "no field 'class'".
+        if info.get('features') == 0 and field not in fields:
+            field = None
         if field is not None and field not in fields:
             raise ConfigError(f"{what}: no field {field!r}; its fields are "
                               f"{', '.join(fields) or '(none)'}; set label_field to one of them")

@@ -1,4 +1,6 @@
 """Vector labels rasterised per window equal labels rasterised once for the whole scene."""
+import json
+
 import numpy as np
 import pyogrio.raw
 import pytest
@@ -140,6 +142,13 @@ def test_features_off_the_image_are_refused_not_learnt_as_background(scene):
     ds = GeoTiffScenes([scene['img'], scene['img']], [scene['vec'], empty], label_field='class', mode='grid', **KW)
     last = ds[len(ds) - 1]['label']  # the second tile's last window: background, or seen before
     assert ((last == 0) | (last == 255)).all() and (last == 0).any()
+    # An empty GeoJSON declares no fields (it has no feature to hold them): it was refused as
+    # "no field 'class'; its fields are (none)".
+    empty_json = scene['tmp'] / 'empty.geojson'
+    empty_json.write_text(json.dumps({'type': 'FeatureCollection', 'features': []}))
+    ds = GeoTiffScenes([scene['img'], scene['img']], [scene['vec'], str(empty_json)], label_field='class', mode='grid',
+                       **KW)
+    np.testing.assert_array_equal(ds[len(ds) - 1]['label'], last)
 
 
 def test_a_geopackage_of_several_layers_needs_label_layer_and_null_or_text_classes_are_handled(scene):
