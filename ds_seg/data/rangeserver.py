@@ -25,8 +25,12 @@ _RANGE = re.compile(r'^bytes=(\d*)-(\d*)$')
 class RangeServer:
     """Serves ``root`` on 127.0.0.1 (an ephemeral port) from a background thread."""
 
-    def __init__(self, root, latency_s=0.0, honour_range=True, stall=False, etag=True, json_alias=None):
+    def __init__(self, root, latency_s=0.0, honour_range=True, stall=False, etag=True, json_alias=None,
+                 catch_all=False):
         self.root = os.path.abspath(root)
+        # True: a path that is no file gets 200 and a web page, as a catch-all site, a soft-404
+        # CDN or a login portal answers.
+        self.catch_all = bool(catch_all)
         # 'alias/': a JSON document asked for under it is redirected (302) to the same path without
         # it, anything else there is 404: a catalogue reached through a short link or a DOI.
         self.json_alias = json_alias
@@ -134,6 +138,14 @@ class RangeServer:
                 return server.stall
 
             def _not_found(self):
+                if server.catch_all:
+                    page = b'<!doctype html><html><body>Welcome! Please sign in.</body></html>'
+                    self.send_response(200)
+                    self.send_header('Content-Type', 'text/html')
+                    self.send_header('Content-Length', str(len(page)))
+                    self.end_headers()
+                    self.wfile.write(page if self.command == 'GET' else b'')
+                    return
                 self.send_response(404)
                 self.send_header('Content-Length', '0')
                 self.end_headers()

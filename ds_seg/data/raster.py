@@ -268,13 +268,29 @@ def remote_sidecar_refusal(url):
     base, sep, query = http.partition('?')
     fix = "embed it (gdal_translate the file to a GeoTIFF, which carries it), or download both and give the local path."
     # (10 s at most each: a server that does not answer is left to the read's own time limit.)
-    if http_status(base + '.msk' + sep + query, timeout=min(10, HTTP_TIMEOUT_S)) in (200, 206):
+    # A TIFF, not any answer: a site that answers every path (a catch-all page, a soft 404, a
+    # login portal) gave every COG a mask it does not have, and refused it.
+    if _http_head(base + '.msk' + sep + query, 4) in TIFF_MAGICS:
         return f"{url}: {base}.msk beside it holds its mask, which is not read over HTTP; {fix}"
     pam = _http_text(base + '.aux.xml' + sep + query)
     said = [tag[1:] for tag in _PAM_MEANING if pam and tag in pam]
     if said:
         return (f"{url}: {base}.aux.xml beside it holds its {', '.join(said)}, which is not read over HTTP; {fix}")
     return None
+
+
+TIFF_MAGICS = (b'II*\x00', b'MM\x00*', b'II+\x00', b'MM\x00+')   # TIFF and BigTIFF, either byte order
+
+
+def _http_head(url, size):
+    """The first ``size`` bytes at ``url``, or None where there are none (an error status, no answer)."""
+    import urllib.request
+    try:
+        request = urllib.request.Request(url, headers={'Range': f'bytes=0-{size - 1}'})
+        with urllib.request.urlopen(request, timeout=min(10, HTTP_TIMEOUT_S)) as r:
+            return r.read(size)
+    except (OSError, ValueError):
+        return None
 
 
 def _http_text(url, limit=1 << 20):

@@ -453,3 +453,11 @@ def test_a_url_with_a_mask_or_georeferencing_beside_it_is_one_line(tmp_path):
             shutil.copy(tmp_path / f'm.tif{suffix}', tmp_path / f'm2.tif{suffix}')
         with open_scene(server.url('c.tif')), open_scene([str(tmp_path / 'm.tif'), str(tmp_path / 'm2.tif')]) as dates:
             assert uses_mask_band(dates) and int((dates.dataset_mask() == 0).sum()) == 20 * 20
+    # A site that answers every path with a page (catch-all, soft 404, login portal): c.tif has
+    # no mask, and was refused for the page its .msk address got.
+    remote_sidecar_refusal.cache_clear()
+    with RangeServer(tmp_path, catch_all=True) as server:
+        assert remote_sidecar_refusal(server.url('c.tif')) is None
+        with open_scene(server.url('c.tif')) as src:
+            assert src.crs == grid['crs']
+        assert 'm.tif.msk beside it holds its mask' in remote_sidecar_refusal(server.url('m.tif'))
