@@ -347,15 +347,43 @@ def _expand_dates(dates):
             or [path]]
 
 
+def _scene_keys(paths):
+    """{path: what two spellings of one file share}: :func:`same_file_key`, and for http(s) URLs
+    that differ only in their query (signed URLs: a new signature each time one is made) the
+    address without it and the ETag the server gives now, where it gives one (asked only of
+    addresses given more than once: a query may also name the file, ``download?id=7``)."""
+    from .raster import _version_precondition
+    keys = {p: same_file_key(p) for p in paths}
+    bases = {}
+    for p in paths:
+        if isinstance(p, str) and p.startswith(('http://', 'https://')) and '?' in p:
+            bases.setdefault(p.partition('?')[0], set()).add(p)
+    for base, urls in bases.items():
+        if len(urls) + sum(u == base for u in paths) < 2:
+            continue
+        for url in urls:
+            version = _version_precondition(url)
+            if version and version.startswith('If-Match: '):
+                keys[url] = (base, version)
+        if base in keys:   # the same address without a query
+            version = _version_precondition(base)
+            if version and version.startswith('If-Match: '):
+                keys[base] = (base, version)
+    return keys
+
+
 def refuse_repeated_scenes(images, what, labels=None, dates=None):
     """Evaluation scenes each once: overlapping globs (``'val/*.tif' 'val/a*.tif'``) or one file
     under two spellings would count its pixels twice in every metric. With ``labels``, a scene is
     an image with its label (one image under two label files is two scenes); with ``dates``, its
     every date (two time series sharing a baseline date are two scenes)."""
+    every = [f for i, image in enumerate(images) for f in (dates[i] if dates is not None else [image])]
+    every += list(labels or [])
+    key_of = _scene_keys(every)
     seen = {}
     for i, image in enumerate(images):
         files = dates[i] if dates is not None else [image]
-        key = (tuple(same_file_key(f) for f in files), same_file_key(labels[i]) if labels is not None else None)
+        key = (tuple(key_of[f] for f in files), key_of[labels[i]] if labels is not None else None)
         if key in seen:
             also = f' (also as {seen[key]})' if seen[key] != image else ''
             raise DataError(f"{what}: {image} is given twice{also}, by overlapping globs or paths; its pixels "

@@ -461,3 +461,22 @@ def test_a_url_with_a_mask_or_georeferencing_beside_it_is_one_line(tmp_path):
         with open_scene(server.url('c.tif')) as src:
             assert src.crs == grid['crs']
         assert 'm.tif.msk beside it holds its mask' in remote_sidecar_refusal(server.url('m.tif'))
+
+
+def test_one_remote_scene_under_two_signed_urls_is_given_twice(cogs):
+    """Signed URLs carry a new signature each time they are made: a list of them repeated a scene
+    that evaluate.py scored twice (every pixel counted twice). The server's ETag says it is one
+    file; addresses of other files, or without an ETag to go by, are not asked about."""
+    from ds_seg.data.geotiff import refuse_repeated_scenes
+    server = cogs['server']
+    img, lbl = server.url('img.tif'), server.url('lbl.tif')
+    with pytest.raises(DataError, match=r"^--images: .*img.tif\?sig=2 is given twice \(also as .*img.tif\?sig=1\)"):
+        refuse_repeated_scenes([img + '?sig=1', img + '?sig=2'], '--images')
+    with pytest.raises(DataError, match=r'is given twice'):
+        refuse_repeated_scenes([img, img + '?sig=2'], '--images')
+    with pytest.raises(DataError, match=r'is given twice'):
+        refuse_repeated_scenes([img + '?sig=1', img + '?sig=2'], 'images', labels=[lbl + '?a=1', lbl + '?a=2'])
+    server.reset()
+    refuse_repeated_scenes([img + '?sig=1', lbl + '?sig=1'], '--images')   # two files: no request made
+    assert server.requests == 0
+    refuse_repeated_scenes([img + '?sig=1', img + '?sig=2'], 'images', labels=[lbl, img])   # other labels: two scenes
