@@ -142,7 +142,7 @@ def expand_inputs(paths, option='--input'):
     import rasterio
     from rasterio.windows import Window
 
-    from .data.raster import gdal_message, gdal_path, is_remote, opening_env, remote_hint
+    from .data.raster import gdal_message, gdal_path, is_remote, opening_env, read_error
 
     def scenes_only(path, found):
         """Scenes, not predict's own outputs: a folder (or glob) predicted into itself holds the
@@ -195,7 +195,7 @@ def expand_inputs(paths, option='--input'):
                 src.read(1, window=Window(src.width - 1, src.height - 1, 1, 1))
         except rasterio.errors.RasterioError as exc:
             if is_remote(path):
-                raise ConfigError(f'{option}: {path} cannot be read: {remote_hint(exc)}') from exc
+                raise ConfigError(f'{option}: {path} cannot be read: {read_error(path, exc)}') from exc
             kind = _not_a_raster(path)
             if kind:
                 advice = ("give --config instead, whose data.val reads it (GeoTiffScenes with stac=... or "

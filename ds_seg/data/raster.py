@@ -339,6 +339,16 @@ def read_error(path, exc):
             message = f'{message.rstrip(".")}; the server now answers it with HTTP response code: {status}'
         elif isinstance(status, str):  # no answer at all: a stalled or stopped server, not the file
             message = f'{message.rstrip(".")}; a request for it now {status}'
+        elif isinstance(status, int) and remote_hint(exc, message).endswith(_UNSURE):
+            # It answers: "unreachable URL, no permission, or not a raster" would mislead.
+            head = _http_head(path, 64) or b''
+            if head[:4] in TIFF_MAGICS:
+                return (f"{message.rstrip('.')}; the server answers it now (HTTP {status}) with a TIFF, so the "
+                        "transfer broke off (a dropped connection, a proxy's limit?); try again, or download it "
+                        "and give the local path")
+            if head.lstrip()[:1] == b'<' and b'<?xml' not in head[:8]:
+                return (f"{message.rstrip('.')}; the server answers it with a web page (HTTP {status}), not a "
+                        "raster: a login or error page? check the address and that it needs no sign-in")
     return remote_hint(exc, message)
 
 
@@ -371,6 +381,9 @@ def http_status(url, timeout=10):
         return None
 
 
+_UNSURE = '(unreachable URL, no permission, or not a raster)'
+
+
 def remote_hint(exc, message=None):
     """GDAL's error for a URL (or ``message``, what is known of it), with what to do about the
     usual causes."""
@@ -390,7 +403,7 @@ def remote_hint(exc, message=None):
                 f"GDAL_HTTP_LOW_SPEED_TIME / GDAL_HTTP_CONNECTTIMEOUT in the environment)")
     if re.search(r'response code: 5\d\d', message):
         return f"{message} (the server failed; try again later, or ask its operator)"
-    return f"{message} (unreachable URL, no permission, or not a raster)"
+    return f"{message} {_UNSURE}"
 
 
 def cache_root():
@@ -548,7 +561,7 @@ def open_raster(path):
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
                 return rasterio.open(gdal_path(path))
         except rasterio.errors.RasterioIOError as e:
-            raise DataError(f"{path}: cannot open: {remote_hint(e)}") from e
+            raise DataError(f"{path}: cannot open: {read_error(path, e)}") from e
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
     try:

@@ -4,6 +4,7 @@ A real HTTP server on 127.0.0.1 (ds_seg.data.rangeserver) serves real GeoTIFFs; 
 them through /vsicurl/ (http://) and /vsis3/ (s3:// with AWS_S3_ENDPOINT pointing at it).
 """
 import os
+import re
 import shutil
 
 import numpy as np
@@ -13,6 +14,7 @@ import rasterio.shutil
 import torch
 from rasterio.transform import from_origin
 
+from ds_seg.config import ConfigError
 from ds_seg.data import GeoTiffScenes
 from ds_seg.data.geotiff import DataError, gdal_path
 from ds_seg.data.raster import open_raster, raster_env
@@ -461,6 +463,14 @@ def test_a_url_with_a_mask_or_georeferencing_beside_it_is_one_line(tmp_path):
         with open_scene(server.url('c.tif')) as src:
             assert src.crs == grid['crs']
         assert 'm.tif.msk beside it holds its mask' in remote_sidecar_refusal(server.url('m.tif'))
+        # The page that site sends for a file it lacks is said to be one (it was "unreachable URL,
+        # no permission, or not a raster"), opened by a dataset or checked by predict/evaluate.
+        from ds_seg.inputs import expand_inputs
+        page = 'the server answers it with a web page (HTTP 200), not a raster: a login or error page?'
+        with pytest.raises(DataError, match=r'gone.tif: cannot open: .*' + re.escape(page)):
+            open_raster(server.url('gone.tif'))
+        with pytest.raises(ConfigError, match=r'^--input: .*gone.tif cannot be read: .*' + re.escape(page)):
+            expand_inputs([server.url('gone.tif')])
 
 
 def test_one_remote_scene_under_two_signed_urls_is_given_twice(cogs):
