@@ -377,6 +377,16 @@ def refuse_repeated_scenes(images, what, labels=None, dates=None):
     under two spellings would count its pixels twice in every metric. With ``labels``, a scene is
     an image with its label (one image under two label files is two scenes); with ``dates``, its
     every date (two time series sharing a baseline date are two scenes)."""
+    repeated = repeated_scene(images, labels, dates)
+    if repeated:
+        image, also = repeated
+        raise DataError(f"{what}: {image} is given twice{also}, by overlapping globs or paths; its pixels "
+                        f"would count twice in every metric. Give each scene once")
+
+
+def repeated_scene(images, labels=None, dates=None):
+    """``(image, ' (also as <first>)')`` for the first scene given twice (see
+    :func:`refuse_repeated_scenes`), the second part empty where both spellings are one; else None."""
     every = [f for i, image in enumerate(images) for f in (dates[i] if dates is not None else [image])]
     every += list(labels or [])
     key_of = _scene_keys(every)
@@ -385,10 +395,9 @@ def refuse_repeated_scenes(images, what, labels=None, dates=None):
         files = dates[i] if dates is not None else [image]
         key = (tuple(key_of[f] for f in files), key_of[labels[i]] if labels is not None else None)
         if key in seen:
-            also = f' (also as {seen[key]})' if seen[key] != image else ''
-            raise DataError(f"{what}: {image} is given twice{also}, by overlapping globs or paths; its pixels "
-                            f"would count twice in every metric. Give each scene once")
+            return image, f' (also as {seen[key]})' if seen[key] != image else ''
         seen[key] = image
+    return None
 
 
 def grid_starts(length, crop):
@@ -606,6 +615,12 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self.crop_h, self.crop_w = (int(c) for c in crop_size)
         if mode == 'grid':  # evaluation windows: a scene twice would weigh twice in the metrics
             refuse_repeated_scenes(images, 'images', labels, dates)
+        else:   # training: drawn twice as often, without a word (a link or a backup copy beside it)
+            repeated = repeated_scene(images, labels, dates)
+            if repeated:
+                self.notes = [*getattr(self, 'notes', ()), (
+                    f"images: {repeated[0]} is given twice{repeated[1]}: its windows are drawn twice as often as "
+                    "another scene's; give it once, unless that weighting is meant")]
         self.mode = mode
         self.split = split
         self.ignore_index = int(ignore_index)

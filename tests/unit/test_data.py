@@ -559,3 +559,21 @@ def test_a_symbolic_link_to_nothing_in_a_folder_or_glob_is_refused_naming_it(tmp
     os.remove(tmp_path / 'img' / 'c.tif')
     os.remove(tmp_path / 'lbl' / 'c.tif')
     assert [os.path.basename(p) for p in expand_inputs([str(tmp_path / 'img')])] == ['a.tif', 'b.tif']
+
+
+def test_a_training_scene_given_twice_is_said_once(tmp_path):
+    """A link or a backup copy beside a scene in a training folder drew its windows twice as often
+    without a word (validation refuses it: it would count twice in the metrics)."""
+    _tiles(tmp_path, ['a.tif', 'b.tif'], ['a.tif', 'b.tif'])
+    for folder in ('img', 'lbl'):
+        os.symlink(tmp_path / folder / 'a.tif', tmp_path / folder / 'c.tif')
+    kw = dict(crop_size=32, classes=2, mean=[0] * 3, std=[1] * 3)
+    ds = GeoTiffScenes(str(tmp_path / 'img'), str(tmp_path / 'lbl'), **kw)
+    assert ds.notes == [f"images: {tmp_path / 'img' / 'c.tif'} is given twice (also as {tmp_path / 'img' / 'a.tif'}): "
+                        "its windows are drawn twice as often as another scene's; give it once, unless that "
+                        "weighting is meant"]
+    with pytest.raises(DataError, match=r'c.tif is given twice \(also as .*a.tif\), by overlapping globs'):
+        GeoTiffScenes(str(tmp_path / 'img'), str(tmp_path / 'lbl'), mode='grid', **kw)
+    os.remove(tmp_path / 'img' / 'c.tif')
+    os.remove(tmp_path / 'lbl' / 'c.tif')
+    assert not getattr(GeoTiffScenes(str(tmp_path / 'img'), str(tmp_path / 'lbl'), **kw), 'notes', None)
