@@ -153,6 +153,16 @@ def new_archive(work_dir):
     raise FileExistsError(f'{base}: 1000 archives in one second')
 
 
+def differing_keys(old, new, prefix=''):
+    """The dotted keys whose values differ between two JSON objects (``data.crop_size``)."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return [] if old == new else [prefix or '(the whole file)']
+    keys = []
+    for key in sorted(set(old) | set(new), key=str):
+        keys += differing_keys(old.get(key), new.get(key), f'{prefix}.{key}' if prefix else str(key))
+    return keys
+
+
 def finite_or_none(obj):
     """``obj`` with every NaN or infinite float inside it replaced by None."""
     if isinstance(obj, float):
@@ -281,21 +291,26 @@ class RunLog:
         ``previous/<time>/``, the record of what the steps before this resume ran with."""
         if not self.enabled:
             return
-        changed = []
+        changed, keys = [], []
         for name, obj in files.items():
             try:
                 with open(os.path.join(self.work_dir, name)) as f:
                     old = json.load(f)
             except (OSError, ValueError):
                 continue
-            if old != json.loads(json.dumps(obj, default=str)):
+            new = json.loads(json.dumps(obj, default=str))
+            if old != new:
                 changed.append(name)
+                keys += [key for key in differing_keys(old, new) if key not in keys]
         if changed:
             archive = new_archive(self.work_dir)
             for name in changed:
                 os.replace(os.path.join(self.work_dir, name), os.path.join(archive, name))
+            # Which settings: a resume with another data.crop_size was said only as "differs".
+            said = ', '.join(keys[:6]) + (f' and {len(keys) - 6} more' if len(keys) > 6 else '')
             print(f"[ds_seg] {' and '.join(changed)} of the run before this resume "
-                  f"{'differs' if len(changed) == 1 else 'differ'} from this run's; kept in {archive}/", flush=True)
+                  f"{'differs' if len(changed) == 1 else 'differ'} from this run's ({said}); kept in {archive}/",
+                  flush=True)
 
     def _repair_jsonl(self, name):
         path = os.path.join(self.work_dir, name)

@@ -108,7 +108,9 @@ def test_a_resume_keeps_the_configs_it_replaces_by_different_ones(tmp_path, caps
     assert len(kept) == 1 and os.listdir(os.path.join(work, 'previous', kept[0])) == ['config.json']
     with open(os.path.join(work, 'previous', kept[0], 'config.json')) as f:
         assert json.load(f) == before['config.json']
-    assert 'config.json of the run before this resume differs from this run' in capsys.readouterr().out
+    # It names the settings: another data.crop_size was said only as "differs".
+    assert "config.json of the run before this resume differs from this run's (train.max_steps); kept in" \
+        in capsys.readouterr().out
     # A second change within the same second gets a folder of its own.
     with open(os.path.join(work, 'config.json'), 'w') as f:
         json.dump(after['config.json'], f)
