@@ -147,9 +147,14 @@ def main(argv=None):
     if args.make:
         return make_class_map(args.class_map, args.size)
     # Before the class map is made: these were tracebacks (or, for the band rows, accepted).
-    if args.size < 16 or args.band_rows < 1 or args.simplify < 0:
-        refuse(f"--size must be at least 16 (got {args.size}), --band-rows at least 1 (got {args.band_rows}) and "
-                f"--simplify >= 0 (got {args.simplify:g})")
+    # Each wrong one named alone (a right --size was quoted as if refused); NaN and inf too
+    # (NaN is not < 0: it was the vectoriser's ValueError traceback).
+    wrong = [said for bad, said in ((args.size < 16, f'--size must be at least 16 (got {args.size})'),
+                                    (args.band_rows < 1, f'--band-rows must be at least 1 (got {args.band_rows})'),
+                                    (not 0 <= args.simplify < float('inf'),
+                                     f'--simplify must be a finite number >= 0 (got {args.simplify:g})')) if bad]
+    if wrong:
+        refuse('; '.join(wrong))
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
         refuse(f"--dir {args.dir} is a file; give a folder")
     os.makedirs(args.dir, exist_ok=True)

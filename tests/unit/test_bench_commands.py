@@ -146,8 +146,10 @@ def test_data_benchmark_refuses_what_it_would_drop_or_crash_on(argv, message, ca
     ('predict', ['--tile', '64', '--overlap', '64'], '--overlap must be >= 0 and smaller than --tile (64), got 64'),
     ('predict', ['--model', 'Nope'], "--model: 'Nope' is not a registered model"),
     ('vector', ['--size', '0'], '--size must be at least 16 (got 0)'),
-    ('vector', ['--band-rows', '-3'], '--band-rows at least 1 (got -3)'),   # was accepted
-    ('vector', ['--simplify', '-1'], '--simplify >= 0 (got -1)'),
+    ('vector', ['--band-rows', '-3'], '--band-rows must be at least 1 (got -3)'),   # was accepted
+    ('vector', ['--simplify', '-1'], '--simplify must be a finite number >= 0 (got -1)'),
+    ('vector', ['--simplify', 'nan'], '--simplify must be a finite number >= 0 (got nan)'),   # was a traceback
+    ('vector', ['--simplify', 'inf'], '--simplify must be a finite number >= 0 (got inf)'),
 ])
 def test_the_measuring_commands_refuse_bad_values_in_one_line_before_any_work(tmp_path, capsys, monkeypatch,
                                                                              program, argv, message):
@@ -160,6 +162,8 @@ def test_the_measuring_commands_refuse_bad_values_in_one_line_before_any_work(tm
     assert exited.value.code == 2 and message in err and 'Traceback' not in err, err
     assert len(err.strip().splitlines()) == 1, err  # not argparse's usage block first
     assert not (tmp_path / 'cache').exists() and not (tmp_path / 'vb').exists()
+    if program == 'vector':   # only what is wrong is named (a right --size was quoted as refused)
+        assert err.count('must be') == 1 and ('--size' in err) == (argv[0] == '--size'), err
 
 
 def test_predict_benchmark_takes_a_small_tile_with_its_default_overlap(tmp_path, capsys, monkeypatch):
