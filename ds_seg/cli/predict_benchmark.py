@@ -96,6 +96,17 @@ def main(argv=None):
         args.overlap = args.tile // 8
     if not 0 <= args.overlap < args.tile:
         parser.error(f"--overlap must be >= 0 and smaller than --tile ({args.tile}), got {args.overlap}")
+    # Options the benchmark gives predict itself: one in --extra replaced its (the scene, the
+    # folder it reads the result back from: a rasterio traceback) or its record (--tile...).
+    own = {'--checkpoint': 'its own random model', '--input': 'its own scene', '--output': 'a folder of its own',
+           '--device': 'the CPU', '--tile': 'its --tile', '--overlap': 'its --overlap',
+           '--batch-size': 'its --batch-size', '--cpu-threads': 'its --threads'}
+    for token in args.extra:
+        name = token.split('=', 1)[0]
+        taken = next((option for option in own if len(name) > 2 and option.startswith(name)), None)
+        if token.startswith('--') and taken:
+            parser.error(f"--extra: {token} sets predict's {taken}, which the benchmark sets to {own[taken]}; "
+                         f"leave it out of --extra")
     from ds_seg.registry import MODELS, RegistryError, lookup
     _register_pixel_model()
     try:

@@ -145,6 +145,11 @@ def test_data_benchmark_refuses_what_it_would_drop_or_crash_on(argv, message, ca
     ('predict', ['--threads', '0'], '--threads must be at least 1, got 0'),
     ('predict', ['--tile', '64', '--overlap', '64'], '--overlap must be >= 0 and smaller than --tile (64), got 64'),
     ('predict', ['--model', 'Nope'], "--model: 'Nope' is not a registered model"),
+    # options the benchmark gives predict itself: --output was a rasterio traceback at the end
+    ('predict', ['--extra', '--output', '/tmp/x'], "--extra: --output sets predict's --output, which the benchmark "
+                                                   "sets to a folder of its own; leave it out of --extra"),
+    ('predict', ['--extra', '--out=/tmp/x'], "--extra: --out=/tmp/x sets predict's --output"),
+    ('predict', ['--extra', '--tile', '64'], "sets predict's --tile, which the benchmark sets to its --tile"),
     ('vector', ['--size', '0'], '--size must be at least 16 (got 0)'),
     ('vector', ['--band-rows', '-3'], '--band-rows must be at least 1 (got -3)'),   # was accepted
     ('vector', ['--simplify', '-1'], '--simplify must be a finite number >= 0 (got -1)'),
