@@ -665,9 +665,16 @@ def _check_args(args):
             if section != 'model' or not first or (accepted is not None and first not in accepted):
                 known = f"; {cfg.model.type} takes {', '.join(accepted)}" if accepted else ''
                 raise ConfigError(f"--find-max-model {key!r}: a size argument of the model, model.<name>{known}")
+            if name in DATA_FIXED_MODEL_KEYS:   # every probe but the data's own value was refused
+                raise ConfigError(f"--find-max-model {key!r}: the training data fixes it (its classes or bands), "
+                                  "it is no size to search; give a size argument of the model (depth, width...)")
     except (ConfigError, RegistryError) as exc:
         return str(exc)
     return None
+
+
+# Model arguments the data decides (the trainer refuses any other value): no size to search.
+DATA_FIXED_MODEL_KEYS = ('num_classes', 'in_channels')
 
 
 def _check_model_builds(model_cfg):

@@ -310,6 +310,9 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     (['--profile', '-1'], '--profile must be >= 0 steps, got -1'),
     (['--max-batch', '4'], '--max-batch bounds --find-max-batch, which is not given'),
     (['--find-max-model', 'model.nope'], "--find-max-model 'model.nope': a size argument of the model"),
+    # the data's: the timed run passed, then the search's every probe was refused ("failed: ccelerator...")
+    (['--find-max-model', 'model.num_classes'], "--find-max-model 'model.num_classes': the training data fixes it"),
+    (['--find-max-model', 'model.in_channels'], "--find-max-model 'model.in_channels': the training data fixes it"),
     # A key the model does not take: every backend ran and failed in turn, each with torchrun's traceback.
     (['--cfg-options', 'model.nope=3'], "model.nope: UNet has no argument 'nope'. It accepts: in_channels"),
 ])
