@@ -582,6 +582,19 @@ def failure_line(tail):
     return line.replace('|', '/')[:300]
 
 
+# Model arguments training sets from (and checks against) data.train: never a size to search.
+DATA_FIXED_MODEL_KEYS = {'num_classes': "data.train's classes", 'in_channels': "data.train's bands",
+                         'num_dates': "data.train's dates per scene"}
+
+
+def search_error(exc):
+    """A row's error for a size search stopped by a probe that failed for a reason other than
+    memory: the probe named and its failure_line, not the last 300 characters of its output,
+    which began mid-word ('ccelerator to CPU...') and could hold the launcher's report."""
+    head, _, output = str(exc).strip().partition('\n')
+    return (f'{head} {failure_line(output)}' if output.strip() else head).replace('|', '/')[:300]
+
+
 def _check_args(args):
     """What makes every run fail (or overwrite another's folder), as one line; None if fine."""
     from ds_seg.config import ConfigError, load_config, load_ds_config
@@ -665,16 +678,17 @@ def _check_args(args):
             if section != 'model' or not first or (accepted is not None and first not in accepted):
                 known = f"; {cfg.model.type} takes {', '.join(accepted)}" if accepted else ''
                 raise ConfigError(f"--find-max-model {key!r}: a size argument of the model, model.<name>{known}")
-            if name in DATA_FIXED_MODEL_KEYS:   # every probe but the data's own value was refused
-                raise ConfigError(f"--find-max-model {key!r}: the training data fixes it (its classes or bands), "
-                                  "it is no size to search; give a size argument of the model (depth, width...)")
+            if first in DATA_FIXED_MODEL_KEYS:
+                # The timed run passed, then training refused every probe (its bands, classes or
+                # dates are the data's), and the row read 'failed: ccelerator to CPU...'.
+                others = [a for a in accepted or () if a not in DATA_FIXED_MODEL_KEYS]
+                known = f"; {cfg.model.type} takes {', '.join(others)}" if others else ''
+                raise ConfigError(f"--find-max-model {key!r}: the training data fixes it "
+                                  f"({DATA_FIXED_MODEL_KEYS[first]}), not the model's size; give a size "
+                                  f"argument of the model, model.<name>{known}")
     except (ConfigError, RegistryError) as exc:
         return str(exc)
     return None
-
-
-# Model arguments the data decides (the trainer refuses any other value): no size to search.
-DATA_FIXED_MODEL_KEYS = ('num_classes', 'in_channels')
 
 
 def _check_model_builds(model_cfg):
@@ -811,7 +825,7 @@ def _main(argv=None):
                       f"{' (capped by --max-model)' if r['max_model_capped'] else ''}", flush=True)
         except RuntimeError as exc:  # a probe failed for a reason other than memory: a mistake, not a size
             print(f'[benchmark] size search stopped: {exc}', file=sys.stderr, flush=True)
-            r['error'], r['oom'] = str(exc).strip()[-300:], False
+            r['error'], r['oom'] = search_error(exc), False
         if args.profile and not r.get('error'):
             rc, tail = run_backend(args, spec[r['backend']], os.path.join(args.work_dir, f"{r['backend']}_profile"),
                                    steps=args.profile, warmup=max(2, min(args.warmup, 5)),

@@ -157,6 +157,26 @@ def test_find_max_batch_doubles_then_bisects(monkeypatch, tmp_path):
         benchmark.find_max_batch(args, 'zero2', 2, 64)
 
 
+def test_a_size_search_stopped_by_a_refusal_gives_the_row_its_refusal_line(monkeypatch, tmp_path):
+    """A probe refused for a reason other than memory: the row's error was the last 300
+    characters of its output, cut mid-word ('ccelerator to CPU...') and the launcher's lines after."""
+    noise = 'Setting ds_accelerator to cpu (auto detect)\n' * 20
+
+    def fake_run(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
+        if not extra_options:  # the timed run: out of memory at the configured size, so the search runs
+            return 1, '[rank0]: torch.OutOfMemoryError: CUDA out of memory.'
+        return 1, noise + 'ds_seg: error: model.depth 8 is too deep for data.crop_size 64\n' + noise
+
+    monkeypatch.setattr(benchmark, 'run_backend', fake_run)
+    work = tmp_path / 'bench'
+    assert benchmark.main(['--work-dir', str(work), '--launcher', 'python', '--backends', 'ddp',
+                           '--find-max-model', 'model.depth', '--model-start', '8', '--max-model', '32']) == 1
+    (row,) = json.loads((work / 'benchmark.json').read_text())['rows']
+    assert row['error'] == ('ddp: model.depth=8 failed for a reason other than memory: ds_seg: error: model.depth 8 '
+                            'is too deep for data.crop_size 64'), row['error']
+    assert benchmark.search_error(RuntimeError('no output')) == 'no output'
+
+
 def test_largest_fitting_doubles_then_bisects_to_the_resolution():
     tried = []
 
@@ -313,6 +333,8 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     # the data's: the timed run passed, then the search's every probe was refused ("failed: ccelerator...")
     (['--find-max-model', 'model.num_classes'], "--find-max-model 'model.num_classes': the training data fixes it"),
     (['--find-max-model', 'model.in_channels'], "--find-max-model 'model.in_channels': the training data fixes it"),
+    (['--cfg-options', 'model.type=TinyTemporalSegFormer', '--find-max-model', 'model.num_dates'],
+     "--find-max-model 'model.num_dates': the training data fixes it (data.train's dates per scene)"),
     # A key the model does not take: every backend ran and failed in turn, each with torchrun's traceback.
     (['--cfg-options', 'model.nope=3'], "model.nope: UNet has no argument 'nope'. It accepts: in_channels"),
 ])
