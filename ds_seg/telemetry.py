@@ -207,9 +207,6 @@ class RunLog:
         return self.tb
 
     LOGS = ('metrics.jsonl', 'eval.jsonl', 'summary.json')
-    # What a save writes into checkpoints/ beside its step folder (DeepSpeed copies its recovery
-    # scripts there).
-    CHECKPOINT_FILES = ('latest', 'best', 'zero_to_fp32.py', 'zero_to_torch.py')
 
     def start(self, resumed_step=None, set_aside=None):
         """Resumed: rows logged after the checkpoint are redone, so they leave the live logs; they
@@ -246,8 +243,9 @@ class RunLog:
         # move to previous/<time>/ together, so neither is lost nor mistaken for this run's.
         # So do the files this run's saves write into checkpoints/ beside the step folders (a fresh
         # run holds none of those): a user's own checkpoints/latest was replaced without a word.
+        from .engine.checkpoint import BESIDE_STEPS
         old = [n for n in self.LOGS + ('tb', 'config.json', 'ds_config.json', self.TRACKER_RUNS)
-               + tuple(os.path.join('checkpoints', n) for n in self.CHECKPOINT_FILES)
+               + tuple(os.path.join('checkpoints', n) for n in BESIDE_STEPS)
                if os.path.lexists(os.path.join(self.work_dir, n))]
         if old:
             archive = new_archive(self.work_dir)

@@ -615,7 +615,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self.crop_h, self.crop_w = (int(c) for c in crop_size)
         if mode == 'grid':  # evaluation windows: a scene twice would weigh twice in the metrics
             refuse_repeated_scenes(images, 'images', labels, dates)
-        else:   # training: drawn twice as often, without a word (a link or a backup copy beside it)
+        else:   # training: drawn twice as often, without a word (a link beside it, overlapping globs)
             repeated = repeated_scene(images, labels, dates)
             if repeated:
                 self.notes = [*getattr(self, 'notes', ()), (

@@ -295,12 +295,8 @@ def _http_head(url, size):
 
 def _http_text(url, limit=1 << 20):
     """The text at ``url`` (at most ``limit`` bytes), or None where there is none."""
-    import urllib.request
-    try:
-        with urllib.request.urlopen(url, timeout=min(10, HTTP_TIMEOUT_S)) as r:
-            return r.read(limit).decode('utf-8', 'replace')
-    except (OSError, ValueError):
-        return None
+    head = _http_head(url, limit)
+    return None if head is None else head.decode('utf-8', 'replace')
 
 
 def gdal_message(exc):

@@ -379,6 +379,9 @@ def describe_skipped(skipped):
 
 
 POINTERS = ('latest', 'best')  # files in a checkpoints folder that hold one tag
+# What saves write into a checkpoints folder beside the step folders (DeepSpeed copies its
+# recovery scripts there at each save).
+BESIDE_STEPS = POINTERS + ('zero_to_fp32.py', 'zero_to_torch.py')
 
 
 def is_pointer_file(path):
