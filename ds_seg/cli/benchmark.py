@@ -666,7 +666,10 @@ def _check_args(args):
         _check_model_builds(cfg.model)
         for n in names:
             if '=' in n:
-                load_ds_config(n.split('=', 1)[1])
+                label, path = n.split('=', 1)
+                problem = _label_claims_another_backend(label, path, load_ds_config(path), load_ds_config)
+                if problem:
+                    return problem
         problem = _unequal_batches(args, names)
         if problem:
             return problem
@@ -688,6 +691,34 @@ def _check_args(args):
                                   f"argument of the model, model.<name>{known}")
     except (ConfigError, RegistryError) as exc:
         return str(exc)
+    return None
+
+
+def _zero_setup(ds):
+    """What a DeepSpeed JSON's row stands for: its ZeRO stage and where its state is offloaded."""
+    zero = ds.get('zero_optimization') or {}
+    offload = [k for k in ('offload_optimizer', 'offload_param')
+               if (zero.get(k) or {}).get('device') not in (None, 'none')]
+    return int(zero.get('stage', 0)), tuple(offload)
+
+
+def _label_claims_another_backend(label, path, ds, load):
+    """A LABEL=file.json whose label is a shipped backend's name titles its row (and the speed-ups
+    against ddp) with that backend: ``zero2=ds_configs/zero1.json`` was tabled as ZeRO-2. A tuned
+    variant of the same setup may keep the name; another stage or offload may not."""
+    if label not in BACKENDS:
+        return None
+    if BACKENDS[label][0] == 'ddp':
+        return (f"--backends {label}={path}: the label {label!r} is plain PyTorch DDP, the baseline of the "
+                "speed-ups, but a LABEL=file.json runs DeepSpeed; give the run another label")
+    stage, offload = _zero_setup(ds)
+    want_stage, want_offload = _zero_setup(load(BACKENDS[label][1]))
+    if (stage, offload) != (want_stage, want_offload):
+        def said(s, o):
+            return f"ZeRO stage {s}" + (f" with {' and '.join(o)}" if o else '')
+        return (f"--backends {label}={path}: the label {label!r} names the shipped {BACKENDS[label][1]} "
+                f"({said(want_stage, want_offload)}), but {path} is {said(stage, offload)}; its row would be "
+                f"titled {label}: give it a label of its own (e.g. mine={path})")
     return None
 
 

@@ -335,6 +335,11 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     (['--find-max-model', 'model.in_channels'], "--find-max-model 'model.in_channels': the training data fixes it"),
     (['--cfg-options', 'model.type=TinyTemporalSegFormer', '--find-max-model', 'model.num_dates'],
      "--find-max-model 'model.num_dates': the training data fixes it (data.train's dates per scene)"),
+    # A shipped backend's name on another setup titled its row (and speed-up) with that backend.
+    (['--backends', 'zero2=ds_configs/zero1.json'], "the label 'zero2' names the shipped zero2.json (ZeRO stage 2)"
+     ", but ds_configs/zero1.json is ZeRO stage 1"),
+    (['--backends', 'zero3=ds_configs/zero3_offload.json'], "is ZeRO stage 3 with offload_optimizer and offload_param"),
+    (['--backends', 'ddp=ds_configs/zero0.json'], "the label 'ddp' is plain PyTorch DDP, the baseline"),
     # A key the model does not take: every backend ran and failed in turn, each with torchrun's traceback.
     (['--cfg-options', 'model.nope=3'], "model.nope: UNet has no argument 'nope'. It accepts: in_channels"),
 ])
@@ -397,6 +402,17 @@ def test_a_crashed_runs_row_holds_its_exception_and_nested_model_keys_are_search
                                  'configs/upernet_dinov2_tiny_synthetic.py', '--find-max-model',
                                  'model.backbone_kwargs.depth'])
     assert benchmark._check_args(args) is None
+
+
+def test_a_shipped_backends_name_may_label_a_variant_of_its_own_setup(tmp_path):
+    from ds_seg.config import DS_CONFIGS_DIR
+    ds = json.loads((DS_CONFIGS_DIR / 'zero2.json').read_text())
+    ds['zero_optimization']['reduce_bucket_size'] = 12345678
+    tuned = tmp_path / 'tuned.json'
+    tuned.write_text(json.dumps(ds))
+    for backends in (f'zero2={tuned}', 'zero2=ds_configs/zero2_bf16.json', f'mine={DS_CONFIGS_DIR / "zero1.json"}'):
+        args = benchmark.parse_args(['--work-dir', str(tmp_path / 'b'), '--launcher', 'python', '--backends', backends])
+        assert benchmark._check_args(args) is None, backends
 
 
 @pytest.mark.parametrize('change', [dict(train_micro_batch_size_per_gpu=2), dict(gradient_accumulation_steps=2)])
