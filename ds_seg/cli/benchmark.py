@@ -681,14 +681,23 @@ def _check_args(args):
             if section != 'model' or not first or (accepted is not None and first not in accepted):
                 known = f"; {cfg.model.type} takes {', '.join(accepted)}" if accepted else ''
                 raise ConfigError(f"--find-max-model {key!r}: a size argument of the model, model.<name>{known}")
+            # The search doubles a whole number: a switch (bilinear=True) or a name (a timm
+            # variant) failed its first probe after the timed run, which the row then lost.
+            def not_a_size(name):
+                return name in DATA_FIXED_MODEL_KEYS or isinstance(accepted[name].default, (bool, str))
+            others = [a for a in accepted or () if not not_a_size(a)]
+            known = f"; {cfg.model.type} takes {', '.join(others)}" if others else ''
             if first in DATA_FIXED_MODEL_KEYS:
                 # The timed run passed, then training refused every probe (its bands, classes or
                 # dates are the data's), and the row read 'failed: ccelerator to CPU...'.
-                others = [a for a in accepted or () if a not in DATA_FIXED_MODEL_KEYS]
-                known = f"; {cfg.model.type} takes {', '.join(others)}" if others else ''
                 raise ConfigError(f"--find-max-model {key!r}: the training data fixes it "
                                   f"({DATA_FIXED_MODEL_KEYS[first]}), not the model's size; give a size "
                                   f"argument of the model, model.<name>{known}")
+            if accepted is not None and first == name and not_a_size(first):
+                default = accepted[first].default
+                raise ConfigError(f"--find-max-model {key!r}: the search doubles a whole number, and {first} is "
+                                  f"a {type(default).__name__} setting (default {default!r}), not a size; give a "
+                                  f"size argument of the model, model.<name>{known}")
     except (ConfigError, RegistryError) as exc:
         return str(exc)
     return None

@@ -499,6 +499,49 @@ def _whole_number(name, value, low):
 
 
 @DATASETS.register_module()
+def check_class_names(classes, what='classes'):
+    """``classes``: a count >= 1 or a sequence of distinct, non-empty names in class-index order
+    -> the tuple of names (``class_0``... for a count). ``what`` names the setting in the refusal."""
+    if isinstance(classes, str):
+        # ('building') without its comma is a string: tuple() would make one class per letter.
+        raise ValueError(f"{what}={classes!r} is a string, which would be {len(classes)} one-letter classes; "
+                         f"give a tuple of names (one name needs a trailing comma: ({classes!r},)) or a count")
+    if isinstance(classes, dict):
+        # {'bg': 0, 'road': 2, 'building': 1} was read as its names in written order: file value 1
+        # trained and scored as 'road'.
+        try:
+            order = sorted(classes.items(), key=lambda kv: int(kv[1]))
+        except (TypeError, ValueError):
+            order = list(classes.items())
+        names = tuple(k for k, _ in order)
+        lut = {v: i for i, (_, v) in enumerate(order)}
+        raise ValueError(f"{what} is a mapping {classes!r}; give the names in class-index order (class 0 first), "
+                         f"e.g. classes={names!r}, and map file values to those indices with "
+                         f"label_map={lut!r} where they differ")
+    if isinstance(classes, (int, np.integer)) and not isinstance(classes, bool):
+        if classes < 1:
+            raise ValueError(f"{what} must be a tuple of names or a class count >= 1, got {classes!r}")
+        return tuple(f'class_{i}' for i in range(int(classes)))
+    if isinstance(classes, (bool, float)) or not isinstance(classes, (list, tuple)) or not classes:
+        # 3.0 -> "'float' object is not iterable"; [] -> "class index 0..-1"
+        raise ValueError(f"{what} must be a tuple of names or a class count >= 1, got {classes!r}")
+    for i, name in enumerate(classes):
+        if not isinstance(name, str):
+            # YAML 1.1 reads on/off/yes/no as booleans: config.json kept True, eval.jsonl 'true'.
+            why = (" (YAML reads on/off/yes/no/true/false as booleans: quote the name, 'on')"
+                   if isinstance(name, bool) else '')
+            raise ValueError(f"{what}[{i}] is {name!r}, a {type(name).__name__}, not a name{why}; class names "
+                             "are text")
+        if not name.strip():
+            raise ValueError(f"{what}[{i}] is {name!r}, an empty name; give every class a name")
+    classes = tuple(classes)
+    twice = sorted({c for c in classes if classes.count(c) > 1})
+    if twice:  # eval.jsonl's per_class is keyed by name: one would overwrite the other
+        raise ValueError(f"{what} gives {', '.join(map(repr, twice))} more than once; "
+                         "give each class its own name")
+    return classes
+
+
 class GeoTiffScenes(torch.utils.data.Dataset):
     """Crops of ``crop_size`` from image scenes paired with a label raster each.
 
@@ -903,11 +946,14 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         top = max(v.max_value, self.label_fill, self.ignore_index)
         return v.rasterize(s['transform'], window, self.label_fill, 'uint8' if top < 256 else 'int32')
 
-    @staticmethod
-    def _stats_file(first_image):
+    def _stats_file(self, first_image):
+        """The ``stats.json`` beside the first image (mean/std per file band, and class names),
+        as a dict; {} where there is none. Its path stays in ``_stats_path`` for the lines that use it."""
+        self._stats_path = None
         if is_remote(first_image):
             return {}
         path = os.path.join(os.path.dirname(os.path.abspath(first_image)), STATS_FILE)
+        self._stats_path = path
         if os.path.exists(path):
             try:
                 with open(path) as f:
@@ -922,6 +968,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         return {}
 
     def _resolve_classes(self, classes, stats):
+        self._classes_from_file = classes is None and stats.get('classes') is not None
         if classes is None:
             classes = stats.get('classes')
         if classes is None:
@@ -945,20 +992,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 "value, fix the file or give `classes` (the class names or count) so values out of "
                                 f"range are named; else use an ignore_index outside 0..{top}")
             classes = top + 1
-        if isinstance(classes, str):
-            # ('building') without its comma is a string: tuple() would make one class per letter.
-            raise ValueError(f"classes={classes!r} is a string, which would be {len(classes)} one-letter classes; "
-                             f"give a tuple of names (one name needs a trailing comma: ({classes!r},)) or a count")
-        if isinstance(classes, bool) or (isinstance(classes, int) and classes < 1):
-            raise ValueError(f"classes must be a tuple of names or a class count >= 1, got {classes!r}")
-        if isinstance(classes, int):
-            classes = tuple(f'class_{i}' for i in range(classes))
-        classes = tuple(classes)
-        twice = sorted({c for c in classes if classes.count(c) > 1})
-        if twice:  # eval.jsonl's per_class is keyed by name: one would overwrite the other
-            raise ValueError(f"classes gives {', '.join(map(repr, twice))} more than once; "
-                             "give each class its own name")
-        return classes
+        return check_class_names(classes, f"{self._stats_path}: 'classes'" if self._classes_from_file else 'classes')
 
     def _decoding_note(self):
         """Under label_map or reduce_zero_label the file values that are classes are not 0..K-1:
@@ -1035,23 +1069,44 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             given[key] = self._select(values, key)
         self._refuse_unit_scaled_stats(given['mean'], given['std'])
         if mean is None or std is None:
-            if 'mean' in stats and 'std' in stats:
-                file_stats = stats
-            else:
-                file_stats = self._cached_or_computed_stats()
-            for key in ('mean', 'std'):
-                if given[key] is None:
-                    values = np.asarray(file_stats[key], dtype=np.float64).reshape(-1)
-                    if values.size == self.num_file_bands * self.num_dates:  # per file band (of each date)
-                        values = values.reshape(self.num_dates, self.num_file_bands)
-                        given[key] = values[:, np.array(self.bands) - 1].reshape(-1)
-                    elif values.size == self.num_file_bands:  # stats.json's, one per file band: follow `bands`
-                        given[key] = values[np.array(self.bands) - 1]
-                    else:
-                        given[key] = self._select(values, key)
+            from_file = 'mean' in stats and 'std' in stats
+            file_stats = stats if from_file else self._cached_or_computed_stats()
+            try:
+                for key in ('mean', 'std'):
+                    if given[key] is None:
+                        given[key] = self._file_band_values(file_stats[key], key, from_file)
+                if from_file:  # the same unit check as given values: 0-1 ImageNet values from a converter
+                    self._refuse_unit_scaled_stats(given['mean'], given['std'])
+            except ValueError as exc:
+                if not from_file:
+                    raise
+                raise DataError(f"{self._stats_path}: {exc}; fix the file, or move it away to have the "
+                                "statistics computed from the images") from None
+            if from_file:  # a file the user may not know is there (a converter's) decides the inputs
+                used = [k for k in ('mean', 'std') if (mean, std)[k == 'std'] is None]
+                named = ' and the class names' if self._classes_from_file else ''
+                self.notes = [*getattr(self, 'notes', ()),
+                              f"{'/'.join(used)}{named} from {self._stats_path} (move it away to have them "
+                              "computed from the images)"]
         # A constant band (computed std 0) normalises to 0, not to inf.
         std = np.where(given['std'] > 0, given['std'], 1.0)
         return given['mean'], std
+
+    def _file_band_values(self, value, key, from_file):
+        """Computed or ``stats.json`` values, per file band (of each date), for ``bands`` in their order."""
+        try:
+            values = np.asarray(value, dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} is {value!r}, not a list of numbers") from None
+        if from_file and (not np.isfinite(values).all() or (key == 'std' and (values <= 0).any())):
+            raise ValueError(f"{key} {values.tolist()}: each band's {key} must be a finite number"
+                             + (' > 0' if key == 'std' else ''))
+        if values.size == self.num_file_bands * self.num_dates:  # per file band (of each date)
+            values = values.reshape(self.num_dates, self.num_file_bands)
+            return values[:, np.array(self.bands) - 1].reshape(-1)
+        if values.size == self.num_file_bands:  # one per file band: follow `bands`
+            return values[np.array(self.bands) - 1]
+        return self._select(values, key)
 
     def _refuse_unit_scaled_stats(self, mean, std):
         """``mean=[0.485, ...], std=[0.229, ...]`` (ImageNet's, in 0-1 units: a timm or torchgeo

@@ -335,6 +335,10 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     (['--find-max-model', 'model.in_channels'], "--find-max-model 'model.in_channels': the training data fixes it"),
     (['--cfg-options', 'model.type=TinyTemporalSegFormer', '--find-max-model', 'model.num_dates'],
      "--find-max-model 'model.num_dates': the training data fixes it (data.train's dates per scene)"),
+    # A switch or a name: the timed run passed, then the search's first probe failed and the row was lost.
+    (['--find-max-model', 'model.bilinear'], "--find-max-model 'model.bilinear': the search doubles a whole "
+     "number, and bilinear is a bool setting (default False), not a size; give a size argument of the model, "
+     "model.<name>; UNet takes base_channels, depth"),
     # A shipped backend's name on another setup titled its row (and speed-up) with that backend.
     (['--backends', 'zero2=ds_configs/zero1.json'], "the label 'zero2' names the shipped zero2.json (ZeRO stage 2)"
      ", but ds_configs/zero1.json is ZeRO stage 1"),

@@ -541,3 +541,55 @@ def test_a_crop_larger_than_every_training_scene_is_said(tmp_path):
     assert data_notes(GeoTiffScenes([img], [lbl], crop_size=40, classes=2), None) == []
     # 99.92% padding was said as "at least 100%".
     assert 'at least 99.9% of each window' in data_notes(GeoTiffScenes([img], [lbl], crop_size=1600, classes=2), None)[0]
+
+
+# ------------------------------------------------------------------ class names and stats.json
+@pytest.mark.parametrize('classes, named', [
+    # a mapping's values were dropped, its names taken in written order: file value 1 scored as 'road'
+    ({'bg': 0, 'road': 2, 'building': 1}, r"classes is a mapping .*classes=\('bg', 'building', 'road'\), and map "
+     r"file values .* label_map=\{0: 0, 1: 1, 2: 2\}"),
+    # YAML 1.1's on/off: config.json kept True, eval.jsonl 'true'
+    (['background', True, False], r"classes\[1\] is True, a bool, not a name \(YAML reads on/off"),
+    (['a', None, 'b'], r"classes\[1\] is None, a NoneType, not a name"),
+    (['a', 3.5, 'b'], r"classes\[1\] is 3.5, a float, not a name"),
+    (['a', ' ', 'b'], r"classes\[1\] is ' ', an empty name"),
+    (3.0, r"classes must be a tuple of names or a class count >= 1, got 3.0"),
+    ([], r"classes must be a tuple of names or a class count >= 1, got \[\]"),
+])
+def test_class_names_are_distinct_text_in_index_order(tmp_path, classes, named):
+    img = write_tif(tmp_path / 'c_image.tif', np.full((3, 32, 32), 7, np.uint8))
+    lbl = write_tif(tmp_path / 'c_label.tif', np.zeros((32, 32), np.uint8))
+    with pytest.raises(ValueError, match=named):
+        GeoTiffScenes([img], [lbl], crop_size=32, classes=classes)
+
+
+def _scene_with_stats(tmp_path, stats):
+    img = write_tif(tmp_path / 's_image.tif', np.random.default_rng(0).integers(0, 255, (3, 32, 32), dtype=np.uint8))
+    lbl = write_tif(tmp_path / 's_label.tif', (np.arange(32 * 32).reshape(32, 32) % 3).astype(np.uint8))
+    (tmp_path / 'stats.json').write_text(json.dumps(stats))
+    return img, lbl
+
+
+@pytest.mark.parametrize('stats, named', [
+    # ImageNet's 0-1 values from a converter, beside uint8 images: refused when given, trained on from the file
+    (dict(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]), r"std=\[0.229, 0.224, 0.225\] is below 1 in every"),
+    (dict(mean=[1, 2, 3, 4], std=[1, 2, 3, 4]), r"mean has 4 values; expected one per selected band"),
+    (dict(mean=[1, 2, 3], std=[1, 0, 3]), r"std \[1.0, 0.0, 3.0\]: each band's std must be a finite number > 0"),
+    (dict(mean='high', std=[1, 2, 3]), r"mean is 'high', not a list of numbers"),
+    (dict(mean=[1, 2, 3], std=[1, 2, 3], classes=['a', True, 'c']), r"stats.json: 'classes'\[1\] is True"),
+])
+def test_a_stats_json_beside_the_images_is_checked_and_named(tmp_path, stats, named):
+    img, lbl = _scene_with_stats(tmp_path, stats)
+    with pytest.raises(ValueError, match=named) as exc:
+        GeoTiffScenes([img], [lbl], crop_size=32)
+    assert str(tmp_path / 'stats.json') in str(exc.value)
+
+
+def test_statistics_and_class_names_taken_from_a_stats_json_are_said(tmp_path):
+    img, lbl = _scene_with_stats(tmp_path, dict(mean=[10, 20, 30], std=[2, 3, 4], classes=['x', 'y', 'z']))
+    ds = GeoTiffScenes([img], [lbl], crop_size=32)
+    assert ds.classes == ('x', 'y', 'z') and ds.mean.tolist() == [10, 20, 30]
+    assert ds.notes == [f"mean/std and the class names from {tmp_path / 'stats.json'} (move it away to have them "
+                        "computed from the images)"]
+    ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=('a', 'b', 'c'), mean=[1, 1, 1])
+    assert ds.notes == [f"std from {tmp_path / 'stats.json'} (move it away to have them computed from the images)"]
