@@ -16,6 +16,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -1448,10 +1449,17 @@ def _yaml_parsed_safely():
     from mmengine.fileio.handlers import file_handlers
     from mmengine.fileio.handlers.yaml_handler import YamlHandler
 
+    class Loader(getattr(yaml, 'CSafeLoader', yaml.SafeLoader)):
+        pass
+    # YAML 1.1's floats need a dot: `lr: 1e-4` and `cat_max_ratio: 9e-1` were read as text (then
+    # refused as "got '9e-1'"). YAML 1.2, JSON and Python read them as numbers; so does ds_seg.
+    Loader.add_implicit_resolver('tag:yaml.org,2002:float',
+                                 re.compile(r'^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$'), list('-+0123456789'))
+
     class SafeYamlHandler(YamlHandler):
         def load_from_fileobj(self, file, **kwargs):
             try:
-                return yaml.load(file, Loader=getattr(yaml, 'CSafeLoader', yaml.SafeLoader))
+                return yaml.load(file, Loader=Loader)
             except yaml.constructor.ConstructorError as exc:
                 raise _PythonTagInYaml(f"{' '.join(str(exc).split())}; a config holds plain values (YAML tags "
                                        "that build Python objects are not run)") from None

@@ -50,7 +50,8 @@ def vector_driver(path):
 
 def exclude_ids(exclude, classes, option='exclude'):
     """Class ids of ``exclude`` (names or ids, ``'3'`` as 3); unknown names and ids out of
-    ``classes`` are refused, so a misspelt class never silently stays in the output.
+    ``classes`` are refused, so a misspelt class never silently stays in the output. A digit that
+    is both a class's name and another class's id is refused as ambiguous.
 
     Example::
 
@@ -58,7 +59,16 @@ def exclude_ids(exclude, classes, option='exclude'):
     """
     ids = []
     for e in exclude or ():
-        if isinstance(e, str) and not e.strip().isdigit():
+        if isinstance(e, str) and e in classes and e.strip().isdigit():
+            # Classes named by codes ('2', '1', '0'): evaluate read '0' as the name, predict as the
+            # id, two different classes for one command line.
+            i = int(e)
+            if 0 <= i < len(classes) and classes[i] != e:
+                raise ValueError(f"{option}: {e!r} is the name of class {classes.index(e)} and the id of class {i} "
+                                 f"({classes[i]!r}); give the other name of the one meant: {classes[i]!r} for "
+                                 f"id {i}, or the id {classes.index(e)} for the class named {e!r}")
+            ids.append(classes.index(e))
+        elif isinstance(e, str) and not e.strip().isdigit():
             if e not in classes:
                 raise ValueError(f"{option}: unknown class {e!r}; classes are {', '.join(classes)}")
             ids.append(classes.index(e))

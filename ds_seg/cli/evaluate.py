@@ -29,7 +29,7 @@ from ds_seg.inference import default_palette, evaluate_scenes, scene_pairs  # no
 from ds_seg.inputs import (as_invoked, user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
                            check_writable, refuse_inside_checkpoints, expand_inputs, replaced_when_done)
 from ds_seg.metrics import metrics_from_confusion  # noqa: E402
-
+from ds_seg.vectorize import exclude_ids  # noqa: E402
 
 
 MAX_ERODE = 100  # --erode, px
@@ -274,9 +274,8 @@ def check_classes(args, classes, info, data_val=None):
     if predicted and len(classes) != predicted:
         raise ValueError(f"{len(classes)} classes given ({', '.join(classes)}) but the model predicts {predicted}; "
                          f"give one --classes name per class the model predicts")
-    unknown = [name for name in args.exclude if name not in classes]
-    if unknown:
-        raise ValueError(f"--exclude: unknown class {unknown[0]!r}; classes are {', '.join(classes)}")
+    # Names or ids, as predict.py's --exclude-classes takes them (one rule for both commands).
+    args.exclude = [classes[i] for i in exclude_ids(args.exclude, list(classes), option='--exclude')]
     twice = sorted({name for name in args.exclude if list(args.exclude).count(name) > 1})
     if twice:  # eval.json said "(mIoU/mF1 without grass, grass)"
         raise ValueError(f"--exclude names {', '.join(twice)} twice; name each class once")
@@ -447,7 +446,7 @@ def main(argv=None):
                         "else the embedded default)")
     parser.add_argument('--cfg-options', nargs='+', action='extend', default=None, help='overrides for --config')
     parser.add_argument('--classes', nargs='+', default=None, help='class names (default: the checkpoint)')
-    parser.add_argument('--exclude', nargs='+', default=(), help='classes left out of mIoU/mF1, e.g. clutter')
+    parser.add_argument('--exclude', nargs='+', default=(), help='classes (names or ids) left out of mIoU/mF1, e.g. clutter')
     parser.add_argument('--erode', type=int, default=None,
                         help='ignore label pixels within this many px of a class boundary (ISPRS: 3)')
     parser.add_argument('--ignore-index', type=int, default=None, help='label value not counted (default 255)')

@@ -26,7 +26,7 @@ import torch
 from ds_seg import distributed
 from ds_seg.cli import exit_without_finalization, run_command
 from ds_seg.config import ConfigError
-from ds_seg.data.geotiff import configure_gdal_for_worker
+from ds_seg.data.geotiff import configure_gdal_for_worker, dates_out_of_name_order
 from ds_seg.data.raster import StackedRaster
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inference.model import fixed_input_size, window_refusal
@@ -390,6 +390,10 @@ def _run(args):
             raise ConfigError(f"--input {','.join(dates)}: {len(dates)} date(s), but the model "
                               f"({model_cfg.get('type')}) takes {num_dates}; give the {num_dates} dates "
                               f"of the scene joined by commas (a_may.tif,a_aug.tif){one_file}")
+        unordered = dates_out_of_name_order([dates])
+        if unordered:  # said in training; here the model saw them swapped (pooling 'diff'/'concat'), without a word
+            print(f'[predict] note: --input {",".join(dates)}: {unordered} (give them in the order the model '
+                  'was trained on)', flush=True)
         per_date = channels // len(dates) if channels and len(dates) > 1 else None
         if (per_date and not args.bands and list(bands or ()) == list(range(1, channels + 1))
                 and _band_count(dates[0]) == per_date):

@@ -42,6 +42,7 @@ import bisect
 import contextlib
 import glob
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -321,7 +322,7 @@ def pair_by_name(images, labels):
 _NAME_DATE = re.compile(r'(?<!\d)((?:19|20)\d\d)[-_]?(0[1-9]|1[0-2])(?:[-_]?(0[1-9]|[12]\d|3[01]))?(?!\d)')
 
 
-def _dates_out_of_name_order(dates):
+def dates_out_of_name_order(dates):
     """A note where the file names of a scene's dates carry dates (2021-05, 20210815) in another
     order than given: nothing sorts them, and a misordered scene fed concat/diff pooling its dates
     swapped, without a word. None where they are in order or the names carry no dates."""
@@ -498,7 +499,16 @@ def _whole_number(name, value, low):
     return int(value)
 
 
-@DATASETS.register_module()
+def _same_value(value, default):
+    """``value`` equals ``default`` (a list given for a tuple default, (0.5, 2.0) for [0.5, 2.0])."""
+    if isinstance(value, (list, tuple)) and isinstance(default, (list, tuple)):
+        return list(value) == list(default)
+    try:
+        return bool(value == default)
+    except Exception:  # an array or an object without equality: given, so not the default
+        return False
+
+
 def check_class_names(classes, what='classes'):
     """``classes``: a count >= 1 or a sequence of distinct, non-empty names in class-index order
     -> the tuple of names (``class_0``... for a count). ``what`` names the setting in the refusal."""
@@ -542,6 +552,7 @@ def check_class_names(classes, what='classes'):
     return classes
 
 
+@DATASETS.register_module()
 class GeoTiffScenes(torch.utils.data.Dataset):
     """Crops of ``crop_size`` from image scenes paired with a label raster each.
 
@@ -638,9 +649,14 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 f"scene {counts.index(odd)} has {odd} ({dates[counts.index(odd)]}), scene "
                                 f"{dates.index(first)} has {len(first)} ({first})")
             images = [d[0] for d in dates]
-            unordered = _dates_out_of_name_order(dates)
+            unordered = dates_out_of_name_order(dates)
             if unordered:
                 self.notes = [*getattr(self, 'notes', ()), unordered]
+        nested = (None if isinstance(labels, (str, os.PathLike)) else
+                  next((x for x in labels if isinstance(x, (list, tuple))), None))
+        if nested is not None:  # "expected str, bytes or os.PathLike object, not list"
+            raise DataError(f"labels: {list(nested)!r} is a list; a scene has one label file, which all its dates "
+                            "share: give labels as one file per scene (dates are lists of images only)")
         images = expand_paths(images, 'images', folders=True)
         labels = expand_paths(labels, 'labels', folders=True)
         if len(labels) == 1 and is_vector(labels[0]):
@@ -697,6 +713,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self.label_field, self.label_layer = label_field, label_layer
         self.label_fill = _whole_number('label_fill', label_fill, low=0)
         self._vectors = self._load_vectors(classes)
+        for v in {v.path: v for v in self._vectors.values()}.values():  # a file read once per image CRS
+            if getattr(v, 'without_geometry', 0):
+                self.notes = [*getattr(self, 'notes', ()), (
+                    f"labels {v.path}: {v.without_geometry} feature(s) have no geometry (null or empty) and label "
+                    "no pixel; give them their shapes, or drop them to silence this")]
         count = self._scenes[0]['count']
         for s in self._scenes:
             if s['count'] != count:
@@ -808,6 +829,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._pid = None
         self._check_files(check_labels)
         self._init_sampling(sampling, rare_class_temperature)
+        self._note_unused_options(locals())
 
     def use_statistics(self, mean, std):
         """Normalise with these per-channel ``mean``/``std`` (file units): the dataset's own, or
@@ -1439,6 +1461,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         identity next to the labels, so later runs pay nothing."""
         scanned = [s for s in self._scenes if not s.get('vector')]
         labelled, checked = 0, 0
+        listed = {int(k) for k in ((self.label_decoding or {}).get('label_map') or {})}
+        merged = {}   # class -> file values read as it: listed ones, and unlisted ones passed through
         for s, histogram in zip(scanned, cached_label_histograms([s['label'] for s in scanned])):
             # Vector labels were checked when read; remote ones are checked window by window.
             if histogram is None:
@@ -1458,6 +1482,18 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                         "`label_map` / `reduce_zero_label`")
                 if mapped != self.ignore_index:
                     labelled += count
+                    if listed:
+                        merged.setdefault(mapped, set()).add(int(value))
+        # label_map={1: 0, 2: 1, 3: 2} (a shift, 0 unlisted): file value 0 passed through as class 0,
+        # joining file value 1 there without a word.
+        for cls, values in sorted(merged.items()):
+            passed = sorted(v for v in values if v not in listed and v == cls)
+            if passed and any(v in listed for v in values):
+                mapped_here = sorted(v for v in values if v in listed)
+                self.notes = [*getattr(self, 'notes', ()), (
+                    f"label_map: file value {passed[0]} is not listed, so it is read as class {cls} "
+                    f"({self.classes[cls]!r}), as is file value {mapped_here[0]}, which label_map maps there; "
+                    f"if {passed[0]} is no class, list it: label_map={{..., {passed[0]}: {self.ignore_index}}}")]
         if labelled == 0 and checked:
             raise DataError(f"{self._scenes[0]['label']}{' and the other label files' if len(self._scenes) > 1 else ''}: "
                             f"no pixel is labelled with a class (all are ignore_index {self.ignore_index}); "
@@ -1475,6 +1511,37 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     left = xs[c - 1] + self.crop_w - x if c else 0
                     rows.append((i, y, x, max(top, 0), max(left, 0)))
         return np.array(rows, dtype=np.int64).reshape(-1, 5)
+
+    def _note_unused_options(self, given):
+        """A note per option given a value other than its default that does nothing here, because
+        what it acts through is absent: vector-label options with raster labels, palette options
+        without a palette, sampling and window options in grid mode (evaluation reads every window
+        as it is). They were dropped without a word (stac_bands without stac read every band).
+        Noted, not refused, as with unused tracker settings: a command line turning the other
+        setting off (stac=None) is how a config is overridden."""
+        defaults = {n: p.default for n, p in inspect.signature(GeoTiffScenes.__init__).parameters.items()}
+        needs = []
+        if not self._vectors:
+            needs += [(k, 'vector labels (a .gpkg, .geojson, .shp... label file)')
+                      for k in ('label_field', 'label_layer', 'label_fill')]
+        if given['stac'] is None:
+            needs += [('stac_bands', '`stac` (a STAC Item or ItemCollection); give `bands` for a raster\'s bands'),
+                      ('stac_label', '`stac`')]
+        if self.palette is None:
+            needs += [(k, '`palette` (colour-coded labels)')
+                      for k in ('palette_tolerance', 'palette_max_unmatched', 'palette_ignore')]
+        if self.mode == 'random' and self.sampling != 'rare_class':
+            needs += [('rare_class_temperature', "sampling='rare_class'")]
+        if self.mode == 'grid':  # evaluation: every window once, as it is
+            needs += [(k, "random (training) windows; this set reads grid windows (mode='grid', every window "
+                          "once, never redrawn, rescaled or augmented)")
+                      for k in ('cat_max_ratio', 'max_nodata_ratio', 'max_retries', 'random_scale',
+                                'boundary_ignore', 'transforms', 'augment', 'sampling', 'rare_class_temperature')]
+        for key, what in needs:
+            value = given[key]
+            if value is not None and not _same_value(value, defaults[key]):
+                self.notes = [*getattr(self, 'notes', ()), f"{key}={value!r} is not used: it takes effect only "
+                              f"with {what}"]
 
     def _init_sampling(self, sampling, temperature):
         if sampling not in ('uniform', 'rare_class'):

@@ -84,6 +84,9 @@ class VectorLabels:
             raise ConfigError(f"{what}: cannot read it as a vector file ({e})") from e
         geoms = shapely.from_wkb(wkb)
         keep = ~shapely.is_missing(geoms) & ~shapely.is_empty(geoms)
+        # Features without a geometry label no pixel: counted, so the dataset can say so (the only
+        # 'road' feature vanished without a word, where a feature without a class is refused).
+        self.without_geometry = int((~keep).sum())
         geoms = geoms[keep]
         self.named = False  # the field's values are class names (no label value to decode)
         if field is None or not len(data):   # (no column read: a file without features, see _read)

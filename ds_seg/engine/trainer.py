@@ -87,6 +87,10 @@ def data_notes(train_set, val_set):
         notes.append(f'data.crop_size {crop[0]}x{crop[1]} is larger than every training scene (the largest '
                      f'{h}x{w}): at least {math.floor(1000 * (1 - filled)) / 10:g}% of each window is padding, ignored by the loss; '
                      'a crop_size within the scenes trains on more pixels per step')
+    classes = getattr(train_set, 'num_classes', 0) or 0
+    if classes > 255:  # it trained to the end, then predict.py refused it
+        notes.append(f'data.train: {classes} classes: the run trains and evaluates, but predict.py writes uint8 class '
+                     'maps (255 is their nodata), so it cannot run a model of more than 255 classes')
     if val_set is None:
         return notes
     keys = [{_images_key(scene) for scene in getattr(ds, 'scenes', ())} for ds in (train_set, val_set)]

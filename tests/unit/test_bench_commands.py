@@ -1,6 +1,7 @@
 """The three measuring commands that live in ds_seg/cli/ (data_benchmark, vector_benchmark,
 predict_benchmark) run end to end on tiny inputs, their child processes included, and print
 figures that parse and are positive."""
+import contextlib
 import json
 import re
 import subprocess
@@ -212,3 +213,67 @@ def test_vector_benchmark_takes_the_files_of_its_version_before_the_tag(tmp_path
         dst.update_tags(classes=json.dumps(vector_benchmark.CLASSES))
     assert vector_benchmark.main(['--size', '64', '--band-rows', '16', '--dir', str(tmp_path)]) == 0
     assert capsys.readouterr().out.count('polygons in') == 2
+
+
+def test_data_benchmark_reads_and_copies_every_date_and_refuses_vector_labels(tmp_path, capsys, monkeypatch):
+    """A time series: the raw reference read each scene's first date only (the dataset looked half
+    as fast as the reads it makes), the deflate copies kept the first date (a ValueError traceback).
+    Vector labels: rasterio.open(x.gpkg), a traceback."""
+    import numpy as np
+    import rasterio
+    from rasterio.transform import from_origin
+    rng = np.random.default_rng(0)
+    kw = dict(driver='GTiff', width=96, height=96, crs='EPSG:32633', transform=from_origin(500000, 5000000, 1, 1))
+    images = []
+    for i in range(2):
+        dates = []
+        for t in range(2):
+            path = str(tmp_path / f's{i}_t{t}.tif')
+            with rasterio.open(path, 'w', count=3, dtype='uint8', **kw) as dst:
+                dst.write(rng.integers(0, 255, (3, 96, 96)).astype('uint8'))
+            dates.append(path)
+        images.append(dates)
+    labels = []
+    for i in range(2):
+        labels.append(str(tmp_path / f's{i}_label.tif'))
+        with rasterio.open(labels[-1], 'w', count=1, dtype='uint8', **kw) as dst:
+            dst.write(rng.integers(0, 3, (1, 96, 96)).astype('uint8'))
+    config = tmp_path / 'series.py'
+    config.write_text(f"data = dict(train=dict(type='GeoTiffScenes', images={images!r}, labels={labels!r}, "
+                      "classes=('a', 'b', 'c')))\n")
+    reads = []
+    real_read = rasterio.io.DatasetReader.read
+    monkeypatch.setattr(rasterio.io.DatasetReader, 'read', lambda self, *a, **k: reads.append(self.name) or
+                        real_read(self, *a, **k))
+    ds, _ = data_benchmark.build_dataset(data_benchmark.parse_args(['--config', str(config), '--crop', '32']))
+    with contextlib.ExitStack() as stack:
+        handles = {p: stack.enter_context(rasterio.open(p)) for s in ds.scenes for p in (*s['dates'], s['label'])}
+        reads.clear()
+        data_benchmark.raw_loop(ds.scenes, ds.bands, 1, 32, 10, 0, handles)
+    assert len(reads) == 30 and sum('_t1' in r for r in reads) == 10, reads   # both dates and the label
+    monkeypatch.undo()
+    assert data_benchmark.main(['--config', str(config), '--crop', '32', '--windows', '5', '--repeats', '1',
+                                '--workers', '0', '--train-steps', '0', '--compress', 'none', 'deflate']) == 0
+    assert re.search(rf'\[deflate\] ratio dataset/raw :\s+{NUMBER}x', capsys.readouterr().out)
+    copies = tmp_path / 'copies'
+    copies.mkdir()
+    copied = data_benchmark.compressed_copy(ds, 'deflate', str(copies))
+    assert copied.num_dates == 2 and [len(s['dates']) for s in copied.scenes] == [2, 2]
+    for scene, copy in zip(ds.scenes, copied.scenes):
+        for a_path, b_path in zip(scene['dates'], copy['dates']):
+            with rasterio.open(a_path) as a, rasterio.open(b_path) as b:
+                assert np.array_equal(a.read(), b.read())
+
+    import pyogrio
+    import shapely
+    gpkg = str(tmp_path / 'labels.gpkg')
+    pyogrio.raw.write(gpkg, shapely.to_wkb(np.array([shapely.box(500010, 4999950, 500050, 4999990)], dtype=object)),
+                      field_data=[np.array([1], np.int32)], fields=['class'], crs='EPSG:32633', driver='GPKG',
+                      geometry_type='Polygon')
+    vector = tmp_path / 'vector.py'
+    vector.write_text(f"data = dict(train=dict(type='GeoTiffScenes', images={[d[0] for d in images]!r}, "
+                      f"labels=[{gpkg!r}], label_field='class', classes=('a', 'b', 'c')))\n")
+    assert data_benchmark.main(['--config', str(vector), '--crop', '32', '--train-steps', '0']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f'data_benchmark: error: {gpkg}: vector labels, which the raw rasterio reference cannot '
+                          'read') and len(err.strip().splitlines()) == 1, err

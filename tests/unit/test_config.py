@@ -152,6 +152,15 @@ def test_a_yaml_config_never_runs_what_its_tags_name(tmp_path, base):
     assert load_config(str(tmp_path / 'plain.yaml')).train.seed == 7
 
 
+def test_a_yaml_number_without_a_dot_is_a_number_as_in_json_and_python(tmp_path):
+    """YAML 1.1 reads 9e-1 and 1e-4 as text (its floats need a dot): refused as "got '9e-1'", or a
+    string where a number was meant. Quoted, it stays text."""
+    (tmp_path / 'c.yaml').write_text("data:\n  train:\n    type: SyntheticAerial\n    cat_max_ratio: 9e-1\n"
+                                     "    max_nodata_ratio: 5E-1\n    classes: ['1e5', e5]\ntrain:\n  max_steps: 2\n")
+    train = load_config(str(tmp_path / 'c.yaml')).data.train
+    assert (train.cat_max_ratio, train.max_nodata_ratio, list(train.classes)) == (0.9, 0.5, ['1e5', 'e5'])
+
+
 def test_an_mmseg_optimizer_block_in_a_config_file_is_pointed_to_the_deepspeed_json(tmp_path):
     """The same in a config file, where a bare unknown key is otherwise taken for a helper variable."""
     (tmp_path / 'mmseg_style.py').write_text("optimizer = dict(type='AdamW', lr=6e-5)\n")

@@ -593,3 +593,50 @@ def test_statistics_and_class_names_taken_from_a_stats_json_are_said(tmp_path):
                         "computed from the images)"]
     ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=('a', 'b', 'c'), mean=[1, 1, 1])
     assert ds.notes == [f"std from {tmp_path / 'stats.json'} (move it away to have them computed from the images)"]
+
+
+def test_options_that_act_through_an_absent_setting_are_said_as_unused(tmp_path):
+    """stac_bands without stac read every band, label_fill on raster labels filled nothing, a val
+    set's cat_max_ratio redrew nothing: each was dropped without a word."""
+    img = write_tif(tmp_path / 'u_image.tif', np.random.default_rng(0).integers(0, 255, (3, 32, 32), dtype=np.uint8))
+    lbl = write_tif(tmp_path / 'u_label.tif', (np.arange(32 * 32).reshape(32, 32) % 3).astype(np.uint8))
+    ds = GeoTiffScenes([img], [lbl], crop_size=32, label_field='cls', label_fill=1, stac_bands=['B04'],
+                       palette_tolerance=5, rare_class_temperature=0.5)
+    assert [n.split(' is not used')[0] for n in ds.notes] == [
+        "label_field='cls'", 'label_fill=1', "stac_bands=['B04']", 'palette_tolerance=5', 'rare_class_temperature=0.5']
+    assert "stac_bands=['B04'] is not used: it takes effect only with `stac`" in ds.notes[2]
+    val = GeoTiffScenes([img], [lbl], crop_size=32, split='val', cat_max_ratio=0.5, boundary_ignore=2)
+    assert val.notes == [f"{k} is not used: it takes effect only with random (training) windows; this set reads grid "
+                         "windows (mode='grid', every window once, never redrawn, rescaled or augmented)"
+                         for k in ('cat_max_ratio=0.5', 'boundary_ignore=2')]
+    # Defaults given explicitly, and the settings of a training set that uses them, say nothing.
+    quiet = [GeoTiffScenes([img], [lbl], crop_size=32, split='val', max_retries=10, sampling='uniform', augment=None),
+             GeoTiffScenes([img], [lbl], crop_size=32, cat_max_ratio=0.5, boundary_ignore=2, label_fill=0,
+                           random_scale=(0.5, 2.0), palette_max_unmatched=0.02)]
+    assert [getattr(d, 'notes', []) for d in quiet] == [[], []]
+
+
+def test_a_class_count_predict_cannot_write_is_said_at_the_start(tmp_path):
+    """300 classes trained to the end; predict.py then refused the model (uint8 class maps)."""
+    from ds_seg.engine.trainer import data_notes
+    img = write_tif(tmp_path / 'k_image.tif', np.full((3, 32, 32), 7, np.uint8))
+    lbl = write_tif(tmp_path / 'k_label.tif', (np.arange(32 * 32).reshape(32, 32) % 300).astype(np.uint16))
+    notes = data_notes(GeoTiffScenes([img], [lbl], crop_size=32, classes=300, ignore_index=1000), None)
+    assert notes == ['data.train: 300 classes: the run trains and evaluates, but predict.py writes uint8 class maps '
+                     '(255 is their nodata), so it cannot run a model of more than 255 classes']
+    lbl255 = write_tif(tmp_path / 'k255_label.tif', (np.arange(32 * 32).reshape(32, 32) % 255).astype(np.uint8))
+    assert data_notes(GeoTiffScenes([img], [lbl255], crop_size=32, classes=255, ignore_index=1000), None) == []
+
+
+def test_a_file_value_a_partial_label_map_passes_into_a_mapped_class_is_said(tmp_path):
+    """label_map={1: 0, 2: 1, 3: 2} left file value 0 as class 0, merged with file value 1, silently."""
+    img = write_tif(tmp_path / 'p_image.tif', np.full((3, 32, 32), 7, np.uint8))
+    lbl = write_tif(tmp_path / 'p_label.tif', (np.arange(32 * 32).reshape(32, 32) % 4).astype(np.uint8))
+    ds = GeoTiffScenes([img], [lbl], crop_size=32, classes=('a', 'b', 'c'), label_map={1: 0, 2: 1, 3: 2})
+    assert ds.notes == ["label_map: file value 0 is not listed, so it is read as class 0 ('a'), as is file value 1, "
+                        "which label_map maps there; if 0 is no class, list it: label_map={..., 0: 255}"]
+    whole = GeoTiffScenes([img], [lbl], crop_size=32, classes=('a', 'b', 'c'), label_map={0: 255, 1: 0, 2: 1, 3: 2})
+    assert not getattr(whole, 'notes', [])
+    # A partial map that merges nothing (a swap of two values, the rest passed through) says nothing.
+    swap = GeoTiffScenes([img], [lbl], crop_size=32, classes=4, label_map={1: 2, 2: 1})
+    assert not getattr(swap, 'notes', [])

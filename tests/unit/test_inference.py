@@ -529,6 +529,9 @@ def test_a_tile_the_model_cannot_take_is_one_line_before_any_scene(tmp_path, cap
     (['--erode', '-2'], '--erode must be >= 0'),
     (['--previews', '-1'], '--previews must be >= 0 (0 writes none), got -1'),  # wrote none, exit 0
     (['--exclude', 'b', 'b'], '--exclude names b twice; name each class once'),
+    # ids as predict.py's --exclude-classes takes them: '1' is class b
+    (['--exclude', '1', 'b'], '--exclude names b twice; name each class once'),
+    (['--exclude', '7'], '--exclude: class id 7 is not one of 0..4 (a, b, c, d, e)'),
     (['--classes', 'x', 'y', 'z'], '3 classes given (x, y, z) but the model predicts 5'),
 ])
 def test_evaluate_refuses_class_and_erosion_options_before_any_window(tmp_path, capsys, args, message):
@@ -1571,3 +1574,15 @@ def test_evaluate_refuses_a_missing_checkpoint_before_saying_which_scenes_it_wou
     assert said.out == '' and said.err.strip() == (f'evaluate: error: --checkpoint: {tmp_path}/nope.pt does not exist '
                                                    '(give a weights file from launch/export.py, a step_* folder, a '
                                                    'checkpoints folder or a work dir).'), said
+
+
+def test_a_digit_names_one_class_for_evaluate_and_predict_alike():
+    """Classes named by codes: evaluate --exclude 0 left out the class named '0', predict
+    --exclude-classes 0 the class of id 0. One rule: a name first, a digit that is also another
+    class's id refused."""
+    from ds_seg.vectorize import exclude_ids
+    assert exclude_ids(['background', '3'], ['background', 'building', 'road', 'tree']) == [0, 3]
+    assert exclude_ids(['7'], ['a', '7', 'b']) == [1]          # a name only (no class 7)
+    assert exclude_ids(['1'], ['0', '1', '2']) == [1]          # name and id agree
+    with pytest.raises(ValueError, match=r"--exclude: '0' is the name of class 2 and the id of class 0 \('2'\)"):
+        exclude_ids(['0'], ['2', '1', '0'], option='--exclude')

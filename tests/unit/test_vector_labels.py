@@ -354,3 +354,26 @@ def test_map_coordinates_on_an_image_without_georeferencing_are_refused_pixel_ge
     with pytest.raises(ConfigError, match=r"both in the image's map units \(it declares no CRS\); the image declares "
                                           r"no CRS, so the file's coordinates \(EPSG:32632\) were taken as they are\)"):
         GeoTiffScenes([nocrs], scene['vec'], label_field='class', **KW)
+
+
+def test_features_without_geometry_are_said_and_the_rest_rasterised(scene):
+    """A feature with a class but a null or empty geometry labelled nothing, without a word (one
+    without a class is refused)."""
+    empty = shapely.Polygon()
+    geoms = list(scene['geoms']) + [empty, empty]
+    cls = np.concatenate([scene['cls'], [2, 3]]).astype(np.int32)
+    path = _write_vector(scene['tmp'] / 'holes.gpkg', geoms, {'class': cls})
+    ds = GeoTiffScenes([scene['img']], path, label_field='class', mode='grid', crop_size=(H, W), classes=NAMES,
+                       mean=[0] * 3, std=[1] * 3)
+    assert ds.notes == [f"labels {path}: 2 feature(s) have no geometry (null or empty) and label no pixel; give them "
+                        "their shapes, or drop them to silence this"]
+    np.testing.assert_array_equal(ds[0]['label'].numpy(), scene['ref'])
+    whole = GeoTiffScenes([scene['img']], scene['vec'], label_field='class', mode='grid', crop_size=(H, W),
+                          classes=NAMES, mean=[0] * 3, std=[1] * 3)
+    assert not getattr(whole, 'notes', [])
+
+
+def test_time_series_labels_nested_like_the_images_are_one_line(scene):
+    with pytest.raises(DataError, match=r"labels: \[.*lbl.tif'\] is a list; a scene has one label file, which all "
+                                        r"its dates share"):
+        GeoTiffScenes([[scene['img'], scene['img']]], [[scene['lbl']]], **KW)
