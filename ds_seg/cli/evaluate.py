@@ -164,7 +164,9 @@ def build_scenes(args, info, cfg):
     labels = expand_inputs(expand_paths(args.labels or [], '--labels'), '--labels')
     if len(images) != len(labels):
         raise ValueError(f'{len(images)} images but {len(labels)} labels; they are paired in order')
-    refuse_repeated_scenes(images, '--images')
+    copied = refuse_repeated_scenes(images, '--images')
+    if copied and distributed.is_main():
+        print(f'[evaluate] note: {copied}', flush=True)
     refuse_label_decoding(info)
     labels = pair_by_name(images, labels)  # as training pairs them
     scenes = []

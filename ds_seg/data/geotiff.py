@@ -373,31 +373,82 @@ def _scene_keys(paths):
     return keys
 
 
+COPY_SAMPLE_BYTES = 4096   # read at each end of a file whose size another's shares, before comparing all
+
+
+def _key_copies_alike(paths, keys):
+    """Give a local file that is a byte-for-byte copy of another (``cp a.tif a_copy.tif``: another
+    inode) the other's key in ``keys``: a validation scene copied under a second name counted twice
+    in every metric, without a word. Only files of one size are compared: first their two ends (a small read, as
+    opening the raster is), then, where those agree, every byte."""
+    import filecmp
+    by_size = {}
+    for p in dict.fromkeys(paths):
+        if isinstance(p, (str, os.PathLike)) and not is_remote(p) and isinstance(keys[p], tuple) and os.path.isfile(p):
+            by_size.setdefault(os.path.getsize(p), []).append(p)
+    for size, group in by_size.items():
+        if len({keys[p] for p in group}) < 2:
+            continue
+        by_ends = {}
+        for p in group:
+            with open(p, 'rb') as f:
+                head = f.read(COPY_SAMPLE_BYTES)
+                f.seek(max(0, size - COPY_SAMPLE_BYTES))
+                by_ends.setdefault(hashlib.sha256(head + f.read()).digest(), []).append(p)
+        for alike in by_ends.values():
+            originals = []
+            for p in alike:
+                first = next((o for o in originals if keys[o] == keys[p] or filecmp.cmp(o, p, shallow=False)), None)
+                if first is None:
+                    originals.append(p)
+                else:
+                    keys[p] = keys[first]
+
+
 def refuse_repeated_scenes(images, what, labels=None, dates=None):
     """Evaluation scenes each once: overlapping globs (``'val/*.tif' 'val/a*.tif'``) or one file
     under two spellings would count its pixels twice in every metric. With ``labels``, a scene is
     an image with its label (one image under two label files is two scenes); with ``dates``, its
-    every date (two time series sharing a baseline date are two scenes)."""
+    every date (two time series sharing a baseline date are two scenes). A scene whose files are
+    byte-for-byte copies of another's (other names, other inodes) is not refused: a benchmark may
+    hold a tile twice, and its metric counts it twice; the line for it is returned, to be said."""
     repeated = repeated_scene(images, labels, dates)
     if repeated:
         image, also = repeated
         raise DataError(f"{what}: {image} is given twice{also}, by overlapping globs or paths; its pixels "
                         f"would count twice in every metric. Give each scene once")
+    copied = repeated_scene(images, labels, dates, copies=True)
+    if copied:
+        return (f"{what}: {copied[0]} is given twice{copied[1]}: its pixels count twice in every metric; give it "
+                "once, unless the set holds it twice on purpose")
+    return None
 
 
-def repeated_scene(images, labels=None, dates=None):
+def repeated_scene(images, labels=None, dates=None, copies=False):
     """``(image, ' (also as <first>)')`` for the first scene given twice (see
-    :func:`refuse_repeated_scenes`), the second part empty where both spellings are one; else None."""
+    :func:`refuse_repeated_scenes`), the second part empty where both spellings are one; else None.
+    ``copies``: a scene whose files are byte-for-byte copies of another's counts as given twice."""
     every = [f for i, image in enumerate(images) for f in (dates[i] if dates is not None else [image])]
     every += list(labels or [])
-    key_of = _scene_keys(every)
+    spelling = _scene_keys(every)       # one file however it is named (links, signed URLs)
+    key_of = dict(spelling)
+    if copies:
+        _key_copies_alike(every, key_of)
+
+    def scene_key(i, keys):
+        files = dates[i] if dates is not None else [images[i]]
+        return tuple(keys[f] for f in files), keys[labels[i]] if labels is not None else None
     seen = {}
     for i, image in enumerate(images):
-        files = dates[i] if dates is not None else [image]
-        key = (tuple(key_of[f] for f in files), key_of[labels[i]] if labels is not None else None)
+        key = scene_key(i, key_of)
         if key in seen:
-            return image, f' (also as {seen[key]})' if seen[key] != image else ''
-        seen[key] = image
+            first = seen[key]
+            if images[first] == image:
+                return image, ''
+            if scene_key(first, spelling) == scene_key(i, spelling):
+                return image, f' (also as {images[first]})'
+            return image, f' (a copy of {images[first]}: the same bytes under another name)'
+        seen[key] = i
     return None
 
 
@@ -445,8 +496,12 @@ def inspect_pair(image, label, palette=None):
                             f"indices (image {image}); colour-coded labels need the dataset's `palette` "
                             f"(evaluate.py: --config with data.val.palette)")
         if palette is not None and lbl.count < 3:
+            # A paletted file (a colour table, as GDAL writes class maps) shows colours but holds indices.
+            indexed = lbl.count == 1 and lbl.colorinterp[0] == rasterio.enums.ColorInterp.palette
             raise DataError(f"label {label} has {lbl.count} band(s) but `palette` expects RGB "
-                            f"colour-coded labels (image {image})")
+                            f"colour-coded labels (image {image})" + (
+                                "; this one is a paletted file: its pixels are class indices already, shown in "
+                                "colour by its colour table, so leave `palette` out" if indexed else ''))
         if palette is not None and _same_corner(img, lbl):
             raise DataError(f"label {label} holds the same pixels as its image {image}: a copy of the image, "
                             f"not its labels; point the label at the ground truth")
@@ -673,9 +728,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             crop_size = (crop_size, crop_size)
         self.crop_h, self.crop_w = (int(c) for c in crop_size)
         if mode == 'grid':  # evaluation windows: a scene twice would weigh twice in the metrics
-            refuse_repeated_scenes(images, 'images', labels, dates)
-        else:   # training: drawn twice as often, without a word (a link beside it, overlapping globs)
-            repeated = repeated_scene(images, labels, dates)
+            copied = refuse_repeated_scenes(images, 'images', labels, dates)
+            if copied:
+                self.notes = [*getattr(self, 'notes', ()), copied]
+        else:   # training: drawn twice as often, without a word (a link beside it, overlapping globs, a copy)
+            repeated = repeated_scene(images, labels, dates, copies=True)
             if repeated:
                 self.notes = [*getattr(self, 'notes', ()), (
                     f"images: {repeated[0]} is given twice{repeated[1]}: its windows are drawn twice as often as "

@@ -367,6 +367,38 @@ def test_a_validation_scene_given_twice_is_refused_and_training_may_repeat_one(t
                       classes=2, split='val', mean=[0] * 3, std=[1] * 3)
 
 
+def test_a_scene_copied_under_another_name_is_one_scene_and_files_alike_at_their_ends_are_not(tmp_path):
+    """cp a1.tif a1_copy.tif (another inode): the validation set scored the scene twice, without a word."""
+    import shutil
+    _tiles(tmp_path, ['a1.tif', 'b1.tif'], ['a1.tif', 'b1.tif'])
+    for folder in ('img', 'lbl'):
+        shutil.copy(tmp_path / folder / 'a1.tif', tmp_path / folder / 'z_copy.tif')
+    names = ('a1.tif', 'b1.tif', 'z_copy.tif')
+    images, labels = ([str(tmp_path / folder / n) for n in names] for folder in ('img', 'lbl'))
+    kw = dict(crop_size=32, classes=2, mean=[0] * 3, std=[1] * 3)
+    # Said, not refused: a benchmark may hold a tile twice, and its metric counts it twice.
+    val = GeoTiffScenes(images, labels, split='val', **kw)
+    assert val.notes == [f"images: {images[2]} is given twice (a copy of {images[0]}: the same bytes under another "
+                         "name): its pixels count twice in every metric; give it once, unless the set holds it twice "
+                         "on purpose"]
+    train = GeoTiffScenes(images, labels, split='train', **kw)
+    assert train.notes == [f"images: {images[2]} is given twice (a copy of {images[0]}: the same bytes under another "
+                           "name): its windows are drawn twice as often as another scene's; give it once, unless that "
+                           "weighting is meant"]
+    # The same size and the same bytes at both ends, one byte apart in the middle: two files.
+    from ds_seg.data import geotiff
+    a, b = tmp_path / 'x.bin', tmp_path / 'y.bin'
+    body = bytes(3 * geotiff.COPY_SAMPLE_BYTES)
+    a.write_bytes(body)
+    b.write_bytes(body[:len(body) // 2] + b'\x01' + body[len(body) // 2 + 1:])
+    keys = {str(a): (0, 1), str(b): (0, 2)}
+    geotiff._key_copies_alike([str(a), str(b)], keys)
+    assert keys[str(a)] != keys[str(b)]
+    b.write_bytes(body)
+    geotiff._key_copies_alike([str(a), str(b)], keys)
+    assert keys[str(a)] == keys[str(b)]
+
+
 @pytest.mark.parametrize('kw, named', [(dict(num_scenes=0), 'num_scenes must be an integer >= 1, got 0'),
                                        (dict(num_scenes=True), 'num_scenes must be an integer >= 1, got True'),
                                        (dict(dates=0), 'dates must be an integer >= 1, got 0'),

@@ -115,6 +115,19 @@ def test_grey_coded_palette_labels_decode_to_their_classes(tmp_path):
     np.testing.assert_array_equal(ds[0]['label'].numpy(), lab)
 
 
+def test_a_paletted_label_given_a_palette_is_told_it_holds_indices(tmp_path):
+    """A one-band label with a colour table (as GDAL writes class maps) looks colour-coded in a
+    viewer; with `palette` it was told only that it is not RGB."""
+    img = write_tif(tmp_path / 't_image.tif', np.full((3, 32, 32), 7, np.uint8))
+    lbl = write_tif(tmp_path / 't_label.tif', (np.arange(32 * 32).reshape(32, 32) % 2).astype(np.uint8),
+                    photometric='PALETTE')
+    with rasterio.open(lbl, 'r+') as dst:
+        dst.write_colormap(1, {0: (0, 0, 0, 255), 1: (255, 0, 0, 255)})
+    with pytest.raises(DataError, match=r"is a paletted file: its pixels are class indices already.*leave `palette` out"):
+        GeoTiffScenes([img], [lbl], crop_size=32, palette=[(0, 0, 0), (255, 0, 0)])
+    assert GeoTiffScenes([img], [lbl], crop_size=32, classes=2).num_classes == 2
+
+
 @pytest.mark.parametrize('palette, named', [
     ([(255, 255, 255, 255), (0, 0, 255, 255)], r"palette\[0\] is \(255, 255, 255, 255\); each colour must be an "
                                                r"\(R, G, B\) triple of integers 0..255 \(drop the alpha"),
