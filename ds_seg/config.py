@@ -776,6 +776,12 @@ def _expand_user(cfg):
     for key in ('work_dir', 'load_from'):
         if isinstance(cfg.get(key), str):
             cfg[key] = os.path.expanduser(cfg[key])
+    log = cfg.get('log')
+    uri = log.get('mlflow_tracking_uri') if isinstance(log, dict) else None
+    if isinstance(uri, str) and uri.strip() == uri != '' and ':' not in uri and uri not in ('databricks', 'databricks-uc', 'uc'):
+        # A plain folder, as MLflow takes one: relative, it followed the folder the command ran in,
+        # and a resume started elsewhere opened a second store. Made absolute once, as data paths are.
+        log['mlflow_tracking_uri'] = os.path.abspath(os.path.expanduser(uri))
     return cfg
 
 

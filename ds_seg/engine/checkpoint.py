@@ -214,9 +214,9 @@ def save(backend, root, step, client_state, keep, marker_extra=None, best=False,
     if failure is None and distributed.is_main():
         try:
             _seal(root, tmp_tag, tag, step, backend, client_state, marker_extra)
-            _write_pointer(root, 'latest', tag)
+            write_pointer(root, 'latest', tag)
             if best:
-                _write_pointer(root, 'best', tag)
+                write_pointer(root, 'best', tag)
             kept = read_pointer(root, 'best')
             for old in complete_tags(root)[:-keep] if keep > 0 else []:
                 if old != kept:
@@ -350,7 +350,7 @@ def _describe_write_failure(path, exc):
     return f'writing {path} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ""}'
 
 
-def _write_pointer(root, name, tag):
+def write_pointer(root, name, tag):
     """``root/name`` (``latest`` or ``best``) now holds ``tag``, atomically."""
     tmp = os.path.join(root, f'.{name}.tmp')
     with open(tmp, 'w') as f:
@@ -506,7 +506,7 @@ def set_aside_other_branch(work_dir, root, tag, partial=True):
     for name in sorted(names):
         os.replace(os.path.join(live, name), os.path.join(dest, 'checkpoints', name))
     if same:
-        _write_pointer(live, 'latest', tag)
+        write_pointer(live, 'latest', tag)
     elif os.path.exists(os.path.join(live, 'latest')):
         os.replace(os.path.join(live, 'latest'), os.path.join(dest, 'checkpoints', 'latest'))
     if read_pointer(live, 'best') in names:  # the best checkpoint moved aside: its pointer goes with it

@@ -264,7 +264,9 @@ class Checkpointer:
         save_best still reports the kept best, by the metric its marker records."""
         tag = checkpoint.read_pointer(self.root, 'best')
         if tag is None or not checkpoint.is_complete(self.root, tag):
-            return None
+            # A rollback past the best moved it (and its pointer) to abandoned/: the best is then the
+            # live branch's, else the first lower score of the new branch became "best".
+            return self._best_of_live_branch(step)
         metric = self.best_metric or checkpoint.read_marker(os.path.join(self.root, tag)).get('best_metric')
         best_step = int(checkpoint.TAG_RE.match(tag).group(1))
         path = os.path.join(self.work_dir, 'eval.jsonl')
@@ -280,6 +282,31 @@ class Checkpointer:
                 if row.get('step') == best_step and row.get(metric) is not None:
                     return float(row[metric]), best_step
         return None
+
+    def _best_of_live_branch(self, step):
+        """(score, step) of the best train.save_best score in eval.jsonl at or before ``step`` whose
+        step has a complete checkpoint (the first of equal scores, as an uninterrupted run keeps
+        it), with ``checkpoints/best`` pointed at it; None where there is none."""
+        path = os.path.join(self.work_dir, 'eval.jsonl')
+        if not self.best_metric or not os.path.isfile(path):
+            return None
+        best = None
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:  # a line cut short by a full disk
+                    continue
+                score, at = row.get(self.best_metric), row.get('step')
+                if (isinstance(score, (int, float)) and isinstance(at, int) and at <= step
+                        and (best is None or score > best[0])
+                        and checkpoint.is_complete(self.root, checkpoint.tag_for(at))):
+                    best = (float(score), at)
+        if best is not None:
+            checkpoint.write_pointer(self.root, 'best', checkpoint.tag_for(best[1]))
+            self.report(f'checkpoints/best: step {best[1]} ({self.best_metric} {best[0]:.4f}), the best of the '
+                        'steps resumed from (the earlier best went with the abandoned branch)')
+        return best
 
     def _load(self, root, tag):
         try:

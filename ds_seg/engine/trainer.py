@@ -201,6 +201,10 @@ class Trainer:
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
         for note in (*spec.notes, *unused_settings(cfg)):
             self.print(note)
+        if not cfg.train.checkpoint_interval:  # a completed run kept no weights, and said nothing
+            self.print('train.checkpoint_interval=0: no checkpoint is written unless a signal stops the run '
+                       '(SIGUSR1, SIGTERM, Ctrl-C): the trained weights are not kept at its end; give an interval '
+                       '(the max_steps keeps the last step) to keep them')
         # Which checkpoint a resume continues, and so whether load_from is read: before the data
         # (a missing load_from is refused before the datasets are scanned).
         found = checkpoint.resolve_resume(resume, self.work_dir, report=report)

@@ -152,6 +152,17 @@ def test_a_yaml_config_never_runs_what_its_tags_name(tmp_path, base):
     assert load_config(str(tmp_path / 'plain.yaml')).train.seed == 7
 
 
+def test_a_relative_mlflow_store_is_made_absolute_once_as_data_paths_are(tmp_path, monkeypatch):
+    """log.mlflow_tracking_uri=myruns followed the folder the command ran in: a resume started from
+    another folder opened a second store and split the run's history."""
+    monkeypatch.chdir(tmp_path)
+    for given, want in (('myruns', str(tmp_path / 'myruns')), ('~/mlruns', os.path.expanduser('~/mlruns')),
+                        ('file:///abs/mlruns', 'file:///abs/mlruns'), ('http://127.0.0.1:5000', 'http://127.0.0.1:5000'),
+                        ('databricks', 'databricks')):
+        cfg = load_config(None, [f'log.mlflow_tracking_uri={given}'])
+        assert cfg.log.mlflow_tracking_uri == want, given
+
+
 def test_a_yaml_number_without_a_dot_is_a_number_as_in_json_and_python(tmp_path):
     """YAML 1.1 reads 9e-1 and 1e-4 as text (its floats need a dot): refused as "got '9e-1'", or a
     string where a number was meant. Quoted, it stays text."""

@@ -11,11 +11,11 @@ from ds_seg.engine.trainer import Trainer
 from tests.tiny import ds_config, tiny_cfg
 
 
-def _run(tmp, max_steps, scores, resume=None, save_best='mIoU'):
+def _run(tmp, max_steps, scores, resume=None, save_best='mIoU', checkpoint_interval=4, keep=1):
     """A real run of the tiny config (DDP, one process) whose evaluations score ``scores[step]``:
     the scores decide which checkpoint is best, so they are set, not left to a few steps of SGD."""
-    cfg = tiny_cfg(tmp / 'cache', max_steps=max_steps, eval_interval=2, checkpoint_interval=4,
-                   keep_checkpoints=1, save_best=save_best)
+    cfg = tiny_cfg(tmp / 'cache', max_steps=max_steps, eval_interval=2, checkpoint_interval=checkpoint_interval,
+                   keep_checkpoints=keep, save_best=save_best)
     trainer = Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp / 'work'), resume=resume)
     trainer.evaluate = lambda: trainer.metrics.log_eval(
         trainer.step, dict(mIoU=scores[trainer.step], OA=0.5, mF1=0.5, per_class={}))
@@ -55,6 +55,21 @@ def test_the_best_checkpoint_outlives_keep_checkpoints_and_a_resume(tmp_path):
     assert _checkpoints(tmp_path) == (['step_00000010', 'step_00000014'], 'step_00000010')
     assert summary['best'] == dict(metric='mIoU', value=0.6, step=10,
                                    checkpoint=str(tmp_path / 'work' / 'checkpoints' / 'step_00000010'))
+
+
+def test_a_rollback_past_the_best_keeps_the_best_of_the_live_branch(tmp_path, capsys):
+    """The best (step 6) went to abandoned/ with the branch after step 4; the retrained step 6
+    (0.4) was then announced as the best, though step 4 (0.5) is on the live branch."""
+    _run(tmp_path, 6, {2: 0.5, 4: 0.5, 6: 0.6}, checkpoint_interval=2, keep=0)
+    assert _checkpoints(tmp_path)[1] == 'step_00000006'
+    step4 = str(tmp_path / 'work' / 'checkpoints' / 'step_00000004')
+    summary = _run(tmp_path, 6, {6: 0.4}, resume=step4, checkpoint_interval=2, keep=0)
+    # the first of equal scores, as an uninterrupted run keeps it
+    assert _checkpoints(tmp_path) == (['step_00000002', 'step_00000004', 'step_00000006'], 'step_00000002')
+    assert (summary['best']['value'], summary['best']['step']) == (0.5, 2)
+    assert 'checkpoints/best: step 2 (mIoU 0.5000), the best of the steps resumed from' in capsys.readouterr().out
+    summary = _run(tmp_path, 8, {8: 0.7}, resume='auto', checkpoint_interval=2, keep=0)
+    assert (summary['best']['value'], summary['best']['step']) == (0.7, 8)
 
 
 def test_a_resume_keeping_the_best_by_another_metric_is_refused_where_pruning_would_delete_it(tmp_path):
@@ -115,3 +130,16 @@ def test_a_resume_with_another_model_setting_of_the_same_shapes_says_so(tmp_path
     out = capsys.readouterr()
     said = [line for line in (out.out + out.err).splitlines() if 'another model config' in line]
     assert len(said) == 1 and 'model.activation_checkpointing (default) there, True here' in said[0], out
+
+
+def test_a_run_that_keeps_no_checkpoint_says_so_at_its_start(tmp_path, capsys):
+    """train.checkpoint_interval=0: the run completed with no weights kept, and nothing said it."""
+    cfg = tiny_cfg(tmp_path / 'cache', max_steps=1, eval_interval=0, checkpoint_interval=0)
+    trainer = Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp_path / 'work'))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    out = capsys.readouterr().out
+    assert 'train.checkpoint_interval=0: no checkpoint is written unless a signal stops the run' in out, out
+    assert not os.path.exists(tmp_path / 'work' / 'checkpoints')
