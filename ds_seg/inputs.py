@@ -543,6 +543,11 @@ def check_window_options(tile, overlap, batch_size, block=None, tile_said=None):
 def check_checkpoint_option(path, option='--checkpoint'):
     """Name the usual mix-ups (a raster, a missing path) before anything is unpickled."""
     if not os.path.exists(path):
+        folder, name = os.path.split(os.path.normpath(path))
+        if name == 'best' and os.path.isdir(folder):  # said as export.py says it
+            raise ConfigError(f"{option}: {path} does not exist: checkpoints/best is written only by runs with "
+                              "train.save_best (e.g. train.save_best='mIoU'); give a step_* folder, the checkpoints "
+                              "folder or the work dir instead.")
         raise ConfigError(f'{option}: {path} does not exist (give a weights file from launch/export.py, a step_* '
                           'folder, a checkpoints folder or a work dir).')
     if os.path.isfile(path) and looks_like_tiff(path):

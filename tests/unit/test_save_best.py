@@ -111,6 +111,11 @@ def test_exporting_a_best_checkpoint_a_run_never_wrote_says_why(tmp_path):
     (tmp_path / 'checkpoints').mkdir()
     with _pytest.raises(FileNotFoundError, match='checkpoints/best is written only by runs with train.save_best'):
         checkpoint.find_checkpoint(str(tmp_path / 'checkpoints' / 'best'))
+    # predict.py and evaluate.py say it alike (they said only "does not exist")
+    from ds_seg.inputs import check_checkpoint_option
+    with _pytest.raises(ConfigError, match=r"--checkpoint: .*best does not exist: checkpoints/best is written only by "
+                                           r"runs with train.save_best"):
+        check_checkpoint_option(str(tmp_path / 'checkpoints' / 'best'))
 
 
 def test_a_resume_with_another_model_setting_of_the_same_shapes_says_so(tmp_path, capsys):
