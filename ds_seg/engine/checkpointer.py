@@ -269,39 +269,39 @@ class Checkpointer:
             return self._best_of_live_branch(step)
         metric = self.best_metric or checkpoint.read_marker(os.path.join(self.root, tag)).get('best_metric')
         best_step = int(checkpoint.TAG_RE.match(tag).group(1))
-        path = os.path.join(self.work_dir, 'eval.jsonl')
-        if metric is None or best_step > step or not os.path.isfile(path):
+        if metric is None or best_step > step or not os.path.isfile(os.path.join(self.work_dir, 'eval.jsonl')):
             return None
         self.kept_best_metric = metric
+        for row in self._eval_rows():
+            if row.get('step') == best_step and row.get(metric) is not None:
+                return float(row[metric]), best_step
+        return None
+
+    def _eval_rows(self):
+        """The rows of the work dir's eval.jsonl, in order (none where it is missing)."""
+        path = os.path.join(self.work_dir, 'eval.jsonl')
+        if not os.path.isfile(path):
+            return
         with open(path) as f:
             for line in f:
                 try:
-                    row = json.loads(line)
+                    yield json.loads(line)
                 except ValueError:  # a line cut short by a full disk
                     continue
-                if row.get('step') == best_step and row.get(metric) is not None:
-                    return float(row[metric]), best_step
-        return None
 
     def _best_of_live_branch(self, step):
         """(score, step) of the best train.save_best score in eval.jsonl at or before ``step`` whose
         step has a complete checkpoint (the first of equal scores, as an uninterrupted run keeps
         it), with ``checkpoints/best`` pointed at it; None where there is none."""
-        path = os.path.join(self.work_dir, 'eval.jsonl')
-        if not self.best_metric or not os.path.isfile(path):
+        if not self.best_metric:
             return None
         best = None
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:  # a line cut short by a full disk
-                    continue
-                score, at = row.get(self.best_metric), row.get('step')
-                if (isinstance(score, (int, float)) and isinstance(at, int) and at <= step
-                        and (best is None or score > best[0])
-                        and checkpoint.is_complete(self.root, checkpoint.tag_for(at))):
-                    best = (float(score), at)
+        for row in self._eval_rows():
+            score, at = row.get(self.best_metric), row.get('step')
+            if (isinstance(score, (int, float)) and isinstance(at, int) and at <= step
+                    and (best is None or score > best[0])
+                    and checkpoint.is_complete(self.root, checkpoint.tag_for(at))):
+                best = (float(score), at)
         if best is not None:
             checkpoint.write_pointer(self.root, 'best', checkpoint.tag_for(best[1]))
             self.report(f'checkpoints/best: step {best[1]} ({self.best_metric} {best[0]:.4f}), the best of the '
