@@ -203,7 +203,7 @@ class Trainer:
             self.print(note)
         if not cfg.train.checkpoint_interval:  # a completed run kept no weights, and said nothing
             self.print('train.checkpoint_interval=0: no checkpoint is written unless a signal stops the run '
-                       '(SIGUSR1, SIGTERM, Ctrl-C): the trained weights are not kept at its end; give an interval '
+                       '(SIGUSR1, SIGTERM, SIGINT): the trained weights are not kept at its end; give an interval '
                        '(the max_steps keeps the last step) to keep them')
         # Which checkpoint a resume continues, and so whether load_from is read: before the data
         # (a missing load_from is refused before the datasets are scanned).
