@@ -368,6 +368,20 @@ def refuse_inside_checkpoints(path, option):
                           + ('.' if option == '--work-dir' else f", e.g. {os.path.join(run, 'exports')}"))
 
 
+def broken_link_words(path):
+    """Why the symbolic link ``path`` leads nowhere, as the end of a refusal: to nothing, or
+    round a loop (``ln -s x x`` was said to point at something "purged, or not mounted")."""
+    import errno
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return (f'{path} is a symbolic link that leads round a loop back to itself ({path} -> '
+                    f'{os.readlink(path)}); remove the link, or point it at a folder.')
+    return (f'{path} is a symbolic link to {os.readlink(path)}, which does not exist (purged, or not mounted '
+            'here); mount or create it, or remove the link.')
+
+
 def check_writable(folder, option='--output', create=False):
     """Refuse, before any work, a folder this process cannot write into (a read-only mount, a
     path under a file, /proc): a probe file (or, for a folder still to be made, a probe folder
@@ -376,8 +390,7 @@ def check_writable(folder, option='--output', create=False):
     parents) is made first, as a training run's work dir is."""
     import tempfile
     if os.path.islink(folder) and not os.path.exists(folder):
-        raise ConfigError(f'{option}: {folder} is a symbolic link to {os.readlink(folder)}, which does not exist '
-                          '(purged, or not mounted here); mount or create it, or remove the link.')
+        raise ConfigError(f'{option}: {broken_link_words(folder)}')
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise ConfigError(f'{option}: {folder} is a file, not a folder; give a folder (a new one is created).')
     where = folder if os.path.isdir(folder) else os.path.dirname(os.path.abspath(folder))

@@ -219,13 +219,12 @@ def check_work_dir_entries(work_dir):
     each cost ``checkpoint_interval`` steps of training, on every requeue of the job); and a
     ``previous`` that is a file."""
     from ..config import ConfigError
-    from ..inputs import check_writable, refuse_inside_checkpoints
+    from ..inputs import broken_link_words, check_writable, refuse_inside_checkpoints
     # That run's pruning (train.keep_checkpoints) deleted the step folder this run lived in.
     refuse_inside_checkpoints(work_dir, '--work-dir')
     root = os.path.join(work_dir, 'checkpoints')
     if os.path.islink(root) and not os.path.exists(root):
-        raise ConfigError(f'--work-dir: {root} is a symbolic link to {os.readlink(root)}, which does not exist '
-                          '(purged, or not mounted here); mount or create it, or remove the link.')
+        raise ConfigError(f'--work-dir: {broken_link_words(root)}')
     if os.path.lexists(root) and not os.path.isdir(root):
         raise ConfigError(f'--work-dir: {root} is a file, not the folder checkpoints are written into; move it '
                           'away, or choose another --work-dir.')

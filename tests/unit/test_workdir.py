@@ -408,3 +408,17 @@ def test_a_step_folder_whose_marker_is_of_another_step_does_not_pass(tmp_path):
     assert checkpoint.newest_verified(str(root)) == ('step_00000002', [('step_00000006', reason.format(4)),
                                                                        ('step_00000004', reason.format(6))])
     assert checkpoint.complete_tags(str(root)) == ['step_00000002']
+
+
+def test_a_work_dir_link_round_a_loop_is_said_as_a_loop(tmp_path):
+    """`ln -s x x` was said to point at something 'purged, or not mounted here'."""
+    from ds_seg.config import ConfigError
+    from ds_seg.inputs import check_writable
+    loop = tmp_path / 'x'
+    os.symlink(loop, loop)
+    with pytest.raises(ConfigError, match=r"--work-dir: .*x is a symbolic link that leads round a loop back to itself"):
+        check_writable(str(loop), '--work-dir', create=True)
+    dangling = tmp_path / 'y'
+    os.symlink(tmp_path / 'purged', dangling)
+    with pytest.raises(ConfigError, match=r"y is a symbolic link to .*purged, which does not exist \(purged, or not"):
+        check_writable(str(dangling), '--work-dir', create=True)
