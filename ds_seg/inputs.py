@@ -558,9 +558,8 @@ def check_checkpoint_option(path, option='--checkpoint'):
     if not os.path.exists(path):
         folder, name = os.path.split(os.path.normpath(path))
         if name == 'best' and os.path.isdir(folder):  # said as export.py says it
-            raise ConfigError(f"{option}: {path} does not exist: checkpoints/best is written only by runs with "
-                              "train.save_best (e.g. train.save_best='mIoU'); give a step_* folder, the checkpoints "
-                              "folder or the work dir instead.")
+            from .engine.checkpoint import BEST_NEVER_WRITTEN
+            raise ConfigError(f"{option}: {path} {BEST_NEVER_WRITTEN}")
         raise ConfigError(f'{option}: {path} does not exist (give a weights file from launch/export.py, a step_* '
                           'folder, a checkpoints folder or a work dir).')
     if os.path.isfile(path) and looks_like_tiff(path):

@@ -50,8 +50,8 @@ def vector_driver(path):
 
 def exclude_ids(exclude, classes, option='exclude'):
     """Class ids of ``exclude`` (names or ids, ``'3'`` as 3); unknown names and ids out of
-    ``classes`` are refused, so a misspelt class never silently stays in the output. A digit that
-    is both a class's name and another class's id is refused as ambiguous.
+    ``classes`` are refused, so a misspelt class never silently stays in the output. A class name
+    is read as that name, digits included (classes named by codes); other digits are ids.
 
     Example::
 
@@ -59,14 +59,9 @@ def exclude_ids(exclude, classes, option='exclude'):
     """
     ids = []
     for e in exclude or ():
-        if isinstance(e, str) and e in classes and e.strip().isdigit():
-            # Classes named by codes ('2', '1', '0'): evaluate read '0' as the name, predict as the
-            # id, two different classes for one command line.
-            i = int(e)
-            if 0 <= i < len(classes) and classes[i] != e:
-                raise ValueError(f"{option}: {e!r} is the name of class {classes.index(e)} and the id of class {i} "
-                                 f"({classes[i]!r}); give the other name of the one meant: {classes[i]!r} for "
-                                 f"id {i}, or the id {classes.index(e)} for the class named {e!r}")
+        if isinstance(e, str) and e in classes:
+            # A name first, digits too: classes named by codes ('2', '1', '0') are excluded by their
+            # names (evaluate read '0' as the name, predict as the id: two classes for one option).
             ids.append(classes.index(e))
         elif isinstance(e, str) and not e.strip().isdigit():
             if e not in classes:

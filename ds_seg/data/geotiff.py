@@ -554,7 +554,7 @@ def _whole_number(name, value, low):
     return int(value)
 
 
-def _same_value(value, default):
+def _equals_default(value, default):
     """``value`` equals ``default`` (a list given for a tuple default, (0.5, 2.0) for [0.5, 2.0])."""
     if isinstance(value, (list, tuple)) and isinstance(default, (list, tuple)):
         return list(value) == list(default)
@@ -1596,7 +1596,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 'boundary_ignore', 'transforms', 'augment', 'sampling', 'rare_class_temperature')]
         for key, what in needs:
             value = given[key]
-            if value is not None and not _same_value(value, defaults[key]):
+            if value is not None and not _equals_default(value, defaults[key]):
                 self.notes = [*getattr(self, 'notes', ()), f"{key}={value!r} is not used: it takes effect only "
                               f"with {what}"]
 

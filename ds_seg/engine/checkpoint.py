@@ -350,6 +350,10 @@ def _describe_write_failure(path, exc):
     return f'writing {path} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ""}'
 
 
+BEST_NEVER_WRITTEN = ("does not exist: checkpoints/best is written only by runs with train.save_best (e.g. "
+                      "train.save_best='mIoU'); give a step_* folder, the checkpoints folder or the work dir instead.")
+
+
 def write_pointer(root, name, tag):
     """``root/name`` (``latest`` or ``best``) now holds ``tag``, atomically."""
     tmp = os.path.join(root, f'.{name}.tmp')
@@ -435,9 +439,7 @@ def find_checkpoint(path, report=None):
                                 "folder or a work dir; weights files go to load_from= or predict/evaluate).")
     if not os.path.isdir(path):
         if os.path.basename(os.path.normpath(path)) == 'best' and os.path.isdir(os.path.dirname(os.path.normpath(path))):
-            raise FileNotFoundError(f"{path}: does not exist: checkpoints/best is written only by runs with "
-                                    "train.save_best (e.g. train.save_best='mIoU'); give a step_* folder, the "
-                                    "checkpoints folder or the work dir instead.")
+            raise FileNotFoundError(f"{path}: {BEST_NEVER_WRITTEN}")
         raise FileNotFoundError(f"{path}: does not exist (give a step_* folder, a checkpoints folder or a work dir).")
     skipped_all = []
     for root in (path, os.path.join(path, 'checkpoints')):

@@ -264,8 +264,9 @@ class Checkpointer:
         save_best still reports the kept best, by the metric its marker records."""
         tag = checkpoint.read_pointer(self.root, 'best')
         if tag is None or not checkpoint.is_complete(self.root, tag):
-            # A rollback past the best moved it (and its pointer) to abandoned/: the best is then the
-            # live branch's, else the first lower score of the new branch became "best".
+            # A rollback past the best moved it (and its pointer) to abandoned/, or the run kept none
+            # (save_best given on resume): the best is the live branch's checkpointed evaluations',
+            # else the first lower score of the new branch became "best".
             return self._best_of_live_branch(step)
         metric = self.best_metric or checkpoint.read_marker(os.path.join(self.root, tag)).get('best_metric')
         best_step = int(checkpoint.TAG_RE.match(tag).group(1))
@@ -304,8 +305,8 @@ class Checkpointer:
                 best = (float(score), at)
         if best is not None:
             checkpoint.write_pointer(self.root, 'best', checkpoint.tag_for(best[1]))
-            self.report(f'checkpoints/best: step {best[1]} ({self.best_metric} {best[0]:.4f}), the best of the '
-                        'steps resumed from (the earlier best went with the abandoned branch)')
+            self.report(f'checkpoints/best: step {best[1]} ({self.best_metric} {best[0]:.4f}), the best checkpointed '
+                        'evaluation of the steps resumed from')
         return best
 
     def _load(self, root, tag):

@@ -1578,11 +1578,9 @@ def test_evaluate_refuses_a_missing_checkpoint_before_saying_which_scenes_it_wou
 
 def test_a_digit_names_one_class_for_evaluate_and_predict_alike():
     """Classes named by codes: evaluate --exclude 0 left out the class named '0', predict
-    --exclude-classes 0 the class of id 0. One rule: a name first, a digit that is also another
-    class's id refused."""
+    --exclude-classes 0 the class of id 0. One rule for both: a name first, digits included."""
     from ds_seg.vectorize import exclude_ids
     assert exclude_ids(['background', '3'], ['background', 'building', 'road', 'tree']) == [0, 3]
     assert exclude_ids(['7'], ['a', '7', 'b']) == [1]          # a name only (no class 7)
-    assert exclude_ids(['1'], ['0', '1', '2']) == [1]          # name and id agree
-    with pytest.raises(ValueError, match=r"--exclude: '0' is the name of class 2 and the id of class 0 \('2'\)"):
-        exclude_ids(['0'], ['2', '1', '0'], option='--exclude')
+    assert exclude_ids(['0'], ['2', '1', '0']) == [2]          # the class named '0', not id 0
+    assert exclude_ids(['2', 'b'], ['a', 'b', 'c']) == [2, 1]  # no class named '2': the id

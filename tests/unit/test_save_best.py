@@ -67,7 +67,7 @@ def test_a_rollback_past_the_best_keeps_the_best_of_the_live_branch(tmp_path, ca
     # the first of equal scores, as an uninterrupted run keeps it
     assert _checkpoints(tmp_path) == (['step_00000002', 'step_00000004', 'step_00000006'], 'step_00000002')
     assert (summary['best']['value'], summary['best']['step']) == (0.5, 2)
-    assert 'checkpoints/best: step 2 (mIoU 0.5000), the best of the steps resumed from' in capsys.readouterr().out
+    assert 'checkpoints/best: step 2 (mIoU 0.5000), the best checkpointed evaluation of the steps resumed from' in capsys.readouterr().out
     summary = _run(tmp_path, 8, {8: 0.7}, resume='auto', checkpoint_interval=2, keep=0)
     assert (summary['best']['value'], summary['best']['step']) == (0.7, 8)
 
@@ -148,3 +148,12 @@ def test_a_run_that_keeps_no_checkpoint_says_so_at_its_start(tmp_path, capsys):
     out = capsys.readouterr().out
     assert 'train.checkpoint_interval=0: no checkpoint is written unless a signal stops the run' in out, out
     assert not os.path.exists(tmp_path / 'work' / 'checkpoints')
+
+
+def test_save_best_given_on_resume_starts_from_the_best_checkpointed_evaluation(tmp_path):
+    """The variant without a rollback: a run that kept no best, resumed with save_best, took its
+    first new evaluation as the best, whatever the earlier checkpointed ones scored."""
+    _run(tmp_path, 4, {2: 0.2, 4: 0.5}, save_best=None, checkpoint_interval=2, keep=0)
+    summary = _run(tmp_path, 6, {6: 0.3}, resume='auto', checkpoint_interval=2, keep=0)
+    assert (summary['best']['value'], summary['best']['step']) == (0.5, 4)
+    assert _checkpoints(tmp_path)[1] == 'step_00000004'
