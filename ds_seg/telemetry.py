@@ -186,6 +186,18 @@ def _named_on_failure(path):
         raise
 
 
+TRACKER_TITLES = {'mlflow': 'MLflow', 'wandb': 'W&B'}
+
+
+def _recorded_tracker_runs(work_dir):
+    try:
+        with open(os.path.join(work_dir, RunLog.TRACKER_RUNS)) as f:
+            runs = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return runs if isinstance(runs, dict) else {}
+
+
 class RunLog:
     """Rank 0's writer for metrics.jsonl, eval.jsonl and tb/ (other ranks get a no-op)."""
 
@@ -196,6 +208,7 @@ class RunLog:
         self.purge_step = None    # set by a resume: TensorBoard hides what the crashed run logged from there
         self.tensorboard = True   # log.trackers without 'tensorboard' turns it off
         self.trackers = []        # MLflow / W&B (ds_seg.trackers): the same scalars, config, summary
+        self.forked_from = {}     # tracker runs a copied work dir's original logs to (not continued)
         if enabled:
             os.makedirs(work_dir, exist_ok=True)
 
@@ -266,21 +279,47 @@ class RunLog:
         return isinstance(steps, int) and steps <= step
 
     TRACKER_RUNS = 'trackers.json'  # the MLflow/W&B runs this work dir's steps are logged to
+    RECORDED_BY = 'work_dir'          # ... and, in it, the work dir that wrote it (a copy keeps the original's)
 
     def tracker_runs(self):
         """What ``trackers.json`` recorded ({tracker: ids}), {} when there is none or it is unreadable."""
+        return _recorded_tracker_runs(self.work_dir)
+
+    def tracker_runs_to_continue(self, names):
+        """``(runs, note)``: the tracker runs a resume logs on to, and a line when some are not. A
+        copied work dir (``cp -a``, a forked experiment) whose original is still there, recording
+        the same runs, is a fork: both would log their steps into one MLflow/W&B run, interleaved.
+        Its steps start runs of their own; a moved, symlinked or otherwise mounted one logs on.
+        ``names``: the trackers this pass starts (only those are said)."""
+        runs = self.tracker_runs()
+        original = runs.get(self.RECORDED_BY)
+        if not isinstance(original, str) or not os.path.isdir(original):
+            return runs, None
         try:
-            with open(os.path.join(self.work_dir, self.TRACKER_RUNS)) as f:
-                runs = json.load(f)
-        except (OSError, ValueError):
-            return {}
-        return runs if isinstance(runs, dict) else {}
+            if os.path.samefile(original, self.work_dir):
+                return runs, None
+        except OSError:
+            return runs, None
+        from .trackers import run_is_inside_work_dir
+        theirs = _recorded_tracker_runs(original)
+        shared = [name for name, ids in runs.items() if name != self.RECORDED_BY and theirs.get(name) == ids
+                  and not run_is_inside_work_dir(name, ids)]   # (the copy holds a copy of that one)
+        # Forgotten also for a tracker this pass does not start, so a later pass with it does not log on.
+        self.forked_from = {name: runs.pop(name) for name in shared}
+        said = '/'.join(TRACKER_TITLES.get(name, name) for name in shared if name in names)
+        if not said:
+            return runs, None
+        return runs, (f"{said}: this work dir is a copy of {original}, which logs to the same {said} run; the "
+                      "copy's resumed steps start a run of their own (the original's go on in its own)")
 
     def record_tracker_runs(self):
         """Add this run's tracker runs to ``trackers.json``, keeping those of trackers a pass did
-        not start (a resume without W&B, then one with it again, goes on in the same W&B run)."""
+        not start (a resume without W&B, then one with it again, goes on in the same W&B run),
+        and the work dir that wrote it (see :meth:`tracker_runs_to_continue`)."""
         if self.trackers:
-            runs = dict(self.tracker_runs(), **{tracker.NAME: tracker.ids() for tracker in self.trackers})
+            kept = {name: ids for name, ids in self.tracker_runs().items() if name not in self.forked_from}
+            runs = dict(kept, **{tracker.NAME: tracker.ids() for tracker in self.trackers})
+            runs[self.RECORDED_BY] = os.path.abspath(self.work_dir)
             self.write_json(self.TRACKER_RUNS, runs)
 
     def keep_replaced(self, files):

@@ -233,6 +233,13 @@ def check_trackers(log_cfg):
     return names
 
 
+def run_is_inside_work_dir(name, ids):
+    """Whether the tracker run ``trackers.json`` records as ``ids`` is kept in the work dir itself
+    (MLflow's default store, ``<work dir>/mlruns``): a copied work dir holds a copy of it, to log
+    on to; a configured store or server, and W&B, keep one run that a copy would share."""
+    return name == 'mlflow' and isinstance(ids, dict) and not ids.get('tracking_uri')
+
+
 def build_trackers(log_cfg, work_dir, run_name, earlier=None):
     """The non-TensorBoard trackers ``log.trackers`` asks for, started (rank 0 only). ``earlier``:
     what a resumed run's ``trackers.json`` recorded ({name: ids}), to log on to those runs.

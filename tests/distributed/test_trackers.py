@@ -294,7 +294,9 @@ def test_trackers_json_keeps_runs_of_a_pass_without_them_and_follows_a_moved_wor
     shutil.rmtree(first)
     first.write_text('a file where the work dir was')
     log = RunLog(str(moved), enabled=True)
-    log.trackers = build_trackers(dict(trackers=['mlflow']), str(moved), 'run', earlier=log.tracker_runs())
+    earlier, note = log.tracker_runs_to_continue(['mlflow'])   # moved, not copied: logs on
+    assert note is None and earlier == log.tracker_runs()
+    log.trackers = build_trackers(dict(trackers=['mlflow']), str(moved), 'run', earlier=earlier)
     assert log.trackers[0].run.info.run_id == ids[0]['mlflow']['run_id'] and log.trackers[0].resumed
     # The artifacts of the resumed run go to the moved store: MLflow's file store had recorded the
     # old absolute place (a NotADirectoryError here, a folder re-created there where it could be).
@@ -303,6 +305,50 @@ def test_trackers_json_keeps_runs_of_a_pass_without_them_and_follows_a_moved_wor
     assert first.read_text() == 'a file where the work dir was'
     written = glob.glob(str(moved / 'mlruns' / '*' / ids[0]['mlflow']['run_id'] / 'artifacts' / 'summary.json'))
     assert len(written) == 1 and json.load(open(written[0]))['steps'] == 7
+
+
+def _one_pass(work, names, uri=None):
+    """One pass's tracker start as the trainer's resume makes it: (run ids by tracker, the line said)."""
+    from ds_seg.telemetry import RunLog
+    from ds_seg.trackers import build_trackers
+    log = RunLog(str(work), enabled=True)
+    earlier, note = log.tracker_runs_to_continue(names)
+    log.trackers = build_trackers(dict(trackers=names, mlflow_tracking_uri=uri), str(work), 'run', earlier=earlier)
+    log.record_tracker_runs()
+    ids = {t.NAME: t.ids().get('run_id') or t.ids().get('id') for t in log.trackers}
+    log.close('preempted')
+    return ids, note
+
+
+def test_a_copied_work_dir_logs_to_runs_of_its_own_where_the_original_logs_to_a_shared_one(tmp_path, monkeypatch):
+    """cp -a of a work dir (a forked experiment) whose MLflow store is a configured one, and W&B:
+    both the copy's and the original's resumed steps went into the same runs, interleaved. The copy
+    starts its own (said once), then logs on to those; the original logs on to its own. A copy of
+    a default store (inside the work dir) holds a copy of the run and logs on to it."""
+    import shutil
+    monkeypatch.setenv('WANDB_MODE', 'offline')
+    monkeypatch.setenv('WANDB_SILENT', 'true')
+    shared = 'file://' + str(tmp_path / 'store')
+    original, copy = tmp_path / 'a', tmp_path / 'b'
+    first, note = _one_pass(original, ['mlflow', 'wandb'], shared)
+    assert note is None
+    shutil.copytree(original, copy, symlinks=True)
+    forked, note = _one_pass(copy, ['mlflow', 'wandb'], shared)
+    assert forked['mlflow'] != first['mlflow'] and forked['wandb'] != first['wandb']
+    assert note == (f'MLflow/W&B: this work dir is a copy of {original}, which logs to the same MLflow/W&B run; '
+                    "the copy's resumed steps start a run of their own (the original's go on in its own)")
+    assert _one_pass(original, ['mlflow', 'wandb'], shared) == (first, None)
+    assert _one_pass(copy, ['mlflow', 'wandb'], shared) == (forked, None)
+    # A pass without W&B forgets the shared W&B run too: a later one with it does not log on to the original's.
+    other = tmp_path / 'c'
+    shutil.copytree(original, other, symlinks=True)
+    assert _one_pass(other, ['mlflow'], shared)[1].startswith(f'MLflow: this work dir is a copy of {original}')
+    assert _one_pass(other, ['mlflow', 'wandb'], shared)[0]['wandb'] != first['wandb']
+    # The default store is copied with the work dir: the copy logs on to its copy of the run.
+    own, default = tmp_path / 'own', tmp_path / 'own copy'
+    ids, _ = _one_pass(own, ['mlflow'])
+    shutil.copytree(own, default, symlinks=True)
+    assert _one_pass(default, ['mlflow']) == (ids, None)
 
 
 def _refused_rollback(tmp):
