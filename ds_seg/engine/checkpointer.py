@@ -182,19 +182,28 @@ class Checkpointer:
         return {name: list(getattr(p, 'ds_shape', p.shape)) for name, p in self.backend.module.named_parameters()}
 
     # -- resuming --------------------------------------------------------------------------
-    def check_resume(self, resume, found):
+    def check_resume(self, resume, found, work_dir_by_default=False):
         """Refuse, before anything is loaded or logged (the trainer calls it before it starts the
         trackers: a refused run added a FAILED MLflow run, or marked the finished one KILLED), a
-        resume this run cannot make. Arguments as :meth:`restore`'s."""
+        resume this run cannot make. Arguments as :meth:`restore`'s; ``work_dir_by_default``: the
+        work dir is the config's default, not one the user named."""
+        held = os.listdir(self.root) if os.path.isdir(self.root) else ()
+        holds_checkpoints = any(checkpoint.TAG_RE.match(n) for n in held)  # verified or not: never written over
         if found is None and resume != 'auto':
-            held = os.listdir(self.root) if os.path.isdir(self.root) else ()
-            if any(checkpoint.TAG_RE.match(n) for n in held):  # verified or not: never written over
+            if holds_checkpoints:
                 raise ConfigError(f"--work-dir: {self.work_dir} already holds checkpoints of an earlier run; "
                                   "add --resume auto to continue it, or choose another --work-dir.")
             return
         root, tag = found or (self.root, None)
         if not tag:
             return
+        if work_dir_by_default and holds_checkpoints and not checkpoint.is_own(self.work_dir, root):
+            # Continuing another run's checkpoint sets this work dir's own run aside (restore): as a
+            # fresh run there is refused, so is a fork into it that nobody asked for by name.
+            raise ConfigError(f"--resume: {os.path.join(root, tag)} is another run's checkpoint, and the default "
+                              f"work dir {self.work_dir} holds checkpoints of an earlier run of its own; give "
+                              "--work-dir: a new folder to continue that checkpoint in, or this one to set its "
+                              "checkpoints aside (moved to abandoned/, nothing deleted).")
         # Before loading (which says "resumed from"): it would "complete" at once, logging a run
         # that went backwards.
         saved_step = int(checkpoint.read_marker(os.path.join(root, tag)).get('step', 0))

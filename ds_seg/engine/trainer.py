@@ -146,6 +146,7 @@ class Trainer:
                                  channels_last=channels_last_for(cfg.model.type, cfg.train.get('channels_last')))
         self.rank, self.world_size, self.device = self.spec.rank, self.spec.world_size, self.spec.device
         self.work_dir = work_dir or default_work_dir(cfg)
+        self.work_dir_by_default = not work_dir and not cfg.get('work_dir')
         self.exit_reason = 'running'
         self._state_memory_step = 1  # the step whose backward measures state memory (fit() sets it)
         self.error = None             # the one-line reason when the run stopped on an error
@@ -252,7 +253,7 @@ class Trainer:
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
         self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)
         self.checkpointer.t_start = t_start
-        self.checkpointer.check_resume(resume, found)
+        self.checkpointer.check_resume(resume, found, work_dir_by_default=self.work_dir_by_default)
         # After the config, data, model and resume checks (a refused run leaves no MLflow/W&B run
         # behind, and an earlier run's status as it was), before the resume moves anything aside
         # (a tracker that cannot start refuses the run, and a refused run leaves the work dir as it
@@ -876,9 +877,12 @@ class Trainer:
         if distributed.is_main():
             self.log.close_trackers('refused')  # those of an earlier call (see _setup)
             try:
+                earlier, note = self.log.tracker_runs_to_continue(names) if resumed else (None, None)
+                if note:
+                    self.print(note)
                 self.log.trackers = build_trackers(log_cfg, self.work_dir,
                                                    os.path.basename(os.path.abspath(self.work_dir)),
-                                                   earlier=self.log.tracker_runs() if resumed else None)
+                                                   earlier=earlier)
                 for tracker in self.log.trackers:
                     if tracker.note:
                         self.print(tracker.note)

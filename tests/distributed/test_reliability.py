@@ -60,6 +60,12 @@ def _run_main(name, argv):
     return code, err.getvalue().strip().splitlines(), out.getvalue()
 
 
+def _run_main_in(folder, name, argv):
+    """:func:`_run_main` from ``folder`` (where the default work dir, work_dirs/<config>, is)."""
+    os.chdir(folder)
+    return _run_main(name, argv)
+
+
 def _snapshot(folder):
     """Every file under ``folder`` with its content hash: equal snapshots = nothing changed."""
     snap = {}
@@ -384,6 +390,20 @@ def test_resuming_another_runs_checkpoint_sets_this_work_dirs_own_lineage_aside(
     assert run_on_ranks(_run_main, 1, args=('train', argv), timeout=300)[0][0] == 0
     argv = _train_argv(tmp, work, 'train.max_steps=8', 'train.checkpoint_interval=4', 'train.seed=7',
                        resume=os.path.join(other, 'checkpoints', 'step_00000004'))
+    # Into the config's default work dir (no --work-dir), where a run of its own holds checkpoints:
+    # refused, as a fresh run there is; nothing of it moves.
+    launch = os.path.join(tmp, 'launch')
+    default = os.path.join(launch, 'work_dirs', 'unet_tiny_synthetic')
+    shutil.copytree(original, default)
+    before = _snapshot(default)
+    unnamed = [a for i, a in enumerate(argv) if '--work-dir' not in argv[max(i - 1, 0):i + 1]]
+    code, lines, _ = run_on_ranks(_run_main_in, 1, args=(launch, 'train', unnamed), timeout=300)[0]
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == (f"ds_seg: error: --resume: {other}/checkpoints/step_00000004 is another run's checkpoint, "
+                        "and the default work dir work_dirs/unet_tiny_synthetic holds checkpoints of an earlier run "
+                        "of its own; give --work-dir: a new folder to continue that checkpoint in, or this one to "
+                        "set its checkpoints aside (moved to abandoned/, nothing deleted).")
+    assert _snapshot(default) == before
     code, lines, out = run_on_ranks(_run_main, 1, args=('train', argv), timeout=300)[0]
     assert code == 0, lines
     assert "another run's checkpoint: this work dir's own checkpoints were moved to" in out, out
