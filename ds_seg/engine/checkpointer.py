@@ -404,15 +404,21 @@ class Checkpointer:
             raise ConfigError(f"--resume: {where} was trained without an LR scheduler, but the DeepSpeed config has "
                               f"one ({scheduler.get('type')}): it would start over at its first step. Resume without "
                               "it, or start a new run from its weights (launch/export.py, then load_from=).")
+        if marker.get('schedule') and not scheduler:
+            lr = (self.spec.ds_config.get('optimizer') or {}).get('params', {}).get('lr')
+            raise ConfigError(f"--resume: {where} was trained with an LR scheduler, but the DeepSpeed config has "
+                              f"none (its scheduler block was removed): the restored optimizer state keeps the "
+                              f"schedule's last LR and optimizer.params.lr={lr!r} would never apply. Resume with "
+                              "the scheduler block, or start a new run from its weights (launch/export.py, then "
+                              "load_from=).")
         if saved_params is not None:
             now = restored_hyperparameters(self.spec.ds_config)
-            # A key the checkpoint does not record (written before a default was made explicit)
-            # is not compared; an unscheduled lr is ('(scheduled)' before).
-            keys = [k for k in (*STATE_HYPERPARAMETERS, 'lr')
-                    if k in now and (k in saved_params or k == 'lr') and saved_params.get(k) != now[k]]
+            # A key the checkpoint does not record (written before a default was made explicit, or
+            # a scheduled lr: refused above when the schedule is gone) is not compared.
+            keys = [k for k in (*STATE_HYPERPARAMETERS, 'lr') if k in now and k in saved_params
+                    and saved_params[k] != now[k]]
             if keys:
-                said = ', '.join(f"{k} {repr(saved_params[k]) if k in saved_params else '(scheduled)'} -> {now[k]!r}"
-                                 for k in keys)
+                said = ', '.join(f"{k} {saved_params[k]!r} -> {now[k]!r}" for k in keys)
                 raise ConfigError(f"--resume: {where} holds optimizer state with its own {', '.join(keys)}, which a "
                                   f"resume restores, but the DeepSpeed config changes them ({said}): they would be "
                                   "recorded and never applied. Resume with the checkpoint's values, or start a new "

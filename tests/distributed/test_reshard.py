@@ -301,6 +301,15 @@ def test_a_scheduler_added_on_resume_is_refused(tmp_path, backend):
     assert isinstance(said, str) and said.startswith('--resume: ') and 'was trained without an LR scheduler' in said, said
 
 
+@pytest.mark.parametrize('backend', ['ddp', 'deepspeed'])
+def test_a_scheduler_removed_on_resume_is_refused_as_such(tmp_path, backend):
+    # It was refused as a change of "lr (scheduled) -> 0.002", which did not say the block was gone.
+    said = run_on_ranks(_resume_with, 1, args=(str(tmp_path), {}, True, backend, False))[0]
+    assert isinstance(said, str) and said.startswith('--resume: '), said
+    assert 'was trained with an LR scheduler, but the DeepSpeed config has none (its scheduler block was removed)' \
+        in said and 'optimizer.params.lr=0.002 would never apply' in said, said
+
+
 def test_a_resume_at_another_optimizer_lr_says_so(tmp_path):
     """The schedule scales the optimizer's lr: twice the lr trained at twice the LR from the first
     resumed step, and no line said so (only a change of the scheduler block was said)."""
