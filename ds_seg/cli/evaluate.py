@@ -223,7 +223,9 @@ def refuse_label_decoding(info):
     """--labels are read as class indices. A model trained on labels that a label_map or
     reduce_zero_label decoded (recorded in its checkpoint) was scored on the raw values: mIoU 0.02
     for a run whose own evaluation said 0.15, without a word. Its run's config decodes them."""
-    decoding = {k: v for k, v in ((info.get('data') or {}).get('label_decoding') or {}).items() if k != 'palette'}
+    from ds_seg.data.geotiff import effective_label_decoding
+    decoding = effective_label_decoding((info.get('data') or {}).get('label_decoding'), len(info.get('classes') or ()))
+    decoding = {k: v for k, v in (decoding or {}).items() if k != 'palette'}
     if decoding:
         said = ', '.join(f'{k}={v!r}' for k, v in decoding.items())
         raise ValueError(f"--labels: the model was trained on labels decoded with {said}, and --labels are read as "

@@ -564,6 +564,28 @@ def _equals_default(value, default):
         return False
 
 
+def _listed(values, shown=6):
+    """'class 3', 'classes 3, 4, 5' or 'classes 3, 4, 5, 6, 7, 8 and 4 more'."""
+    head = ', '.join(map(str, values[:shown]))
+    more = f' and {len(values) - shown} more' if len(values) > shown else ''
+    return f"class{'es' if len(values) > 1 else ''} {head}{more}"
+
+
+def effective_label_decoding(decoding, num_classes):
+    """A dataset's ``label_decoding`` (label_map, reduce_zero_label, palette) less what changes
+    nothing: label_map entries that map a class index to itself (all the classes listed in their
+    own order, as SyntheticAerial's ``classes`` gives them). None where nothing is left: labels read
+    as class indices. Compared on resume and by evaluate.py, where an identity label_map was
+    refused as a change of decoding."""
+    decoding = dict(decoding or {})
+    if not decoding.get('reduce_zero_label') and decoding.get('label_map'):
+        kept = {k: v for k, v in decoding['label_map'].items()
+                if not (str(k).strip().isdigit() and int(k) == int(v) < (num_classes or 0))}
+        decoding['label_map'] = kept or None
+    decoding = {k: v for k, v in decoding.items() if v is not None}
+    return decoding or None
+
+
 def check_class_names(classes, what='classes'):
     """``classes``: a count >= 1 or a sequence of distinct, non-empty names in class-index order
     -> the tuple of names (``class_0``... for a count). ``what`` names the setting in the refusal."""
@@ -677,6 +699,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                  sampling='uniform', rare_class_temperature=0.01, stac=None, stac_bands=None,
                  stac_label='label'):
         configure_gdal_for_worker()
+        # Lines for the start of training about the data as found (unused options, copies...); a
+        # benchmark subclass may have set its own (a partial download) before calling this.
+        self.notes = list(getattr(self, 'notes', ()))
         if stac is not None:
             if images is not None or labels is not None:
                 raise ConfigError("give either `stac` or `images`/`labels`, not both (over a config that "
@@ -706,7 +731,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             images = [d[0] for d in dates]
             unordered = dates_out_of_name_order(dates)
             if unordered:
-                self.notes = [*getattr(self, 'notes', ()), unordered]
+                self.notes = [*self.notes, unordered]
         nested = (None if isinstance(labels, (str, os.PathLike)) else
                   next((x for x in labels if isinstance(x, (list, tuple))), None))
         if nested is not None:  # "expected str, bytes or os.PathLike object, not list"
@@ -730,11 +755,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if mode == 'grid':  # evaluation windows: a scene twice would weigh twice in the metrics
             copied = refuse_repeated_scenes(images, 'images', labels, dates)
             if copied:
-                self.notes = [*getattr(self, 'notes', ()), copied]
+                self.notes = [*self.notes, copied]
         else:   # training: drawn twice as often, without a word (a link beside it, overlapping globs, a copy)
             repeated = repeated_scene(images, labels, dates, copies=True)
             if repeated:
-                self.notes = [*getattr(self, 'notes', ()), (
+                self.notes = [*self.notes, (
                     f"images: {repeated[0]} is given twice{repeated[1]}: its windows are drawn twice as often as "
                     "another scene's; give it once, unless that weighting is meant")]
         self.mode = mode
@@ -772,7 +797,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._vectors = self._load_vectors(classes)
         for v in {v.path: v for v in self._vectors.values()}.values():  # a file read once per image CRS
             if getattr(v, 'without_geometry', 0):
-                self.notes = [*getattr(self, 'notes', ()), (
+                self.notes = [*self.notes, (
                     f"labels {v.path}: {v.without_geometry} feature(s) have no geometry (null or empty) and label "
                     "no pixel; give them their shapes, or drop them to silence this")]
         count = self._scenes[0]['count']
@@ -856,11 +881,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         self._identity_labels = self.palette is None and not label_map and not reduce_zero_label
         # How label files become class indices where they are not class indices already; the
         # checkpoint records it, so labels given to evaluate.py are not scored as raw values.
-        self.label_decoding = None if self._identity_labels else {
+        self.label_decoding = None if self._identity_labels else effective_label_decoding({
             k: v for k, v in (('label_map', {str(k): int(v) for k, v in (label_map or {}).items()} or None),
                               ('reduce_zero_label', bool(reduce_zero_label) or None),
                               ('palette', None if self.palette is None else [list(c) for c in self.palette]))
-            if v is not None}
+            if v is not None}, self.num_classes)
         mean, std = self._resolve_stats(mean, std, stats)
         if self.num_dates > 1 and mean.size == self.in_channels:  # the same per band for every date
             mean, std = np.tile(mean, self.num_dates), np.tile(std, self.num_dates)
@@ -1048,6 +1073,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     def _resolve_classes(self, classes, stats):
         self._classes_from_file = classes is None and stats.get('classes') is not None
+        self._classes_inferred_from = None   # (largest label value, its file) where the count came from them
         if classes is None:
             classes = stats.get('classes')
         if classes is None:
@@ -1071,6 +1097,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 "value, fix the file or give `classes` (the class names or count) so values out of "
                                 f"range are named; else use an ignore_index outside 0..{top}")
             classes = top + 1
+            self._classes_inferred_from = (top, top_label)
         return check_class_names(classes, f"{self._stats_path}: 'classes'" if self._classes_from_file else 'classes')
 
     def _decoding_note(self):
@@ -1164,7 +1191,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             if from_file:  # a file the user may not know is there (a converter's) decides the inputs
                 used = [k for k in ('mean', 'std') if (mean, std)[k == 'std'] is None]
                 named = ' and the class names' if self._classes_from_file else ''
-                self.notes = [*getattr(self, 'notes', ()),
+                self.notes = [*self.notes,
                               f"{'/'.join(used)}{named} from {self._stats_path} (move it away to have them "
                               "computed from the images)"]
         # A constant band (computed std 0) normalises to 0, not to inf.
@@ -1491,7 +1518,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if not found and remote:  # not read whole (a download): said, where a local set is refused
             names = ', '.join(self._scene_name_without_data(s) for s in remote[:3])
             more = f" and {len(remote) - 3} more" if len(remote) > 3 else ''
-            self.notes = [*getattr(self, 'notes', ()),
+            self.notes = [*self.notes,
                           f"{names}{more}: a decimated read shows no pixel both labelled with a class and valid in "
                           "the image, and remote scenes are not read whole; if they hold none, training learns "
                           "nothing (loss 0). Check the images' nodata value, `bands`, or the image/label pairing"]
@@ -1520,6 +1547,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         labelled, checked = 0, 0
         listed = {int(k) for k in ((self.label_decoding or {}).get('label_map') or {})}
         merged = {}   # class -> file values read as it: listed ones, and unlisted ones passed through
+        seen = set()  # classes with a pixel
         for s, histogram in zip(scanned, cached_label_histograms([s['label'] for s in scanned])):
             # Vector labels were checked when read; remote ones are checked window by window.
             if histogram is None:
@@ -1539,6 +1567,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                         "`label_map` / `reduce_zero_label`")
                 if mapped != self.ignore_index:
                     labelled += count
+                    seen.add(mapped)
                     if listed:
                         merged.setdefault(mapped, set()).add(int(value))
         # label_map={1: 0, 2: 1, 3: 2} (a shift, 0 unlisted): file value 0 passed through as class 0,
@@ -1547,10 +1576,19 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             passed = sorted(v for v in values if v not in listed and v == cls)
             if passed and any(v in listed for v in values):
                 mapped_here = sorted(v for v in values if v in listed)
-                self.notes = [*getattr(self, 'notes', ()), (
+                self.notes = [*self.notes, (
                     f"label_map: file value {passed[0]} is not listed, so it is read as class {cls} "
                     f"({self.classes[cls]!r}), as is file value {mapped_here[0]}, which label_map maps there; "
                     f"if {passed[0]} is no class, list it: label_map={{..., {passed[0]}: {self.ignore_index}}}")]
+        # A stray 7 in 3-class labels, no `classes` given: 8 classes, 3..6 empty, trained and scored
+        # (their IoU undefined) without a word.
+        empty = [c for c in range(self.num_classes) if c not in seen]
+        if self._classes_inferred_from and checked == len(self._scenes) and labelled and empty:
+            top, where = self._classes_inferred_from
+            self.notes = [*self.notes, (
+                f"classes: {self.num_classes} counted from the largest label value, {top} (in {where}), and "
+                f"{_listed(empty)} {'holds' if len(empty) == 1 else 'hold'} no pixel of any label file; if {top} is a stray value, fix that file "
+                "or give `classes` (the class names or count)")]
         if labelled == 0 and checked:
             raise DataError(f"{self._scenes[0]['label']}{' and the other label files' if len(self._scenes) > 1 else ''}: "
                             f"no pixel is labelled with a class (all are ignore_index {self.ignore_index}); "
@@ -1597,7 +1635,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         for key, what in needs:
             value = given[key]
             if value is not None and not _equals_default(value, defaults[key]):
-                self.notes = [*getattr(self, 'notes', ()), f"{key}={value!r} is not used: it takes effect only "
+                self.notes = [*self.notes, f"{key}={value!r} is not used: it takes effect only "
                               f"with {what}"]
 
     def _init_sampling(self, sampling, temperature):

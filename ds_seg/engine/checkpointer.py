@@ -15,6 +15,7 @@ import torch
 
 from .. import distributed
 from ..config import ConfigError, dotted
+from ..data.geotiff import effective_label_decoding
 from ..data.raster import colours_conflict
 from . import checkpoint, reshard
 
@@ -488,8 +489,9 @@ class Checkpointer:
                     f"give data.train.bands={saved['bands']}, or {fresh}.")
         # How label files become classes (label_map, reduce_zero_label, palette): another mid-run
         # relabels the data under the same class names (file value 0 trained c1, then c0).
-        saved_decoding = saved.get('label_decoding') or None
-        mine_decoding = json.loads(json.dumps(mine.get('label_decoding') or None))
+        # (Checkpoints written before an identity label_map was dropped from the record still hold it.)
+        saved_decoding = effective_label_decoding(saved.get('label_decoding'), len(now))
+        mine_decoding = json.loads(json.dumps(effective_label_decoding(mine.get('label_decoding'), len(now))))
         if saved_decoding != mine_decoding:
             said = lambda decoding: ', '.join(f'{k}={v}' for k, v in decoding.items()) if decoding else \
                 'the label files as class indices'  # noqa: E731

@@ -223,8 +223,10 @@ def _cases(tmp):
         # the stats cache edited as another version's statistics would differ: continues (see below)
         '_resume_recomputed_stats': (_geotiff_data([img], [lbl]) + tiny + ['train.max_steps=26'], None,
                                      ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
-        # the same again: the run is finished (what a requeued or re-submitted job does)
-        '_resume_finished': (_geotiff_data([img], [lbl]) + tiny + ['train.max_steps=26'], None,
+        # the same again: the run is finished (what a requeued or re-submitted job does); a label_map of
+        # every class to itself decodes as the run did (it was refused as a change of decoding)
+        '_resume_finished': (_geotiff_data([img], [lbl]) + tiny + ['train.max_steps=26', 'data.train.label_map='
+                                                                   '{0:0,1:1,2:2,3:3,4:4,5:5}'], None,
                              ['--resume', 'auto', '--work-dir', os.path.join(tmp, 'trained6')]),
         '_train6': (_geotiff_data([img], [lbl]) + tiny, None, ['--work-dir', os.path.join(tmp, 'trained6')]),
     }

@@ -609,3 +609,27 @@ def test_a_training_scene_given_twice_is_said_once(tmp_path):
     os.remove(tmp_path / 'img' / 'c.tif')
     os.remove(tmp_path / 'lbl' / 'c.tif')
     assert not getattr(GeoTiffScenes(str(tmp_path / 'img'), str(tmp_path / 'lbl'), **kw), 'notes', None)
+
+
+def test_a_label_map_of_every_class_to_itself_decodes_nothing(tmp_path):
+    """All the classes listed in their own order (SyntheticAerial's classes, or label_map={0: 0, ...})
+    leave the labels as class indices: recorded as no decoding, so a resume, or evaluate.py's
+    --labels, was not refused as a change of decoding; a map that moves a value is kept whole
+    but for its identity entries (the same table)."""
+    from ds_seg.cli.evaluate import refuse_label_decoding
+    from ds_seg.data.geotiff import effective_label_decoding
+    from ds_seg.data.synthetic import CLASSES, SyntheticAerial
+    every = SyntheticAerial(split='train', num_scenes=1, scene_size=64, crop_size=32, cache_dir=str(tmp_path),
+                            classes=list(CLASSES))
+    assert every.label_decoding is None
+    some = SyntheticAerial(split='train', num_scenes=1, scene_size=64, crop_size=32, cache_dir=str(tmp_path),
+                           classes=list(CLASSES[:3]))
+    assert some.label_decoding == {'label_map': {'3': 0, '4': 0, '5': 0}}   # grass, road, building as they are
+    identity = {'label_map': {str(i): i for i in range(6)}}
+    assert effective_label_decoding(identity, 6) is None
+    assert effective_label_decoding({'label_map': {'0': 0, '1': 0}}, 6) == {'label_map': {'1': 0}}
+    assert effective_label_decoding({'label_map': {'6': 6}}, 6) == {'label_map': {'6': 6}}   # not a class
+    assert effective_label_decoding(dict(identity, reduce_zero_label=True), 6) == dict(identity, reduce_zero_label=True)
+    refuse_label_decoding({'classes': list('abcdef'), 'data': {'label_decoding': identity}})
+    with pytest.raises(ValueError, match="label_map=\\{'1': 0\\}"):
+        refuse_label_decoding({'classes': list('abcdef'), 'data': {'label_decoding': {'label_map': {'1': 0}}}})

@@ -241,6 +241,25 @@ def test_an_inferred_class_count_past_ignore_index_names_the_file_and_value(tmp_
     assert GeoTiffScenes([img], [stray], crop_size=32, mode='grid').num_classes == 255
 
 
+def test_an_inferred_class_count_with_empty_classes_is_said(tmp_path):
+    """A stray 7 in labels of 0..2, classes left out: 8 classes, 3..6 without a pixel, trained and
+    scored without a word. Said, naming the value and its file; no note when every class has pixels
+    or when `classes` was given (a class absent from the labels is then the user's choice)."""
+    rng = np.random.default_rng(0)
+    img = write_tif(tmp_path / 'c_image.tif', rng.integers(1, 255, (3, 32, 32)).astype(np.uint8))
+    lab = rng.integers(0, 3, (32, 32)).astype(np.uint8)
+    ok = write_tif(tmp_path / 'ok_label.tif', lab)
+    assert not GeoTiffScenes([img], [ok], crop_size=32, mode='grid').notes
+    lab[5, 7] = 7
+    stray = write_tif(tmp_path / 'stray_label.tif', lab)
+    ds = GeoTiffScenes([img, img], [ok, stray], crop_size=32, mode='grid')
+    assert ds.num_classes == 8
+    assert ds.notes == [f'classes: 8 counted from the largest label value, 7 (in {stray}), and classes 3, 4, 5, 6 '
+                        'hold no pixel of any label file; if 7 is a stray value, fix that file or give `classes` '
+                        '(the class names or count)']
+    assert not GeoTiffScenes([img, img], [ok, stray], crop_size=32, mode='grid', classes=9).notes
+
+
 def test_complex_pixels_are_refused_not_cut_to_their_real_part(tmp_path):
     """numpy dropped the imaginary part of a complex64 scene with one ComplexWarning."""
     from ds_seg.data.raster import DataError
