@@ -251,6 +251,7 @@ class RunLog:
             summary = os.path.join(self.work_dir, 'summary.json')
             if set_aside and os.path.isfile(summary) and not self._summary_at_or_before(summary, resumed_step):
                 os.replace(summary, os.path.join(set_aside, 'summary.json'))
+                self._point_best_at_set_aside(set_aside)
             return
         # A fresh run in a used work dir: the earlier run's logs and the configs that made them
         # move to previous/<time>/ together, so neither is lost nor mistaken for this run's.
@@ -268,6 +269,28 @@ class RunLog:
             # Said, as a resume's move is: the user found their logs gone without a word.
             print(f"[ds_seg] the logs of an earlier run in {self.work_dir} ({', '.join(old)}) moved to {archive}/",
                   flush=True)
+
+    def _point_best_at_set_aside(self, set_aside):
+        """The abandoned branch's summary.json named its best as ``<work dir>/checkpoints/step_N``,
+        which moved with the branch, and where the new branch saves its own step N: name where it
+        is now."""
+        path = os.path.join(set_aside, 'summary.json')
+        try:
+            with open(path) as f:
+                summary = json.load(f)
+            best = summary.get('best') or {}
+            named = best.get('checkpoint')
+        except (OSError, ValueError, AttributeError):
+            return
+        if not isinstance(named, str):
+            return
+        moved = os.path.join(set_aside, 'checkpoints', os.path.basename(named))
+        live = os.path.join(self.work_dir, 'checkpoints')
+        if os.path.isdir(moved) and os.path.abspath(os.path.dirname(named)) == os.path.abspath(live):
+            best['checkpoint'] = moved
+            with open(path + '.tmp', 'w') as f:
+                json.dump(summary, f, indent=2)
+            os.replace(path + '.tmp', path)
 
     @staticmethod
     def _summary_at_or_before(path, step):

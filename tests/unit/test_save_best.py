@@ -68,6 +68,11 @@ def test_a_rollback_past_the_best_keeps_the_best_of_the_live_branch(tmp_path, ca
     assert _checkpoints(tmp_path) == (['step_00000002', 'step_00000004', 'step_00000006'], 'step_00000002')
     assert (summary['best']['value'], summary['best']['step']) == (0.5, 2)
     assert 'checkpoints/best: step 2 (mIoU 0.5000), the best checkpointed evaluation of the steps resumed from' in capsys.readouterr().out
+    # The abandoned branch's summary names its best where it now is, not the live step 6 (another model).
+    aside, = (tmp_path / 'work' / 'abandoned').iterdir()
+    best = json.load(open(aside / 'summary.json'))['best']
+    assert (best['step'], best['value'], best['checkpoint']) == (6, 0.6, str(aside / 'checkpoints' / 'step_00000006'))
+    assert checkpoint.is_complete(str(aside / 'checkpoints'), 'step_00000006')
     summary = _run(tmp_path, 8, {8: 0.7}, resume='auto', checkpoint_interval=2, keep=0)
     assert (summary['best']['value'], summary['best']['step']) == (0.7, 8)
 
