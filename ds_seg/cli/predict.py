@@ -374,7 +374,9 @@ def _run(args):
     model_cfg = info.get('model') or {}
     for scene in scenes:
         dates = scene if isinstance(scene, list) else [scene]
-        num_dates = model_cfg.get('num_dates')
+        # A temporal model's own, or the training data's: a plain model (UNet) takes the stacked bands of
+        # every date as its channels, trained from a time series.
+        num_dates = model_cfg.get('num_dates') or (info.get('data') or {}).get('num_dates')
         channels = model_cfg.get('in_channels')
         # One file may hold every date already stacked (as many bands as the model's channels).
         stacked = len(dates) == 1 and channels and len(bands or range(_band_count(dates[0]))) == channels

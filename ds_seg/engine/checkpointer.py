@@ -36,6 +36,8 @@ def data_normalisation(train_set):
         data['file_bands'] = int(train_set.num_file_bands)
     if getattr(train_set, 'label_decoding', None):  # label_map, reduce_zero_label, palette
         data['label_decoding'] = train_set.label_decoding
+    if getattr(train_set, 'num_dates', 1) > 1:  # a model of one date (UNet) trained on their stacked bands
+        data['num_dates'] = int(train_set.num_dates)
     return data
 
 
@@ -198,7 +200,7 @@ class Checkpointer:
         root, tag = found or (self.root, None)
         if not tag:
             return
-        if work_dir_by_default and holds_checkpoints and not checkpoint.is_own(self.work_dir, root):
+        if work_dir_by_default and holds_checkpoints and not checkpoint.of_this_run(self.work_dir, root):
             # Continuing another run's checkpoint sets this work dir's own run aside (restore): as a
             # fresh run there is refused, so is a fork into it that nobody asked for by name.
             raise ConfigError(f"--resume: {os.path.join(root, tag)} is another run's checkpoint, and the default "
@@ -238,9 +240,24 @@ class Checkpointer:
         micro_step_offset, set_aside)``: the step to continue from, the data position minus step x
         accumulation (non-zero after a change of ranks), and where an abandoned branch was moved
         (or None)."""
+        self.brought_back = None  # the step an abandoned branch brought back had branched after
         if found is None and resume != 'auto':  # (check_resume refused a fresh run over checkpoints)
             return 0, 0, None
         root, tag = found or (self.root, None)
+        branch = checkpoint.abandoned_branch_of(self.work_dir, root) if tag else None
+        if branch:
+            # A step of a branch this work dir abandoned: that branch becomes the live one again
+            # (its checkpoints up to the step back in checkpoints/; the live ones after the
+            # branch point set aside), and is resumed as the work dir's own.
+            folder, after = branch
+            left = checkpoint.bring_back_branch(self.work_dir, folder, after, tag) if distributed.is_main() else None
+            left = distributed.from_main(left)
+            self.brought_back = int(checkpoint.TAG_RE.match(after).group(1))
+            self.report(f"resuming {tag} of the branch abandoned in {folder}: it is the live branch again (its "
+                        f"checkpoints up to {tag} and their log rows are back in the work dir); "
+                        + (f"the live branch after {after} was moved to {left} (nothing deleted)" if left else
+                           f"the live branch had nothing after {after}"))
+            root = self.root
         step, offset = self._load(root, tag) if tag else (0, 0)
         # Whatever the work dir holds beyond the checkpoint resumed from (a rollback's later
         # branch, damaged newer ones --resume auto passed over, or all of them when none was
@@ -249,7 +266,9 @@ class Checkpointer:
         if distributed.is_main():
             set_aside = checkpoint.set_aside_other_branch(self.work_dir, root, tag, partial=resume != 'auto')
         distributed.barrier()
-        if set_aside and tag and not checkpoint.is_own(self.work_dir, root):
+        if branch:
+            set_aside = left   # (what the log rows after the branch point go with)
+        elif set_aside and tag and not checkpoint.is_own(self.work_dir, root):
             self.report(f"resuming {root}/{tag}, another run's checkpoint: this work dir's own checkpoints were "
                         f"moved to {set_aside} (nothing deleted)")
         elif set_aside and tag and resume != 'auto':
@@ -264,7 +283,8 @@ class Checkpointer:
         elif resume == 'auto' and not tag:
             self.report(f'--resume auto: no checkpoint in {self.root}; starting from step 0')
         if tag:
-            kept = (self._best_of_resumed_run(step), self.kept_best_metric) if distributed.is_main() else None
+            best = self._best_of_live_branch if branch else self._best_of_resumed_run  # (its steps came back)
+            kept = (best(step), self.kept_best_metric) if distributed.is_main() else None
             self.best, self.kept_best_metric = distributed.from_main(kept)
         return step, offset, set_aside
 

@@ -536,3 +536,36 @@ def test_predict_notes_dates_given_out_of_the_order_their_names_say(tmp_path, ca
     out = capsys.readouterr().out
     assert (f'[predict] note: --input {aug},{may}: the dates of a scene are given as c_2021-08.tif, c_2021-05.tif, '
             'which their names place in another order') in out, out
+
+
+def test_a_plain_model_trained_on_a_series_predicts_its_dates_joined_by_commas(tmp_path, capsys):
+    """Early fusion, which training allows (UNet in_channels = dates x bands): its checkpoint holds no
+    model.num_dates, so predict.py refused `a.tif,b.tif` as 'one scene of one date', and the advice
+    it gave (space-separated) was refused next. The checkpoint's data now records the dates."""
+    from ds_seg.cli import predict
+    from ds_seg.data.geotiff import GeoTiffScenes
+    from ds_seg.engine.checkpointer import data_normalisation
+    from tests.unit.test_inference import predict_classes
+    (t0, t1), label = _change_scene(tmp_path, 'f', 4)
+    series = GeoTiffScenes([[t0, t1]], [label], crop_size=32, classes=('same', 'changed'), mean=[127.5], std=[64.0])
+    data = data_normalisation(series)
+    assert data['num_dates'] == 2 and data['mean'] == [127.5, 127.5]
+    assert 'num_dates' not in data_normalisation(GeoTiffScenes([t0], [label], crop_size=32, classes=2))
+    torch.manual_seed(0)
+    fused = dict(type='UNetTiny', in_channels=2, num_classes=2)
+    model = build(MODELS, fused).eval()
+    weights = str(tmp_path / 'fused.pt')
+    torch.save({'state_dict': model.state_dict(), 'model': fused, 'classes': ['same', 'changed'], 'data': data},
+               weights)
+    assert predict.main(['--checkpoint', weights, '--input', f'{t0},{t1}', '--output', str(tmp_path / 'out'),
+                         '--tile', '48', '--overlap', '16']) == 0
+    with torch.no_grad():
+        direct, _ = predict_classes(model, [t0, t1], tmp_path, mean=[127.5, 127.5], std=[64.0, 64.0], bands=[1],
+                                    tile=48, overlap=16)
+    with rasterio.open(tmp_path / 'out' / 'f_t0_classes.tif') as src:
+        np.testing.assert_array_equal(src.read(1), direct)
+    capsys.readouterr()
+    assert predict.main(['--checkpoint', weights, '--input', t0, '--output', str(tmp_path / 'one')]) == 2
+    err = capsys.readouterr().err
+    assert f'--input {t0}: 1 date(s), but the model (UNetTiny) takes 2; give the 2 dates of the scene joined by ' \
+           'commas' in err, err
