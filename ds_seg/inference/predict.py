@@ -73,6 +73,8 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
         profile = dict(src.profile)
         if src.transform.is_identity:  # located by GCPs or RPCs instead (a stack of dates has none)
             profile.update(gcps=getattr(src, 'gcps', None), rpcs=getattr(src, 'rpcs', None))
+        tags = src.tags() if hasattr(src, 'tags') else {}
+        profile['area_or_point'] = tags.get('AREA_OR_POINT')   # PixelIsPoint kept (see GeoTiffRowWriter)
     writer = None
     part = world_size > 1
     plan = ScenePlan(profile['height'], profile['width'], tile, overlap, block, world_size)

@@ -79,7 +79,10 @@ class GeoTiffRowWriter:
         self.dst.write_colormap(1, {i: tuple(palette[i][:3]) + (255,) for i in range(k)}
                                 | {CLASS_NODATA: (0, 0, 0, 0)})
         self.dst.set_band_description(1, 'class')
-        self.dst.update_tags(classes=json.dumps(self.classes), nodata_class=str(CLASS_NODATA),
+        # A scene georeferenced as PixelIsPoint: its class map too, or a reader that takes the raster
+        # type literally (GTIFF_POINT_GEO_IGNORE) puts the two half a pixel apart.
+        point = dict(AREA_OR_POINT='Point') if src_profile.get('area_or_point') == 'Point' else {}
+        self.dst.update_tags(classes=json.dumps(self.classes), nodata_class=str(CLASS_NODATA), **point,
                              **{f'CLASS_{i}': n for i, n in enumerate(self.classes)})
         self.probs = None
         if probs_path:
@@ -88,7 +91,7 @@ class GeoTiffRowWriter:
                                        photometric='MINISBLACK', interleave='band', **common)
             for i, n in enumerate(self.classes):
                 self.probs.set_band_description(i + 1, n)
-            self.probs.update_tags(classes=json.dumps(self.classes), scale='1/250')
+            self.probs.update_tags(classes=json.dumps(self.classes), scale='1/250', **point)
 
     def write(self, y0, classes_hW, probs_KhW=None):
         h = classes_hW.shape[0]

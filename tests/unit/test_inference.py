@@ -226,6 +226,33 @@ def test_a_gcp_located_scene_gives_its_gcps_to_the_outputs(tmp_path):
                 [(g.row, g.col, g.x, g.y) for g in gcps]
 
 
+def test_a_pixel_is_point_scene_gives_its_outputs_the_same_raster_type(tmp_path):
+    """The class map of a PixelIsPoint scene was tagged PixelIsArea: equal corners under GDAL's
+    default, half a pixel apart for a reader that takes the raster type as written."""
+    path = str(tmp_path / 'point.tif')
+    with rasterio.open(path, 'w', driver='GTiff', width=30, height=40, count=1, dtype='uint8', crs='EPSG:32632',
+                       transform=rasterio.Affine(0.5, 0, 500000, 0, -0.5, 5000000)) as dst:
+        dst.write(np.arange(1200, dtype=np.uint8).reshape(1, 40, 30) % 5)
+        dst.update_tags(AREA_OR_POINT='Point')
+    out, probs = str(tmp_path / 'classes.tif'), str(tmp_path / 'probs.tif')
+    inf.predict_scene(LookupModel(), path, out, mean=[0], std=[1], classes=list('abcde'), probs_path=probs,
+                      tile=16, overlap=4, block=16)
+    for env in ({}, {'GTIFF_POINT_GEO_IGNORE': 'TRUE'}):
+        with rasterio.Env(**env), rasterio.open(path) as src:
+            for written in (out, probs):
+                with rasterio.open(written) as dst:
+                    assert dst.tags()['AREA_OR_POINT'] == 'Point' and dst.transform == src.transform, (env, written)
+    # An area scene's stays the default.
+    area = str(tmp_path / 'area.tif')
+    with rasterio.open(area, 'w', driver='GTiff', width=30, height=40, count=1, dtype='uint8', crs='EPSG:32632',
+                       transform=rasterio.Affine(0.5, 0, 500000, 0, -0.5, 5000000)) as dst:
+        dst.write(np.zeros((1, 40, 30), np.uint8))
+    inf.predict_scene(LookupModel(), area, str(tmp_path / 'area_classes.tif'), mean=[0], std=[1],
+                      classes=list('abcde'), tile=16, overlap=4, block=16)
+    with rasterio.open(tmp_path / 'area_classes.tif') as dst:
+        assert dst.tags()['AREA_OR_POINT'] == 'Area'
+
+
 def test_float_input_nan_counts_as_nodata(tmp_path):
     path = str(tmp_path / 'f.tif')
     img = np.arange(40 * 30, dtype=np.float32).reshape(1, 40, 30) % 7
