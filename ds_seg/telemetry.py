@@ -221,18 +221,23 @@ class RunLog:
 
     LOGS = ('metrics.jsonl', 'eval.jsonl', 'summary.json')
 
-    def start(self, resumed_step=None, set_aside=None):
+    def start(self, resumed_step=None, set_aside=None, brought_back=None):
         """Resumed: rows logged after the checkpoint are redone, so they leave the live logs; they
         move to ``set_aside/`` when the resume abandons a branch (a rollback), else are dropped
-        (a crashed run's rows, repeated identically). Fresh: move an earlier run's logs aside
-        into ``previous/<time>/`` (never delete them). A damaged line (a disk that filled
-        mid-write) is moved to ``<name>.damaged`` instead of breaking the run."""
+        (a crashed run's rows, repeated identically). ``brought_back``: the step after which an
+        abandoned branch, made live again with its rows (checkpoint.bring_back_branch), had
+        branched. Fresh: move an earlier run's logs aside into ``previous/<time>/`` (never delete
+        them). A damaged line (a disk that filled mid-write) is moved to ``<name>.damaged``
+        instead of breaking the run."""
         for name in ('metrics.jsonl', 'eval.jsonl'):
             self._repair_jsonl(name)
         if resumed_step is not None:
+            branch_point = resumed_step if brought_back is None else brought_back
             # The steps after the checkpoint are redone: their TensorBoard points (each step twice,
-            # the rolled-back ones beside the redone ones) are purged as the jsonl rows are.
-            self.purge_step = resumed_step + 1
+            # the rolled-back ones beside the redone ones) are purged as the jsonl rows are; after
+            # a branch point, with the other branch's points.
+            self.purge_step = branch_point + 1
+            kept = {}
             for name in ('metrics.jsonl', 'eval.jsonl'):
                 path = os.path.join(self.work_dir, name)
                 if os.path.isfile(path):
@@ -246,12 +251,18 @@ class RunLog:
                     with open(path + '.tmp', 'w') as f:
                         f.writelines(keep)
                     os.replace(path + '.tmp', path)
+                    kept[name] = [json.loads(line) for line in keep]
             # The abandoned branch's summary (its end, past the step resumed from) goes with its
             # rows: this run's end would write over it.
             summary = os.path.join(self.work_dir, 'summary.json')
-            if set_aside and os.path.isfile(summary) and not self._summary_at_or_before(summary, resumed_step):
+            if set_aside and os.path.isfile(summary) and not self._summary_at_or_before(summary, branch_point):
                 os.replace(summary, os.path.join(set_aside, 'summary.json'))
                 self._point_best_at_set_aside(set_aside)
+            # The branch brought back: its points after the branch point, purged with the other's, again.
+            for name, scalars in (('metrics.jsonl', self._train_scalars), ('eval.jsonl', self._eval_scalars)):
+                for record in kept.get(name, ()) if brought_back is not None else ():
+                    if record['step'] > branch_point:
+                        self._to_tensorboard(scalars(record), record['step'])
             return
         # A fresh run in a used work dir: the earlier run's logs and the configs that made them
         # move to previous/<time>/ together, so neither is lost nor mistaken for this run's.
@@ -406,14 +417,27 @@ class RunLog:
         if not self.enabled:
             return
         self._append('metrics.jsonl', record)
-        scalars = {f'train/{key}': value for key, value in record.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ('step',)}
-        self._scalars(scalars, record['step'])
+        self._scalars(self._train_scalars(record), record['step'])
 
-    def _scalars(self, scalars, step):
+    @staticmethod
+    def _train_scalars(record):
+        return {f'train/{key}': value for key, value in record.items()
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ('step',)}
+
+    @staticmethod
+    def _eval_scalars(record):
+        scalars = {f'val/{key}': record[key] for key in ('mIoU', 'OA', 'mF1') if record.get(key) is not None}
+        scalars.update({f'val_iou/{name}': values['iou'] for name, values in record.get('per_class', {}).items()
+                        if values.get('iou') is not None})
+        return scalars
+
+    def _to_tensorboard(self, scalars, step):
         if self.tensorboard:
             for tag, value in scalars.items():
                 self._writer().add_scalar(tag, value, step)
+
+    def _scalars(self, scalars, step):
+        self._to_tensorboard(scalars, step)
         self._to_trackers('scalars', {tag: float(value) for tag, value in scalars.items()}, step)
 
     def _to_trackers(self, method, *args):
@@ -440,10 +464,7 @@ class RunLog:
         if not self.enabled:
             return
         self._append('eval.jsonl', record)
-        scalars = {f'val/{key}': record[key] for key in ('mIoU', 'OA', 'mF1') if record.get(key) is not None}
-        scalars.update({f'val_iou/{name}': values['iou'] for name, values in record.get('per_class', {}).items()
-                        if values.get('iou') is not None})
-        self._scalars(scalars, record['step'])
+        self._scalars(self._eval_scalars(record), record['step'])
         if self.tb is not None:
             self.tb.flush()
 

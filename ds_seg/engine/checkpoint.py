@@ -499,12 +499,7 @@ def set_aside_other_branch(work_dir, root, tag, partial=True):
              if partial and n.startswith('.tmp-step_') or TAG_RE.match(n) and (not same or n > tag)]
     if not names:
         return None
-    import time
-    base = os.path.join(work_dir, 'abandoned', f"{time.strftime('%Y%m%d-%H%M%S')}-after-{tag or 'nothing'}")
-    dest, n = base, 1
-    while os.path.exists(dest):  # two rollbacks to one tag within a second
-        dest, n = f'{base}-{n}', n + 1
-    os.makedirs(os.path.join(dest, 'checkpoints'))
+    dest = _new_branch_folder(work_dir, tag, branch=same)
     for name in sorted(names):
         os.replace(os.path.join(live, name), os.path.join(dest, 'checkpoints', name))
     if same:
@@ -514,6 +509,105 @@ def set_aside_other_branch(work_dir, root, tag, partial=True):
     if read_pointer(live, 'best') in names:  # the best checkpoint moved aside: its pointer goes with it
         os.replace(os.path.join(live, 'best'), os.path.join(dest, 'checkpoints', 'best'))
     return dest
+
+
+BRANCH_RECORD = 'branch.json'   # in abandoned/<folder>/: the step of the live lineage it branched after
+
+
+def _new_branch_folder(work_dir, tag, branch=True):
+    """A new ``<work_dir>/abandoned/<time>-after-<tag>/`` with its ``checkpoints/``; ``branch``: it
+    holds a branch of this run's lineage from after ``tag`` (recorded: --resume of one of its
+    steps brings it back), not another run's lineage or a fresh start's."""
+    import time
+    base = os.path.join(work_dir, 'abandoned', f"{time.strftime('%Y%m%d-%H%M%S')}-after-{tag or 'nothing'}")
+    dest, n = base, 1
+    while os.path.exists(dest):  # two rollbacks to one tag within a second
+        dest, n = f'{base}-{n}', n + 1
+    os.makedirs(os.path.join(dest, 'checkpoints'))
+    if branch and tag:
+        with open(os.path.join(dest, BRANCH_RECORD), 'w') as f:
+            json.dump({'branched_after': tag}, f)
+    return dest
+
+
+def of_this_run(work_dir, root):
+    """Whether checkpoints folder ``root`` is of ``work_dir``'s own lineage: its live one, or a
+    branch it abandoned (:func:`abandoned_branch_of`)."""
+    return is_own(work_dir, root) or abandoned_branch_of(work_dir, root) is not None
+
+
+def abandoned_branch_of(work_dir, root):
+    """``(folder, branched_after_tag)`` where checkpoints folder ``root`` is a branch this work dir
+    abandoned (``<work_dir>/abandoned/<folder>/checkpoints`` of a rollback or passed-over damaged
+    checkpoints, recorded in its branch.json), else None: another run's lineage set aside there
+    (or one from before the record) is no branch of this one's."""
+    folder = os.path.dirname(os.path.abspath(root))
+    try:
+        if os.path.basename(root.rstrip(os.sep)) != 'checkpoints' or not os.path.samefile(
+                os.path.dirname(folder), os.path.join(work_dir, 'abandoned')):
+            return None
+        with open(os.path.join(folder, BRANCH_RECORD)) as f:
+            after = json.load(f).get('branched_after')
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (folder, after) if isinstance(after, str) and TAG_RE.match(after) else None
+
+
+def bring_back_branch(work_dir, folder, after, tag):
+    """Resuming step ``tag`` of an abandoned branch (``folder``, branched after step ``after``)
+    makes it the live one again: the live checkpoints after ``after`` are set aside as a branch
+    of their own, and the branch's checkpoints up to ``tag`` move back to ``checkpoints/``, so
+    ``latest``, ``--resume auto`` and every command agree on it (those after ``tag`` stay in
+    ``folder``). Returns where the live branch went (None when it had nothing after ``after``).
+    Rank 0 only."""
+    live = os.path.join(work_dir, 'checkpoints')
+    os.makedirs(live, exist_ok=True)
+    set_aside = set_aside_other_branch(work_dir, live, after)
+    held = os.path.join(folder, 'checkpoints')
+    for name in sorted(os.listdir(held)):
+        if TAG_RE.match(name) and name <= tag:
+            os.replace(os.path.join(held, name), os.path.join(live, name))
+    for pointer in ('latest', 'best'):   # (best: re-derived from the live branch's evaluations)
+        if read_pointer(held, pointer) is not None and not os.path.isdir(os.path.join(held, read_pointer(held, pointer))):
+            os.remove(os.path.join(held, pointer))
+    write_pointer(live, 'latest', tag)
+    # The log rows go as the checkpoints do: the live ones after ``after`` with the live branch,
+    # the branch's up to ``tag`` back (so the best is derived from them before the run logs).
+    step, branched = int(TAG_RE.match(tag).group(1)), int(TAG_RE.match(after).group(1))
+    for name in ('metrics.jsonl', 'eval.jsonl'):
+        rows, theirs = _jsonl_lines(os.path.join(work_dir, name)), _jsonl_lines(os.path.join(folder, name))
+        later = [line for line in rows if _row_step(line) > branched]
+        if later:
+            if set_aside is None:   # rows of steps never checkpointed: still the live branch's
+                set_aside = _new_branch_folder(work_dir, after)
+            _write_lines(os.path.join(set_aside, name), later)
+        if theirs:
+            _write_lines(os.path.join(folder, name), [line for line in theirs if _row_step(line) > step])
+        if later or theirs:
+            _write_lines(os.path.join(work_dir, name), [line for line in rows if _row_step(line) <= branched]
+                         + [line for line in theirs if _row_step(line) <= step])
+    return set_aside
+
+
+def _jsonl_lines(path):
+    """The non-blank lines of a jsonl file (none where it is missing)."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [line if line.endswith('\n') else line + '\n' for line in f if line.strip()]
+
+
+def _row_step(line):
+    try:
+        return int(json.loads(line)['step'])
+    except (ValueError, KeyError, TypeError):
+        return -1   # (RunLog moves damaged lines aside before; one left here stays with the live rows)
+
+
+def _write_lines(path, lines):
+    with open(path + '.tmp', 'w') as f:
+        f.writelines(lines)
+    os.replace(path + '.tmp', path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -261,7 +261,7 @@ class Trainer:
         # Another run's checkpoint (--resume other/checkpoints/step_N) continues that run's
         # lineage: this work dir's own logs and tracker runs are another one's, and are set aside
         # as a fresh run's are (its rows up to step N stayed live, followed by the other run's).
-        own = bool(found) and checkpoint.is_own(self.work_dir, found[0])
+        own = bool(found) and checkpoint.of_this_run(self.work_dir, found[0])
         self._start_trackers(cfg, resumed=own)
 
         # --- resume ----------------------------------------------------------------------------
@@ -269,7 +269,8 @@ class Trainer:
         if own and not self.step:  # no checkpoint verified: a fresh start after all, in runs of its own
             self._start_trackers(cfg, resumed=False)
         if distributed.is_main():
-            self.log.start(resumed_step=self.step if own and self.step else None, set_aside=set_aside)
+            self.log.start(resumed_step=self.step if own and self.step else None, set_aside=set_aside,
+                           brought_back=self.checkpointer.brought_back)
             self.log.record_tracker_runs()
 
         # --- telemetry -------------------------------------------------------------------------

@@ -413,6 +413,8 @@ def test_resuming_another_runs_checkpoint_sets_this_work_dirs_own_lineage_aside(
     aside = os.listdir(os.path.join(work, 'abandoned'))
     assert len(aside) == 1 and sorted(os.listdir(os.path.join(work, 'abandoned', aside[0], 'checkpoints'))) == [
         'latest', 'step_00000004', 'step_00000008', 'step_00000012']
+    # Another lineage set aside, not a branch of the one that goes on here: --resume of it is a foreign run's.
+    assert checkpoint.abandoned_branch_of(work, os.path.join(work, 'abandoned', aside[0], 'checkpoints')) is None
     assert sorted(os.listdir(os.path.join(other, 'checkpoints'))) == ['latest', 'step_00000004']  # untouched
 
 

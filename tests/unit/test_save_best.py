@@ -162,3 +162,53 @@ def test_save_best_given_on_resume_starts_from_the_best_checkpointed_evaluation(
     summary = _run(tmp_path, 6, {6: 0.3}, resume='auto', checkpoint_interval=2, keep=0)
     assert (summary['best']['value'], summary['best']['step']) == (0.5, 4)
     assert _checkpoints(tmp_path)[1] == 'step_00000004'
+
+
+def test_resuming_a_step_of_an_abandoned_branch_makes_that_branch_live_again(tmp_path, capsys):
+    """A rollback set branch A (steps 4, 6) aside; --resume of A's step 4 treated it as another
+    run's checkpoint: all the shared history (steps 1-2, tb/) went to previous/, and save_best
+    compared only with the evaluations after the resume. Now A is the live branch again: its
+    checkpoints up to step 4 and their rows come back, the rollback's branch (B) is set aside, the
+    resumed steps equal A's own, and TensorBoard shows A's points, not B's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    work = tmp_path / 'work'
+    root = work / 'checkpoints'
+    _run(tmp_path, 6, {2: 0.5, 4: 0.5, 6: 0.6}, checkpoint_interval=2, keep=0)
+    a_rows = [json.loads(line) for line in open(work / 'metrics.jsonl')]
+    _run(tmp_path, 6, {4: 0.3, 6: 0.4}, resume=str(root / 'step_00000002'), checkpoint_interval=2, keep=0,
+         save_best=None)
+    b_rows = [json.loads(line) for line in open(work / 'metrics.jsonl')][2:]
+    branch_a, = (work / 'abandoned').iterdir()
+    assert json.load(open(branch_a / 'branch.json')) == {'branched_after': 'step_00000002'}
+    capsys.readouterr()
+    summary = _run(tmp_path, 6, {6: 0.55}, resume=str(branch_a / 'checkpoints' / 'step_00000004'),
+                   checkpoint_interval=2, keep=0)
+    out = capsys.readouterr().out
+    branch_b, = set((work / 'abandoned').iterdir()) - {branch_a}
+    assert (f'resuming step_00000004 of the branch abandoned in {branch_a}: it is the live branch again (its '
+            'checkpoints up to step_00000004 and their log rows are back in the work dir); the live branch after '
+            f'step_00000002 was moved to {branch_b} (nothing deleted)') in out, out
+    assert "another run's checkpoint" not in out and not list(work.glob('previous/*/metrics.jsonl'))
+    assert _checkpoints(tmp_path) == (['step_00000002', 'step_00000004', 'step_00000006'], 'step_00000006')
+    assert open(root / 'latest').read() == 'step_00000006'
+    # A after the step resumed, with its best (0.6 at step 6: what that branch scored).
+    assert sorted(os.listdir(branch_a / 'checkpoints')) == ['best', 'step_00000006']
+    assert sorted(os.listdir(branch_b / 'checkpoints')) == ['step_00000004', 'step_00000006']
+    # The logs: steps 1-2 shared, 3-4 A's, 5-6 this run's; B's rows with B, A's later ones with A.
+    rows = [json.loads(line) for line in open(work / 'metrics.jsonl')]
+    assert [r['step'] for r in rows] == list(range(1, 7))
+    assert rows[:4] == a_rows[:4]
+    assert [r['loss'] for r in rows[4:6]] == [r['loss'] for r in a_rows[4:6]]   # A's steps 5-6, retrained alike
+    assert [json.loads(line) for line in open(branch_b / 'metrics.jsonl')] == b_rows
+    assert [json.loads(line)['step'] for line in open(branch_a / 'metrics.jsonl')] == [5, 6]
+    evals = [(json.loads(line)['step'], json.loads(line)['mIoU']) for line in open(work / 'eval.jsonl')]
+    assert evals == [(2, 0.5), (4, 0.5), (6, 0.55)]
+    assert (summary['best']['step'], summary['best']['value']) == (6, 0.55)
+    events = EventAccumulator(str(work / 'tb'))
+    events.Reload()
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars('val/mIoU')] == evals
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars('train/loss')] == [(r['step'], round(r['loss'], 5))
+                                                                                 for r in rows]
+    # B is now a branch of this lineage (it can be brought back in turn); the live folder is none.
+    assert checkpoint.abandoned_branch_of(str(work), str(branch_b / 'checkpoints')) == (str(branch_b), 'step_00000002')
+    assert checkpoint.abandoned_branch_of(str(work), str(root)) is None
