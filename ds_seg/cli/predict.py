@@ -27,7 +27,7 @@ from ds_seg import distributed
 from ds_seg.cli import exit_without_finalization, run_command
 from ds_seg.config import ConfigError
 from ds_seg.data.geotiff import configure_gdal_for_worker, dates_out_of_name_order
-from ds_seg.data.raster import StackedRaster
+from ds_seg.data.raster import StackedRaster, untagged_fill_refusal
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inference.model import fixed_input_size, window_refusal
 from ds_seg.inputs import (as_invoked, user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,
@@ -407,6 +407,9 @@ def _run(args):
             check_bands(path, bands, channels // len(dates) if channels else None,
                         colours=(info.get('data') or {}).get('colours'))
             check_pixel_type(path, info, args)
+            refusal = untagged_fill_refusal(path, bands if bands and max(bands) <= _band_count(path) else None)
+            if refusal:
+                raise ConfigError(f'--input {refusal}')
             if not (stacked and (num_dates or 1) > 1):  # one file of every date holds more bands
                 check_band_count(path, info, args)
     check_tile_fits(model, info, args.tile, bands, device)

@@ -63,11 +63,11 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, boundary_mask,
+from .raster import (FILL_MAGNITUDE, DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, boundary_mask,
                      colours_conflict, file_identity, gdal_message, gdal_path, is_remote, label_nodata, nodata_mask,
                      open_raster, opening_env, pin_versions, pixel_grid, pixel_type_refusal, raster_env, read_error,
                      read_label_band, read_window, same_file_key, same_pixels, same_value, user_cache_dir,
-                     uses_mask_band)
+                     untagged_fill, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -1261,8 +1261,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         sets = held.get('sets', []) if held.get('version') == STATS_VERSION else []
         found = next((entry for entry in sets if entry.get('images') == key
                       and entry.get('nodata_bands') == masked_by), None)
-        if found is not None:
-            return found
+        if found is not None and np.isfinite(found.get('std', [])).all() and (
+                np.abs(np.asarray(found.get('mean', []) + found.get('std', []), np.float64)) < FILL_MAGNITUDE).all():
+            return found   # (statistics of an untagged fill value, cached before it was refused, are read again)
         # Every date's own statistics, one after the other (per band and date): a series was
         # normalised with its first date's only, later dates reaching the model several sigma off.
         per_date = [self._band_statistics(chosen, paths) for paths in dates]
@@ -1299,6 +1300,9 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{path}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
             x = x[:, ~invalid]
+            refusal = untagged_fill(x[np.array(self.bands) - 1], path, s['dtype'])
+            if refusal:
+                raise DataError(refusal)
             if not x.shape[1]:
                 continue
             if shift is None:

@@ -798,9 +798,50 @@ def alpha_as_data_refusal(path, src, bands, bands_said):
     if not both:
         return None
     b = both[0]
+    # rasterio's own CLI too: a pip-installed rasterio has no gdal_edit.py.
+    interp = ','.join('undefined' if i + 1 in both else c.name for i, c in enumerate(src.colorinterp))
     return (f"{path}: band {b} is tagged as alpha, so its 0 pixels read as nodata, but {bands_said} takes it "
-            f"as data. If it is data (NIR...), untag it: gdal_edit.py -colorinterp_{b} undefined {path}; if it "
-            "is a mask, leave it out of the bands")
+            f"as data. If it is data (NIR...), untag it: gdal_edit.py -colorinterp_{b} undefined {path} (or rio "
+            f"edit-info --colorinterp {interp} {path}); if it is a mask, leave it out of the bands")
+
+
+# A magnitude no measurement reaches: float32's lowest, -3.4028235e38 (the no-data fill ArcGIS and
+# other tools write into float rasters), -1e38 and the like. Left untagged, it made computed
+# statistics of 1e38 and NaN losses, or inputs normalised to a constant and nothing learnt.
+FILL_MAGNITUDE = 1e30
+
+
+def untagged_fill(raw_CN, path, file_dtype):
+    """The line for pixels of a floating-point image (``raw_CN``: its bands' valid pixels, the
+    tagged nodata left out) that hold a fill value no nodata tag marks, or None."""
+    if np.dtype(file_dtype).kind != 'f' or not raw_CN.size:
+        return None
+    huge = np.isfinite(raw_CN) & (np.abs(raw_CN) >= FILL_MAGNITUDE)
+    if not huge.any():
+        return None
+    band = int(np.argmax(huge.any(axis=1)))
+    value = float(raw_CN[band][huge[band]][0])
+    share = 100.0 * huge[band].mean()
+    return (f"{path}: band {band + 1} holds {value:.8g} in {share:.2g}% of its pixels (a sampled read), a fill "
+            f"value that float rasters use for no data, but the file has no nodata tag for it, so it would be "
+            f"read as data; tag it (rio edit-info --nodata {value:.8g} FILE) to have those pixels masked")
+
+
+def untagged_fill_refusal(path, bands=None, size=512):
+    """:func:`untagged_fill` of a decimated read (at most ``size`` px a side, overviews if any) of
+    the file at ``path`` (``bands``: 1-based, all by default): for a scene a command is given
+    directly (predict.py, evaluate.py), as training's statistics pass checks its scenes."""
+    with open_raster(path) as src:
+        if np.dtype(src.dtypes[0]).kind != 'f':
+            return None
+        f = max(1.0, max(src.height, src.width) / size)
+        shape = (max(1, int(src.height / f)), max(1, int(src.width / f)))
+        idx = list(bands) if bands else list(range(1, src.count + 1))
+        x = src.read(idx, out_shape=(len(idx),) + shape).reshape(len(idx), -1)
+        valid = ~nodata_mask(x, src.nodata)
+        if uses_mask_band(src):
+            valid &= src.dataset_mask(out_shape=shape).reshape(-1) > 0
+        return untagged_fill(x[:, valid], path, src.dtypes[0])
 
 
 def nodata_mask(raw_CHW, nodata):

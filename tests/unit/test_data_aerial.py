@@ -637,10 +637,19 @@ def test_a_mask_band_counts_beside_a_nodata_value_and_a_data_band_tagged_alpha_i
     with rasterio.open(tmp_path / 'rgbn.tif', 'w', count=4, dtype='uint8', photometric='RGB', alpha='YES',
                        **common) as d:
         d.write(np.full((4, 40, 40), 50, np.uint8))
-    with pytest.raises(DataError, match=r'rgbn.tif: band 4 is tagged as alpha.*gdal_edit.py -colorinterp_4 undefined'):
+    with pytest.raises(DataError, match=r'rgbn.tif: band 4 is tagged as alpha.*gdal_edit.py -colorinterp_4 undefined'
+                                        r'.* \(or rio edit-info --colorinterp red,green,blue,undefined .*rgbn.tif\)'):
         GeoTiffScenes([str(tmp_path / 'rgbn.tif')], [label], classes=2, crop_size=40, mean=[0] * 4, std=[1] * 4)
     GeoTiffScenes([str(tmp_path / 'rgbn.tif')], [label], classes=2, crop_size=40, bands=[1, 2, 3],
                   mean=[0] * 3, std=[1] * 3)  # the alpha band left out: its mask applies, as it should
+    # The rio command the line gives (a pip-installed rasterio has no gdal_edit.py) untags it.
+    import shutil
+    import subprocess
+    import sys
+    rio = shutil.which('rio') or os.path.join(os.path.dirname(sys.executable), 'rio')
+    subprocess.run([rio, 'edit-info', '--colorinterp', 'red,green,blue,undefined', str(tmp_path / 'rgbn.tif')],
+                   check=True)
+    GeoTiffScenes([str(tmp_path / 'rgbn.tif')], [label], classes=2, crop_size=40, mean=[0] * 4, std=[1] * 4)
 
     wide = write_tif(tmp_path / 'wide.tif', np.full((3, 40, 40), 1000, np.uint16))
     with pytest.raises(DataError, match=r'wide.tif holds uint16 pixels but .*img.tif uint8'):

@@ -672,3 +672,36 @@ def test_a_file_value_a_partial_label_map_passes_into_a_mapped_class_is_said(tmp
     # A partial map that merges nothing (a swap of two values, the rest passed through) says nothing.
     swap = GeoTiffScenes([img], [lbl], crop_size=32, classes=4, label_map={1: 2, 2: 1})
     assert not getattr(swap, 'notes', [])
+
+
+def test_an_untagged_float_fill_value_is_refused_in_training_and_prediction(tmp_path, capsys):
+    """float32 reflectance with ArcGIS's no-data fill (-3.4028235e38) and no nodata tag: statistics
+    of about 1e38 were computed and cached, and the run trained to NaN losses (blamed on the LR) or
+    to chance. Refused naming the file, the band and the fix; tagged, the same file trains."""
+    from ds_seg.cli import predict
+    fill = float(np.finfo(np.float32).min)
+    rng = np.random.default_rng(0)
+    img = rng.random((3, 48, 48)).astype(np.float32)
+    img[:, :12, :12] = fill
+    lbl = write_tif(tmp_path / 'f_label.tif', rng.integers(0, 3, (48, 48)).astype(np.uint8))
+    untagged = write_tif(tmp_path / 'f_image.tif', img)
+    said = (f'{untagged}: band 1 holds -3.4028235e+38 in 6.2% of its pixels (a sampled read), a fill value that '
+            'float rasters use for no data, but the file has no nodata tag for it, so it would be read as data; '
+            'tag it (rio edit-info --nodata -3.4028235e+38 FILE) to have those pixels masked')
+    with pytest.raises(DataError) as refused:
+        GeoTiffScenes([untagged], [lbl], crop_size=32, classes=3)
+    assert str(refused.value) == said
+    # Tagged: trains on the reflectances alone.
+    tagged = write_tif(tmp_path / 'g_image.tif', img, nodata=fill)
+    ds = GeoTiffScenes([tagged], [lbl], crop_size=32, classes=3)
+    assert 0 < ds.mean[0] < 1 and 0 < ds.std[0] < 1
+    from ds_seg.models import UNetTiny
+    torch.save({'state_dict': UNetTiny(3, 3).state_dict(), 'model': dict(type='UNetTiny', in_channels=3, num_classes=3),
+                'classes': ['a', 'b', 'c'], 'data': {'bands': [1, 2, 3], 'mean': [0.5] * 3, 'std': [0.3] * 3,
+                                                     'dtype': 'float32'}}, tmp_path / 'w.pt')
+    capsys.readouterr()
+    assert predict.main(['--checkpoint', str(tmp_path / 'w.pt'), '--input', untagged,
+                         '--output', str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f'predict: error: --input {said}'], err
+    assert not (tmp_path / 'out').exists()
