@@ -18,6 +18,7 @@ from rasterio.windows import Window
 from .. import distributed
 from ..data.preprocess import BatchPreprocessor, host_dtype
 from ..data.raster import DataError, open_scene, read_error, read_window, source_name, uses_mask_band
+from ..models.padding import input_multiple
 from .tiling import ScenePlan, blend_weights
 
 TTA_FLIPS = {'none': (), 'h': ((-1,),), 'hv': ((-1,), (-2,), (-2, -1))}
@@ -295,7 +296,7 @@ def run_scene(forward_fn, image_path, sink, mean, std, bands=None, tile=512, ove
                              f"(bands select the bands)")
         prep = BatchPreprocessor(mean_c, std_c)
         tile, probes = _fitted_tile(forward_fn, tile, src.height, src.width, len(band_idx), device)
-        plan = ScenePlan(src.height, src.width, tile, overlap, block, world_size)
+        plan = ScenePlan(src.height, src.width, tile, overlap, block, world_size, align=input_multiple(forward_fn))
         engine = SceneEngine(src, plan, rank, band_idx, prep, sink, blend=blend, accumulate_dtype=acc_dtype,
                              num_classes=num_classes)
         stats = engine.run(forward_fn, batch_size=batch_size, device=device, tta=tta, progress=progress)

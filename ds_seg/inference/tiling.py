@@ -13,21 +13,33 @@ import numpy as np
 BLENDS = ('gaussian', 'linear', 'none')
 
 
-def window_starts(length, tile, overlap):
+def window_starts(length, tile, overlap, align=1):
     """Start offsets of windows of size ``tile`` with stride ``tile - overlap`` covering
     ``[0, length)``; the last window is flush with the end (a scene shorter than the tile
     gets one window at 0, padded; run_scene first cuts the tile down to such a scene).
+
+    ``align``: the input multiple of the model (its deepest stride, 2**depth for a UNet, the
+    patch for a ViT). Every start is a multiple of it, as every pixel's position in a whole-scene
+    pass is: a start off that grid (the flush last window at ``length - tile``) put its pixels at
+    another pooling phase than their neighbours', and their probabilities 70x as far from a
+    whole-scene pass's as the rest. So the stride is rounded down to a multiple (the overlap
+    grows), and the last window starts at the next multiple past ``length - tile``, padded
+    beyond the scene as the model pads a whole scene.
 
     Example::
 
         window_starts(10, 4, 1)   # [0, 3, 6]
         window_starts(11, 4, 1)   # [0, 3, 6, 7]
+        window_starts(11, 4, 1, align=2)   # [0, 2, 4, 6, 8]
     """
     if overlap < 0 or overlap >= tile:
         raise ValueError(f"overlap must be in [0, tile) = [0, {tile}), got {overlap}")
     if length <= tile:
         return [0]
-    return list(range(0, length - tile, tile - overlap)) + [length - tile]
+    align = max(1, int(align))
+    stride = max(align, (tile - overlap) // align * align)
+    last = -(-(length - tile) // align) * align
+    return list(range(0, last, stride)) + [last]
 
 
 def _profile(n, overlap, mode, at_start, at_end):
@@ -100,15 +112,15 @@ class ScenePlan:
         plan.forward_calls(batch_size=8)   # the same on every rank
     """
 
-    def __init__(self, height, width, tile, overlap, block=256, world_size=1):
+    def __init__(self, height, width, tile, overlap, block=256, world_size=1, align=1):
         self.height, self.width = int(height), int(width)
         self.tile_h, self.tile_w = _as_hw(tile)
         self.overlap = int(overlap)
         self.block = int(block)
         if self.block <= 0 or self.block % 16:
             raise ValueError(f"block must be a positive multiple of 16 (GeoTIFF tiles), got {block}")
-        self.ys = window_starts(self.height, self.tile_h, min(self.overlap, self.tile_h - 1))
-        self.xs = window_starts(self.width, self.tile_w, min(self.overlap, self.tile_w - 1))
+        self.ys = window_starts(self.height, self.tile_h, min(self.overlap, self.tile_h - 1), align)
+        self.xs = window_starts(self.width, self.tile_w, min(self.overlap, self.tile_w - 1), align)
         self.world_size = int(world_size)
         n_blocks = math.ceil(self.height / self.block)
         base, extra = divmod(n_blocks, self.world_size)

@@ -138,6 +138,7 @@ class UNet(nn.Module):
         self.num_classes = num_classes
         self.activation_checkpointing = activation_checkpointing
 
+        self.size_divisor = 2 ** depth  # the input multiple forward() pads to (as the segmentors' backbones say)
         widths = [base_channels * 2 ** i for i in range(depth + 1)]
         # Bilinear upsampling does not reduce channels, so (as in milesial's UNet) the
         # bottleneck and every decoder stage but the last emit half as many to compensate.
