@@ -34,6 +34,11 @@ def data_normalisation(train_set):
         data['colours'] = list(train_set.band_colours)
     if getattr(train_set, 'num_file_bands', None):  # a scene of more bands is another product
         data['file_bands'] = int(train_set.num_file_bands)
+        # ... but not one without the files' alpha band (RGBA training files, an RGB scene)
+        scenes = getattr(train_set, 'scenes', None) or [{}]
+        alpha = sorted(set(scenes[0].get('alpha') or ()) - set(data['bands']))
+        if alpha:
+            data['file_alpha'] = [int(b) for b in alpha]
     if getattr(train_set, 'label_decoding', None):  # label_map, reduce_zero_label, palette
         data['label_decoding'] = train_set.label_decoding
     if getattr(train_set, 'num_dates', 1) > 1:  # a model of one date (UNet) trained on their stacked bands

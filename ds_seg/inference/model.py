@@ -98,6 +98,9 @@ def band_count_refusal(data, path):
         count = src.count
     if count == trained:
         return None
+    alpha = (data or {}).get('file_alpha') or ()
+    if alpha and count == trained - len(alpha) and max(alpha) > count >= max(bands):
+        return None   # the training files' RGB(N) without their trailing alpha band: the same bands
     return (f"{path} has {count} bands, but the model was trained on files of {trained} (its bands "
             f"{' '.join(map(str, bands))}); say which of this scene's bands those are")
 

@@ -253,6 +253,39 @@ def test_a_pixel_is_point_scene_gives_its_outputs_the_same_raster_type(tmp_path)
         assert dst.tags()['AREA_OR_POINT'] == 'Area'
 
 
+class BlockMeanModel(torch.nn.Module):
+    """A model whose every output is its input's mean over aligned 4x4 blocks (a pooling stage with
+    nothing else): it pads to a multiple of 4, as ds_seg's models pad to theirs, so a window off
+    that grid sees other blocks than a whole-scene pass, and a window on it sees the same ones."""
+    size_divisor = 4
+
+    def forward(self, images_BCHW):
+        from ds_seg.models.padding import crop_padding, pad_to_multiple
+        x, pad_h, pad_w = pad_to_multiple(images_BCHW[:, :1], 4)
+        pooled = torch.nn.functional.interpolate(torch.nn.functional.avg_pool2d(x, 4), scale_factor=4)
+        return crop_padding(torch.cat([pooled, -pooled], 1) / 500.0, pad_h, pad_w)
+
+
+def test_windows_start_on_the_models_input_multiple_so_stitching_equals_a_whole_scene_pass(tmp_path):
+    """The last window row and column were flush with the scene's end (777 - 128 = 649, off the
+    4-pixel grid of a depth-2 UNet): the bottom and right strips were predicted at another pooling
+    phase, 70x as far from a whole-scene pass as the rest. Every window on the grid: equal."""
+    path = str(tmp_path / 's.tif')
+    write_scene(path, 777, 653, bands=1, nodata=None)
+
+    def scores(tile, overlap):
+        rows = {}
+        inf.run_scene(BlockMeanModel(), path, lambda y0, s, w, nd: rows.update({y0: s / w}), mean=[0], std=[1],
+                      tile=tile, overlap=overlap, block=64, blend='gaussian')
+        return np.concatenate([rows[y] for y in sorted(rows)], axis=1)
+
+    whole = scores(1024, 0)
+    for tile, overlap in ((128, 32), (96, 17), (100, 30)):
+        np.testing.assert_allclose(scores(tile, overlap), whole, rtol=1e-5, atol=1e-7, err_msg=f'{tile}/{overlap}')
+    assert inf.window_starts(777, 128, 32, align=4) == [0, 96, 192, 288, 384, 480, 576, 652]
+    assert inf.window_starts(653, 100, 30, align=4) == list(range(0, 556, 68)) + [556]
+
+
 def test_float_input_nan_counts_as_nodata(tmp_path):
     path = str(tmp_path / 'f.tif')
     img = np.arange(40 * 30, dtype=np.float32).reshape(1, 40, 30) % 7
@@ -892,6 +925,38 @@ def test_a_scene_of_more_bands_than_the_training_files_needs_bands(tmp_path, cap
     assert run('c', '--bands', '1', '2', '3') == 2
     assert capsys.readouterr().err.startswith(f"{program}: error: {option} {wide} holds uint16 pixels but the model "
                                               "was trained on uint8")
+
+
+def test_a_model_of_rgba_files_takes_an_rgb_scene_without_bands(tmp_path, capsys):
+    """Trained on bands 1-3 of RGBA files (the alpha band left out, its mask used): a plain RGB
+    scene of the same bands was refused as a scene of other bands until --bands 1 2 3 was given.
+    The checkpoint records the files' alpha band; a scene of only the other bands runs, and one of
+    more bands than the files is still refused."""
+    from ds_seg.cli import predict
+    from ds_seg.data.geotiff import GeoTiffScenes
+    from ds_seg.engine.checkpointer import data_normalisation
+    rgba = str(tmp_path / 'rgba.tif')
+    with rasterio.open(rgba, 'w', driver='GTiff', width=40, height=40, count=4, dtype='uint8', photometric='RGB',
+                       alpha='YES', crs='EPSG:32632', transform=TRANSFORM) as dst:
+        dst.write(np.full((4, 40, 40), 200, np.uint8))
+    label = str(tmp_path / 'label.tif')
+    with rasterio.open(label, 'w', driver='GTiff', width=40, height=40, count=1, dtype='uint8', crs='EPSG:32632',
+                       transform=TRANSFORM) as dst:
+        dst.write(np.zeros((1, 40, 40), np.uint8))
+    data = data_normalisation(GeoTiffScenes([rgba], [label], classes=2, crop_size=32, bands=[1, 2, 3]))
+    assert (data['file_bands'], data['file_alpha'], data['bands']) == (4, [4], [1, 2, 3])
+    weights, _, _ = _cli_files(tmp_path, 'UNetTiny')
+    payload = torch.load(weights)
+    payload['data'].update(file_bands=4, file_alpha=[4])
+    torch.save(payload, weights)
+    rgb, wide = str(tmp_path / 'rgb.tif'), str(tmp_path / 'wide.tif')
+    write_scene(rgb, 40, 40, bands=3)
+    write_scene(wide, 40, 40, bands=5)
+    common = ['--checkpoint', weights, '--tile', '32']
+    assert predict.main(common + ['--input', rgb, '--output', str(tmp_path / 'a')]) == 0
+    capsys.readouterr()
+    assert predict.main(common + ['--input', wide, '--output', str(tmp_path / 'b')]) == 2
+    assert 'has 5 bands, but the model was trained on files of 4' in capsys.readouterr().err
 
 
 def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path):
