@@ -21,6 +21,7 @@ import torch
 
 from .config import ConfigError, extra_hint
 from .inference.model import fixed_input_size, window_refusal
+from .inference.tiling import input_multiple
 
 INPUT, OUTPUT = 'images_BCHW', 'logits_BKHW'
 FORMATS = {'onnx': '.onnx', 'torch-export': '.pt2'}
@@ -44,7 +45,10 @@ def _export_sizes(model, info):
     it failed to export at all."""
     first, *others = _sample_sizes(model)
     fixed = fixed_input_size(info.get('model'))
-    if fixed and window_refusal(model, _in_channels(model, info), first[0]) is not None:
+    # Probed at a size other than its own: one built for the trace size (img_size=64) took it, was
+    # exported with H and W dynamic, and failed its check at another size in a traceback.
+    probe = next((h for h, _ in (first, *others) if h != fixed), 2 * (fixed or 32))
+    if fixed and window_refusal(model, _in_channels(model, info), probe) is not None:
         return (fixed, fixed), [(fixed, fixed)] * 2, ('B',)
     return first, others, ('B', 'H', 'W')
 
@@ -83,7 +87,10 @@ def model_card(info, fmt, out, work_dir=None, step=None, dynamic=('B', 'H', 'W')
                 classes=list(info.get('classes') or []), bands=data.get('bands'), mean=data.get('mean'),
                 std=data.get('std'), ignore_index=data.get('ignore_index'), dtype=data.get('dtype'),
                 file_bands=data.get('file_bands'), colours=data.get('colours'),
-                label_decoding=data.get('label_decoding'),
+                label_decoding=data.get('label_decoding'), file_alpha=data.get('file_alpha'),
+                num_dates=data.get('num_dates'), pixel_size_m=data.get('pixel_size_m'),
+                # predict's windows start on it, as they do for the PyTorch model
+                input_multiple=info.get('input_multiple'),
                 model=info.get('model'), source=info.get('source'), step=step, training_config=None,
                 final_metrics=None, torch=torch.__version__)
     if work_dir:
@@ -187,7 +194,7 @@ def export_onnx(model, out, info, work_dir=None, step=None):
         # (export.py: exit 74 with the errno).
         with _quiet_exporter():
             program.save(tmp)
-        card = model_card(info, 'onnx', out, work_dir, step, dims)
+        card = model_card(dict(info, input_multiple=input_multiple(model)), 'onnx', out, work_dir, step, dims)
         # The graph alone: external weights stay in their file (loading them would pass protobuf's
         # 2 GB limit when saved again), and are named for the final file.
         proto = onnx.load(tmp, load_external_data=False)
@@ -312,8 +319,9 @@ def load_onnx(path, threads=None):
     meta = forward.session.get_modelmeta().custom_metadata_map
     card = json.loads(meta['ds_seg']) if 'ds_seg' in meta else {}
     data = {k: card.get(k) for k in ('bands', 'mean', 'std', 'ignore_index', 'dtype', 'file_bands', 'colours',
-                                     'label_decoding')} \
+                                     'label_decoding', 'file_alpha', 'num_dates', 'pixel_size_m')} \
         if card.get('mean') else None
+    forward.size_divisor = int(card.get('input_multiple') or 1)   # (see ds_seg.models.padding.input_multiple)
     return forward, dict(classes=card.get('classes') or None, model=card.get('model'), data=data)
 
 
@@ -362,7 +370,7 @@ def export_torch(model, out, info, work_dir=None, step=None):
         raise ConfigError(f'--format torch-export: {name} exports but cannot be saved '
                           f'({str(exc).splitlines()[0][:160]}); use --format onnx.') from exc
     os.replace(tmp, out)
-    card = model_card(info, 'torch-export', out, work_dir, step, dims)
+    card = model_card(dict(info, input_multiple=input_multiple(model)), 'torch-export', out, work_dir, step, dims)
     if 'H' in dims:  # traced at twice the coarsest stride: checked to hold from there up; below it
         # a program may fail with torch's raw shape guard (SegFormer's at 61 px, UNet's not at 8)
         card['input']['min_size'] = list(first)

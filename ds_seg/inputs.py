@@ -404,8 +404,12 @@ def check_writable(folder, option='--output', create=False):
         else:
             os.rmdir(tempfile.mkdtemp(prefix='.ds_seg_write_test', dir=where))
     except OSError as exc:
-        raise ConfigError(f'{option}: {folder} is not writable ({exc.strerror or exc}); choose a folder you '
-                          'can write to.') from exc
+        # The probe's errno, said as the probe's: "/proc is not writable (No such file or directory)"
+        # read as if /proc were missing.
+        tried = ('making it' if create and not os.path.isdir(folder) else 'creating a file in it'
+                 if os.path.isdir(folder) else f'creating a folder in {where}')
+        raise ConfigError(f'{option}: {folder} is not writable ({tried} failed: {exc.strerror or exc}); choose a '
+                          'folder you can write to.') from exc
 
 
 def run_token():

@@ -59,7 +59,7 @@ def main(argv=None):
     parser.add_argument('checkpoint', type=user_path, help='a step_* folder, a checkpoints/ folder or a work dir '
                         '(for onnx/torch-export also a weights file from this script)')
     parser.add_argument('--out', type=user_path, default=None, help='output file (default: <work dir>/weights_<tag>.pt, '
-                        'model_<tag>.onnx or model_<tag>.pt2)')
+                        'model_<tag>.onnx or model_<tag>.pt2; from a weights file, model_<its name> beside it)')
     parser.add_argument('--format', choices=('weights',) + tuple(deploy.FORMATS), default='weights',
                         help='weights (default): plain fp32 state dict for predict/evaluate/load_from; '
                              'onnx; torch-export')
@@ -97,6 +97,19 @@ def main(argv=None):
     return 0
 
 
+def _still_holds(ckpt, payload):
+    """Whether step folder ``ckpt`` (a weights file's recorded source) holds the file's weights
+    still: the same step, and the same tensors (their SHA-256, as the file records it)."""
+    if not os.path.isfile(os.path.join(ckpt, checkpoint.COMPLETE)) or not payload.get('sha256'):
+        return False
+    try:
+        if checkpoint.read_marker(ckpt).get('step') != payload.get('step'):
+            return False
+        return checkpoint.weights_digest(checkpoint.consolidated_state_dict(ckpt)) == payload['sha256']
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return False
+
+
 def export_deployable(source, fmt, out=None):
     """``source`` (checkpoint folder, work dir or weights file) -> an ONNX / torch.export file + card."""
     from ds_seg.inference import load_model
@@ -107,6 +120,13 @@ def export_deployable(source, fmt, out=None):
         payload = checkpoint.load_weights_file(source)
         ckpt = payload.get('source') or source
         tag = os.path.splitext(os.path.basename(source))[0]
+        if not _still_holds(ckpt, payload):
+            # Its run was retrained or replaced since (a default work_dirs/<config> reused): that
+            # folder's config and metrics are another model's, not this file's.
+            if os.path.isdir(ckpt):
+                print(f'export: {ckpt}, which {source} was exported from, no longer holds its weights (retrained '
+                      'or replaced since): the model card carries only what the file records', flush=True)
+            ckpt = source
     else:
         ckpt = checkpoint.find_checkpoint(source, report=lambda line: print(f'export: {line}'))
         tag = os.path.basename(ckpt)
@@ -115,7 +135,12 @@ def export_deployable(source, fmt, out=None):
     marker = os.path.join(ckpt, checkpoint.COMPLETE)
     step = checkpoint.read_marker(ckpt).get('step') if os.path.isfile(marker) else None
     work_dir = os.path.dirname(os.path.dirname(ckpt)) if step is not None else None
-    out = out or os.path.join(work_dir or os.path.dirname(os.path.abspath(source)), f'model_{tag}{deploy.FORMATS[fmt]}')
+    if weights_file and step is None:
+        step = payload.get('step')   # the file's own record (no run folder to read metrics from)
+    # A weights file's beside it (its run's folder may be another's by now), a checkpoint's in its work dir.
+    default_folder = os.path.dirname(os.path.abspath(source)) if weights_file else work_dir
+    out = out or os.path.join(default_folder or os.path.dirname(os.path.abspath(source)),
+                              f'model_{tag}{deploy.FORMATS[fmt]}')
     check_out(out)  # before the model is loaded and traced
     model, info = load_model(source if weights_file else ckpt, 'cpu')
     info['source'] = os.path.abspath(ckpt)

@@ -733,7 +733,7 @@ def load_weights_file(path, folder_taken=True):
     if not head.startswith(_TORCH_MAGIC) and looks_like_onnx(path, head):
         # Its protobuf bytes read as ASCII: it was called 'a text file', which says nothing useful.
         raise ValueError(f"{path}: is an ONNX model (launch/export.py --format onnx), not a weights file: "
-                         "predict.py and evaluate.py run it; load_from and export take the weights file or "
+                         "launch/predict.py and launch/evaluate.py run it; load_from and export take the weights file or "
                          "checkpoint it was exported from (launch/export.py WORK_DIR writes weights_<step>.pt).")
     if not head.startswith(_TORCH_MAGIC):
         raise ValueError(f"{path}: is {not_torch_kind(head)}, not a weights file (torch.save writes a zip archive); "

@@ -18,8 +18,7 @@ from rasterio.windows import Window
 from .. import distributed
 from ..data.preprocess import BatchPreprocessor, host_dtype
 from ..data.raster import DataError, open_scene, read_error, read_window, source_name, uses_mask_band
-from ..models.padding import input_multiple
-from .tiling import ScenePlan, blend_weights
+from .tiling import ScenePlan, blend_weights, input_multiple
 
 TTA_FLIPS = {'none': (), 'h': ((-1,),), 'hv': ((-1,), (-2,), (-2, -1))}
 

@@ -42,6 +42,17 @@ def window_starts(length, tile, overlap, align=1):
     return list(range(0, last, stride)) + [last]
 
 
+def input_multiple(model):
+    """The input multiple a model pads to (mmseg's ``size_divisor``: its deepest stride), its
+    own or its backbone's (an ONNX file's, from its card: deploy.load_onnx); 1 for anything else
+    (a plain callable, an ONNX file exported before the card recorded it)."""
+    for part in (model, getattr(model, 'backbone', None), getattr(model, 'module', None)):
+        divisor = getattr(part, 'size_divisor', None)
+        if isinstance(divisor, int) and divisor > 0:
+            return divisor
+    return 1
+
+
 def _profile(n, overlap, mode, at_start, at_end):
     """1-D blending weights over a window of ``n`` pixels.
 

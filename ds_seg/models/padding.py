@@ -28,12 +28,3 @@ def crop_padding(x_BKHW, pad_h, pad_w):
         return F.pad(x_BKHW, (0, -pad_w, 0, -pad_h))
     return x_BKHW[..., :x_BKHW.shape[-2] - pad_h, :x_BKHW.shape[-1] - pad_w]
 
-
-def input_multiple(model):
-    """The input multiple a model pads to (mmseg's ``size_divisor``: its deepest stride), its
-    own or its backbone's; 1 for anything else (an ONNX session, a plain callable)."""
-    for part in (model, getattr(model, 'backbone', None), getattr(model, 'module', None)):
-        divisor = getattr(part, 'size_divisor', None)
-        if isinstance(divisor, int) and divisor > 0:
-            return divisor
-    return 1

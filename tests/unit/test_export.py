@@ -157,6 +157,19 @@ def test_timm_vit_exports_and_stays_exact_off_the_patch_grid(tmp_path, name):
             assert (program(x) - model(x)).abs().max() < 1e-4
 
 
+def test_a_model_built_for_the_trace_size_is_still_one_of_one_input_size():
+    """A Swin built for img_size=64, the size an export traces at, took the probe at that size, was
+    exported with H and W dynamic and failed its check at 96x128 in a traceback (ONNX), or ran for
+    minutes (torch.export). Probed at another size, it is traced at its own with the batch dynamic."""
+    from ds_seg import deploy
+    cfg = dict(type='UperNet', backbone='swin_tiny_patch4_window7_224', img_size=64, channels=16, num_classes=6,
+               backbone_kwargs=dict(embed_dim=24, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), window_size=4))
+    model = build(MODELS, cfg).eval()
+    assert deploy._export_sizes(model, dict(model=cfg)) == ((64, 64), [(64, 64)] * 2, ('B',))
+    free = dict(cfg, img_size=None, backbone='resnet18', backbone_kwargs={})
+    assert deploy._export_sizes(build(MODELS, free).eval(), dict(model=free))[2] == ('B', 'H', 'W')
+
+
 def test_a_model_of_one_input_size_exports_at_that_size(tmp_path):
     """A Swin built for img_size=96 refuses every other size: both exports traced it at 64 px and
     failed ('Input height (s68) doesn't match model'). Now they trace and check it at 96 px with
@@ -249,6 +262,39 @@ def test_model_card_metrics_are_the_exported_steps(trained_run, fmt, suffix):
             assert metrics['steps'] == 4 and metrics['exit_reason'] == 'completed'
         else:
             assert 'steps' not in metrics and 'final_loss' not in metrics
+
+
+def test_a_weights_file_whose_run_was_retrained_exports_with_its_own_records_beside_it(trained_run, capsys):
+    """export.py A.pt --format onnx took the card's training config and metrics from the step folder
+    A.pt was exported from, as it is now: retrained in the same work dir (or by another model), the
+    card described another run. Without --out it wrote into that run's folder. Now the folder must
+    still hold the file's weights (step and SHA-256), else the card has only the file's records
+    (said in one line), and the default output is beside the file."""
+    import shutil
+
+    from ds_seg.cli.export import _still_holds, export_deployable
+    from ds_seg.engine import checkpoint
+    tmp, work, _ = trained_run
+    copy = tmp / 'retrained'
+    shutil.copytree(work, copy)
+    step2 = copy / 'checkpoints' / 'step_00000002'
+    elsewhere = tmp / 'elsewhere'
+    elsewhere.mkdir()
+    weights = str(elsewhere / 'a.pt')
+    checkpoint.export(str(step2), weights)
+    assert _still_holds(str(step2), checkpoint.load_weights_file(weights))
+    shutil.rmtree(step2)   # the work dir reused: its step 2 is another run's now
+    shutil.copytree(copy / 'checkpoints' / 'step_00000004', step2)
+    assert not _still_holds(str(step2), checkpoint.load_weights_file(weights))
+    capsys.readouterr()
+    ckpt, out = export_deployable(weights, 'onnx')
+    assert out == str(elsewhere / 'model_a.onnx') and ckpt == weights
+    assert (f'export: {step2}, which {weights} was exported from, no longer holds its weights (retrained or replaced '
+            'since): the model card carries only what the file records') in capsys.readouterr().out
+    card = json.loads(open(f'{out}.card.json').read())
+    assert card['training_config'] is None and card['final_metrics'] is None
+    assert card['source'] == weights and card['step'] == 2 and card['model']['type'] == 'UNetTiny'
+    assert sorted(os.listdir(copy / 'checkpoints')) == sorted(os.listdir(os.path.join(work, 'checkpoints')))
 
 
 def test_evaluate_runs_the_onnx_file_like_the_weights_and_others_name_it(weights, onnx_file):

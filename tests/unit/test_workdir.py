@@ -422,3 +422,25 @@ def test_a_work_dir_link_round_a_loop_is_said_as_a_loop(tmp_path):
     os.symlink(tmp_path / 'purged', dangling)
     with pytest.raises(ConfigError, match=r"y is a symbolic link to .*purged, which does not exist \(purged, or not"):
         check_writable(str(dangling), '--work-dir', create=True)
+
+
+def test_an_unwritable_folder_says_which_creation_failed(monkeypatch, tmp_path):
+    """/proc was "not writable (No such file or directory)", the probe file's errno said as if the
+    folder itself were missing; and the ONNX refusal of load_from named predict.py/evaluate.py to a
+    user of the installed console scripts."""
+    from ds_seg.config import ConfigError
+    from ds_seg.engine import checkpoint
+    from ds_seg.inputs import as_invoked, check_writable
+    for folder, create, tried in (('/proc', False, 'creating a file in it failed'),
+                                  ('/proc/x', False, 'creating a folder in /proc failed'),
+                                  ('/proc/a/b', True, 'making it failed')):
+        with pytest.raises(ConfigError) as refused:
+            check_writable(folder, '--out', create=create)
+        assert str(refused.value).startswith(f'--out: {folder} is not writable ({tried}: '), str(refused.value)
+    onnx = tmp_path / 'model.onnx'
+    onnx.write_bytes(b'\x08\x07\x12\x07pytorch' + bytes(64))
+    with pytest.raises(ValueError) as refused:
+        checkpoint.load_weights_file(str(onnx))
+    monkeypatch.setattr('sys.argv', ['/venv/bin/ds-seg-train'])
+    said = as_invoked(str(refused.value))
+    assert '(ds-seg-export --format onnx)' in said and 'ds-seg-predict and ds-seg-evaluate run it' in said, said
