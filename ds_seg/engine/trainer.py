@@ -360,6 +360,9 @@ class Trainer:
                     if current == 0 and (signalled or saving or best):
                         self.checkpointer.save(self.step, self._data_position(), best_record=best,
                                                log_window=self.metrics.window_state())
+                    elif saving and not signalled:  # (a short run ended "completed" with no checkpoint, unsaid)
+                        self.print(f'step {self.step}: no checkpoint: the loss was not finite for the last {current} '
+                                   f'step(s), so the weights may be too; the last checkpoint is kept as it is')
                     if signalled:
                         self._stop('interrupted' if faults.stop.agreed[0] in USER_STOPS else 'preempted',
                                    f'on {faults.stop.describe()}: ' + (

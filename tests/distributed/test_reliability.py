@@ -298,6 +298,9 @@ def test_a_non_finite_loss_stops_with_exit_3_and_keeps_the_last_checkpoint(train
     assert 'stopping at step 4: the loss was not finite for 2 consecutive steps (from step 3); the checkpoint of ' \
            'step 2 holds the weights that gave the first of them: go on from step_00000001 with a lower learning ' \
            f'rate (--resume {os.path.join(work, "checkpoints", "step_00000001")})' in out, out[-2000:]
+    # The checkpoint due at step 3 is not written, and said (a run ending there said nothing).
+    assert ('step 3: no checkpoint: the loss was not finite for the last 1 step(s), so the weights may be too; the '
+            'last checkpoint is kept as it is') in out, out[-2000:]
     losses = [r['loss'] for r in read_jsonl(os.path.join(work, 'metrics.jsonl'))]
     assert [math.isfinite(x) for x in losses] == [True, True, False, False], losses
     root = os.path.join(work, 'checkpoints')
