@@ -254,6 +254,26 @@ def check_pixel_type(path, info, args, option='--input'):
         raise ConfigError(f"{option} {refusal}, or give --mean and --std for its units")
 
 
+def ground_resolution_note(path, info, option='--input'):
+    """A line when the scene's pixels are another ground size than the model was trained at (more
+    than 1.5x either way), or None: objects then appear at another size than in training, which a
+    segmentation model does not transfer across; the scene is not refused (a model may have been
+    trained to generalise), only said."""
+    from ds_seg.data.raster import open_raster, pixel_size_m
+    trained = (info.get('data') or {}).get('pixel_size_m')
+    if not trained:
+        return None
+    with open_raster(path) as src:
+        size = pixel_size_m(src)
+    if not size or 1 / 1.5 <= size / trained <= 1.5:
+        return None
+    ratio = size / trained
+    how = f'{ratio:.2g}x coarser' if ratio > 1 else f'{1 / ratio:.2g}x finer'
+    return (f"{option} {path}: its pixels are {size:.3g} m, {how} than the {trained:.3g} m the model was trained "
+            f"at, so objects appear at another size than in training; for the accuracy training measured, resample "
+            f"it to {trained:.3g} m (gdalwarp -tr {trained:.3g} {trained:.3g} -r bilinear IN OUT)")
+
+
 def check_band_count(path, info, args, option='--input'):
     """Refused as :func:`ds_seg.inference.model.band_count_refusal` says, unless --bands says
     which of the scene's bands are the model's."""
@@ -410,6 +430,9 @@ def _run(args):
             refusal = untagged_fill_refusal(path, bands if bands and max(bands) <= _band_count(path) else None)
             if refusal:
                 raise ConfigError(f'--input {refusal}')
+            note = ground_resolution_note(path, info)
+            if note and distributed.is_main():
+                print(f'[predict] note: {note}', flush=True)
             if not (stacked and (num_dates or 1) > 1):  # one file of every date holds more bands
                 check_band_count(path, info, args)
     check_tile_fits(model, info, args.tile, bands, device)

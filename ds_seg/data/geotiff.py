@@ -63,11 +63,11 @@ from ds_seg.config import ConfigError
 from ds_seg.registry import DATASETS
 
 from .preprocess import geom_code, host_dtype
-from .raster import (FILL_MAGNITUDE, DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours, boundary_mask,
-                     colours_conflict, file_identity, gdal_message, gdal_path, is_remote, label_nodata, nodata_mask,
-                     open_raster, opening_env, pin_versions, pixel_grid, pixel_type_refusal, raster_env, read_error,
-                     read_label_band, read_window, same_file_key, same_pixels, same_value, user_cache_dir,
-                     untagged_fill, uses_mask_band)
+from .raster import (FILL_MAGNITUDE, DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours,
+                     boundary_mask, colours_conflict, file_identity, gdal_message, gdal_path, is_remote, label_nodata,
+                     nodata_mask, open_raster, opening_env, pin_versions, pixel_grid, pixel_size_m, pixel_type_refusal,
+                     raster_env, read_error, read_label_band, read_window, same_file_key, same_pixels, same_value,
+                     untagged_fill, user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -513,7 +513,8 @@ def image_facts(image, img):
     return dict(image=image, width=img.width, height=img.height, count=img.count, nodata=img.nodata,
                 masked=uses_mask_band(img), alpha=alpha_bands(img), dtype=img.dtypes[0],
                 floating=np.dtype(img.dtypes[0]).kind == 'f', colorinterp=[c.name for c in img.colorinterp],
-                encoding=[[float(a), float(b)] for a, b in zip(img.scales, img.offsets)])
+                encoding=[[float(a), float(b)] for a, b in zip(img.scales, img.offsets)],
+                pixel_size_m=pixel_size_m(img))
 
 
 def _same_corner(img, lbl, size=64):

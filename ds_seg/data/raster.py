@@ -827,6 +827,20 @@ def untagged_fill(raw_CN, path, file_dtype):
             f"read as data; tag it (rio edit-info --nodata {value:.8g} FILE) to have those pixels masked")
 
 
+def pixel_size_m(src):
+    """The side of a pixel in metres (the mean of its x and y sizes) of an open raster in a
+    projected CRS, or None (no CRS, degrees, GCPs): what a model was trained at, recorded so a
+    scene of another ground resolution is said at prediction."""
+    try:
+        crs = src.crs
+        if crs is None or not crs.is_projected or src.transform.is_identity:
+            return None
+        factor = float(crs.linear_units_factor[1])
+        return float((abs(src.res[0]) + abs(src.res[1])) / 2 * factor)
+    except Exception:   # a CRS GDAL cannot say the units of
+        return None
+
+
 def untagged_fill_refusal(path, bands=None, size=512):
     """:func:`untagged_fill` of a decimated read (at most ``size`` px a side, overviews if any) of
     the file at ``path`` (``bands``: 1-based, all by default): for a scene a command is given

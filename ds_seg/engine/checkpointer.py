@@ -41,6 +41,9 @@ def data_normalisation(train_set):
             data['file_alpha'] = [int(b) for b in alpha]
     if getattr(train_set, 'label_decoding', None):  # label_map, reduce_zero_label, palette
         data['label_decoding'] = train_set.label_decoding
+    sizes = sorted(s['pixel_size_m'] for s in getattr(train_set, 'scenes', None) or () if s.get('pixel_size_m'))
+    if sizes:  # the ground resolution trained at: a scene of another is said at prediction
+        data['pixel_size_m'] = float(sizes[len(sizes) // 2])
     if getattr(train_set, 'num_dates', 1) > 1:  # a model of one date (UNet) trained on their stacked bands
         data['num_dates'] = int(train_set.num_dates)
     return data

@@ -959,6 +959,35 @@ def test_a_model_of_rgba_files_takes_an_rgb_scene_without_bands(tmp_path, capsys
     assert 'has 5 bands, but the model was trained on files of 4' in capsys.readouterr().err
 
 
+def test_a_scene_of_another_ground_resolution_than_training_is_said(tmp_path, capsys):
+    """A 0.1 m scene through a model trained at 0.5 m predicted without a word (the checkpoint held
+    no pixel size). Checkpoints record the training scenes' ground resolution; predict says a scene
+    more than 1.5x finer or coarser, and runs it."""
+    from ds_seg.cli import predict
+    from ds_seg.data.geotiff import GeoTiffScenes
+    from ds_seg.engine.checkpointer import data_normalisation
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    with rasterio.open(scene) as src:
+        size = abs(src.res[0])
+    assert data_normalisation(GeoTiffScenes([scene], [label], classes=K, crop_size=32))['pixel_size_m'] == size
+    payload = torch.load(weights)
+    for trained, said in ((size, None), (size * 1.4, None), (size * 5, 'finer'), (size / 2, 'coarser')):
+        payload['data']['pixel_size_m'] = trained
+        torch.save(payload, weights)
+        out = tmp_path / f'out_{trained}'
+        assert predict.main(['--checkpoint', weights, '--input', scene, '--output', str(out), '--tile', '32']) == 0
+        notes = [line for line in capsys.readouterr().out.splitlines() if 'm the model was trained at' in line]
+        if said is None:
+            assert not notes, notes
+        else:
+            ratio = f'{trained / size:.2g}x finer' if said == 'finer' else f'{size / trained:.2g}x coarser'
+            assert notes == [f'[predict] note: --input {scene}: its pixels are {size:.3g} m, {ratio} than the '
+                             f'{trained:.3g} m the model was trained at, so objects appear at another size than in '
+                             f'training; for the accuracy training measured, resample it to {trained:.3g} m (gdalwarp '
+                             f'-tr {trained:.3g} {trained:.3g} -r bilinear IN OUT)'], notes
+            assert (out / 'scene_classes.tif').exists()
+
+
 def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path):
     """An evaluation of 3 scenes, then --overwrite with 1: preview_1.png and preview_2.png of the
     first run stayed beside the new eval.json, as if they were its scenes. Without --overwrite
