@@ -295,6 +295,9 @@ def test_evaluate_with_a_runs_config_scores_as_its_training_evaluated(tmp_path):
     _run('train.py', '--config', 'configs/unet_tiny_synthetic.py', '--backend', 'ddp', '--deepspeed_config',
          str(tmp_path / 'fp32.json'), '--work-dir', str(work), '--cfg-options', 'train.max_steps=20',
          'train.eval_interval=20', 'train.checkpoint_interval=20', 'data.eval_overlap=8',
+         # A val scene whose last window is off the model's 8-px grid (203 - 64): training's
+         # evaluation (through its backend's forward) and evaluate.py (the model) align it alike.
+         'data.val.scene_size=203',
          f'data.train.cache_dir={str(cache)!r}', f'data.val.cache_dir={str(cache)!r}')
     trained = [json.loads(line) for line in open(work / 'eval.jsonl')][-1]
     results = {}
