@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ds_seg.cli.predict import (DEFAULT_TILE, Progress, add_window_args, check_band_count,  # noqa: E402
-                               check_pixel_type, check_tile_fits, load_forward, normalisation,
+                               check_pixel_type, check_scene_values, check_tile_fits, load_forward, normalisation,
                                quiet_about_plain_images, setup, tile_from_model, window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
@@ -392,6 +392,7 @@ def _run(args):
     option = '--images' if args.images else 'data.val'
     for path in images:
         check_pixel_type(path, info, args, option)
+        check_scene_values(path, info, bands, option, program='evaluate')
         if args.images:  # a dataset selects its bands by its own config
             check_band_count(path, info, args, option)
         else:  # --images were checked against the model's colours as they were paired

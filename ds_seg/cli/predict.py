@@ -254,6 +254,17 @@ def check_pixel_type(path, info, args, option='--input'):
         raise ConfigError(f"{option} {refusal}, or give --mean and --std for its units")
 
 
+def check_scene_values(path, info, bands, option='--input', program='predict'):
+    """What a sampled read of the scene tells before any work: an untagged float fill value is
+    refused (training refuses it too), another ground resolution than the model's is said."""
+    refusal = untagged_fill_refusal(path, bands if bands and max(bands) <= _band_count(path) else None)
+    if refusal:
+        raise ConfigError(f'{option} {refusal}')
+    note = ground_resolution_note(path, info, option)
+    if note and distributed.is_main():
+        print(f'[{program}] note: {note}', flush=True)
+
+
 def ground_resolution_note(path, info, option='--input'):
     """A line when the scene's pixels are another ground size than the model was trained at (more
     than 1.5x either way), or None: objects then appear at another size than in training, which a
@@ -427,12 +438,7 @@ def _run(args):
             check_bands(path, bands, channels // len(dates) if channels else None,
                         colours=(info.get('data') or {}).get('colours'))
             check_pixel_type(path, info, args)
-            refusal = untagged_fill_refusal(path, bands if bands and max(bands) <= _band_count(path) else None)
-            if refusal:
-                raise ConfigError(f'--input {refusal}')
-            note = ground_resolution_note(path, info)
-            if note and distributed.is_main():
-                print(f'[predict] note: {note}', flush=True)
+            check_scene_values(path, info, bands)
             if not (stacked and (num_dates or 1) > 1):  # one file of every date holds more bands
                 check_band_count(path, info, args)
     check_tile_fits(model, info, args.tile, bands, device)

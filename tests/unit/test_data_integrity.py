@@ -705,3 +705,9 @@ def test_an_untagged_float_fill_value_is_refused_in_training_and_prediction(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f'predict: error: --input {said}'], err
     assert not (tmp_path / 'out').exists()
+    from ds_seg.cli import evaluate
+    assert evaluate.main(['--checkpoint', str(tmp_path / 'w.pt'), '--images', untagged, '--labels', lbl,
+                          '--output', str(tmp_path / 'eval')]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f'evaluate: error: --images {said}'], err
+    assert not (tmp_path / 'eval').exists()
