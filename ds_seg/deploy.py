@@ -34,7 +34,7 @@ def _sample_sizes(model):
     that kept the traced size's padding or resizing is caught). Every side is at least twice the
     coarsest stride: torch.export takes a dynamic dimension to be at least 2 (sizes 0 and 1 are
     specialised), so a program traced at 64 px holds from 64 px on."""
-    divisor = max(32, int(getattr(getattr(model, 'backbone', None), 'size_divisor', 1) or 1))
+    divisor = max(32, input_multiple(model))
     return (2 * divisor, 2 * divisor), (3 * divisor, 4 * divisor), (3 * divisor + 5, 2 * divisor + 3)
 
 
@@ -321,7 +321,7 @@ def load_onnx(path, threads=None):
     data = {k: card.get(k) for k in ('bands', 'mean', 'std', 'ignore_index', 'dtype', 'file_bands', 'colours',
                                      'label_decoding', 'file_alpha', 'num_dates', 'pixel_size_m')} \
         if card.get('mean') else None
-    forward.size_divisor = int(card.get('input_multiple') or 1)   # (see ds_seg.models.padding.input_multiple)
+    forward.size_divisor = int(card.get('input_multiple') or 1)   # (see ds_seg.inference.tiling.input_multiple)
     return forward, dict(classes=card.get('classes') or None, model=card.get('model'), data=data)
 
 

@@ -251,7 +251,8 @@ class RunLog:
                     with open(path + '.tmp', 'w') as f:
                         f.writelines(keep)
                     os.replace(path + '.tmp', path)
-                    kept[name] = [json.loads(line) for line in keep]
+                    if brought_back is not None:
+                        kept[name] = [json.loads(line) for line in keep]
             # The abandoned branch's summary (its end, past the step resumed from) goes with its
             # rows: this run's end would write over it.
             summary = os.path.join(self.work_dir, 'summary.json')
@@ -260,7 +261,7 @@ class RunLog:
                 self._point_best_at_set_aside(set_aside)
             # The branch brought back: its points after the branch point, purged with the other's, again.
             for name, scalars in (('metrics.jsonl', self._train_scalars), ('eval.jsonl', self._eval_scalars)):
-                for record in kept.get(name, ()) if brought_back is not None else ():
+                for record in kept.get(name, ()):
                     if record['step'] > branch_point:
                         self._to_tensorboard(scalars(record), record['step'])
             return

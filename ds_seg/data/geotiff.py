@@ -1301,7 +1301,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{path}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
             x = x[:, ~invalid]
-            refusal = untagged_fill(x[np.array(self.bands) - 1], path, s['dtype'])
+            refusal = untagged_fill(x[np.array(self.bands) - 1], path, s['dtype'], self.bands)
             if refusal:
                 raise DataError(refusal)
             if not x.shape[1]:
@@ -1592,8 +1592,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             top, where = self._classes_inferred_from
             self.notes = [*self.notes, (
                 f"classes: {self.num_classes} counted from the largest label value, {top} (in {where}), and "
-                f"{_listed(empty)} {'holds' if len(empty) == 1 else 'hold'} no pixel of any label file; if {top} is a stray value, fix that file "
-                "or give `classes` (the class names or count)")]
+                f"{_listed(empty)} {'holds' if len(empty) == 1 else 'hold'} no pixel of any label file; if {top} "
+                "is a stray value, fix that file or give `classes` (the class names or count)")]
         if labelled == 0 and checked:
             raise DataError(f"{self._scenes[0]['label']}{' and the other label files' if len(self._scenes) > 1 else ''}: "
                             f"no pixel is labelled with a class (all are ignore_index {self.ignore_index}); "

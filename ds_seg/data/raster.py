@@ -811,9 +811,10 @@ def alpha_as_data_refusal(path, src, bands, bands_said):
 FILL_MAGNITUDE = 1e30
 
 
-def untagged_fill(raw_CN, path, file_dtype):
+def untagged_fill(raw_CN, path, file_dtype, band_numbers=None):
     """The line for pixels of a floating-point image (``raw_CN``: its bands' valid pixels, the
-    tagged nodata left out) that hold a fill value no nodata tag marks, or None."""
+    tagged nodata left out; ``band_numbers``: the file's 1-based number of each row, 1.. by
+    default) that hold a fill value no nodata tag marks, or None."""
     if np.dtype(file_dtype).kind != 'f' or not raw_CN.size:
         return None
     huge = np.isfinite(raw_CN) & (np.abs(raw_CN) >= FILL_MAGNITUDE)
@@ -822,7 +823,8 @@ def untagged_fill(raw_CN, path, file_dtype):
     band = int(np.argmax(huge.any(axis=1)))
     value = float(raw_CN[band][huge[band]][0])
     share = 100.0 * huge[band].mean()
-    return (f"{path}: band {band + 1} holds {value:.8g} in {share:.2g}% of its pixels (a sampled read), a fill "
+    number = band_numbers[band] if band_numbers is not None else band + 1
+    return (f"{path}: band {number} holds {value:.8g} in {share:.2g}% of its pixels (a sampled read), a fill "
             f"value that float rasters use for no data, but the file has no nodata tag for it, so it would be "
             f"read as data; tag it (rio edit-info --nodata {value:.8g} FILE) to have those pixels masked")
 
@@ -855,7 +857,7 @@ def untagged_fill_refusal(path, bands=None, size=512):
         valid = ~nodata_mask(x, src.nodata)
         if uses_mask_band(src):
             valid &= src.dataset_mask(out_shape=shape).reshape(-1) > 0
-        return untagged_fill(x[:, valid], path, src.dtypes[0])
+        return untagged_fill(x[:, valid], path, src.dtypes[0], idx)
 
 
 def nodata_mask(raw_CHW, nodata):

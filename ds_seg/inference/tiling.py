@@ -37,7 +37,9 @@ def window_starts(length, tile, overlap, align=1):
     if length <= tile:
         return [0]
     align = max(1, int(align))
-    stride = max(align, (tile - overlap) // align * align)
+    if align > tile - overlap:  # a stride of the multiple would leave gaps between windows: as before
+        align = 1
+    stride = (tile - overlap) // align * align
     last = -(-(length - tile) // align) * align
     return list(range(0, last, stride)) + [last]
 

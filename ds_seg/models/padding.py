@@ -27,4 +27,3 @@ def crop_padding(x_BKHW, pad_h, pad_w):
     if torch.compiler.is_exporting():
         return F.pad(x_BKHW, (0, -pad_w, 0, -pad_h))
     return x_BKHW[..., :x_BKHW.shape[-2] - pad_h, :x_BKHW.shape[-1] - pad_w]
-

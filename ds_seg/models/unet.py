@@ -165,7 +165,7 @@ class UNet(nn.Module):
     def forward(self, images_BCHW):
         # Padded to a multiple of 2**depth (as the segmentors pad to their encoder's): a window
         # smaller than that (a 5 x 300 strip, 1 x 1) pooled to nothing, "Output size is too small".
-        images_BCHW, pad_h, pad_w = pad_to_multiple(images_BCHW, 2 ** len(self.downs))
+        images_BCHW, pad_h, pad_w = pad_to_multiple(images_BCHW, self.size_divisor)
         skips = [self._run(self.inc, images_BCHW)]
         for down in self.downs:
             skips.append(self._run(down, skips[-1]))

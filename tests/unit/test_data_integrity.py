@@ -691,6 +691,12 @@ def test_an_untagged_float_fill_value_is_refused_in_training_and_prediction(tmp_
     with pytest.raises(DataError) as refused:
         GeoTiffScenes([untagged], [lbl], crop_size=32, classes=3)
     assert str(refused.value) == said
+    # The band named is the file's, whichever bands are selected; float64's own extreme is a fill too.
+    img64 = rng.random((3, 48, 48))
+    img64[2, :12, :12] = -np.finfo(np.float64).max
+    third = write_tif(tmp_path / 'h_image.tif', img64)
+    with pytest.raises(DataError, match=rf'^{re.escape(third)}: band 3 holds -1.7976931e\+308 in 6.2% '):
+        GeoTiffScenes([third], [lbl], crop_size=32, classes=3, bands=[3, 1])
     # Tagged: trains on the reflectances alone.
     tagged = write_tif(tmp_path / 'g_image.tif', img, nodata=fill)
     ds = GeoTiffScenes([tagged], [lbl], crop_size=32, classes=3)

@@ -283,6 +283,8 @@ def test_windows_start_on_the_models_input_multiple_so_stitching_equals_a_whole_
     for tile, overlap in ((128, 32), (96, 17), (100, 30)):
         np.testing.assert_allclose(scores(tile, overlap), whole, rtol=1e-5, atol=1e-7, err_msg=f'{tile}/{overlap}')
     assert inf.window_starts(777, 128, 32, align=4) == [0, 96, 192, 288, 384, 480, 576, 652]
+    # A multiple larger than the stride (a 16 px tile for a 32 px encoder) would leave gaps: not aligned.
+    assert inf.window_starts(50, 16, 4, align=32) == inf.window_starts(50, 16, 4) == [0, 12, 24, 34]
     assert inf.window_starts(653, 100, 30, align=4) == list(range(0, 556, 68)) + [556]
 
 
