@@ -270,19 +270,24 @@ def ground_resolution_note(path, info, option='--input'):
     than 1.5x either way), or None: objects then appear at another size than in training, which a
     segmentation model does not transfer across; the scene is not refused (a model may have been
     trained to generalise), only said."""
-    from ds_seg.data.raster import open_raster, pixel_size_m
+    from ds_seg.data.raster import ground_metres_per_unit, open_raster, pixel_size_m
     trained = (info.get('data') or {}).get('pixel_size_m')
     if not trained:
         return None
     with open_raster(path) as src:
         size = pixel_size_m(src)
+        per_unit = ground_metres_per_unit(src)
+        units = 'degrees' if src.crs is not None and src.crs.is_geographic else 'its CRS units'
     if not size or 1 / 1.5 <= size / trained <= 1.5:
         return None
     ratio = size / trained
     how = f'{ratio:.2g}x coarser' if ratio > 1 else f'{1 / ratio:.2g}x finer'
+    # gdalwarp's -tr is in the scene's CRS units: Web Mercator or degrees are not ground metres.
+    tr_x, tr_y = trained / per_unit[0], trained / per_unit[1]
+    target = f'{trained:.3g} m' if (tr_x, tr_y) == (trained, trained) else f'{trained:.3g} m ({units} {tr_x:.3g} x {tr_y:.3g} here)'
     return (f"{option} {path}: its pixels are {size:.3g} m, {how} than the {trained:.3g} m the model was trained "
             f"at, so objects appear at another size than in training; for the accuracy training measured, resample "
-            f"it to {trained:.3g} m (gdalwarp -tr {trained:.3g} {trained:.3g} -r bilinear IN OUT)")
+            f"it to {target} (gdalwarp -tr {tr_x:.3g} {tr_y:.3g} -r bilinear IN OUT)")
 
 
 def check_band_count(path, info, args, option='--input'):

@@ -829,18 +829,44 @@ def untagged_fill(raw_CN, path, file_dtype, band_numbers=None):
             f"read as data; tag it (rio edit-info --nodata {value:.8g} FILE) to have those pixels masked")
 
 
-def pixel_size_m(src):
-    """The side of a pixel in metres (the mean of its x and y sizes) of an open raster in a
-    projected CRS, or None (no CRS, degrees, GCPs): what a model was trained at, recorded so a
-    scene of another ground resolution is said at prediction."""
+def ground_metres_per_unit(src):
+    """Metres on the ground per unit of an open raster's CRS at the scene's centre, as (x, y), or
+    None (no CRS, GCPs, a CRS GDAL cannot say the units of). Web Mercator's "metres" are a
+    ground metre only at the equator (times cos(latitude)); degrees are about 111 km times
+    cos(latitude) east-west."""
     try:
         crs = src.crs
-        if crs is None or not crs.is_projected or src.transform.is_identity:
+        if crs is None or src.transform.is_identity:
+            return None
+        if crs.is_geographic:
+            lat = _centre_latitude(src)
+            return (111_320.0 * math.cos(math.radians(lat)), 110_574.0)
+        if not crs.is_projected:
             return None
         factor = float(crs.linear_units_factor[1])
-        return float((abs(src.res[0]) + abs(src.res[1])) / 2 * factor)
-    except Exception:   # a CRS GDAL cannot say the units of
+        if (crs.to_dict() or {}).get('proj') == 'merc':
+            factor *= math.cos(math.radians(_centre_latitude(src)))
+        return (factor, factor)
+    except Exception:   # a CRS GDAL cannot say the units of, or cannot take to latitude
         return None
+
+
+def _centre_latitude(src):
+    from rasterio.warp import transform
+    x, y = src.xy(src.height / 2, src.width / 2, offset="ul")
+    if src.crs.is_geographic:
+        return float(y)
+    return float(transform(src.crs, 'EPSG:4326', [x], [y])[1][0])
+
+
+def pixel_size_m(src):
+    """The side of a pixel on the ground in metres (the mean of its x and y sizes) of an open
+    raster, or None (no CRS, GCPs): what a model was trained at, recorded so a scene of another
+    ground resolution is said at prediction."""
+    per_unit = ground_metres_per_unit(src)
+    if per_unit is None:
+        return None
+    return float((abs(src.res[0]) * per_unit[0] + abs(src.res[1]) * per_unit[1]) / 2)
 
 
 def untagged_fill_refusal(path, bands=None, size=512):

@@ -990,6 +990,44 @@ def test_a_scene_of_another_ground_resolution_than_training_is_said(tmp_path, ca
             assert (out / 'scene_classes.tif').exists()
 
 
+def test_ground_resolution_is_ground_metres_in_web_mercator_and_degrees(tmp_path, capsys):
+    """Web Mercator's metres are ground metres only at the equator: at 60 degrees north a 0.6 m
+    EPSG:3857 pixel is 0.3 m on the ground. The note compared nominal units, so a model trained
+    on 0.3 m UTM tiles was told such a scene is 2x coarser (and the reverse for the same ground
+    size), and its gdalwarp advice was in the wrong units for a degree or Mercator scene."""
+    from rasterio.transform import from_origin
+
+    from ds_seg.cli import predict
+    from ds_seg.data.raster import pixel_size_m
+    weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
+    img = rasterio.open(scene).read()
+    # 60 deg N in Web Mercator: y = R ln(tan(pi/4 + lat/2)); 0.6 m nominal is 0.3 m on the ground.
+    y60 = 6378137.0 * np.log(np.tan(np.pi / 4 + np.radians(60) / 2))
+    merc, geo = str(tmp_path / 'merc.tif'), str(tmp_path / 'geo.tif')
+    for path, crs, transform in ((merc, 'EPSG:3857', from_origin(1_113_194.9, y60 + 21, 0.6, 0.6)),
+                                 (geo, 'EPSG:4326', from_origin(10.0, 60.0002, 0.3 / 55_660.0, 0.3 / 110_574.0))):
+        with rasterio.open(path, 'w', driver='GTiff', width=img.shape[2], height=img.shape[1], count=3,
+                           dtype='uint16', crs=crs, transform=transform) as dst:
+            dst.write(img)
+        with rasterio.open(path) as src:
+            assert pixel_size_m(src) == pytest.approx(0.3, rel=1e-3)
+    payload = torch.load(weights)
+    for trained, path, said in ((0.3, merc, None), (0.3, geo, None), (0.9, merc, 'finer'), (0.9, geo, 'finer')):
+        payload['data']['pixel_size_m'] = trained
+        torch.save(payload, weights)
+        out = tmp_path / f'out_{trained}_{os.path.basename(path)[:-4]}'
+        assert predict.main(['--checkpoint', weights, '--input', path, '--output', str(out), '--tile', '32']) == 0
+        notes = [line for line in capsys.readouterr().out.splitlines() if 'm the model was trained at' in line]
+        if said is None:
+            assert not notes, notes
+            continue
+        assert len(notes) == 1 and 'its pixels are 0.3 m, 3x finer than the 0.9 m' in notes[0], notes
+        # -tr in the scene's own units: 3x its pixel size, whatever the units are.
+        with rasterio.open(path) as src:
+            tr = f'-tr {3 * src.res[0]:.3g} {3 * src.res[1]:.3g} '
+        assert tr in notes[0], (tr, notes)
+
+
 def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path):
     """An evaluation of 3 scenes, then --overwrite with 1: preview_1.png and preview_2.png of the
     first run stayed beside the new eval.json, as if they were its scenes. Without --overwrite
