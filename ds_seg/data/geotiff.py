@@ -78,8 +78,9 @@ STATS_FILE = 'stats.json'            # written by dataset generators/converters 
 STATS_CACHE_FILE = '.ds_seg_stats.json'  # our own cache of statistics computed on first use
 # Of how statistics are computed: 2 leaves out masked/alpha pixels and reads every scene (up to
 # STATS_SCENES); 3 sums about the first read's mean (no cancellation where the mean dwarfs the
-# spread). A cache of an earlier version is computed again.
-STATS_VERSION = 4
+# spread); 5: an untagged fill of a signed integer type is refused, not averaged in. A cache of an
+# earlier version is computed again.
+STATS_VERSION = 5
 STATS_SETS_KEPT = 8  # sets of scenes whose statistics a folder's cache holds (train, val, subsets...)
 LABELS_CACHE_FILE = '.ds_seg_labels.json'  # per label file: value histogram of a full scan
 LABELS_VERSION = 2  # 2: pixels a label's mask band hides are not counted
@@ -1301,7 +1302,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             except rasterio.errors.RasterioError as e:
                 raise DataError(f"{path}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
             x = x[:, ~invalid]
-            refusal = untagged_fill(x[np.array(self.bands) - 1], path, s['dtype'], self.bands)
+            refusal = untagged_fill(x[np.array(self.bands) - 1], path, s['dtype'], self.bands, s['nodata'])
             if refusal:
                 raise DataError(refusal)
             if not x.shape[1]:

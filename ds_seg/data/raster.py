@@ -811,21 +811,39 @@ def alpha_as_data_refusal(path, src, bands, bands_said):
 FILL_MAGNITUDE = 1e30
 
 
-def untagged_fill(raw_CN, path, file_dtype, band_numbers=None):
-    """The line for pixels of a floating-point image (``raw_CN``: its bands' valid pixels, the
-    tagged nodata left out; ``band_numbers``: the file's 1-based number of each row, 1.. by
-    default) that hold a fill value no nodata tag marks, or None."""
-    if np.dtype(file_dtype).kind != 'f' or not raw_CN.size:
+def untagged_fill(raw_CN, path, file_dtype, band_numbers=None, nodata=None):
+    """The line for pixels of an image (``raw_CN``: its bands' valid pixels, the tagged nodata left
+    out; ``band_numbers``: the file's 1-based number of each row, 1.. by default; ``nodata``: the
+    file's tag, which a band holding in pixels where others hold data does not make a fill) that
+    hold a fill value no nodata tag marks, or None.
+
+    A fill is a value no measurement takes: in floating-point files a magnitude of
+    FILL_MAGNITUDE or more; in signed integer files the type's lowest value (int16's -32768, the
+    void of DEMs and of many processors' reflectances), when the band's other values are nowhere
+    near it (all above half of it), so a band that truly spans the type's range is not taken
+    for one."""
+    dtype = np.dtype(file_dtype)
+    if dtype.kind not in 'fi' or not raw_CN.size:
         return None
-    huge = np.isfinite(raw_CN) & (np.abs(raw_CN) >= FILL_MAGNITUDE)
-    if not huge.any():
+    if dtype.kind == 'f':
+        fill = np.isfinite(raw_CN) & (np.abs(raw_CN) >= FILL_MAGNITUDE)
+        kind = 'float rasters use'
+    else:
+        lowest = np.iinfo(dtype).min
+        fill = raw_CN == lowest
+        apart = ~fill.any(axis=1) | (np.where(fill, 0, raw_CN).min(axis=1) > lowest / 2)
+        fill &= apart[:, None]
+        kind = f'is {dtype.name}\'s lowest, which tools use'
+    if nodata is not None:
+        fill &= raw_CN != nodata
+    if not fill.any():
         return None
-    band = int(np.argmax(huge.any(axis=1)))
-    value = float(raw_CN[band][huge[band]][0])
-    share = 100.0 * huge[band].mean()
+    band = int(np.argmax(fill.any(axis=1)))
+    value = float(raw_CN[band][fill[band]][0])
+    share = 100.0 * fill[band].mean()
     number = band_numbers[band] if band_numbers is not None else band + 1
     return (f"{path}: band {number} holds {value:.8g} in {share:.2g}% of its pixels (a sampled read), a fill "
-            f"value that float rasters use for no data, but the file has no nodata tag for it, so it would be "
+            f"value that {kind} for no data, but the file has no nodata tag for it, so it would be "
             f"read as data; tag it (rio edit-info --nodata {value:.8g} FILE) to have those pixels masked")
 
 
@@ -874,7 +892,7 @@ def untagged_fill_refusal(path, bands=None, size=512):
     the file at ``path`` (``bands``: 1-based, all by default): for a scene a command is given
     directly (predict.py, evaluate.py), as training's statistics pass checks its scenes."""
     with open_raster(path) as src:
-        if np.dtype(src.dtypes[0]).kind != 'f':
+        if np.dtype(src.dtypes[0]).kind not in 'fi':
             return None
         f = max(1.0, max(src.height, src.width) / size)
         shape = (max(1, int(src.height / f)), max(1, int(src.width / f)))
@@ -883,7 +901,7 @@ def untagged_fill_refusal(path, bands=None, size=512):
         valid = ~nodata_mask(x, src.nodata)
         if uses_mask_band(src):
             valid &= src.dataset_mask(out_shape=shape).reshape(-1) > 0
-        return untagged_fill(x[:, valid], path, src.dtypes[0], idx)
+        return untagged_fill(x[:, valid], path, src.dtypes[0], idx, src.nodata)
 
 
 def nodata_mask(raw_CHW, nodata):

@@ -717,3 +717,43 @@ def test_an_untagged_float_fill_value_is_refused_in_training_and_prediction(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f'evaluate: error: --images {said}'], err
     assert not (tmp_path / 'eval').exists()
+
+
+def test_an_untagged_integer_fill_is_refused_and_data_spanning_the_type_is_not(tmp_path, capsys):
+    """int16 with -32768 voids and no nodata tag (SRTM-style elevation, or reflectances written
+    by a processor that fills with the type's lowest): the voids were averaged into the band's
+    mean and std (here a mean of about -2000 for data of 0..3000) without a word. Refused as the
+    float fill is; a band whose values truly reach down to the type's range is data."""
+    from ds_seg.cli import predict
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 3000, (2, 48, 48)).astype(np.int16)
+    img[:, :12, :12] = -32768
+    img[1, 40:, 40:] = -32768          # and a void in band 2 alone
+    lbl = write_tif(tmp_path / 'f_label.tif', rng.integers(0, 3, (48, 48)).astype(np.uint8))
+    untagged = write_tif(tmp_path / 'f_image.tif', img)
+    said = (f"{untagged}: band 1 holds -32768 in 6.2% of its pixels (a sampled read), a fill value that is int16's "
+            "lowest, which tools use for no data, but the file has no nodata tag for it, so it would be read as "
+            "data; tag it (rio edit-info --nodata -32768 FILE) to have those pixels masked")
+    with pytest.raises(DataError) as refused:
+        GeoTiffScenes([untagged], [lbl], crop_size=32, classes=3)
+    assert str(refused.value) == said
+    # The file's band number, whichever bands are selected.
+    with pytest.raises(DataError, match=rf'^{re.escape(untagged)}: band 2 holds -32768 in 9% '):
+        GeoTiffScenes([untagged], [lbl], crop_size=32, classes=3, bands=[2, 1])
+    from ds_seg.models import UNetTiny
+    torch.save({'state_dict': UNetTiny(2, 3).state_dict(), 'model': dict(type='UNetTiny', in_channels=2, num_classes=3),
+                'classes': ['a', 'b', 'c'], 'data': {'bands': [1, 2], 'mean': [1500.0] * 2, 'std': [900.0] * 2,
+                                                     'dtype': 'int16'}}, tmp_path / 'w.pt')
+    capsys.readouterr()
+    assert predict.main(['--checkpoint', str(tmp_path / 'w.pt'), '--input', untagged,
+                         '--output', str(tmp_path / 'out')]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f'predict: error: --input {said}']
+    # Tagged, the voids of every band are masked, and the data's statistics remain.
+    both = img.copy()
+    both[:, 40:, 40:] = -32768
+    tagged = write_tif(tmp_path / 'g_image.tif', both, nodata=-32768)
+    assert all(1000 < m < 2000 for m in GeoTiffScenes([tagged], [lbl], crop_size=32, classes=3).mean)
+    # Data spanning the type (a difference image of -32768..32767) is not a fill.
+    spread = rng.integers(-32768, 32767, (2, 48, 48), endpoint=True).astype(np.int16)
+    spread[0, 0, 0] = -32768
+    assert GeoTiffScenes([write_tif(tmp_path / 'h_image.tif', spread)], [lbl], crop_size=32, classes=3).std[0] > 10000
