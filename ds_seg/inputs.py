@@ -579,12 +579,10 @@ def check_bands(path, bands, in_channels=None, option='--input', colours=None):
     """The bands the model was trained on must exist in the raster; ``colours``: what they held
     in the training files by their colour interpretation (checkpoint ``data.colours``), refused
     where this raster's tags say the selection holds others (a BGR scene for an RGB model)."""
-    import rasterio
-
-    from .data.raster import (alpha_as_data_refusal, colour_order_refusal, gdal_path, opening_env,
-                              pixel_type_refusal)
+    from .data.raster import alpha_as_data_refusal, colour_order_refusal, open_raster, pixel_type_refusal
     from rasterio.enums import ColorInterp
-    with opening_env(path), rasterio.open(gdal_path(path)) as src:
+    # open_raster: a URL republished or gone since the inputs were checked is one line, not a traceback
+    with open_raster(path) as src:
         count = src.count
         refusal = pixel_type_refusal(path, src.dtypes)
         if refusal:

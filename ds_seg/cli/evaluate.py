@@ -202,14 +202,12 @@ def build_scenes(args, info, cfg):
 def refuse_one_date_of_a_series(image, info, bands):
     """--images gives one file per scene; a time-series model takes several dates per scene. A file
     of one date's bands was told to 'give --bands with 6 band numbers' (a 3-band file has none)."""
-    import rasterio
-
-    from ds_seg.data.raster import gdal_path, opening_env
+    from ds_seg.data.raster import open_raster
     model = info.get('model') or {}
     dates, channels = model.get('num_dates') or 1, model.get('in_channels')
     if dates < 2 or not channels or bands:
         return
-    with opening_env(image), rasterio.open(gdal_path(image)) as src:
+    with open_raster(image) as src:
         count = src.count
     if count < channels:
         raise ValueError(f"--images: the model ({model.get('type')}) takes {dates} dates of {channels // dates} "

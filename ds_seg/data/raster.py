@@ -683,12 +683,8 @@ def open_scene(path):
         with StackedRaster(path) as src:
             yield src
         return
-    with opening_env(path):
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore', NotGeoreferencedWarning)  # PNG/JPG patches, ISPRS labels
-            src = rasterio.open(gdal_path(path))
-        with src:
-            yield src
+    with open_raster(path) as src:   # a URL gone or republished since it was checked: one line
+        yield src
 
 
 def pixel_grid(src):

@@ -354,6 +354,17 @@ def test_a_url_that_fails_mid_run_says_what_the_server_answers_now(cogs, tmp_pat
         monkeypatch.setenv('GDAL_HTTP_HEADERS', 'X-Token: abc')
         with pytest.raises(DataError) as with_credentials:
             ds[len(ds) // 2]
+        monkeypatch.delenv('GDAL_HTTP_HEADERS')
+        # predict's and evaluate's later opens of a URL checked before (the band check, the scene
+        # itself, the dates check) ended in a bare RasterioIOError traceback.
+        from ds_seg.cli.evaluate import refuse_one_date_of_a_series
+        from ds_seg.data.raster import open_scene
+        from ds_seg.inputs import check_bands
+        url = server.url('img.tif')
+        for later_open in (lambda: check_bands(url, [1, 2, 3]), lambda: open_scene(url).__enter__(),
+                           lambda: refuse_one_date_of_a_series(url, {'model': {'num_dates': 2, 'in_channels': 6}}, None)):
+            with pytest.raises(DataError, match=rf'^{re.escape(url)}: cannot open: .*HTTP response code: 404'):
+                later_open()
     assert 'failed; the server now answers it with HTTP response code: 404 (no such file at that URL' in str(caught.value)
     assert 'the server now answers' not in str(with_credentials.value)
 
