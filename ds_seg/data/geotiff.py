@@ -67,7 +67,7 @@ from .raster import (FILL_MAGNITUDE, DataError, StackedRaster, alpha_as_data_ref
                      boundary_mask, colours_conflict, file_identity, gdal_message, gdal_path, is_remote, label_nodata,
                      nodata_mask, open_raster, opening_env, pin_versions, pixel_grid, pixel_size_m, pixel_type_refusal,
                      raster_env, read_error, read_label_band, read_window, same_file_key, same_pixels, same_value,
-                     untagged_fill, user_cache_dir, uses_mask_band)
+                     unreadable, untagged_fill, user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -192,7 +192,7 @@ def cached_label_histograms(label_paths):
             try:
                 histogram = label_histogram(path)
             except rasterio.errors.RasterioError as e:
-                raise DataError(f"{path}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
+                raise DataError(unreadable(path, e)) from e
             entry = {'identity': ident, 'version': LABELS_VERSION,
                      'values': {str(v): n for v, n in histogram.items()}}
             if ident:
@@ -1300,7 +1300,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     if s['masked']:
                         invalid |= src.dataset_mask(out_shape=shape).reshape(-1) == 0
             except rasterio.errors.RasterioError as e:
-                raise DataError(f"{path}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
+                raise DataError(unreadable(path, e)) from e
             x = x[:, ~invalid]
             refusal = untagged_fill(x[np.array(self.bands) - 1], path, s['dtype'], self.bands, s['nodata'])
             if refusal:
@@ -1338,7 +1338,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 with open_raster(s['image']) as src:
                     src.read(1, window=Window(s['width'] - 1, s['height'] - 1, 1, 1))
             except rasterio.errors.RasterioError as e:
-                raise DataError(f"{s['image']}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
+                raise DataError(unreadable(s['image'], e)) from e
             if s.get('vector'):  # its class values were checked when it was read
                 continue
             f = max(1.0, max(s['height'], s['width']) / _CHECK_PIXELS)
@@ -1384,7 +1384,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     hidden = (None if self.palette is not None or all(m is None for m in masks) else
                               np.stack([np.zeros(len(xs), bool) if m is None else m for m in masks]))
         except rasterio.errors.RasterioError as e:
-            raise DataError(f"{s['label']}: cannot be read (corrupt or truncated?): {gdal_message(e)}") from e
+            raise DataError(unreadable(s['label'], e)) from e
         if self.palette is not None:
             bad = self._decode_palette(raw) < 0
             if bad.mean() <= self.palette_max_unmatched:

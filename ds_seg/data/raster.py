@@ -324,6 +324,13 @@ def read_error(path, exc):
                 "run first read it, and windows of the two versions would mix; start again to read the new "
                 "version, or publish each version under a URL of its own")
     if not is_remote(path):
+        # A VRT of URLs (STAC assets stacked): which of them fails now, as for a URL read alone.
+        for url in (u for u in urls if str(u).startswith(('http://', 'https://'))):
+            status = http_status(url, timeout=min(10, HTTP_TIMEOUT_S))
+            if isinstance(status, int) and status >= 400:
+                return f'{message.rstrip(".")}; its source {url} now answers HTTP response code: {status}'
+            if isinstance(status, str):
+                return f'{message.rstrip(".")}; a request for its source {url} now {status}'
         return message
     if ('response code' not in message and os.fspath(path).startswith(('http://', 'https://'))
             and not any(os.environ.get(k) for k in _GDAL_HTTP_CREDENTIALS)):
@@ -346,6 +353,16 @@ def read_error(path, exc):
                 return (f"{message.rstrip('.')}; the server answers it with a web page (HTTP {status}), not a "
                         "raster: a login or error page? check the address and that it needs no sign-in")
     return remote_hint(exc, message)
+
+
+def unreadable(path, exc):
+    """The one line for a raster at ``path`` whose read failed (``exc``): a local file may be
+    corrupt or truncated; a URL, or a VRT reading URLs (STAC assets stacked), gets
+    :func:`read_error`'s account of its server (replaced, gone), not a guess of corruption."""
+    vrt = os.fspath(path).lower().endswith('.vrt')
+    if is_remote(path) or (vrt and any(is_remote(u) for u in _vrt_sources(path))):
+        return f"{path}: cannot be read: {read_error(path, exc)}"
+    return f"{path}: cannot be read (corrupt or truncated?): {gdal_message(exc)}"
 
 
 # GDAL's settings that add credentials or headers to its HTTP requests.

@@ -350,3 +350,29 @@ def test_a_stacked_items_band_scale_and_offset_are_kept(catalogue, tmp_path):
     (tmp_path / 'both.json').write_text(json.dumps(both))
     with pytest.raises(DataError, match=r"its bands' scale/offset \[\[0.0001, -1000.0\]"):
         GeoTiffScenes(stac=str(tmp_path / 'both.json'), stac_bands=list(BANDS), **KW)
+
+
+def test_a_stacked_asset_gone_mid_run_is_named_not_called_corrupt(tmp_path):
+    """A STAC asset deleted (or its signed URL expired) after the dataset opened it: the line named
+    ds_seg's own stacking VRT and asked "corrupt or truncated?". It now names the asset's URL and
+    what its server answers now, as for a URL read alone."""
+    rng = np.random.default_rng(3)
+    common = dict(driver='GTiff', width=1024, height=1024, crs='EPSG:32633', transform=from_origin(400000, 5600000, 1, 1),
+                  tiled=True, blockxsize=128, blockysize=128, count=1, dtype='uint8')
+    item = pystac.Item(id='big', geometry=None, bbox=None, properties={}, datetime=datetime.datetime(2024, 5, 1))
+    for name in BANDS + ['label']:
+        with rasterio.open(tmp_path / f'{name}.tif', 'w', **common) as d:
+            d.write(rng.integers(0, 3 if name == 'label' else 256, (1, 1024, 1024), dtype=np.uint8))
+        item.add_asset(name, pystac.Asset(href=f'{name}.tif', media_type=pystac.MediaType.COG))
+    with open(tmp_path / 'item.json', 'w') as f:
+        json.dump(item.to_dict(transform_hrefs=False), f)
+    with RangeServer(tmp_path) as server:
+        ds = GeoTiffScenes(stac=server.url('item.json'), stac_bands=BANDS, stac_label='label', mode='grid',
+                           split='val', check_labels=0, **dict(KW, crop_size=128))
+        ds[0]
+        os.remove(tmp_path / 'green.tif')
+        with pytest.raises(DataError) as caught:
+            ds[len(ds) - 1]  # a window GDAL has not fetched
+    message = str(caught.value)
+    assert f"its source {server.url('green.tif')} now answers HTTP response code: 404" in message, message
+    assert 'corrupt' not in message, message
