@@ -343,10 +343,33 @@ def dates_out_of_name_order(dates):
 def _expand_dates(dates):
     """A scene's dates with each glob among them replaced by its matches, sorted by name (ISO
     dates in the names sort in time): ``[['b_2021-*.tif']]`` is scene b at each of its dates. (The
-    glob was taken as a file name, or its first date expanded into scenes of one date each.)"""
-    return [match for path in dates
-            for match in _glob_matches(path, f"images: the pattern {path!r} among a scene's dates matches no file")
-            or [path]]
+    glob was taken as a file name, or its first date expanded into scenes of one date each.)
+    Matches whose names do not sort in time are refused (:func:`_unsortable_dates`)."""
+    out = []
+    for path in dates:
+        matches = _glob_matches(path, f"images: the pattern {path!r} among a scene's dates matches no file")
+        refusal = matches and _unsortable_dates(path, matches)
+        if refusal:
+            raise DataError(refusal)
+        out.extend(matches or [path])
+    return out
+
+
+def _unsortable_dates(pattern, matches):
+    """The line for a glob among a scene's dates whose matches' names do not sort in time, or
+    None. Names sort in time where each carries a zero-padded date (2021-05-01, 20210501) or
+    where the parts in which they differ are numbers of one width (t0/t1, 2021135); month words
+    (may, aug), unpadded dates (2021-5-1, 2021-10-1), or t1/t10/t2 sorted by name came out of time
+    order, without a word."""
+    if len(matches) < 2 or all(_NAME_DATE.search(stem) for stem in _stems(matches)):
+        return None
+    varying = _name_keys(matches)
+    if all(v.isdigit() for v in varying) and len({len(v) for v in varying}) == 1:
+        return None
+    names = [os.path.basename(m) for m in matches]
+    return (f"images: the pattern {pattern!r} among a scene's dates matches {', '.join(names)}, which sorted by "
+            "name need not be in time order (only zero-padded dates, 2021-05-01 or 20210501, and numbers of one "
+            "width, t01, sort in time); list the scene's dates in time order instead of the pattern")
 
 
 def _scene_keys(paths):

@@ -1,5 +1,6 @@
 """Time series: dated rasters stacked T x C, a shared-encoder temporal model, prediction."""
 import json
+import os
 import re
 import shutil
 
@@ -496,6 +497,35 @@ def test_a_glob_among_a_scenes_dates_stands_for_its_dates_in_name_order(tmp_path
         assert torch.equal(globbed[i]['image'], listed[i]['image']) and torch.equal(globbed[i]['label'], listed[i]['label'])
     with pytest.raises(DataError, match=r"images: the pattern '.*c_t\*\.tif' among a scene's dates matches no file"):
         GeoTiffScenes([[str(tmp_path / 'c_t*.tif')]], [label_a], **kw)
+
+
+def test_a_glob_of_dates_whose_names_do_not_sort_in_time_is_refused(tmp_path):
+    """[['b_*.tif']] over b_may.tif and b_aug.tif (the README's own kind of names), or
+    b_2021-5-1/b_2021-10-1, or t1/t10/t2, came out sorted by name: the scene's dates reversed
+    against scenes that list theirs, without a word. Refused, naming the matches; zero-padded
+    dates and numbers of one width still stand for their dates."""
+    (a0, a1), label_a = _change_scene(tmp_path, 'a', 0)
+    kw = dict(crop_size=32, mode='grid', mean=[128] * 2, std=[50] * 2, classes=2)
+    for style, names in (('month', ['may', 'aug']), ('unpadded', ['2021-5-1', '2021-10-1']),
+                         ('count', ['t1', 't2', 't10']), ('dmy', ['15.05.2021', '01.08.2021'])):
+        folder = tmp_path / style
+        folder.mkdir()
+        for k, name in enumerate(names):
+            shutil.copy((a0, a1)[k % 2], folder / f'b_{name}.tif')
+        pattern = str(folder / 'b_*.tif')
+        with pytest.raises(DataError, match=rf"^images: the pattern {re.escape(repr(pattern))} among a scene's dates "
+                                            rf"matches b_.*, which sorted by name need not be in time order"):
+            GeoTiffScenes([[pattern]], [label_a], **kw)
+        # Listed, in time order, they are the scene's dates.
+        assert len(GeoTiffScenes([[str(folder / f'b_{n}.tif') for n in names[:2]]], [label_a], **kw)) > 0
+    for style, names in (('iso', ['2021-05-01', '2021-10-01']), ('doy', ['2021135', '2021274']),
+                         ('padded', ['t01', 't02'])):
+        folder = tmp_path / style
+        folder.mkdir()
+        for k, name in enumerate(names):
+            shutil.copy((a0, a1)[k], folder / f'b_{name}.tif')
+        ds = GeoTiffScenes([[str(folder / 'b_*.tif')]], [label_a], **kw)
+        assert [os.path.basename(p) for p in ds.scenes[0]['dates']] == [f'b_{n}.tif' for n in names]
 
 
 def test_dates_given_out_of_the_order_their_names_say_are_noted(tmp_path):
