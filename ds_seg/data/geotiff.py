@@ -903,6 +903,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 raise DataError(f"labels {v.path}: value {values[bad][0]} (field {self.label_field!r} or "
                                 f"label_fill) is not a class index 0..{self.num_classes - 1} nor "
                                 f"ignore_index {self.ignore_index}; check `classes` or `label_map`")
+        self._note_vector_coverage()
         self._identity_labels = self.palette is None and not label_map and not reduce_zero_label
         # How label files become class indices where they are not class indices already; the
         # checkpoint records it, so labels given to evaluate.py are not scored as raw values.
@@ -1069,6 +1070,44 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                             f"({features}, the image spans {box}, both in {img_crs}{how}); "
                             f"check the vector file and its CRS")
         return vectors
+
+    def _note_vector_coverage(self):
+        """Notes, at the start, for one vector file over many images (``tiles/*.tif`` with
+        ``buildings.gpkg``): images outside the extent of all its features train as label_fill
+        everywhere (an annotated area smaller than the mosaic: confident background where nobody
+        looked), and classes no feature holds are never seen. An image inside the extent with no
+        feature on it is a tile without objects, not said."""
+        for v in self._vectors.values():
+            box = v.bounds()
+            scenes = [s for s in self._scenes if s.get('vector_key') and self._vectors[s['vector_key']] is v]
+            if box is None or len(scenes) < 2:
+                continue
+            outside = []
+            for s in scenes:
+                west, south, east, north = array_bounds(s['height'], s['width'], s['transform'])
+                if (min(east, west) > box[2] or max(east, west) < box[0] or min(north, south) > box[3]
+                        or max(north, south) < box[1]):
+                    outside.append(os.path.basename(s['image']))
+            if outside:
+                fill = (f"ignore_index {self.ignore_index}, so they add nothing" if self.label_fill == self.ignore_index
+                        else f"label_fill {self.label_fill} ({self.classes[self.label_fill]!r}) everywhere")
+                shown = ', '.join(outside[:4]) + (f' and {len(outside) - 4} more' if len(outside) > 4 else '')
+                self.notes = [*self.notes, (
+                    f"labels {v.path}: {len(outside)} of {len(scenes)} images lie outside the extent of all its "
+                    f"features ({shown}); they train as {fill}; if the file does not cover them (an annotated "
+                    "area smaller than the images), leave them out")]
+        held = {int(self._label_lut[int(x)]) for v in self._vectors.values() for x in np.unique(v.values)
+                if 0 <= x < len(self._label_lut)}
+        if self._vectors and self.label_fill != self.ignore_index:
+            held.add(int(self._label_lut[self.label_fill]))
+        empty = [self.classes[c] for c in range(self.num_classes) if c not in held]
+        # (Training sets only: a small validation area often lacks a class.)
+        if self._vectors and empty and self.split == 'train' and all(s.get('vector') for s in self._scenes):
+            files = sorted({v.path for v in self._vectors.values()})
+            self.notes = [*self.notes, (
+                f"labels {files[0]}{' and the other vector files' if len(files) > 1 else ''}: no feature holds "
+                f"{'class' if len(empty) == 1 else 'classes'} {', '.join(map(repr, empty))}, so the model never sees "
+                f"{'it' if len(empty) == 1 else 'them'}; check `classes` and label_field {self.label_field!r}")]
 
     def _vector_window(self, s, window):
         v = self._vectors[s['vector_key']]

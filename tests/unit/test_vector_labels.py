@@ -377,3 +377,35 @@ def test_time_series_labels_nested_like_the_images_are_one_line(scene):
     with pytest.raises(DataError, match=r"labels: \[.*lbl.tif'\] is a list; a scene has one label file, which all "
                                         r"its dates share"):
         GeoTiffScenes([[scene['img'], scene['img']]], [[scene['lbl']]], **KW)
+
+
+def test_images_outside_a_shared_vector_files_features_and_classes_without_features_are_said(scene):
+    """One vector file over many tiles (tiles/*.tif with buildings.gpkg) annotated over part of
+    them: a tile outside every feature trained as all background, and a class no feature holds
+    was never seen, without a word. Both are said at the start; a tile inside the features'
+    extent with none on it (a tile without buildings) is not."""
+    import shutil
+    tmp = scene['tmp']
+    inside, outside, far = tmp / 'inside.tif', tmp / 'outside.tif', tmp / 'far.tif'
+    with rasterio.open(scene['img']) as src:
+        profile, img = src.profile, src.read()
+    # A 40 x 40 px tile inside the features' extent with none on it; two tiles a kilometre east.
+    for path, transform, size in ((inside, from_origin(499990.0, 5699960.0, 0.5, 0.5), 40),
+                                  (outside, from_origin(501000.0, 5700000.0, 0.5, 0.5), 64),
+                                  (far, from_origin(502000.0, 5700000.0, 0.5, 0.5), 64)):
+        with rasterio.open(path, 'w', **dict(profile, transform=transform, width=size, height=size)) as dst:
+            dst.write(img[:, :size, :size])
+    with rasterio.open(inside) as src:
+        assert not any(shapely.box(*src.bounds).intersects(g) for g in scene['geoms'])
+    kw = dict(KW, classes=NAMES + ['bridge'])
+    ds = GeoTiffScenes([scene['img'], str(inside), str(outside), str(far)], scene['vec'], label_field='class', **kw)
+    assert ds.notes == [
+        f"labels {scene['vec']}: 2 of 4 images lie outside the extent of all its features (outside.tif, far.tif); "
+        "they train as label_fill 0 ('background') everywhere; if the file does not cover them (an annotated area "
+        "smaller than the images), leave them out",
+        f"labels {scene['vec']}: no feature holds class 'bridge', so the model never sees it; check `classes` and "
+        "label_field 'class'"], ds.notes
+    # Covered tiles and every class held: nothing to say; a validation set lacking a class is not said.
+    assert not GeoTiffScenes([scene['img'], str(inside)], scene['vec'], label_field='class', **KW).notes
+    assert not GeoTiffScenes([scene['img'], str(inside)], scene['vec'], label_field='class', mode='grid',
+                             split='val', **kw).notes
