@@ -1227,10 +1227,19 @@ def _check_ds_values(ds, source):
         from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
         kind = optimizer.get('type') if isinstance(optimizer, dict) else None
         # DeepSpeed builds its own optimizers by (lower-case) name, anything else from torch.optim.
-        if not isinstance(kind, str) or (kind.lower() not in DEEPSPEED_OPTIMIZERS and not (
-                isinstance(getattr(torch.optim, kind, None), type)
-                and issubclass(getattr(torch.optim, kind), torch.optim.Optimizer))):
-            known = sorted(set(DEEPSPEED_OPTIMIZERS) | {'Adam', 'AdamW', 'SGD'})
+        if isinstance(kind, str) and kind.lower() in _DS_OPTIMIZERS_THAT_CANNOT_TRAIN_HERE:
+            raise ConfigError(f"{source}: 'optimizer.type' {kind!r} "
+                              f"{_DS_OPTIMIZERS_THAT_CANNOT_TRAIN_HERE[kind.lower()]}. Use AdamW.")
+        torch_spelling = {name.lower(): name for name in dir(torch.optim)
+                          if isinstance(getattr(torch.optim, name), type)
+                          and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)}
+        if (isinstance(kind, str) and kind.lower() not in DEEPSPEED_OPTIMIZERS and kind not in torch_spelling.values()
+                and kind.lower() in torch_spelling):
+            # DeepSpeed looks torch's up as spelt: 'nadam' failed inside deepspeed.initialize.
+            raise ConfigError(f"{source}: 'optimizer.type' {kind!r} is torch.optim's "
+                              f"{torch_spelling[kind.lower()]}; spell it {torch_spelling[kind.lower()]!r}.")
+        if not isinstance(kind, str) or (kind.lower() not in DEEPSPEED_OPTIMIZERS and kind not in torch_spelling.values()):
+            known = sorted((set(DEEPSPEED_OPTIMIZERS) - set(_DS_OPTIMIZERS_THAT_CANNOT_TRAIN_HERE)) | {'Adam', 'AdamW', 'SGD'})
             # Matched without case, suggested as spelt: 'sgd' got "Did you mean 'sgd'?" (torch's is SGD).
             by_lower = {}
             for name in sorted(known, key=str.islower):
@@ -1256,6 +1265,14 @@ def _check_ds_values(ds, source):
     _check_by_building(ds, source)
     _check_with_deepspeed(ds, source)
 
+
+# DeepSpeed lists them as its optimizers; none trains a ds_seg model (checked with DeepSpeed 0.19).
+_MUP = ("is one of mup's (muP) optimizers: DeepSpeed imports them from the mup package, and they train only "
+        "a model whose base shapes mup has set, which ds_seg's models are not")
+_DS_OPTIMIZERS_THAT_CANNOT_TRAIN_HERE = {
+    'muon': ("is DeepSpeed's Muon, which orthogonalises 2-D weight matrices and fails at the first step on the "
+             "convolution weights every ds_seg model has"),
+    'muadam': _MUP, 'muadamw': _MUP, 'musgd': _MUP}
 
 # (low, high) parameter pairs of DeepSpeed's schedules; a low above its high runs the schedule
 # backwards without a word (a "warm-up" from 0.01 down to 0.001).
@@ -1339,12 +1356,11 @@ def _check_by_building(ds, source):
     from .engine.ddp_backend import build_optimizer, build_scheduler
     param = torch.nn.Parameter(torch.zeros(1))
     block = ds.get('optimizer') or {}
-    kind = str(block.get('type', '')).lower()
+    kind = str(block.get('type', ''))
     try:
-        if kind in ('adam', 'adamw', 'sgd') or kind in (k.lower() for k in dir(torch.optim)):
-            optimizer = build_optimizer([param], block) if kind in ('adam', 'adamw', 'sgd') else \
-                getattr(torch.optim, block['type'])([param], **block.get('params', {}))
-        else:  # DeepSpeed's own optimizers (Lamb, Lion...) need their extensions: checked by type only
+        if kind.lower() in ('adam', 'adamw', 'sgd', 'adagrad') or isinstance(getattr(torch.optim, kind, None), type):
+            optimizer = build_optimizer([param], block)
+        else:  # DeepSpeed's own optimizers (Lamb, Lion, Muon...) need their extensions: checked by type only
             optimizer = torch.optim.SGD([param], lr=1e-3)
     except (ValueError, TypeError, IndexError) as exc:
         raise ConfigError(f"{source}: 'optimizer.params' {block.get('params')} are refused by {block.get('type')}: "

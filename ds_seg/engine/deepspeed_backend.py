@@ -62,10 +62,12 @@ class DeepSpeedBackend:
                     model=model, model_parameters=param_groups, config=ds_config)
         except (torch.OutOfMemoryError, torch.distributed.DistError):  # the device or the ranks, not the JSON
             raise
-        except (AssertionError, ValueError, NotImplementedError, RuntimeError) as exc:
+        except (AssertionError, ValueError, NotImplementedError, RuntimeError, NameError, AttributeError,
+                KeyError, TypeError, ImportError) as exc:
             # A combination ds_seg's own checks let through and DeepSpeed refuses while building
-            # the engine (an untested ZeRO optimizer, an op not built for this device): its words,
-            # on one line, before any step.
+            # the engine (an untested ZeRO optimizer, an op not built for this device), or fails
+            # on (DeepSpeed 0.19's MuAdam/MuSGD: an UnboundLocalError): its words, on one line,
+            # before any step.
             detail = (str(exc).strip().splitlines() or [''])[0] or type(exc).__name__
             if spec.device.type == 'cpu' and 'not been implemented on CPU' in detail:
                 # Lamb, Lion, 1-bit Adam...: DeepSpeed's fused CUDA ops.

@@ -467,7 +467,15 @@ DS_VALUE_REFUSALS = {
                            "ZeRO stage 1, 2 or 3"),
     # 'sgd' was told "Did you mean 'sgd'?": the suggestion is as torch spells it.
     'optimizer_sgd_lower': (dict(optimizer={'type': 'sgd', 'params': {'lr': 0.1}}),
-                            "'optimizer.type' 'sgd' is not an optimizer DeepSpeed knows. Did you mean 'SGD'?"),
+                            "'optimizer.type' 'sgd' is torch.optim's SGD; spell it 'SGD'."),
+    # torch's names in another case passed the check, then failed in it (getattr(torch.optim, 'nadam')).
+    'optimizer_nadam_lower': (dict(optimizer={'type': 'nadam', 'params': {'lr': 0.1}}),
+                              "'optimizer.type' 'nadam' is torch.optim's NAdam; spell it 'NAdam'."),
+    # Names DeepSpeed lists and the refusal offered: a traceback at the first step or in deepspeed.initialize.
+    'optimizer_muon': (dict(optimizer={'type': 'muon', 'params': {'lr': 0.1}}),
+                       "'optimizer.type' 'muon' is DeepSpeed's Muon, which orthogonalises 2-D weight matrices"),
+    'optimizer_musgd': (dict(optimizer={'type': 'musgd', 'params': {'lr': 0.1}}),
+                        "'optimizer.type' 'musgd' is one of mup's (muP) optimizers"),
     # NVMe: ignored below stage 3 (exit 0, nothing offloaded), a TypeError traceback without a
     # path, a JIT-build traceback without libaio.
     'nvme_stage2': (dict(zero_optimization={'stage': 2, 'offload_optimizer': {'device': 'nvme', 'nvme_path': '/nvme'}}),
@@ -514,6 +522,13 @@ def test_ds_json_plain_dict_blocks_with_right_keys_are_accepted(tmp_path, capsys
     # Only defaults: no effect either way, one warning line instead of a refusal.
     load_ds_config(_write(tmp_path, _shipped_zero0(activation_checkpointing={'partition_activations': False})))
     assert capsys.readouterr().err.count("'activation_checkpointing' in the DeepSpeed JSON has no effect") == 1
+
+
+def test_ds_json_optimizers_the_refusal_offers_are_accepted(tmp_path):
+    """'adagrad', which the refusal of an unknown type lists (DeepSpeed's name), ended in
+    getattr(torch.optim, 'adagrad') failing inside the check; torch's own names as spelt pass."""
+    for kind in ('adagrad', 'Adagrad', 'NAdam', 'RMSprop', 'lamb', 'lion'):
+        load_ds_config(_write(tmp_path, _shipped_zero0(optimizer={'type': kind, 'params': {'lr': 0.01}})))
 
 
 def test_ds_json_integers_in_exponent_notation_are_accepted(tmp_path):
