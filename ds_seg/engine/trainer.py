@@ -363,6 +363,13 @@ class Trainer:
                     elif saving and not signalled:  # (a short run ended "completed" with no checkpoint, unsaid)
                         self.print(f'step {self.step}: no checkpoint: the loss was not finite for the last {current} '
                                    f'step(s), so the weights may be too; the last checkpoint is kept as it is')
+                    if signalled and self.step >= t.max_steps and current == 0:
+                        # The last step's checkpoint is the final one: the run's outcome is decided,
+                        # so there is nothing to continue (a requeue would only say "steps N->N").
+                        self.print(f'{faults.stop.agreed[0]} came with the last step: the run is complete, its final '
+                                   'checkpoint saved; nothing to continue.')
+                        self.exit_reason = 'completed'
+                        break
                     if signalled:
                         self._stop('interrupted' if faults.stop.agreed[0] in USER_STOPS else 'preempted',
                                    f'on {faults.stop.describe()}: ' + (

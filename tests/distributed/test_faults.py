@@ -180,6 +180,28 @@ def test_a_stop_signal_after_the_last_checkpoint_leaves_a_completed_run_complete
     assert json.load(open(os.path.join(tmp, 'run', 'summary.json')))['exit_reason'] == 'completed'
 
 
+def test_a_stop_signal_agreed_at_the_last_step_completes_the_run(tmp_path):
+    """SIGUSR1 during the last step: the run saved its final checkpoint, then exited 75 ("continue
+    with --resume auto"), and the Slurm template requeued a finished job, whose next start only
+    said "steps 4->4". The outcome is decided there: exit 0, completed, nothing to continue."""
+    tmp = str(tmp_path)
+    (proc,) = _start_ranks(_args(tmp, 'run', 4, 2), world_size=1, extra_env={'DS_SEG_FAULT': 'slow@step:1.5'})
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(r'step 3/4 ', line):
+            break
+    time.sleep(0.3)   # into step 4 (1.5 s)
+    proc.send_signal(signal.SIGUSR1)
+    rest = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, (''.join(lines) + rest)[-3000:]
+    assert 'SIGUSR1 came with the last step: the run is complete, its final checkpoint saved' in rest, rest[-3000:]
+    assert 'continue with --resume auto' not in rest
+    work = os.path.join(tmp, 'run')
+    assert json.load(open(os.path.join(work, 'summary.json')))['exit_reason'] == 'completed'
+    assert checkpoint.find_latest(os.path.join(work, 'checkpoints')) == checkpoint.tag_for(4)
+
+
 def test_sigusr1_checkpoints_exits_75_and_resume_matches_uninterrupted(tmp_path, reference):
     tmp, work, procs = _start_reference_again(tmp_path, reference)
     _wait_for_step(work, 3, procs)
