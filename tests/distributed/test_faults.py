@@ -469,6 +469,47 @@ def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
     assert 'exit 75, not a failure' in out and 'Traceback' not in out and 'ChildFailedError' not in out
 
 
+SCONTROL_10_MIN_JOB = """#!/usr/bin/env bash
+echo "$@" >> "$FAKE_SCONTROL_LOG"
+if [ "$1 $2" = "show hostnames" ]; then hostname; fi
+if [ "$1 $2" = "show job" ]; then echo "JobId=4242 JobState=RUNNING Reason=None Restarts=${SLURM_RESTART_COUNT:-0} TimeLimit=00:10:00"; fi
+"""
+
+
+@pytest.mark.parametrize('restart', ['0', '1'])
+def test_sbatch_template_stops_requeueing_a_warning_at_once_whose_lead_is_not_in_the_file(tmp_path, restart):
+    """`sbatch --time=10 --signal=B:USR1@600 train.sbatch`: the lead on the command line overrides
+    the file's @300, which the at-once guard read, so every start was warned within 30 s and
+    requeued again (seven starts in 200 s, a step or two each, for ever). A USR1 in the first 30 s
+    of a requeued start is taken for such a warning: the first start is requeued, the second not."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    (bin_dir / 'scontrol').write_text(SCONTROL_10_MIN_JOB)
+    (bin_dir / 'scontrol').chmod(stat.S_IRWXU)
+    work, cache = tmp_path / 'work', tmp_path / 'cache'
+    env = _env(PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', SLURM_RESTART_COUNT=restart,
+               SLURM_JOB_ID='4242', SLURM_JOB_NAME='ds_seg', SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost',
+               SLURM_SUBMIT_DIR=str(REPO_ROOT), NPROC_PER_NODE='1', WORK_DIR=str(work), MASTER_PORT=str(_free_port()),
+               DS_CONFIG='zero2', CONFIG=TINY_CONFIG, FAKE_SCONTROL_LOG=str(tmp_path / 'scontrol.log'))
+    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
+               'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
+    job = subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in job.stdout:   # the shell's traps are set before it prints this
+        if line.startswith('[sbatch] job 4242'):
+            break
+    job.send_signal(signal.SIGUSR1)   # Slurm's warning, 0 to 30 s into the start
+    out = job.communicate(timeout=180)[0]
+    log = (tmp_path / 'scontrol.log').read_text()
+    if restart == '0':
+        assert job.returncode == 0 and 'requeue 4242' in log, out[-3000:]
+    else:
+        assert job.returncode == 75 and 'requeue 4242' not in log, out[-3000:]
+        assert re.search(r'a USR1 came \d+ s into this start \(restart 1\) of job 4242, whose time limit is 00:10:00', out)
+        assert f'and WORK_DIR={work}' in out, out[-3000:]
+    assert checkpoint.find_latest(str(work / 'checkpoints')) is not None
+
+
 def _template_outside_slurm(tmp_path, work):
     """`bash train.sbatch` with one rank of the tiny config and no end in sight, as a Popen."""
     cache = tmp_path / 'cache'
@@ -555,6 +596,29 @@ def test_sbatch_template_without_gpus_or_ranks_fails_instead_of_completing(tmp_p
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert 'no GPU found' in proc.stderr and 'set NPROC_PER_NODE' in proc.stderr
     assert not (tmp_path / 'work').exists()
+
+
+@pytest.mark.parametrize('script', ['train.sbatch', 'train_multinode.sbatch'])
+def test_a_first_start_finding_its_default_work_dir_taken_refuses_it(tmp_path, script):
+    """A job id seen before (two clusters sharing /home, a reset controller): the new job's first
+    start resumed the old job's run in work_dirs/<name>-<id> (--resume auto) and reported it
+    COMPLETED. Refused before any rank, the old run untouched; a requeued start resumes it."""
+    old = tmp_path / 'work_dirs' / 'ds_seg-5000'
+    (old / 'checkpoints').mkdir(parents=True)
+    (old / 'summary.json').write_text('{"steps": 12}')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'WORK_DIR'))}
+    env.update(SLURM_JOB_ID='5000', SLURM_JOB_NAME='ds_seg', NPROC_PER_NODE='0')
+    cmd = ['bash', str(REPO_ROOT / 'launch' / 'slurm' / script)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (f'[sbatch] work_dirs/ds_seg-5000 already exists, but this is the first start of job 5000: another job '
+            'of the same id') in proc.stderr, proc.stderr
+    assert 'Submit again with WORK_DIR=work_dirs/ds_seg-5000 to continue that run' in proc.stderr
+    assert sorted(os.listdir(old)) == ['checkpoints', 'summary.json']
+    if script == 'train.sbatch':  # a requeued start (restart 1) gets past it, to the next check (no ranks here)
+        proc = subprocess.run(cmd, cwd=tmp_path, env=dict(env, SLURM_RESTART_COUNT='1'), capture_output=True,
+                              text=True, timeout=60)
+        assert 'already exists' not in proc.stderr and 'NPROC_PER_NODE' in proc.stderr, proc.stderr
 
 
 # Stand-ins for the commands the templates run before they start the ranks (a GPU count, the
