@@ -672,6 +672,7 @@ def load_config(path=None, cfg_options=None):
     """
     cfg = copy.deepcopy(DEFAULTS)
     name = 'default'
+    loaded = {}
     if path is not None:
         path = find_shipped(path, CONFIGS_DIR, '.py')
         if not path.is_file():
@@ -730,6 +731,10 @@ def load_config(path=None, cfg_options=None):
         cfg = _expand_user(_merge(cfg, options))
     except ConfigError as exc:
         raise ConfigError(f"--cfg-options: {exc}" + (f' (the value set by {path})' if path else '')) from None
+    if _default_val_left_beside_own_train(cfg, loaded, options):
+        # The embedded default's validation set is its synthetic demo scenes: beside a config's
+        # own training data it validated on them (eval.jsonl, best, evaluate.py) without a word.
+        cfg['data']['val'] = None
     try:
         _check_values(cfg)
     except ConfigError as exc:
@@ -743,6 +748,16 @@ def load_config(path=None, cfg_options=None):
         raise ConfigError(f'{source}: {exc}') from None
     cfg['config_name'] = name
     return Config(cfg)
+
+
+def _default_val_left_beside_own_train(cfg, *given):
+    """True when ``data.train`` is no longer the default's kind of dataset and neither the file
+    nor the options (``given``) set ``data.val``: it is still the default's synthetic one."""
+    default = DEFAULTS['data']
+    if (cfg['data'].get('train') or {}).get('type') == default['train']['type']:
+        return False
+    return not any(isinstance(g.get('data'), dict) and 'val' in g['data'] for g in given) \
+        and cfg['data'].get('val') == default['val']
 
 
 # The data sections' keys that hold local paths (a glob, a file, a folder, lists of them).

@@ -92,6 +92,8 @@ def data_notes(train_set, val_set):
         notes.append(f'data.train: {classes} classes: the run trains and evaluates, but predict.py writes uint8 class '
                      'maps (255 is their nodata), so it cannot run a model of more than 255 classes')
     if val_set is None:
+        notes.append('data.val: none (not given for this data, or None): the run does not evaluate, so there is no '
+                     'eval.jsonl, train.save_best or evaluate.py of its config; give data.val (a held-out set) to have them')
         return notes
     keys = [{_images_key(scene) for scene in getattr(ds, 'scenes', ())} for ds in (train_set, val_set)]
     shared = keys[0] & keys[1] - {()}

@@ -1084,3 +1084,25 @@ def test_a_config_path_not_under_the_folder_says_it_takes_the_shipped_file(tmp_p
     (tmp_path / 'configs' / 'mine.py').write_text('')
     assert find_shipped('configs/mine.py', CONFIGS_DIR, '.py') == Path('configs/mine.py')
     assert capsys.readouterr().err == ''
+
+
+def test_a_config_of_its_own_training_data_does_not_keep_the_defaults_synthetic_val(tmp_path):
+    """A config giving only data.train (its own GeoTIFF scenes) kept the embedded default's
+    SyntheticAerial data.val: refused for class names it never wrote, or, with the synthetic
+    names, validated on synthetic scenes (eval.jsonl, best, evaluate.py) without a word. Such a
+    config has no validation set; one that gives data.val, or trains on synthetic data, keeps it."""
+    own = dict(type='GeoTiffScenes', images=str(tmp_path / 'img'), labels=str(tmp_path / 'lab'), classes=6)
+    path = tmp_path / 'own.py'
+    path.write_text(f'data = dict(train={own!r})\n')
+    assert load_config(str(path)).data.val is None
+    assert load_config(None, [f"data.train={json.dumps(own)}"]).data.val is None
+    given = dict(own, images=str(tmp_path / 'val'))
+    path.write_text(f'data = dict(train={own!r}, val={given!r})\n')
+    assert load_config(str(path)).data.val['images'] == given['images']
+    assert load_config(str(tmp_path / 'own.py'), ['data.val.split=val']).data.val['type'] == 'GeoTiffScenes'
+    path.write_text(f'data = dict(train={own!r})\n')
+    assert load_config(str(path), ['data.val.type=SyntheticAerial', 'data.val.split=val']).data.val == \
+        DEFAULTS['data']['val']
+    # Synthetic training data of other settings keeps the synthetic validation set.
+    assert load_config(None, ['data.train.dates=4']).data.val == DEFAULTS['data']['val']
+    assert load_config(None).data.val == DEFAULTS['data']['val']
