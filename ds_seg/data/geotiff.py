@@ -429,6 +429,14 @@ def _key_copies_alike(paths, keys):
                     keys[p] = keys[first]
 
 
+def content_keys(paths):
+    """{path: key}, one key for one file however it is named (links, two spellings, signed URLs)
+    and for byte-for-byte copies of it (:func:`_key_copies_alike`)."""
+    keys = _scene_keys(paths)
+    _key_copies_alike(paths, keys)
+    return keys
+
+
 def refuse_repeated_scenes(images, what, labels=None, dates=None):
     """Evaluation scenes each once: overlapping globs (``'val/*.tif' 'val/a*.tif'``) or one file
     under two spellings would count its pixels twice in every metric. With ``labels``, a scene is

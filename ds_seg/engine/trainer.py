@@ -20,7 +20,8 @@ import torch
 from .. import distributed
 from ..config import ConfigError, default_work_dir, load_from_refusal, unused_settings, with_absolute_data_paths
 from ..data.loader import build_train_loader
-from ..data.raster import band_colours, colour_order_refusal, colours_conflict, same_file_key
+from ..data.geotiff import content_keys
+from ..data.raster import band_colours, colour_order_refusal, colours_conflict
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
 from ..inference.model import native_input_size, window_refusal
@@ -65,11 +66,10 @@ def _build_dataset(cfg, where, crop_size, seed):
         raise ConfigError(f'{where} ({cfg.get("type")}): {exc}') from exc
 
 
-def _images_key(scene):
-    """A scene's image files (every date of a time series) as one comparable key."""
+def _image_files(scene):
+    """A scene's image files (every date of a time series)."""
     image = scene.get('image')
-    return tuple(same_file_key(f) for f in (image if isinstance(image, (list, tuple)) else [image])
-                 if isinstance(f, str))
+    return [f for f in (image if isinstance(image, (list, tuple)) else [image]) if isinstance(f, str)]
 
 
 def data_notes(train_set, val_set):
@@ -92,10 +92,13 @@ def data_notes(train_set, val_set):
         notes.append(f'data.train: {classes} classes: the run trains and evaluates, but predict.py writes uint8 class '
                      'maps (255 is their nodata), so it cannot run a model of more than 255 classes')
     if val_set is None:
-        notes.append('data.val: none (not given for this data, or None): the run does not evaluate, so there is no '
-                     'eval.jsonl, train.save_best or evaluate.py of its config; give data.val (a held-out set) to have them')
         return notes
-    keys = [{_images_key(scene) for scene in getattr(ds, 'scenes', ())} for ds in (train_set, val_set)]
+    # By content: a validation folder holding a copy of a training scene (cp), or a synthetic
+    # data.val.split='train' generated into another cache folder, scored training scenes unsaid.
+    files = [f for ds in (train_set, val_set) for scene in getattr(ds, 'scenes', ()) for f in _image_files(scene)]
+    key_of = content_keys(files)
+    keys = [{tuple(key_of[f] for f in _image_files(scene)) for scene in getattr(ds, 'scenes', ())}
+            for ds in (train_set, val_set)]
     shared = keys[0] & keys[1] - {()}
     if shared:
         notes.append(f'data.val: {len(shared)} of its {len(keys[1])} scenes are also in data.train: '
@@ -226,6 +229,9 @@ class Trainer:
         self._check_train_set_is_endless()
         for note in data_notes(self.train_set, self.val_set):
             self.print(note)
+        if self.val_set is None and cfg.train.eval_interval and not cfg.train.get('save_best'):
+            self.print('data.val: none (not given for this data, or None): the run does not evaluate, so it writes no '
+                       'eval.jsonl; give data.val (a held-out set) for evaluations, train.save_best and evaluate.py')
         if cfg.train.get('save_best') and (self.val_set is None or not cfg.train.eval_interval):
             why = 'data.val is None' if self.val_set is None else 'train.eval_interval=0'
             raise ConfigError(f"train.save_best={cfg.train.save_best!r} keeps the checkpoint of the best evaluation, "

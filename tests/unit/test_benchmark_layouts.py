@@ -123,6 +123,28 @@ def test_validation_scenes_that_are_training_scenes_are_said(tree):
     assert data_notes(train, Potsdam(potsdam, split='val', crop_size=SIZE, tiles=['5_15'])) == []
 
 
+def test_validation_scenes_that_are_copies_of_training_scenes_are_said(tmp_path):
+    """The check compared files, not contents: a validation folder holding a cp of a training
+    scene, or the synthetic data.val.split='train' (generated into its own cache folder), scored
+    training scenes as held out without a word."""
+    import shutil
+
+    from ds_seg.data import GeoTiffScenes, SyntheticAerial
+    from ds_seg.engine.trainer import data_notes
+    train = SyntheticAerial(split='train', num_scenes=2, scene_size=64, cache_dir=str(tmp_path / 'a'), crop_size=32)
+    same = SyntheticAerial(split='train', num_scenes=1, scene_size=64, cache_dir=str(tmp_path / 'b'), crop_size=32)
+    assert train.scenes[0]['image'] != same.scenes[0]['image']
+    said = 'data.val: 1 of its 1 scenes are also in data.train: its scores are not held out'
+    assert data_notes(train, same) == [said]
+    (tmp_path / 'val').mkdir()
+    copies = [shutil.copy(train.scenes[1][k], tmp_path / 'val' / os.path.basename(train.scenes[1][k]))
+              for k in ('image', 'label')]
+    val = GeoTiffScenes([str(copies[0])], [str(copies[1])], crop_size=32, mode='grid', split='val', classes=train.classes)
+    assert data_notes(train, val) == [said]
+    assert data_notes(train, SyntheticAerial(split='val', num_scenes=1, scene_size=64, cache_dir=str(tmp_path / 'c'),
+                                             crop_size=32)) == []
+
+
 def test_deepglobe_val_is_decided_by_each_id_not_its_position(tree):
     deepglobe = tree('DeepGlobeLandCover')
 
