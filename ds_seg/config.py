@@ -63,7 +63,8 @@ def find_shipped(path, folder, suffix):
         return p
     if not p.suffix and p.with_name(p.name + suffix).is_file():  # cfgs/mine for cfgs/mine.py, as for shipped names
         return p.with_name(p.name + suffix)
-    if p.is_absolute() or str(p.parent) not in ('.', folder.name):
+    # './zero2' names this folder (Path drops the './'): a path, never the shipped file.
+    if p.is_absolute() or str(path).startswith(('./', '.' + os.sep)) or str(p.parent) not in ('.', folder.name):
         return p
     local = p if p.name.endswith(suffix) else p.with_name(p.name + suffix)
     if local.is_file():  # the user's copy (the README's copy-out recipe) before the shipped file
@@ -71,6 +72,15 @@ def find_shipped(path, folder, suffix):
     shipped = folder / local.name
     if not shipped.is_file():
         return p
+    mine = Path(folder.name) / local.name
+    if str(p.parent) == '.' and mine.is_file() and not mine.resolve().samefile(shipped):
+        # A bare name in a project laid out like the checkout (configs/, ds_configs/ of edited
+        # copies): the shipped file trained instead of the user's copy, without a word.
+        if f'{path} -> {mine}' not in _SAID_SHIPPED and os.environ.get('RANK', '0') == '0':
+            _SAID_SHIPPED.add(f'{path} -> {mine}')
+            print(f"[ds_seg] {path}: using {mine} in {os.getcwd()} (your copy), not the shipped {shipped}",
+                  file=sys.stderr, flush=True)
+        return mine
     if str(p.parent) == folder.name and str(p) not in _SAID_SHIPPED and os.environ.get('RANK', '0') == '0':
         # A path, not a bare name: a user who mistyped the path to an edited copy trained the
         # shipped file without a word.

@@ -1084,6 +1084,19 @@ def test_a_config_path_not_under_the_folder_says_it_takes_the_shipped_file(tmp_p
     (tmp_path / 'configs' / 'mine.py').write_text('')
     assert find_shipped('configs/mine.py', CONFIGS_DIR, '.py') == Path('configs/mine.py')
     assert capsys.readouterr().err == ''
+    # A project laid out like the checkout, with edited copies: a bare name trained the shipped
+    # file without a word. The copy is used, and said; './zero2' is a path, never the shipped file.
+    (tmp_path / 'ds_configs').mkdir()
+    (tmp_path / 'ds_configs' / 'zero2.json').write_text('{}')
+    (tmp_path / 'configs' / 'unet_tiny_synthetic.py').write_text('')
+    for name, folder, mine in (('zero2', DS_CONFIGS_DIR, 'ds_configs/zero2.json'),
+                               ('unet_tiny_synthetic', CONFIGS_DIR, 'configs/unet_tiny_synthetic.py')):
+        assert find_shipped(name, folder, Path(mine).suffix) == Path(mine)
+        assert capsys.readouterr().err.splitlines() == [
+            f'[ds_seg] {name}: using {mine} in {tmp_path} (your copy), not the shipped {folder / Path(mine).name}']
+    assert find_shipped('./zero2', DS_CONFIGS_DIR, '.json') == Path('zero2')
+    with pytest.raises(ConfigError, match=r'--config: unet_tiny_synthetic'):
+        load_config('./unet_tiny_synthetic')
 
 
 def test_a_config_of_its_own_training_data_does_not_keep_the_defaults_synthetic_val(tmp_path):
