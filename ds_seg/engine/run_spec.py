@@ -93,6 +93,34 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
                    compile_mode=compile_mode, channels_last=bool(channels_last), json_precision=native)
 
 
+# DeepSpeed's monitors that write files, and where (``output_path``: "" is the current folder).
+_FILE_MONITORS = ('tensorboard', 'csv_monitor')
+
+
+def with_monitors_in(spec, work_dir):
+    """``spec`` with DeepSpeed's file-writing monitors (the JSON's ``tensorboard``/``csv_monitor``
+    blocks) writing under ``work_dir``: their default output path is the folder the command ran
+    in (the checkout), where every run appended to one CSV and put its TensorBoard events beside
+    the others'. A relative ``output_path`` is taken inside the work dir; an absolute one is kept."""
+    import os
+    ds_config = dict(spec.ds_config)
+    moved = []
+    for key in _FILE_MONITORS:
+        block = ds_config.get(key)
+        if not (isinstance(block, dict) and block.get('enabled')):
+            continue
+        path = block.get('output_path') or ''
+        if not os.path.isabs(path):
+            ds_config[key] = dict(block, output_path=os.path.join(os.path.abspath(work_dir), path or 'deepspeed_monitor'))
+            moved.append(key)
+    if not moved:
+        return spec
+    where = ', '.join(f"{key} in {ds_config[key]['output_path']}" for key in moved)
+    note = (f"DeepSpeed's own monitor(s) write {where}: they log the scalars DeepSpeed keeps (its learning rate per "
+            "sample); ds_seg's losses and metrics are in <work dir>/tb and metrics.jsonl")
+    return dataclasses.replace(spec, ds_config=ds_config, notes=spec.notes + (note,))
+
+
 def _compile_block_settings(block):
     """The keys of the DeepSpeed JSON's ``compile`` block set to other than DeepSpeed's defaults."""
     if not isinstance(block, dict) or not block:

@@ -36,7 +36,7 @@ from . import checkpoint
 from .checkpointer import Checkpointer, data_normalisation
 from .faults import USER_STOPS, CheckSchedule, Faults, describe_io_error
 from .run_metrics import RunMetrics
-from .run_spec import describe_run
+from .run_spec import describe_run, with_monitors_in
 from .speed import channels_last_for
 from .workdir import WorkDirBusy, WorkDirLock, check_work_dir_entries
 
@@ -151,6 +151,7 @@ class Trainer:
                                  channels_last=channels_last_for(cfg.model.type, cfg.train.get('channels_last')))
         self.rank, self.world_size, self.device = self.spec.rank, self.spec.world_size, self.spec.device
         self.work_dir = work_dir or default_work_dir(cfg)
+        self.spec = with_monitors_in(self.spec, self.work_dir)
         self.work_dir_by_default = not work_dir and not cfg.get('work_dir')
         self.exit_reason = 'running'
         self._state_memory_step = 1  # the step whose backward measures state memory (fit() sets it)

@@ -448,3 +448,32 @@ def test_a_refused_start_on_a_finished_run_leaves_its_tracker_runs_as_they_were(
     (into the work dir's own mlruns/ by default), and a refused resume marked the finished run KILLED."""
     refused, statuses = run_on_ranks(_refused_after_a_finished_run, 1, args=(str(tmp_path), case), timeout=180)[0]
     assert refused and statuses == ['FINISHED']
+
+
+def _deepspeed_file_monitors(tmp):
+    """Two 2-step runs of one JSON with DeepSpeed's csv and TensorBoard monitors, in two work dirs,
+    started from ``tmp/cwd``: what each monitor wrote, and where."""
+    from ds_seg.engine.trainer import Trainer
+    cwd = os.path.join(tmp, 'cwd')
+    os.makedirs(cwd)
+    os.chdir(cwd)
+    ds = ds_config(0, micro_batch=2, csv_monitor={'enabled': True}, tensorboard={'enabled': True, 'output_path': 'ds'})
+    for run in ('a', 'b'):
+        trainer = Trainer(tiny_cfg(os.path.join(tmp, 'cache'), max_steps=2), ds, work_dir=os.path.join(tmp, run))
+        trainer.fit()
+        trainer.close()
+    return {root: sorted(files) for root, _, files in os.walk(tmp) if 'DeepSpeedJobName' in root}
+
+
+def test_deepspeeds_own_file_monitors_write_into_the_work_dir(tmp_path):
+    """DeepSpeed's monitors wrote into the folder the command ran in (the checkout): every run
+    appended to one CSV and put its TensorBoard events beside the others'. Their default path, or
+    a relative one, is taken inside the work dir."""
+    written = run_on_ranks(_deepspeed_file_monitors, 1, args=(str(tmp_path),), timeout=300)[0]
+    assert sorted(written) == [str(tmp_path / run / sub / 'DeepSpeedJobName') for run in 'ab'
+                               for sub in ('deepspeed_monitor', 'ds')], written
+    for run in 'ab':
+        assert written[str(tmp_path / run / 'deepspeed_monitor' / 'DeepSpeedJobName')] == ['Train_Samples_lr.csv']
+        assert len(written[str(tmp_path / run / 'ds' / 'DeepSpeedJobName')]) == 1   # its events file
+        rows = (tmp_path / run / 'deepspeed_monitor' / 'DeepSpeedJobName' / 'Train_Samples_lr.csv').read_text()
+        assert rows.count('step,') == 1, rows
