@@ -356,6 +356,14 @@ class ExperimentSection(_Section):
                                        (_optional_path, 'None or the path of a weights file from launch/export.py'))
     work_dir: Optional[str] = setting(None, 'where the run writes everything (None: work_dirs/<config name>)',
                                       (_optional_path, 'None or a directory path'))
+    custom_imports: Optional[dict] = setting(
+        None, "your modules that register models or datasets, imported first (as mmengine's): "
+              "dict(imports=['my_models'], allow_failed_imports=False)",
+        (lambda v: v is None or (isinstance(v, dict) and set(v) <= {'imports', 'allow_failed_imports'}
+                                 and isinstance(v.get('imports'), (list, tuple))
+                                 and all(isinstance(m, str) and m for m in v['imports'])
+                                 and isinstance(v.get('allow_failed_imports', False), bool)),
+         "None or dict(imports=['module', ...], allow_failed_imports=False)"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -693,7 +701,8 @@ def load_config(path=None, cfg_options=None):
         _check_inherited(path)
         try:
             with _yaml_parsed_safely(), _chain_merged_by_ds_seg_rules():
-                loaded = Config.fromfile(str(path)).to_dict()
+                # custom_imports: imported by ds_seg below, with its one-line refusal
+                loaded = Config.fromfile(str(path), import_custom_modules=False).to_dict()
         except RecursionError as exc:  # mmengine follows _base_ without noticing a cycle
             raise ConfigError(f"{path}: cannot be loaded: its _base_ files inherit from each other "
                               f"(a cycle); break it") from exc
@@ -756,6 +765,10 @@ def load_config(path=None, cfg_options=None):
             source = (str(path) if path else 'default config') if str(without_options) == str(exc) \
                 else '--cfg-options'
         raise ConfigError(f'{source}: {exc}') from None
+    if cfg.get('custom_imports'):
+        from .registry import import_custom_modules   # (registry imports this module)
+        custom = cfg['custom_imports']
+        import_custom_modules(custom['imports'], allow_failed=custom.get('allow_failed_imports', False))
     cfg['config_name'] = name
     return Config(cfg)
 

@@ -158,3 +158,31 @@ def _check_value(key, value, default):
     elif 'drop' in key.rsplit('.', 1)[-1] and isinstance(value, (int, float)) and not isinstance(value, bool) \
             and not 0 <= value <= 1:
         raise ConfigError(f"{key} is a probability, between 0 and 1; got {value}.")
+
+
+def import_custom_modules(names, where='custom_imports', allow_failed=False):
+    """Import the user's modules that register models or datasets (mmengine's
+    ``custom_imports = dict(imports=['my_models'])``), each once; one line naming the module and
+    what to do where one cannot be imported (``allow_failed``: skipped, as mmengine's
+    ``allow_failed_imports``)."""
+    import importlib
+    for name in names or ():
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:  # ModuleNotFoundError included
+            if allow_failed:
+                continue
+            raise ConfigError(f"{where}: cannot import {name!r} ({type(exc).__name__}: {exc}); put the folder that "
+                              "holds it on PYTHONPATH (or install it) where this command runs") from exc
+
+
+def custom_modules_of(registry, name, listed=()):
+    """``listed`` (a config's custom_imports) plus the module that registered ``name`` in
+    ``registry`` where it is the user's own (not ds_seg's, timm's...): what a run's checkpoints
+    record, so predict/evaluate/export can build its model wherever that module is importable."""
+    out = list(listed or ())
+    entry = registry.module_dict.get(name) if isinstance(name, str) else None
+    module = getattr(entry, '__module__', None)
+    if module and module.split('.')[0] != 'ds_seg' and module != '__main__' and module not in out:
+        out.append(module)
+    return out

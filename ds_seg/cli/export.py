@@ -22,6 +22,7 @@ import sys
 from ds_seg import deploy
 from ds_seg.engine import checkpoint
 from ds_seg.inputs import as_invoked, check_writable, refuse_inside_checkpoints, missing_folder, user_path
+from ds_seg.registry import RegistryError
 
 
 def check_out(out):
@@ -81,7 +82,7 @@ def main(argv=None):
                                                 marker.get('step')), out)
         else:
             ckpt, out = export_deployable(args.checkpoint, args.format, args.out)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, RegistryError) as exc:  # RegistryError: a model no module here registers
         print(f'export: error: {exc}', file=sys.stderr)
         return 2
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError

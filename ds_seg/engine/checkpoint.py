@@ -667,6 +667,8 @@ def export(ckpt_dir, out_file, model_cfg=None, classes=None, extra=None):
     if marker.get('data'):
         # Bands, mean and std of training: prediction must normalise its inputs the same way.
         payload['data'] = marker['data']
+    if marker.get('custom_imports'):   # the user's modules that register its model
+        payload['custom_imports'] = list(marker['custom_imports'])
     payload.update(extra or {})
     payload['sha256'] = weights_digest(state)  # checked on every load: a changed byte is refused
     from ..inputs import partial_path

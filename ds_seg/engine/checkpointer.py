@@ -127,6 +127,11 @@ class Checkpointer:
     def __init__(self, work_dir, spec, backend, cfg, train_set, report):
         self.work_dir, self.spec, self.backend, self.cfg = work_dir, spec, backend, cfg
         self.train_set, self.report = train_set, report
+        # The user's modules the model comes from (custom_imports, or the module that registered
+        # model.type): recorded, so predict/evaluate/export can build it where they import.
+        from ..registry import MODELS, custom_modules_of
+        self.custom_imports = custom_modules_of(MODELS, cfg.model.get('type'),
+                                                (cfg.get('custom_imports') or {}).get('imports'))
         self.root = os.path.join(work_dir, 'checkpoints')
         self.interval = cfg.train.checkpoint_interval
         self.keep = cfg.train.keep_checkpoints
@@ -181,6 +186,7 @@ class Checkpointer:
                                             'base_lr': _base_lr(self.spec.ds_config),
                                             'param_groups': self.backend.param_group_layout,
                                             'optim': _model_dict(self.cfg.get('optim') or {}),
+                                            **({'custom_imports': self.custom_imports} if self.custom_imports else {}),
                                             **({'best_metric': self.best_metric} if best_record is not None else {})},
                               best=best_record is not None, report=self.report)
         if best_record is not None:

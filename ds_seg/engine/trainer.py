@@ -293,7 +293,13 @@ class Trainer:
                                   max_steps=cfg.train.max_steps,
                                   train_images=len(self.train_set), t_start=t_start,
                                   earlier_wall_time_s=self.checkpointer.earlier_wall_time_s)
-        configs = {'config.json': with_absolute_data_paths(cfg.to_dict()), 'ds_config.json': dict(spec.ds_config, ds_seg=spec.as_json())}
+        record = with_absolute_data_paths(cfg.to_dict())
+        listed = (cfg.get('custom_imports') or {}).get('imports') or []
+        if self.checkpointer.custom_imports != list(listed):
+            # A model registered by an import in the config file: evaluate.py of this config.json
+            # (and any tool reading it) imports that module too.
+            record['custom_imports'] = dict(cfg.get('custom_imports') or {}, imports=self.checkpointer.custom_imports)
+        configs = {'config.json': record, 'ds_config.json': dict(spec.ds_config, ds_seg=spec.as_json())}
         if self.step and distributed.is_main():
             self.log.keep_replaced(configs)
         for name, obj in configs.items():

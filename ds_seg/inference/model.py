@@ -22,18 +22,20 @@ def load_model(path, device='cpu'):
     from ..engine import checkpoint
     from ..inputs import check_checkpoint_option
     from ..models.pretrained import without_pretrained
-    from ..registry import MODELS, build
+    from ..registry import MODELS, build, import_custom_modules
     check_checkpoint_option(path)
     if os.path.isfile(path) and not checkpoint.is_pointer_file(path):
         payload = checkpoint.load_weights_file(path)
         state, model_cfg = payload['state_dict'], payload.get('model')
         classes, data = payload.get('classes'), payload.get('data')
         source, step = os.path.abspath(path), payload.get('step')
+        custom = payload.get('custom_imports')
     else:
         ckpt = checkpoint.find_checkpoint(path, report=lambda line: print(f'[ds_seg] {line}', flush=True))
         marker = checkpoint.read_marker(ckpt)
         state = checkpoint.consolidated_state_dict(ckpt)
         model_cfg, classes, data = marker.get('model'), marker.get('classes'), marker.get('data')
+        custom = marker.get('custom_imports')
         # The step folder actually read: a work dir or 'latest' whose newest checkpoint is damaged
         # falls back to an older one (said in one line), and records of the result name it.
         source, step = os.path.abspath(ckpt), marker.get('step')
@@ -42,6 +44,8 @@ def load_model(path, device='cpu'):
     # The weights below replace the pretrained ones: that file (and the band_map that maps its
     # bands, which is refused without it) is never read again.
     model_cfg = without_pretrained(model_cfg)
+    # A model of the user's own: the module that registers it, as training imported it.
+    import_custom_modules(custom, where=f'{path}: its model {model_cfg.get("type")!r} comes from your module')
     try:
         model = build(MODELS, model_cfg, where='model')
         missing, unexpected = model.load_state_dict(state, strict=False)

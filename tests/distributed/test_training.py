@@ -13,7 +13,7 @@ import torch
 
 from ds_seg.config import REPO_ROOT
 from tests.dist import run_on_ranks
-from tests.tiny import ds_config, logged_losses, read_jsonl, tiny_cfg
+from tests.tiny import TINY_CONFIG, ds_config, logged_losses, read_jsonl, tiny_cfg
 
 
 def _full_params(trainer):
@@ -485,3 +485,61 @@ def test_a_deepspeed_resume_refuses_a_json_that_changes_its_loss_scaler(tmp_path
     float); under ZeRO-1/2 the static scale was recorded in ds_config.json and never applied."""
     line = run_on_ranks(_resume_with_other_loss_scaling, 1, args=(str(tmp_path),), timeout=300)[0]
     assert line is not None and "holds DeepSpeed's fp16 loss scaler" in line and 'loss_scale 0.0 -> 128.0' in line, line
+
+
+CUSTOM_MODEL = '''import torch.nn as nn
+from ds_seg.registry import MODELS
+
+
+@MODELS.register_module()
+class OwnNet(nn.Module):
+    def __init__(self, in_channels=3, num_classes=6):
+        super().__init__()
+        self.c = nn.Conv2d(in_channels, num_classes, 3, padding=1)
+
+    def forward(self, x):
+        return self.c(x)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('how', ['custom_imports', 'import'])
+def test_a_model_of_ones_own_module_trains_then_predicts_and_evaluates_where_that_module_imports(tmp_path, how):
+    """mmengine's custom_imports was refused as an unknown key (its advice, _custom_imports, is
+    ignored by mmengine); a model registered by a plain import in the config trained, then
+    predict.py, evaluate.py of the run's config.json and export --format onnx could not build it
+    (the last a RegistryError traceback). Runs and checkpoints record the module: where it
+    imports they build the model, elsewhere one line says which module to put on PYTHONPATH."""
+    (tmp_path / 'own_models.py').write_text(CUSTOM_MODEL)
+    line = ("custom_imports = dict(imports=['own_models'])" if how == 'custom_imports' else 'import own_models')
+    (tmp_path / 'own.py').write_text(f"_base_ = [{TINY_CONFIG!r}]\n{line}\nmodel = dict(type='OwnNet')\n")
+    cache = str(tmp_path / 'cache')
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(tmp_path))
+    without = dict(env, PYTHONPATH='')
+    work, scene = tmp_path / 'run', tmp_path / 'scene.tif'
+
+    def run(script, *args, environ=env):
+        return subprocess.run([sys.executable, f'launch/{script}', *args], cwd=REPO_ROOT, env=environ,
+                              capture_output=True, text=True, timeout=300)
+    trained = run('train.py', '--config', str(tmp_path / 'own.py'), '--work-dir', str(work), '--deepspeed_config',
+                  'zero0', '--cfg-options', 'train.max_steps=2', 'train.eval_interval=2', 'data.num_workers=0',
+                  f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}')
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
+    assert json.load(open(work / 'config.json'))['custom_imports']['imports'] == ['own_models']
+    import shutil
+    val_image = sorted((tmp_path / 'cache').rglob('image_*.tif'))[-1]
+    shutil.copy(val_image, scene)
+    refused = run('predict.py', '--checkpoint', str(work), '--input', str(scene), '--output', str(tmp_path / 'p0'),
+                  environ=without)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"predict: error: {work}: its model 'OwnNet' comes from your module: cannot import 'own_models' "
+        "(ModuleNotFoundError: No module named 'own_models'); put the folder that holds it on PYTHONPATH (or "
+        "install it) where this command runs"], refused.stderr
+    exported = run('export.py', str(work), '--format', 'onnx', '--out', str(tmp_path / 'own.onnx'), environ=without)
+    assert exported.returncode == 2 and 'Traceback' not in exported.stderr, exported.stderr
+    assert "comes from your module: cannot import 'own_models'" in exported.stderr
+    predicted = run('predict.py', '--checkpoint', str(work), '--input', str(scene), '--output', str(tmp_path / 'p1'))
+    assert predicted.returncode == 0 and (tmp_path / 'p1' / 'scene_classes.tif').exists(), predicted.stderr[-2000:]
+    evaluated = run('evaluate.py', '--checkpoint', str(work), '--output', str(tmp_path / 'ev'))
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert json.load(open(tmp_path / 'ev' / 'eval.json'))['mIoU'] >= 0
