@@ -775,8 +775,14 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if len(labels) == 1 and is_vector(labels[0]):
             labels = labels * len(images)  # one vector layer labels every image
         if len(images) != len(labels):
+            from ..inputs import written_by_predict
+            # predict.py --output into the images folder: its class maps and probabilities read
+            # as images, and the line told the user to fix the labels.
+            outputs = [os.path.basename(p) for p in images if isinstance(p, str) and written_by_predict(p)]
+            said = (f"; {len(outputs)} of the images are outputs predict.py wrote there ({', '.join(outputs[:3])}"
+                    f"{', ...' if len(outputs) > 3 else ''}): move them out of the images' folder" if outputs else '')
             raise DataError(f"{len(images)} images but {len(labels)} labels: they are paired by "
-                            f"position, give one label file per image (first image {images[0]!r})")
+                            f"position, give one label file per image (first image {images[0]!r}){said}")
         labels = pair_by_name(images, labels)
         if mode is None:
             mode = 'random' if split == 'train' else 'grid'

@@ -1028,6 +1028,28 @@ def test_ground_resolution_is_ground_metres_in_web_mercator_and_degrees(tmp_path
         assert tr in notes[0], (tr, notes)
 
 
+def test_predict_outputs_in_a_training_images_folder_are_named_by_the_refusal(tmp_path):
+    """predict.py --output into the training images' folder: the next training said "3 images but
+    1 labels ... give one label file per image", sending the user to the labels. It names the
+    files predict wrote there."""
+    import shutil
+
+    from ds_seg.cli import predict
+    from ds_seg.data.geotiff import GeoTiffScenes
+    from ds_seg.data.raster import DataError
+    weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
+    images, labels = tmp_path / 'img', tmp_path / 'lab'
+    images.mkdir()
+    labels.mkdir()
+    shutil.copy(scene, images / 'a.tif')
+    shutil.copy(label, labels / 'a.tif')
+    assert predict.main(['--checkpoint', weights, '--input', str(images), '--output', str(images), '--tile', '32',
+                         '--probs']) == 0
+    with pytest.raises(DataError, match=r"^3 images but 1 labels: .*; 2 of the images are outputs predict.py wrote "
+                                        r"there \(a_classes.tif, a_probs.tif\): move them out of the images' folder$"):
+        GeoTiffScenes(str(images), str(labels), crop_size=32, classes=K)
+
+
 def test_evaluate_overwrite_leaves_no_preview_of_an_earlier_evaluation(tmp_path):
     """An evaluation of 3 scenes, then --overwrite with 1: preview_1.png and preview_2.png of the
     first run stayed beside the new eval.json, as if they were its scenes. Without --overwrite
