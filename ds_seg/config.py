@@ -737,6 +737,11 @@ def load_config(path=None, cfg_options=None):
                 holder = loaded.get(parent) if parent else loaded
                 if isinstance(holder, dict) and isinstance(holder.get(key), dict):
                     holder[key] = {**holder[key], DELETE_KEY: True}
+        ds_keys = [k for k in loaded if k in DS_TOP_LEVEL_KEYS and k not in DEFAULTS]
+        if len(ds_keys) >= 2 or 'zero_optimization' in ds_keys or 'train_micro_batch_size_per_gpu' in ds_keys:
+            # --config and --deepspeed_config swapped: "unknown key 'train_micro_batch_size_per_gpu'".
+            raise ConfigError(f"--config: {path} is a DeepSpeed JSON (it sets {', '.join(ds_keys[:3])}); give it as "
+                              "--deepspeed_config, and the experiment config (configs/*.py) as --config")
         _check_keys(loaded, DEFAULTS, str(path))
         try:
             cfg = _merge(cfg, loaded)
@@ -898,6 +903,10 @@ def load_ds_config(path):
     try:
         ds = json.loads(path.read_text(), object_pairs_hook=_refuse_duplicate_keys)
     except json.JSONDecodeError as exc:
+        if path.suffix in ('.py', '.yaml', '.yml'):   # --config and --deepspeed_config swapped
+            raise ConfigError(f"--deepspeed_config: {path} is an experiment config ({path.suffix}), not a DeepSpeed "
+                              "JSON; give it as --config, and a DeepSpeed JSON (ds_configs/*.json) as "
+                              "--deepspeed_config") from exc
         raise ConfigError(f"{path}: not valid JSON ({exc}).") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not a text file ({exc.reason} at byte {exc.start}); give a DeepSpeed JSON.") from exc

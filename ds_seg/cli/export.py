@@ -30,7 +30,12 @@ def check_out(out):
     (with its model cards): export never overwrites and leaves nothing behind."""
     if os.path.isdir(out) or out.endswith(tuple(filter(None, (os.sep, os.altsep)))):
         # 'exp/' names a folder even where none exists yet: its dirname check below would pass.
-        raise ValueError(f'--out: {out} is a folder; give a file name (e.g. {os.path.join(out, "weights.pt")}).')
+        example = os.path.join(out, 'weights.pt')
+        if os.path.basename(os.path.dirname(os.path.abspath(example))).startswith('step_'):
+            # (a step folder: the suggestion there was refused next, as inside the checkpoints)
+            example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(out.rstrip(os.sep)))),
+                                   os.path.basename(out.rstrip(os.sep)) + '.pt')
+        raise ValueError(f'--out: {out} is a folder; give a file name (e.g. {example}).')
     if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
         raise ValueError(f'--out: {missing_folder(os.path.dirname(os.path.abspath(out)))}.')
     deploy.refuse_existing(out, *deploy.card_paths(out))

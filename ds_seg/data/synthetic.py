@@ -484,9 +484,10 @@ class SyntheticAerial(GeoTiffScenes):
                                for i, c in enumerate(CLASSES)}
         given = [key for key in ('images', 'labels') if key in kw]
         if given:  # was "GeoTiffScenes.__init__() got multiple values for keyword argument 'images'"
+            section = 'data.val' if split == 'val' else 'data.train'
             raise ValueError(f"SyntheticAerial generates its own scenes and takes no {' or '.join(given)}; for "
                              "your files set type='GeoTiffScenes' (e.g. --cfg-options "
-                             "data.train.type=GeoTiffScenes data.train.images=... data.train.labels=...)")
+                             f"{section}.type=GeoTiffScenes {section}.images=... {section}.labels=...)")
         if not isinstance(split, str) or not split.strip():
             # A list, a number or None reached the scene writer: an AttributeError traceback.
             raise ValueError(f"SyntheticAerial split must be a name, 'train' or 'val' (its scenes' seed), "

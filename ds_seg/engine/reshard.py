@@ -49,8 +49,10 @@ def describe(saved, world_size, micro_batch, grad_accum, global_batch, skipped, 
     """The one line a resumed run prints; ``saved``: micro_batch, grad_accum, world_size of the checkpoint."""
     old_global = saved['micro_batch'] * saved['grad_accum'] * saved['world_size']
     batch = f'global batch {old_global} -> {global_batch}' if old_global != global_batch else f'global batch {global_batch}'
-    return (f"resuming a checkpoint of {saved['world_size']} rank(s) on {world_size}: micro-batch {micro_batch} "
-            f"x accum {grad_accum}, {batch}; optimizer state "
+    was = (saved['micro_batch'], saved['grad_accum'])
+    layout = (f"micro-batch {micro_batch} x accum {grad_accum}" if was == (micro_batch, grad_accum) else
+              f"micro-batch {was[0]} x accum {was[1]} -> {micro_batch} x {grad_accum}")
+    return (f"resuming a checkpoint of {saved['world_size']} rank(s) on {world_size}: {layout}, {batch}; optimizer state "
             + ('repartitioned through a DeepSpeed universal checkpoint' if zero_stage else 'kept')
             + ('' if not skipped else f'; {skipped} sample(s) of the epoch skipped to align the data stream'))
 

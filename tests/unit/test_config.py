@@ -1119,3 +1119,40 @@ def test_a_config_of_its_own_training_data_does_not_keep_the_defaults_synthetic_
     # Synthetic training data of other settings keeps the synthetic validation set.
     assert load_config(None, ['data.train.dates=4']).data.val == DEFAULTS['data']['val']
     assert load_config(None).data.val == DEFAULTS['data']['val']
+
+
+def test_swapped_config_and_deepspeed_json_are_named_as_swapped(tmp_path):
+    """--config ds_configs/zero2.json was "unknown key 'train_micro_batch_size_per_gpu'", and
+    --deepspeed_config configs/x.py "not valid JSON": both say which option the file belongs to."""
+    with pytest.raises(ConfigError, match=r"^--config: .*zero2.json is a DeepSpeed JSON \(it sets "
+                                          r"train_micro_batch_size_per_gpu.*\); give it as --deepspeed_config"):
+        load_config(str(DS_CONFIGS_DIR / 'zero2.json'))
+    with pytest.raises(ConfigError, match=r"^--deepspeed_config: .*unet_tiny_synthetic.py is an experiment config "
+                                          r"\(.py\), not a DeepSpeed JSON; give it as --config"):
+        load_ds_config(str(REPO_ROOT / 'configs' / 'unet_tiny_synthetic.py'))
+
+
+def test_small_lines_name_what_they_are_about():
+    """The resume line gave only the new batch layout; the synthetic data.val's hint named
+    data.train."""
+    from ds_seg.data import SyntheticAerial
+    from ds_seg.engine import reshard
+    saved = dict(micro_batch=8, grad_accum=1, world_size=1)
+    assert reshard.describe(saved, 1, 4, 2, 8, 0).startswith(
+        'resuming a checkpoint of 1 rank(s) on 1: micro-batch 8 x accum 1 -> 4 x 2, global batch 8;')
+    assert reshard.describe(saved, 2, 8, 1, 16, 0).startswith(
+        'resuming a checkpoint of 1 rank(s) on 2: micro-batch 8 x accum 1, global batch 8 -> 16;')
+    with pytest.raises(ValueError, match=r'data.val.type=GeoTiffScenes data.val.images=\.\.\.'):
+        SyntheticAerial(split='val', images='x/*.tif')
+
+
+def test_export_to_a_step_folder_suggests_a_file_it_would_take(tmp_path):
+    """export --out RUN/checkpoints/step_N suggested step_N/weights.pt, which export then refused
+    (inside the run's checkpoints)."""
+    from ds_seg.cli.export import check_out
+    step = tmp_path / 'run' / 'checkpoints' / 'step_00000004'
+    step.mkdir(parents=True)
+    with pytest.raises(ValueError, match=rf"is a folder; give a file name \(e.g. {tmp_path / 'run' / 'step_00000004.pt'}\)"):
+        check_out(str(step))
+    with pytest.raises(ValueError, match=rf"is a folder; give a file name \(e.g. {tmp_path / 'weights.pt'}\)"):
+        check_out(str(tmp_path))
