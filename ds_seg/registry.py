@@ -67,7 +67,7 @@ def build(registry, cfg, where=None, **extra):
         kwargs.setdefault(key, value)
     _check_kwargs(cls, kwargs, where, check_values=registry.name in VALUES_CHECKED_HERE)
     try:
-        return cls(**kwargs)
+        built = cls(**kwargs)
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise  # already one line naming the file or key
@@ -77,6 +77,10 @@ def build(registry, cfg, where=None, **extra):
         detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
         raise ConfigError(f"{where} ({name}): cannot be built with {given or 'its defaults'}: {detail}; "
                           f"check the values under {where}.") from exc
+    if registry is MODELS:
+        # The name the config gave (UNetTiny builds a UNet): what lines about the model say.
+        built.registered_as = name
+    return built
 
 
 def arguments(cls):

@@ -100,11 +100,12 @@ def build_param_groups(model, optim_cfg):
     num_blocks = 0 if vit is None else 1 + max(
         [int(m[1]) for m in (_BLOCK.match(n) for n, _ in vit.named_parameters()) if m], default=-1)
     fresh = _fresh_prefixes(model)
+    model_name = getattr(model, 'registered_as', type(model).__name__)  # as the config names it
     if layer_decay is not None and num_blocks == 0:
-        raise ConfigError(f'optim.layer_decay: model {type(model).__name__} has no ViT blocks '
+        raise ConfigError(f'optim.layer_decay: model {model_name} has no ViT blocks '
                           '(backbone.blocks.N); layer-wise decay applies to ViT backbones only. Set it to None.')
     if backbone_mult != 1.0 and not any(_in_backbone(n, fresh) for n, _ in named):
-        raise ConfigError(f'optim.paramwise.backbone_lr_mult: model {type(model).__name__} has no backbone '
+        raise ConfigError(f'optim.paramwise.backbone_lr_mult: model {model_name} has no backbone '
                           "(parameters named backbone.*), so it would change nothing; leave it out, or use a "
                           'model with a pretrained backbone.')
     groups = {}

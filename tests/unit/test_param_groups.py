@@ -54,7 +54,7 @@ def test_off_by_default_and_refused_where_it_cannot_apply():
     with pytest.raises(ConfigError, match='backbone_lr_mult'):
         build_param_groups(unet, dict(paramwise=dict(backbone_lr_mult=0)))
     # A model without a backbone: the multiplier changed nothing, and said nothing.
-    with pytest.raises(ConfigError, match=r'optim.paramwise.backbone_lr_mult: model UNet has no backbone'):
+    with pytest.raises(ConfigError, match=r'optim.paramwise.backbone_lr_mult: model UNetTiny has no backbone'):
         build_param_groups(unet, dict(paramwise=dict(backbone_lr_mult=0.1)))
 
 
@@ -66,7 +66,8 @@ def test_an_optim_mistake_is_named_as_the_config_s_not_the_deepspeed_json_s(tmp_
                  f'data.train.cache_dir={tmp_path}', f'data.val.cache_dir={tmp_path}', 'optim.layer_decay=0.5',
                  'train.max_steps=1'])
     err = capsys.readouterr().err
-    assert code == 2 and 'ds_seg: error: optim.layer_decay: model UNet has no ViT blocks' in err, err
+    # (named as the config names it: UNetTiny builds a UNet)
+    assert code == 2 and 'ds_seg: error: optim.layer_decay: model UNetTiny has no ViT blocks' in err, err
     assert '--deepspeed_config' not in err
 
 
