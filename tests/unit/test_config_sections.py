@@ -27,6 +27,8 @@ BAD_BY_TYPE = {
     List[str]: ['tensorboard', ['tensorbord'], None],
     Optional[Tuple[float, float]]: [(2.0, 0.5), (0, 1), (1.0,), 'big', (True, 2.0)],
     ParamwiseSection: [3, None, 'lots'],
+    Optional[dict]: [['my_models'], 'my_models', {'imports': 'my_models'}, {'imports': [3]},
+                     {'import': ['my_models']}, {'imports': ['a'], 'allow_failed_imports': 'yes'}],
 }
 
 # Values just outside a key's range, where the type alone does not tell it.
