@@ -12,7 +12,10 @@ can never fire while the owner lives:
 * same host: the PID is not running, or runs another process (a different start time);
 * same Slurm job with another ``SLURM_RESTART_COUNT``: the previous incarnation of this very
   job, which Slurm ends before it starts the requeued one;
-* another host with a Slurm job id: ``squeue`` says that job has no running processes.
+* another host with a Slurm job id: ``squeue`` says that job has no running processes;
+
+the two Slurm rules only for an owner of this job's cluster (``SLURM_CLUSTER_NAME``): clusters
+that share a file system share job ids, and one's squeue knows nothing of the other's jobs.
 
 Anything else is refused with one line naming the owner and the file to delete if the user
 knows that run is gone.
@@ -59,6 +62,7 @@ def identity():
     return {'host': socket.gethostname(), 'pid': pid, 'pid_start': _process_start(pid),
             'slurm_job_id': os.environ.get('SLURM_JOB_ID'),
             'slurm_restart_count': os.environ.get('SLURM_RESTART_COUNT', '0'),
+            'slurm_cluster': os.environ.get('SLURM_CLUSTER_NAME'),
             'started': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
 
 
@@ -86,6 +90,10 @@ def owner_gone(owner, me=None):
         start = _process_start(pid)
         return owner.get('pid_start') is not None and start is not None and start != owner['pid_start']
     job = owner.get('slurm_job_id')
+    if job and owner.get('slurm_cluster') != me.get('slurm_cluster'):
+        # Another cluster sharing this file system: its job ids are not this cluster's (a live
+        # job there is "Invalid job id" to this squeue, or shares this job's id).
+        return False
     if job and job == me['slurm_job_id']:
         return str(owner.get('slurm_restart_count', '0')) != str(me['slurm_restart_count'])
     if job:
@@ -95,6 +103,8 @@ def owner_gone(owner, me=None):
 
 def describe(owner):
     job = f", Slurm job {owner['slurm_job_id']}" if owner.get('slurm_job_id') else ''
+    if job and owner.get('slurm_cluster'):
+        job += f" of cluster {owner['slurm_cluster']}"
     return f"host {owner.get('host')} pid {owner.get('pid')}{job}, since {owner.get('started')}"
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ds_seg.engine.workdir import LOCK_NAME, WorkDirBusy, WorkDirLock, _process_start, identity, owner_gone
+from ds_seg.engine.workdir import LOCK_NAME, WorkDirBusy, WorkDirLock, _process_start, describe, identity, owner_gone
 
 
 def _me(**over):
@@ -31,6 +31,24 @@ def test_requeued_job_takes_over_its_earlier_incarnation_on_any_host():
     earlier = dict(me, host='n1', pid=1, slurm_restart_count='0')
     assert owner_gone(earlier, me)
     assert not owner_gone(dict(earlier, slurm_restart_count='1'), me), 'the same incarnation may still live'
+
+
+def test_an_owner_of_another_cluster_is_never_taken_over_by_its_job_id(tmp_path, monkeypatch):
+    """Two clusters sharing /home: cluster B's job asked its own squeue about cluster A's live
+    job 20 ("Invalid job id": gone) and took the lock over, and both trained into one work dir.
+    A job id says something only within its cluster."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    (bin_dir / 'squeue').write_text('#!/bin/sh\necho "slurm_load_jobs error: Invalid job id specified" >&2\nexit 1\n')
+    (bin_dir / 'squeue').chmod(0o755)
+    monkeypatch.setenv('PATH', f"{bin_dir}:{os.environ['PATH']}")
+    me = _me(host='nodeB', slurm_job_id='7000', slurm_cluster='b')
+    assert owner_gone(dict(me, host='vm', pid=1, slurm_job_id='20', slurm_cluster='b'), me), 'this cluster: gone'
+    assert not owner_gone(dict(me, host='vm', pid=1, slurm_job_id='20', slurm_cluster='a'), me)
+    # The same id on two clusters is two jobs, not two starts of one.
+    assert not owner_gone(dict(me, host='vm', pid=1, slurm_restart_count='1', slurm_cluster='a'), me)
+    assert owner_gone(dict(me, host='vm', pid=1, slurm_restart_count='1'), dict(me, slurm_restart_count='2'))
+    assert 'Slurm job 20 of cluster a' in describe(dict(me, slurm_job_id='20', slurm_cluster='a'))
 
 
 def test_other_hosts_without_proof_are_never_taken_over(monkeypatch):
