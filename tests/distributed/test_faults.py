@@ -510,6 +510,35 @@ def test_sbatch_template_stops_requeueing_a_warning_at_once_whose_lead_is_not_in
     assert checkpoint.find_latest(str(work / 'checkpoints')) is not None
 
 
+def test_a_requeued_start_continues_with_the_runs_own_config_not_the_edited_file(tmp_path):
+    """The config file edited while the job waited in the queue (for the next experiment): the
+    requeued start read the edited file, and the run went on as another experiment, one line
+    mid-log. It continues with the run's own config.json."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    (bin_dir / 'scontrol').write_text(FAKE_SCONTROL)
+    (bin_dir / 'scontrol').chmod(stat.S_IRWXU)
+    work, cache, own = tmp_path / 'work', tmp_path / 'cache', tmp_path / 'own.py'
+    own.write_text(f"_base_ = [{TINY_CONFIG!r}]\ntrain = dict(max_steps=2, eval_interval=0, log_interval=1)\n"
+                   f"data = dict(num_workers=0, train=dict(cache_dir={str(cache)!r}), val=dict(cache_dir={str(cache)!r}))\n")
+    env = _env(PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', SLURM_JOB_ID='4242',
+               SLURM_JOB_NAME='ds_seg', SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost', NPROC_PER_NODE='1',
+               WORK_DIR=str(work), MASTER_PORT=str(_free_port()), DS_CONFIG='zero0', CONFIG=str(own),
+               FAKE_SCONTROL_LOG=str(tmp_path / 'scontrol.log'))
+    script = ['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch')]
+    first = subprocess.run(script, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    own.write_text(own.read_text().replace('max_steps=2', 'max_steps=4'))   # the next experiment
+    again = subprocess.run(script, cwd=REPO_ROOT, env=dict(env, SLURM_RESTART_COUNT='1'), capture_output=True,
+                           text=True, timeout=240)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert (f"[sbatch] restart 1 of job 4242: continuing with the run's own {work}/config.json (a change to {own} "
+            f"takes effect in a new submission with WORK_DIR={work})") in out, out[-3000:]
+    assert 'already at step 2 = train.max_steps: nothing to train' in out, out[-3000:]
+    assert json.load(open(work / 'summary.json'))['steps'] == 2
+
+
 def _template_outside_slurm(tmp_path, work):
     """`bash train.sbatch` with one rank of the tiny config and no end in sight, as a Popen."""
     cache = tmp_path / 'cache'
