@@ -755,3 +755,36 @@ def test_sbatch_template_without_its_python_says_so_before_starting_ranks(tmp_pa
     assert proc.stderr.startswith(f"[sbatch] {tmp_path / 'nope' / 'python'}: no such command on "), proc.stderr
     assert "this job's PATH: /usr/bin:/bin" in proc.stderr and 'PYTHON=/path/to/' in proc.stderr
     assert not (tmp_path / 'work').exists()
+
+
+NODE_NAME_SCONTROL = """#!/usr/bin/env bash
+if [ "$1 $2" = "show hostnames" ]; then echo node-only-slurm-knows; fi
+if [ "$1 $2 $3" = "show node -o" ]; then echo "NodeName=$4 Arch=x86_64 NodeAddr=$FAKE_NODE_ADDR NodeHostName=$4"; fi
+"""
+STOP_SRUN = """#!/usr/bin/env bash
+exit 0
+"""
+
+
+@pytest.mark.parametrize('addr, resolved', [('127.0.0.1', True), ('also-unknown.invalid', False)])
+def test_multinode_template_meets_at_the_first_nodes_address_where_its_name_does_not_resolve(tmp_path, addr, resolved):
+    """NodeName=node001 NodeAddr=10.1.0.1: the ranks waited 15 minutes (DS_SEG_DIST_TIMEOUT) for a
+    rendezvous at a name no resolver knows, flooding the log with C++ frames. The template meets
+    at Slurm's NodeAddr instead, or says at once that neither resolves."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    for name, text in (('scontrol', NODE_NAME_SCONTROL), ('srun', STOP_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    env = _env(PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', SLURM_JOB_ID='4243',
+               SLURM_JOB_NODELIST='node-only-slurm-knows', SLURM_NNODES='1', SLURM_NTASKS='1', NPROC_PER_NODE='1',
+               WORK_DIR=str(tmp_path / 'work'), FAKE_NODE_ADDR=addr, PYTHON=sys.executable)
+    proc = subprocess.run(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train_multinode.sbatch')], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    if resolved:
+        assert proc.returncode == 0 and 'master 127.0.0.1:' in proc.stdout, proc.stdout + proc.stderr
+    else:
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.startswith("[sbatch] the allocation's first node, node-only-slurm-knows, does not resolve on "
+                                      ), proc.stderr
+        assert "(Slurm's NodeAddr for it: also-unknown.invalid)" in proc.stderr
