@@ -191,6 +191,9 @@ class Trainer:
                 failure = str(exc)
         failure = distributed.first_failure(failure)
         if failure:
+            if os.environ.get('SLURM_ARRAY_TASK_ID'):   # every task of an array given one WORK_DIR
+                failure += (" (the tasks of a job array each need a work dir of their own: the sbatch templates "
+                            "expand WORK_DIR='work_dirs/name-%a' per task)")
             raise ConfigError(f'--work-dir: {failure}')
 
     def _setup(self, resume, t_start):

@@ -425,8 +425,8 @@ def test_resuming_another_runs_checkpoint_sets_this_work_dirs_own_lineage_aside(
 # One run per work dir, with real processes
 # ------------------------------------------------------------------------------------------------
 
-def _train_process(argv):
-    return subprocess.Popen([sys.executable, 'launch/train.py', *argv], cwd=REPO_ROOT, env=_env(),
+def _train_process(argv, **env):
+    return subprocess.Popen([sys.executable, 'launch/train.py', *argv], cwd=REPO_ROOT, env=_env(**env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -460,7 +460,11 @@ def test_a_second_run_on_a_busy_work_dir_is_refused_and_a_dead_owner_is_taken_ov
     assert second.returncode == 2, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith('ds_seg: error:')]
     assert len(errors) == 1 and f'pid {first.pid}' in errors[0], out[-3000:]
-    assert 'Traceback' not in out
+    assert 'Traceback' not in out and 'job array' not in out
+    # A task of a job array given the array's one WORK_DIR: told how each gets its own.
+    task = _train_process(_train_argv(tmp, work, 'train.max_steps=8'), SLURM_ARRAY_TASK_ID='1')
+    out = task.communicate(timeout=120)[0]
+    assert task.returncode == 2 and "expand WORK_DIR='work_dirs/name-%a' per task)" in out, out[-3000:]
     first.send_signal(signal.SIGKILL)
     first.communicate()
     after = _snapshot(work)
