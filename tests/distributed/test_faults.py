@@ -442,6 +442,19 @@ def test_sbatch_templates_share_their_helpers_word_for_word():
         assert one[name] == multi[name], name
 
 
+def _endless_template_job(tmp_path, bin_dir, work, cache, **env):
+    """train.sbatch as Slurm job 4242 (the stand-ins in ``bin_dir`` first on PATH) on the tiny
+    config with no end in sight, as a Popen; ``env``: NPROC_PER_NODE and the like."""
+    env = _env(PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}',
+               SLURM_JOB_ID='4242', SLURM_JOB_NAME='ds_seg', SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost',
+               SLURM_SUBMIT_DIR=str(REPO_ROOT), WORK_DIR=str(work), MASTER_PORT=str(_free_port()),
+               DS_CONFIG='zero2', CONFIG=TINY_CONFIG, FAKE_SCONTROL_LOG=str(tmp_path / 'scontrol.log'), **env)
+    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
+               'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
+    return subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
     """Stand-in for the batch-shell path (tests/slurm/ runs the template on a real Slurm)."""
     bin_dir = tmp_path / 'bin'
@@ -450,14 +463,7 @@ def test_sbatch_template_checkpoints_on_usr1_and_requeues(tmp_path):
     (bin_dir / 'scontrol').chmod(stat.S_IRWXU)
     work = tmp_path / 'work'
     cache = tmp_path / 'cache'
-    env = _env(PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}',
-               SLURM_JOB_ID='4242', SLURM_JOB_NAME='ds_seg', SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost',
-               SLURM_SUBMIT_DIR=str(REPO_ROOT), NPROC_PER_NODE='2', WORK_DIR=str(work), MASTER_PORT=str(_free_port()),
-               DS_CONFIG='zero2', CONFIG=TINY_CONFIG, FAKE_SCONTROL_LOG=str(tmp_path / 'scontrol.log'))
-    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
-               'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
-    job = subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = _endless_template_job(tmp_path, bin_dir, work, cache, NPROC_PER_NODE='2')
     _wait_for_step(str(work), 3, [job], timeout=180)
     job.send_signal(signal.SIGUSR1)  # what Slurm does --signal=B:USR1@300 before the time limit
     out = job.communicate(timeout=180)[0]
@@ -487,14 +493,7 @@ def test_sbatch_template_stops_requeueing_a_warning_at_once_whose_lead_is_not_in
     (bin_dir / 'scontrol').write_text(SCONTROL_10_MIN_JOB)
     (bin_dir / 'scontrol').chmod(stat.S_IRWXU)
     work, cache = tmp_path / 'work', tmp_path / 'cache'
-    env = _env(PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}', SLURM_RESTART_COUNT=restart,
-               SLURM_JOB_ID='4242', SLURM_JOB_NAME='ds_seg', SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost',
-               SLURM_SUBMIT_DIR=str(REPO_ROOT), NPROC_PER_NODE='1', WORK_DIR=str(work), MASTER_PORT=str(_free_port()),
-               DS_CONFIG='zero2', CONFIG=TINY_CONFIG, FAKE_SCONTROL_LOG=str(tmp_path / 'scontrol.log'))
-    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}',
-               'train.max_steps=100000', 'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.log_interval=1']
-    job = subprocess.Popen(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=REPO_ROOT,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = _endless_template_job(tmp_path, bin_dir, work, cache, NPROC_PER_NODE='1', SLURM_RESTART_COUNT=restart)
     for line in job.stdout:   # the shell's traps are set before it prints this
         if line.startswith('[sbatch] job 4242'):
             break
@@ -640,7 +639,7 @@ def test_a_first_start_finding_its_default_work_dir_taken_refuses_it(tmp_path, s
     cmd = ['bash', str(REPO_ROOT / 'launch' / 'slurm' / script)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert (f'[sbatch] work_dirs/ds_seg-5000 already exists, but this is the first start of job 5000: another job '
+    assert ('[sbatch] work_dirs/ds_seg-5000 already exists, but this is the first start of job 5000: another job '
             'of the same id') in proc.stderr, proc.stderr
     assert 'Submit again with WORK_DIR=work_dirs/ds_seg-5000 to continue that run' in proc.stderr
     assert sorted(os.listdir(old)) == ['checkpoints', 'summary.json']

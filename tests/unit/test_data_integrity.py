@@ -674,6 +674,20 @@ def test_a_file_value_a_partial_label_map_passes_into_a_mapped_class_is_said(tmp
     assert not getattr(swap, 'notes', [])
 
 
+def _refused_fill(tmp_path, rng, img, holds, kind, value):
+    """Training on ``img`` (with a label) is refused with the untagged-fill line; (label, image,
+    that line)."""
+    lbl = write_tif(tmp_path / 'f_label.tif', rng.integers(0, 3, (48, 48)).astype(np.uint8))
+    untagged = write_tif(tmp_path / 'f_image.tif', img)
+    said = (f'{untagged}: {holds} in 6.2% of its pixels (a sampled read), a fill value that {kind} for no data, '
+            f'but the file has no nodata tag for it, so it would be read as data; tag it (rio edit-info --nodata '
+            f'{value} FILE) to have those pixels masked')
+    with pytest.raises(DataError) as refused:
+        GeoTiffScenes([untagged], [lbl], crop_size=32, classes=3)
+    assert str(refused.value) == said
+    return lbl, untagged, said
+
+
 def test_an_untagged_float_fill_value_is_refused_in_training_and_prediction(tmp_path, capsys):
     """float32 reflectance with ArcGIS's no-data fill (-3.4028235e38) and no nodata tag: statistics
     of about 1e38 were computed and cached, and the run trained to NaN losses (blamed on the LR) or
@@ -683,14 +697,8 @@ def test_an_untagged_float_fill_value_is_refused_in_training_and_prediction(tmp_
     rng = np.random.default_rng(0)
     img = rng.random((3, 48, 48)).astype(np.float32)
     img[:, :12, :12] = fill
-    lbl = write_tif(tmp_path / 'f_label.tif', rng.integers(0, 3, (48, 48)).astype(np.uint8))
-    untagged = write_tif(tmp_path / 'f_image.tif', img)
-    said = (f'{untagged}: band 1 holds -3.4028235e+38 in 6.2% of its pixels (a sampled read), a fill value that '
-            'float rasters use for no data, but the file has no nodata tag for it, so it would be read as data; '
-            'tag it (rio edit-info --nodata -3.4028235e+38 FILE) to have those pixels masked')
-    with pytest.raises(DataError) as refused:
-        GeoTiffScenes([untagged], [lbl], crop_size=32, classes=3)
-    assert str(refused.value) == said
+    lbl, untagged, said = _refused_fill(tmp_path, rng, img, 'band 1 holds -3.4028235e+38', 'float rasters use',
+                                        '-3.4028235e+38')
     # The band named is the file's, whichever bands are selected; float64's own extreme is a fill too.
     img64 = rng.random((3, 48, 48))
     img64[2, :12, :12] = -np.finfo(np.float64).max
@@ -729,14 +737,8 @@ def test_an_untagged_integer_fill_is_refused_and_data_spanning_the_type_is_not(t
     img = rng.integers(0, 3000, (2, 48, 48)).astype(np.int16)
     img[:, :12, :12] = -32768
     img[1, 40:, 40:] = -32768          # and a void in band 2 alone
-    lbl = write_tif(tmp_path / 'f_label.tif', rng.integers(0, 3, (48, 48)).astype(np.uint8))
-    untagged = write_tif(tmp_path / 'f_image.tif', img)
-    said = (f"{untagged}: band 1 holds -32768 in 6.2% of its pixels (a sampled read), a fill value that is int16's "
-            "lowest, which tools use for no data, but the file has no nodata tag for it, so it would be read as "
-            "data; tag it (rio edit-info --nodata -32768 FILE) to have those pixels masked")
-    with pytest.raises(DataError) as refused:
-        GeoTiffScenes([untagged], [lbl], crop_size=32, classes=3)
-    assert str(refused.value) == said
+    lbl, untagged, said = _refused_fill(tmp_path, rng, img, 'band 1 holds -32768', "is int16's lowest, which tools use",
+                                        '-32768')
     # The file's band number, whichever bands are selected.
     with pytest.raises(DataError, match=rf'^{re.escape(untagged)}: band 2 holds -32768 in 9% '):
         GeoTiffScenes([untagged], [lbl], crop_size=32, classes=3, bands=[2, 1])

@@ -961,24 +961,30 @@ def test_a_model_of_rgba_files_takes_an_rgb_scene_without_bands(tmp_path, capsys
     assert 'has 5 bands, but the model was trained on files of 4' in capsys.readouterr().err
 
 
+def _resolution_notes(weights, trained_m, scene, out, capsys):
+    """predict.py of ``scene`` with the weights file saying it trained at ``trained_m`` metres: its
+    ground-resolution notes."""
+    from ds_seg.cli import predict
+    payload = torch.load(weights)
+    payload['data']['pixel_size_m'] = trained_m
+    torch.save(payload, weights)
+    assert predict.main(['--checkpoint', weights, '--input', scene, '--output', str(out), '--tile', '32']) == 0
+    return [line for line in capsys.readouterr().out.splitlines() if 'm the model was trained at' in line]
+
+
 def test_a_scene_of_another_ground_resolution_than_training_is_said(tmp_path, capsys):
     """A 0.1 m scene through a model trained at 0.5 m predicted without a word (the checkpoint held
     no pixel size). Checkpoints record the training scenes' ground resolution; predict says a scene
     more than 1.5x finer or coarser, and runs it."""
-    from ds_seg.cli import predict
     from ds_seg.data.geotiff import GeoTiffScenes
     from ds_seg.engine.checkpointer import data_normalisation
     weights, scene, label = _cli_files(tmp_path, 'UNetTiny')
     with rasterio.open(scene) as src:
         size = abs(src.res[0])
     assert data_normalisation(GeoTiffScenes([scene], [label], classes=K, crop_size=32))['pixel_size_m'] == size
-    payload = torch.load(weights)
     for trained, said in ((size, None), (size * 1.4, None), (size * 5, 'finer'), (size / 2, 'coarser')):
-        payload['data']['pixel_size_m'] = trained
-        torch.save(payload, weights)
         out = tmp_path / f'out_{trained}'
-        assert predict.main(['--checkpoint', weights, '--input', scene, '--output', str(out), '--tile', '32']) == 0
-        notes = [line for line in capsys.readouterr().out.splitlines() if 'm the model was trained at' in line]
+        notes = _resolution_notes(weights, trained, scene, out, capsys)
         if said is None:
             assert not notes, notes
         else:
@@ -997,7 +1003,6 @@ def test_ground_resolution_is_ground_metres_in_web_mercator_and_degrees(tmp_path
     size), and its gdalwarp advice was in the wrong units for a degree or Mercator scene."""
     from rasterio.transform import from_origin
 
-    from ds_seg.cli import predict
     from ds_seg.data.raster import pixel_size_m
     weights, scene, _ = _cli_files(tmp_path, 'UNetTiny')
     img = rasterio.open(scene).read()
@@ -1011,13 +1016,9 @@ def test_ground_resolution_is_ground_metres_in_web_mercator_and_degrees(tmp_path
             dst.write(img)
         with rasterio.open(path) as src:
             assert pixel_size_m(src) == pytest.approx(0.3, rel=1e-3)
-    payload = torch.load(weights)
     for trained, path, said in ((0.3, merc, None), (0.3, geo, None), (0.9, merc, 'finer'), (0.9, geo, 'finer')):
-        payload['data']['pixel_size_m'] = trained
-        torch.save(payload, weights)
-        out = tmp_path / f'out_{trained}_{os.path.basename(path)[:-4]}'
-        assert predict.main(['--checkpoint', weights, '--input', path, '--output', str(out), '--tile', '32']) == 0
-        notes = [line for line in capsys.readouterr().out.splitlines() if 'm the model was trained at' in line]
+        notes = _resolution_notes(weights, trained, path, tmp_path / f'out_{trained}_{os.path.basename(path)[:-4]}',
+                                  capsys)
         if said is None:
             assert not notes, notes
             continue
