@@ -133,7 +133,7 @@ class WorkDirLock:
         unreadable = None  # (the file's (mtime, size), when this process first saw it so)
         for _ in range(200):  # another process may hold the take-over mutex, or win the create
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                created = self._create(me)
             except FileExistsError:
                 owner = self._read()
                 if owner is None:
@@ -158,10 +158,7 @@ class WorkDirLock:
                 if not self._take_over(owner, me):
                     time.sleep(0.05)
                 continue
-            with os.fdopen(fd, 'w') as f:
-                json.dump(me, f)
-                f.flush()
-                os.fsync(f.fileno())
+            assert created
             self.me = me
             return getattr(self, '_previous', None)
         raise WorkDirBusy(f"{self.path}: could not take the work-dir lock (contended); try again.")
@@ -171,6 +168,35 @@ class WorkDirLock:
     MUTEX_STALE_S = 30
     # A lock file that holds no owner record is a dead writer's once it has stayed so this long.
     UNREADABLE_GRACE_S = 10
+
+    def _create(self, me):
+        """Create the lock file holding ``me``, or raise FileExistsError. The record is written to a
+        file of this process's own and hard-linked into place (atomic, as O_EXCL, on local and
+        network file systems), so the lock is never seen empty: a contender stalled between an
+        O_EXCL create and its write for longer than UNREADABLE_GRACE_S (a loaded node) had its new
+        lock taken for a dead writer's, and two runs held one work dir. Where the file system has
+        no hard links, an O_EXCL create and a write, as before."""
+        own = f"{self.path}.{me['host']}.{me['pid']}.tmp"
+        with open(own, 'w') as f:
+            json.dump(me, f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(own, self.path)
+            return True
+        except FileExistsError:
+            raise
+        except OSError:   # no hard links here (some FUSE and SMB mounts)
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(own)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, 'w') as f:
+            json.dump(me, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
 
     def _signature(self):
         try:
