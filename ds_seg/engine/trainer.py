@@ -130,6 +130,29 @@ def fill_model_from_data(model_cfg, train_set, report):
         report(f"model: {', '.join(filled)} from data.train (not set in the model config)")
 
 
+def refuse_rgb_weights_by_position(model_cfg, train_set):
+    """Pretrained weights' first layer goes to the data's bands by position (RGB filters on bands
+    1-3). Where the training files' colour tags say the red, green and blue bands are elsewhere
+    (BGR files, RGB after a NIR band) and no ``model.band_map`` says otherwise, ImageNet's red
+    filters ran on the blue band without a word: refused, with the band_map that puts each
+    filter on its colour (``[0, 1, 2, ...]`` keeps position deliberately)."""
+    colours = getattr(train_set, 'band_colours', None)
+    if (not colours or not model_cfg.get('pretrained') or model_cfg.get('band_map') is not None
+            or getattr(train_set, 'num_dates', 1) > 1
+            or 'band_map' not in (arguments(lookup(MODELS, model_cfg.type, where='model.type')) or {})):
+        return
+    rgb = ('red', 'green', 'blue')
+    where = {c: i for i, c in enumerate(colours) if c in rgb}
+    if set(where) != set(rgb) or [where[c] for c in rgb] == [0, 1, 2]:
+        return
+    band_map = [rgb.index(c) if c in rgb else None for c in colours]
+    said = ', '.join(f'{i + 1} {c}' for i, c in enumerate(colours) if c in rgb)
+    raise ConfigError(f"model.pretrained: its first layer would go to the data's bands by position (the RGB "
+                      f"filters on bands 1, 2, 3), but data.train's files tag bands {said}; set "
+                      f"model.band_map={band_map} to put each filter on its colour (or band_map="
+                      f"{[i if i < 3 else None for i in range(len(colours))]} to keep position)")
+
+
 class Trainer:
     """Train ``cfg`` (an experiment config) with ``ds_config`` (a checked DeepSpeed dict).
 
@@ -626,6 +649,7 @@ class Trainer:
             if isinstance(m.get(key), str):
                 raise ConfigError(f"model.{key}: {m[key]!r} is a string, not a number; write it without quotes.")
         fill_model_from_data(m, self.train_set, self.print)
+        refuse_rgb_weights_by_position(m, self.train_set)
         if m.get('in_channels') is not None and m.in_channels != self.train_set.in_channels:
             raise ConfigError(f"model.in_channels is {m.in_channels} but data.train yields "
                               f"{self.train_set.in_channels} band(s); set model.in_channels="

@@ -302,7 +302,9 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
                                   f"data has {shape[1]}; {how}.")
             if tensor.shape[1] != shape[1]:
                 changes.append(f'first layer {key} adapted from {tensor.shape[1]} to {shape[1]} band(s) '
-                               + ('(RGB filters kept, each further band their mean)' if shape[1] > tensor.shape[1]
+                               + (f'(its filters kept on data band{"s 1-" if tensor.shape[1] > 1 else " "}{tensor.shape[1]}, each further band their mean; '
+                                  f'{band_map_option or "band_map"} for data in another band order)'
+                                  if shape[1] > tensor.shape[1]
                                   else '(the mean filter of its bands)'))
             return adapt_input_weight(tensor.float(), shape[1]).to(tensor.dtype)
         if key.endswith('pos_embed') and tensor.dim() == 3 and tensor.shape[-1] == shape[-1]:
@@ -353,7 +355,11 @@ def check_band_map(band_map, in_channels, pretrained, name):
 def map_input_bands(weight_OIhw, band_map, where='band_map'):
     """A first-layer weight for the data's bands from a multispectral checkpoint's: data band ``j``
     takes the file's filter ``band_map[j]``; a band mapped to None gets the mean filter of the
-    file's bands (as :func:`adapt_input_weight` does for extra bands).
+    file's bands, and then every filter is scaled by ``file bands / data bands``, as
+    :func:`adapt_input_weight` does for extra bands (``[0, 1, 2, None]`` on RGB weights is what no
+    band_map gives): unscaled, twelve Sentinel-2 bands on RGB weights summed four times the
+    first layer's pretrained response. A map of the file's bands only (a selection, a new order)
+    keeps its filters as they are: the data seen as the file's sensor would, its other bands dark.
 
     Example::
 
@@ -368,7 +374,8 @@ def map_input_bands(weight_OIhw, band_map, where='band_map'):
         raise ConfigError(f'{where}: {bad} are not band indices of the weights (0..{source - 1}); give one '
                           'file band index (or None) per band of the data.')
     mean = weight_OIhw.mean(dim=1)
-    return torch.stack([weight_OIhw[:, b] if b is not None else mean for b in band_map], dim=1)
+    mapped = torch.stack([weight_OIhw[:, b] if b is not None else mean for b in band_map], dim=1)
+    return mapped * (source / len(band_map)) if None in band_map else mapped
 
 
 def resize_pos_embed(pos_embed_1ND, num_tokens, num_prefix=1, grid=None):

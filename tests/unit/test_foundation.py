@@ -3,6 +3,7 @@ encoder at any crop, pretrained loading that is exact or refused, band maps, Swi
 
 No network: timm models are built with random weights and tiny depth/width, and their state dict
 saved as the "pretrained file"."""
+import numpy as np
 import pytest
 import torch
 
@@ -380,7 +381,15 @@ def test_a_multispectral_cnn_file_needs_a_band_map_and_takes_one(tmp_path):
     with pytest.raises(ConfigError, match=r"takes 4 bands, the data has 6; .*model\.band_map=\[\.\.\.\]"):
         build(MODELS, dict(cfg, in_channels=6))
     wider = build(MODELS, dict(cfg, in_channels=6, band_map=[0, 1, 2, 3, None, None]))
-    assert torch.equal(wider.backbone.model.conv1.weight[:, :4], src.conv1.weight)
+    # New bands (None) get the mean filter, and all are scaled by 4/6, as RGB weights are adapted.
+    torch.testing.assert_close(wider.backbone.model.conv1.weight[:, :4], src.conv1.weight * (4 / 6), rtol=0, atol=1e-7)
+    torch.testing.assert_close(wider.backbone.model.conv1.weight[:, 4], src.conv1.weight.mean(1) * (4 / 6), rtol=0,
+                               atol=1e-7)
+    # [0, 1, 2, None] on RGB weights is what no band_map gives (it was 4/3 of it).
+    rgb = timm.create_model('resnet18', in_chans=3, pretrained=False)
+    rgb_cfg = dict(cfg, pretrained=_save(tmp_path, rgb, 'rgb.pth'), in_channels=4)
+    torch.testing.assert_close(build(MODELS, dict(rgb_cfg, band_map=[0, 1, 2, None])).backbone.model.conv1.weight,
+                               build(MODELS, rgb_cfg).backbone.model.conv1.weight, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize('backbone', ['convnext_atto', 'efficientnet_b0'])
@@ -485,5 +494,43 @@ def test_the_trainer_says_what_the_pretrained_load_took_and_adapted(tmp_path, ca
     backbone = timm.create_model('test_resnet', features_only=True)
     said = [line for line in capsys.readouterr().out.splitlines() if 'test_resnet pretrained:' in line]
     assert said == [f'[ds_seg] test_resnet pretrained: {len(backbone.state_dict())} tensors loaded from {path}; '
-                    'first layer conv1.0.weight adapted from 3 to 4 band(s) (RGB filters kept, each further '
-                    'band their mean)'], said
+                    'first layer conv1.0.weight adapted from 3 to 4 band(s) (its filters kept on data bands 1-3, each '
+                    'further band their mean; model.band_map for data in another band order)'], said
+
+
+def test_rgb_weights_on_files_tagged_in_another_colour_order_need_a_band_map(tmp_path):
+    """BGR files (their tags say so) under an RGB-pretrained backbone: ImageNet's red filters ran
+    on the blue band, the log saying only how many tensors loaded. Refused with the band_map that
+    puts each filter on its colour; a band_map given (that one, or position kept) is taken."""
+    import rasterio
+    from mmengine.config import ConfigDict
+    from rasterio.enums import ColorInterp
+    from rasterio.transform import from_origin
+
+    from ds_seg.data import GeoTiffScenes
+    from ds_seg.engine.trainer import refuse_rgb_weights_by_position
+    rng = np.random.default_rng(0)
+
+    def scene(name, order):
+        path = str(tmp_path / f'{name}.tif')
+        with rasterio.open(path, 'w', driver='GTiff', width=32, height=32, count=len(order), dtype='uint8',
+                           crs='EPSG:32632', transform=from_origin(0, 32, 1, 1), photometric='MINISBLACK') as dst:
+            dst.write(rng.integers(0, 255, (len(order), 32, 32), dtype=np.uint8))
+            dst.colorinterp = [getattr(ColorInterp, c) for c in order]
+        return path
+    label = str(tmp_path / 'label.tif')
+    with rasterio.open(label, 'w', driver='GTiff', width=32, height=32, count=1, dtype='uint8', crs='EPSG:32632',
+                       transform=from_origin(0, 32, 1, 1)) as dst:
+        dst.write(rng.integers(0, 2, (1, 32, 32), dtype=np.uint8))
+    cfg = ConfigDict(type='UperNet', backbone='resnet18', pretrained='weights.pth', in_channels=4)
+    nir_first = GeoTiffScenes([scene('nbgr', ['undefined', 'blue', 'green', 'red'])], [label], crop_size=32, classes=2)
+    with pytest.raises(ConfigError, match=r"^model.pretrained: its first layer would go to the data's bands by position "
+                                          r"\(the RGB filters on bands 1, 2, 3\), but data.train's files tag bands 2 "
+                                          r"blue, 3 green, 4 red; set model.band_map=\[None, 2, 1, 0\] to put each "
+                                          r"filter on its colour \(or band_map=\[0, 1, 2, None\] to keep position\)$"):
+        refuse_rgb_weights_by_position(cfg, nir_first)
+    refuse_rgb_weights_by_position(ConfigDict(cfg, band_map=[None, 2, 1, 0]), nir_first)
+    refuse_rgb_weights_by_position(ConfigDict(cfg, pretrained=None), nir_first)
+    rgbn = GeoTiffScenes([scene('rgbn', ['red', 'green', 'blue', 'undefined'])], [label], crop_size=32, classes=2)
+    refuse_rgb_weights_by_position(cfg, rgbn)
+    refuse_rgb_weights_by_position(ConfigDict(type='UNet', in_channels=4), nir_first)   # no pretrained weights
