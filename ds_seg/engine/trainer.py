@@ -592,6 +592,16 @@ class Trainer:
         except ValueError as exc:  # unreadable, not a ds_seg weights file, or carrying code
             message = str(exc)
             raise ConfigError(message if message.startswith('load_from') else f'load_from: {message}') from exc
+        # Weights trained on BGR-tagged files fine-tuned on RGB-tagged ones: their first layer saw
+        # the colours swapped, without a word (predict.py refuses the same pair).
+        trained_colours = (payload.get('data') or {}).get('colours')
+        mine = getattr(self.train_set, 'band_colours', None)
+        if colours_conflict(mine, trained_colours):
+            said = lambda colours: ', '.join(c or '(unsaid)' for c in colours)  # noqa: E731
+            raise ConfigError(f"load_from: {path} was trained on bands holding {said(trained_colours)} by their "
+                              f"files' colour tags, but data.train's hold {said(mine)}: its first layer would see "
+                              "the colours swapped; select data.train.bands in the weights' order, or correct "
+                              "the files' tags if they are wrong")
         # Fine-tuning for another class set (mmseg's load_from does the same, with a warning per
         # tensor): the classifier tensors, whose first dimension is the class count, keep their
         # fresh initialisation; any other difference is another architecture and is refused.

@@ -143,6 +143,15 @@ def _check_load_from(tmp, weights_file, backend, stage, classes=None):
         trainer.close()
 
 
+def _refused_load_from(tmp, weights_file):
+    from ds_seg.config import ConfigError
+    try:
+        _check_load_from(tmp, weights_file, 'ddp', 0)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def test_export_round_trip_under_zero3_and_load_from(tmp_path):
     from ds_seg.engine import checkpoint
     tmp = str(tmp_path)
@@ -164,6 +173,13 @@ def test_export_round_trip_under_zero3_and_load_from(tmp_path):
     for backend, stage in [('ddp', 0), ('deepspeed', 3)]:
         loaded = run_on_ranks(_check_load_from, 2, args=(tmp, out, backend, stage))
         assert torch.equal(loaded[0], flat)
+    # Weights trained on files whose colour tags say another band order than this run's data:
+    # their first layer would see the colours swapped (predict refuses the same pair).
+    swapped = os.path.join(tmp, 'bgr_weights.pt')
+    torch.save(dict(payload, data=dict(payload['data'], colours=['blue', 'green', 'red'])), swapped)
+    refused = run_on_ranks(_refused_load_from, 1, args=(tmp, swapped))[0]
+    assert refused.startswith(f"load_from: {swapped} was trained on bands holding blue, green, red by their files' "
+                              "colour tags, but data.train's hold red, green, blue"), refused
     # Fine-tuning for 3 of the 6 classes: every tensor but the classifier comes from the file;
     # the classifier keeps the fresh initialisation that the seed gives a 3-class model.
     torch.manual_seed(tiny_cfg(os.path.join(tmp, 'cache')).train.seed)
