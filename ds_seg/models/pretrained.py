@@ -252,7 +252,19 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
     # The module's own names are taken too: a file saved from the module itself (a ds_seg
     # segmentor's backbone.model.stages_0...) holds them rather than the classifier's.
     own = set(module.state_dict())
-    state, _ = _under_prefix(state, ({rename(k) for k in own} | own) - {None}, where, source)
+    whole = state
+    state, prefix = _under_prefix(state, ({rename(k) for k in own} | own) - {None}, where, source)
+    if prefix:
+        # Which part of the file was taken, and what was left: a whole-model export (its trained
+        # decode_head) given as pretrained read as a complete load.
+        left = {}
+        for key in whole:
+            if not key.startswith(prefix):
+                part = key.split('.')[0] + '.'
+                left[part] = left.get(part, 0) + 1
+        changes.append(f'taken from under {prefix!r}' + (
+            f", the file's {', '.join(f'{p} ({n})' for p, n in sorted(left.items()))} not used (load_from= "
+            'starts from a whole model)' if left else ''))
     if band_map is not None:
         # A file of the module's own names (a ds_seg segmentor's stem_0.weight) for the
         # classifier's input_key (stem.0.weight).

@@ -297,6 +297,10 @@ def test_released_checkpoints_with_the_backbone_under_a_prefix_load(tmp_path):
         model = build(MODELS, dict(type='FPN', backbone='test_resnet', pretrained=str(tmp_path / name)))
         loaded = model.backbone.model.state_dict()
         assert len(loaded) > 10
+        if name == 'mmseg.pth':   # the report names the part taken, and what of the file was left
+            report = next(m.pretrained_report for m in model.modules() if getattr(m, 'pretrained_report', None))
+            assert report.endswith("; taken from under 'backbone.', the file's decode_head. (1) not used (load_from= "
+                                   "starts from a whole model)"), report
         for key, value in loaded.items():
             if not key.endswith('num_batches_tracked'):
                 torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=f'{name}: {key}')
