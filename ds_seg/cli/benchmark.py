@@ -806,6 +806,23 @@ def _main(argv=None):
         args.max_model = 256 if on_gpu else 4
     model_start = args.model_start or _option_value(args.cfg_options, args.find_max_model) or 1
     os.makedirs(args.work_dir, exist_ok=True)
+    from ds_seg.engine.workdir import WorkDirBusy, WorkDirLock
+    # One benchmark per work dir: a second one moved the first's running backend into previous/
+    # (it died on its metrics.jsonl) and overwrote the other's tables.
+    lock = WorkDirLock(args.work_dir)
+    try:
+        lock.acquire()
+    except WorkDirBusy as exc:
+        print(f'benchmark: error: --work-dir: {exc}', file=sys.stderr)
+        return 2
+    try:
+        return _run_benchmarks(args, names, on_gpu, model_start, argv)
+    finally:
+        lock.release()
+
+
+def _run_benchmarks(args, names, on_gpu, model_start, argv):
+    """The backends' runs, size searches and profiles, and the tables (the work dir locked)."""
     archive = set_aside_earlier_results(args.work_dir, _earlier_results(args.work_dir, [n.split('=', 1)[0]
                                                                                       for n in names])[0])
     if archive:

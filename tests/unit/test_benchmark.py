@@ -512,3 +512,30 @@ def test_a_work_dir_inside_a_runs_checkpoints_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f'benchmark: error: --work-dir: {work} is inside the checkpoints of the run in {run}'), err
     assert not work.exists()
+
+
+def test_a_second_benchmark_into_a_work_dir_in_use_is_refused(tmp_path, capsys):
+    """Two benchmarks into one --work-dir: the second moved the first's running backend into
+    previous/ (it died on its metrics.jsonl, or summarised the other's run) and overwrote the
+    other's tables. The benchmark holds the work dir's lock; the second is one line, and the
+    work dir is as it was."""
+    import subprocess
+
+    from ds_seg.engine.workdir import LOCK_NAME
+    work = tmp_path / 'bench'
+    (work / 'ddp').mkdir(parents=True)
+    (work / 'ddp' / 'command.txt').write_text('a running benchmark')
+    holder = subprocess.Popen([sys.executable, '-c', f'''
+import sys, time
+from ds_seg.engine.workdir import WorkDirLock
+WorkDirLock({str(work)!r}).acquire(); print('held', flush=True); time.sleep(60)'''], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'held'
+        assert benchmark.main(['--work-dir', str(work), '--launcher', 'python', '--backends', 'ddp']) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f'benchmark: error: --work-dir: {work} is in use by another run (host ') and \
+            f'pid {holder.pid}' in err, err
+        assert sorted(os.listdir(work)) == [LOCK_NAME, 'ddp']
+    finally:
+        holder.kill()
+        holder.wait()
