@@ -143,9 +143,11 @@ def main(argv=None):
         predict_s = peak_mb = None
         for line in child.stdout:  # shown as it comes; predict's own time read from its last line
             print(line, end='', flush=True)
-            found = re.search(r'(\d+) windows in ([\d.]+) s \(', line)
-            if found:
-                predict_s = float(found[2])
+            # Its rate, not its seconds: those are printed to 0.1 s, and "0.0 s" divided by the
+            # child's whole wall time instead (100x off for a fast scene).
+            found = re.search(r'(\d+) windows in [\d.]+ s \(([\d.]+) windows/s\)', line)
+            if found and float(found[2]) > 0:
+                predict_s = int(found[1]) / float(found[2])
             found = re.match(r'\[benchmark\] child peak_rss_mb (\d+)', line)
             if found:
                 # The child's own VmHWM: its ru_maxrss (RUSAGE_CHILDREN) starts at this process's
@@ -166,7 +168,7 @@ def main(argv=None):
                        batch_size=args.batch_size, threads=args.threads, windows=windows,
                        # wall: the child process end to end (its start-up included); the rates:
                        # predict's own time for the scene, without the interpreter's start-up.
-                       wall_s=round(wall, 1), predict_s=predict_s,
+                       wall_s=round(wall, 1), predict_s=None if predict_s is None else round(predict_s, 3),
                        windows_per_s=round(windows / (predict_s or wall), 2),
                        megapixels_per_s=round(args.size ** 2 / (predict_s or wall) / 1e6, 2),
                        peak_rss_mb=None if peak_mb is None else round(peak_mb),
