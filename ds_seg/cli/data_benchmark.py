@@ -78,6 +78,9 @@ def parse_args(argv=None):
         if not os.path.isdir(folder):
             from ds_seg.inputs import missing_folder
             p.error(f"--out {args.out}: {missing_folder(folder)}")
+    if 0 < args.train_steps <= TRAIN_WARMUP_STEPS:  # every step would be warm-up: no figure, "failed"
+        p.error(f'--train-steps {args.train_steps}: the training run\'s first {TRAIN_WARMUP_STEPS} steps are '
+                f'warm-up, not timed; give at least {TRAIN_WARMUP_STEPS + 1} (or 0 to skip the training run)')
     if args.latency_ms and not args.http:  # it delays the HTTP server's replies, and there would be none
         p.error(f'--latency-ms {args.latency_ms:g} delays the --http reads, which are not asked for; add --http')
     if args.cfg_options and not args.config:  # they would be dropped: the synthetic set has its own flags
@@ -216,28 +219,44 @@ def loader_rate(ds, workers, micro_batch, n):
     return rate
 
 
+TRAIN_WARMUP_STEPS = 2   # the training run's first steps, untimed (compilation, first batches)
+
+
 def training_wait(args, data):
     """data_wait_frac from a short training run (``python -m ds_seg.cli.train``, what
     launch/train.py runs) on the same data."""
+    from ds_seg.config import load_ds_config
     with tempfile.TemporaryDirectory() as work:
-        options = [f'train.max_steps={args.train_steps}', 'train.log_interval=5', 'train.eval_interval=0',
-                   'train.checkpoint_interval=0', 'train.warmup_log_steps=2', f'data.crop_size={args.crop}',
-                   f'data.num_workers={args.workers}',
-                   f'data.train={json.dumps(data)}']
-        cmd = [sys.executable, '-m', 'ds_seg.cli.train', '--work-dir', work]
+        # The model and batch measured: the config with all its --cfg-options (model ones too),
+        # and --micro-batch (the run trained zero2.json's 8, and the config's model without them).
+        ds = {k: v for k, v in load_ds_config('zero2').items() if k != 'train_batch_size'}
+        ds.update(train_micro_batch_size_per_gpu=args.micro_batch, gradient_accumulation_steps=1)
+        ds_path = os.path.join(work, 'ds_config.in.json')
+        with open(ds_path, 'w') as f:
+            json.dump(ds, f)
+        options = [*(args.cfg_options or []), f'train.max_steps={args.train_steps}', 'train.log_interval=5',
+                   'train.eval_interval=0', 'train.checkpoint_interval=0',
+                   f'train.warmup_log_steps={TRAIN_WARMUP_STEPS}', f'data.crop_size={args.crop}',
+                   f'data.num_workers={args.workers}', f'data.train={json.dumps(data)}']
+        run = os.path.join(work, 'run')
+        cmd = [sys.executable, '-m', 'ds_seg.cli.train', '--work-dir', run, '--deepspeed_config', ds_path]
         if args.config:
             cmd += ['--config', args.config]
         cmd += ['--cfg-options'] + options
         env = same_package_env(OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', '1'))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        path = os.path.join(work, 'metrics.jsonl')
+        path = os.path.join(run, 'metrics.jsonl')
         if proc.returncode != 0 or not os.path.exists(path):
             print(proc.stdout[-2000:], proc.stderr[-2000:], file=sys.stderr)
-            return None, None
+            return None, None, {}
         rows = [json.loads(line) for line in open(path) if line.strip()]
         waits = [r['data_wait_frac'] for r in rows if r.get('data_wait_frac') is not None]
         steps = [r['step_time_s'] for r in rows if r.get('step_time_s') is not None]
-        return (float(np.mean(waits)) if waits else None), (float(np.median(steps)) if steps else None)
+        with open(os.path.join(run, 'ds_config.json')) as f:   # what the run trained, as it recorded it
+            trained = dict(micro_batch=json.load(f)['train_micro_batch_size_per_gpu'])
+        with open(os.path.join(run, 'config.json')) as f:
+            trained['model'] = json.load(f)['model']['type']
+        return (float(np.mean(waits)) if waits else None), (float(np.median(steps)) if steps else None), trained
 
 
 def passes(rates):
@@ -328,13 +347,14 @@ def main(argv=None):
         print(f'loader, {args.workers} workers     : {rate:8.1f} windows/s total, {rate / args.workers:.1f} per worker '
               f'({os.cpu_count()} CPU cores here)')
     if args.train_steps:
-        wait, step = training_wait(args, data)
-        result.update(train_steps=args.train_steps, data_wait_frac=wait, step_time_s=step)
+        wait, step, trained = training_wait(args, data)
+        result.update(train_steps=args.train_steps, data_wait_frac=wait, step_time_s=step, **trained)
         if wait is None:
             print('training run           : failed (see above)')
         else:
             print(f'training, {args.train_steps} steps   : data wait {100 * wait:.1f}% of step time '
-                  f'(median step {step:.3f} s, {args.workers} worker(s))')
+                  f"(median step {step:.3f} s; {trained['model']}, micro-batch {trained['micro_batch']}, "
+                  f'{args.workers} worker(s))')
     if args.out:
         with open(args.out, 'w') as f:
             json.dump(result, f, indent=1)

@@ -40,6 +40,9 @@ def test_data_benchmark_prints_rates_and_a_training_run(tmp_path, capsys):
     assert wait, text  # 'training run : failed' when the child did not start
     assert 0 <= float(wait.group(1)) <= 100 and float(wait.group(2)) > 0
     assert 0 <= figures['data_wait_frac'] <= 1 and figures['step_time_s'] > 0
+    # At --micro-batch, as the run recorded it (it trained zero2.json's 8).
+    assert re.search(r'training, 4 steps .*; UNet, micro-batch 2, 1 worker\(s\)\)', text), text
+    assert (figures['micro_batch'], figures['model']) == (2, 'UNet')
 
 
 def test_data_benchmark_copies_striped_scenes_of_one_name_each_apart_and_leaves_no_file(tmp_path, capsys):
@@ -132,6 +135,8 @@ def test_predict_benchmark_reports_a_georeferenced_run(tmp_path, capsys, monkeyp
     # Measured nothing comparable: a padded 1024 crop against a 128 px raw read; a delay for no server.
     (['--crop', '1024'], '--crop 1024 is larger than the --scene-size 128 scenes'),
     (['--latency-ms', '5'], '--latency-ms 5 delays the --http reads, which are not asked for'),
+    # Every step warm-up: "training run: failed (see above)", with nothing above and nothing failed.
+    (['--train-steps', '2'], "--train-steps 2: the training run's first 2 steps are warm-up, not timed"),
 ])
 def test_data_benchmark_refuses_what_it_would_drop_or_crash_on(argv, message, capsys):
     from tests.tiny import argparse_refusal
