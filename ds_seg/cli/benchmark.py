@@ -537,6 +537,10 @@ def write_markdown(path, rows, meta):
                 capped = f" (search capped at --max-model {meta['max_model']})" if r.get('max_model_capped') else ''
                 params = '-' if r.get('max_model_params') is None else f"{r['max_model_params'] / 1e6:,.1f} M"
                 lines.append(f"| {r['backend']} | {r['max_model']}{capped} | {params} |")
+    profiled = [r for r in rows if r.get('profile_dir') or r.get('profile_error')]
+    if profiled:
+        lines += ['', '| backend | --profile trace |', '|---|---|']
+        lines += [f"| {r['backend']} | {r.get('profile_dir') or 'failed: ' + r['profile_error']} |" for r in profiled]
     Path(path).write_text('\n'.join(lines) + '\n')
 
 
@@ -888,6 +892,11 @@ def _run_benchmarks(args, names, on_gpu, model_start, argv):
                                    steps=args.profile, warmup=max(2, min(args.warmup, 5)),
                                    extra_options=[f'train.profile_steps={args.profile}'])
             r['profile_dir'] = os.path.join(args.work_dir, f"{r['backend']}_profile", 'profile') if rc == 0 else None
+            if rc != 0:   # (was said nowhere: exit 0, no line, profile_dir null beside a partial trace)
+                r['profile_error'] = (f'timed out after {args.timeout} s (--timeout)' if rc == 124
+                                      else failure_line(tail))
+                print(f"[benchmark] {r['backend']}: the --profile run failed (exit {rc}): {r['profile_error']}",
+                      file=sys.stderr, flush=True)
     add_speedups(rows)
     with open(os.path.join(args.work_dir, 'benchmark.json'), 'w') as f:
         json.dump(dict(meta, rows=rows), f, indent=2)

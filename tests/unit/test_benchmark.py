@@ -539,3 +539,22 @@ WorkDirLock({str(work)!r}).acquire(); print('held', flush=True); time.sleep(60)'
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_failed_profile_run_is_said_in_the_output_the_table_and_the_json(monkeypatch, tmp_path, capsys):
+    """--profile whose run failed (past --timeout): exit 0, nothing printed, nothing in the table,
+    profile_dir null beside a partial trace. It is said in all three."""
+    def fake_run(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
+        if extra_options:   # the profiled run
+            return 124, 'killed'
+        _fake_run(tmp_path / 'bench' / 'ddp', 'ddp', None, [9.0, 9.0, 0.5, 0.4, 0.6], warmup=2)
+        return 0, 'ok'
+    monkeypatch.setattr(benchmark, 'run_backend', fake_run)
+    work = tmp_path / 'bench'
+    assert benchmark.main(['--work-dir', str(work), '--launcher', 'python', '--backends', 'ddp', '--profile', '3',
+                           '--steps', '3', '--warmup', '2', '--timeout', '60']) == 0
+    assert '[benchmark] ddp: the --profile run failed (exit 124): timed out after 60 s (--timeout)' in \
+        capsys.readouterr().err
+    (row,) = json.loads((work / 'benchmark.json').read_text())['rows']
+    assert row['profile_dir'] is None and row['profile_error'] == 'timed out after 60 s (--timeout)'
+    assert '| ddp | failed: timed out after 60 s (--timeout) |' in (work / 'benchmark.md').read_text()
