@@ -668,6 +668,7 @@ def _check_args(args):
             raise ConfigError(f"model.type {cfg.model.type!r} is not a registered model; known: "
                               f"{', '.join(sorted(MODELS.module_dict))}")
         _check_model_builds(cfg.model)
+        _check_data_files(cfg.data)
         for n in names:
             if '=' in n:
                 label, path = n.split('=', 1)
@@ -751,6 +752,24 @@ def _check_model_builds(model_cfg):
         raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model ({model_cfg.get('type')}): cannot be built: {str(exc).splitlines()[0]}") from None
+
+
+def _check_data_files(data_cfg):
+    """The training files a config names exist (globs match, folders hold rasters): missing data
+    failed every backend's run in turn with its launcher's traceback, after the earlier results
+    were moved aside. (The dataset is built by each run; its other checks stay there.)"""
+    from ds_seg.config import ConfigError
+    from ds_seg.data.geotiff import DataError, expand_paths
+    train = data_cfg.get('train') or {}
+    for key in ('images', 'labels'):
+        value = train.get(key)
+        flat = [value] if isinstance(value, str) else value if isinstance(value, (list, tuple)) else []
+        if value is None or train.get('stac') or not all(isinstance(v, str) for v in flat):
+            continue   # (a time series' dates, lists in a list, are the dataset's to check)
+        try:
+            expand_paths(value, f'data.train.{key}', folders=True)
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _unequal_batches(args, names):

@@ -346,6 +346,10 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     (['--backends', 'ddp=ds_configs/zero0.json'], "the label 'ddp' is plain PyTorch DDP, the baseline"),
     # A key the model does not take: every backend ran and failed in turn, each with torchrun's traceback.
     (['--cfg-options', 'model.nope=3'], "model.nope: UNet has no argument 'nope'. It accepts: in_channels"),
+    # Training files that are not there: every backend's run failed in turn the same way.
+    (['--cfg-options', 'data.train.type=GeoTiffScenes', 'data.train.images=/nonexistent/img/*.tif',
+      'data.train.labels=/nonexistent/lab/*.tif'],
+     "data.train.images: the pattern '/nonexistent/img/*.tif' matches no file"),
 ])
 def test_what_would_fail_every_run_is_one_line_before_any(argv, message, tmp_path, capsys):
     assert benchmark.main(['--work-dir', str(tmp_path / 'bench'), '--launcher', 'python', *argv]) == 2
