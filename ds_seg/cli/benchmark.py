@@ -360,7 +360,7 @@ def summarise_run(work_dir, name, warmup):
     ratio = [r['mfu'] / r['images_per_s'] for r in timed if r.get('mfu') and r.get('images_per_s')]
     row = dict(
         backend=name, zero_stage=summary['zero_stage'], precision=summary['precision'],
-        world_size=summary['world_size'], micro_batch=ds['train_micro_batch_size_per_gpu'],
+        world_size=summary['world_size'], micro_batch=ds['train_micro_batch_size_per_gpu'], global_batch=global_batch,
         images_per_s=images / total, megapixels_per_s=images * mp_per_image / total,
         step_time_median_s=statistics.median(times), step_time_p90_s=_p90(times),
         data_wait_frac=sum(r['data_wait_frac'] * r['step_time_s'] for r in timed) / total,
@@ -552,11 +552,15 @@ def write_plot(path, rows, meta):
     names = [r['backend'] for r in ok]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
-    ax.bar(names, [r['images_per_s'] for r in ok], color='tab:blue')
+    # Bars and labels of one statistic, the median step: bars of the mean-based images/s under
+    # labels of the median-based speed-up showed "1.02x" over a bar lower than DDP's.
+    at_median = [r['global_batch'] / r['step_time_median_s'] if r.get('global_batch') and r.get('step_time_median_s')
+                 else r['images_per_s'] for r in ok]
+    ax.bar(names, at_median, color='tab:blue')
     for i, r in enumerate(ok):
-        ax.text(i, r['images_per_s'], format_or_dash(r['speedup_vs_ddp'], '.2f') + 'x', ha='center', va='bottom', fontsize=8)
-    ax.set_ylabel('images / s')
-    ax.set_title('throughput (on top: speed-up vs DDP, by median step time)', fontsize=9)
+        ax.text(i, at_median[i], format_or_dash(r['speedup_vs_ddp'], '.2f') + 'x', ha='center', va='bottom', fontsize=8)
+    ax.set_ylabel('images / s at the median step')
+    ax.set_title('throughput (global batch / median step time; on top: speed-up vs DDP)', fontsize=9)
     ax = axes[1]
     bottom = [0.0] * len(ok)
     for key, colour in (('params_bytes', 'tab:green'), ('grads_bytes', 'tab:orange'),

@@ -137,6 +137,8 @@ def test_rows_have_the_design_fields_and_correct_figures(tmp_path):
     assert 'rows ran in different precisions (ddp bf16-autocast, zero2 bf16)' in (tmp_path / 'mixed.md').read_text()
     benchmark.write_plot(tmp_path / 'b.png', rows, meta)
     assert (tmp_path / 'b.png').read_bytes()[:4] == b'\x89PNG'
+    # The plot's bars are of the statistic its speed-up labels are: the median step.
+    assert ddp['global_batch'] == 8 and ddp['global_batch'] / ddp['step_time_median_s'] == 16.0
 
 
 def test_find_max_batch_doubles_then_bisects(monkeypatch, tmp_path):
