@@ -913,7 +913,9 @@ def _run_benchmarks(args, names, on_gpu, model_start, argv):
         if args.profile and not r.get('error'):
             rc, tail = run_backend(args, spec[r['backend']], os.path.join(args.work_dir, f"{r['backend']}_profile"),
                                    steps=args.profile, warmup=max(2, min(args.warmup, 5)),
-                                   extra_options=[f'train.profile_steps={args.profile}'])
+                                   # no tb/: its slowed steps beside the timed runs' curves overlaid two
+                                   # runs per backend in the README's tensorboard --logdir
+                                   extra_options=[f'train.profile_steps={args.profile}', 'log.trackers=[]'])
             r['profile_dir'] = os.path.join(args.work_dir, f"{r['backend']}_profile", 'profile') if rc == 0 else None
             if rc != 0:   # (was said nowhere: exit 0, no line, profile_dir null beside a partial trace)
                 r['profile_error'] = (f'timed out after {args.timeout} s (--timeout)' if rc == 124
