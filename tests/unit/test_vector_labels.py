@@ -384,7 +384,6 @@ def test_images_outside_a_shared_vector_files_features_and_classes_without_featu
     them: a tile outside every feature trained as all background, and a class no feature holds
     was never seen, without a word. Both are said at the start; a tile inside the features'
     extent with none on it (a tile without buildings) is not."""
-    import shutil
     tmp = scene['tmp']
     inside, outside, far = tmp / 'inside.tif', tmp / 'outside.tif', tmp / 'far.tif'
     with rasterio.open(scene['img']) as src:
