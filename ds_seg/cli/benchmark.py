@@ -790,6 +790,11 @@ def _unequal_batches(args, names):
         source = _backend(n)[1]
         micro, accum, total = resolve_batch(ds, world, source)
         batches[n.split('=', 1)[0]] = (total, micro, accum)
+    micro = max(m for _, m, _ in batches.values())
+    if args.find_max_batch and args.max_batch is not None and args.max_batch < micro:
+        # The search starts at the runs' micro-batch: "largest that fits: 2" stood beside a row of 8.
+        return (f"--max-batch {args.max_batch} is below the micro-batch the runs train ({micro}), where the search "
+                f"starts; give at least {micro}, or a smaller --micro-batch")
     if len({b[0] for b in batches.values()}) > 1:
         listed = ', '.join(f'{label} {t} ({m} x {a} x {world})' for label, (t, m, a) in batches.items())
         return (f"--backends: the runs would train different global batches ({listed}: micro-batch x "

@@ -348,6 +348,8 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     (['--backends', 'ddp=ds_configs/zero0.json'], "the label 'ddp' is plain PyTorch DDP, the baseline"),
     # A key the model does not take: every backend ran and failed in turn, each with torchrun's traceback.
     (['--cfg-options', 'model.nope=3'], "model.nope: UNet has no argument 'nope'. It accepts: in_channels"),
+    # A cap below the micro-batch the runs train: "largest that fits: 2" beside a row of 8.
+    (['--find-max-batch', '--max-batch', '2'], "--max-batch 2 is below the micro-batch the runs train (8)"),
     # Training files that are not there: every backend's run failed in turn the same way.
     (['--cfg-options', 'data.train.type=GeoTiffScenes', 'data.train.images=/nonexistent/img/*.tif',
       'data.train.labels=/nonexistent/lab/*.tif'],
