@@ -777,7 +777,8 @@ def bands_holding(colorinterp, colours):
     return picked or None
 
 
-def _said(colours):
+def colours_said(colours):
+    """'red, green, (unsaid)': colour lists (:func:`band_colours`) as lines say them."""
     return ', '.join(c or '(unsaid)' for c in colours)
 
 
@@ -791,10 +792,10 @@ def colour_order_refusal(path, colorinterp, bands, expected, bands_said, expecte
         return None
     expected = _aligned(said, expected)
     right = bands_holding(colorinterp, expected)
-    how = f"Select {fix(right)}" if right else f"Give a file whose bands hold {_said(expected)}"
+    how = f"Select {fix(right)}" if right else f"Give a file whose bands hold {colours_said(expected)}"
     first = next(c for c in expected if c)
-    return (f"{path}: {bands_said} hold {_said(said)} by the file's colour interpretation, but {expected_said} "
-            f"{_said(expected)}: the model would see the colours swapped. {how}; if the file's tags are wrong, "
+    return (f"{path}: {bands_said} hold {colours_said(said)} by the file's colour interpretation, but {expected_said} "
+            f"{colours_said(expected)}: the model would see the colours swapped. {how}; if the file's tags are wrong, "
             f"correct them (gdal_edit.py -colorinterp_1 {first} ... {path}).")
 
 

@@ -16,7 +16,7 @@ import torch
 from .. import distributed
 from ..config import ConfigError, dotted
 from ..data.geotiff import effective_label_decoding
-from ..data.raster import colours_conflict
+from ..data.raster import colours_conflict, colours_said
 from . import checkpoint, reshard
 
 
@@ -536,9 +536,8 @@ class Checkpointer:
                     f"{mine['encoding']} ([scale, offset] per band, the files' GDAL tags); resume on data in the "
                     f"encoding it was trained on, or {fresh}.")
         if colours_conflict(mine.get('colours'), saved.get('colours')):
-            said = lambda colours: ', '.join(c or '(unsaid)' for c in colours)  # noqa: E731
-            return (f"--resume: {where} was trained on bands holding {said(saved['colours'])} but data.train's "
-                    f"hold {said(mine['colours'])} by its files' colour interpretation; select the bands in the "
+            return (f"--resume: {where} was trained on bands holding {colours_said(saved['colours'])} but data.train's "
+                    f"hold {colours_said(mine['colours'])} by its files' colour interpretation; select the bands in the "
                     f"order it was trained on, or {fresh}.")
         differ = [key for key in ('mean', 'std') if saved.get(key) is not None and (
             len(saved[key]) != len(mine[key]) or not np.allclose(saved[key], mine[key], rtol=1e-5, atol=1e-6))]

@@ -21,7 +21,7 @@ from .. import distributed
 from ..config import ConfigError, default_work_dir, load_from_refusal, unused_settings, with_absolute_data_paths
 from ..data.loader import build_train_loader
 from ..data.geotiff import content_keys
-from ..data.raster import band_colours, colour_order_refusal, colours_conflict
+from ..data.raster import band_colours, colour_order_refusal, colours_conflict, colours_said
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
 from ..inference.model import native_input_size, window_refusal
@@ -597,9 +597,8 @@ class Trainer:
         trained_colours = (payload.get('data') or {}).get('colours')
         mine = getattr(self.train_set, 'band_colours', None)
         if colours_conflict(mine, trained_colours):
-            said = lambda colours: ', '.join(c or '(unsaid)' for c in colours)  # noqa: E731
-            raise ConfigError(f"load_from: {path} was trained on bands holding {said(trained_colours)} by their "
-                              f"files' colour tags, but data.train's hold {said(mine)}: its first layer would see "
+            raise ConfigError(f"load_from: {path} was trained on bands holding {colours_said(trained_colours)} by their "
+                              f"files' colour tags, but data.train's hold {colours_said(mine)}: its first layer would see "
                               "the colours swapped; select data.train.bands in the weights' order, or correct "
                               "the files' tags if they are wrong")
         # Fine-tuning for another class set (mmseg's load_from does the same, with a warning per
