@@ -227,10 +227,11 @@ fi
 bench segformer_b2_1024 "$(rows ddp,zero2,zero3 ddp)" 4 "${SEGFORMER[@]}" -- "${LARGE[@]}"
 
 
-# the largest micro-batch per backend
+# the largest micro-batch per backend (the search starts at the runs' micro-batch: the dry run's
+# cap of 1 needs runs of 1, or the benchmark refuses the cap as below where it starts)
 run_step max_batch python3 launch/benchmark.py --backends "$(rows ddp,zero3_offload zero3_offload)" --nproc 1 --launcher python \
   --precision bf16-autocast --steps 1 --warmup 1 --find-max-batch --max-batch "$MAX_BATCH" --timeout 240 \
-  --work-dir "$OUT/max_batch" $( (( DRY )) && echo --config configs/unet_tiny_synthetic.py ) \
+  --work-dir "$OUT/max_batch" $( (( DRY )) && echo --config configs/unet_tiny_synthetic.py --micro-batch "$MAX_BATCH" ) \
   --cfg-options "${SMALL[@]}" "data.train.cache_dir=$CACHE" data.val=None \
   $( (( DRY )) || echo model.base_channels=64 data.train.num_scenes=2 data.train.scene_size=1024 )
 
