@@ -44,8 +44,10 @@ def forward_flops(build_model, input_shape_BCHW):
     so this works for billion-parameter models too. Returns None if the model cannot run on meta.
     """
     from torch.utils.flop_counter import FlopCounterMode
+
+    from .models.common import meta_device
     try:
-        with torch.device('meta'):
+        with meta_device():
             model = build_model()
             x = torch.empty(*input_shape_BCHW)
         model.eval()

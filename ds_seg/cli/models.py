@@ -11,10 +11,9 @@ trainer uses the same count (``ds_seg.telemetry.forward_flops``) for MFU.
 import argparse
 import sys
 
-import torch
-
 import ds_seg  # noqa: F401  (registers every model)
 from ds_seg.inputs import as_invoked
+from ds_seg.models.common import meta_device
 from ds_seg.registry import MODELS, build
 from ds_seg.telemetry import forward_flops
 
@@ -37,7 +36,7 @@ def zoo(name_filter=None):
 def model_facts(cfg, size, in_channels=3, num_classes=6):
     """``(parameters, forward FLOPs)`` of one image ``size`` x ``size``, on the meta device."""
     cfg = dict(cfg, in_channels=in_channels, num_classes=num_classes)
-    with torch.device('meta'):
+    with meta_device():
         params = sum(p.numel() for p in build(MODELS, cfg).parameters())
     flops = forward_flops(lambda: build(MODELS, cfg), (1, in_channels, size, size))
     return params, flops

@@ -243,8 +243,41 @@ def construction_context(spec):
     from ..models.pretrained import gathering_with
     stack = contextlib.ExitStack()
     stack.enter_context(deepspeed.zero.Init(config_dict_or_path=_with_batchnorm_stats_fp32(spec.ds_config)))
-    stack.enter_context(gathering_with(gather_partitioned))
+    stack.enter_context(gathering_with(gather_partitioned, build_whole=built_whole_then_partitioned))
     return stack
+
+
+def built_whole_then_partitioned(build, partition=True):
+    """The module ``build()`` makes inside ``zero.Init``, built with whole parameters and then
+    partitioned as ``zero.Init`` would have (its dtype and device; rank 0's values): for models
+    that initialise their layers after building them (timm's init_weights), which zero.Init had
+    already partitioned, so the initialisation did nothing, and ZeRO-3 trained another model than
+    DDP from the same seed. The module is whole on this rank only while it is built; the same
+    random draws as a plain build, so ZeRO-3 starts from DDP's weights. ``partition=False``: built
+    outside zero.Init and left so (a model on the meta device, only looked at)."""
+    from deepspeed.runtime.zero import partition_parameters
+    init = partition_parameters.top_level_context
+    if init is None:
+        return build()
+    partition_parameters.shutdown_init_context()
+    try:
+        module = build()
+    finally:
+        partition_parameters.restore_init_context()
+    if not partition:
+        return module
+    dtype = init.dtype if partition_parameters.DeepSpeedTensorOverride.dtype in init.tensor_overrides else None
+
+    def as_built(tensor):  # the device and type zero.Init creates tensors with
+        return tensor.to(device=init.local_device, dtype=dtype if tensor.is_floating_point() else None)
+    with torch.no_grad():
+        for param in module.parameters():  # one at a time: the device never holds the whole model
+            param.data = as_built(param.data)
+            init._convert_to_zero_parameters([param])
+        for buffer in module.buffers():
+            buffer.data = as_built(buffer.data)
+    init._keep_in_fp32(module)  # the BatchNorm statistics, as zero.Init keeps them (_with_batchnorm_stats_fp32)
+    return module
 
 
 def _with_batchnorm_stats_fp32(ds_config):

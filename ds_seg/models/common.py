@@ -35,6 +35,20 @@ def run_block(block, *inputs, checkpointing=False):
     return block(*inputs)
 
 
+def meta_device():
+    """``torch.device('meta')``, to build a model without memory or weights, with timm imported
+    first: torch 2.8 cannot import ``torch._dynamo`` (timm imports it) under the meta device, and
+    every timm model's first build there was a circular-import AttributeError.
+
+    Example::
+
+        with meta_device():
+            model = build(MODELS, cfg)
+    """
+    import timm  # noqa: F401
+    return torch.device('meta')
+
+
 def resize(x_BCHW, size):
     # Under export the shortcut would bake the traced sizes' equality into the graph.
     if not torch.compiler.is_exporting() and tuple(x_BCHW.shape[-2:]) == tuple(size):

@@ -27,6 +27,12 @@ def without_pretrained(model_cfg):
     return model_cfg
 
 
+def has_pretrained(model_cfg):
+    """Whether the model config names pretrained weights (at the top or under ``backbone``)."""
+    backbone = model_cfg.get('backbone')
+    return bool(model_cfg.get('pretrained') or (isinstance(backbone, dict) and backbone.get('pretrained')))
+
+
 def adapt_input_weight(weight_OIhw, in_channels):
     """Adapt a first-layer weight trained on RGB (``I == 3``) to ``in_channels`` bands.
 
@@ -118,8 +124,13 @@ def create_timm_model(name, **kwargs):
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ''
         raise ConfigError(f"model.backbone: timm has no model {name!r}.{hint} "
                           "List them with python -c \"import timm; print(timm.list_models('convnext*'))\".")
-    try:
+    def build():
         return timm.create_model(name, pretrained=False, **kwargs)
+    try:
+        # timm initialises layers after building them (init_weights over named_modules, named_apply):
+        # built partitioned, those inits ran on empty tensors and did nothing (ZeRO-3 trained a
+        # ResNet without its zeroed last BatchNorm per block, a ConvNeXt without its truncated normals).
+        return built_whole(build)
     except RuntimeError as exc:  # e.g. "features_only not implemented for ..."
         raise ConfigError(f"model.backbone: timm cannot build {name!r} as an encoder here: "
                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
@@ -403,20 +414,33 @@ def resize_pos_embed(pos_embed_1ND, num_tokens, num_prefix=1, grid=None):
 
 
 # How to see, module by module, the full value of parameters that are partitioned as they are
-# built (ZeRO-3). The engine sets it while it constructs a model (ds_seg.engine.backend); models
-# never import the engine, and with nothing set the parameters are plain tensors.
+# built (ZeRO-3), and how to build a third-party model whole before it is partitioned. The engine
+# sets them while it constructs a model (ds_seg.engine.backend); models never import the engine,
+# and with nothing set the parameters are plain tensors.
 _gather_partitioned = [None]
+_build_whole = [None]
 
 
 @contextlib.contextmanager
-def gathering_with(gather):
+def gathering_with(gather, build_whole=None):
     """Within the block, :func:`load_state_dict_into` gathers each module's parameters with
-    ``gather(params)`` (a context manager that makes them whole and re-partitions on exit)."""
-    previous, _gather_partitioned[0] = _gather_partitioned[0], gather
+    ``gather(params)`` (a context manager that makes them whole and re-partitions on exit), and
+    :func:`create_timm_model` builds through ``build_whole(build)`` (the module ``build()`` makes,
+    built with whole parameters and partitioned after)."""
+    previous = _gather_partitioned[0], _build_whole[0]
+    _gather_partitioned[0], _build_whole[0] = gather, build_whole
     try:
         yield
     finally:
-        _gather_partitioned[0] = previous
+        _gather_partitioned[0], _build_whole[0] = previous
+
+
+def built_whole(build, partition=True):
+    """The module ``build()`` makes, built with whole parameters where the engine builds the model
+    partitioned (ZeRO-3), and partitioned after unless ``partition`` is False (a model built on the
+    meta device only to be looked at). Without an engine hook, ``build()``."""
+    hook = _build_whole[0]
+    return build() if hook is None else hook(build, partition=partition)
 
 
 def load_state_dict_into(model, state_dict, adapt=None, gather=None):

@@ -14,8 +14,8 @@ from torch import nn
 #               FCNHead on a ResNet's stage 3, and its ASPP input; the head reads the first and last).
 LEVELS = ('pyramid', 'low_high')
 
-from ..common import BACKBONES, run_block
-from ..pretrained import check_band_map, create_timm_model, load_pretrained, timm_state_dict
+from ..common import BACKBONES, meta_device, run_block
+from ..pretrained import built_whole, check_band_map, create_timm_model, load_pretrained, timm_state_dict
 
 
 def _wrapped_prefix(feature_net):
@@ -46,10 +46,13 @@ def _original_key(key, flattened=None, prefix='model.'):
 def _classifier(name):
     """timm's classification model ``name`` on the meta device (no memory, no weights), or None."""
     import timm
-    import torch
     try:
-        with torch.device('meta'):
-            return timm.create_model(name, pretrained=False)
+        def build():
+            with meta_device():
+                return timm.create_model(name, pretrained=False)
+        # Outside ZeRO-3's partitioning: it builds every tensor on its own device, meta included
+        # (a real model on every rank, and random draws that moved the heads' initial weights).
+        return built_whole(build, partition=False)
     except Exception:  # not buildable so: judged without it
         return None
 
