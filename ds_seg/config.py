@@ -311,6 +311,9 @@ class ParamwiseSection(_Section):
                                     (_is_bool, 'True or False'))
     backbone_lr_mult: float = setting(1.0, 'LR of the (pretrained) backbone relative to the heads, e.g. 0.1',
                                       _number_above(0))
+    freeze_backbone: bool = setting(False, 'True: train the heads only (linear probing, torchgeo\'s freeze_backbone): '
+                                           'the pretrained backbone keeps its weights and its norm statistics',
+                                    (_is_bool, 'True or False'))
 
 
 @dataclass(frozen=True)
@@ -323,8 +326,8 @@ class OptimSection(_Section):
               'decay ** (L + 1), the heads at lr',
         (_is_layer_decay, 'None or a number in (0, 1], e.g. 0.75'))
     paramwise: ParamwiseSection = setting(
-        ParamwiseSection(), 'per-parameter-group settings (no_weight_decay, backbone_lr_mult)',
-        (lambda v: isinstance(v, ParamwiseSection), 'a dict of no_weight_decay and backbone_lr_mult'))
+        ParamwiseSection(), 'per-parameter-group settings (no_weight_decay, backbone_lr_mult, freeze_backbone)',
+        (lambda v: isinstance(v, ParamwiseSection), 'a dict of no_weight_decay, backbone_lr_mult and freeze_backbone'))
 
     def __post_init__(self):
         if isinstance(self.paramwise, dict):  # from a config: the nested section as a dict

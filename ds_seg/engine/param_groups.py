@@ -78,7 +78,66 @@ def _check(optim_cfg):
     mult = paramwise.get('backbone_lr_mult', 1.0)
     if not isinstance(mult, (int, float)) or mult <= 0:
         raise ConfigError(f'optim.paramwise.backbone_lr_mult must be a positive number, got {mult!r}.')
+    if paramwise.get('freeze_backbone') and (layer_decay is not None or mult != 1.0):
+        # Both set the backbone's LR, which a frozen backbone does not have.
+        given = 'optim.layer_decay' if layer_decay is not None else 'optim.paramwise.backbone_lr_mult'
+        raise ConfigError(f'{given} sets the learning rate of backbone parameters that '
+                          'optim.paramwise.freeze_backbone=True does not train; leave one of them out.')
     return layer_decay, bool(paramwise.get('no_weight_decay', False)), float(mult)
+
+
+def freeze_backbone_asked(optim_cfg):
+    return bool(dict((optim_cfg or {}).get('paramwise') or {}).get('freeze_backbone'))
+
+
+def freeze_backbone(model, optim_cfg):
+    """``optim.paramwise.freeze_backbone``: the backbone's parameters stop training (the parts it
+    names in ``fresh_modules``, a ViT's neck, train with the heads), and its modules stay in eval
+    mode whenever the model trains: BatchNorm keeps the pretrained statistics and dropout / drop
+    path stay off, so the heads learn on the features the backbone was trained to give. Call once,
+    after the weights are loaded and before a backend wraps the model. The line to print, or None
+    where the config does not ask for it.
+
+    Example::
+
+        line = freeze_backbone(model, dict(paramwise=dict(freeze_backbone=True)))
+    """
+    if not freeze_backbone_asked(optim_cfg):
+        return None
+    _check(optim_cfg)
+    fresh = _fresh_prefixes(model)
+    frozen = [p for n, p in model.named_parameters() if _in_backbone(n, fresh)]
+    if not frozen:
+        model_name = getattr(model, 'registered_as', type(model).__name__)
+        raise ConfigError(f'optim.paramwise.freeze_backbone: model {model_name} has no backbone (parameters named '
+                          'backbone.*), so nothing would be frozen; use a model with a pretrained backbone '
+                          '(UperNet, SegFormer, FPN, ...), or leave it out.')
+    for param in frozen:
+        param.requires_grad_(False)
+
+    def is_frozen(name):  # by name: SyncBatchNorm conversion replaces the module objects later
+        return (name == 'backbone' or name.startswith('backbone.')) and not f'{name}.'.startswith(fresh)
+    plain_train = model.train
+
+    def train(mode=True):
+        plain_train(mode)
+        for name, module in model.named_modules():
+            if is_frozen(name):
+                module.training = False
+        return model
+    model.train = train  # DDP's, DeepSpeed's and the trainer's train()/eval() all come through here
+    train(model.training)
+    count = sum(_numel(p) for p in frozen)
+    trained = sum(_numel(p) for p in model.parameters() if p.requires_grad)
+    fresh_parts = '/'.join(sorted({prefix.split('.')[-2] for prefix in fresh}))
+    with_fresh = f" and the backbone's fresh {fresh_parts}" if fresh else ''
+    return (f'optim.paramwise.freeze_backbone: {count:,} backbone parameters frozen, in eval mode (their norm '
+            f'statistics kept); training {trained:,} parameters of the heads{with_fresh}')
+
+
+def _numel(param):
+    """Elements of the parameter as the model defines it (ZeRO-3: its ``ds_numel``)."""
+    return getattr(param, 'ds_numel', param.numel())
 
 
 def build_param_groups(model, optim_cfg):
@@ -94,8 +153,10 @@ def build_param_groups(model, optim_cfg):
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     layer_decay, no_weight_decay, backbone_mult = _check(optim_cfg or {})
-    if layer_decay is None and not no_weight_decay and backbone_mult == 1.0:
+    if layer_decay is None and not no_weight_decay and backbone_mult == 1.0 and not freeze_backbone_asked(optim_cfg):
         return [p for _, p in named]
+    # (A frozen backbone gets groups too: the checkpoint's layout then counts the trained tensors,
+    # and a resume that freezes otherwise is refused in one line, not inside DeepSpeed's loader.)
     vit_prefix, vit = _find_vit(model)
     num_blocks = 0 if vit is None else 1 + max(
         [int(m[1]) for m in (_BLOCK.match(n) for n, _ in vit.named_parameters()) if m], default=-1)

@@ -27,12 +27,13 @@ from ..data.preprocess import BatchPreprocessor
 from ..inference.model import native_input_size, window_refusal
 from ..inputs import as_invoked, check_writable
 from ..metrics import metrics_from_confusion
+from ..models.common import meta_device
 from ..models.losses import segmentation_loss
-from ..models.pretrained import without_pretrained
+from ..models.pretrained import has_pretrained, without_pretrained
 from ..registry import DATASETS, LOSSES, MODELS, RegistryError, arguments, build, lookup
 from ..telemetry import RunLog, forward_flops, peak_flops
 from . import backend as backends
-from . import checkpoint
+from . import checkpoint, param_groups
 from .checkpointer import Checkpointer, data_normalisation
 from .faults import USER_STOPS, CheckSchedule, Faults, describe_io_error
 from .run_metrics import RunMetrics
@@ -271,6 +272,12 @@ class Trainer:
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
         self._check_loss_matches_classes()
 
+        if param_groups.freeze_backbone_asked(cfg.get('optim')) and not (found or load_from or
+                                                                        has_pretrained(cfg.model)):
+            raise ConfigError('optim.paramwise.freeze_backbone=True: the backbone has no pretrained weights '
+                              '(model.pretrained, or load_from=), so the heads would train on the features of '
+                              'random filters; give it its weights, or leave freeze_backbone out.')
+
         # --- model: identical initial weights on every rank from the seed ---------------------
         # Resolved before the model is built: weights that come from a checkpoint (or load_from)
         # replace every pretrained tensor, so the pretrained file is not read. A requeued job
@@ -285,6 +292,9 @@ class Trainer:
                 self.print(module.pretrained_report)
         if load_from:
             self._load_weights(model, load_from)
+        frozen_line = param_groups.freeze_backbone(model, cfg.get('optim'))  # before a backend wraps it
+        if frozen_line:
+            self.print(frozen_line)
         self.backend = backends.build_backend(spec, model, cfg.get('optim'))
         self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)
         self.checkpointer.t_start = t_start
@@ -725,7 +735,7 @@ class Trainer:
         pretrained file), in eval mode, for the checks before training; None where it cannot be."""
         if not hasattr(self, '_meta_built'):
             try:
-                with torch.device('meta'):
+                with meta_device():
                     self._meta_built = build(MODELS, without_pretrained(self.cfg.model), where='model').eval()
             except Exception:
                 self._meta_built = None

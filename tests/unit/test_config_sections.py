@@ -85,7 +85,7 @@ def test_a_wrong_value_is_refused_naming_the_key(section, name, key, value):
 
 @pytest.mark.parametrize('option, message', [
     ('train=3', '--cfg-options: train must be a dict with the keys max_steps, log_interval,'),
-    ('optim.paramwise=3', '--cfg-options: optim.paramwise must be a dict of no_weight_decay and backbone_lr_mult'),
+    ('optim.paramwise=3', '--cfg-options: optim.paramwise must be a dict of no_weight_decay, backbone_lr_mult and freeze_backbone'),
     ('data.eval_overlap=32', '--cfg-options: data.eval_overlap (32) must be smaller than the evaluation tile (32'),
     # A missing file is refused by the trainer (a resumed run never reads it); a folder never is one.
     (f'load_from={str(REPO_ROOT / "configs")!r}', f"--cfg-options: load_from={str(REPO_ROOT / 'configs')!r} is a "

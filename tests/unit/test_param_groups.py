@@ -138,3 +138,46 @@ def test_a_layout_that_differs_under_the_same_optim_names_the_group():
     assert _first_group_difference(saved, now) == ('parameter group 2: layer0_backbone (lr_mult 0.1, 20 tensors) '
                                                     'there, layer0_backbone (lr_mult 0.1, 18 tensors) here')
     assert _first_group_difference(saved, saved[:1]).endswith('there, none here')
+
+
+def test_a_frozen_backbone_stays_in_eval_mode_and_out_of_the_optimizer():
+    """optim.paramwise.freeze_backbone: the backbone's BatchNorm keeps its statistics and dropout
+    stays off whenever the model trains; a ViT's fresh neck and the heads train."""
+    from ds_seg.engine.param_groups import freeze_backbone, group_layout
+    cnn = build(MODELS, dict(type='FPN', backbone='test_resnet', channels=16))
+    optim = dict(paramwise=dict(freeze_backbone=True))
+    line = freeze_backbone(cnn, optim)
+    frozen = sum(p.numel() for n, p in cnn.named_parameters() if n.startswith('backbone.'))
+    assert line.startswith(f'optim.paramwise.freeze_backbone: {frozen:,} backbone parameters frozen')
+    bn = next(m for n, m in cnn.named_modules() if n.startswith('backbone.') and isinstance(m, torch.nn.BatchNorm2d))
+    stats = bn.running_mean.clone()
+    cnn.train()
+    assert not bn.training and cnn.decode_head.training and cnn.training
+    cnn(torch.randn(2, 3, 64, 64)).sum().backward()
+    assert torch.equal(bn.running_mean, stats)
+    assert all(p.grad is None for n, p in cnn.named_parameters() if n.startswith('backbone.'))
+    assert all(p.grad is not None for n, p in cnn.named_parameters() if n.startswith('decode_head.'))
+    cnn.eval()
+    cnn.train()   # eval and back: still frozen
+    assert not bn.training
+    groups = build_param_groups(cnn, optim)
+    heads = sum(1 for n, p in cnn.named_parameters() if not n.startswith('backbone.'))
+    assert group_layout(groups) == [['layer0', 1.0, None, heads]]   # recorded: a resume that freezes otherwise is refused
+    vit = build(MODELS, VIT)
+    assert "and the backbone's fresh neck" in freeze_backbone(vit, optim)
+    vit.train()
+    assert vit.backbone.neck.training and not vit.backbone.model.training
+    assert all(p.requires_grad == n.startswith('backbone.neck.') for n, p in vit.named_parameters()
+               if n.startswith('backbone.'))
+
+
+def test_freezing_what_cannot_be_frozen_is_refused():
+    from ds_seg.engine.param_groups import freeze_backbone
+    with pytest.raises(ConfigError, match='optim.paramwise.freeze_backbone: model UNetTiny has no backbone'):
+        freeze_backbone(build(MODELS, dict(type='UNetTiny')), dict(paramwise=dict(freeze_backbone=True)))
+    for optim, key in ((dict(layer_decay=0.75), 'optim.layer_decay'),
+                       (dict(paramwise=dict(backbone_lr_mult=0.1)), 'optim.paramwise.backbone_lr_mult')):
+        optim.setdefault('paramwise', {})['freeze_backbone'] = True
+        with pytest.raises(ConfigError, match=f'^{key} sets the learning rate of backbone parameters'):
+            freeze_backbone(build(MODELS, VIT), optim)
+    assert freeze_backbone(build(MODELS, VIT), dict(paramwise=dict(freeze_backbone=False))) is None
