@@ -373,6 +373,10 @@ class DDPBackend:
             apply_schedule_now(self.scheduler)
         if self.scaler is not None and state['scaler'] is not None:
             self.scaler.load_state_dict(state['scaler'])
-        self.micro_step = state['micro_step']
+        # Checkpoints are taken at optimizer-step boundaries: the next micro-step starts an
+        # accumulation window. The saved count, under another grad_accum (a resume on fewer ranks
+        # at the same global batch), put every later boundary in the wrong place: steps mixing two
+        # windows' gradients and the last micro-batch never applied (DeepSpeed resets it too).
+        self.micro_step = 0
         self._skipped = state['skipped_steps']
         return state['client_state']

@@ -112,6 +112,31 @@ def test_resume_at_another_micro_batch_goes_on_after_the_samples_consumed(tmp_pa
     assert samples == [4, 8, 12, 14, 16, 18], samples
 
 
+def _resumed_at_another_accumulation(tmp, backend):
+    """3 steps of micro-batch 2, then a resume to 5 at micro-batch 1 x accumulation 2 (the same
+    global batch, as on half the ranks): the final weights."""
+    from ds_seg.engine.checkpoint import consolidated_state_dict
+    from ds_seg.engine.trainer import Trainer
+    work = os.path.join(tmp, backend)
+    for steps, micro, accum, resume in ((3, 2, 1, None), (5, 1, 2, 'auto')):
+        cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=steps)
+        fit_and_close(Trainer(cfg, ds_config(0, micro_batch=micro, grad_accum=accum), backend=backend,
+                              work_dir=work, resume=resume))
+    return consolidated_state_dict(os.path.join(work, 'checkpoints', 'step_00000005'))
+
+
+def test_a_resume_at_another_accumulation_steps_at_the_new_boundaries_under_ddp(tmp_path):
+    # DDP restored its micro-step count: 6 micro-steps at accumulation 1, then boundaries at odd
+    # counts under accumulation 2, each step mixing two windows' gradients (weights 5e-3 off
+    # DeepSpeed's after the same resume). DeepSpeed starts every resumed window afresh.
+    tmp = str(tmp_path)
+    ddp = run_on_ranks(_resumed_at_another_accumulation, 1, args=(tmp, 'ddp'))[0]
+    ds = run_on_ranks(_resumed_at_another_accumulation, 1, args=(tmp, 'deepspeed'))[0]
+    for key, value in ddp.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, ds[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 def _fit_or_refusal(cfg, ds, **kwargs):
     """Train ``cfg`` to the end: the (closed) trainer, or the refusal line if it was refused."""
     from ds_seg.config import ConfigError
