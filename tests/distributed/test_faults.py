@@ -797,6 +797,28 @@ def test_sbatch_template_without_its_python_says_so_before_starting_ranks(tmp_pa
     assert not (tmp_path / 'work').exists()
 
 
+def test_sbatch_template_outside_a_checkout_runs_ds_seg_of_its_python_not_the_project_s_script(tmp_path):
+    """Submitted from a project with a launch/train.py of its own, the template ran that script with
+    ds_seg's arguments (the job COMPLETED, nothing trained); and outside a checkout PYTHON was
+    ignored: the job looked for ds-seg-train on a PATH without it and told the user to set the
+    PYTHON they had set."""
+    project = tmp_path / 'project'
+    (project / 'launch').mkdir(parents=True)
+    marker = tmp_path / 'their_script_ran'
+    (project / 'launch' / 'train.py').write_text(f"open({str(marker)!r}, 'w').close()\n")
+    work, cache = tmp_path / 'work', tmp_path / 'cache'
+    env = _env(PATH='/usr/bin:/bin', NPROC_PER_NODE='1', WORK_DIR=str(work), DS_CONFIG='zero2', CONFIG=TINY_CONFIG,
+               PYTHON=sys.executable)
+    options = ['--cfg-options', f'data.train.cache_dir={cache}', f'data.val.cache_dir={cache}', 'train.max_steps=1',
+               'train.eval_interval=0', 'train.checkpoint_interval=0']
+    proc = subprocess.run(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train.sbatch'), *options], cwd=project,
+                          env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert not marker.exists()
+    assert json.load(open(work / 'summary.json'))['exit_reason'] == 'completed', out[-3000:]
+
+
 NODE_NAME_SCONTROL = """#!/usr/bin/env bash
 if [ "$1 $2" = "show hostnames" ]; then echo node-only-slurm-knows; fi
 if [ "$1 $2 $3" = "show node -o" ]; then echo "NodeName=$4 Arch=x86_64 NodeAddr=$FAKE_NODE_ADDR NodeHostName=$4"; fi
