@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ds_seg.inputs import as_invoked, refuse_inside_checkpoints, user_path
 from ds_seg.cli import same_package_env
-from ds_seg.config import DS_CONFIGS_DIR, option_keys
+from ds_seg.config import DS_CONFIGS_DIR, find_shipped, option_keys
 from ds_seg.memory import zero_formula
 
 # Backend name -> (train.py --backend, shipped DeepSpeed JSON). DDP reads its optimizer, schedule,
@@ -133,7 +133,10 @@ def _backend(name):
     (how the tuning experiments in docs/benchmarks.md were run)."""
     if '=' in name:
         return 'deepspeed', name.split('=', 1)[1]
-    return BACKENDS[name][0], str(DS_CONFIGS_DIR / BACKENDS[name][1])
+    backend, json_name = BACKENDS[name]
+    # As ds-seg-train --deepspeed_config reads the name: a project's own ds_configs/<name>.json
+    # first, said in a line (the shipped one was measured without a word, its row named as the copy).
+    return backend, os.path.abspath(find_shipped(json_name[:-len('.json')], DS_CONFIGS_DIR, '.json'))
 
 
 def derived_ds_config(name, micro_batch, total_steps, precision, on_gpu, ds_cpu_adam):
@@ -173,7 +176,10 @@ def launch_command(launcher, nproc):
         return [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc),
                 '--master_port', str(_free_port()), '-m', TRAIN_MODULE]
     if launcher == 'deepspeed':  # its runner takes a module with --module, not python's -m
-        exe = shutil.which('deepspeed') or os.path.join(os.path.dirname(sys.executable), 'deepspeed')
+        # This environment's launcher first: the first deepspeed on PATH (another venv's) started
+        # the ranks with its own Python.
+        beside = os.path.join(os.path.dirname(sys.executable), 'deepspeed')
+        exe = beside if os.access(beside, os.X_OK) else shutil.which('deepspeed') or beside
         return [exe, '--num_gpus', str(nproc), '--master_port', str(_free_port()), '--module', TRAIN_MODULE]
     return [sys.executable, '-m', TRAIN_MODULE]  # one process (_check_args refuses --nproc > 1)
 
@@ -744,13 +750,12 @@ def _check_model_builds(model_cfg):
     """The model built on the meta device (no memory, no weights read): a key it does not take
     (``--cfg-options model.nope=3``) or a value it refuses failed every backend's run in turn, each
     with its launcher's traceback, after the earlier results were moved aside."""
-    import torch
-
     from ds_seg.config import ConfigError
+    from ds_seg.models.common import meta_device
     from ds_seg.models.pretrained import without_pretrained
     from ds_seg.registry import MODELS, RegistryError, build
     try:
-        with torch.device('meta'):
+        with meta_device():
             build(MODELS, without_pretrained(model_cfg), where='model')
     except (ConfigError, RegistryError):
         raise
@@ -894,7 +899,9 @@ def _run_benchmarks(args, names, on_gpu, model_start, argv):
                 spec[label] = name
             continue
         row = summarise_run(work_dir, label, args.warmup)
-        row['json'] = os.path.relpath(_backend(name)[1], DS_CONFIGS_DIR.parent)
+        source = _backend(name)[1]
+        shipped = os.path.dirname(source) == os.path.abspath(DS_CONFIGS_DIR)
+        row['json'] = os.path.relpath(source, DS_CONFIGS_DIR.parent) if shipped else source
         spec[label] = name
         rows.append(row)
         print(f"[benchmark] {name}: {row['images_per_s']:.2f} img/s, median step {row['step_time_median_s']:.4f} s",

@@ -279,6 +279,20 @@ def test_derived_config_keeps_the_run_comparable():
         assert ddp[key] == z2[key], key   # DDP and ZeRO differ only in zero_optimization
 
 
+def test_a_backend_name_reads_the_project_s_own_json_as_training_does(tmp_path, monkeypatch, capsys):
+    """ds-seg-train --deepspeed_config zero2 trained the project's ds_configs/zero2.json; the
+    benchmark's --backends zero2 measured the shipped one without a word."""
+    import ds_seg.config
+    monkeypatch.setattr(ds_seg.config, '_SAID_SHIPPED', set())
+    monkeypatch.chdir(tmp_path)
+    shipped = benchmark.derived_ds_config('zero2', None, 10, 'json', False, False)
+    (tmp_path / 'ds_configs').mkdir()
+    (tmp_path / 'ds_configs' / 'zero2.json').write_text(json.dumps(dict(shipped, train_micro_batch_size_per_gpu=3)))
+    assert benchmark.derived_ds_config('zero2', None, 10, 'json', False, False)['train_micro_batch_size_per_gpu'] == 3
+    assert '(your copy)' in capsys.readouterr().err
+    assert benchmark._backend('zero3')[1] == str(ds_seg.config.DS_CONFIGS_DIR / 'zero3.json')  # no copy: shipped
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason='the refusal is for a machine without a GPU')
 def test_a_gpu_memory_cap_without_a_gpu_is_refused(tmp_path, capsys):
     assert benchmark.main(['--work-dir', str(tmp_path / 'bench'), '--launcher', 'python', '--gpu-memory-gib', '4']) == 2
