@@ -23,7 +23,11 @@ def as_invoked(text):
     their module forms (``torchrun ... -m ds_seg.cli.predict``, ``deepspeed --module ...``)."""
     import re
     import sys
-    if not text or not os.path.basename(sys.argv[0] or '').startswith('ds-seg-'):
+    program = sys.argv[0] or ''
+    # Also a module run (python -m / torchrun -m / deepspeed --module ds_seg.cli.x: its argv[0] is
+    # the module's file), the forms the README gives an installed package for many ranks.
+    as_module = os.path.dirname(os.path.abspath(program)) == os.path.join(os.path.dirname(os.path.abspath(__file__)), 'cli')
+    if not text or not (os.path.basename(program).startswith('ds-seg-') or as_module):
         return text
 
     def named(match):

@@ -170,9 +170,21 @@ def import_custom_modules(names, where='custom_imports', allow_failed=False):
     what to do where one cannot be imported (``allow_failed``: skipped, as mmengine's
     ``allow_failed_imports``)."""
     import importlib
+    import os
+    import sys
     for name in names or ():
         try:
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as exc:
+                # A module in the folder the command runs in: `python -m ds_seg.cli.train` (and
+                # torchrun -m) found it there and the console scripts and sbatch jobs did not. Looked
+                # for last, so it never shadows an installed module.
+                here = os.getcwd()
+                if exc.name != name.split('.')[0] or here in sys.path:
+                    raise
+                sys.path.append(here)
+                importlib.import_module(name)
         except ImportError as exc:  # ModuleNotFoundError included
             if allow_failed:
                 continue

@@ -140,3 +140,10 @@ def test_an_installed_console_script_names_the_commands_it_has(monkeypatch):
                                 'python -m ds_seg? python -m ds_seg.cli.data_benchmark\n'
                                 '    torchrun --nproc_per_node 4 -m ds_seg.cli.predict --x\n'
                                 '    deepspeed --num_gpus 2 --module ds_seg.cli.train\n    ds-seg-train')
+    # python -m / torchrun -m / deepspeed --module ds_seg.cli.predict: argv[0] is the module's file
+    # (they said launch/export.py, which the wheel has not).
+    import ds_seg.cli.predict
+    monkeypatch.setattr(sys, 'argv', [ds_seg.cli.predict.__file__])
+    assert as_invoked(text).startswith('give a weights file from ds-seg-export, or run ds-seg-predict; ')
+    monkeypatch.setattr(sys, 'argv', ['/elsewhere/cli/predict.py'])   # a folder of the same name: not ds_seg's
+    assert as_invoked(text) == text
