@@ -92,6 +92,14 @@ def find_shipped(path, folder, suffix):
 _SAID_SHIPPED = set()  # the paths find_shipped said it replaced (once each)
 
 
+def _as_given(given, path):
+    """``path`` as the user wrote it where ``./`` made it a path in this folder (Path drops the
+    ``./``: "unet_tiny does not exist" stood beside a list holding unet_tiny.py)."""
+    if given.startswith(('./', '.' + os.sep)):
+        return f'{given} (./ names a file in {os.getcwd()}; a shipped one is named without it)'
+    return str(path)
+
+
 class ConfigError(ValueError):
     """A user mistake in a config file or option; the message names the file or key."""
 
@@ -695,11 +703,11 @@ def load_config(path=None, cfg_options=None):
     name = 'default'
     loaded = {}
     if path is not None:
-        path = find_shipped(path, CONFIGS_DIR, '.py')
+        given, path = str(path), find_shipped(path, CONFIGS_DIR, '.py')
         if not path.is_file():
             candidates = sorted(p.name for p in CONFIGS_DIR.glob('*.py'))
             what = _not_a_file(path, 'config file')
-            raise ConfigError(f"--config: {path} {what}. Configs shipped in configs/: "
+            raise ConfigError(f"--config: {_as_given(given, path)} {what}. Configs shipped in configs/: "
                               f"{', '.join(candidates) or 'none'}.")
         _check_inherited(path)
         try:
@@ -898,10 +906,10 @@ _SCHEDULERS_WITH_TOTAL = {'WarmupDecayLR', 'WarmupCosineLR'}
 
 def load_ds_config(path):
     """Read a DeepSpeed JSON file and check it (see :func:`check_ds_config`)."""
-    path = find_shipped(path, DS_CONFIGS_DIR, '.json')
+    given, path = str(path), find_shipped(path, DS_CONFIGS_DIR, '.json')
     if not path.exists() or path.is_dir():  # a pipe (<(...)) is read as a file is
         shipped = sorted(p.stem for p in DS_CONFIGS_DIR.glob('*.json'))
-        raise ConfigError(f"--deepspeed_config: {path} {_not_a_file(path, 'DeepSpeed JSON')}. "
+        raise ConfigError(f"--deepspeed_config: {_as_given(given, path)} {_not_a_file(path, 'DeepSpeed JSON')}. "
                           f"Shipped: {', '.join(shipped)}.")
     try:
         ds = json.loads(path.read_text(), object_pairs_hook=_refuse_duplicate_keys)

@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import socket
 import statistics
@@ -168,6 +169,16 @@ def derived_ds_config(name, micro_batch, total_steps, precision, on_gpu, ds_cpu_
 
 
 TRAIN_MODULE = 'ds_seg.cli.train'
+
+
+def _program_as_typed():
+    """This command as a user types it again: the console script by name, else its path."""
+    program = sys.argv[0] if sys.argv else 'launch/benchmark.py'
+    if os.path.basename(program).startswith('ds-seg-'):
+        return os.path.basename(program)
+    if os.path.dirname(os.path.abspath(program)) == os.path.dirname(os.path.abspath(__file__)):
+        return 'python -m ds_seg.cli.benchmark'
+    return os.path.relpath(program)
 
 
 def launch_command(launcher, nproc):
@@ -872,7 +883,7 @@ def _run_benchmarks(args, names, on_gpu, model_start, argv):
                 launcher=args.launcher, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
                 device='cuda' if on_gpu else 'cpu', max_batch=args.max_batch,
                 find_max_model=args.find_max_model, max_model=args.max_model, gpu_memory_gib=args.gpu_memory_gib,
-                command=' '.join([os.path.relpath(sys.argv[0]) if sys.argv else 'launch/benchmark.py'] + (argv or sys.argv[1:])),
+                command=shlex.join([_program_as_typed()] + list(argv or sys.argv[1:])),  # pastes back
                 started=time.strftime('%Y-%m-%d %H:%M:%S'))
     if args.precision in ('fp16', 'bf16'):
         from ds_seg.config import device_supports

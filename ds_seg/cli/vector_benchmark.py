@@ -12,10 +12,12 @@ involved: this measures the vectoriser alone.
 # Nothing from ds_seg at module level: the measured child runs this file by path, and importing
 # the package would load torch into it.
 import argparse
+import getpass
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -131,7 +133,9 @@ def main(argv=None):
     p.add_argument('--band-rows', type=int, default=256)
     p.add_argument('--format', default='gpkg', choices=['gpkg', 'fgb', 'geojson'])
     p.add_argument('--simplify', type=float, default=0.0)
-    p.add_argument('--dir', type=os.path.expanduser, default='/tmp/ds_seg_vector_benchmark')
+    # One per user: a fixed /tmp folder was another user's on a shared machine.
+    p.add_argument('--dir', type=os.path.expanduser,
+                   default=os.path.join(tempfile.gettempdir(), f'ds_seg_vector_benchmark-{getpass.getuser()}'))
     p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--make', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--class-map', default=None, help=argparse.SUPPRESS)

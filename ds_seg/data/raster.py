@@ -420,8 +420,10 @@ def remote_hint(exc, message=None):
 
 
 def cache_root():
-    """``$DS_SEG_CACHE``, default ``~/.cache/ds_seg``: where ds_seg keeps what it may rebuild."""
-    return os.environ.get('DS_SEG_CACHE') or os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg')
+    """``$DS_SEG_CACHE``, default ``$XDG_CACHE_HOME/ds_seg`` (``~/.cache/ds_seg``, as torch.hub's
+    and Hugging Face's): where ds_seg keeps what it may rebuild."""
+    xdg = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
+    return os.environ.get('DS_SEG_CACHE') or os.path.join(xdg, 'ds_seg')
 
 
 def user_cache_dir(*parts):

@@ -1095,8 +1095,12 @@ def test_a_config_path_not_under_the_folder_says_it_takes_the_shipped_file(tmp_p
         assert capsys.readouterr().err.splitlines() == [
             f'[ds_seg] {name}: using {mine} in {tmp_path} (your copy), not the shipped {folder / Path(mine).name}']
     assert find_shipped('./zero2', DS_CONFIGS_DIR, '.json') == Path('zero2')
-    with pytest.raises(ConfigError, match=r'--config: unet_tiny_synthetic'):
+    # Said as typed: "unet_tiny_synthetic does not exist" stood beside a list holding it.
+    with pytest.raises(ConfigError, match=r'^--config: \./unet_tiny_synthetic \(\./ names a file in .*; a shipped one '
+                                          r'is named without it\) does not exist'):
         load_config('./unet_tiny_synthetic')
+    with pytest.raises(ConfigError, match=r'^--deepspeed_config: \./zero2 \(\./ names a file in '):
+        load_ds_config('./zero2')
 
 
 def test_a_config_of_its_own_training_data_does_not_keep_the_defaults_synthetic_val(tmp_path):

@@ -1,5 +1,6 @@
 """Rank variables that cannot describe this process are one line before any rendezvous: a
 stale RANK/WORLD_SIZE of another job, a typo, a missing MASTER_ADDR, a port in use."""
+import os
 import socket
 
 import pytest
@@ -147,3 +148,14 @@ def test_an_installed_console_script_names_the_commands_it_has(monkeypatch):
     assert as_invoked(text).startswith('give a weights file from ds-seg-export, or run ds-seg-predict; ')
     monkeypatch.setattr(sys, 'argv', ['/elsewhere/cli/predict.py'])   # a folder of the same name: not ds_seg's
     assert as_invoked(text) == text
+
+
+def test_the_cache_follows_xdg_cache_home_unless_ds_seg_cache_says(monkeypatch, tmp_path):
+    from ds_seg.data.raster import cache_root
+    monkeypatch.delenv('DS_SEG_CACHE', raising=False)
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
+    assert cache_root() == str(tmp_path / 'xdg' / 'ds_seg')   # torch.hub's and Hugging Face's rule
+    monkeypatch.delenv('XDG_CACHE_HOME')
+    assert cache_root() == os.path.join(os.path.expanduser('~'), '.cache', 'ds_seg')
+    monkeypatch.setenv('DS_SEG_CACHE', str(tmp_path / 'mine'))
+    assert cache_root() == str(tmp_path / 'mine')
