@@ -254,7 +254,7 @@ def built_whole_then_partitioned(build, partition=True):
     already partitioned, so the initialisation did nothing, and ZeRO-3 trained another model than
     DDP from the same seed. The module is whole on this rank only while it is built; the same
     random draws as a plain build, so ZeRO-3 starts from DDP's weights. ``partition=False``: built
-    outside zero.Init and left so (a model on the meta device, only looked at)."""
+    outside zero.Init and left so (a model on the meta device, only looked at; a weights file read)."""
     from deepspeed.runtime.zero import partition_parameters
     init = partition_parameters.top_level_context
     if init is None:

@@ -77,7 +77,7 @@ def read_state_dict(path, where='pretrained'):
     try:
         if path.endswith('.safetensors'):
             from safetensors.torch import load_file
-            payload = load_file(path)
+            payload = outside_partitioning(lambda: load_file(path))
         else:
             from ..engine.checkpoint import is_torch_file, not_torch_kind
             from ..inputs import looks_like_onnx
@@ -86,7 +86,7 @@ def read_state_dict(path, where='pretrained'):
             if not is_torch_file(head):  # a JSON or a config given by mistake: not "unsafe Python objects"
                 kind = 'an ONNX model' if looks_like_onnx(path, head) else not_torch_kind(head)
                 raise ConfigError(f'{where}: {path} is {kind}, not a weights file (.pth, .pt, .bin or .safetensors)')
-            payload = torch.load(path, map_location='cpu', weights_only=True)
+            payload = outside_partitioning(lambda: torch.load(path, map_location='cpu', weights_only=True))
     except ConfigError:
         raise
     except pickle.UnpicklingError as exc:  # weights_only refused an object that could run code
@@ -172,8 +172,8 @@ def timm_state_dict(name):
         if cfg.hf_hub_id:
             from timm.models._hub import load_state_dict_from_hf
             with _hub_offline_unless_reachable():
-                return load_state_dict_from_hf(cfg.hf_hub_id)
-        return torch.hub.load_state_dict_from_url(cfg.url, map_location='cpu')
+                return outside_partitioning(lambda: load_state_dict_from_hf(cfg.hf_hub_id))
+        return outside_partitioning(lambda: torch.hub.load_state_dict_from_url(cfg.url, map_location='cpu'))
     except Exception as exc:  # no network, a proxy, a server error: the hub's own words, then what to do
         detail = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)[:200]
         raise ConfigError(f"model.pretrained=True: could not fetch timm's weights for {name!r} from {source} "
@@ -441,6 +441,13 @@ def built_whole(build, partition=True):
     meta device only to be looked at). Without an engine hook, ``build()``."""
     hook = _build_whole[0]
     return build() if hook is None else hook(build, partition=partition)
+
+
+def outside_partitioning(read):
+    """``read()`` with the engine's partitioning construction off: a weights file read inside
+    ZeRO-3's zero.Init under a 16-bit config came back as its fp32 bytes taken for 16-bit values
+    (a BatchNorm weight of ones read as [0, 1, 0, ...], NaN losses from the first step)."""
+    return built_whole(read, partition=False)
 
 
 def load_state_dict_into(model, state_dict, adapt=None, gather=None):

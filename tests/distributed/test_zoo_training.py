@@ -1,6 +1,7 @@
 """Every model family of the zoo trains through the Trainer under ZeRO-2 and ZeRO-3 on 2 CPU
-ranks (tiny configs); under ZeRO-3 the model is built partitioned (each rank holds about half of
-every parameter from construction on) and ``load_from`` weights load into the partitions."""
+ranks (tiny configs), to the same losses; under ZeRO-3 the model is built partitioned (each rank
+holds about half of every parameter from construction on; a timm backbone only while timm builds
+and initialises it) and ``load_from`` weights load into the partitions."""
 import os
 
 import pytest
@@ -103,12 +104,24 @@ def test_family_trains(runs, family, stage):
 
 
 @pytest.mark.parametrize('family', FAMILIES)
+def test_zero3_trains_the_losses_zero2_does(runs, family):
+    """The same seed, the same model: built partitioned, timm's backbones (ResNet, ConvNeXt, the
+    DINOv2 ViT) skipped their own initialisation and ZeRO-3 trained another model than ZeRO-2."""
+    tmp = runs[0]
+    zero2, zero3 = ([row['loss'] for row in read_jsonl(os.path.join(tmp, f'{family}_z{stage}', 'metrics.jsonl'))]
+                    for stage in (2, 3))
+    assert len(zero2) == len(zero3) == STEPS
+    for step, (a, b) in enumerate(zip(zero2, zero3), 1):
+        assert abs(a - b) <= 1e-4 * abs(a), f'{family} step {step}: ZeRO-2 loss {a} vs ZeRO-3 {b}'
+
+
+@pytest.mark.parametrize('family', FAMILIES)
 def test_zero3_builds_partitioned_halves(runs, family):
     _, out, _, _ = runs
     ranks = [out[3][r][family] for r in range(2)]
     full = ranks[0]['full']
     for r in ranks:
-        # Built inside zero.Init: no rank ever materialised a full parameter...
+        # Built inside zero.Init: no rank holds a full parameter once built...
         assert r['local'] == 0 and r['full'] == full
         # ...and each holds about half of them (padding rounds every tensor up to an even size).
         assert 0.49 * full <= r['partition'] <= 0.52 * full, (r['partition'], full)
