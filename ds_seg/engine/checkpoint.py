@@ -633,6 +633,12 @@ def consolidated_state_dict(ckpt_dir):
         root, tag = os.path.split(os.path.normpath(ckpt_dir))
         with only_safe_torch_load(zero_to_fp32):
             state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+        # Parameters outside the optimizer (a frozen backbone) have no fp32 master. DeepSpeed
+        # records them for zero_to_fp32 from ZeRO-2 on; under ZeRO-1 they were left out of the
+        # export (which then loaded nowhere). The module's own copy holds them whole below ZeRO-3.
+        from .ds_workarounds import safe_torch_load
+        module = safe_torch_load(sorted(model_files)[0], map_location='cpu')['module']
+        state.update({k: v for k, v in module.items() if k not in state and v.numel() > 0})
         return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     # ZeRO-0 keeps the whole module in the model-states file of rank 0.
     from .ds_workarounds import safe_torch_load
