@@ -739,6 +739,11 @@ class Trainer:
                     self._meta_built = build(MODELS, without_pretrained(self.cfg.model), where='model').eval()
             except Exception:
                 self._meta_built = None
+            if self._meta_built is not None:
+                # Frozen as the real one will be: a frozen backbone keeps no activations for a
+                # backward pass (the memory check refused a run 9x under the machine's memory),
+                # and a model with no backbone to freeze is refused as such, first.
+                param_groups.freeze_backbone(self._meta_built, self.cfg.get('optim'))
         return self._meta_built
 
     def _check_activations_fit_in_memory(self):

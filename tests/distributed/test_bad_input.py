@@ -187,6 +187,10 @@ def _cases(tmp):
         'one_class': (_geotiff_data([img], [lbl_one_class], classes=1) + ['model.num_classes=1'], None, []),
         'binary_one_output': (_geotiff_data([img], [lbl2], classes=2) + ['model.num_classes=1'], None, []),
         'backbone_typo': (['model.type=UperNet', 'model.backbone=convnxt_tiny'], None, []),
+        # linear probing of what has no backbone, or of random filters
+        'freeze_unet': (['optim.paramwise.freeze_backbone=True'], None, []),
+        'freeze_random': (['model.type=FPN', 'model.backbone=test_resnet', 'model.channels=16',
+                           'optim.paramwise.freeze_backbone=True'], None, []),
         'pretrained_truncated': (['model.type=FPN', 'model.backbone=test_resnet', 'model.channels=16',
                                   f'model.pretrained={truncated}'], None, []),
         # a validation set the trained model cannot take: found after training, before this check
@@ -297,6 +301,8 @@ EXPECTED = {
     'binary_one_output': ['model.num_classes is 1 but data.train has 2 classes', 'set model.num_classes=2',
                           'not one sigmoid output'],
     'backbone_typo': ["model.backbone: timm has no model 'convnxt_tiny'", "Did you mean 'convnext_tiny'"],
+    'freeze_unet': ['optim.paramwise.freeze_backbone: model UNetTiny has no backbone'],
+    'freeze_random': ['optim.paramwise.freeze_backbone=True: the backbone has no pretrained weights'],
     'pretrained_truncated': ['resnet_cut.pth is not a readable weights file (truncated'],
     'image_all_nodata': ['img_nodata.tif', 'no pixel is both labelled with a class and valid in the image'],
     'image_all_nan': ['img_nan.tif', 'no pixel is both labelled with a class and valid', 'NaN'],
