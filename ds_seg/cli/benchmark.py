@@ -382,7 +382,7 @@ def summarise_run(work_dir, name, warmup):
         step_time_median_s=statistics.median(times), step_time_p90_s=_p90(times),
         data_wait_frac=sum(r['data_wait_frac'] * r['step_time_s'] for r in timed) / total,
         max_mem_mb=max(r['max_mem_mb'] for r in rows if r.get('max_mem_mb') is not None),
-        # mfu / images_per_s is the trainer's constant 3 x FLOPs / peak: reuse it, do not re-derive.
+        # mfu / images_per_s is the trainer's constant training FLOPs / peak: reuse it, do not re-derive.
         mfu=ratio[0] * images / total if ratio else None,
         speedup_vs_ddp=None,
         # Which update ran (fused, foreach, DeepSpeed's FusedAdam...), and compilation, per row.

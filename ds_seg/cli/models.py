@@ -6,7 +6,8 @@
 Models are built on the meta device (no weight memory, seconds even for ViT-g) and counted
 with ``torch.utils.flop_counter.FlopCounterMode`` (a multiply-add is 2 FLOPs; published
 "GFLOPs" of segmentation papers are usually multiply-adds, i.e. half these figures). The
-trainer uses the same count (``ds_seg.telemetry.forward_flops``) for MFU.
+trainer's MFU starts from the same count (``ds_seg.telemetry.image_flops``: this forward and a
+backward of twice the forward of what trains).
 """
 import argparse
 import sys

@@ -22,7 +22,9 @@ class RunMetrics:
     def __init__(self, spec, log, backend, *, flops_per_image, peak_flops, warmup_steps, max_steps,
                  train_images, report, t_start, earlier_wall_time_s=0.0):
         self.spec, self.log, self.backend = spec, log, backend
-        self.flops_per_image, self.peak_flops = flops_per_image, peak_flops
+        # (forward, training) FLOPs of one image (telemetry.image_flops), or None where uncounted
+        self.flops_per_image_fwd, self.flops_per_image_train = flops_per_image or (None, None)
+        self.peak_flops = peak_flops
         self.max_steps, self.train_images, self.report = max_steps, train_images, report
         self.timer = StepTimer(spec.device, warmup_steps=warmup_steps)
         self.state_memory = None        # per-rank state bytes, measured once (second step)
@@ -107,7 +109,7 @@ class RunMetrics:
             images_per_s=window['images_per_s'], megapixels_per_s=window['megapixels_per_s'],
             step_time_s=window['step_time_s'], step_time_p90_s=window['step_time_p90_s'],
             data_wait_frac=window['data_wait_frac'], max_mem_mb=max_memory_mb(self.spec.device),
-            mfu=mfu(self.flops_per_image, window['images_per_s'], self.peak_flops, self.spec.world_size),
+            mfu=mfu(self.flops_per_image_train, window['images_per_s'], self.peak_flops, self.spec.world_size),
             backend=self.spec.backend, zero_stage=self.spec.zero_stage, world_size=self.spec.world_size,
             precision=self.spec.precision, state_memory=self.state_memory,
             optimizer_impl=backend.optimizer_impl, compile_mode=self.spec.compile_mode,
@@ -181,7 +183,8 @@ class RunMetrics:
             images_per_s_median=statistics.median(ips) if ips else None,  # (the upper middle one was taken)
             final_loss=rows[-1]['loss'] if rows else None, skipped_steps=self.backend.skipped_steps,
             mIoU=last['mIoU'] if last else None, OA=last['OA'] if last else None,
-            mF1=last['mF1'] if last else None, flops_per_image_fwd=self.flops_per_image,
+            mF1=last['mF1'] if last else None, flops_per_image_fwd=self.flops_per_image_fwd,
+            flops_per_image_train=self.flops_per_image_train,
             state_memory=self.state_memory, error=error,
             optimizer_impl=self.backend.optimizer_impl, compile_mode=self.spec.compile_mode,
             compile_time_s=self.compile_time_s, channels_last=self.spec.channels_last, best=best)

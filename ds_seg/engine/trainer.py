@@ -31,7 +31,7 @@ from ..models.common import meta_device
 from ..models.losses import segmentation_loss
 from ..models.pretrained import has_pretrained, without_pretrained
 from ..registry import DATASETS, LOSSES, MODELS, RegistryError, arguments, build, lookup
-from ..telemetry import RunLog, forward_flops, peak_flops
+from ..telemetry import RunLog, image_flops, peak_flops
 from . import backend as backends
 from . import checkpoint, param_groups
 from .checkpointer import Checkpointer, data_normalisation
@@ -320,9 +320,13 @@ class Trainer:
 
         # --- telemetry -------------------------------------------------------------------------
         shape = (1, self.train_set.in_channels, data_cfg.crop_size, data_cfg.crop_size)
+
+        def model_as_trained():  # frozen where it trains frozen: no backward FLOPs through it
+            model = build(MODELS, without_pretrained(cfg.model))
+            param_groups.freeze_backbone(model, cfg.get('optim'))
+            return model
         self.metrics = RunMetrics(spec, self.log, self.backend, report=report,
-                                  flops_per_image=forward_flops(lambda: build(MODELS, without_pretrained(cfg.model)),
-                                                                shape),
+                                  flops_per_image=image_flops(model_as_trained, shape),
                                   peak_flops=peak_flops(self.device, cfg.train.get('peak_tflops')),
                                   warmup_steps=max(cfg.train.warmup_log_steps,
                                                    COMPILE_WARMUP_STEPS if spec.compile_mode else 0),

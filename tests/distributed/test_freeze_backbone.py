@@ -3,6 +3,7 @@ statistics leave training exactly as they came from its file, under DDP and ZeRO
 (through the checkpoint, ZeRO-3's partitions included), while the heads learn the same losses in
 every backend; a resume that freezes otherwise is refused in one line (2 CPU ranks, FPN over
 timm's test_resnet, 4 steps)."""
+import json
 import os
 
 import pytest
@@ -22,7 +23,7 @@ def _cfg(tmp, pretrained, freeze=True, steps=STEPS):
         f'data.train.cache_dir={cache!r}', f'data.val.cache_dir={cache!r}', 'data.train.scene_size=128',
         'data.val.scene_size=128', 'data.crop_size=64', f'train.max_steps={steps}', 'train.eval_interval=0',
         'train.checkpoint_interval=2', 'train.log_interval=1', 'train.warmup_log_steps=0',
-        'model.type=FPN', 'model.backbone=test_resnet', 'model.channels=16',
+        'train.peak_tflops=1.0', 'model.type=FPN', 'model.backbone=test_resnet', 'model.channels=16',
         *([f'model.pretrained={pretrained!r}'] if pretrained else []),
         f'optim.paramwise.freeze_backbone={freeze}'])
 
@@ -74,7 +75,11 @@ def runs(tmp_path_factory):
     out = run_on_ranks(_refusals, 2, args=(tmp, pretrained), timeout=300)[0]
     from ds_seg.engine.checkpoint import consolidated_state_dict
     for name, *_ in RUNS:
-        out[name] = dict(losses=logged_losses(os.path.join(tmp, name)),
+        with open(os.path.join(tmp, name, 'summary.json')) as f:
+            summary = json.load(f)
+        with open(os.path.join(tmp, name, 'metrics.jsonl')) as f:
+            rows = [json.loads(line) for line in f]
+        out[name] = dict(losses=logged_losses(os.path.join(tmp, name)), summary=summary, rows=rows,
                          states=[consolidated_state_dict(os.path.join(tmp, name, 'checkpoints', f'step_{s:08d}'))
                                  for s in (2, STEPS)])
     out['pretrained'] = timm_model.state_dict()
@@ -104,6 +109,19 @@ def test_the_heads_train_to_the_same_losses_in_every_backend(runs, name):
         assert abs(a - b) <= 1e-4 * abs(a), f'step {step}: DDP loss {a} vs {name} {b}'
     for key in heads:
         torch.testing.assert_close(late[key], runs['ddp']['states'][1][key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize('name', [r[0] for r in RUNS])
+def test_mfu_counts_no_backward_through_the_frozen_backbone(runs, name):
+    summary = runs[name]['summary']
+    fwd, train = summary['flops_per_image_fwd'], summary['flops_per_image_train']
+    # The forward plus 2x the heads' (FPN over a frozen ResNet), not the 3x forward of a full step.
+    assert fwd < train < 3 * fwd
+    assert (fwd, train) == (runs['ddp']['summary']['flops_per_image_fwd'],
+                            runs['ddp']['summary']['flops_per_image_train'])
+    for row in runs[name]['rows']:  # train.peak_tflops=1: the whole run's FLOP/s over 2 ranks' peak
+        if row['images_per_s']:
+            assert row['mfu'] == pytest.approx(train * row['images_per_s'] / (1e12 * 2), rel=1e-9)
 
 
 def test_a_resume_that_freezes_otherwise_is_refused(runs):

@@ -17,12 +17,63 @@ MB = 2 ** 20
 
 
 # -- MFU ----------------------------------------------------------------------------------------
-def test_mfu_is_three_forwards_per_image_over_peak():
-    # 100 GFLOP forward, 50 img/s, 989 TFLOP/s: 3 * 1e11 * 50 / 9.89e14 = 1.5167 %
-    assert telemetry.mfu(1e11, 50.0, 989e12) == pytest.approx(0.0151668, rel=1e-4)
-    assert telemetry.mfu(None, 50.0, 989e12) is None and telemetry.mfu(1e11, 50.0, None) is None
+def test_mfu_is_training_flops_per_image_over_peak():
+    # 300 GFLOP per trained image (a 100 GFLOP forward and its backward), 50 img/s, 989 TFLOP/s:
+    # 3e11 * 50 / 9.89e14 = 1.5167 %
+    assert telemetry.mfu(3e11, 50.0, 989e12) == pytest.approx(0.0151668, rel=1e-4)
+    assert telemetry.mfu(None, 50.0, 989e12) is None and telemetry.mfu(3e11, 50.0, None) is None
     # Two devices training 100 img/s together use each as much as one at 50 img/s.
-    assert telemetry.mfu(1e11, 100.0, 989e12, devices=2) == pytest.approx(0.0151668, rel=1e-4)
+    assert telemetry.mfu(3e11, 100.0, 989e12, devices=2) == pytest.approx(0.0151668, rel=1e-4)
+
+
+def _two_convs(freeze_first=False, freeze_second=False):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False),
+                                torch.nn.Conv2d(8, 4, 1, bias=False))
+    model[0].requires_grad_(not freeze_first)
+    model[1].requires_grad_(not freeze_second)
+    return model
+
+
+def test_training_flops_skip_the_backward_of_a_frozen_first_part():
+    first, second = 2 * 8 * 16 * 16 * 3 * 9, 2 * 4 * 16 * 16 * 8    # 2 FLOPs per multiply-add
+    shape = (1, 3, 16, 16)
+    assert telemetry.image_flops(_two_convs, shape) == (first + second, 3 * (first + second))
+    # A frozen first conv (the image enters it, its weights do not train): no backward through it.
+    assert telemetry.image_flops(lambda: _two_convs(freeze_first=True), shape) == (first + second,
+                                                                                  first + 3 * second)
+    # A frozen conv after a trained one still passes the gradient back: it runs its backward.
+    assert telemetry.image_flops(lambda: _two_convs(freeze_second=True), shape) == (first + second,
+                                                                                   3 * (first + second))
+    assert telemetry.image_flops(lambda: _two_convs(True, True), shape) == (first + second, first + second)
+
+
+def test_training_flops_of_a_frozen_backbone():
+    # A ViT's blocks frozen (its fresh neck trains with the heads): a linear probe's step is the
+    # forward plus the backward of the neck and heads only, not 3x the forward.
+    from ds_seg.engine import param_groups
+    from ds_seg.registry import MODELS, build
+    cfg = dict(type='UperNetViTTiny', in_channels=3, num_classes=4)
+    shape = (1, 3, 64, 64)
+    fwd, train = telemetry.image_flops(lambda: build(MODELS, cfg), shape)
+    assert train == 3 * fwd
+
+    def frozen():
+        model = build(MODELS, cfg)
+        param_groups.freeze_backbone(model, dict(paramwise=dict(freeze_backbone=True)))
+        return model
+    fwd_frozen, train_frozen = telemetry.image_flops(frozen, shape)
+    from torch.utils.flop_counter import FlopCounterMode
+    from ds_seg.models.common import meta_device
+    with meta_device():  # on the CPU, torch counts no FLOPs for its own fused attention kernel
+        model = build(MODELS, cfg).eval()
+        image = torch.empty(shape)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(image)
+    counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    root = type(model).__name__
+    blocks = counts[f'{root}.backbone'] - counts[f'{root}.backbone.neck']
+    assert fwd_frozen == fwd == counts['Global'] and 0 < blocks < fwd
+    assert train_frozen == fwd + 2 * (fwd - blocks)
 
 
 def test_peak_flops_table_and_override(monkeypatch):
