@@ -339,7 +339,10 @@ class Trainer:
             # A model registered by an import in the config file: evaluate.py of this config.json
             # (and any tool reading it) imports that module too.
             record['custom_imports'] = dict(cfg.get('custom_imports') or {}, imports=self.checkpointer.custom_imports)
-        configs = {'config.json': record, 'ds_config.json': dict(spec.ds_config, ds_seg=spec.as_json())}
+        # ds_config.json first: its "ds_seg" block is what marks the pair as a run's
+        # (workdir.check_work_dir_entries), so a run stopped between the two writes left no
+        # config.json that the next run takes for the user's own.
+        configs = {'ds_config.json': dict(spec.ds_config, ds_seg=spec.as_json()), 'config.json': record}
         if self.step and distributed.is_main():
             self.log.keep_replaced(configs)
         for name, obj in configs.items():

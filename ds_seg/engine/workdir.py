@@ -273,8 +273,28 @@ def check_work_dir_entries(work_dir):
                               'move it away, or choose another --work-dir.')
     if os.path.isdir(root):
         check_writable(root, '--work-dir')
+    # A run writes config.json and ds_config.json into its work dir, and a fresh one moves an
+    # earlier run's aside as that run's logs: --work-dir . beside the user's own config.json (the
+    # one this run reads) moved it into previous/ as "the logs of an earlier run".
+    if not _configs_of_a_run(work_dir):
+        for name in ('config.json', 'ds_config.json'):
+            path = os.path.join(work_dir, name)
+            if os.path.lexists(path):
+                raise ConfigError(f'--work-dir: {path} is not one an earlier run wrote (the ds_config.json a run '
+                                  f'writes beside it records the run under "ds_seg"), and a run writes its own '
+                                  f'{name} there; choose another --work-dir (e.g. work_dirs/NAME), or move it away.')
     previous = os.path.join(work_dir, 'previous')
     if os.path.lexists(previous) and not os.path.isdir(previous):
         # An earlier run's logs are moved into it: a file there was a FileExistsError traceback.
         raise ConfigError(f'--work-dir: {previous} is a file, where the logs of earlier runs are moved to; move it '
                           'away, or choose another --work-dir.')
+
+
+def _configs_of_a_run(work_dir):
+    """Whether ``work_dir``'s ds_config.json is one a run wrote (it records the run under ``ds_seg``)."""
+    try:
+        with open(os.path.join(work_dir, 'ds_config.json')) as f:
+            written = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(written, dict) and isinstance(written.get('ds_seg'), dict)

@@ -266,6 +266,8 @@ def test_an_empty_output_folder_is_refused_before_the_model_is_loaded(tmp_path, 
     ('best_folder', 'best is a folder, where the name of the best checkpoint is written'),
     ('previous_file', 'previous is a file, where the logs of earlier runs are moved to'),
     ('lock_folder', '.ds_seg.lock is a folder, where ds_seg keeps the lock file'),
+    ('own_config', 'config.json is not one an earlier run wrote'),
+    ('own_ds_config', 'ds_config.json is not one an earlier run wrote'),
 ])
 @pytest.mark.parametrize('resume', [[], ['--resume', 'auto']])
 def test_a_checkpoints_folder_the_first_save_cannot_use_is_refused_before_any_step(tmp_path, capsys, layout,
@@ -283,6 +285,11 @@ def test_a_checkpoints_folder_the_first_save_cannot_use_is_refused_before_any_st
     elif layout == 'previous_file':
         (work / 'previous').write_text('mine')
         (work / 'config.json').write_text('{}')   # an earlier run's log, to be moved into previous/
+        (work / 'ds_config.json').write_text('{"ds_seg": {"backend": "deepspeed"}}')
+    elif layout == 'own_config':  # the user's own config, which a fresh run moved into previous/
+        (work / 'config.json').write_text('{"model": {"type": "UNetTiny"}}')
+    elif layout == 'own_ds_config':  # a DeepSpeed JSON, not one a run wrote (no "ds_seg")
+        (work / 'ds_config.json').write_text('{"train_micro_batch_size_per_gpu": 2}')
     elif layout == 'lock_folder':
         (work / LOCK_NAME).mkdir()
     else:
