@@ -190,6 +190,28 @@ def import_custom_modules(names, where='custom_imports', allow_failed=False):
                 continue
             raise ConfigError(f"{where}: cannot import {name!r} ({type(exc).__name__}: {exc}); put the folder that "
                               "holds it on PYTHONPATH (or install it) where this command runs") from exc
+        except Exception as exc:  # the module's own code: one line with its place, not a traceback
+            raise ConfigError(_import_failure(where, name, exc)) from exc
+
+
+def _import_failure(where, name, exc):
+    """The line for a user's module whose import raised: a syntax error, a name its
+    ``register_module()`` takes that ds_seg (or another module) already registered, or its own
+    code's error, at the file and line where it happened."""
+    import traceback
+    if isinstance(exc, SyntaxError):
+        return (f"{where}: cannot import {name!r}: {exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}; "
+                "fix that line")
+    said = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+    if isinstance(exc, KeyError) and ' is already registered in ' in str(said):
+        taken, _, rest = str(said).partition(' is already registered in ')
+        registry, _, owner = rest.partition(' at ')
+        return (f"{where}: {name!r} registers a {registry} named {taken}, a name {owner or 'another module'} "
+                f"already registered; give the class another name (or register_module(force=True) to replace "
+                "that one)")
+    frames = traceback.extract_tb(exc.__traceback__)
+    place = f' at {frames[-1].filename}:{frames[-1].lineno}' if frames else ''
+    return f"{where}: importing {name!r} failed{place} ({type(exc).__name__}: {said}); fix the module"
 
 
 def custom_modules_of(registry, name, listed=()):
