@@ -266,6 +266,7 @@ class Trainer:
                               f"but this run evaluates nothing ({why}); give it evaluations, or leave save_best out.")
         self._check_model_matches_data()
         self._check_model_takes_windows()
+        self._check_model_output()
         self._check_windows_fit_in_memory()
         self._check_activations_fit_in_memory()
         self.__dict__.pop('_meta_built', None)  # the meta model served only the checks above
@@ -839,6 +840,50 @@ class Trainer:
                 raise ConfigError(f"{key} {size}: the model ({m.type}) cannot take {size}x{size} windows "
                                   f"({reason}); {advice}")
 
+    def _check_model_output(self):
+        """The model's output, from one training and one evaluation forward of two crops on the
+        meta device: logits ``[B, num_classes, H, W]`` at the crops' own size (in training also
+        ``{'logits': ..., 'aux': [(weight, logits), ...]}``), and parameters to train. A user's
+        model that returned ``{'out': ...}``, half-resolution logits or only frozen parameters
+        failed at the first step in a traceback (or blamed the DeepSpeed JSON)."""
+        model = self._meta_model()
+        if model is None:
+            return
+        name = self.cfg.model.get('type')
+        if not any(p.requires_grad for p in model.parameters()):
+            frozen = (' (optim.paramwise.freeze_backbone froze all of them: it has no head outside backbone.*)'
+                      if param_groups.freeze_backbone_asked(self.cfg.get('optim')) else '')
+            raise ConfigError(f"model ({name}): none of its parameters trains{frozen}; give it parameters with "
+                              "requires_grad=True.")
+        classes, side = self.train_set.num_classes, self.cfg.data.crop_size
+        want = (2, classes, side, side)
+        for training in (True, False):
+            try:
+                out = model.train(training)(torch.zeros(2, self.train_set.in_channels, side, side, device='meta'))
+            except Exception:  # a model the meta device cannot run: the first step says what is wrong
+                return
+            finally:
+                model.eval()
+            mode = 'training' if training else 'evaluation'
+            logits = [('', out)]
+            if training and isinstance(out, dict) and 'logits' in out:
+                aux = out.get('aux', ())
+                pairs = aux if isinstance(aux, (list, tuple)) else [aux]
+                if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+                    raise ConfigError(f"model ({name}): its 'aux' output in training is {_described(aux)}; give a "
+                                      "list of (weight, logits) pairs.")
+                logits = [("'logits' ", out['logits'])] + [(f"aux {i} ", p[1]) for i, p in enumerate(pairs)]
+            for what, tensor in logits:
+                if not isinstance(tensor, torch.Tensor):
+                    dict_form = " (in training also {'logits': ..., 'aux': [(weight, logits), ...]})"
+                    raise ConfigError(f"model ({name}): its {mode} forward returns {what}{_described(tensor)}; "
+                                      f"ds_seg takes logits [B, num_classes, H, W]{dict_form}.")
+                if tuple(tensor.shape) != want:
+                    raise ConfigError(
+                        f"model ({name}): its {mode} forward returns {what}logits of shape {list(tensor.shape)} for 2 "
+                        f"crops of {side}x{side} px; ds_seg takes [B, num_classes={classes}, H, W] at the input's "
+                        "own size (upsample the logits to it, F.interpolate).")
+
     def _check_val_matches_train(self):
         """The validation scenes go through the trained model as the training scenes do: the same
         dates, bands and classes, or evaluation fails (or scores the wrong classes) after training."""
@@ -984,3 +1029,14 @@ class Trainer:
         self.log.close(self.exit_reason)
         self.lock.release()
         distributed.close()
+
+
+def _described(value):
+    """A model output as a user sees it in one line: a tensor's shape, a dict's keys, a type."""
+    if isinstance(value, torch.Tensor):
+        return f'a tensor of shape {list(value.shape)}'
+    if isinstance(value, dict):
+        return f"a dict of {', '.join(repr(k) for k in value) or 'no keys'}"
+    if isinstance(value, (list, tuple)):
+        return f'a {type(value).__name__} of {len(value)}'
+    return f'a {type(value).__name__}'
