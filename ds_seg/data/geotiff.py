@@ -66,8 +66,8 @@ from .preprocess import geom_code, host_dtype
 from .raster import (FILL_MAGNITUDE, DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours,
                      boundary_mask, colours_conflict, file_identity, gdal_message, gdal_path, is_remote, label_nodata,
                      nodata_mask, open_raster, opening_env, pin_versions, pixel_grid, pixel_size_m, pixel_type_refusal,
-                     raster_env, read_error, read_label_band, read_window, same_file_key, same_pixels, same_value,
-                     unreadable, untagged_fill, user_cache_dir, uses_mask_band)
+                     raster_env, read_error, read_label_band, read_window, remote_world_file_refusal, same_file_key,
+                     same_pixels, same_value, unreadable, untagged_fill, user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
 from .vector_labels import VectorLabels, is_vector
@@ -1794,6 +1794,10 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             with warnings.catch_warnings(), opening_env(path):
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
                 src = rasterio.open(gdal_path(path))
+            refusal = remote_world_file_refusal(path, src)
+            if refusal:
+                src.close()
+                raise DataError(refusal)
             self._handles[path] = src
             if len(self._handles) > _MAX_OPEN_FILES:
                 self._handles.popitem(last=False)[1].close()

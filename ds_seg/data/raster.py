@@ -279,6 +279,43 @@ def remote_sidecar_refusal(url):
     return None
 
 
+def remote_world_file_refusal(url, src):
+    """One line for an http(s) URL opened (``src``) without georeferencing while a world file
+    beside it (``.tfw``, ``.pgw``, ``.wld``...) holds it: GDAL reads that file for a local copy, and
+    the remote open lists no directory. Else None. A URL whose file carries its own
+    georeferencing is left alone (GDAL prefers that to a world file anyway), without a request.
+    Without this a PNG or GeoTIFF georeferenced by a world file predicted to a class map at pixel
+    coordinates, and evaluate paired it with a label 10 km away by its size."""
+    if not is_remote(url) or src.crs or src.gcps[0] or not src.transform.is_identity:
+        return None
+    found = _world_file_beside(os.fspath(url))
+    if found:
+        return (f"{url}: {found} beside it holds its georeferencing (a world file), which is not read over HTTP; "
+                "embed it (gdal_translate the file to a GeoTIFF, which carries it), or download both and give the "
+                "local path.")
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _world_file_beside(url):
+    """The URL of the world file GDAL would read beside ``url`` (its names for the extension:
+    ``.tfw``/``.tifw`` for ``.tif``, ``.pgw``/``.pngw`` for ``.png``..., then ``.wld``), or None.
+    Six numbers, not any answer: a site that answers every path (a soft 404) holds none."""
+    http = url[len('/vsicurl/'):] if url.startswith('/vsicurl/') else url
+    base, sep, query = http.partition('?')
+    stem, dot, ext = base.rpartition('.')
+    if not dot or '/' in ext or not ext:
+        return None
+    for name in dict.fromkeys((ext[0] + ext[-1] + 'w', ext + 'w', 'wld')):
+        text = _http_text(f'{stem}.{name}{sep}{query}', limit=1024)
+        try:
+            if text is not None and len([float(v) for v in text.split()]) == 6:
+                return f'{stem}.{name}'
+        except ValueError:
+            continue
+    return None
+
+
 TIFF_MAGICS = (b'II*\x00', b'MM\x00*', b'II+\x00', b'MM\x00+')   # TIFF and BigTIFF, either byte order
 
 
@@ -574,9 +611,14 @@ def open_raster(path):
         try:
             with opening_env(path), warnings.catch_warnings():
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
-                return rasterio.open(gdal_path(path))
+                src = rasterio.open(gdal_path(path))
         except rasterio.errors.RasterioIOError as e:
             raise DataError(f"{path}: cannot open: {read_error(path, e)}") from e
+        refusal = remote_world_file_refusal(path, src)
+        if refusal:
+            src.close()
+            raise DataError(refusal)
+        return src
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
     try:

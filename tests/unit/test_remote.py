@@ -412,6 +412,45 @@ def test_remote_scenes_without_a_valid_labelled_pixel_are_said(cogs, tmp_path):
     assert not getattr(held, 'notes', None)
 
 
+def test_a_url_georeferenced_by_a_world_file_is_one_line(tmp_path):
+    """A PNG (.pgw) or plain TIFF (.tfw) georeferenced by a world file: GDAL reads it beside a local
+    copy, and a URL's open lists no directory. Over HTTP the class map came out at pixel
+    coordinates, and evaluate paired the image with a label 10 km away by its size alone. A URL
+    with its own georeferencing is opened without a request for a world file; one with none and
+    no world file opens as the local copy does."""
+    from ds_seg.data.raster import _world_file_beside, open_scene
+    pixels = np.random.default_rng(0).integers(1, 255, (3, 32, 32)).astype('uint8')
+    plain = dict(width=32, height=32, count=3, dtype='uint8')
+    for name, driver, world in (('w.png', 'PNG', 'w.pgw'), ('w.tif', 'GTiff', 'w.tfw'), ('n.png', 'PNG', None),
+                                ('v.tif', 'GTiff', 'v.wld')):
+        with rasterio.open(tmp_path / name, 'w', driver=driver, **plain) as d:
+            d.write(pixels)
+        if world:
+            (tmp_path / world).write_text('0.5\n0\n0\n-0.5\n500000.25\n5599999.75\n')
+    with rasterio.open(tmp_path / 'g.tif', 'w', driver='GTiff', crs='EPSG:32633',
+                       transform=from_origin(500000, 5600000, 0.5, 0.5), **plain) as d:
+        d.write(pixels)
+    (tmp_path / 'g.tfw').write_text('1\n0\n0\n-1\n0\n0\n')   # ignored by GDAL: the file's own comes first
+    with rasterio.open(tmp_path / 'w.png') as local:   # what the local copy gives
+        assert local.transform == from_origin(500000, 5600000, 0.5, 0.5)
+    with RangeServer(tmp_path) as server:
+        for name, world in (('w.png', 'w.pgw'), ('w.tif', 'w.tfw'), ('v.tif', 'v.wld')):
+            with pytest.raises(DataError) as refused:
+                with open_scene(server.url(name)):
+                    pass
+            assert str(refused.value) == (
+                f"{server.url(name)}: {server.url(world)} beside it holds its georeferencing (a world file), which is "
+                "not read over HTTP; embed it (gdal_translate the file to a GeoTIFF, which carries it), or download "
+                "both and give the local path.")
+        with open_scene(server.url('n.png')) as src:
+            assert src.transform.is_identity and src.crs is None
+        _world_file_beside.cache_clear()
+        server.reset()
+        with open_scene(server.url('g.tif')) as src:
+            assert src.transform == from_origin(500000, 5600000, 0.5, 0.5)
+        assert _world_file_beside.cache_info().currsize == 0
+
+
 def test_a_url_with_a_mask_or_georeferencing_beside_it_is_one_line(tmp_path):
     """Remote reads do not look beside a URL: a PNG's georeferencing in its .aux.xml was lost (CRS
     None, identity transform) and a .tif.msk mask ignored (masked pixels predicted as data), where
