@@ -516,16 +516,41 @@ def _merge(base, override, prefix=''):
             out[key] = _without_delete(value)
         elif isinstance(value, dict) and isinstance(out.get(key), dict) and path not in ('load_from',):
             out[key] = _merge(out[key], value, prefix=f'{path}.')
+        elif isinstance(value, dict) and isinstance(out.get(key), (list, tuple)) and value \
+                and all(str(k).isdigit() for k in value):
+            out[key] = _merge_into_list(out[key], value, path)
         elif isinstance(value, dict) and out.get(key) is not None and not isinstance(out[key], dict) \
                 and path != 'load_from':
             # 'train = 5' in a file, then train.max_steps=4: the keys would replace the section,
             # its other keys gone (a KeyError traceback later)
             inner = next((k for k in value if k != DELETE_KEY), '...')
+            if isinstance(out[key], (list, tuple)):
+                raise ConfigError(f"{path}.{inner} sets a key inside {path}, which is a list there "
+                                  f"({out[key]!r}); give the whole list ({path}=[...]), or one item by its "
+                                  f"index ({path}.0.{inner}=...).")
             raise ConfigError(f"{path}.{inner} sets a key inside {path}, which is {out[key]!r} there; "
                               f"give {path} as a dict of its keys.")
         else:
             out[key] = _without_delete(value)
     return out
+
+
+def _merge_into_list(items, by_index, path):
+    """``data.train.transforms.0.prob=0.5``: mmengine's list keys, an item of a list set by its
+    index (merged where the item and the value are both dicts of one ``type``, else replaced:
+    a transform of another type keeps none of the old one's settings)."""
+    out = list(copy.deepcopy(items))
+    for index, value in by_index.items():
+        i = int(index)
+        if i >= len(out):
+            raise ConfigError(f"{path}.{index}: {path} has {len(out)} item(s) (indices 0 to {len(out) - 1}); give "
+                              f"an index below {len(out)}, or the whole list ({path}=[...]).")
+        if isinstance(value, dict) and isinstance(out[i], dict) and not value.get(DELETE_KEY) \
+                and value.get('type', out[i].get('type')) == out[i].get('type'):
+            out[i] = _merge(out[i], value, prefix=f'{path}.{index}.')
+        else:
+            out[i] = _without_delete(value)
+    return type(items)(out) if isinstance(items, tuple) else out
 
 
 def _check_keys(cfg, defaults, source, prefix=''):

@@ -249,6 +249,25 @@ def test_cfg_options_unbracketed_commas_make_a_list_as_in_mmengine():
             parse_cfg_options([typo])
 
 
+def test_cfg_options_set_an_item_of_a_list_by_its_index_as_in_mmengine():
+    """data.train.transforms.0.prob=0.5 (mmengine's list keys) was refused with advice that could
+    not work: "give data.train.transforms as a dict of its keys" (it is a list)."""
+    base = str(REPO_ROOT / 'configs' / 'unet_potsdam.py')
+    assert load_config(base, []).data.train.transforms == [dict(type='PhotoMetricDistortion')]
+    cfg = load_config(base, ['data.train.transforms.0.brightness_delta=16'])
+    assert cfg.data.train.transforms == [dict(type='PhotoMetricDistortion', brightness_delta=16)]
+    # An item of another type replaces the old one whole (none of its settings kept).
+    cfg = load_config(base, ['data.train.transforms.0.brightness_delta=16', "data.train.transforms.0=dict(type='X')"])
+    assert cfg.data.train.transforms == [dict(type='X')]
+    with pytest.raises(ConfigError, match=r'^--cfg-options: data.train.transforms.3: data.train.transforms has 1 '
+                                          r'item\(s\) \(indices 0 to 0\); give an index below 1, or the whole list'):
+        load_config(base, ['data.train.transforms.3.prob=0.5'])
+    with pytest.raises(ConfigError, match=r'data.train.transforms.type sets a key inside data.train.transforms, which '
+                                          r'is a list there .*; give the whole list \(data.train.transforms=\[...\]\), '
+                                          r'or one item by its index \(data.train.transforms.0.type=...\)'):
+        load_config(base, ["data.train.transforms.type=RandomFlip"])
+
+
 def test_cfg_options_take_dict_calls_as_config_files_write_them():
     """model=dict(type='UperNet', backbone=...) (how every mmseg config and the README write a
     section) was split at its commas into a list of strings and refused as 'must be a dict'.
