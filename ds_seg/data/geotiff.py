@@ -1372,7 +1372,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                     # those a GDAL mask band or an alpha band hides.
                     # ... judged on the selected bands only, as the windows are: a file's other
                     # band holding data there does not make the pixel data.
-                    invalid = nodata_mask(x[np.array(self.bands) - 1], s['nodata'])
+                    invalid = nodata_mask(x[np.array(self.bands) - 1], s['nodata'], dtype=s['dtype'])
                     if s['masked']:
                         invalid |= src.dataset_mask(out_shape=shape).reshape(-1) == 0
             except rasterio.errors.RasterioError as e:

@@ -962,20 +962,29 @@ def untagged_fill_refusal(path, bands=None, size=512):
         return untagged_fill(x[:, valid], path, src.dtypes[0], idx, src.nodata)
 
 
-def nodata_mask(raw_CHW, nodata):
-    """Pixels where every band equals ``nodata`` (NaN-aware); in floating-point images also
-    pixels with a non-finite value.
+def nodata_mask(raw_CHW, nodata, dtype=None):
+    """Pixels with no data: the ``nodata`` value in any band (NaN-aware), or in every band where
+    the pixels are 8-bit; in floating-point images also pixels with a non-finite value in any
+    band. ``dtype``: the file's pixel type, where ``raw_CHW`` was converted from it.
+
+    In 16-bit and floating-point scenes the tag is a reserved code (0 in Sentinel-2 and Landsat
+    DNs, -9999, -32768) and a band holding it has no data there (Sentinel-2's band edges differ
+    by detector): one -9999 in one band, read as a value, changed 886 predicted pixels around
+    it. In 8-bit imagery the tag (0, 255) is also a real value of one band (a black shadow, a
+    saturated roof), so only a pixel with it in every band is nodata.
 
     Example::
 
-        nodata_mask(np.array([[[0, 5]], [[0, 0]]]), 0)   # [[True, False]]
+        nodata_mask(np.array([[[0, 5]], [[0, 0]]], np.uint8), 0)        # [[True, False]]
+        nodata_mask(np.array([[[0, 5]], [[0, 0]]], np.uint16), 0)       # [[True, True]]
     """
+    reduce = np.all if np.dtype(dtype or raw_CHW.dtype).itemsize == 1 else np.any
     out = np.zeros(raw_CHW.shape[1:], bool)
     if nodata is not None:
         if isinstance(nodata, float) and math.isnan(nodata):
-            out |= np.isnan(raw_CHW).all(axis=0)
+            out |= np.isnan(raw_CHW).any(axis=0)
         else:
-            out |= (raw_CHW == nodata).all(axis=0)
+            out |= reduce(raw_CHW == nodata, axis=0)
     if raw_CHW.dtype.kind == 'f':
         out |= ~np.isfinite(raw_CHW).all(axis=0)
     return out

@@ -207,19 +207,29 @@ def test_uint16_four_band_variant(tmp_path):
     assert nir_over_red[vegetation].mean() > 1.5 * nir_over_red[~vegetation].mean()  # NDVI-like cue
 
 
-def test_nodata_becomes_ignore_and_zero_input(tmp_path):
-    values = np.full((2, 40, 40), 100, np.uint16)
+@pytest.mark.parametrize('dtype', [np.uint8, np.uint16])
+def test_nodata_becomes_ignore_and_zero_input(tmp_path, dtype):
+    """The nodata value in every band is nodata; in one band only, it is a real value of 8-bit
+    imagery (a black shadow) but the reserved code of a 16-bit band without data there
+    (Sentinel-2's band edges), fed to the model as a value before."""
+    values = np.full((2, 40, 40), 100, dtype)
     values[:, 10:14, :] = 0          # nodata in every band
-    values[0, 20, :] = 0             # zero in one band only: real data
+    values[0, 20, :] = 0             # zero in one band only
     image = write_tif(tmp_path / 'img.tif', values, nodata=0)
     label = write_tif(tmp_path / 'lbl.tif', np.ones((40, 40), np.uint8))
     ds = GeoTiffScenes([image], [label], crop_size=40, classes=2, mode='grid', mean=[50, 50], std=[10, 10])
     sample = ds[0]
-    assert sample['nodata'][10:14].all() and sample['nodata'].sum() == 4 * 40
+    one_band_is_data = dtype == np.uint8
+    rows = 4 if one_band_is_data else 5
+    assert sample['nodata'][10:14].all() and sample['nodata'].sum() == rows * 40
+    assert bool(sample['nodata'][20].any()) is not one_band_is_data
     image, label = finished(ds, 0)
     assert (label[10:14] == IGNORE).all() and (image[:, 10:14] == 0).all()
-    assert (label[20] == 1).all() and (label == 1).sum() == 40 * 36
-    assert torch.allclose(image[0, 20], torch.tensor(-5.0)) and torch.allclose(image[1, 0], torch.tensor(5.0))
+    if one_band_is_data:
+        assert (label[20] == 1).all() and torch.allclose(image[0, 20], torch.tensor(-5.0))
+    else:
+        assert (label[20] == IGNORE).all() and (image[:, 20] == 0).all()
+    assert (label == 1).sum() == 40 * (40 - rows) and torch.allclose(image[1, 0], torch.tensor(5.0))
 
 
 def test_small_scene_is_padded_with_ignore(tmp_path):
