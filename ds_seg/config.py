@@ -2008,6 +2008,16 @@ def resolve_ds_config(ds, world_size, max_steps, source='DeepSpeed config', supp
                          f"cycle of {cycle} steps, longer than the run ({max_steps} steps); cycling over the run "
                          f"instead ({params['cycle_first_step_size']} step(s) up, "
                          f"{params['cycle_second_step_size']} down).")
+        elif _is_number(first) and (second is None or _is_number(second)) \
+                and first + (first if second is None else second) > max_steps:
+            # Given in the JSON: kept, and said (a smoke test's 4 steps of a 200-step cycle
+            # logged an LR that only rose, as the default's did before it was fitted to the run).
+            cycle = first + (first if second is None else second)
+            where = ('before its peak (cycle_max_lr, at step ' + f'{first})' if max_steps < first
+                     else 'part-way down from its peak')
+            notes.append(f"{source}: scheduler.params.cycle_first_step_size {first} makes a cycle of {cycle} steps, "
+                         f"longer than the run ({max_steps} steps): the run ends {where}; fit the step sizes to "
+                         f"the run, or leave cycle_first_step_size out to cycle over it.")
 
     if 'bfloat16' in ds:  # DeepSpeed's old spelling
         ds['bf16'] = ds.pop('bfloat16')

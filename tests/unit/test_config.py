@@ -733,8 +733,19 @@ def test_one_cycle_of_the_default_length_spans_a_shorter_run_with_a_note():
     params = resolve_ds_config(ds, 1, 100)[0]['scheduler']['params']
     assert (params['cycle_first_step_size'], params['cycle_second_step_size']) == (70, 30)
     ds['scheduler']['params']['cycle_first_step_size'] = 500
-    resolved, _, notes = resolve_ds_config(ds, 1, 100)
-    assert resolved['scheduler']['params']['cycle_first_step_size'] == 500 and not notes
+    resolved, _, notes = resolve_ds_config(ds, 1, 100, source='x.json')
+    # ... kept, and said: the run logged an LR that only rose, without a word.
+    assert resolved['scheduler']['params']['cycle_first_step_size'] == 500
+    assert notes == ['x.json: scheduler.params.cycle_first_step_size 500 makes a cycle of 530 steps, longer than the '
+                     'run (100 steps): the run ends before its peak (cycle_max_lr, at step 500); fit the step sizes '
+                     'to the run, or leave cycle_first_step_size out to cycle over it.']
+    ds['scheduler']['params'].update(cycle_first_step_size=60, cycle_second_step_size=60)
+    assert resolve_ds_config(ds, 1, 100)[2] == [
+        'DeepSpeed config: scheduler.params.cycle_first_step_size 60 makes a cycle of 120 steps, longer than the run '
+        '(100 steps): the run ends part-way down from its peak; fit the step sizes to the run, or leave '
+        'cycle_first_step_size out to cycle over it.']
+    ds['scheduler']['params'].update(cycle_first_step_size=50, cycle_second_step_size=50)
+    assert resolve_ds_config(ds, 1, 100)[2] == []
 
 
 @pytest.mark.parametrize('name', sorted(p.stem for p in DS_CONFIGS_DIR.glob('*.json')))
