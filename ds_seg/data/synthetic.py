@@ -511,6 +511,9 @@ class SyntheticAerial(GeoTiffScenes):
                      '$DS_SEG_CACHE' if os.environ.get('DS_SEG_CACHE') else '~/.cache/ds_seg ($DS_SEG_CACHE moves it)')
             raise ValueError(f"the synthetic scenes cannot be written under {root} ({where}): "
                              f"{exc.strerror or exc}; give a writable folder") from exc
+        # The scenes are the seed's (train.seed): recorded in checkpoints, so a resume at another
+        # seed, which trains and validates on other scenes, is refused (checkpointer._check_data).
+        self.generated_from_seed = int(seed)
         with open(os.path.join(self.directory, STATS_FILE)) as f:
             stats = json.load(f)
         kw.setdefault('mean', stats['mean'])

@@ -46,6 +46,8 @@ def data_normalisation(train_set):
         data['pixel_size_m'] = float(sizes[len(sizes) // 2])
     if getattr(train_set, 'num_dates', 1) > 1:  # a model of one date (UNet) trained on their stacked bands
         data['num_dates'] = int(train_set.num_dates)
+    if getattr(train_set, 'generated_from_seed', None) is not None:  # SyntheticAerial: its scenes are the seed's
+        data['synthetic_seed'] = int(train_set.generated_from_seed)
     return data
 
 
@@ -515,6 +517,13 @@ class Checkpointer:
             return (f"--resume: {where} was trained with classes {', '.join(classes)} but data.train has "
                     f"{', '.join(now)}; give the same `classes` (in the same order), or {fresh}.")
         saved, mine = marker.get('data') or {}, data_normalisation(self.train_set)
+        if saved.get('synthetic_seed') is not None and mine.get('synthetic_seed') is not None \
+                and saved['synthetic_seed'] != mine['synthetic_seed']:
+            # train.seed generates the synthetic scenes: another resumed on other training and
+            # validation scenes (mIoU 0.11 -> 0.0003 at the next evaluation), said only as changed statistics.
+            return (f"--resume: {where} was trained on the synthetic scenes of train.seed={saved['synthetic_seed']}, "
+                    f"and train.seed={mine['synthetic_seed']} generates others (for training and validation); "
+                    f"resume with train.seed={saved['synthetic_seed']}, or {fresh}.")
         if saved.get('dtype') and mine['dtype'] and saved['dtype'] != mine['dtype']:
             return (f"--resume: {where} was trained on {saved['dtype']} pixels but data.train holds {mine['dtype']}; "
                     f"resume on the data it was trained on, or {fresh}.")

@@ -104,3 +104,4 @@ def test_a_model_that_breaks_the_output_contract_is_refused_before_any_step(tmp_
         assert code == 0 and err == [] and os.path.isfile(work / 'summary.json')
     else:
         assert code == 2 and err == [f'ds_seg: error: {line}'] and not work.exists()
+

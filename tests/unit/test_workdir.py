@@ -469,3 +469,25 @@ def test_an_unwritable_folder_says_which_creation_failed(monkeypatch, tmp_path):
     monkeypatch.setattr('sys.argv', ['/venv/bin/ds-seg-train'])
     said = as_invoked(str(refused.value))
     assert '(ds-seg-export --format onnx)' in said and 'ds-seg-predict and ds-seg-evaluate run it' in said, said
+
+
+def test_a_resume_at_another_seed_of_synthetic_scenes_is_refused(tmp_path, capsys):
+    """train.seed generates SyntheticAerial's scenes: a resume at another seed trained and
+    validated on other scenes (mIoU 0.11 -> 0.0003 at its next evaluation), said only as
+    changed statistics."""
+    from ds_seg.cli import train
+    work = tmp_path / 'run'
+    common = ['--config', 'unet_tiny_synthetic', '--work-dir', str(work), '--cfg-options', 'data.crop_size=32',
+              'train.eval_interval=0', 'train.checkpoint_interval=2', f'data.train.cache_dir={str(tmp_path)!r}',
+              f'data.val.cache_dir={str(tmp_path)!r}']
+    assert train.main(common + ['train.max_steps=2']) == 0
+    capsys.readouterr()
+    before = sorted(os.listdir(work))
+    assert train.main(common[:2] + ['--resume', 'auto'] + common[2:] + ['train.max_steps=4', 'train.seed=1']) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith('ds_seg: error:')]
+    assert err == [f'ds_seg: error: --resume: {work}/checkpoints/step_00000002 was trained on the synthetic '
+                   'scenes of train.seed=0, and train.seed=1 generates others (for training and validation); resume '
+                   'with train.seed=0, or start a new run from its weights instead (launch/export.py, then '
+                   'load_from=).'], err
+    assert sorted(os.listdir(work)) == before
+    assert train.main(common[:2] + ['--resume', 'auto'] + common[2:] + ['train.max_steps=4']) == 0
