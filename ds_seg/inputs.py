@@ -345,19 +345,32 @@ def user_path(text):
     return os.path.expanduser(text)
 
 
-def run_whose_checkpoints_hold(work_dir):
-    """The work dir of another run whose ``checkpoints`` folder is ``work_dir`` or holds it, or None."""
+def run_whose_checkpoints_hold(work_dir, folders=('checkpoints',)):
+    """The work dir of another run whose ``checkpoints`` folder (or another of ``folders``) is
+    ``work_dir`` or holds it, or None; with several ``folders``, ``(run, folder)``."""
     path = os.path.realpath(work_dir)
     while True:
         parent = os.path.dirname(path)
         # A ds_seg run's: its resolved configs beside the folder (a user's own 'checkpoints'
         # folder under a project with some tool's config.json is not one).
-        if os.path.basename(path) == 'checkpoints' and all(
+        if os.path.basename(path) in folders and all(
                 os.path.isfile(os.path.join(parent, name)) for name in ('config.json', 'ds_config.json')):
-            return parent
+            return parent if len(folders) == 1 else (parent, os.path.basename(path))
         if parent == path:
             return None
         path = parent
+
+
+def refuse_inside_run_logs(work_dir):
+    """Refuse a ``--work-dir`` inside another run's ``tb`` or ``previous`` folder: TensorBoard
+    showed the nested run as the other's, whose next fresh start moves ``tb`` (with the nested
+    run's checkpoints) into ``previous/<time>/``."""
+    found = run_whose_checkpoints_hold(work_dir, folders=('tb', 'previous'))
+    if found is not None:
+        run, folder = found
+        raise ConfigError(f"--work-dir: {work_dir} is inside the {folder}/ folder of the run in {run}, which that run "
+                          f"{'logs its TensorBoard events to and moves aside' if folder == 'tb' else 'keeps earlier runs in'}"
+                          f"; choose a folder outside {os.path.join(run, folder)}.")
 
 
 def refuse_inside_checkpoints(path, option):

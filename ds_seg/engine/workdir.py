@@ -255,9 +255,10 @@ def check_work_dir_entries(work_dir):
     each cost ``checkpoint_interval`` steps of training, on every requeue of the job); and a
     ``previous`` that is a file."""
     from ..config import ConfigError
-    from ..inputs import broken_link_words, check_writable, refuse_inside_checkpoints
+    from ..inputs import broken_link_words, check_writable, refuse_inside_checkpoints, refuse_inside_run_logs
     # That run's pruning (train.keep_checkpoints) deleted the step folder this run lived in.
     refuse_inside_checkpoints(work_dir, '--work-dir')
+    refuse_inside_run_logs(work_dir)
     root = os.path.join(work_dir, 'checkpoints')
     if os.path.islink(root) and not os.path.exists(root):
         raise ConfigError(f'--work-dir: {broken_link_words(root)}')

@@ -491,3 +491,25 @@ def test_a_resume_at_another_seed_of_synthetic_scenes_is_refused(tmp_path, capsy
                    'load_from=).'], err
     assert sorted(os.listdir(work)) == before
     assert train.main(common[:2] + ['--resume', 'auto'] + common[2:] + ['train.max_steps=4']) == 0
+
+
+@pytest.mark.parametrize('folder, words', [('tb', 'which that run logs its TensorBoard events to and moves aside'),
+                                           ('previous', 'which that run keeps earlier runs in')])
+def test_a_work_dir_inside_another_runs_logs_is_refused(tmp_path, folder, words):
+    """--work-dir base/tb/x trained into the base run's TensorBoard folder: TensorBoard showed it as
+    the base run's, whose next fresh start moves tb/ (with this run's checkpoints) into previous/."""
+    from ds_seg.config import ConfigError
+    from ds_seg.engine.workdir import check_work_dir_entries
+    base = tmp_path / 'base'
+    (base / folder).mkdir(parents=True)
+    (base / 'config.json').write_text('{}')
+    (base / 'ds_config.json').write_text('{"ds_seg": {}}')
+    inner = base / folder / 'run'
+    with pytest.raises(ConfigError) as refused:
+        check_work_dir_entries(str(inner))
+    assert str(refused.value) == (f"--work-dir: {inner} is inside the {folder}/ folder of the run in {base}, {words}; "
+                                  f"choose a folder outside {base / folder}.")
+    check_work_dir_entries(str(base / 'elsewhere'))   # beside them: fine
+    (base / 'ds_config.json').unlink()  # not a run's folder (a project's own tb/): fine
+    (base / 'config.json').unlink()
+    check_work_dir_entries(str(inner))
