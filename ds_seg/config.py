@@ -718,6 +718,29 @@ def _shipped_base_hint(path, exc):
             f"(cp -rn {CONFIGS_DIR / top} {os.path.dirname(os.path.abspath(path))}/)")
 
 
+# mmengine replaces {{_base_.a.b}} with the placeholder '_a.b_<6 hex digits>' while it runs the
+# file, and the placeholder with the base's value afterwards, only where it is a whole value.
+_BASE_PLACEHOLDER = re.compile(r'_((?:[A-Za-z_]\w*?\.)*?[A-Za-z_]\w*?)_[0-9a-f]{6}')
+
+
+def _refuse_base_reference_in_expression(loaded, path, prefix=''):
+    """``max_steps={{_base_.train.max_steps}} * 2`` ran with the placeholder string itself
+    ('_train.max_steps_324720_train.max_steps_324720': the string doubled), refused later as
+    "must be a positive integer, got '_train.max_steps_...'"."""
+    for key, value in (loaded.items() if isinstance(loaded, dict) else enumerate(loaded)):
+        where = f'{prefix}{key}'
+        if isinstance(value, (dict, list, tuple)):
+            _refuse_base_reference_in_expression(value, path, f'{where}.')
+        elif isinstance(value, str):
+            # The placeholder repeated (the string multiplied): a name that only looks like one
+            # ('roads_tile_abc123.tif') is not a placeholder over and over.
+            found = _BASE_PLACEHOLDER.match(value)
+            if found and value != found.group(0) and value.replace(found.group(0), '') == '':
+                raise ConfigError(f"{path}: {where}: {{{{_base_.{found.group(1)}}}}} is used inside an expression; "
+                                  "mmengine gives a base's value only as a whole value (key = {{_base_.x}}): write "
+                                  "the value itself, or a new-style config (read_base()) that computes it in Python.")
+
+
 def load_config(path=None, cfg_options=None):
     """Load an experiment config: defaults <- file <- ``--cfg-options``; return an mmengine Config.
 
@@ -753,6 +776,7 @@ def load_config(path=None, cfg_options=None):
                 f"{type(exc).__name__} without a message; a config that calls a function of an imported module "
                 "needs that call replaced by its value (mmengine imports modules lazily in configs)")
             raise ConfigError(f"{path}: cannot be loaded: {detail}{_shipped_base_hint(path, exc)}") from exc
+        _refuse_base_reference_in_expression(loaded, path)
         # Top-level names that begin with '_' are the file's own helper variables
         # (_crop = 512, then crop_size=_crop), not settings: every other name must be a key.
         loaded = {k: v for k, v in loaded.items() if not k.startswith('_') or k == DELETE_KEY}

@@ -1190,3 +1190,23 @@ def test_export_to_a_step_folder_suggests_a_file_it_would_take(tmp_path):
         check_out(str(step))
     with pytest.raises(ValueError, match=rf"is a folder; give a file name \(e.g. {tmp_path / 'weights.pt'}\)"):
         check_out(str(tmp_path))
+
+
+def test_a_base_reference_inside_an_expression_is_said_as_such(tmp_path):
+    """max_steps={{_base_.train.max_steps}} * 2: mmengine substitutes a base's value only where it
+    is a whole value, and the run was refused with "must be a positive integer, got
+    '_train.max_steps_5f53ce_train.max_steps_5f53ce'" (its placeholder, doubled)."""
+    (tmp_path / 'base.py').write_text('train = dict(max_steps=4)\ndata = dict(crop_size=64)\n')
+    child = tmp_path / 'child.py'
+    child.write_text("_base_ = ['./base.py']\ntrain = dict(max_steps={{_base_.train.max_steps}} * 2)\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(child))
+    assert str(refused.value) == (
+        f"{child}: train.max_steps: {{{{_base_.train.max_steps}}}} is used inside an expression; mmengine gives a "
+        "base's value only as a whole value (key = {{_base_.x}}): write the value itself, or a new-style config "
+        "(read_base()) that computes it in Python.")
+    # Whole values work; a file name that only looks like a placeholder is a name.
+    child.write_text("_base_ = ['./base.py']\n_steps = {{_base_.train.max_steps}}\n"
+                     "train = dict(checkpoint_interval=_steps)\nwork_dir = 'runs/x_train_abc123_train_abc123'\n")
+    cfg = load_config(str(child))
+    assert cfg.train.checkpoint_interval == 4 and cfg.work_dir == 'runs/x_train_abc123_train_abc123'
