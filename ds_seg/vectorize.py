@@ -230,6 +230,17 @@ def _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, ex
         refusal = georeference_refusal(src, class_path) or geojson_crs_refusal(src.crs, class_path, out_path)
         if refusal:
             raise ValueError(refusal)
+        pixel = min(abs(src.res[0]), abs(src.res[1]))
+        if simplify and pixel and simplify / pixel > 10:
+            # A tolerance in map units: 0.5 meant for metres is 55 km in a scene in degrees
+            # (EPSG:4326), where the polygons of a 0.0003-degree scene lost their shape without a word.
+            units = 'degrees' if src.crs and src.crs.is_geographic else (
+                (src.crs.linear_units if src.crs else None) or 'map units')
+            units = {'metre': 'metres', 'meter': 'metres', 'foot': 'feet', 'US survey foot': 'US survey feet'}.get(
+                units, units)
+            print(f"[vectorize] note: simplify {simplify:g} is in the class map's {units}: {simplify / pixel:,.0f} of "
+                  f"its pixels ({pixel:g} {units} each), so the polygons keep little of their shape; a tolerance of "
+                  f"a pixel or two is {pixel:g}-{2 * pixel:g}", flush=True)
         if classes is None:
             tag = src.tags().get('classes')
             try:

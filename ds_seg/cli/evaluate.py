@@ -86,7 +86,7 @@ def save_preview_png(preview, classes, path, bands=None):
         ax.imshow(im, interpolation='nearest')
         ax.set_title(title)
         ax.axis('off')
-    fig.suptitle(f'{os.path.basename(image)} (every {step}th pixel)')
+    fig.suptitle(f'{os.path.basename(image)}' + (f' (every {step} pixels, one shown)' if step > 1 else ''))
     fig.tight_layout()
     # Marked as evaluate's own: an --overwrite run removes earlier ones of this mark only.
     fig.savefig(path, dpi=90, metadata={'Software': PREVIEW_MARK})
