@@ -114,27 +114,36 @@ def test_resume_at_another_micro_batch_goes_on_after_the_samples_consumed(tmp_pa
 
 def _resumed_at_another_accumulation(tmp, backend):
     """3 steps of micro-batch 2, then a resume to 5 at micro-batch 1 x accumulation 2 (the same
-    global batch, as on half the ranks): the final weights."""
+    global batch, as on half the ranks): the weights at the resume and at the end. Plain SGD at
+    a small LR (tests/distributed/test_sgd_equality.py): the step is -lr x the gradient, so a
+    step of the wrong micro-batches moves the weights by a fraction of the displacement, while
+    correct backends differ by float32 rounding. Under Adam at lr 2e-3 this tiny UNet multiplied
+    a 6e-8 rounding difference at the resume into 2e-4 two steps later (an AMD EPYC)."""
     from ds_seg.engine.checkpoint import consolidated_state_dict
     from ds_seg.engine.trainer import Trainer
     work = os.path.join(tmp, backend)
     for steps, micro, accum, resume in ((3, 2, 1, None), (5, 1, 2, 'auto')):
         cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=steps, checkpoint_interval=steps)
-        fit_and_close(Trainer(cfg, ds_config(0, micro_batch=micro, grad_accum=accum), backend=backend,
-                              work_dir=work, resume=resume))
-    return consolidated_state_dict(os.path.join(work, 'checkpoints', 'step_00000005'))
+        ds = ds_config(0, micro_batch=micro, grad_accum=accum)
+        ds['optimizer'] = {'type': 'SGD', 'params': {'lr': 1e-4, 'momentum': 0.0, 'weight_decay': 0.0}}
+        ds['gradient_clipping'] = 0.0
+        ds.pop('scheduler', None)
+        ds['zero_allow_untested_optimizer'] = True
+        fit_and_close(Trainer(cfg, ds, backend=backend, work_dir=work, resume=resume))
+    return [consolidated_state_dict(os.path.join(work, 'checkpoints', f'step_{step:08d}')) for step in (3, 5)]
 
 
 def test_a_resume_at_another_accumulation_steps_at_the_new_boundaries_under_ddp(tmp_path):
     # DDP restored its micro-step count: 6 micro-steps at accumulation 1, then boundaries at odd
-    # counts under accumulation 2, each step mixing two windows' gradients (weights 5e-3 off
-    # DeepSpeed's after the same resume). DeepSpeed starts every resumed window afresh.
+    # counts under accumulation 2, each step mixing two windows' gradients (and the last
+    # micro-batch never applied). DeepSpeed starts every resumed window afresh.
     tmp = str(tmp_path)
     ddp = run_on_ranks(_resumed_at_another_accumulation, 1, args=(tmp, 'ddp'))[0]
     ds = run_on_ranks(_resumed_at_another_accumulation, 1, args=(tmp, 'deepspeed'))[0]
-    for key, value in ddp.items():
-        if value.is_floating_point():
-            torch.testing.assert_close(value, ds[key], rtol=1e-5, atol=1e-6, msg=key)
+    keys = [k for k, v in ds[1].items() if v.is_floating_point() and not k.endswith(('running_mean', 'running_var'))]
+    moved = max((ds[1][k] - ds[0][k]).abs().max().item() for k in keys)
+    apart = max((ddp[1][k] - ds[1][k]).abs().max().item() for k in keys)
+    assert moved > 0 and apart <= 1e-5 * moved, (apart, moved)
 
 
 def _fit_or_refusal(cfg, ds, **kwargs):

@@ -14,6 +14,7 @@ from tests.tiny import ds_config, read_jsonl
 # upernet_dinov2: any timm ViT through UperNet (DINOv2-reg4, patch 14) at a 512 crop.
 FAMILIES = ['segformer', 'upernet_vit', 'upernet', 'fpn', 'deeplabv3plus', 'upernet_dinov2']
 STEPS = 8
+COMPARED_STEPS = 3  # test_zero3_trains_the_losses_zero2_does: before rounding has grown
 
 
 def _cfg(tmp, family, **extra):
@@ -106,13 +107,18 @@ def test_family_trains(runs, family, stage):
 @pytest.mark.parametrize('family', FAMILIES)
 def test_zero3_trains_the_losses_zero2_does(runs, family):
     """The same seed, the same model: built partitioned, timm's backbones (ResNet, ConvNeXt, the
-    DINOv2 ViT) skipped their own initialisation and ZeRO-3 trained another model than ZeRO-2."""
+    DINOv2 ViT) skipped their own initialisation and ZeRO-3 trained another model than ZeRO-2
+    (losses apart from the first step). Compared over the first COMPARED_STEPS: ZeRO-2 and ZeRO-3
+    reduce gradients in another order, and where a backbone's gradients are near Adam's eps
+    (ConvNeXt's layer scale of 1e-6) Adam multiplies that float32 rounding about 10x a step.
+    Measured on an AMD EPYC, |ZeRO-2 - ZeRO-3| / loss for UperNet-ConvNeXt: 0, 0, 9.6e-8, 4.7e-6,
+    4.9e-6, 5.4e-5, 3.3e-4, 3.8e-4 over steps 1-8 (every other family below 1e-5 at step 8)."""
     tmp = runs[0]
     zero2, zero3 = ([row['loss'] for row in read_jsonl(os.path.join(tmp, f'{family}_z{stage}', 'metrics.jsonl'))]
                     for stage in (2, 3))
     assert len(zero2) == len(zero3) == STEPS
-    for step, (a, b) in enumerate(zip(zero2, zero3), 1):
-        assert abs(a - b) <= 1e-4 * abs(a), f'{family} step {step}: ZeRO-2 loss {a} vs ZeRO-3 {b}'
+    for step, (a, b) in enumerate(zip(zero2[:COMPARED_STEPS], zero3[:COMPARED_STEPS]), 1):
+        assert abs(a - b) <= 1e-5 * abs(a), f'{family} step {step}: ZeRO-2 loss {a} vs ZeRO-3 {b}'
 
 
 @pytest.mark.parametrize('family', FAMILIES)
