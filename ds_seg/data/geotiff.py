@@ -323,15 +323,21 @@ def pair_by_name(images, labels):
 _NAME_DATE = re.compile(r'(?<!\d)((?:19|20)\d\d)[-_]?(0[1-9]|1[0-2])(?:[-_]?(0[1-9]|[12]\d|3[01]))?(?!\d)')
 
 
+def _name_dates(path):
+    """Every date in a file name, in the order they appear, as sortable ``(year, month, day)``
+    (``LC09_L2SP_200011_20220510_20220512`` gives its path/row read as 2000-11, the acquisition,
+    the processing date: the same first one for a scene's dates, then the acquisition decides)."""
+    return tuple((m[1], m[2], m[3] or '00') for m in _NAME_DATE.finditer(_stems([path])[0]))
+
+
 def dates_out_of_name_order(dates):
     """A note where the file names of a scene's dates carry dates (2021-05, 20210815) in another
     order than given: nothing sorts them, and a misordered scene fed concat/diff pooling its dates
     swapped, without a word. None where they are in order or the names carry no dates."""
     for files in dates:
-        found = [_NAME_DATE.search(_stems([f])[0]) for f in files]
-        if len(files) < 2 or not all(found):
+        when = [_name_dates(f) for f in files]
+        if len(files) < 2 or not all(when):
             continue
-        when = [(m[1], m[2], m[3] or '00') for m in found]
         if when != sorted(when):
             names = ', '.join(os.path.basename(f) for f in files)
             return (f"the dates of a scene are given as {names}, which their names place in another order; the "
@@ -341,16 +347,20 @@ def dates_out_of_name_order(dates):
 
 
 def _expand_dates(dates):
-    """A scene's dates with each glob among them replaced by its matches, sorted by name (ISO
-    dates in the names sort in time): ``[['b_2021-*.tif']]`` is scene b at each of its dates. (The
-    glob was taken as a file name, or its first date expanded into scenes of one date each.)
-    Matches whose names do not sort in time are refused (:func:`_unsortable_dates`)."""
+    """A scene's dates with each glob among them replaced by its matches in time order: by the
+    dates in their names where every name carries one (``[['b_2021-*.tif']]`` is scene b at each of
+    its dates), else by name. (The glob was taken as a file name, or its first date expanded into
+    scenes of one date each.) Matches whose names do not sort in time are refused
+    (:func:`_unsortable_dates`). Sorted by name, Landsat 8 and 9 scenes (LC08_..., LC09_...) and
+    Sentinel-2A and 2B products came in order of satellite, not of date, without a word."""
     out = []
     for path in dates:
         matches = _glob_matches(path, f"images: the pattern {path!r} among a scene's dates matches no file")
         refusal = matches and _unsortable_dates(path, matches)
         if refusal:
             raise DataError(refusal)
+        if matches and all(_name_dates(m) for m in matches):
+            matches = sorted(matches, key=lambda m: (_name_dates(m), m))
         out.extend(matches or [path])
     return out
 

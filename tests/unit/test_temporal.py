@@ -528,6 +528,30 @@ def test_a_glob_of_dates_whose_names_do_not_sort_in_time_is_refused(tmp_path):
         assert [os.path.basename(p) for p in ds.scenes[0]['dates']] == [f'b_{n}.tif' for n in names]
 
 
+def test_a_glob_of_dated_product_names_stands_for_its_dates_in_time_order(tmp_path):
+    """Landsat 8 and 9 scenes (LC08_..., LC09_...) and Sentinel-2A/2B products sorted by name
+    came in order of satellite, not of date: May, August, October fed as August, May, October,
+    without a word (Landsat's path/row 200011 read as the same date 2000-11 in every name)."""
+    from ds_seg.data.geotiff import dates_out_of_name_order
+    (a0, a1), label_a = _change_scene(tmp_path, 'a', 0)
+    kw = dict(crop_size=32, mode='grid', mean=[128], std=[50], classes=2)
+    for kind, names in (
+            ('landsat', ['LC09_L2SP_200011_20220510_20220512_02_T1_SR', 'LC08_L2SP_200011_20220815_20220820_02_T1_SR',
+                         'LC09_L2SP_200011_20221004_20221006_02_T1_SR']),
+            ('sentinel2', ['S2B_MSIL2A_20210510T103619_N0300_R108_T32TQM_20210510T135217',
+                           'S2A_MSIL2A_20210815T103631_N0301_R108_T32TQM_20210815T134102',
+                           'S2B_MSIL2A_20211004T103829_N0301_R108_T32TQM_20211004T140018'])):
+        folder = tmp_path / kind
+        folder.mkdir()
+        for k, name in enumerate(names):
+            shutil.copy((a0, a1)[k % 2], folder / f'{name}.tif')
+        ds = GeoTiffScenes([[str(folder / f'{names[0][:2]}*.tif')]], [label_a], **kw)
+        assert [os.path.basename(p) for p in ds.scenes[0]['dates']] == [f'{n}.tif' for n in names]
+        assert not getattr(ds, 'notes', [])
+        listed = [str(folder / f'{n}.tif') for n in (names[1], names[0], names[2])]
+        assert dates_out_of_name_order([listed]) is not None   # listed out of time order: said
+
+
 def test_dates_given_out_of_the_order_their_names_say_are_noted(tmp_path):
     """Nothing sorts a scene's dates; one scene listed as b_2021-08, b_2021-05 fed the model its
     dates swapped without a word. Where the names carry dates in another order, one note says so."""
