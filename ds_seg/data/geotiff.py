@@ -1237,6 +1237,16 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     def _select(self, values, what):
         values = np.asarray(values, dtype=np.float64).reshape(-1)
+        if self.num_dates > 1 and values.size == self.in_channels * self.num_dates == self.num_file_bands:
+            as_file_bands = np.tile(values[np.array(self.bands) - 1], self.num_dates)
+            if not np.array_equal(as_file_bands, values):
+                # 6-band files, bands [1, 2, 3], 2 dates: six values read either way, and read
+                # per band and date without a word where stats.json's layout is per file band.
+                self.notes = [*getattr(self, 'notes', []),
+                              f"{what} has {values.size} values, as many as the file's bands and as the selected "
+                              f"bands of every date: taken per band and date ({self.in_channels} for each of "
+                              f"{self.num_dates} dates, in order); for one value per file band give the "
+                              f"{self.in_channels} of the selected bands, {_short_list(as_file_bands[:self.in_channels])}"]
         if values.size in (self.in_channels, self.in_channels * self.num_dates):
             return values  # per selected band, or per band of every date
         if values.size == self.num_file_bands:
@@ -2036,3 +2046,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
     def scenes(self):
         """Per-scene ``dict(image, label, width, height, count, nodata, masked, dtype, floating)``."""
         return [dict(s) for s in self._scenes]
+
+
+def _short_list(values):
+    """Numbers as a config writes them: [100.0, 200.0]."""
+    return '[' + ', '.join(f'{float(v):g}' for v in values) + ']'

@@ -623,3 +623,28 @@ def test_a_plain_model_trained_on_a_series_predicts_its_dates_joined_by_commas(t
     err = capsys.readouterr().err
     assert f'--input {t0}: 1 date(s), but the model (UNetTiny) takes 2; give the 2 dates of the scene joined by ' \
            'commas' in err, err
+
+
+def test_given_statistics_of_a_length_read_two_ways_say_which_reading_was_taken(tmp_path):
+    """2-band files, band [1] of 2 dates: two values are one per file band and one per selected
+    band and date alike. They were read per band and date without a word, where stats.json's
+    layout (and the user's, copying it) is per file band."""
+    common = dict(driver='GTiff', width=S, height=S, crs='EPSG:32631', transform=from_origin(0, 0, 1, 1),
+                  dtype='uint8')
+    dates = []
+    for t in range(2):
+        dates.append(str(tmp_path / f'x_t{t}.tif'))
+        with rasterio.open(dates[-1], 'w', count=2, **common) as d:
+            d.write(np.full((2, S, S), 50 + 100 * t, np.uint8))
+    label = str(tmp_path / 'x_label.tif')
+    with rasterio.open(label, 'w', count=1, **common) as d:
+        d.write(np.zeros((1, S, S), np.uint8))
+    kw = dict(crop_size=32, mode='grid', classes=2, bands=[1])
+    ds = GeoTiffScenes([dates], [label], mean=[10.0, 20.0], std=[5.0, 5.0], **kw)
+    assert ds.mean.tolist() == [10.0, 20.0]
+    assert ds.notes == ["mean has 2 values, as many as the file's bands and as the selected bands of every date: taken "
+                        "per band and date (1 for each of 2 dates, in order); for one value per file band give the 1 "
+                        "of the selected bands, [10]"]
+    assert not getattr(GeoTiffScenes([dates], [label], mean=[10.0], std=[5.0], **kw), 'notes', [])
+    # One reading: nothing to say (the same values per date read either way).
+    assert not getattr(GeoTiffScenes([dates], [label], mean=[10.0, 10.0], std=[5.0, 5.0], **kw), 'notes', [])
