@@ -94,6 +94,32 @@ def _asset(item, name, source, what):
     return item.assets[name].href
 
 
+def _declared_encoding(asset):
+    """The ``[scale, offset]`` of each band an asset's STAC ``raster:bands`` declares, or None."""
+    bands = (asset.extra_fields or {}).get('raster:bands')
+    if not isinstance(bands, list) or not bands:
+        return None
+    return [[float(b.get('scale', 1.0)), float(b.get('offset', 0.0))] if isinstance(b, dict) else [1.0, 0.0]
+            for b in bands]
+
+
+def _check_declared_encoding(item, names, source, seen):
+    """Items whose ``raster:bands`` declare another scale/offset for an asset than the first item
+    with one (Sentinel-2 before and after processing baseline 04.00: offset 0 and -0.1) are
+    refused, as GeoTIFFs whose own tags differ are: ds_seg trains on the raw values, and mixed
+    encodings were trained as one, without a word, where the files carry no tags."""
+    for name in names:
+        declared = _declared_encoding(item.assets[name])
+        if declared is None:
+            continue
+        first = seen.setdefault(name, (item.id, declared))
+        if first[1] != declared:
+            raise ConfigError(f"stac={source!r}: items {first[0]!r} and {item.id!r} declare other raster:bands "
+                              f"scale/offset for asset {name!r} ({first[1]} and {declared}); ds_seg trains on the raw "
+                              "values, so every scene must share one encoding: use items of one processing baseline, "
+                              "or convert them to one (gdal_translate -scale)")
+
+
 # The colour interpretations ds_seg's checks read, by GDAL's VRT names; others stay undefined.
 _VRT_COLOURS = {'gray': 'Gray', 'red': 'Red', 'green': 'Green', 'blue': 'Blue', 'alpha': 'Alpha'}
 
@@ -198,9 +224,10 @@ def stac_scenes(source, image_assets, label_asset, cache_dir=None):
     names = [image_assets] if isinstance(image_assets, str) else list(image_assets)
     if not names:
         raise ConfigError(f"stac={source!r}: stac_bands names no asset")
-    images, labels, seen = [], [], {}
+    images, labels, seen, encodings = [], [], {}, {}
     for item in items:
         hrefs = [_asset(item, n, source, 'stac_bands') for n in names]
+        _check_declared_encoding(item, names, source, encodings)
         label = _asset(item, label_asset, source, 'stac_label')
         # Two items of the same assets are one scene twice (each stacked into its own VRT, so
         # the files' names cannot tell): it would count twice in every metric.

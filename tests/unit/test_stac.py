@@ -233,6 +233,29 @@ def test_two_items_of_the_same_assets_are_one_scene_twice(catalogue, tmp_path):
         GeoTiffScenes(stac=str(path), stac_bands=BANDS, mode='grid', **KW)
 
 
+def test_items_declaring_other_raster_bands_scale_or_offset_are_refused(catalogue, tmp_path):
+    """Sentinel-2 items before and after processing baseline 04.00 declare offsets 0 and -0.1 in
+    raster:bands; their files carry no tags, and the mix was trained as one encoding without a
+    word (GeoTIFFs whose own tags differ are refused). Items that agree are read as before."""
+    collection = json.loads((catalogue['tmp'] / 'items.json').read_text())
+    for k, offset in enumerate((0.0, -0.1)):
+        for name in BANDS:
+            collection['features'][k]['assets'][name]['raster:bands'] = [{'scale': 0.0001, 'offset': offset}]
+    mixed = catalogue['tmp'] / 'mixed_baselines.json'
+    mixed.write_text(json.dumps(collection))
+    with pytest.raises(ConfigError) as refused:
+        GeoTiffScenes(stac=str(mixed), stac_bands=BANDS, mode='grid', **KW)
+    assert str(refused.value) == (
+        f"stac={str(mixed)!r}: items 'scene0' and 'scene1' declare other raster:bands scale/offset for asset "
+        f"{BANDS[0]!r} ([[0.0001, 0.0]] and [[0.0001, -0.1]]); ds_seg trains on the raw values, so every scene must "
+        "share one encoding: use items of one processing baseline, or convert them to one (gdal_translate -scale)")
+    for name in BANDS:
+        collection['features'][1]['assets'][name]['raster:bands'] = [{'scale': 0.0001}]   # offset 0 by default
+    one = catalogue['tmp'] / 'one_baseline.json'
+    one.write_text(json.dumps(collection))
+    assert len(GeoTiffScenes(stac=str(one), stac_bands=BANDS, mode='grid', **KW)) > 0
+
+
 def test_time_series_sharing_a_baseline_date_are_two_evaluation_scenes(catalogue):
     """Scenes [a, b] and [a, c] were refused as 'a given twice'; [a, b] twice still is."""
     from ds_seg.data import DataError
