@@ -564,7 +564,7 @@ def test_dates_given_out_of_the_order_their_names_say_are_noted(tmp_path):
     kw = dict(crop_size=32, mode='grid', mean=[128] * 2, std=[50] * 2, classes=2)
     assert not getattr(GeoTiffScenes([named], [label_a], **kw), 'notes', [])
     swapped = GeoTiffScenes([named[::-1]], [label_a], **kw)
-    assert swapped.notes == [f'the dates of a scene are given as b_20210815.tif, b_2021-05-03.tif, which their names '
+    assert swapped.notes == ['the dates of a scene are given as b_20210815.tif, b_2021-05-03.tif, which their names '
                              'place in another order; the order given is the order used (nothing sorts them): check '
                              'that every scene lists its dates in the same order']
     assert dates_out_of_name_order([[a1, a0]]) is None   # names without dates (t0, t1): nothing to say
