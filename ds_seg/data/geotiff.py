@@ -1482,7 +1482,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         except rasterio.errors.RasterioError as e:
             raise DataError(unreadable(s['label'], e)) from e
         if self.palette is not None:
-            bad = self._decode_palette(raw) < 0
+            bad = self._palette_labels(raw, s.get('label_nodata')) < 0
             if bad.mean() <= self.palette_max_unmatched:
                 return None
             colour, _ = Counter(map(tuple, raw[:, bad].T.tolist())).most_common(1)[0]
@@ -1497,10 +1497,26 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 f"nor ignore_index {self.ignore_index} (classes: {', '.join(self.classes)}{self._decoding_note()}); "
                 f"check `classes`, or remap with `label_map` / `reduce_zero_label`")
 
+    def _palette_labels(self, raw_3HW, nodata):
+        """Class indices of colour-coded label pixels; those holding the label file's nodata tag
+        in every band (no palette colour: :meth:`_check_label_nodata`) are ignore_index. They
+        were off-palette noise before: more than palette_max_unmatched of them refused the file."""
+        label = self._decode_palette(raw_3HW)
+        if nodata is not None and not math.isnan(nodata):
+            label[(raw_3HW == nodata).all(axis=0)] = self.ignore_index
+        return label
+
     def _check_label_nodata(self):
         """A label file whose nodata tag is a class value is ambiguous (is that class real, or
         are those pixels unlabelled?): refused, from the file header alone."""
         if self.palette is not None:
+            for s in self._scenes:
+                value = s.get('label_nodata')
+                if value is not None and float(value).is_integer() and (int(value),) * 3 in self.palette:
+                    mapped = self.palette.index((int(value),) * 3)
+                    raise DataError(label_nodata_message(s['label'], float(value), mapped, self.classes[mapped],
+                                                         self.ignore_index).replace(
+                        'which is also class', f'and {(int(value),) * 3} is the palette colour of class', 1))
             return
         for s in self._scenes:
             value = s.get('label_nodata')
@@ -1531,8 +1547,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 invalid = bad if invalid is None else invalid | bad
         with open_raster(s['label']) as src:
             if self.palette is not None:
-                label = self._decode_palette(src.read([1, 2, 3], window=window, out_shape=None if out_shape is None
-                                                      else (3,) + out_shape))
+                label = self._palette_labels(src.read([1, 2, 3], window=window, out_shape=None if out_shape is None
+                                                      else (3,) + out_shape), s.get('label_nodata'))
             else:
                 label = self._map_labels(*self._label_values(src, s, window, out_shape))
         labelled = (label >= 0) & (label != self.ignore_index)
@@ -1887,7 +1903,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         """
         s = self._scenes[scene_index]
         if self.palette is not None:
-            label = self._decode_palette(self._read(s['label'], window, [1, 2, 3]))
+            label = self._palette_labels(self._read(s['label'], window, [1, 2, 3]), s.get('label_nodata'))
             label[label < 0] = self.ignore_index  # off-palette noise: ignored, not an error
         else:
             label = (self._map_labels(self._vector_window(s, window)) if s.get('vector')

@@ -115,6 +115,26 @@ def test_grey_coded_palette_labels_decode_to_their_classes(tmp_path):
     np.testing.assert_array_equal(ds[0]['label'].numpy(), lab)
 
 
+def test_colour_coded_labels_honour_their_nodata_tag(tmp_path):
+    """An RGB label with nodata=0: its black pixels were off-palette noise (more than
+    palette_max_unmatched of them refused the file), and where black is a palette colour they
+    trained as that class, where index labels refuse a tag that is a class."""
+    rng = np.random.default_rng(0)
+    palette = [(255, 255, 255), (0, 0, 255), (0, 255, 0)]
+    classes = rng.integers(0, 3, (64, 64))
+    colours = np.array(palette, np.uint8)[classes].transpose(2, 0, 1).copy()
+    colours[:, 10:30, 10:30] = 0     # 400 px, 9.8 %: unlabelled
+    img = write_tif(tmp_path / 'c_image.tif', rng.integers(1, 255, (3, 64, 64)).astype(np.uint8))
+    lbl = write_tif(tmp_path / 'c_label.tif', colours, nodata=0, photometric='RGB')
+    label = GeoTiffScenes([img], [lbl], crop_size=64, mode='grid', palette=palette)[0]['label'].numpy()
+    expected = classes.copy()
+    expected[10:30, 10:30] = 255
+    np.testing.assert_array_equal(label, expected)
+    with pytest.raises(DataError, match=re.escape(f"{lbl}: its nodata tag is 0, and (0, 0, 0) is the palette colour "
+                                                  "of class 3 ('class_3'); ")):
+        GeoTiffScenes([img], [lbl], crop_size=64, mode='grid', palette=palette + [(0, 0, 0)])
+
+
 def test_a_paletted_label_given_a_palette_is_told_it_holds_indices(tmp_path):
     """A one-band label with a colour table (as GDAL writes class maps) looks colour-coded in a
     viewer; with `palette` it was told only that it is not RGB."""
