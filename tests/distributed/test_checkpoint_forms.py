@@ -106,3 +106,31 @@ def test_predict_and_evaluate_give_the_same_result_for_every_checkpoint_form(run
     assert predictions['exported'], 'predict wrote a class map'
     assert all(p == predictions['exported'] for p in predictions.values()), predictions
     assert all(e == evaluations['exported'] for e in evaluations.values()), evaluations
+
+
+def _zero0_bf16_masters(tmp):
+    """3 steps of native bf16 under ZeRO-0 on one rank: the optimizer's fp32 master weights by
+    parameter name (DeepSpeed's 16-bit groups are the module's parameters, in step with them)."""
+    from ds_seg.engine.trainer import Trainer
+    cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=3, checkpoint_interval=3)
+    trainer = Trainer(cfg, ds_config(0, precision='bf16'), backend='deepspeed', work_dir=os.path.join(tmp, 'bf16'))
+    try:
+        trainer.fit()
+        engine = trainer.backend.engine
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        optimizer = engine.optimizer
+        return {names[id(p16)]: p32.detach().clone() for g16, g32 in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+                for p16, p32 in zip(g16, g32)}
+    finally:
+        trainer.close()
+
+
+def test_a_zero0_native_bf16_export_holds_the_fp32_master_weights(tmp_path):
+    """ZeRO-0 keeps no optimizer files: the export read the module's bf16 copies, 3e-3 off the
+    weights training had reached (ZeRO 1-3 exports hold the fp32 masters)."""
+    masters = run_on_ranks(_zero0_bf16_masters, 1, args=(str(tmp_path),))[0]
+    exported = checkpoint.consolidated_state_dict(str(tmp_path / 'bf16' / 'checkpoints' / 'step_00000003'))
+    assert masters and all(v.dtype == torch.float32 for v in masters.values())
+    off = [name for name, master in masters.items() if not torch.equal(exported[name], master)]
+    assert off == []
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters.values()), 'masters hold fp32 bits'
