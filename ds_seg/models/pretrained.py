@@ -308,7 +308,9 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
 
     # Only the layer that takes the image's bands can differ in input channels: a grouped conv
     # deeper in (a depthwise [C, 1, 3, 3] against [C, 8, 3, 3]) is another architecture.
+    # input_key is the file's name for it: the module's may differ (timm's features_only wrapper).
     first_conv = input_key if input_key in mapped else next(
+        (k for k in mapped if input_key is not None and rename(k) == input_key), None) or next(
         (n for n, p in module.named_parameters() if len(getattr(p, 'ds_shape', p.shape)) == 4), None)
 
     def adapt(key, tensor, shape):

@@ -538,3 +538,26 @@ def test_rgb_weights_on_files_tagged_in_another_colour_order_need_a_band_map(tmp
     rgbn = GeoTiffScenes([scene('rgbn', ['red', 'green', 'blue', 'undefined'])], [label], crop_size=32, classes=2)
     refuse_rgb_weights_by_position(cfg, rgbn)
     refuse_rgb_weights_by_position(ConfigDict(type='UNet', in_channels=4), nir_first)   # no pretrained weights
+
+
+def test_the_band_layer_of_a_backbone_whose_first_4d_weight_is_a_position_embedding(tmp_path):
+    """Hiera (SAM 2), PiT, Visformer, TNT and VOLO hold a 4-d position embedding before their
+    first convolution: band_map rewrote that embedding (93 of 96 channels made one mean) and left
+    the first layer in the file's band order, and 4-band data was refused as 'another shape'."""
+    import timm
+
+    from ds_seg.registry import MODELS, build
+    name = 'sam2_hiera_tiny'
+    weights = tmp_path / f'{name}.pth'
+    torch.manual_seed(0)
+    torch.save(timm.create_model(name).state_dict(), weights)
+    file = torch.load(weights)
+    assert file['pos_embed'].dim() == 4   # what made it the "first 4-d weight"
+    cfg = dict(type='UperNet', backbone=name, pretrained=str(weights), num_classes=4, channels=16)
+    bgr = build(MODELS, dict(cfg, in_channels=3, band_map=[2, 1, 0])).backbone.model.model
+    assert torch.equal(bgr.patch_embed.proj.weight, file['patch_embed.proj.weight'][:, [2, 1, 0]])
+    assert torch.equal(bgr.pos_embed, file['pos_embed'])
+    four = build(MODELS, dict(cfg, in_channels=4)).backbone.model.model
+    w = four.patch_embed.proj.weight
+    assert w.shape[1] == 4 and torch.equal(four.pos_embed, file['pos_embed'])
+    assert torch.allclose(w[:, :3], file['patch_embed.proj.weight'] * 3 / 4)   # RGB kept, scaled for the 4th

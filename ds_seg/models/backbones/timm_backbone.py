@@ -175,8 +175,7 @@ class TimmBackbone(nn.Module):
         self._blocks = self._checkpoint_units() if activation_checkpointing else None
         if pretrained:
             source = timm_state_dict(name) if pretrained is True else pretrained
-            # The layer that takes the bands: the model's first 4-d weight (ds_shape: ZeRO-3 partitioned).
-            first = next(n for n, p in self.model.named_parameters() if len(getattr(p, 'ds_shape', p.shape)) == 4)
+            first = _band_input_weight(self.model, in_channels)
             whole = _classifier(name)
             flattened, prefix = _flattened_names(whole), _wrapped_prefix(self.model)
             load_pretrained(self.model, source, rename=lambda key: _original_key(key, flattened, prefix),
@@ -245,3 +244,14 @@ class TimmBackbone(nn.Module):
             features = [f.permute(0, 3, 1, 2) for f in features]
         return features
 
+
+def _band_input_weight(model, in_channels):
+    """The name of the weight that takes the bands: the first convolution built for
+    ``in_channels`` inputs, else the model's first 4-d weight (ds_shape: ZeRO-3 partitioned).
+    The first 4-d weight alone was a position embedding in Hiera (SAM 2), PiT, Visformer, TNT and
+    VOLO: band_map rewrote the pretrained embedding (93 of 96 channels made one mean) and left
+    the real first layer in the file's band order."""
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.Conv2d) and module.in_channels == in_channels and module.groups == 1:
+            return f'{module_name}.weight' if module_name else 'weight'
+    return next(n for n, p in model.named_parameters() if len(getattr(p, 'ds_shape', p.shape)) == 4)
