@@ -202,7 +202,7 @@ class DDPBackend:
     def zero_stage_of(ds_config):
         return None
 
-    def __init__(self, model, spec, optim_cfg=None):
+    def __init__(self, model, spec, optim_cfg=None, unused_parameters=()):
         ds_config, device = spec.ds_config, spec.device
         self.zero_stage = None
         self.grad_accum = spec.grad_accum
@@ -221,7 +221,11 @@ class DDPBackend:
             # In place, as DeepSpeed's engine.compile() does: state_dict keys stay unprefixed.
             model.compile(backend=speed.COMPILE_BACKEND, **speed.compile_kwargs(spec.compile_mode))
         # BN buffers are averaged before evaluation and saving, exactly as for DeepSpeed.
+        # A parameter the forward never uses (a spare head, a ViT block past the last out_index)
+        # stopped DDP at its second step ("Expected to have finished reduction ...
+        # find_unused_parameters=True"), where DeepSpeed trains it; DDP then looks for them.
         self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None,
+                                           find_unused_parameters=bool(unused_parameters),
                                            **NO_BUFFER_SYNC_PER_FORWARD)
         hook = _COMPRESS_HOOKS.get(str(ds_config.get('communication_data_type')).lower())
         if hook is not None:

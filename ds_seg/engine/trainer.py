@@ -296,7 +296,12 @@ class Trainer:
         frozen_line = param_groups.freeze_backbone(model, cfg.get('optim'))  # before a backend wraps it
         if frozen_line:
             self.print(frozen_line)
-        self.backend = backends.build_backend(spec, model, cfg.get('optim'))
+        unused = getattr(self, 'unused_parameters', ())
+        if unused and spec.backend == 'ddp':
+            self.print(f"model: {len(unused)} trained parameter(s) take no part in the loss ({', '.join(unused[:3])}"
+                       f"{', ...' if len(unused) > 3 else ''}): DDP looks for them every step "
+                       "(find_unused_parameters), a little slower")
+        self.backend = backends.build_backend(spec, model, cfg.get('optim'), unused_parameters=unused)
         self.checkpointer = Checkpointer(self.work_dir, spec, self.backend, cfg, self.train_set, report)
         self.checkpointer.t_start = t_start
         self.checkpointer.check_resume(resume, found, work_dir_by_default=self.work_dir_by_default)
@@ -859,7 +864,8 @@ class Trainer:
         want = (2, classes, side, side)
         for training in (True, False):
             try:
-                out = model.train(training)(torch.zeros(2, self.train_set.in_channels, side, side, device='meta'))
+                with torch.set_grad_enabled(training):
+                    out = model.train(training)(torch.zeros(2, self.train_set.in_channels, side, side, device='meta'))
             except Exception:  # a model the meta device cannot run: the first step says what is wrong
                 return
             finally:
@@ -883,6 +889,8 @@ class Trainer:
                         f"model ({name}): its {mode} forward returns {what}logits of shape {list(tensor.shape)} for 2 "
                         f"crops of {side}x{side} px; ds_seg takes [B, num_classes={classes}, H, W] at the input's "
                         "own size (upsample the logits to it, F.interpolate).")
+            if training:
+                self.unused_parameters = _unused_in_backward(model, [t for _, t in logits])
 
     def _check_val_matches_train(self):
         """The validation scenes go through the trained model as the training scenes do: the same
@@ -1029,6 +1037,18 @@ class Trainer:
         self.log.close(self.exit_reason)
         self.lock.release()
         distributed.close()
+
+
+def _unused_in_backward(model, outputs):
+    """Names of the parameters that train but get no gradient from ``outputs`` (a backward on the
+    meta device: no memory, no compute), or () where the meta device cannot run it."""
+    try:
+        torch.autograd.backward([t.float().sum() for t in outputs])
+    except Exception:
+        return ()
+    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    model.zero_grad(set_to_none=True)
+    return unused
 
 
 def _described(value):

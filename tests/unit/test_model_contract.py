@@ -56,6 +56,17 @@ class ContractFrozen(_Base):
 
 
 @MODELS.register_module()
+class ContractSpareHead(_Base):
+    """A head the forward never uses: DDP stopped at its second step."""
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.spare = nn.Conv2d(3, 6, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+@MODELS.register_module()
 class ContractGood(_Base):
     """Aux logits as ds_seg's own heads give them: accepted."""
     def forward(self, x):
@@ -105,3 +116,22 @@ def test_a_model_that_breaks_the_output_contract_is_refused_before_any_step(tmp_
     else:
         assert code == 2 and err == [f'ds_seg: error: {line}'] and not work.exists()
 
+
+@pytest.mark.parametrize('backend', ['ddp', 'deepspeed'])
+def test_a_parameter_the_forward_never_uses_trains_under_ddp_as_under_deepspeed(tmp_path, capsys, contract_module,
+                                                                               backend):
+    """--backend ddp stopped at its second step with DDP's "Expected to have finished reduction in
+    the prior iteration ... find_unused_parameters=True" traceback, which ds_seg gave no way to
+    pass; DeepSpeed trained the same run. The meta-device check finds the parameters, DDP is told."""
+    from ds_seg.cli import train
+    work = tmp_path / 'run'
+    code = train.main(['--config', 'unet_tiny_synthetic', '--backend', backend, '--work-dir', str(work),
+                       '--cfg-options', f"custom_imports=dict(imports=[{contract_module!r}])",
+                       "model=dict(type='ContractSpareHead')", 'train.max_steps=3', 'data.crop_size=32',
+                       'train.eval_interval=0', 'train.checkpoint_interval=0', f'data.train.cache_dir={str(tmp_path)!r}',
+                       f'data.val.cache_dir={str(tmp_path)!r}'])
+    out = capsys.readouterr().out
+    assert code == 0 and os.path.isfile(work / 'summary.json')
+    said = ('model: 2 trained parameter(s) take no part in the loss (spare.weight, spare.bias): DDP looks for them '
+            'every step (find_unused_parameters), a little slower')
+    assert (said in out) == (backend == 'ddp'), out
