@@ -42,11 +42,11 @@ def _train_all(tmp, stage, weights_file, dino_file):
     seen = {}
     real_build_backend = backends.build_backend
 
-    def spy(spec, model, *args):  # what the trainer built, before deepspeed.initialize
+    def spy(spec, model, *args, **kwargs):  # what the trainer built, before deepspeed.initialize
         seen['local'] = sum(p.numel() for p in model.parameters())
         seen['partition'] = sum(p.ds_tensor.numel() for p in model.parameters() if hasattr(p, 'ds_tensor'))
         seen['full'] = sum(p.ds_numel if hasattr(p, 'ds_numel') else p.numel() for p in model.parameters())
-        return real_build_backend(spec, model, *args)
+        return real_build_backend(spec, model, *args, **kwargs)
 
     backends.build_backend = spy
     out = {}
