@@ -345,27 +345,33 @@ def user_path(text):
     return os.path.expanduser(text)
 
 
-def run_whose_checkpoints_hold(work_dir, folders=('checkpoints',)):
-    """The work dir of another run whose ``checkpoints`` folder (or another of ``folders``) is
-    ``work_dir`` or holds it, or None; with several ``folders``, ``(run, folder)``."""
-    path = os.path.realpath(work_dir)
+def run_folder_holding(path, folders):
+    """``(work dir, folder)`` of another run one of whose ``folders`` (names inside its work dir:
+    'checkpoints', 'tb'...) is ``path`` or holds it, or None."""
+    path = os.path.realpath(path)
     while True:
         parent = os.path.dirname(path)
         # A ds_seg run's: its resolved configs beside the folder (a user's own 'checkpoints'
         # folder under a project with some tool's config.json is not one).
         if os.path.basename(path) in folders and all(
                 os.path.isfile(os.path.join(parent, name)) for name in ('config.json', 'ds_config.json')):
-            return parent if len(folders) == 1 else (parent, os.path.basename(path))
+            return parent, os.path.basename(path)
         if parent == path:
             return None
         path = parent
+
+
+def run_whose_checkpoints_hold(work_dir):
+    """The work dir of another run whose ``checkpoints`` folder is ``work_dir`` or holds it, or None."""
+    found = run_folder_holding(work_dir, ('checkpoints',))
+    return found and found[0]
 
 
 def refuse_inside_run_logs(work_dir):
     """Refuse a ``--work-dir`` inside another run's ``tb`` or ``previous`` folder: TensorBoard
     showed the nested run as the other's, whose next fresh start moves ``tb`` (with the nested
     run's checkpoints) into ``previous/<time>/``."""
-    found = run_whose_checkpoints_hold(work_dir, folders=('tb', 'previous'))
+    found = run_folder_holding(work_dir, ('tb', 'previous'))
     if found is not None:
         run, folder = found
         raise ConfigError(f"--work-dir: {work_dir} is inside the {folder}/ folder of the run in {run}, which that run "

@@ -67,8 +67,8 @@ def image_flops(build_model, input_shape_BCHW):
             model = build_model()
             x = torch.empty(*input_shape_BCHW)
         model.eval()
-        no_backward = _modules_without_backward(model)
-        with FlopCounterMode(display=False) as counter, torch.enable_grad():
+        with _modules_without_backward(model) as no_backward, \
+                FlopCounterMode(display=False) as counter, torch.enable_grad():
             model(x)  # grad mode on: whether an input needs a gradient is what is traced
         counts = counter.get_flop_counts()
     except Exception:  # an op without a meta kernel: MFU is then simply not reported
@@ -76,38 +76,32 @@ def image_flops(build_model, input_shape_BCHW):
     forward = sum(counts.get('Global', {}).values())
     # The counter names a module '<root class>.<its name in named_modules()>'.
     root = type(model).__name__
-    skipped = sum(sum(counts.get(f'{root}.{name}', {}).values()) for name in no_backward())
+    skipped = sum(sum(counts.get(f'{root}.{name}', {}).values()) for name in no_backward)
     return int(forward), int(forward + 2 * (forward - skipped))
 
 
+@contextlib.contextmanager
 def _modules_without_backward(model):
-    """Hooks the frozen modules of ``model`` (parameters, none of them trained) to see whether
-    any input needs a gradient; returns a callable that, after a forward pass in grad mode,
-    lists the outermost ones that ran without one (no backward runs through them)."""
-    frozen = {}
+    """Hooks, for one forward pass in grad mode, the frozen modules of ``model`` (parameters,
+    none of them trained); yields a list that holds, after it, the outermost ones whose inputs
+    needed no gradient (no backward runs through them). The hooks are removed on exit."""
+    without, with_grad, handles = set(), set(), []
     for name, module in model.named_modules():
         params = list(module.parameters())
         if name and params and not any(p.requires_grad for p in params):
-            frozen[name] = module
-    ran_without = set()
-
-    def hook_for(name):
-        def pre_hook(module, args, kwargs):
-            tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-            if tensors and not any(t.requires_grad for t in tensors):
-                ran_without.add(name)
-            else:  # a call that needs the input's gradient: this module runs a backward after all
-                ran_without.discard(name)
-                seen_with_grad.add(name)
-        return pre_hook
-    seen_with_grad = set()
-    for name, module in frozen.items():
-        module.register_forward_pre_hook(hook_for(name), with_kwargs=True)
-
-    def outermost():
-        names = sorted(ran_without - seen_with_grad)
-        return [n for n in names if not any(n.startswith(f'{outer}.') for outer in names if outer != n)]
-    return outermost
+            def pre_hook(module, args, kwargs, name=name):
+                tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+                # One call that needs the input's gradient: this module runs a backward after all.
+                (with_grad if any(t.requires_grad for t in tensors) or not tensors else without).add(name)
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+    found = []
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = sorted(without - with_grad)
+    found.extend(n for n in names if not any(n.startswith(f'{outer}.') for outer in names))
 
 
 def mfu(flops_per_image_train, images_per_s, peak, devices=1):

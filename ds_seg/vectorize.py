@@ -180,7 +180,9 @@ def _component_ids(cls_hW, valid_hW):
 
 def vectorize_class_map(class_path, out_path, probs_path=None, classes=None, simplify=0.0,
                         min_area=0.0, exclude=(), band_rows=256, layer=None, overwrite=False):
-    """Write the class regions of a class-map GeoTIFF as polygons; returns a summary dict.
+    """Write the class regions of a class-map GeoTIFF as polygons; returns a summary dict
+    (``features``, ``out_path``, ``height``, ``width``, and ``notes``: lines for the user, such as
+    a ``simplify`` tolerance of many pixels).
 
     Args:
         class_path: single-band integer class map (``predict.py``'s ``*_classes.tif``); its
@@ -230,6 +232,7 @@ def _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, ex
         refusal = georeference_refusal(src, class_path) or geojson_crs_refusal(src.crs, class_path, out_path)
         if refusal:
             raise ValueError(refusal)
+        notes = []
         pixel = min(abs(src.res[0]), abs(src.res[1]))
         if simplify and pixel and simplify / pixel > 10:
             # A tolerance in map units: 0.5 meant for metres is 55 km in a scene in degrees
@@ -238,9 +241,9 @@ def _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, ex
                 (src.crs.linear_units if src.crs else None) or 'map units')
             units = {'metre': 'metres', 'meter': 'metres', 'foot': 'feet', 'US survey foot': 'US survey feet'}.get(
                 units, units)
-            print(f"[vectorize] note: simplify {simplify:g} is in the class map's {units}: {simplify / pixel:,.0f} of "
-                  f"its pixels ({pixel:g} {units} each), so the polygons keep little of their shape; a tolerance of "
-                  f"a pixel or two is {pixel:g}-{2 * pixel:g}", flush=True)
+            notes.append(f"simplify {simplify:g} is in the class map's {units}: {simplify / pixel:,.0f} of its pixels "
+                         f"({pixel:g} {units} each), so the polygons keep little of their shape; a tolerance of a "
+                         f"pixel or two is {pixel:g}-{2 * pixel:g}")
         if classes is None:
             tag = src.tags().get('classes')
             try:
@@ -395,7 +398,7 @@ def _vectorize(class_path, out_path, probs_path, classes, simplify, min_area, ex
         flush()
         if written[0] == 0:  # an empty layer still says what it would hold
             _write_empty(out_path, driver, src.crs, psrc is not None, layer)
-    return dict(features=written[0], out_path=out_path, height=H, width=W)
+    return dict(features=written[0], out_path=out_path, height=H, width=W, notes=notes)
 
 
 def _write_empty(path, driver, crs, with_probs, layer):

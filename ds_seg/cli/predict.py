@@ -467,6 +467,8 @@ def _run(args):
             v = vectorize_class_map(out, vector, probs_path=probs, classes=info['classes'],
                                     simplify=args.simplify, min_area=args.min_area,
                                     exclude=exclude, overwrite=args.overwrite)
+            for note in v['notes']:
+                print(f'[predict] note: {note}', flush=True)
             print(f'[predict] {out} -> {vector} | {v["features"]} polygons in '
                   f'{time.perf_counter() - t:.1f} s', flush=True)
     if distributed.is_main():

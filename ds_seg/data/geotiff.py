@@ -66,7 +66,7 @@ from .preprocess import geom_code, host_dtype
 from .raster import (FILL_MAGNITUDE, DataError, StackedRaster, alpha_as_data_refusal, alpha_bands, band_colours,
                      boundary_mask, colours_conflict, file_identity, gdal_message, gdal_path, is_remote, label_nodata,
                      nodata_mask, open_raster, opening_env, pin_versions, pixel_grid, pixel_size_m, pixel_type_refusal,
-                     raster_env, read_error, read_label_band, read_window, remote_world_file_refusal, same_file_key,
+                     raster_env, read_error, read_label_band, read_window, refuse_lost_world_file, same_file_key,
                      same_pixels, same_value, unreadable, untagged_fill, user_cache_dir, uses_mask_band)
 from .rare_class import class_index, class_probabilities
 from .stac import stac_scenes
@@ -571,9 +571,11 @@ def _same_corner(img, lbl, size=64):
     return bool(np.ptp(corner) > 0) and np.array_equal(corner, lbl.read(window=window))
 
 
-def label_nodata_message(label, value, class_index, class_name, ignore_index):
-    """The one line for a label file whose nodata tag is also a class (see GeoTiffScenes)."""
-    return (f"{label}: its nodata tag is {value:.10g}, which is also class {class_index} ({class_name!r}); "
+def label_nodata_message(label, value, class_index, class_name, ignore_index, colour=None):
+    """The one line for a label file whose nodata tag is also a class (see GeoTiffScenes);
+    ``colour``: the palette colour it is, for colour-coded labels."""
+    what = f'and {colour} is the palette colour of' if colour else 'which is also'
+    return (f"{label}: its nodata tag is {value:.10g}, {what} class {class_index} ({class_name!r}); "
             f"ds_seg learns and scores pixels by value, GDAL tools (overviews, warps, QGIS) treat them as empty. "
             f"If {value:.10g} is that class, remove the tag (gdal_edit.py -unsetnodata {label}); if those pixels "
             f"hold no label, rewrite them as ignore_index {ignore_index} (or map the value with `label_map`)")
@@ -1512,11 +1514,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         if self.palette is not None:
             for s in self._scenes:
                 value = s.get('label_nodata')
-                if value is not None and float(value).is_integer() and (int(value),) * 3 in self.palette:
-                    mapped = self.palette.index((int(value),) * 3)
+                grey = (int(value),) * 3 if value is not None and float(value).is_integer() else None
+                if grey in self.palette:
+                    mapped = self.palette.index(grey)
                     raise DataError(label_nodata_message(s['label'], float(value), mapped, self.classes[mapped],
-                                                         self.ignore_index).replace(
-                        'which is also class', f'and {(int(value),) * 3} is the palette colour of class', 1))
+                                                         self.ignore_index, colour=grey))
             return
         for s in self._scenes:
             value = s.get('label_nodata')
@@ -1830,10 +1832,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             with warnings.catch_warnings(), opening_env(path):
                 warnings.simplefilter('ignore', NotGeoreferencedWarning)
                 src = rasterio.open(gdal_path(path))
-            refusal = remote_world_file_refusal(path, src)
-            if refusal:
-                src.close()
-                raise DataError(refusal)
+            refuse_lost_world_file(path, src)
             self._handles[path] = src
             if len(self._handles) > _MAX_OPEN_FILES:
                 self._handles.popitem(last=False)[1].close()

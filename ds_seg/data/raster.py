@@ -279,21 +279,21 @@ def remote_sidecar_refusal(url):
     return None
 
 
-def remote_world_file_refusal(url, src):
-    """One line for an http(s) URL opened (``src``) without georeferencing while a world file
-    beside it (``.tfw``, ``.pgw``, ``.wld``...) holds it: GDAL reads that file for a local copy, and
-    the remote open lists no directory. Else None. A URL whose file carries its own
-    georeferencing is left alone (GDAL prefers that to a world file anyway), without a request.
-    Without this a PNG or GeoTIFF georeferenced by a world file predicted to a class map at pixel
-    coordinates, and evaluate paired it with a label 10 km away by its size."""
+def refuse_lost_world_file(url, src):
+    """Close ``src`` and raise DataError in one line where it is an http(s) URL opened without
+    georeferencing while a world file beside it (``.tfw``, ``.pgw``, ``.wld``...) holds it: GDAL
+    reads that file for a local copy, and the remote open lists no directory. A URL whose file
+    carries its own georeferencing is left alone (GDAL prefers that to a world file anyway),
+    without a request. Without this a PNG or GeoTIFF georeferenced by a world file predicted to a
+    class map at pixel coordinates, and evaluate paired it with a label 10 km away by its size."""
     if not is_remote(url) or src.crs or src.gcps[0] or not src.transform.is_identity:
-        return None
+        return
     found = _world_file_beside(os.fspath(url))
     if found:
-        return (f"{url}: {found} beside it holds its georeferencing (a world file), which is not read over HTTP; "
-                "embed it (gdal_translate the file to a GeoTIFF, which carries it), or download both and give the "
-                "local path.")
-    return None
+        src.close()
+        raise DataError(f"{url}: {found} beside it holds its georeferencing (a world file), which is not read over "
+                        "HTTP; embed it (gdal_translate the file to a GeoTIFF, which carries it), or download both and "
+                        "give the local path.")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -614,10 +614,7 @@ def open_raster(path):
                 src = rasterio.open(gdal_path(path))
         except rasterio.errors.RasterioIOError as e:
             raise DataError(f"{path}: cannot open: {read_error(path, e)}") from e
-        refusal = remote_world_file_refusal(path, src)
-        if refusal:
-            src.close()
-            raise DataError(refusal)
+        refuse_lost_world_file(path, src)
         return src
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")

@@ -101,7 +101,4 @@ def load_weights(spec, model, state_dict, adapt=None):
 def build_backend(spec, model, optim_cfg=None, unused_parameters=()) -> Backend:
     """``unused_parameters``: names of trained parameters the model's forward does not use (the
     trainer's meta-device check): DDP must be told to look for them (DeepSpeed finds them itself)."""
-    backend = backend_class(spec.backend)
-    if spec.backend == 'ddp':
-        return backend(model, spec, optim_cfg, unused_parameters=unused_parameters)
-    return backend(model, spec, optim_cfg)
+    return backend_class(spec.backend)(model, spec, optim_cfg, unused_parameters=unused_parameters)

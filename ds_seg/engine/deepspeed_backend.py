@@ -31,7 +31,7 @@ class DeepSpeedBackend:
     def zero_stage_of(ds_config):
         return int(ds_config.get('zero_optimization', {}).get('stage', 0))
 
-    def __init__(self, model, spec, optim_cfg=None):
+    def __init__(self, model, spec, optim_cfg=None, unused_parameters=()):  # (DeepSpeed finds those itself)
         import deepspeed
         precision, ds_config = spec.precision, spec.ds_config
         self.precision = precision

@@ -266,9 +266,11 @@ class Trainer:
                               f"but this run evaluates nothing ({why}); give it evaluations, or leave save_best out.")
         self._check_model_matches_data()
         self._check_model_takes_windows()
-        self._check_model_output()
+        unused = self._check_model_output()
         self._check_windows_fit_in_memory()
         self._check_activations_fit_in_memory()
+        # FLOPs of one crop, forward and training (MFU), on the meta model frozen as the run is.
+        flops = image_flops(self._meta_model, (1, self.train_set.in_channels, data_cfg.crop_size, data_cfg.crop_size))
         self.__dict__.pop('_meta_built', None)  # the meta model served only the checks above
         self.criterion = build(LOSSES, cfg.loss, where='loss').to(self.device)
         self._check_loss_matches_classes()
@@ -296,7 +298,6 @@ class Trainer:
         frozen_line = param_groups.freeze_backbone(model, cfg.get('optim'))  # before a backend wraps it
         if frozen_line:
             self.print(frozen_line)
-        unused = getattr(self, 'unused_parameters', ())
         if unused and spec.backend == 'ddp':
             self.print(f"model: {len(unused)} trained parameter(s) take no part in the loss ({', '.join(unused[:3])}"
                        f"{', ...' if len(unused) > 3 else ''}): DDP looks for them every step "
@@ -325,14 +326,7 @@ class Trainer:
             self.log.record_tracker_runs()
 
         # --- telemetry -------------------------------------------------------------------------
-        shape = (1, self.train_set.in_channels, data_cfg.crop_size, data_cfg.crop_size)
-
-        def model_as_trained():  # frozen where it trains frozen: no backward FLOPs through it
-            model = build(MODELS, without_pretrained(cfg.model))
-            param_groups.freeze_backbone(model, cfg.get('optim'))
-            return model
-        self.metrics = RunMetrics(spec, self.log, self.backend, report=report,
-                                  flops_per_image=image_flops(model_as_trained, shape),
+        self.metrics = RunMetrics(spec, self.log, self.backend, report=report, flops_per_image=flops,
                                   peak_flops=peak_flops(self.device, cfg.train.get('peak_tflops')),
                                   warmup_steps=max(cfg.train.warmup_log_steps,
                                                    COMPILE_WARMUP_STEPS if spec.compile_mode else 0),
@@ -850,10 +844,12 @@ class Trainer:
         meta device: logits ``[B, num_classes, H, W]`` at the crops' own size (in training also
         ``{'logits': ..., 'aux': [(weight, logits), ...]}``), and parameters to train. A user's
         model that returned ``{'out': ...}``, half-resolution logits or only frozen parameters
-        failed at the first step in a traceback (or blamed the DeepSpeed JSON)."""
+        failed at the first step in a traceback (or blamed the DeepSpeed JSON). Returns the names of
+        the trained parameters the loss does not reach (:func:`_unused_in_backward`), () where
+        unknown."""
         model = self._meta_model()
         if model is None:
-            return
+            return ()
         name = self.cfg.model.get('type')
         if not any(p.requires_grad for p in model.parameters()):
             frozen = (' (optim.paramwise.freeze_backbone froze all of them: it has no head outside backbone.*)'
@@ -867,7 +863,7 @@ class Trainer:
                 with torch.set_grad_enabled(training):
                     out = model.train(training)(torch.zeros(2, self.train_set.in_channels, side, side, device='meta'))
             except Exception:  # a model the meta device cannot run: the first step says what is wrong
-                return
+                return ()
             finally:
                 model.eval()
             mode = 'training' if training else 'evaluation'
@@ -890,7 +886,8 @@ class Trainer:
                         f"crops of {side}x{side} px; ds_seg takes [B, num_classes={classes}, H, W] at the input's "
                         "own size (upsample the logits to it, F.interpolate).")
             if training:
-                self.unused_parameters = _unused_in_backward(model, [t for _, t in logits])
+                unused = _unused_in_backward(model, [t for _, t in logits])
+        return unused
 
     def _check_val_matches_train(self):
         """The validation scenes go through the trained model as the training scenes do: the same

@@ -123,23 +123,21 @@ def test_mean_probability_min_area_exclude_and_simplify(tmp_path):
     assert n_simple < 0.8 * n_exact
 
 
-def test_a_tolerance_of_many_pixels_is_said_in_the_map_units(tmp_path, capsys):
+def test_a_tolerance_of_many_pixels_is_said_in_the_map_units(tmp_path):
     """--simplify is in map units: 0.5 meant for metres is 55 km in a scene in degrees, and the
     polygons of a scene 0.0003 degrees across lost their shape without a word."""
     src = _write(tmp_path / 'm.tif', _class_map(60, 60))
-    vectorize_class_map(src, str(tmp_path / 'a.gpkg'), simplify=2 * PIXEL)
-    assert capsys.readouterr().out == ''
-    vectorize_class_map(src, str(tmp_path / 'b.gpkg'), simplify=50.0)
-    assert capsys.readouterr().out == (
-        '[vectorize] note: simplify 50 is in the class map\'s metres: 100 of its pixels (0.5 metres each), so the '
-        'polygons keep little of their shape; a tolerance of a pixel or two is 0.5-1\n')
+    assert vectorize_class_map(src, str(tmp_path / 'a.gpkg'), simplify=2 * PIXEL)['notes'] == []
+    assert vectorize_class_map(src, str(tmp_path / 'b.gpkg'), simplify=50.0)['notes'] == [
+        "simplify 50 is in the class map's metres: 100 of its pixels (0.5 metres each), so the polygons keep little "
+        "of their shape; a tolerance of a pixel or two is 0.5-1"]
     geographic = tmp_path / 'g.tif'
     with rasterio.open(src) as s, rasterio.open(geographic, 'w', **dict(
             s.profile, crs='EPSG:4326', transform=from_origin(7.0, 50.0, 1e-5, 1e-5))) as d:
         d.write(s.read())
         d.update_tags(**s.tags())
-    vectorize_class_map(str(geographic), str(tmp_path / 'g.gpkg'), simplify=0.5)
-    assert 'simplify 0.5 is in the class map\'s degrees: 50,000 of its pixels' in capsys.readouterr().out
+    notes = vectorize_class_map(str(geographic), str(tmp_path / 'g.gpkg'), simplify=0.5)['notes']
+    assert len(notes) == 1 and notes[0].startswith("simplify 0.5 is in the class map's degrees: 50,000 of its pixels")
 
 
 def test_existing_output_and_unknown_names_are_refused(tmp_path):
