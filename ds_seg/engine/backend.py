@@ -57,8 +57,9 @@ class Backend(Protocol):
     def skipped_steps(self) -> int: ...
 
     # -- state -----------------------------------------------------------------------------
-    def sync_batchnorm_stats(self) -> None:
-        """Make BN running statistics equal on every rank (before evaluation and saving)."""
+    def sync_buffers(self) -> None:
+        """Make buffers equal on every rank (before evaluation and saving): BN running statistics
+        averaged, other float buffers averaged where they differ (common.average_buffers)."""
 
     def state_holders(self) -> tuple:
         """(module, optimizer, inner torch optimizer) whose tensors ds_seg.memory counts."""

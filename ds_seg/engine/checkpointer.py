@@ -170,7 +170,7 @@ class Checkpointer:
         """Every rank calls it. ``micro_step`` is the data position the samplers restart from;
         ``best_record``: this step's evaluation, a new best (see :meth:`improves_best`);
         ``log_window``: the open log window (RunMetrics.window_state), given back by a resume."""
-        self.backend.sync_batchnorm_stats()
+        self.backend.sync_buffers()
         client_state = dict(log_window=log_window,
             step=step, micro_step=micro_step, micro_batch=self.spec.micro_batch, grad_accum=self.spec.grad_accum,
             rng_cpu=torch.get_rng_state(),

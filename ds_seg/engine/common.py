@@ -59,7 +59,7 @@ def prepare_batchnorm(model, device, world_size):
 
     Without it each rank normalises with its own micro-batch statistics, as DDP does by
     default; running statistics are then averaged before evaluation and saving
-    (:func:`average_batchnorm_buffers`).
+    (:func:`average_buffers`).
     """
     if device.type == 'cuda' and world_size > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -72,9 +72,17 @@ def batchnorm_buffers(model):
 
 
 @torch.no_grad()
-def average_batchnorm_buffers(model):
-    """Make BN running statistics equal on every rank (DeepSpeed never synchronises buffers)."""
-    distributed.all_reduce_mean_(batchnorm_buffers(model))
+def average_buffers(model):
+    """Make the model's floating-point buffers equal on every rank (neither backend synchronises
+    buffers per step): BN running statistics averaged; any other float buffer (a user model's
+    running scale, an EMA) averaged where the ranks' values differ, and left bit for bit where they
+    agree. Else the checkpoint kept rank 0's value, every rank resumed from it, and a resumed run
+    was no longer the run that never stopped."""
+    bn = batchnorm_buffers(model)
+    distributed.all_reduce_mean_(bn)
+    bn_ids = {id(b) for b in bn}
+    distributed.average_where_different_(
+        [b for b in model.buffers() if b.is_floating_point() and id(b) not in bn_ids])
 
 
 @torch.no_grad()

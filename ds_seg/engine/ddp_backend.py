@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed
 from ..config import ConfigError
-from .common import average_batchnorm_buffers, prepare_batchnorm
+from .common import average_buffers, prepare_batchnorm
 from .optimizer_state import kept_implementation
 from .param_groups import apply_schedule_now, build_param_groups, group_layout, scale_lr_by_group
 from . import speed
@@ -341,8 +341,8 @@ class DDPBackend:
     def skipped_steps(self):
         return self._skipped
 
-    def sync_batchnorm_stats(self):
-        average_batchnorm_buffers(self.ddp.module)
+    def sync_buffers(self):
+        average_buffers(self.ddp.module)
 
     # -- checkpoints: every rank calls these; rank 0 writes ------------------------------------
     def save(self, directory, tag, client_state):

@@ -9,7 +9,7 @@ import torch
 
 from ..config import ConfigError
 from . import ds_workarounds, speed
-from .common import (BATCHNORM_STATS, average_batchnorm_buffers, global_grad_norm, keep_batchnorm_fp32,
+from .common import (BATCHNORM_STATS, average_buffers, global_grad_norm, keep_batchnorm_fp32,
                      prepare_batchnorm)
 from .optimizer_state import base_optimizer, kept_implementation
 from .param_groups import apply_schedule_now, build_param_groups, group_layout, scale_lr_by_group
@@ -206,8 +206,8 @@ class DeepSpeedBackend:
     def skipped_steps(self):
         return int(self.engine.skipped_steps)
 
-    def sync_batchnorm_stats(self):
-        average_batchnorm_buffers(self.engine.module)
+    def sync_buffers(self):
+        average_buffers(self.engine.module)
 
     # -- checkpoints: every rank must call these --------------------------------------------
     def save(self, directory, tag, client_state):

@@ -564,7 +564,7 @@ class Trainer:
         all-reduced confusion matrix gives per-class IoU/F1, mIoU and OA (never an average of
         rank mIoUs)."""
         from ..inference import evaluate_scenes
-        self.backend.sync_batchnorm_stats()
+        self.backend.sync_buffers()
         self.backend.eval()
         d = self.cfg.data
         tile = d.get('eval_tile') or d.crop_size

@@ -28,7 +28,7 @@ def _train(tmp, backend, work):
     trainer = Trainer(cfg, ds_config(0), backend=backend, work_dir=os.path.join(tmp, work))
     try:
         trainer.fit()
-        trainer.backend.sync_batchnorm_stats()  # what the checkpoint holds
+        trainer.backend.sync_buffers()  # what the checkpoint holds
         return {k: v.detach().clone() for k, v in trainer.backend.module.state_dict().items()}
     finally:
         trainer.close()

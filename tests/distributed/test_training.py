@@ -40,7 +40,7 @@ def _train(tmp, backend, ds, work, resume=None, steps=12, checkpoint_interval=0,
     try:
         initial = _full_params(trainer)
         summary = trainer.fit()
-        trainer.backend.sync_batchnorm_stats()
+        trainer.backend.sync_buffers()
         from ds_seg.engine.common import batchnorm_buffers
         buffers = torch.cat([b.flatten().clone() for b in batchnorm_buffers(trainer.backend.module)])
         return dict(params=_full_params(trainer), initial=initial, buffers=buffers, summary=summary,
