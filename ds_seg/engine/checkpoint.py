@@ -650,26 +650,43 @@ def consolidated_state_dict(ckpt_dir):
 
 def _zero0_fp32_masters(saved):
     """{name: fp32 master weight} of a ZeRO-0 native bf16/fp16 checkpoint (its optimizer's
-    ``fp32_groups``), or {} (fp32 runs; an optimizer state of another form). The module holds the
-    16-bit copies: exported as they were, the weights were 3e-3 off what training had reached
-    (argmax different on 0.14% of the pixels), where ZeRO 1-3 exports gave the fp32 masters.
+    ``fp32_groups``, or the fused fp16 optimizer's ``fp32_groups_flat``: one flat tensor per
+    group), or {} (fp32 runs; an optimizer state of another form). The module holds the 16-bit
+    copies: exported as they were, the weights were 3e-3 off what training had reached (argmax
+    different on 0.14% of the pixels), where ZeRO 1-3 exports gave the fp32 masters.
 
     The groups list no names; each master is the parameter whose 16-bit copy it rounds to, of its
     shape (DeepSpeed copies every master into its 16-bit parameter after each step), matched in
-    the module's order."""
-    groups = (saved.get('optimizer') or {}).get('fp32_groups') if isinstance(saved.get('optimizer'), dict) else None
-    if not groups:
+    the module's order; a flat group is its parameters one after another, in the group's order."""
+    optimizer = saved.get('optimizer')
+    if not isinstance(optimizer, dict):
+        return {}
+    groups, flat_groups = optimizer.get('fp32_groups'), optimizer.get('fp32_groups_flat')
+    if not groups and not flat_groups:
         return {}
     module, buffers = saved['module'], set(saved.get('buffer_names') or ())
     free = [k for k, v in module.items() if k not in buffers and v.is_floating_point()]
+
+    def rounds_to(master, name):
+        return module[name].shape == master.shape and torch.equal(master.to(module[name].dtype), module[name])
+
     masters = {}
-    for master in (t for group in groups for t in group):
-        name = next((k for k in free if module[k].shape == master.shape
-                     and torch.equal(master.to(module[k].dtype), module[k])), None)
+    for master in (t for group in groups or () for t in group):
+        name = next((k for k in free if rounds_to(master, k)), None)
         if name is None:  # not this layout after all: the module's copies, as before
             return {}
         free.remove(name)
         masters[name] = master
+    for flat in flat_groups or ():
+        offset = 0
+        while offset < flat.numel():
+            name = next((k for k in free if offset + module[k].numel() <= flat.numel()
+                         and rounds_to(flat[offset:offset + module[k].numel()].view(module[k].shape), k)), None)
+            if name is None:
+                return {}
+            free.remove(name)
+            masters[name] = flat[offset:offset + module[name].numel()].view(module[name].shape).clone()
+            offset += module[name].numel()
     return masters
 
 

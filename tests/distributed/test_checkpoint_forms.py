@@ -134,3 +134,35 @@ def test_a_zero0_native_bf16_export_holds_the_fp32_master_weights(tmp_path):
     off = [name for name, master in masters.items() if not torch.equal(exported[name], master)]
     assert off == []
     assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters.values()), 'masters hold fp32 bits'
+
+
+def test_a_zero0_fused_fp16_export_holds_the_fp32_master_weights():
+    """DeepSpeed's fused fp16 optimizer (ZeRO-0 fp16 with FusedAdam, a GPU's) keeps its masters as
+    one flat fp32 tensor per parameter group (``fp32_groups_flat``): the export took the module's
+    fp16 copies. Here the real FP16_Optimizer, around torch's Adam on the CPU, with two groups
+    whose order is not the module's, and the state dict a ZeRO-0 checkpoint saves."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    torch.manual_seed(0)
+    from ds_seg.engine.common import keep_batchnorm_fp32
+    model = keep_batchnorm_fp32(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                                                    torch.nn.Conv2d(4, 2, 1)).half())
+    groups = [{'params': list(model[2].parameters())}, {'params': list(model[0].parameters()) + list(model[1].parameters())}]
+    optimizer = FP16_Optimizer(torch.optim.Adam(groups, lr=1e-2), static_loss_scale=1.0, verbose=False)
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = model(torch.randn(2, 3, 8, 8).half()).float().square().mean()
+        optimizer.backward(loss)
+        optimizer.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    expected = {}
+    for flat, group in zip(optimizer.fp32_groups_flat, optimizer.fp16_groups):
+        offset = 0
+        for p in group:
+            expected[names[id(p)]] = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+    assert any(not torch.equal(m, m.half().float()) for m in expected.values()), 'control: masters hold fp32 bits'
+    saved = {'module': model.state_dict(), 'optimizer': optimizer.state_dict(),
+             'buffer_names': [n for n, _ in model.named_buffers()]}
+    masters = checkpoint._zero0_fp32_masters(saved)
+    assert masters.keys() == expected.keys()
+    assert all(torch.equal(masters[k], expected[k]) for k in expected)
