@@ -665,9 +665,10 @@ class StackedRaster:
         cast to another's type, and its nodata read as data."""
         # One file as two dates (a copy-paste slip, overlapping globs) would train on a series
         # with a date missing and say nothing; refused like a scene given twice for evaluation.
-        seen = {}
+        from .geotiff import _scene_keys     # links, two spellings, one URL under two signatures
+        keys, seen = _scene_keys(paths), {}
         for t, p in enumerate(paths):
-            key = same_file_key(p)
+            key = keys[p]
             if key in seen:
                 raise DataError(f"{p} is given as date {t + 1} and as date {seen[key] + 1} of one scene "
                                 f"({','.join(paths)}); give each date its own raster")

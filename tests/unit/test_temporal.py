@@ -230,6 +230,11 @@ def test_dates_that_encode_pixels_differently_are_refused(tmp_path):
             GeoTiffScenes([[t0, second]], [label], classes=2, mean=[0], std=[1])
         with pytest.raises(DataError, match=message):
             StackedRaster([t0, second])
+    from ds_seg.data.rangeserver import RangeServer
+    with RangeServer(tmp_path) as server:   # one file under two signatures (signed URLs)
+        first, second = server.url('a_t0.tif') + '?sig=1', server.url('a_t0.tif') + '?sig=2'
+        with pytest.raises(DataError, match=r'a_t0.tif\?sig=2 is given as date 2 and as date 1 of one scene'):
+            StackedRaster([first, second])
 
 
 def test_prediction_marks_a_pixel_empty_at_any_one_date_as_nodata_like_training(tmp_path):
@@ -285,6 +290,11 @@ def test_dates_on_one_grid_to_float_noise_are_accepted_and_one_file_as_two_dates
             GeoTiffScenes([[t0, second]], [label], classes=2, mean=[127.5], std=[64.0], crop_size=32)
         with pytest.raises(DataError, match=message):
             StackedRaster([t0, second])
+    from ds_seg.data.rangeserver import RangeServer
+    with RangeServer(tmp_path) as server:   # one file under two signatures (signed URLs)
+        first, second = server.url('a_t0.tif') + '?sig=1', server.url('a_t0.tif') + '?sig=2'
+        with pytest.raises(DataError, match=r'a_t0.tif\?sig=2 is given as date 2 and as date 1 of one scene'):
+            StackedRaster([first, second])
 
 
 def test_evaluate_a_time_series_val_and_refuse_a_one_date_model_on_it(tmp_path, capsys):
