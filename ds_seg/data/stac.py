@@ -111,13 +111,24 @@ def _check_declared_encoding(item, names, source, seen):
     for name in names:
         declared = _declared_encoding(item.assets[name])
         if declared is None:
-            continue
-        first = seen.setdefault(name, (item.id, declared))
-        if first[1] != declared:
-            raise ConfigError(f"stac={source!r}: items {first[0]!r} and {item.id!r} declare other raster:bands "
-                              f"scale/offset for asset {name!r} ({first[1]} and {declared}); ds_seg trains on the raw "
-                              "values, so every scene must share one encoding: use items of one processing baseline, "
-                              "or convert them to one (gdal_translate -scale)")
+            seen.setdefault(('silent', name), item.id)
+        else:
+            first = seen.setdefault(name, (item.id, declared))
+            if first[1] != declared:
+                raise ConfigError(f"stac={source!r}: items {first[0]!r} and {item.id!r} declare other raster:bands "
+                                  f"scale/offset for asset {name!r} ({first[1]} and {declared}); ds_seg trains on the "
+                                  "raw values, so every scene must share one encoding: use items of one processing "
+                                  "baseline, or convert them to one (gdal_translate -scale)")
+            if any(band != [1.0, 0.0] for band in declared):
+                seen.setdefault(('scaled', name), (item.id, declared))
+        # An item that declares nothing beside one that declares a scale or offset: its files may
+        # hold either encoding, and nothing tells which.
+        silent, scaled = seen.get(('silent', name)), seen.get(('scaled', name))
+        if silent is not None and scaled is not None:
+            raise ConfigError(f"stac={source!r}: item {scaled[0]!r} declares raster:bands scale/offset {scaled[1]} "
+                              f"for asset {name!r} and item {silent!r} declares none, so whether they share one "
+                              "encoding is unknown; ds_seg trains on the raw values: use items that declare it alike "
+                              "(one processing baseline), or convert them to one (gdal_translate -scale)")
 
 
 # The colour interpretations ds_seg's checks read, by GDAL's VRT names; others stay undefined.

@@ -254,6 +254,20 @@ def test_items_declaring_other_raster_bands_scale_or_offset_are_refused(catalogu
     one = catalogue['tmp'] / 'one_baseline.json'
     one.write_text(json.dumps(collection))
     assert len(GeoTiffScenes(stac=str(one), stac_bands=BANDS, mode='grid', **KW)) > 0
+    # One item declares its scale, the other nothing: which encoding its files hold is unknown.
+    for name in BANDS:
+        del collection['features'][0]['assets'][name]['raster:bands']
+    silent = catalogue['tmp'] / 'one_silent.json'
+    silent.write_text(json.dumps(collection))
+    with pytest.raises(ConfigError) as refused:
+        GeoTiffScenes(stac=str(silent), stac_bands=BANDS, mode='grid', **KW)
+    assert str(refused.value).startswith(
+        f"stac={str(silent)!r}: item 'scene1' declares raster:bands scale/offset [[0.0001, 0.0]] for asset "
+        f"{BANDS[0]!r} and item 'scene0' declares none, so whether they share one encoding is unknown")
+    for name in BANDS:   # a declared identity encoding is what a silent item is read as
+        collection['features'][1]['assets'][name]['raster:bands'] = [{'scale': 1, 'offset': 0}]
+    silent.write_text(json.dumps(collection))
+    assert len(GeoTiffScenes(stac=str(silent), stac_bands=BANDS, mode='grid', **KW)) > 0
 
 
 def test_time_series_sharing_a_baseline_date_are_two_evaluation_scenes(catalogue):
