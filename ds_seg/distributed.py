@@ -431,12 +431,13 @@ def average_where_different_(tensors):
     differs = high != low
     total = flat.clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    offset = 0
+    starts = [0]
     for t in tensors:
-        k = t.numel()
-        if bool(differs[offset:offset + k].any()):
-            t.copy_((total[offset:offset + k] / n).view_as(t).to(t.dtype))
-        offset += k
+        starts.append(starts[-1] + t.numel())
+    flags = torch.stack([differs[a:b].any() for a, b in zip(starts, starts[1:])]).tolist()   # one read-back
+    for t, a, b, differ in zip(tensors, starts, starts[1:], flags):
+        if differ:
+            t.copy_((total[a:b] / n).view_as(t).to(t.dtype))
 
 
 _CPU_GROUP = None
