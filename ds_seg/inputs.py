@@ -33,7 +33,9 @@ def as_invoked(text):
     def named(match):
         name = match.group(2)
         before = match.string[match.string.rfind('\n', 0, match.start()) + 1:match.start()]
-        if not match.group(1) and re.search(r'\b(torchrun|deepspeed)\b', before):
+        # The launcher's own command: its name, then only its options, then the script; not the
+        # word in prose ("a deepspeed checkpoint ... export it (launch/export.py)").
+        if not match.group(1) and re.search(r'\b(torchrun|deepspeed)(\s+--?[\w.-]+(=\S+|\s+[^-\s]\S*)?)*\s+$', before):
             return f"{'-m' if 'torchrun' in before else '--module'} ds_seg.cli.{name}"
         return f'ds-seg-{name}' if name in CONSOLE_COMMANDS else f'python -m ds_seg.cli.{name}'
     return re.sub(r'(python3? )?launch/(\w+)\.py', named, text)

@@ -133,14 +133,16 @@ def test_an_installed_console_script_names_the_commands_it_has(monkeypatch):
     text = ('give a weights file from launch/export.py, or run python launch/predict.py; '
             'python -m ds_seg? launch/data_benchmark.py\n'
             '    torchrun --nproc_per_node 4 launch/predict.py --x\n    deepspeed --num_gpus 2 launch/train.py\n'
-            '    python launch/train.py')
+            '    python launch/train.py\n'
+            'a deepspeed checkpoint but this run uses --backend ddp; export it (launch/export.py)')
     monkeypatch.setattr(sys, 'argv', ['/work/main/launch/predict.py'])
     assert as_invoked(text) == text
     monkeypatch.setattr(sys, 'argv', ['/venv/bin/ds-seg-predict'])
     assert as_invoked(text) == ('give a weights file from ds-seg-export, or run ds-seg-predict; '
                                 'python -m ds_seg? python -m ds_seg.cli.data_benchmark\n'
                                 '    torchrun --nproc_per_node 4 -m ds_seg.cli.predict --x\n'
-                                '    deepspeed --num_gpus 2 --module ds_seg.cli.train\n    ds-seg-train')
+                                '    deepspeed --num_gpus 2 --module ds_seg.cli.train\n    ds-seg-train\n'
+                                'a deepspeed checkpoint but this run uses --backend ddp; export it (ds-seg-export)')
     # python -m / torchrun -m / deepspeed --module ds_seg.cli.predict: argv[0] is the module's file
     # (they said launch/export.py, which the wheel has not).
     import ds_seg.cli.predict
