@@ -850,3 +850,17 @@ def test_multinode_template_meets_at_the_first_nodes_address_where_its_name_does
         assert proc.stderr.startswith("[sbatch] the allocation's first node, node-only-slurm-knows, does not resolve on "
                                       ), proc.stderr
         assert "(Slurm's NodeAddr for it: also-unknown.invalid)" in proc.stderr
+
+
+def test_the_multinode_template_outside_an_allocation_says_so_in_one_line(tmp_path):
+    """Run with bash on a login node, it went on to 'SLURM_JOB_NODELIST: unbound variable' and a
+    first node named '' that did not resolve."""
+    env = {k: v for k, v in _env(WORK_DIR=str(tmp_path / 'work'), PYTHON=sys.executable).items()
+           if not k.startswith('SLURM_')}
+    proc = subprocess.run(['bash', str(REPO_ROOT / 'launch' / 'slurm' / 'train_multinode.sbatch')], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == '', proc.stdout + proc.stderr
+    assert proc.stderr.count('\n') == 1 and proc.stderr.startswith(
+        '[sbatch] this template runs in a Slurm allocation (SLURM_JOB_NODELIST is not set): submit it with sbatch '
+        '--nodes=N '), proc.stderr
+    assert not (tmp_path / 'work').exists()
