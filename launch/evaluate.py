@@ -1,11 +1,13 @@
 """``python launch/evaluate.py ...`` = the ``ds-seg-evaluate`` console script (ds_seg/cli/evaluate.py).
 
 Kept so that launchers taking a script path (``deepspeed launch/evaluate.py``, ``torchrun
-launch/evaluate.py``) work; it only runs the installed package's command (``pip install -e .``).
+launch/evaluate.py``) work; it runs this checkout's ds_seg (launch/_checkout.py), with the dependencies
+installed by ``pip install -e .``.
 """
 import sys
 
 try:
+    import _checkout  # noqa: F401  (this checkout's ds_seg first)
     from ds_seg.cli.evaluate import main
 except ModuleNotFoundError as e:  # not installed in this Python
     sys.exit(f"[ds_seg] {sys.executable} cannot import {e.name!r}: install ds_seg in it (pip install -e . "

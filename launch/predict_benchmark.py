@@ -6,6 +6,7 @@ installed package's command (``pip install -e .``).
 import sys
 
 try:
+    import _checkout  # noqa: F401  (this checkout's ds_seg first)
     from ds_seg.cli.predict_benchmark import main
 except ModuleNotFoundError as e:  # not installed in this Python
     sys.exit(f"[ds_seg] {sys.executable} cannot import {e.name!r}: install ds_seg in it (pip install -e . "

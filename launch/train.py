@@ -1,7 +1,8 @@
 """``python launch/train.py ...`` = the ``ds-seg-train`` console script (ds_seg/cli/train.py).
 
 Kept so that launchers taking a script path (``deepspeed launch/train.py``, ``torchrun
-launch/train.py``) work; it only runs the installed package's command (``pip install -e .``).
+launch/train.py``) work; it runs this checkout's ds_seg (launch/_checkout.py), with the dependencies
+installed by ``pip install -e .``.
 """
 import signal
 import sys
@@ -18,6 +19,7 @@ if __name__ == '__main__':
         if _sig != signal.SIGINT or signal.getsignal(_sig) is not signal.SIG_IGN:  # SIGINT ignored (a background rank) stays so
             signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
     try:
+        import _checkout  # noqa: F401  (this checkout's ds_seg first)
         from ds_seg.cli.train import main
     except ModuleNotFoundError as e:  # not installed in this Python
         sys.exit(f"[ds_seg] {sys.executable} cannot import {e.name!r}: install ds_seg in it (pip install -e . "

@@ -153,11 +153,25 @@ def test_launch_scripts_run_by_a_python_without_ds_seg_say_so_in_one_line(tmp_pa
     bare environment (sbatch --export=NONE), was a ModuleNotFoundError traceback per rank."""
     subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(tmp_path / 'bare')], check=True)
     python = str(tmp_path / 'bare' / 'bin' / 'python')
-    scripts = sorted(p for p in os.listdir(REPO_ROOT / 'launch') if p.endswith('.py'))
+    scripts = sorted(p for p in os.listdir(REPO_ROOT / 'launch') if p.endswith('.py') and not p.startswith('_'))
     assert 'train.py' in scripts and len(scripts) >= 9
     for script in scripts:
         proc = subprocess.run([python, str(REPO_ROOT / 'launch' / script), '--help'], cwd=tmp_path,
                               capture_output=True, text=True, env={'PATH': os.environ['PATH']})
         assert proc.returncode == 1 and proc.stdout == '', (script, proc.stdout, proc.stderr)
-        assert proc.stderr == (f"[ds_seg] {python} cannot import 'ds_seg': install ds_seg in it "
+        # The checkout's ds_seg is found (launch/_checkout.py); what it needs is not.
+        assert proc.stderr == (f"[ds_seg] {python} cannot import 'torch': install ds_seg in it "
                                f"(pip install -e . in the checkout) or run the Python it is installed in\n"), script
+
+
+def test_launch_scripts_run_their_own_checkouts_ds_seg_not_the_installed_one(tmp_path):
+    """`python launch/train.py` in a second clone (another branch) ran the ds_seg installed from the
+    first, without a word: Python puts launch/, not the checkout, on sys.path."""
+    clone = tmp_path / 'clone'
+    shutil.copytree(REPO_ROOT / 'launch', clone / 'launch', ignore=shutil.ignore_patterns('__pycache__'))
+    shutil.copytree(REPO_ROOT / 'ds_seg', clone / 'ds_seg', ignore=shutil.ignore_patterns('__pycache__'))
+    (clone / 'ds_seg' / 'cli' / 'models.py').write_text(
+        "import ds_seg\n\ndef main(argv=None):\n    print('models of', ds_seg.__file__)\n    return 0\n")
+    proc = subprocess.run([sys.executable, str(clone / 'launch' / 'models.py')], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == f"models of {clone / 'ds_seg' / '__init__.py'}\n", proc.stderr
