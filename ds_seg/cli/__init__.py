@@ -13,7 +13,12 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[2]   # the folder that holds d
 
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose refusals are one line (``prog: error: ...``, exit 2), as every
-    other mistake of these commands is: argparse printed its usage block first."""
+    other mistake of these commands is: argparse printed its usage block first. Its description
+    names the commands as this program's user has them (:func:`ds_seg.inputs.as_invoked`)."""
+
+    def __init__(self, *args, description=None, **kwargs):
+        from ..inputs import as_invoked
+        super().__init__(*args, description=as_invoked(description), **kwargs)
 
     def error(self, message):
         print(f'{self.prog}: error: {message}', file=sys.stderr)

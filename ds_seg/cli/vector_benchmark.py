@@ -127,8 +127,13 @@ def child(args):
 
 def main(argv=None):
     # argparse's own parser: ds_seg.cli.OneLineParser would import the ds_seg package (and torch)
-    # into the measured child, which runs this file by path.
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # into the measured child, which runs this file by path; only the help imports it, to name the
+    # commands as this program's user has them.
+    description = __doc__
+    if not {'-h', '--help'}.isdisjoint(sys.argv[1:] if argv is None else argv):
+        from ds_seg.inputs import as_invoked
+        description = as_invoked(__doc__)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--size', type=int, default=20000)
     p.add_argument('--band-rows', type=int, default=256)
     p.add_argument('--format', default='gpkg', choices=['gpkg', 'fgb', 'geojson'])

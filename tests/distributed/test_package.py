@@ -119,6 +119,9 @@ def test_wheel_contents_and_console_scripts_from_a_fresh_venv(tmp_path):
         # A wheel has no launch/ folder: its commands are named as it has them.
         assert 'usage' in said and 'launch/' not in said, said
     assert '--module ds_seg.cli.train' in run('ds-seg-train', '--help')
+    for name in ('data_benchmark', 'predict_benchmark', 'vector_benchmark'):   # no console script
+        said = run(os.path.join(bin_dir, 'python'), '-m', f'ds_seg.cli.{name}', '--help')
+        assert f'python -m ds_seg.cli.{name}' in said and 'launch/' not in said, said
     # The sbatch templates, which a wheel user has no launch/slurm/ to copy from.
     for option, name in ((['--sbatch-template'], 'train.sbatch'), (['--sbatch-template', 'multinode'],
                                                                     'train_multinode.sbatch')):
