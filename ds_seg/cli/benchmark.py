@@ -132,8 +132,8 @@ def machine_description():
 def _backend(name):
     """(train.py --backend, JSON path) for a known name or a ``label=path.json`` DeepSpeed variant
     (how the tuning experiments in docs/benchmarks.md were run)."""
-    if '=' in name:
-        return 'deepspeed', name.split('=', 1)[1]
+    if '=' in name:   # a path, or a shipped name from any folder, as --deepspeed_config reads it
+        return 'deepspeed', os.path.abspath(find_shipped(user_path(name.split('=', 1)[1]), DS_CONFIGS_DIR, '.json'))
     backend, json_name = BACKENDS[name]
     # As ds-seg-train --deepspeed_config reads the name: a project's own ds_configs/<name>.json
     # first, said in a line (the shipped one was measured without a word, its row named as the copy).
@@ -627,7 +627,7 @@ def _check_args(args):
     names = [n.strip() for n in args.backends.split(',') if n.strip()]
     if not names:
         return f"--backends {args.backends!r} names no backend; known: {', '.join(BACKENDS)}"
-    missing = [n for n in names if '=' in n and not os.path.isfile(n.split('=', 1)[1])]
+    missing = [n for n in names if '=' in n and not os.path.isfile(_backend(n)[1])]
     if missing:
         return f"--backends {missing[0]}: no such DeepSpeed JSON file"
     unknown = [n for n in names if n not in BACKENDS and '=' not in n]

@@ -427,6 +427,17 @@ def test_what_would_fail_every_run_is_one_line_before_any(argv, message, tmp_pat
     assert not (tmp_path / 'bench').exists()  # no run was started, no folder made
 
 
+def test_a_label_file_may_be_a_shipped_name_from_any_folder(tmp_path, monkeypatch):
+    """--backends mine=zero2_bf16 (or =ds_configs/zero2_bf16.json) outside the checkout was 'no
+    such DeepSpeed JSON file', where --deepspeed_config zero2_bf16 trains the shipped file."""
+    from ds_seg.config import DS_CONFIGS_DIR
+    monkeypatch.chdir(tmp_path)
+    for given in ('zero2_bf16', 'ds_configs/zero2_bf16.json'):
+        assert benchmark._backend(f'mine={given}') == ('deepspeed', str(DS_CONFIGS_DIR / 'zero2_bf16.json'))
+    assert benchmark._backend('mine=/nonexistent/zero9.json') == ('deepspeed', '/nonexistent/zero9.json')
+
+
+
 @pytest.mark.parametrize('existing', ['checkpoints', 'zero2', 'zero2_profile'])
 def test_a_folder_no_benchmark_wrote_is_refused_and_left_alone(existing, tmp_path, capsys):
     """A label named like a training run's folder (checkpoints) had it deleted and replaced."""
