@@ -437,7 +437,6 @@ def test_a_label_file_may_be_a_shipped_name_from_any_folder(tmp_path, monkeypatc
     assert benchmark._backend('mine=/nonexistent/zero9.json') == ('deepspeed', '/nonexistent/zero9.json')
 
 
-
 @pytest.mark.parametrize('existing', ['checkpoints', 'zero2', 'zero2_profile'])
 def test_a_folder_no_benchmark_wrote_is_refused_and_left_alone(existing, tmp_path, capsys):
     """A label named like a training run's folder (checkpoints) had it deleted and replaced."""
