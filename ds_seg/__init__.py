@@ -5,10 +5,12 @@ from .stop_signals import catch_if_training_program  # noqa: E402
 
 catch_if_training_program()   # first: a Slurm signal during the imports below must not kill a rank
 
-from .engine.ds_workarounds import keep_autotuner_from_importing_mlflow, quiet_scheduler_start_warning  # noqa: E402
+from .engine.ds_workarounds import (keep_autotuner_from_importing_mlflow, quiet_deprecated_collectives,  # noqa: E402
+                                    quiet_scheduler_start_warning)
 
 keep_autotuner_from_importing_mlflow()  # 3 s off every process start (see the function)
 quiet_scheduler_start_warning()         # a warning on every run about nothing (see the function)
+quiet_deprecated_collectives()          # torch's warnings about DeepSpeed's calls, a dozen per rank
 
 # Importing the subpackages registers every model, loss, dataset and transform.
 from . import data, models  # noqa: E402,F401

@@ -27,6 +27,10 @@ changes it, that test fails, and the workaround (and its test) can be deleted.
   built on it) call ``get_lr()`` in their constructor, which logs "Attempting to get learning
   rate from scheduler before it has started" on every run (and on ds_seg's own check of a JSON's
   scheduler) although nothing is wrong. That one message is filtered from DeepSpeed's logger.
+* :func:`quiet_deprecated_collectives` -- DeepSpeed 0.19's communication layer calls
+  ``torch.distributed.all_gather_into_tensor`` and ``reduce_scatter_tensor``, which torch 2.14
+  deprecates with a FutureWarning: about a dozen lines per rank in every ZeRO-2/3 run that the
+  user can do nothing about. Those two messages are filtered.
 * :func:`inert_initial_fp16_step` -- DeepSpeed 0.19's ZeRO-0 fp16 optimizers (``FP16_Optimizer``,
   ``FP16_UnfusedOptimizer``) call the wrapped optimizer's ``step()`` once with zero gradients
   while they are built, to allocate its state, at the JSON's ``lr``: AdamW's decoupled weight
@@ -188,6 +192,16 @@ def quiet_scheduler_start_warning():
     logger = logging.getLogger('DeepSpeed')
     if _not_the_scheduler_start_warning not in logger.filters:
         logger.addFilter(_not_the_scheduler_start_warning)
+
+
+DEPRECATED_COLLECTIVES = r'`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated'
+
+
+def quiet_deprecated_collectives():
+    """Filter torch's deprecation warnings of the collectives DeepSpeed calls (see the module
+    docstring)."""
+    import warnings
+    warnings.filterwarnings('ignore', message=DEPRECATED_COLLECTIVES, category=FutureWarning)
 
 
 def _source_sha(function):

@@ -160,6 +160,27 @@ def test_deepspeed_schedulers_still_warn_at_construction_and_ds_seg_quiets_it():
 
 
 
+def test_deepspeed_still_calls_collectives_torch_deprecates_and_ds_seg_quiets_them():
+    """Delete quiet_deprecated_collectives once DeepSpeed's all_gather_into_tensor and
+    reduce_scatter_tensor stop calling torch's deprecated functions of those names (or torch
+    stops warning)."""
+    import subprocess
+    import sys
+    check = ("import os; os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='0', RANK='0', WORLD_SIZE='1', "
+             "LOCAL_RANK='0', DS_ACCELERATOR='cpu'); {}import importlib, torch, deepspeed.comm as dsc; "
+             # no JIT build, as ds_seg.distributed (deepspeed.comm.torch, as an attribute, is torch itself)
+             "importlib.import_module('deepspeed.comm.torch').build_shm_op = lambda: None; "
+             "torch.distributed.init_process_group('gloo', world_size=1, rank=0, store=torch.distributed.HashStore()); "
+             "dsc.init_distributed('gloo'); dsc.all_gather_into_tensor(torch.zeros(2), torch.ones(2)); "
+             "dsc.reduce_scatter_tensor(torch.zeros(2), torch.ones(2))")
+    plain = subprocess.run([sys.executable, '-c', check.format('')], capture_output=True, text=True)
+    ours = subprocess.run([sys.executable, '-c', check.format('import ds_seg; ')], capture_output=True, text=True)
+    for name in ('all_gather_into_tensor', 'reduce_scatter_tensor'):
+        message = f'`torch.distributed.{name}` is deprecated'
+        assert plain.returncode == 0 and message in plain.stderr, plain.stderr[-2000:]
+        assert ours.returncode == 0 and message not in ours.stderr, ours.stderr[-2000:]
+
+
 def test_deepspeed_zero_norms_still_read_the_host_and_ds_seg_computes_the_same_on_the_device():
     """Delete sync_free_zero_norms once DeepSpeed's norm mask stops copying a host scalar in and its
     ZeRO-1/2 clipping stops testing the norm on the host (two host reads per step on an H100:
