@@ -60,8 +60,15 @@ def describe_io_error(exc):
 
 
 def is_collective_failure(exc):
+    """A collective's failure: torch's DistError, or a RuntimeError in the words gloo and NCCL
+    use, where there are other ranks. Not an OSError of this rank's own (a closed or full stdout:
+    'broken pipe') nor a data error whose message says a server timed out: those were called a
+    lost rank (exit 4, 'check the node'), not what they are."""
     if isinstance(exc, torch.distributed.DistError):
         return True
+    from ..config import ConfigError
+    if distributed.world_size() == 1 or not isinstance(exc, RuntimeError) or isinstance(exc, ConfigError):
+        return False
     text = str(exc).lower()
     return any(word in text for word in ('gloo', 'nccl', 'connection closed', 'connection reset',
                                          'broken pipe', 'timed out', 'timeout'))

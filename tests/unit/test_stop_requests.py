@@ -123,3 +123,24 @@ def test_stop_lines_say_which_checkpoint_to_go_on_from_and_never_claim_one_that_
                                   "check the data.")
     assert message(5, 2).endswith(f"the last checkpoint ({root / 'step_00000002'}) is intact: go on from it with a "
                                   "lower learning rate, or check the data.")
+
+
+def test_only_a_collectives_failure_is_called_a_lost_rank():
+    """A mid-run DataError saying a server 'timed out' (exit 65 promised) and a stdout whose reader
+    quit ('Broken pipe') were matched by their words and called a lost rank: exit 4, 'check the
+    node', on a single process too."""
+    import errno
+
+    import torch
+    from ds_seg.data.raster import DataError
+    from ds_seg.engine.faults import Faults, is_collective_failure
+    stalled = DataError('https://example.org/t.tif: window (0, 0, 512, 512) could not be read; a request for it now '
+                        'timed out: no answer within 10 s')
+    reset = DataError('https://example.org/t.tif: read failed: Connection reset by peer')
+    for exc in (stalled, reset):
+        reason, raised, line = Faults().classify(exc, 12, lambda: None)
+        assert (reason, raised) == ('error', exc) and line.startswith('DataError: https://example.org/t.tif')
+    reason, raised, _ = Faults().classify(BrokenPipeError(errno.EPIPE, 'Broken pipe'), 12, lambda: None)
+    assert reason == 'io_error' and '[Errno 32 EPIPE] Broken pipe' in str(raised)
+    assert not is_collective_failure(RuntimeError('gloo: connection closed by peer'))   # one process: no peer
+    assert is_collective_failure(torch.distributed.DistBackendError('NCCL watchdog timeout'))
