@@ -25,6 +25,61 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class _StdoutThatMayClose:
+    """``sys.stdout`` of a long command: a write that fails (the reader of a pipe quit, ``| head``;
+    a full disk under ``> train.log``; a closed terminal) points file descriptor 1 at /dev/null,
+    says so once on stderr, and the command goes on. A training run was stopped as a lost rank
+    (exit 4, every step since the last checkpoint lost), or with a traceback at its start."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._closed = False
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            self._lost(exc)
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            self._lost(exc)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _lost(self, exc):
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            where = os.readlink('/proc/self/fd/1')
+        except OSError:
+            where = 'stdout'
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)   # also the text still buffered, and what C code writes, goes nowhere
+        os.close(null)
+        try:
+            self._stream.flush()
+        except OSError:
+            pass
+        name = errno.errorcode.get(exc.errno, exc.errno)
+        try:
+            print(f'[ds_seg] stdout ({where}) failed: [Errno {exc.errno} {name}] {exc.strerror}: printing stops '
+                  'here, the command goes on (a run logs to its metrics.jsonl)', file=sys.stderr, flush=True)
+        except OSError:
+            pass
+
+
+def outlive_stdout():
+    """Install :class:`_StdoutThatMayClose` (once; the training program does it as ds_seg is imported)."""
+    if not isinstance(sys.stdout, _StdoutThatMayClose) and sys.stdout is not None:
+        sys.stdout = _StdoutThatMayClose(sys.stdout)
+
+
 def same_package_env(**overrides):
     """``os.environ`` for a child ``python -m ds_seg.cli.<name>``, with the folder holding this
     ds_seg first on PYTHONPATH: the child then imports the same package as this process (the

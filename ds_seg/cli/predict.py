@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from ds_seg import distributed
-from ds_seg.cli import exit_without_finalization, run_command
+from ds_seg.cli import exit_without_finalization, outlive_stdout, run_command
 from ds_seg.config import ConfigError
 from ds_seg.data.geotiff import configure_gdal_for_worker, dates_out_of_name_order
 from ds_seg.data.raster import StackedRaster, untagged_fill_refusal
@@ -476,6 +476,8 @@ def _run(args):
 
 
 def main(argv=None):
+    if argv is None:   # the command itself: a stdout that closes does not stop it
+        outlive_stdout()
     parser = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', type=user_path, required=True, help='weights file, step_* folder, checkpoints folder, work dir, or an .onnx export '
                         '(run with onnxruntime on the CPU)')

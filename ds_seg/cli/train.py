@@ -11,7 +11,7 @@ import os
 import sys
 
 from ds_seg.inputs import as_invoked, user_path
-from ds_seg.cli import exit_without_finalization, say_once_per_node
+from ds_seg.cli import exit_without_finalization, outlive_stdout, say_once_per_node
 from ds_seg.config import (ConfigError, DS_CONFIGS_DIR, SBATCH_DIR, SBATCH_TEMPLATES, find_shipped, load_config,
                            load_ds_config)
 from ds_seg.engine.faults import EXIT_INTERRUPTED
@@ -66,6 +66,7 @@ def main(argv=None):
     as_program = argv is None  # not a call from Python: this process's signal handling is ours
     if as_program:  # a stop signal during start-up is kept, not fatal
         from ds_seg import distributed
+        outlive_stdout()   # `| head`, a full disk under `> log`: the run goes on (before DeepSpeed's logger takes stdout)
         from ds_seg.stop_signals import catch_stop_signals, interrupted_during_imports
         catch_stop_signals()
         distributed.EXIT_ON_CTRL_C_WHILE_WAITING = True

@@ -242,3 +242,27 @@ def test_a_rank_started_alone_says_it_is_waiting_and_what_to_unset(tmp_path):
     assert said in out.stderr, out.stderr[-3000:]
     assert out.returncode != 0 and f'rank 0 of 2 could not meet the others at 127.0.0.1:{port}' in out.stderr
     assert 'Traceback' not in out.stderr and not (tmp_path / 'work').exists(), out.stderr[-3000:]
+
+
+def test_a_run_whose_stdout_reader_quits_goes_on_to_its_end(tmp_path):
+    """`train.py ... | head`: the first print after the reader quit raised BrokenPipeError, which
+    was called a lost rank (exit 4) and lost every step since the last checkpoint."""
+    args = [sys.executable, 'launch/train.py', '--config', TINY_CONFIG, '--deepspeed_config', 'ds_configs/zero0.json',
+            '--work-dir', str(tmp_path / 'work'), '--cfg-options', f'data.train.cache_dir={tmp_path}/cache',
+            f'data.val.cache_dir={tmp_path}/cache', 'train.max_steps=12', 'train.log_interval=1',
+            'train.eval_interval=0', 'train.checkpoint_interval=0', 'train.warmup_log_steps=0']
+    # Steps of 0.2 s: the run is still printing when the reader quits.
+    proc = subprocess.Popen(args, cwd=REPO_ROOT, env=_env(DS_SEG_FAULT='slow@step:0.2'), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:   # read up to the first step, then quit as `head` does
+        if '[ds_seg] step 1/' in line:
+            break
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err[-3000:]
+    summary = json.load(open(tmp_path / 'work' / 'summary.json'))
+    assert summary['exit_reason'] == 'completed' and summary['steps'] == 12
+    assert [row['step'] for row in read_jsonl(tmp_path / 'work' / 'metrics.jsonl')] == list(range(1, 13))
+    said = [line for line in err.splitlines() if line.startswith('[ds_seg] stdout (pipe:')]
+    assert len(said) == 1 and 'failed: [Errno 32 EPIPE] Broken pipe: printing stops here, the command goes on' in said[0]
+    assert 'Traceback' not in err and 'Logging error' not in err, err[-3000:]
