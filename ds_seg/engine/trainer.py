@@ -107,6 +107,10 @@ def data_notes(train_set, val_set):
     return notes
 
 
+class _StoppedDuringEvaluation(Exception):
+    """A stop signal agreed between two forwards of an evaluation (Trainer.evaluate)."""
+
+
 def report(message):
     """One line for the user, from rank 0. (A function, not a method: the parts the trainer hands
     it to hold no reference back to the trainer.)"""
@@ -409,9 +413,17 @@ class Trainer:
                         self._stop('nonfinite_loss', self._nonfinite_stop_message(longest, current))
                         break
                     best = None
+                    if evaluating and signalled and self.step < t.max_steps:
+                        # The stop's checkpoint first: an evaluation of large scenes outlasts Slurm's
+                        # wait before SIGKILL. (With the last step, the run's final one still runs.)
+                        self.print(f'step {self.step}: the evaluation due is skipped: {faults.stop.describe()} '
+                                   'stops the run')
+                        evaluating = False
                     if evaluating:
-                        record = self.evaluate()
-                        best = record if self.checkpointer.improves_best(record) else None
+                        record = self.evaluate(stop=None if signalled else faults.stop)
+                        if record is None:   # a stop signal came during it: checkpointed now, as at a check step
+                            signalled = True
+                        best = record if record is not None and self.checkpointer.improves_best(record) else None
                     # A signal always checkpoints (its purpose), periodic ones when due, and a new best
                     # evaluation (train.save_best); never weights that may already be NaN: keep-N
                     # pruning would drop the good ones.
@@ -558,14 +570,25 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self):
+    def evaluate(self, stop=None):
         """Whole validation scenes through the same sliding-window code as launch/predict.py
         (ds_seg.inference), bands of rows split across ranks with equal forward counts; one
         all-reduced confusion matrix gives per-class IoU/F1, mIoU and OA (never an average of
-        rank mIoUs)."""
+        rank mIoUs). ``stop`` (the loop's StopRequests): a stop signal is agreed before each forward
+        (every rank makes the same number), and one that comes cuts the evaluation short: None is
+        returned, nothing recorded. An evaluation of a large scene takes minutes, and the
+        checkpoint came after it, long past Slurm's SIGKILL."""
         from ..inference import evaluate_scenes
         self.backend.sync_buffers()
         self.backend.eval()
+        forward = self.backend.forward
+        if stop is not None:
+            no_counts = torch.zeros(2, dtype=torch.int64)
+
+            def forward(x):
+                if stop.agree(no_counts, stop.slowest_step_s)[0]:   # a gloo all-reduce: no device wait
+                    raise _StoppedDuringEvaluation
+                return self.backend.forward(x)
         d = self.cfg.data
         tile = d.get('eval_tile') or d.crop_size
         overlap = d.get('eval_overlap')
@@ -576,16 +599,21 @@ class Trainer:
         ignore_index = getattr(self.val_set, 'ignore_index', None)
         if ignore_index is None:
             ignore_index = self.cfg.loss.get('ignore_index', 255)
-        result = evaluate_scenes(
-            self.backend.forward, self.val_set, num_classes=self.val_set.num_classes,
-            # the training set's statistics: the model saw inputs normalised with them
-            mean=norm['mean'], std=norm['std'], bands=self.val_set.bands,
-            ignore_index=ignore_index, tile=tile,
-            overlap=tile // 4 if overlap is None else overlap,
-            batch_size=d.get('eval_batch_size') or self.spec.micro_batch, device=self.device)
-        record = self.metrics.log_eval(self.step, metrics_from_confusion(result['confusion'], self.val_set.classes))
-        self.backend.train()
-        return record
+        try:
+            result = evaluate_scenes(
+                forward, self.val_set, num_classes=self.val_set.num_classes,
+                # the training set's statistics: the model saw inputs normalised with them
+                mean=norm['mean'], std=norm['std'], bands=self.val_set.bands,
+                ignore_index=ignore_index, tile=tile,
+                overlap=tile // 4 if overlap is None else overlap,
+                batch_size=d.get('eval_batch_size') or self.spec.micro_batch, device=self.device)
+        except _StoppedDuringEvaluation:
+            self.print(f'step {self.step}: {stop.describe()} came during the evaluation: it is cut short and not '
+                       'recorded; checkpointing now')
+            return None
+        finally:
+            self.backend.train()
+        return self.metrics.log_eval(self.step, metrics_from_confusion(result['confusion'], self.val_set.classes))
 
     # ------------------------------------------------------------------------------------------
     def _weights_to_load(self, load_from, found):

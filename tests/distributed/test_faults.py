@@ -18,6 +18,7 @@ import torch
 
 from ds_seg.config import REPO_ROOT
 from ds_seg.engine import checkpoint
+from tests.dist import run_on_ranks
 from tests.distributed.test_launchers import _env, _free_port
 from tests.tiny import TINY_CONFIG, read_jsonl
 
@@ -864,3 +865,46 @@ def test_the_multinode_template_outside_an_allocation_says_so_in_one_line(tmp_pa
         '[sbatch] this template runs in a Slurm allocation (SLURM_JOB_NODELIST is not set): submit it with sbatch '
         '--nodes=N '), proc.stderr
     assert not (tmp_path / 'work').exists()
+
+
+def _signal_during_evaluation(tmp, resume=None):
+    """4 steps, an evaluation at 2 of 32 px tiles one at a time (16+ forwards on each rank); rank 1
+    gets SIGTERM at its second forward of that evaluation."""
+    from ds_seg import distributed
+    from ds_seg.engine.trainer import Trainer
+    from tests.tiny import ds_config, tiny_cfg
+    cfg = tiny_cfg(os.path.join(tmp, 'cache'), max_steps=4, eval_interval=2, checkpoint_interval=4)
+    cfg.data.eval_tile, cfg.data.eval_overlap, cfg.data.eval_batch_size = 32, 0, 1
+    trainer = Trainer(cfg, ds_config(2), work_dir=os.path.join(tmp, 'work'), resume=resume)
+    forwards = []
+    real_forward = trainer.backend.forward
+
+    def forward(x):
+        if trainer.backend.module.training:   # a training step's
+            return real_forward(x)
+        forwards.append(trainer.step)
+        if resume is None and distributed.rank() == 1 and len(forwards) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_forward(x)
+    trainer.backend.forward = forward
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    return dict(summary=summary, forwards=forwards)
+
+
+def test_a_stop_signal_during_an_evaluation_cuts_it_short_and_checkpoints_at_once(tmp_path):
+    """The evaluation ran to its end (225 s for a 16000 px scene) and another step after it before
+    the stop's checkpoint: far past Slurm's 30 s before SIGKILL, so the preempted run lost its steps."""
+    tmp = str(tmp_path)
+    stopped = run_on_ranks(_signal_during_evaluation, 2, args=(tmp,))
+    for rank in stopped:
+        assert rank['summary']['exit_reason'] == 'preempted' and rank['summary']['steps'] == 2
+        assert rank['forwards'] == [2, 2]   # the signal came in the second; agreed before the third
+    work = tmp_path / 'work'
+    assert checkpoint.find_latest(str(work / 'checkpoints')) == 'step_00000002'
+    assert not (work / 'eval.jsonl').exists()   # cut short: nothing recorded
+    resumed = run_on_ranks(_signal_during_evaluation, 2, args=(tmp, 'auto'))
+    assert resumed[0]['summary']['exit_reason'] == 'completed' and resumed[0]['summary']['steps'] == 4
+    assert [row['step'] for row in read_jsonl(work / 'eval.jsonl')] == [4]
