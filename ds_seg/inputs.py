@@ -304,6 +304,9 @@ def check_outputs(outputs, inputs, overwrite=False, option='--output'):
     for out in outputs:
         if os.path.realpath(out) in real_inputs:
             raise ConfigError(f'{option}: writing {out} would replace the input of the same name; choose {other}.')
+        if os.path.islink(out):   # even one to nothing: found only after the whole prediction, as "written by another process"
+            raise ConfigError(f'{option}: {out} is a link (to {os.readlink(out)}); an output never replaces a link '
+                              f'or writes through one: remove it or choose {other}.')
         if os.path.isdir(out):
             raise ConfigError(f'{option}: {out} is a folder; move it or choose {other}.')
         if os.path.exists(out) and not overwrite:

@@ -166,3 +166,22 @@ def test_eval_json_names_the_checkpoint_step_it_read(tmp_path):
     record = json.loads((tmp_path / 'ev' / 'eval.json').read_text())
     assert record['checkpoint'] == str(work)
     assert record['checkpoint_read'] == str(work / 'checkpoints' / 'step_00000002') and record['step'] == 2
+
+
+@pytest.mark.parametrize('overwrite', [False, True])
+def test_a_link_at_an_output_name_is_refused_before_any_work_even_one_to_nothing(tmp_path, overwrite):
+    """A link to nothing passed the check (os.path.exists is False for it): the whole scene was
+    predicted, then refused as 'written by another process while this run worked'."""
+    from ds_seg.config import ConfigError
+    from ds_seg.inputs import check_outputs
+    (tmp_path / 'mine.tif').write_bytes(b'mine')
+    for target in ('/nonexistent/file.tif', str(tmp_path / 'mine.tif')):
+        link = tmp_path / 'scene_classes.tif'
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        with pytest.raises(ConfigError) as refused:
+            check_outputs([str(link)], ['scene.tif'], overwrite=overwrite)
+        assert str(refused.value) == (f'--output: {link} is a link (to {target}); an output never replaces a link '
+                                      'or writes through one: remove it or choose another output folder.')
+        assert os.readlink(link) == target
+    assert (tmp_path / 'mine.tif').read_bytes() == b'mine'
