@@ -998,6 +998,14 @@ def source_name(src):
     return name
 
 
+def same_units(dtype_a, dtype_b):
+    """Whether statistics measured on ``dtype_a`` pixels hold for ``dtype_b`` ones: the same type,
+    or two float types (float32 and float64 hold the same physical values; uint8 and uint16 do
+    not: another range, another scaling)."""
+    a, b = np.dtype(dtype_a), np.dtype(dtype_b)
+    return a == b or (a.kind == 'f' and b.kind == 'f')
+
+
 def pixel_type_refusal(path, dtypes):
     """The one line for a raster whose band types ``dtypes`` ds_seg cannot read, or None.
 

@@ -21,7 +21,7 @@ from .. import distributed
 from ..config import ConfigError, default_work_dir, load_from_refusal, unused_settings, with_absolute_data_paths
 from ..data.loader import build_train_loader
 from ..data.geotiff import content_keys
-from ..data.raster import band_colours, colour_order_refusal, colours_conflict, colours_said
+from ..data.raster import band_colours, colour_order_refusal, colours_conflict, colours_said, same_units
 from ..data.prefetch import DevicePrefetcher, default_depth
 from ..data.preprocess import BatchPreprocessor
 from ..inference.model import native_input_size, window_refusal
@@ -936,7 +936,7 @@ class Trainer:
         # Evaluation normalises the validation windows with the training set's statistics, in
         # the training files' units and band order: another pixel type or order scores noise.
         t_type, v_type = getattr(t, 'file_dtype', None), getattr(v, 'file_dtype', None)
-        if t_type and v_type and t_type != v_type:
+        if t_type and v_type and not same_units(t_type, v_type):
             raise ConfigError(f"data.val holds {v_type} pixels but data.train {t_type}: the model would see the "
                               f"validation scenes in other units; convert them to {t_type} (gdal_translate -ot), "
                               "or validate on scenes of the training set's type.")

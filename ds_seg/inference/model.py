@@ -81,9 +81,9 @@ def trained_dtype_refusal(trained_dtype, path):
     evaluate.py and the API; each adds how to give other statistics."""
     if not trained_dtype:
         return None
-    from ..data.raster import open_raster
+    from ..data.raster import open_raster, same_units
     with open_raster(path) as src:
-        if src.dtypes[0] == trained_dtype:
+        if same_units(src.dtypes[0], trained_dtype):
             return None
         return (f"{path} holds {src.dtypes[0]} pixels but the model was trained on {trained_dtype} (its mean/std "
                 f"are in those units); convert the scene (gdal_translate -ot)")

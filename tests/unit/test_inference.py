@@ -1768,3 +1768,21 @@ def test_a_digit_names_one_class_for_evaluate_and_predict_alike():
     assert exclude_ids(['7'], ['a', '7', 'b']) == [1]          # a name only (no class 7)
     assert exclude_ids(['0'], ['2', '1', '0']) == [2]          # the class named '0', not id 0
     assert exclude_ids(['2', 'b'], ['a', 'b', 'c']) == [2, 1]  # no class named '2': the id
+
+
+def test_float_scenes_take_statistics_of_another_float_type_and_integer_ones_do_not(tmp_path):
+    """A float32 scene for a model of float64 scenes was refused ('convert the scene'): the same
+    physical values, only the precision differs; uint16 for uint8 still is (another range)."""
+    from ds_seg.data.raster import same_units
+    from ds_seg.inference.model import trained_dtype_refusal
+    for dtype in ('float32', 'float64', 'uint16'):
+        path = str(tmp_path / f'{dtype}.tif')
+        with rasterio.open(path, 'w', driver='GTiff', width=8, height=8, count=1, dtype=dtype,
+                           transform=rasterio.transform.from_origin(0, 8, 1, 1), crs='EPSG:32632') as dst:
+            dst.write(np.ones((1, 8, 8), dtype=dtype))
+    assert trained_dtype_refusal('float64', str(tmp_path / 'float32.tif')) is None
+    assert trained_dtype_refusal('float32', str(tmp_path / 'float64.tif')) is None
+    assert trained_dtype_refusal('uint8', str(tmp_path / 'uint16.tif')).endswith(
+        'holds uint16 pixels but the model was trained on uint8 (its mean/std are in those units); convert the scene '
+        '(gdal_translate -ot)')
+    assert same_units('float16', 'float64') and not same_units('int16', 'uint16') and not same_units('uint8', 'float32')
