@@ -961,9 +961,11 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
         self._handles = None  # opened lazily per process: rasterio handles cannot be pickled
         self._pid = None
+        self._labelled_share = None   # of the label files' pixels, where every one was scanned
         self._check_files(check_labels)
         self._init_sampling(sampling, rare_class_temperature)
         self._note_unused_options(locals())
+        self._note_sparse_labels()
 
     def use_statistics(self, mean, std):
         """Normalise with these per-channel ``mean``/``std`` (file units): the dataset's own, or
@@ -1664,7 +1666,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
         loss 0 and report "completed") is refused. One read of each label file, cached by file
         identity next to the labels, so later runs pay nothing."""
         scanned = [s for s in self._scenes if not s.get('vector')]
-        labelled, checked = 0, 0
+        labelled, checked, pixels = 0, 0, 0
         listed = {int(k) for k in ((self.label_decoding or {}).get('label_map') or {})}
         merged = {}   # class -> file values read as it: listed ones, and unlisted ones passed through
         seen = set()  # classes with a pixel
@@ -1674,6 +1676,7 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 continue
             checked += 1
             nodata = s.get('label_nodata')
+            pixels += sum(histogram.values())
             for value, count in histogram.items():
                 if same_value(value, nodata):
                     continue  # unlabelled (see _map_labels)
@@ -1709,6 +1712,8 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 f"classes: {self.num_classes} counted from the largest label value, {top} (in {where}), and "
                 f"{_listed(empty)} {'holds' if len(empty) == 1 else 'hold'} no pixel of any label file; if {top} "
                 "is a stray value, fix that file or give `classes` (the class names or count)")]
+        if checked == len(self._scenes) and pixels:
+            self._labelled_share = labelled / pixels
         if labelled == 0 and checked:
             raise DataError(f"{self._scenes[0]['label']}{' and the other label files' if len(self._scenes) > 1 else ''}: "
                             f"no pixel is labelled with a class (all are ignore_index {self.ignore_index}); "
@@ -1757,6 +1762,19 @@ class GeoTiffScenes(torch.utils.data.Dataset):
             if value is not None and not _equals_default(value, defaults[key]):
                 self.notes = [*self.notes, f"{key}={value!r} is not used: it takes effect only "
                               f"with {what}"]
+
+    SPARSE_LABELS = 0.1   # a labelled share below which uniform random windows mostly hold no label
+
+    def _note_sparse_labels(self):
+        """An annotated area inside a large orthomosaic (the rest ignore_index): uniform random
+        windows mostly held no labelled pixel, and those steps trained on nothing (loss 0), unsaid."""
+        share = self._labelled_share
+        if self.mode == 'random' and self.sampling == 'uniform' and share is not None and share < self.SPARSE_LABELS:
+            self.notes = [*self.notes, (
+                f"only {share:.1%} of the label files' pixels are labelled with a class (the rest are ignore_index "
+                f"{self.ignore_index} or nodata): most uniform random windows hold none, and their steps train on "
+                "nothing (loss 0); sampling='rare_class' draws every window around a labelled pixel, or crop the "
+                "scenes to the annotated area")]
 
     def _init_sampling(self, sampling, temperature):
         if sampling not in ('uniform', 'rare_class'):

@@ -721,3 +721,25 @@ def test_a_key_a_benchmark_sets_itself_is_one_line_naming_data_root(name, key, t
                                           rf"layout\); set data.val.data_root instead, or, for files of your own, "
                                           r"type='GeoTiffScenes' with images and labels.$"):
         build(DATASETS, dict(type=name, data_root=trees[name], split='val', **{key: None}), where='data.val')
+
+
+def test_labels_covering_a_small_share_of_the_scenes_are_said_with_what_to_do(tmp_path):
+    """An annotated area inside a large orthomosaic (the rest ignore_index): uniform random windows
+    mostly held no labelled pixel, and their steps trained at loss 0 without a word."""
+    labels = np.full((128, 128), 255, np.uint8)
+    labels[:24, :24] = 1          # 3.5 % labelled
+    labels[:12, :12] = 0
+    img, lbl = _pair(tmp_path, labels=labels, size=(128, 128))
+    sparse = GeoTiffScenes([img], [lbl], classes=2, crop_size=16)
+    said = [n for n in sparse.notes if n.startswith('only 3.5% of the label files')]
+    assert said and said[0].endswith("sampling='rare_class' draws every window around a labelled pixel, or crop the "
+                                     "scenes to the annotated area")
+    assert not any('label files' in n for n in GeoTiffScenes([img], [lbl], classes=2, crop_size=16,
+                                                             sampling='rare_class').notes)
+    assert not any('label files' in n for n in GeoTiffScenes([img], [lbl], classes=2, crop_size=16,
+                                                             mode='grid').notes)   # evaluation reads every window
+    labels[:64] = 1               # half labelled: no note
+    sub = tmp_path / 'dense'
+    sub.mkdir()
+    img, lbl = _pair(sub, labels=labels, size=(128, 128))
+    assert not any('label files' in n for n in GeoTiffScenes([img], [lbl], classes=2, crop_size=16).notes)
