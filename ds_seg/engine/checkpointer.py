@@ -364,6 +364,7 @@ class Checkpointer:
     def _load_checked(self, root, tag):
         marker = checkpoint.read_marker(os.path.join(root, tag))
         spec = self.spec
+        reshard.remove_leftover_copies(root)
         resharded = reshard.needed(marker, spec.world_size)  # another number of ranks (ds_seg/engine/reshard.py)
         state = reshard.load(self.backend, root, tag, marker) if resharded else self.backend.load(root, tag)
         saved = dict(micro_batch=state.get('micro_batch', spec.micro_batch),

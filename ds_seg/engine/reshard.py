@@ -63,12 +63,27 @@ def _to_universal(ckpt_dir, out_dir):
     shutil.rmtree(tmp, ignore_errors=True)
     args = argparse.Namespace(input_folder=ckpt_dir, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
                               keep_temp_folder=False, strict=True, inject_missing_state=True)
-    with contextlib.redirect_stdout(io.StringIO()):  # its progress bars are not the user's business
-        ds_to_universal.main(args)
+    try:
+        # Its progress bars (tqdm's, on stderr) are not the user's business; a failure is the exception's.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ds_to_universal.main(args)
+    except BaseException:   # a Ctrl-C or a full disk mid-conversion: no full-size copy left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.replace(tmp, out_dir)
     stray = os.path.join(os.path.dirname(out_dir), 'latest_universal')  # the converter's pointer to tmp
     if os.path.isfile(stray) and open(stray).read().strip().startswith('.universal-'):
         os.remove(stray)
+
+
+def remove_leftover_copies(root):
+    """Rank 0, at every resume: the universal copies a run killed mid-reshard left in ``root``
+    (full-size, and a later reshard of their tag must not reuse one: a rollback may have saved
+    the tag again since, and its weights were loaded without a word)."""
+    if distributed.is_main() and os.path.isdir(root):
+        for leftover in os.listdir(root):
+            if leftover.startswith('.universal-'):
+                shutil.rmtree(os.path.join(root, leftover), ignore_errors=True)
 
 
 def load(backend, root, tag, marker):
@@ -78,11 +93,15 @@ def load(backend, root, tag, marker):
     ckpt_dir = os.path.join(root, tag)
     name = f'.universal-{tag}'
     out_dir = os.path.join(root, name)
+    try:
+        return _load_universal(backend, root, ckpt_dir, name, out_dir)
+    finally:
+        if distributed.is_main():
+            shutil.rmtree(out_dir, ignore_errors=True)  # a derived copy: the original stays the checkpoint
+
+
+def _load_universal(backend, root, ckpt_dir, name, out_dir):
     if distributed.is_main():
-        # Converted at every resume: a folder left by a run killed mid-resume may hold another
-        # checkpoint of this tag (a rollback saved the tag again since), whose weights the
-        # resume loaded without a word.
-        shutil.rmtree(out_dir, ignore_errors=True)
         _to_universal(ckpt_dir, out_dir)
     distributed.barrier()
     engine = backend.engine
@@ -102,6 +121,4 @@ def load(backend, root, tag, marker):
             if key in state:
                 buf.copy_(state[key].to(buf.dtype))
     distributed.barrier()
-    if distributed.is_main():
-        shutil.rmtree(out_dir, ignore_errors=True)  # a derived copy: the original stays the checkpoint
     return client_state
