@@ -370,11 +370,20 @@ def newest_verified(root):
     and ``[(tag, reason), ...]`` for every newer one passed over."""
     skipped = []
     candidates = sorted((t for t in os.listdir(root) if TAG_RE.match(t)), reverse=True) if os.path.isdir(root) else []
+    # `latest` naming a folder that is not there (deleted or moved by hand): the run went back to
+    # an older checkpoint without a word.
+    latest = read_pointer(root, 'latest')
+    gone = latest is not None and not os.path.isdir(os.path.join(root, latest))
     for tag in candidates:
+        if gone and latest > tag:
+            skipped.append((latest, "named by 'latest', but its folder is not there (deleted or moved?)"))
+            gone = False
         reason = verify(root, tag)
         if reason is None:
             return tag, skipped
         skipped.append((tag, reason))
+    if gone:
+        skipped.append((latest, "named by 'latest', but its folder is not there (deleted or moved?)"))
     return None, skipped
 
 

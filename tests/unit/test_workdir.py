@@ -433,6 +433,17 @@ def test_a_step_folder_whose_marker_is_of_another_step_does_not_pass(tmp_path):
     assert checkpoint.newest_verified(str(root)) == ('step_00000002', [('step_00000006', reason.format(4)),
                                                                        ('step_00000004', reason.format(6))])
     assert checkpoint.complete_tags(str(root)) == ['step_00000002']
+    # `latest` names a folder deleted by hand: said, where the run went back to an older one unsaid.
+    gone = "named by 'latest', but its folder is not there (deleted or moved?)"
+    checkpoint.write_pointer(str(root), 'latest', 'step_00000008')
+    assert checkpoint.newest_verified(str(root)) == ('step_00000002', [('step_00000008', gone),
+                                                                       ('step_00000006', reason.format(4)),
+                                                                       ('step_00000004', reason.format(6))])
+    checkpoint.write_pointer(str(root), 'latest', 'step_00000005')
+    assert checkpoint.newest_verified(str(root))[1][1] == ('step_00000005', gone)
+    checkpoint.write_pointer(str(root), 'latest', 'step_00000002')
+    assert checkpoint.newest_verified(str(root))[1] == [('step_00000006', reason.format(4)),
+                                                        ('step_00000004', reason.format(6))]
 
 
 def test_a_work_dir_link_round_a_loop_is_said_as_a_loop(tmp_path):
