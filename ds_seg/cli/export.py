@@ -60,6 +60,30 @@ def check_suffix(out, fmt):
                          f'{fmt} files; name it {os.path.splitext(out)[0]}{wanted} or give --format {said}.')
 
 
+def _export_weights(args, attempts=3):
+    """(checkpoint, out file, its marker). A run still training in the work dir may prune the
+    checkpoint while it is read (keep_checkpoints): given a work dir or checkpoints folder, the
+    export takes the newest one again; given that step folder, it says what happened (DeepSpeed's
+    own "Directory ... doesn't exist" named a folder the user never gave)."""
+    for attempt in range(attempts):
+        ckpt = checkpoint.find_checkpoint(args.checkpoint, report=lambda line: print(f'export: {line}'))
+        out = args.out or os.path.join(os.path.dirname(os.path.dirname(ckpt)), f'weights_{os.path.basename(ckpt)}.pt')
+        check_out(out)
+        try:
+            marker = checkpoint.read_marker(ckpt)
+            checkpoint.export(ckpt, out)
+            return ckpt, out, marker
+        except Exception:
+            if os.path.isdir(ckpt):
+                raise
+            if os.path.realpath(ckpt) == os.path.realpath(args.checkpoint) or attempt == attempts - 1:
+                raise FileNotFoundError(f"{ckpt}: removed while this export read it (pruned by keep_checkpoints of "
+                                        "the run training there?); export its newest checkpoint (give the work dir), "
+                                        "or keep more (train.keep_checkpoints)") from None
+            print(f'export: {ckpt} was removed while this export read it (pruned by the run training there?): '
+                  'taking the newest checkpoint again')
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('checkpoint', type=user_path, help='a step_* folder, a checkpoints/ folder or a work dir '
@@ -76,11 +100,7 @@ def main(argv=None):
         if args.out:
             check_suffix(args.out, args.format)
         if args.format == 'weights':
-            ckpt = checkpoint.find_checkpoint(args.checkpoint, report=lambda line: print(f'export: {line}'))
-            out = args.out or os.path.join(os.path.dirname(os.path.dirname(ckpt)), f'weights_{os.path.basename(ckpt)}.pt')
-            check_out(out)
-            checkpoint.export(ckpt, out)
-            marker = checkpoint.read_marker(ckpt)
+            ckpt, out, marker = _export_weights(args)
             info = dict(classes=marker.get('classes'), model=marker.get('model'), data=marker.get('data'),
                         source=ckpt)
             deploy.write_card(deploy.model_card(info, 'weights', out, os.path.dirname(os.path.dirname(ckpt)),

@@ -478,3 +478,37 @@ def test_a_scene_in_another_band_encoding_is_refused_by_the_commands(tmp_path, p
     assert 'or give --mean and --std for its units' in proc.stderr and not (tmp_path / 'out').exists()
     _run(program, '--checkpoint', weights, *given, '--output', str(tmp_path / 'out'), '--tile', '64',
          '--mean', '0', '0', '0', '--std', '1', '1', '1')
+
+
+def test_a_checkpoint_pruned_while_it_is_exported_gives_way_to_the_newest(trained_run, tmp_path, monkeypatch, capsys):
+    """A run still training prunes (keep_checkpoints) the checkpoint an export reads: the export
+    failed with DeepSpeed's "Directory ... doesn't exist", a folder the user never named."""
+    import shutil
+
+    from ds_seg.cli import export
+    from ds_seg.engine import checkpoint
+    _, work, _ = trained_run
+    copy = tmp_path / 'work'
+    shutil.copytree(work, copy)
+    real = checkpoint.consolidated_state_dict
+    pruned = []
+
+    def pruned_while_read(ckpt_dir):   # the training run's pruning, between finding and reading
+        if not pruned:
+            pruned.append(ckpt_dir)
+            shutil.rmtree(ckpt_dir)
+            checkpoint.write_pointer(str(copy / 'checkpoints'), 'latest', 'step_00000002')
+        return real(ckpt_dir)
+    monkeypatch.setattr(checkpoint, 'consolidated_state_dict', pruned_while_read)
+    assert export.main([str(copy), '--out', str(tmp_path / 'w.pt')]) == 0
+    assert pruned == [str(copy / 'checkpoints' / 'step_00000004')]
+    assert 'step_00000004 was removed while this export read it' in capsys.readouterr().out
+    assert torch.load(tmp_path / 'w.pt', weights_only=True)['step'] == 2
+    pruned.clear()   # the step folder itself given: said in one line
+    shutil.copytree(copy / 'checkpoints' / 'step_00000002', copy / 'checkpoints' / 'step_00000006')
+    marker = json.loads((copy / 'checkpoints' / 'step_00000006' / checkpoint.COMPLETE).read_text())
+    (copy / 'checkpoints' / 'step_00000006' / checkpoint.COMPLETE).write_text(json.dumps(dict(marker, step=6)))
+    assert export.main([str(copy / 'checkpoints' / 'step_00000006'), '--out', str(tmp_path / 'x.pt')]) == 2
+    assert capsys.readouterr().err.startswith(f"export: error: {copy / 'checkpoints' / 'step_00000006'}: removed while "
+                                              "this export read it (pruned by keep_checkpoints")
+    assert not (tmp_path / 'x.pt').exists()
