@@ -13,7 +13,15 @@ import signal
 import sys
 import threading
 
-STOP_SIGNALS = ('SIGUSR1', 'SIGTERM')
+STOP_SIGNALS = ('SIGUSR1', 'SIGTERM', 'SIGHUP')
+# SIGHUP: the terminal closed (an ssh session without nohup). Ignored where it was ignored at
+# the start (nohup, a shell's disown): that choice is the user's.
+HANGUP = 'SIGHUP'
+
+
+def takes_over(name):
+    """Whether this process may handle stop signal ``name``: not a SIGHUP it started ignoring."""
+    return name != HANGUP or signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN
 TRAINING_PROGRAMS = ('ds-seg-train',)   # console scripts whose process is a training rank
 # The first stop signal that came before the run began. The sbatch templates pass on one that
 # their batch shell had before it started the ranks as DS_SEG_STOP_SIGNAL=SIGUSR1|SIGTERM.
@@ -40,7 +48,8 @@ def catch_stop_signals(during_imports=False):
     keep a Ctrl-C too (see :func:`interrupted_during_imports`)."""
     if threading.current_thread() is threading.main_thread():
         for name in STOP_SIGNALS:
-            signal.signal(getattr(signal, name), remember)
+            if takes_over(name):
+                signal.signal(getattr(signal, name), remember)
         # A rank started with SIGINT ignored (in the background of a script) keeps ignoring it.
         if during_imports and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, remember_interrupt)

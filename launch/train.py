@@ -15,8 +15,9 @@ if __name__ == '__main__':
     # The sbatch templates start a rank with SIGUSR1/SIGTERM ignored (so that one in its first
     # moments, before this line, is not fatal): taken over here all the same.
     _early = []
-    for _sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        if _sig != signal.SIGINT or signal.getsignal(_sig) is not signal.SIG_IGN:  # SIGINT ignored (a background rank) stays so
+    for _sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        # SIGINT ignored (a background rank) and SIGHUP ignored (nohup) stay so
+        if _sig not in (signal.SIGINT, signal.SIGHUP) or signal.getsignal(_sig) is not signal.SIG_IGN:
             signal.signal(_sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
     try:
         import _checkout  # noqa: F401  (this checkout's ds_seg first)

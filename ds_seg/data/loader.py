@@ -20,7 +20,8 @@ def worker_init(worker_id):
     Samples do not depend on these seeds (the datasets seed from the index); seeding only
     keeps any user transform that uses global RNGs distinct per worker and reproducible.
     """
-    for name in ('SIGUSR1', 'SIGTERM', 'SIGINT'):  # SIGINT: a terminal's Ctrl-C reaches the workers too
+    # SIGINT and SIGHUP: a terminal's Ctrl-C, and its closing, reach the workers too
+    for name in ('SIGUSR1', 'SIGTERM', 'SIGINT', 'SIGHUP'):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     configure_gdal_for_worker()
     seed = torch.initial_seed() % 2 ** 32  # torch already derives it from base seed + worker id

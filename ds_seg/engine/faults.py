@@ -3,7 +3,9 @@
 * SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (preemption, ``scancel``) only set
   a flag. Ranks agree on it at *check steps* (:class:`CheckSchedule`: every step on a CPU, at most
   10 steps or 2 s apart on a GPU, or every ``train.stop_check_interval`` steps; and at every log,
-  evaluation and checkpoint step), then all checkpoint at that same step and exit 75.
+  evaluation and checkpoint step), then all checkpoint at that same step and exit 75. SIGHUP (the
+  terminal closed; unless nohup ignores it) and Ctrl-C stop the same way, as the user's stops:
+  ``interrupted``, exit 130, not requeued.
 * Non-finite losses are counted on the device (no host read per step) and exchanged at the same
   check steps; ``train.max_nonfinite_steps`` consecutive ones stop the run (exit 3).
 * A failed collective (a rank died, hung, or the network broke) becomes :class:`LostRankError`
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed
-from ..stop_signals import STOP_SIGNALS, first_signal
+from ..stop_signals import STOP_SIGNALS, first_signal, takes_over
 
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by a signal after a checkpoint; resume to continue
 EXIT_NONFINITE = 3    # the loss stayed non-finite; the last checkpoint is intact
@@ -79,14 +81,14 @@ _NEVER = 2 ** 62
 _SIGNUMS = 128       # above every signal code: (step, signal) packed into one integer
 # Which signal names a stop when ranks got different ones after the same step: the later in this
 # list (Ctrl-C is the user's own word; a launcher passing it on as SIGTERM does not change it).
-_PRECEDENCE = ('LAUNCHER_GONE', 'SIGUSR1', 'SIGTERM', 'SIGINT')
+_PRECEDENCE = ('LAUNCHER_GONE', 'SIGUSR1', 'SIGTERM', 'SIGHUP', 'SIGINT')
 INTERRUPT = 'SIGINT'
 _REPEAT_WINDOW_S = 1.0  # a second SIGINT sooner is the same Ctrl-C (torchrun passes the terminal's on)
 # The launcher that started this rank (deepspeed, torchrun) exited without stopping it: a signal
 # to the launcher alone (`kill <pid>`, a Ctrl-C that only it got) left the ranks training on,
 # unseen, holding the work dir. A stop by the user, as a Ctrl-C is.
 LAUNCHER_GONE = 'LAUNCHER_GONE'
-USER_STOPS = (INTERRUPT, LAUNCHER_GONE)
+USER_STOPS = (INTERRUPT, LAUNCHER_GONE, 'SIGHUP')   # a closed terminal too: stopped, not requeued
 LAUNCHER_PROGRAMS = {'deepspeed': 'deepspeed', 'torchrun': 'torchrun'}
 LAUNCHER_MODULES = {'deepspeed.launcher.launch': 'deepspeed', 'torch.distributed.run': 'torchrun',
                     'torch.distributed.launch': 'torchrun'}
@@ -166,7 +168,8 @@ class StopRequests:
         self._previous_interrupt_handler = None
         if threading.current_thread() is threading.main_thread():
             for name in STOP_SIGNALS:
-                signal.signal(getattr(signal, name), self._on_signal)
+                if takes_over(name):
+                    signal.signal(getattr(signal, name), self._on_signal)
             # A rank started in the background of a script (the one-node sbatch template) ignores
             # SIGINT from its start, as Python leaves it: so does the run.
             if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:

@@ -908,3 +908,30 @@ def test_a_stop_signal_during_an_evaluation_cuts_it_short_and_checkpoints_at_onc
     resumed = run_on_ranks(_signal_during_evaluation, 2, args=(tmp, 'auto'))
     assert resumed[0]['summary']['exit_reason'] == 'completed' and resumed[0]['summary']['steps'] == 4
     assert [row['step'] for row in read_jsonl(work / 'eval.jsonl')] == [4]
+
+
+def _hangup(disposition):
+    def preexec():
+        signal.signal(signal.SIGHUP, disposition)   # a terminal's job; or nohup's ignored SIGHUP
+    return preexec
+
+
+@pytest.mark.parametrize('nohup', [False, True])
+def test_a_closed_terminals_sighup_checkpoints_and_stops_unless_nohup_ignores_it(tmp_path, nohup):
+    """An ssh session closed without nohup: SIGHUP killed the run (exit 129), no checkpoint, no
+    summary.json, the steps since the last checkpoint lost. Under nohup it is ignored, as before."""
+    tmp = str(tmp_path)
+    work = os.path.join(tmp, 'run')
+    proc = subprocess.Popen([sys.executable, 'launch/train.py', *_args(tmp, 'run', 12, 100)], cwd=REPO_ROOT,
+                            env=_env(DS_SEG_FAULT='slow@step:0.3'), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, preexec_fn=_hangup(signal.SIG_IGN if nohup else signal.SIG_DFL))
+    _wait_for_step(work, 2, [proc])
+    proc.send_signal(signal.SIGHUP)
+    (code,), (out,) = _finish([proc])
+    summary = json.load(open(os.path.join(work, 'summary.json')))
+    if nohup:
+        assert code == 0 and summary['exit_reason'] == 'completed' and summary['steps'] == 12, out[-3000:]
+        return
+    assert code == 130 and summary['exit_reason'] == 'interrupted' and summary['steps'] < 12, out[-3000:]
+    assert re.search(r'stopping at step \d+ on SIGHUP \(arrived after step \d+\): checkpoint saved', out), out[-3000:]
+    assert checkpoint.find_latest(os.path.join(work, 'checkpoints')) == checkpoint.tag_for(summary['steps'])
