@@ -585,10 +585,11 @@ class Trainer:
         if stop is not None:
             no_counts = torch.zeros(2, dtype=torch.int64)
 
-            def forward(x):
+            def forward_unless_stopped(x):
                 if stop.agree(no_counts, stop.slowest_step_s)[0]:   # a gloo all-reduce: no device wait
                     raise _StoppedDuringEvaluation
                 return self.backend.forward(x)
+            forward = forward_unless_stopped
         d = self.cfg.data
         tile = d.get('eval_tile') or d.crop_size
         overlap = d.get('eval_overlap')
