@@ -296,7 +296,13 @@ def pair_by_name(images, labels):
         return labels
     image_keys, label_keys = _name_keys(images), _name_keys(labels)
     if len(set(image_keys)) < len(images) or len(set(label_keys)) < len(labels):
-        return labels  # the same name in several folders: the names cannot say
+        # The same name in several folders (img/x/s.tif, img/y/s.tif): the folders under each
+        # list's common one say it where both lists have the same ones; else by position.
+        image_keys, label_keys = _folder_keys(images), _folder_keys(labels)
+        if image_keys and label_keys and len(set(image_keys)) == len(images) and set(image_keys) == set(label_keys):
+            by_key = dict(zip(label_keys, labels))
+            return [by_key[k] for k in image_keys]
+        return labels
     if set(image_keys) == set(label_keys):
         by_key = dict(zip(label_keys, labels))
         return [by_key[k] for k in image_keys]
@@ -318,6 +324,16 @@ def pair_by_name(images, labels):
                     f"{unmatched_images[0]!r} has no label named like it"
                     + (f", and label {unmatched_labels[0]!r} no image" if unmatched_labels else '')
                     + f" ({len(unmatched_images)} of {len(images)} unmatched); give one label per image")
+
+
+def _folder_keys(paths):
+    """Each local path below the list's common folder, without its suffix (``x/s`` for
+    ``img/x/s.tif``); None where a path is remote or not a plain name."""
+    if not all(isinstance(p, (str, os.PathLike)) and not is_remote(str(p)) for p in paths):
+        return None
+    full = [os.path.abspath(os.fspath(p)) for p in paths]
+    root = os.path.commonpath(full)
+    return [os.path.splitext(os.path.relpath(p, root))[0] for p in full]
 
 
 _NAME_DATE = re.compile(r'(?<!\d)((?:19|20)\d\d)[-_]?(0[1-9]|1[0-2])(?:[-_]?(0[1-9]|[12]\d|3[01]))?(?!\d)')

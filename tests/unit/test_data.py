@@ -302,6 +302,23 @@ def test_globs_that_sort_differently_are_paired_by_name(tmp_path):
         assert int(sample['label'].unique()) == int(sample['image'][0, 0, 0]) // 10
 
 
+def test_tiles_of_one_name_in_region_folders_pair_by_their_folders(tmp_path):
+    """img/y/s.tif, img/x/s.tif with lab/x/s.tif, lab/y/s.tif: the names are all the same, so the
+    lists were paired by position, y's image with x's label, without a word (same size and grid)."""
+    where = from_origin(500_000, 5_500_000, 0.1, 0.1)
+    for k, region in enumerate(('x', 'y')):
+        (tmp_path / 'img' / region).mkdir(parents=True)
+        (tmp_path / 'lab' / region).mkdir(parents=True)
+        write_tif(tmp_path / 'img' / region / 's.tif', np.full((3, 32, 32), 10 * k, np.uint8), where)
+        write_tif(tmp_path / 'lab' / region / 's.tif', np.full((32, 32), k, np.uint8), where)
+    images = [str(tmp_path / 'img' / r / 's.tif') for r in ('y', 'x')]
+    labels = [str(tmp_path / 'lab' / r / 's.tif') for r in ('x', 'y')]
+    ds = GeoTiffScenes(images, labels, crop_size=32, classes=2, mode='grid', mean=[0] * 3, std=[1] * 3)
+    assert [(s['image'], s['label']) for s in ds.scenes] == list(zip(images, labels[::-1]))
+    for i in range(2):
+        assert int(ds[i]['label'].unique()) == int(ds[i]['image'][0, 0, 0]) // 10
+
+
 def test_one_label_named_otherwise_still_pairs_by_name_not_by_position(tmp_path):
     """x2's label named x2_lab beside x1_mask, x10_mask: the varying parts (1_mask, 10_mask, 2_lab
     against 1, 10, 2) are not one set, and the pairing fell back to position: x1 with x10_mask and
