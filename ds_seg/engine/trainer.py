@@ -10,6 +10,7 @@ Tensor names carry their layout: ``images_BCHW`` (batch, channels, height, width
 ``labels_BHW``, ``logits_BKHW`` (K classes).
 """
 import contextlib
+import functools
 import math
 import os
 import shutil
@@ -585,6 +586,7 @@ class Trainer:
         if stop is not None:
             no_counts = torch.zeros(2, dtype=torch.int64)
 
+            @functools.wraps(self.backend.forward)   # the model's input multiple is found through it
             def forward_unless_stopped(x):
                 if stop.agree(no_counts, stop.slowest_step_s)[0]:   # a gloo all-reduce: no device wait
                     raise _StoppedDuringEvaluation

@@ -46,7 +46,8 @@ def window_starts(length, tile, overlap, align=1):
 
 def input_multiple(model):
     """The input multiple a model pads to (mmseg's ``size_divisor``: its deepest stride), its
-    own or its backbone's, through what wraps it (a backend's bound ``forward``, DDP's or
+    own or its backbone's, through what wraps it (a backend's bound ``forward``, a functools.wraps
+    wrapper of one (training's evaluation checking for stops), DDP's or
     DeepSpeed's ``module``, torch.compile's ``_orig_mod``; an ONNX file's, from its card:
     deploy.load_onnx); 1 for anything else (a plain callable, an ONNX file exported before the
     card recorded it). Training's evaluation and evaluate.py must agree on it: they score alike."""
@@ -59,7 +60,7 @@ def input_multiple(model):
         divisor = getattr(part, 'size_divisor', None)
         if isinstance(divisor, int) and not isinstance(divisor, bool) and divisor > 0:
             return divisor
-        todo += [getattr(part, name, None) for name in ('__self__', 'module', '_orig_mod', 'backbone')]
+        todo += [getattr(part, name, None) for name in ('__self__', '__wrapped__', 'module', '_orig_mod', 'backbone')]
     return 1
 
 
