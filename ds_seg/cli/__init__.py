@@ -75,7 +75,8 @@ class _StdoutThatMayClose:
 
 
 def outlive_stdout():
-    """Install :class:`_StdoutThatMayClose` (once; the training program does it as ds_seg is imported)."""
+    """Install :class:`_StdoutThatMayClose` (once): train, predict and evaluate run as commands do it
+    first in ``main``, before DeepSpeed's logger takes hold of ``sys.stdout``."""
     if not isinstance(sys.stdout, _StdoutThatMayClose) and sys.stdout is not None:
         sys.stdout = _StdoutThatMayClose(sys.stdout)
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed
-from ..stop_signals import STOP_SIGNALS, first_signal, takes_over
+from ..stop_signals import HANGUP, STOP_SIGNALS, first_signal, takes_over
 
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by a signal after a checkpoint; resume to continue
 EXIT_NONFINITE = 3    # the loss stayed non-finite; the last checkpoint is intact
@@ -81,14 +81,14 @@ _NEVER = 2 ** 62
 _SIGNUMS = 128       # above every signal code: (step, signal) packed into one integer
 # Which signal names a stop when ranks got different ones after the same step: the later in this
 # list (Ctrl-C is the user's own word; a launcher passing it on as SIGTERM does not change it).
-_PRECEDENCE = ('LAUNCHER_GONE', 'SIGUSR1', 'SIGTERM', 'SIGHUP', 'SIGINT')
+_PRECEDENCE = ('LAUNCHER_GONE', 'SIGUSR1', 'SIGTERM', HANGUP, 'SIGINT')
 INTERRUPT = 'SIGINT'
 _REPEAT_WINDOW_S = 1.0  # a second SIGINT sooner is the same Ctrl-C (torchrun passes the terminal's on)
 # The launcher that started this rank (deepspeed, torchrun) exited without stopping it: a signal
 # to the launcher alone (`kill <pid>`, a Ctrl-C that only it got) left the ranks training on,
 # unseen, holding the work dir. A stop by the user, as a Ctrl-C is.
 LAUNCHER_GONE = 'LAUNCHER_GONE'
-USER_STOPS = (INTERRUPT, LAUNCHER_GONE, 'SIGHUP')   # a closed terminal too: stopped, not requeued
+USER_STOPS = (INTERRUPT, LAUNCHER_GONE, HANGUP)   # a closed terminal too: stopped, not requeued
 LAUNCHER_PROGRAMS = {'deepspeed': 'deepspeed', 'torchrun': 'torchrun'}
 LAUNCHER_MODULES = {'deepspeed.launcher.launch': 'deepspeed', 'torch.distributed.run': 'torchrun',
                     'torch.distributed.launch': 'torchrun'}
