@@ -17,13 +17,13 @@ import traceback
 
 # On CPU, ranks are forked from a server that imported these once (multiprocessing's forkserver):
 # a fresh interpreter spends 5-7 s of CPU per rank importing torch and DeepSpeed, and
-# deepspeed.initialize another 4-9 s importing torch._dynamo and inductor (torch.optim's first
-# optimizer, and DeepSpeed's Muon module, compiled at import, that its ZeRO optimizer check
-# imports): most of a short run on 2 cores. The server starts no thread (checked: one), so a
+# deepspeed.initialize another 1-2 s importing torch._dynamo (torch.optim's first optimizer):
+# most of a short run on 2 cores. ds_seg comes before DeepSpeed, as in a launched rank: its import
+# puts the stand-ins for DeepSpeed's Muon modules in place (ds_workarounds), which the ranks then
+# use as launch/train.py's do. The server starts no thread (checked: one), so a
 # fork of it is as clean as a new interpreter. With a GPU, DeepSpeed's import probes CUDA, which
 # a fork must not inherit: a fresh interpreter per rank (spawn) there.
-_PRELOAD = ['torch', 'torch.distributed', 'torch._dynamo', 'torch._inductor.compile_fx', 'deepspeed',
-            'deepspeed.runtime.zero.muon.muon_optimizer', 'ds_seg.engine.trainer']
+_PRELOAD = ['torch', 'torch.distributed', 'torch._dynamo', 'ds_seg', 'deepspeed', 'ds_seg.engine.trainer']
 
 
 def _context():

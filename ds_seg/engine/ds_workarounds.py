@@ -173,6 +173,48 @@ class _NoMlflowForTheAutotuner(importlib.abc.MetaPathFinder):
         return None   # everyone else imports it normally
 
 
+MUON_MODULES = ('deepspeed.runtime.zero.muon.muon_optimizer', 'deepspeed.runtime.zero.muon.original_muon')
+MUON_STAND_IN = ("DeepSpeed's Muon is not available in a process that imported ds_seg, which refuses it "
+                 "(ds_seg/engine/ds_workarounds.py: keep_zero_from_importing_muon)")
+
+
+class _MuonStandIn:
+    """Nothing is an instance of it: ZeRO's isinstance checks answer False, as for any optimizer
+    ds_seg builds."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(MUON_STAND_IN)
+
+
+def _muon_refused(*args, **kwargs):
+    raise RuntimeError(MUON_STAND_IN)
+
+
+def keep_zero_from_importing_muon():
+    """Call before DeepSpeed's ZeRO first builds an optimizer (ds_seg/__init__.py does).
+
+    ZeRO-1/2/3 and the bf16 optimizer import DeepSpeed's Muon modules at their start (and at every
+    ZeRO-1/2 step) only to ask ``isinstance(optimizer, MuonWithAuxAdam)`` or to reach
+    ``muon_update`` for parameters marked ``use_muon``. Importing them compiles Muon's kernels,
+    which imports torch._inductor: 1-2 s of every rank's start on a CPU, for an optimizer ds_seg
+    refuses (config.py: 'optimizer.type' 'muon'). Stand-in modules answer those questions; anything
+    else taken from them says why it is missing. A process that imported the real modules first
+    keeps them."""
+    import types
+    for name, attrs in zip(MUON_MODULES, ({'MuonWithAuxAdam': _MuonStandIn},
+                                          {'muon_update': _muon_refused, 'adam_update': _muon_refused,
+                                           'MuonWithAuxAdam': _MuonStandIn})):
+        if name not in sys.modules:
+            stand_in = types.ModuleType(name, MUON_STAND_IN)
+            stand_in.__dict__.update(attrs)
+            stand_in.__getattr__ = _muon_module_getattr
+            sys.modules[name] = stand_in
+
+
+def _muon_module_getattr(name):
+    raise AttributeError(f'{name}: {MUON_STAND_IN}')
+
+
 def keep_autotuner_from_importing_mlflow():
     """Call before DeepSpeed is first imported (ds_seg/__init__.py does)."""
     if not any(isinstance(finder, _NoMlflowForTheAutotuner) for finder in sys.meta_path):

@@ -36,16 +36,17 @@ def run_block(block, *inputs, checkpointing=False):
 
 
 def meta_device():
-    """``torch.device('meta')``, to build a model without memory or weights, with timm imported
-    first: torch 2.8 cannot import ``torch._dynamo`` (timm imports it) under the meta device, and
-    every timm model's first build there was a circular-import AttributeError.
+    """``torch.device('meta')``, to build a model without memory or weights, with torch._dynamo
+    imported first: torch 2.8 could not import it under the meta device, and timm imports it, so
+    every timm model's first build there was a circular-import AttributeError. (timm itself, 1-2 s
+    of a process's start, is left to the models that use it.)
 
     Example::
 
         with meta_device():
             model = build(MODELS, cfg)
     """
-    import timm  # noqa: F401
+    import torch._dynamo  # noqa: F401
     return torch.device('meta')
 
 

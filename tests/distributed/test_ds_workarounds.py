@@ -145,6 +145,58 @@ def test_deepspeed_import_still_pulls_in_mlflow_and_ds_seg_stops_it():
     assert ours.returncode == 0 and ours.stdout.split()[-1:] == ['False'], ours.stderr[-2000:]   # and mlflow still imports
 
 
+_ZERO_STEP = (
+    "import os, sys; os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='0', RANK='0', WORLD_SIZE='1', "
+    "LOCAL_RANK='0', DS_ACCELERATOR='cpu'); {}import importlib, torch, deepspeed; "
+    "importlib.import_module('deepspeed.comm.torch').build_shm_op = lambda: None; "   # no JIT build (as ds_seg)
+    "torch.distributed.init_process_group('gloo', world_size=1, rank=0, store=torch.distributed.HashStore()); "
+    "torch.manual_seed(0); model = torch.nn.Linear(4, 2); "
+    "engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=dict("
+    "train_micro_batch_size_per_gpu=2, optimizer=dict(type='SGD', params=dict(lr=0.1)), zero_allow_untested_optimizer=True, "
+    "zero_optimization=dict(stage={stage}))); "
+    "loss = engine(torch.ones(2, 4)).sum(); engine.backward(loss); engine.step(); "
+    "print('inductor' if 'torch._inductor.compile_fx' in sys.modules else 'no-inductor', "
+    "sys.modules['deepspeed.runtime.zero.muon.muon_optimizer'].__doc__ or 'real', float(loss))")
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_deepspeed_zero_still_imports_muon_and_ds_seg_stands_in(stage):
+    """Delete keep_zero_from_importing_muon once DeepSpeed's ZeRO optimizers stop importing its Muon
+    modules (and so torch._inductor) to build and step. With the stand-ins, the same step gives the
+    same loss, and the compiler is never imported."""
+    import subprocess
+    import sys
+    from ds_seg.engine.ds_workarounds import MUON_STAND_IN
+    plain = subprocess.run([sys.executable, '-c', _ZERO_STEP.format('', stage=stage)], capture_output=True, text=True)
+    ours = subprocess.run([sys.executable, '-c', _ZERO_STEP.format('import ds_seg; ', stage=stage)],
+                          capture_output=True, text=True)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    plain_out, ours_out = plain.stdout.strip().splitlines()[-1], ours.stdout.strip().splitlines()[-1]
+    assert plain_out.startswith('inductor real '), plain_out
+    assert ours_out.startswith(f'no-inductor {MUON_STAND_IN} '), ours_out
+    assert plain_out.split()[-1] == ours_out.split()[-1]
+
+
+def test_the_muon_stand_ins_say_why_and_a_process_that_imported_the_real_modules_keeps_them():
+    import subprocess
+    import sys
+    from ds_seg.engine.ds_workarounds import MUON_STAND_IN
+    use = ("from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam as M\n"
+           "from deepspeed.runtime.zero.muon import original_muon\n"
+           "for call in (lambda: M([]), lambda: original_muon.muon_update(None, None), lambda: original_muon.zeropower):\n"
+           "    try:\n        call()\n        print('ran')\n    except Exception as exc:\n        print(type(exc).__name__, exc)\n")
+    ours = subprocess.run([sys.executable, '-c', 'import ds_seg\n' + use], capture_output=True, text=True)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert ours.stdout.splitlines()[-3:] == ['RuntimeError ' + MUON_STAND_IN, 'RuntimeError ' + MUON_STAND_IN,
+                                             f'AttributeError zeropower: {MUON_STAND_IN}'], ours.stdout
+    first = ("import sys, deepspeed.runtime.zero.muon.muon_optimizer as real, ds_seg\n"
+             "print(sys.modules['deepspeed.runtime.zero.muon.muon_optimizer'] is real, real.__doc__)")
+    kept = subprocess.run([sys.executable, '-c', first], capture_output=True, text=True)
+    assert kept.returncode == 0 and kept.stdout.splitlines()[-1].split()[:1] == ['True'], kept.stdout + kept.stderr[-2000:]
+    assert MUON_STAND_IN not in kept.stdout
+
+
 def test_deepspeed_schedulers_still_warn_at_construction_and_ds_seg_quiets_it():
     """Delete quiet_scheduler_start_warning once DeepSpeed's WarmupLR constructor stops logging
     "Attempting to get learning rate from scheduler before it has started"."""

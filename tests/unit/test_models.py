@@ -200,3 +200,48 @@ def test_dataset_values_are_checked_like_the_models(tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message):
         build(DATASETS, dict(dict(type='SyntheticAerial', split='train', num_scenes=1, scene_size=64,
                                   cache_dir=str(tmp_path)), **kw), where='data.train')
+
+
+_META_BUILDS = r'''
+import glob, os, sys, torch
+import ds_seg
+from ds_seg.config import load_config
+from ds_seg.models.common import meta_device
+from ds_seg.models.pretrained import without_pretrained
+from ds_seg.registry import MODELS, build
+assert 'timm' not in sys.modules, 'ds_seg imported timm'
+paths = sorted(glob.glob(os.path.join(sys.argv[1], '*.py')))
+for path in sorted(paths, key=lambda p: not p.endswith('unet_tiny_synthetic.py')):   # timm-free first
+    cfg = load_config(path).model
+    with meta_device():
+        model = build(MODELS, without_pretrained(cfg), where='model')
+    devices = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
+    print(os.path.basename(path), sorted(devices), 'timm' in sys.modules)
+import timm
+meta = [f'{name}.{key}' for name, module in list(sys.modules.items()) if name.startswith('timm')
+        for key, value in vars(module).items() if isinstance(value, torch.Tensor) and value.is_meta]
+print('timm meta constants', meta)
+print('real build', next(timm.create_model('resnet18').parameters()).device.type)
+'''
+
+
+def test_every_shipped_model_builds_on_the_meta_device_in_a_fresh_process():
+    """The meta device builds every shipped config's model (the checks before training use it and
+    skip themselves where it fails), with timm first imported under it: meta_device no longer
+    imports timm for every model (1-2 s of each rank's start), so none of timm's module constants
+    may be left on the meta device, and a later real build is on the CPU."""
+    import glob
+    import os
+    import subprocess
+    import sys
+    from ds_seg.config import REPO_ROOT
+    configs = os.path.join(REPO_ROOT, 'configs')
+    done = subprocess.run([sys.executable, '-c', _META_BUILDS, configs], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.endswith((' True', ' False'))]
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(configs, '*.py')))
+    assert sorted(row[0] for row in rows) == names
+    assert all(row[1] == "['meta']" for row in rows), rows
+    # UNetTiny imported no timm; the next model, a timm backbone, imported it under the meta device.
+    assert rows[0] == ['unet_tiny_synthetic.py', "['meta']", 'False'] and rows[1][-1] == 'True', rows
+    assert "timm meta constants []" in done.stdout and 'real build cpu' in done.stdout, done.stdout[-2000:]
