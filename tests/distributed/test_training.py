@@ -103,10 +103,9 @@ def test_resume_equals_uninterrupted(tmp_path, backend, stage):
     from ds_seg.engine import checkpoint
     tmp = str(tmp_path)
     ds = ds_config(stage)
-    straight = run_on_ranks(_train, 2, args=(tmp, backend, ds, 'straight', None, 12, 6))
-    # An identical run whose newest checkpoint is lost: resuming from step 6 must give the
-    # same step-12 weights as the run that never stopped.
-    run_on_ranks(_train, 2, args=(tmp, backend, ds, 'interrupted', None, 12, 6))
+    # The run's own step-12 weights are the uninterrupted result; then its newest checkpoint is
+    # lost: resuming from step 6 must give the same step-12 weights as the run that never stopped.
+    straight = run_on_ranks(_train, 2, args=(tmp, backend, ds, 'interrupted', None, 12, 6))
     root = os.path.join(tmp, 'interrupted', 'checkpoints')
     import shutil
     shutil.rmtree(os.path.join(root, 'step_00000012'))
@@ -417,8 +416,7 @@ def test_resume_equals_uninterrupted_for_a_model_with_dropout(tmp_path, stage):
     uninterrupted run drew before saving it): every later dropout mask differed, so resume was
     exact only for models without dropout (UNet), not for FPN, UperNet, SegFormer, DeepLabV3+."""
     tmp = str(tmp_path)
-    straight = run_on_ranks(_train_fpn, 1, args=(tmp, 'straight', None, stage))[0]
-    run_on_ranks(_train_fpn, 1, args=(tmp, 'interrupted', None, stage))
+    straight = run_on_ranks(_train_fpn, 1, args=(tmp, 'interrupted', None, stage))[0]   # uninterrupted
     _lose_last_checkpoint(tmp, 'interrupted')
     resumed = run_on_ranks(_train_fpn, 1, args=(tmp, 'interrupted', 'auto', stage))[0]
     assert torch.equal(straight, resumed)

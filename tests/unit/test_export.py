@@ -36,6 +36,19 @@ def weights(tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
+def small_weights(tmp_path_factory):
+    """UNetTiny (an ONNX export ~4 s against SegFormerTiny's ~15 s), for the tests of what an
+    export does with files, where the architecture is not what is tested."""
+    tmp = tmp_path_factory.mktemp('export_small')
+    torch.manual_seed(0)
+    cfg = dict(type='UNetTiny', in_channels=3, num_classes=6)
+    model = build(MODELS, cfg).eval()
+    path = str(tmp / 'weights.pt')
+    torch.save({'state_dict': model.state_dict(), 'model': cfg, 'classes': CLASSES, 'data': DATA}, path)
+    return tmp, path, model
+
+
+@pytest.fixture(scope='module')
 def onnx_file(weights):
     """The weights exported by ``launch/export.py --format onnx`` (once: an export takes seconds)."""
     tmp, path, _ = weights
@@ -380,11 +393,11 @@ def test_an_export_never_replaces_a_link_even_one_to_nothing(weights, tmp_path):
 
 
 @pytest.mark.parametrize('fmt', ['weights', 'onnx', 'torch-export'])
-def test_an_export_never_touches_a_users_file_of_its_temporary_name(trained_run, weights, tmp_path, fmt, capsys):
+def test_an_export_never_touches_a_users_file_of_its_temporary_name(trained_run, small_weights, tmp_path, fmt, capsys):
     """export wrote through fixed temporary names ('<out>.tmp', '<out>.tmp.pt2'): a user's file
     of that name was overwritten, then renamed into the export."""
     from ds_seg.cli import export
-    source = os.path.join(trained_run[1], 'checkpoints', 'step_00000004') if fmt == 'weights' else weights[1]
+    source = os.path.join(trained_run[1], 'checkpoints', 'step_00000004') if fmt == 'weights' else small_weights[1]
     out = tmp_path / {'weights': 'm.pt', 'onnx': 'm.onnx', 'torch-export': 'm.pt2'}[fmt]
     mine = f'{out}.tmp.pt2' if fmt == 'torch-export' else f'{out}.tmp'
     with open(mine, 'w') as f:
@@ -397,7 +410,7 @@ def test_an_export_never_touches_a_users_file_of_its_temporary_name(trained_run,
     assert not left, left
 
 
-def test_an_onnx_export_with_external_weights_keeps_them_beside_the_file(weights, tmp_path, monkeypatch):
+def test_an_onnx_export_with_external_weights_keeps_them_beside_the_file(small_weights, tmp_path, monkeypatch):
     """A model over the exporter's size limit keeps its weights in a file beside the graph: the
     export left '<out>.tmp.data' behind, named in the graph, and saved the graph with every weight
     loaded back in (past protobuf's 2 GB for the models that need it). The limit is lowered here
@@ -407,9 +420,9 @@ def test_an_onnx_export_with_external_weights_keeps_them_beside_the_file(weights
 
     from ds_seg import deploy
     monkeypatch.setattr(_onnx_program, '_LARGE_MODEL_THRESHOLD', 1000)
-    _, _, model = weights
+    _, _, model = small_weights
     out = str(tmp_path / 'big.onnx')
-    deploy.export_onnx(model, out, dict(model=dict(type='SegFormerTiny'), classes=CLASSES))
+    deploy.export_onnx(model, out, dict(model=dict(type='UNetTiny'), classes=CLASSES))
     import onnx
     assert sorted(os.listdir(tmp_path)) == ['big.onnx', 'big.onnx.card.json', 'big.onnx.card.md', 'big.onnx.data']
     graph = onnx.load(out, load_external_data=False).graph
@@ -434,12 +447,12 @@ def test_a_checkpoints_pointer_file_exports_the_step_it_names(trained_run, fmt, 
 
 
 @pytest.mark.parametrize('fmt, suffix', [('onnx', '.onnx'), ('torch-export', '.pt2')])
-def test_a_failed_write_of_the_exported_file_is_a_write_failure_not_the_models(weights, tmp_path, fmt, suffix):
+def test_a_failed_write_of_the_exported_file_is_a_write_failure_not_the_models(small_weights, tmp_path, fmt, suffix):
     """The disk refusing the file (here a file-size limit: EFBIG, as a full disk's ENOSPC) once
     read 'does not export to ONNX with dynamic sizes' (exit 2), or for torch-export 'exports but
     cannot be saved; use --format onnx': advice about the model for a disk's fault."""
     import resource
-    _, path, _ = weights
+    _, path, _ = small_weights
     out = str(tmp_path / f'model{suffix}')
 
     def small_files():
