@@ -51,7 +51,7 @@ setup(
         'matplotlib',     # evaluate.py's confusion.png and previews, the benchmark plot (mmengine needs it too)
     ],
     extras_require={
-        'test': ['pytest>=7', 'pytest-timeout', 'pytest-xdist>=3.2', 'matplotlib',   # -n 2 --dist loadgroup
+        'test': ['pytest>=7', 'pytest-timeout', 'pytest-xdist>=3.2', 'matplotlib',   # pytest -n 2 (tests/conftest.py)
                  'onnx>=1.15', 'onnxscript>=0.3', 'onnxruntime>=1.17',   # = the 'onnx' extra (export tests)
                  'mlflow-skinny>=2.10', 'wandb>=0.19'],  # = the 'mlflow' and 'wandb' extras (tracker test)
         'onnx': ['onnx>=1.15', 'onnxscript>=0.3', 'onnxruntime>=1.17'],  # export --format onnx, predict.py on .onnx

@@ -21,16 +21,26 @@ def _launcher_environment_restored():
             os.environ[name] = value
 
 
-# The README's test command runs two pytest workers (pytest-xdist, `-n 2 --dist loadgroup`).
-# Every test under these folders starts ranks, launchers or Slurm jobs that use both cores of the
-# 2-core CI machine: they stay together on one worker, one after another as in a serial run (two
-# 2-rank runs side by side ran slower than in turn, and their timing-bound steps got closer to
-# their limits). The other worker runs the in-process tests, one core each, beside them: those
-# fill the cores the multi-process tests leave idle while they wait on starts, signals and Slurm.
+# The README's test command runs two pytest workers (pytest-xdist, `-n 2`). Every test under these
+# folders starts ranks, launchers or Slurm jobs that use both cores of the 2-core CI machine: they
+# stay together on one worker, one after another as in a serial run (two 2-rank runs side by side
+# ran slower than in turn, and their timing-bound steps got closer to their limits). The other
+# worker runs the in-process tests, one core each, beside them: those fill the cores the
+# multi-process tests leave idle while they wait on starts, signals and Slurm.
 _ONE_AT_A_TIME = {'distributed', 'slurm', 'gpu'}
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if _ONE_AT_A_TIME & set(item.path.relative_to(config.rootpath).parts[:2]):
-            item.add_marker(pytest.mark.xdist_group('one_at_a_time'))
+@pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist, which may not be installed
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's own `--dist loadgroup` reads xdist_group marks by renaming test ids, which pytest 9.2
+    no longer allows (every test ran ungrouped); this groups by folder, in xdist's public API."""
+    if config.getvalue('dist') != 'load':   # the default of -n; another --dist is the user's choice
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneAtATimeByFolder(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            folders = nodeid.split('::', 1)[0].split('/')[:2]
+            return 'one_at_a_time' if _ONE_AT_A_TIME & set(folders) else nodeid
+
+    return OneAtATimeByFolder(config, log)
