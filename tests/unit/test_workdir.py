@@ -136,14 +136,16 @@ def test_a_resume_keeps_the_configs_it_replaces_by_different_ones(tmp_path, caps
     assert len(os.listdir(os.path.join(work, 'previous'))) == 2
 
 
-def _contend(work, start, results):
+def _contend(work, start, results, all_decided):
     lock = WorkDirLock(work)
     while time.time() < start:  # all at once
         pass
     try:
         lock.acquire()
         results.put('held')
-        time.sleep(0.5)  # still holding while the others decide
+        # Alive, holding, until every contender has decided: a holder that exited sooner left a
+        # dead run's lock, which a contender slow to start (a loaded machine) rightly took over.
+        all_decided.wait(60)
     except WorkDirBusy:
         results.put('busy')
 
@@ -157,13 +159,14 @@ def test_contenders_for_a_dead_runs_lock_leave_exactly_one_holder(tmp_path):
         work = tmp_path / f'w{trial}'
         work.mkdir()
         (work / LOCK_NAME).write_text(json.dumps(_me(pid=999999, pid_start=1)))  # a dead run's
-        results, start = ctx.Queue(), time.time() + 0.3
-        procs = [ctx.Process(target=_contend, args=(str(work), start, results)) for _ in range(6)]
+        results, start, all_decided = ctx.Queue(), time.time() + 0.3, ctx.Event()
+        procs = [ctx.Process(target=_contend, args=(str(work), start, results, all_decided)) for _ in range(6)]
         for p in procs:
             p.start()
+        outcomes = sorted(results.get(timeout=60) for _ in procs)
+        all_decided.set()
         for p in procs:
             p.join(30)
-        outcomes = sorted(results.get(timeout=5) for _ in procs)
         assert outcomes == ['busy'] * 5 + ['held'], (trial, outcomes)
         assert sorted(os.listdir(work)) == [LOCK_NAME]  # no take-over mutex or stale file left
 
