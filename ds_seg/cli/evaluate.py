@@ -73,6 +73,7 @@ def save_preview_png(preview, classes, path, bands=None):
     image = preview['image'][0] if isinstance(preview['image'], (list, tuple)) else preview['image']
     with rasterio.open(image) as src:
         idx = [b for b in (bands or range(1, src.count + 1)) if b <= src.count][:3] or [1]
+        idx = idx[:1] if len(idx) == 2 else idx   # two bands (SAR VV/VH...): the first, in grey
         img = src.read(idx, out_shape=(len(idx),) + pred.shape).astype(np.float64)
     finite = np.isfinite(img)  # NaN nodata made both percentiles NaN: a blank picture
     lo, hi = np.percentile(img[finite], (2, 98)) if finite.any() else (0.0, 1.0)

@@ -1786,3 +1786,22 @@ def test_float_scenes_take_statistics_of_another_float_type_and_integer_ones_do_
         'holds uint16 pixels but the model was trained on uint8 (its mean/std are in those units); convert the scene '
         '(gdal_translate -ot)')
     assert same_units('float16', 'float64') and not same_units('int16', 'uint16') and not same_units('uint8', 'float32')
+
+
+@pytest.mark.parametrize('count', [1, 2, 3, 4])
+def test_evaluates_preview_draws_scenes_of_any_band_count(tmp_path, count):
+    """Two-band scenes (Sentinel-1 VV/VH, or dates of two bands) stopped evaluate.py after its
+    scores were written (matplotlib: 'Invalid shape (128, 128, 2) for image data'), so its rerun
+    needed --overwrite and failed the same way. Two bands show the first in grey."""
+    import rasterio
+    from PIL import Image
+    from ds_seg.cli.evaluate import save_preview_png
+    path = str(tmp_path / 'scene.tif')
+    data = np.stack([np.full((16, 16), 10 * (b + 1), np.uint8) for b in range(count)])
+    data[:, :, 8:] += 100
+    with rasterio.open(path, 'w', driver='GTiff', width=16, height=16, count=count, dtype='uint8') as dst:
+        dst.write(data)
+    truth = np.zeros((16, 16), np.uint8)
+    save_preview_png(dict(prediction=truth, truth=truth, step=1, image=path), ['a', 'b'], str(tmp_path / 'p.png'))
+    png = np.asarray(Image.open(tmp_path / 'p.png').convert('RGB'))
+    assert png.shape[2] == 3 and png.std() > 0
