@@ -8,6 +8,7 @@ Example::
 """
 import contextlib
 import os
+import pickle
 import re
 
 import torch
@@ -55,6 +56,54 @@ def adapt_input_weight(weight_OIhw, in_channels):
     return torch.cat([kept, extra], dim=1) * (source / in_channels)
 
 
+class _Inert:
+    """What an object of a training checkpoint other than its weights loads as (timm's argparse
+    Namespace, mmengine's MessageHub and HistoryBuffer, numpy scalars...): nothing of its class is
+    imported or run, whatever it is built from is dropped."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, item):
+        pass
+
+    def extend(self, items):
+        pass
+
+
+# torch's refusal of a global it does not know (torch/_weights_only_unpickler.py)
+_UNKNOWN_GLOBAL = re.compile(r'Unsupported global: GLOBAL (\S+) was not an allowed global')
+
+
+def _load_tensors_beside_inert_objects(path, most=64):
+    """``torch.load(weights_only=True)`` of a training checkpoint: timm's and mmengine's hold their
+    arguments, logs and optimizer state beside the weights, objects torch refuses to unpickle.
+    Each class torch names is given an inert stand-in (never the class itself: loading runs no code
+    of the file's), and the file is read again, so its tensors load and its other objects do not.
+    Modules torch blocks outright (os, subprocess...) stay refused."""
+    stand_ins = []
+    while True:
+        try:
+            with torch.serialization.safe_globals(stand_ins):
+                return torch.load(path, map_location='cpu', weights_only=True)
+        except pickle.UnpicklingError as exc:
+            found = _UNKNOWN_GLOBAL.search(str(exc))
+            # torch's message names builtins without their module ('getattr'); it looks them up with it
+            name = found and (found.group(1) if '.' in found.group(1) else f'builtins.{found.group(1)}')
+            if not found or len(stand_ins) >= most or any(known == name for _, known in stand_ins):
+                raise
+            stand_ins.append((type(name, (_Inert,), {}), name))
+
+
 def read_state_dict(path, where='pretrained'):
     """A state dict from ``.pth``/``.pt``/``.bin``/``.safetensors``; unwraps ``state_dict``/``model``
     (as released files nest them) and strips the ``module.`` prefix of a file saved from a
@@ -62,8 +111,6 @@ def read_state_dict(path, where='pretrained'):
 
     A folder, a truncated file or one of another format is one line naming ``where`` and the
     file (ConfigError), not the reader's traceback."""
-    import pickle
-
     from ..config import ConfigError
     if '://' in str(path):  # mmseg configs name released weights by URL; ds_seg reads local files only
         raise ConfigError(f'{where}: {path} is a URL; download the file and give its local path (or '
@@ -86,12 +133,15 @@ def read_state_dict(path, where='pretrained'):
             if not is_torch_file(head):  # a JSON or a config given by mistake: not "unsafe Python objects"
                 kind = 'an ONNX model' if looks_like_onnx(path, head) else not_torch_kind(head)
                 raise ConfigError(f'{where}: {path} is {kind}, not a weights file (.pth, .pt, .bin or .safetensors)')
-            payload = outside_partitioning(lambda: torch.load(path, map_location='cpu', weights_only=True))
+            payload = outside_partitioning(lambda: _load_tensors_beside_inert_objects(path))
     except ConfigError:
         raise
-    except pickle.UnpicklingError as exc:  # weights_only refused an object that could run code
-        raise ConfigError(f'{where}: {path} holds Python objects other than tensors (loading it could run '
-                          'code); refused. Save its state_dict() alone, or convert it to .safetensors.') from exc
+    except pickle.UnpicklingError as exc:  # weights_only refused what no stand-in may replace
+        why = re.search(r'(?:WeightsUnpickler error: )?((?:Unsupported|Trying to load unsupported|Trying to call|'
+                        r'Can only create) .*)', str(exc))
+        raise ConfigError(f'{where}: {path} holds Python objects other than tensors that are refused (loading '
+                          f'them could run code: {(why.group(1) if why else str(exc))[:200]}). Save its '
+                          'state_dict() alone, or convert it to .safetensors.') from exc
     except Exception as exc:  # torch's zip reader, safetensors' header check, EOF: truncated or not weights
         detail = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
         raise ConfigError(f'{where}: {path} is not a readable weights file (truncated, or another format: '

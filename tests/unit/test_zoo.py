@@ -391,3 +391,49 @@ def test_mit_features_equal_timms_pvt_v2_with_the_same_weights():
         for a, b in zip(ours(images), peer(images), strict=True):
             # Float rounding (up to 4e-6 with other kernels) passes; the eps difference (1.7e-5) does not.
             torch.testing.assert_close(a, b, atol=5e-6, rtol=0)
+
+
+class _WritesFile:
+    """Unpickling this would create a file (builtins.open): evidence that loading ran code."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, 'w'))
+
+
+class _RunsShell:
+    def __reduce__(self):
+        return (os.system, ('touch /nonexistent-dir/x',))
+
+
+def test_training_checkpoints_of_timm_and_mmengine_load_their_weights_and_run_none_of_their_objects(tmp_path):
+    """timm's train.py saves its arguments (argparse.Namespace) and the EMA copy beside the weights,
+    mmengine its MessageHub (HistoryBuffer objects, numpy scalars): both were refused as "objects
+    other than tensors", where the README says they load. Their other objects now load as inert
+    stand-ins, so a class in the file still runs nothing; modules torch blocks stay refused."""
+    import argparse
+
+    import numpy as np
+    from mmengine.logging import HistoryBuffer
+    model = build(MODELS, dict(type='FPN', backbone='test_resnet', num_classes=3))
+    weights = model.backbone.model.state_dict()
+    ema = {k: v + 1 if v.is_floating_point() else v for k, v in weights.items()}
+    marker = tmp_path / 'code_ran'
+    timm_file, mm_file, shell_file = tmp_path / 'model_best.pth.tar', tmp_path / 'epoch_100.pth', tmp_path / 's.pth'
+    torch.save({'epoch': 3, 'args': argparse.Namespace(model='test_resnet', lr=0.1), 'state_dict': weights,
+                'state_dict_ema': ema, 'evil': _WritesFile(str(marker))}, timm_file)
+    buffer = HistoryBuffer()
+    buffer.update(0.5)
+    torch.save({'meta': {'epoch': 100, 'seed': np.int64(0)}, 'message_hub': {'log_scalars': {'loss': buffer}},
+                'state_dict': {f'backbone.{k}': v for k, v in weights.items()}}, mm_file)
+    torch.save({'state_dict': weights, 'evil': _RunsShell()}, shell_file)
+    from ds_seg.models.pretrained import read_state_dict
+    got = read_state_dict(timm_file)
+    assert got.keys() == ema.keys() and all(torch.equal(got[k], ema[k]) for k in ema)   # the EMA copy, as timm
+    assert not marker.exists()
+    built = build(MODELS, dict(type='FPN', backbone='test_resnet', num_classes=3, pretrained=str(mm_file)))
+    assert all(torch.equal(built.backbone.model.state_dict()[k], v) for k, v in weights.items())
+    with pytest.raises(ConfigError, match=r"s\.pth holds Python objects other than tensors that are refused .*posix"):
+        read_state_dict(shell_file)
