@@ -97,7 +97,29 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
 _FILE_MONITORS = ('tensorboard', 'csv_monitor')
 
 
-def with_monitors_in(spec, work_dir):
+# What ds_seg keeps in a work dir (DESIGN.md's work-dir contract): a monitor writing into one of these
+# folders had its files moved away as an earlier run's logs (tb), or mixed into checkpoints.
+_OWN_FOLDERS = ('tb', 'checkpoints', 'previous', 'abandoned')
+
+
+def _refuse_monitor_among_own_files(key, block, output_path, given, work_dir, source):
+    """A monitor's folder (``output_path``/``job_name``, as DeepSpeed joins them) inside one of
+    ds_seg's own folders of the work dir, or, given relative, outside the work dir."""
+    import os
+    work = os.path.abspath(work_dir)
+    folder = os.path.normpath(os.path.join(output_path, block.get('job_name', 'DeepSpeedJobName') or ''))
+    inside = os.path.relpath(folder, work)
+    top = inside.split(os.sep)[0]
+    if top in _OWN_FOLDERS:
+        raise ConfigError(f"{source}: {key} writes into {folder} (output_path {given!r}, job_name "
+                          f"{block.get('job_name', 'DeepSpeedJobName')!r}), inside the work dir's {top}/, which ds_seg "
+                          f"keeps for its own files; give another output_path (e.g. \"deepspeed_monitor\").")
+    if not os.path.isabs(given) and (top == os.pardir or os.path.isabs(inside)):
+        raise ConfigError(f"{source}: {key}.output_path {given!r} leaves the work dir ({folder}): a relative "
+                          "output_path is taken inside the work dir; give an absolute path to write elsewhere.")
+
+
+def with_monitors_in(spec, work_dir, source='DeepSpeed config'):
     """``spec`` with DeepSpeed's file-writing monitors (the JSON's ``tensorboard``/``csv_monitor``
     blocks) writing under ``work_dir``: their default output path is the folder the command ran
     in (the checkout), where every run appended to one CSV and put its TensorBoard events beside
@@ -113,6 +135,7 @@ def with_monitors_in(spec, work_dir):
         if not os.path.isabs(path):
             ds_config[key] = dict(block, output_path=os.path.join(os.path.abspath(work_dir), path or 'deepspeed_monitor'))
             moved.append(key)
+        _refuse_monitor_among_own_files(key, block, ds_config[key]['output_path'], path, work_dir, source)
     if not moved:
         return spec
     where = ', '.join(f"{key} in {ds_config[key]['output_path']}" for key in moved)

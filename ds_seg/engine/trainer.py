@@ -180,7 +180,7 @@ class Trainer:
                                  channels_last=channels_last_for(cfg.model.type, cfg.train.get('channels_last')))
         self.rank, self.world_size, self.device = self.spec.rank, self.spec.world_size, self.spec.device
         self.work_dir = work_dir or default_work_dir(cfg)
-        self.spec = with_monitors_in(self.spec, self.work_dir)
+        self.spec = with_monitors_in(self.spec, self.work_dir, ds_config_source)
         self.work_dir_by_default = not work_dir and not cfg.get('work_dir')
         self.exit_reason = 'running'
         self._state_memory_step = 1  # the step whose backward measures state memory (fit() sets it)
@@ -1016,9 +1016,12 @@ class Trainer:
                               "and nothing is learnt; give a loss_weight > 0.")
 
     def _check_ignore_index(self, key, loss):
-        ignore = getattr(loss, 'ignore_index', None)
-        if ignore is None:
+        if not hasattr(loss, 'ignore_index'):   # a container (CombinedLoss): its members are checked
             return
+        ignore = loss.ignore_index
+        if ignore is None:   # (was a TypeError, or an AttributeError, at the first step)
+            raise ConfigError(f"{key}.ignore_index=None: give the label value of unlabelled pixels (255 usually; "
+                              "a value no label holds where every pixel is labelled).")
         if isinstance(ignore, bool) or not isinstance(ignore, int):
             hint = ' (write it without quotes)' if isinstance(ignore, str) and ignore.strip().lstrip('-').isdigit() else ''
             raise ConfigError(f"{key}.ignore_index must be an integer (the label value of unlabelled pixels, 255 "

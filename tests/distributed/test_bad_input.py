@@ -140,6 +140,8 @@ def _cases(tmp):
         'micro_batch_past_memory': ([], ds_json('huge_batch.json', {**base, 'train_micro_batch_size_per_gpu': 10 ** 9}), []),
         'ds_act_ckpt': ([], ds_json('act_ckpt.json', {**base, 'activation_checkpointing': {'partition_activations': True}}), []),
         'loss_ignore_str': (['loss.ignore_index=\'255\''], None, []),
+        # a TypeError (CE) or AttributeError (Dice, OHEM) at the first step
+        'loss_ignore_none': (['loss.ignore_index=None'], None, []),
         # trained at loss 0 (no pixel kept) for the whole run
         'loss_ohem_thresh': (['loss.type=OhemCrossEntropyLoss', 'loss.thresh=-1'], None, []),
         # the last 20 steps trained at the schedule's final LR
@@ -321,6 +323,7 @@ EXPECTED = {
     'micro_batch_past_memory': ['with train_micro_batch_size_per_gpu 1000000000', 'or train_micro_batch_size_per_gpu'],
     'ds_act_ckpt': ["'activation_checkpointing' in the DeepSpeed JSON has no effect in ds_seg", 'partition_activations'],
     'loss_ignore_str': ['loss.ignore_index must be an integer', "'255'", 'without quotes'],
+    'loss_ignore_none': ['loss.ignore_index=None: give the label value of unlabelled pixels (255 usually'],
     'loss_ohem_thresh': ['loss (OhemCrossEntropyLoss)', 'thresh must be a number in (0, 1], got -1'],
     'ds_schedule_short': ['short.json: scheduler.params.total_num_steps (4) is shorter than the run (train.max_steps=24)'],
     'ds_autocast_quoted': ["autocast.json: 'torch_autocast.enabled' must be true or false, got \"false\""],

@@ -1210,3 +1210,32 @@ def test_a_base_reference_inside_an_expression_is_said_as_such(tmp_path):
                      "train = dict(checkpoint_interval=_steps)\nwork_dir = 'runs/x_train_abc123_train_abc123'\n")
     cfg = load_config(str(child))
     assert cfg.train.checkpoint_interval == 4 and cfg.work_dir == 'runs/x_train_abc123_train_abc123'
+
+
+@pytest.mark.parametrize('block, refused', [
+    ({'output_path': 'tb'}, "tensorboard writes into {w}/tb/DeepSpeedJobName (output_path 'tb', job_name "
+                            "'DeepSpeedJobName'), inside the work dir's tb/"),
+    ({'output_path': '.', 'job_name': 'tb'}, "inside the work dir's tb/"),
+    ({'output_path': 'checkpoints'}, "inside the work dir's checkpoints/"),
+    ({'output_path': '{w}/previous'}, "inside the work dir's previous/"),
+    ({'output_path': '..'}, "tensorboard.output_path '..' leaves the work dir ({p}/DeepSpeedJobName)"),
+    ({'output_path': 'ds'}, None), ({'output_path': '.', 'job_name': 'run1'}, None), ({'output_path': '{p}/elsewhere'}, None),
+])
+def test_deepspeeds_monitors_may_not_write_among_the_work_dirs_own_files(tmp_path, block, refused):
+    """DeepSpeed's TensorBoard monitor in <work dir>/tb had its events moved to previous/ as an
+    earlier run's logs at the start, and its writer thread's failure ended the run as a disk error
+    (exit 74); '..' wrote into the folder beside the work dir, a sibling run's."""
+    from ds_seg.engine.run_spec import describe_run, with_monitors_in
+    work = tmp_path / 'run'
+    fill = dict(w=str(work), p=str(tmp_path))
+    block = {k: v.format(**fill) for k, v in block.items()}
+    ds = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}},
+          'tensorboard': dict(block, enabled=True)}
+    spec = describe_run(ds, 'deepspeed', 10, source='x.json')
+    if refused is None:
+        assert with_monitors_in(spec, str(work), 'x.json').ds_config['tensorboard']['output_path']
+        return
+    with pytest.raises(ConfigError) as caught:
+        with_monitors_in(spec, str(work), 'x.json')
+    said = str(caught.value)
+    assert said.startswith('x.json: ') and refused.format(**fill) in said and '\n' not in said, said
