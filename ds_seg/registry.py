@@ -68,11 +68,12 @@ def build(registry, cfg, where=None, **extra):
     _check_kwargs(cls, kwargs, where, check_values=registry.name in VALUES_CHECKED_HERE)
     try:
         built = cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise  # already one line naming the file or key
-        # A value of the wrong type or range ('16' for an int, a list for a count): name the
-        # section and its values rather than show the traceback from deep inside the class.
+    except (TypeError, ValueError, RuntimeError) as exc:
+        if isinstance(exc, (ConfigError, NotImplementedError, RecursionError)):
+            raise  # already one line naming the file or key; or not about the values
+        # A value of the wrong type or range ('16' for an int, a list for a count, a negative
+        # width: torch's RuntimeError), named with the section and its values rather than shown
+        # as the traceback from deep inside the class.
         given = ', '.join(f'{k}={v!r}' for k, v in cfg.items() if k != 'type')
         detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
         raise ConfigError(f"{where} ({name}): cannot be built with {given or 'its defaults'}: {detail}; "

@@ -146,6 +146,9 @@ def test_unknown_argument_names_the_accepted_ones():
     ({'type': 'UNetTiny', 1: 2}, r"^model: argument names are strings, got 1$"),
     # ZeroDivisionError in TemporalSegmentor.
     (dict(type='TinyTemporalSegFormer', num_dates=0), r'^model\.num_dates must be a whole number of at least 1'),
+    # torch's RuntimeError 'Trying to create tensor with negative dimension', a traceback (0 was refused).
+    (dict(type='UNet', base_channels=-4), r'^model \(UNet\): cannot be built with base_channels=-4: .*negative'),
+    (dict(type='FPN', backbone='resnet18', channels=-1), r'^model\.decode_head \(FPNHead\): cannot be built with channels=-1: .*negative'),
 ])
 def test_values_of_the_wrong_type_or_range_are_one_line_before_anything_is_built(cfg, message):
     from ds_seg.config import ConfigError
