@@ -94,13 +94,26 @@ def _asset(item, name, source, what):
     return item.assets[name].href
 
 
-def _declared_encoding(asset):
-    """The ``[scale, offset]`` of each band an asset's STAC ``raster:bands`` declares, or None."""
+def _declared_encoding(asset, where='asset'):
+    """The ``[scale, offset]`` of each band an asset's STAC ``raster:bands`` declares, or None.
+    A null is not declared (the defaults, 1 and 0); anything else but a number is refused, naming
+    ``where`` (float() of null was a TypeError traceback)."""
     bands = (asset.extra_fields or {}).get('raster:bands')
     if not isinstance(bands, list) or not bands:
         return None
-    return [[float(b.get('scale', 1.0)), float(b.get('offset', 0.0))] if isinstance(b, dict) else [1.0, 0.0]
-            for b in bands]
+    declared = []
+    for i, band in enumerate(bands):
+        pair = []
+        for key, default in (('scale', 1.0), ('offset', 0.0)):
+            value = band.get(key) if isinstance(band, dict) else None
+            if value is None:
+                value = default
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{where}: raster:bands[{i}].{key} is {value!r}, not a number; fix the item "
+                                  f"(or remove the key: its default is {default:g})")
+            pair.append(float(value))
+        declared.append(pair)
+    return declared
 
 
 def _check_declared_encoding(item, names, source, seen):
@@ -109,7 +122,7 @@ def _check_declared_encoding(item, names, source, seen):
     refused, as GeoTIFFs whose own tags differ are: ds_seg trains on the raw values, and mixed
     encodings were trained as one, without a word, where the files carry no tags."""
     for name in names:
-        declared = _declared_encoding(item.assets[name])
+        declared = _declared_encoding(item.assets[name], f'stac={source!r}: item {item.id!r}, asset {name!r}')
         if declared is None:
             seen.setdefault(('silent', name), item.id)
         else:

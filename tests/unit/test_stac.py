@@ -270,6 +270,25 @@ def test_items_declaring_other_raster_bands_scale_or_offset_are_refused(catalogu
     assert len(GeoTiffScenes(stac=str(silent), stac_bands=BANDS, mode='grid', **KW)) > 0
 
 
+def test_a_null_scale_or_offset_is_not_declared_and_a_word_is_refused(catalogue):
+    """Serialisers that keep None fields write "scale": null: float(None) was a TypeError
+    traceback. A null is the default (1, 0); a string is one line naming the item and asset."""
+    collection = json.loads((catalogue['tmp'] / 'items.json').read_text())
+    for feature in collection['features']:
+        for name in BANDS:
+            feature['assets'][name]['raster:bands'] = [{'scale': None, 'offset': None, 'nodata': None}]
+    nulls = catalogue['tmp'] / 'nulls.json'
+    nulls.write_text(json.dumps(collection))
+    assert len(GeoTiffScenes(stac=str(nulls), stac_bands=BANDS, mode='grid', **KW)) > 0
+    collection['features'][1]['assets'][BANDS[1]]['raster:bands'] = [{'scale': '0.0001'}]
+    words = catalogue['tmp'] / 'words.json'
+    words.write_text(json.dumps(collection))
+    with pytest.raises(ConfigError) as refused:
+        GeoTiffScenes(stac=str(words), stac_bands=BANDS, mode='grid', **KW)
+    assert str(refused.value) == (f"stac={str(words)!r}: item 'scene1', asset {BANDS[1]!r}: raster:bands[0].scale is "
+                                  "'0.0001', not a number; fix the item (or remove the key: its default is 1)")
+
+
 def test_time_series_sharing_a_baseline_date_are_two_evaluation_scenes(catalogue):
     """Scenes [a, b] and [a, c] were refused as 'a given twice'; [a, b] twice still is."""
     from ds_seg.data import DataError
