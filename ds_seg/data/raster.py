@@ -497,6 +497,7 @@ def _vrt_sources(path):
 # Files GDAL reads beside a raster (and so part of its version): an external mask, the PAM
 # file (nodata, scale/offset, statistics) and external overviews, in either case.
 GDAL_SIDECARS = ('.msk', '.MSK', '.aux.xml', '.AUX.XML', '.ovr', '.OVR')
+SHAPEFILE_PARTS = ('.dbf', '.DBF', '.shx', '.SHX', '.prj', '.PRJ', '.cpg', '.CPG')
 
 
 def file_identity(path, sample_bytes=1 << 16):
@@ -522,6 +523,13 @@ def file_identity(path, sample_bytes=1 << 16):
                 if os.path.isfile(path + suffix)}
     if sidecars:
         identity['sidecars'] = sidecars
+    if path.lower().endswith('.shp'):
+        # A shapefile's attributes (.dbf: a class edited in QGIS's table), index and CRS (.prj)
+        # live in files of its stem: an edit there is a new label file.
+        parts = {ext: _local_version(path[:-4] + ext, sample_bytes) for ext in SHAPEFILE_PARTS
+                 if os.path.isfile(path[:-4] + ext)}
+        if parts:
+            identity['parts'] = parts
     if path.lower().endswith('.vrt'):
         # A VRT is unchanged when the files it reads change (a STAC item's stacked assets, a
         # republished asset): their identities are its version too.

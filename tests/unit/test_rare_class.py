@@ -172,3 +172,30 @@ def test_names_in_another_class_order_get_their_own_index(tmp_path):
         label = ds.read_label(0, rasterio.windows.Window(0, 0, 100, 100))
         for k in (1, 2):  # every candidate of class k is a pixel of class k
             assert set(label[locations[k][:, 1], locations[k][:, 2]].tolist()) == {k}
+
+
+def test_a_shapefiles_attributes_edited_in_its_dbf_get_a_new_index(tmp_path):
+    """A class changed in the attribute table (QGIS writes the .dbf beside an unchanged .shp): the
+    cached index of the old classes was reused, sampling drew the old positions and never the new
+    class, which it also reported absent."""
+    import shutil
+
+    import pyogrio.raw
+    import shapely
+    img = str(tmp_path / 'img.tif')
+    with rasterio.open(img, 'w', driver='GTiff', width=100, height=100, crs='EPSG:32632', count=3, dtype='uint8',
+                       transform=from_origin(0, 100, 1, 1)) as d:
+        d.write(np.zeros((3, 100, 100), np.uint8))
+    for name, kind in (('labels', 1), ('edited', 2)):
+        pyogrio.raw.write(str(tmp_path / f'{name}.shp'), shapely.to_wkb(np.array([shapely.box(10, 10, 30, 30)])),
+                          field_data=[np.array([kind], np.int32)], fields=['kind'], crs='EPSG:32632',
+                          geometry_type='Polygon')
+
+    def counts():
+        ds = GeoTiffScenes([img], str(tmp_path / 'labels.shp'), label_field='kind', classes=3, crop_size=16,
+                           sampling='rare_class', mean=[0] * 3, std=[1] * 3)
+        return list(rare_class.class_index(ds, 1)[0])
+
+    assert counts() == [9600, 400, 0]
+    shutil.copy(tmp_path / 'edited.dbf', tmp_path / 'labels.dbf')
+    assert counts() == [9600, 0, 400]
