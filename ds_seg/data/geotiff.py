@@ -1063,19 +1063,22 @@ class GeoTiffScenes(torch.utils.data.Dataset):
 
     def _load_vectors(self, classes):
         """Each vector label file read once per image CRS; scenes point at theirs by key."""
-        vectors = {}
+        vectors, areas = {}, {}
         for s in self._scenes:
-            if not s.get('vector'):
-                continue
-            key = (s['label'], s['crs'].to_wkt() if s['crs'] else None)
-            if key not in vectors:
+            if s.get('vector'):
+                s['vector_key'] = (s['label'], s['crs'].to_wkt() if s['crs'] else None)
+                xs, ys = zip(*(s['transform'] * (c, r) for c in (0, s['width']) for r in (0, s['height'])))
+                areas.setdefault(s['vector_key'], []).append((min(xs), min(ys), max(xs), max(ys)))
+        for s in self._scenes:
+            key = s.get('vector_key')
+            if key is not None and key not in vectors:
                 names = classes if isinstance(classes, (list, tuple)) else None
-                vectors[key] = VectorLabels(s['label'], self.label_field, s['crs'], names, self.label_layer)
-            s['vector_key'] = key
+                vectors[key] = VectorLabels(s['label'], self.label_field, s['crs'], names, self.label_layer,
+                                            areas=areas[key])
         # A file whose features all lie off its images (or no feature in any file) would label
         # every pixel label_fill: a wrong file, or coordinates read in the wrong CRS. A file
         # without features is fine on its own (a tile without buildings).
-        everything_empty = bool(vectors) and all(v.bounds() is None for v in vectors.values())
+        everything_empty = bool(vectors) and all(v.file_count == 0 for v in vectors.values())
         for s in self._scenes:
             v = vectors.get(s.get('vector_key'))
             if v is not None and v.file_crs_declared and s['crs'] is None and s['transform'].is_identity:
@@ -1086,14 +1089,19 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                                 f"<ulx> <uly> <lrx> <lry> {s['image']}), or give labels in pixel coordinates")
         for key, v in vectors.items():
             scenes = [s for s in self._scenes if s.get('vector_key') == key]
-            if (v.bounds() is None and not everything_empty) or any(
+            if (v.file_count == 0 and not everything_empty) or any(
                     v.overlaps(s['transform'], s['width'], s['height']) for s in scenes):
                 continue
             s = scenes[0]
             west, south, east, north = array_bounds(s['height'], s['width'], s['transform'])
             box = tuple(round(c, 6) for c in (min(west, east), min(south, north), max(west, east), max(south, north)))
-            features = (f"its features span {tuple(round(b, 6) for b in v.bounds())}" if v.bounds()
-                        else "it holds no feature")
+            if v.bounds():
+                features = f"its features span {tuple(round(b, 6) for b in v.bounds())}"
+            elif v.file_count:   # all of them far from the images: dropped before reprojection
+                features = (f"its {v.file_count} feature(s) lie far from it: they span "
+                            f"{tuple(round(b, 6) for b in v.file_bounds)} in {v.file_crs.to_string()}")
+            else:
+                features = "it holds no feature"
             if s['crs'] is not None:
                 img_crs = s['crs'].to_string()
             elif s['transform'].is_identity:
@@ -1109,9 +1117,10 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 how = f"; reprojected from the file's CRS {v.file_crs.to_string()}"
             else:
                 how = ''
+            both = 'in' if v.file_count and not v.bounds() else 'both in'   # the far features' span: the file's CRS
             raise DataError(f"labels {v.path}: no feature lies on image {s['image']}"
                             f"{f' or the {len(scenes) - 1} other(s)' if len(scenes) > 1 else ''} "
-                            f"({features}, the image spans {box}, both in {img_crs}{how}); "
+                            f"({features}, the image spans {box}, {both} {img_crs}{how}); "
                             f"check the vector file and its CRS")
         return vectors
 

@@ -71,7 +71,7 @@ class VectorLabels:
         label_HW = v.rasterize(src.transform, Window(0, 0, 256, 256), fill=0, dtype='uint8')
     """
 
-    def __init__(self, path, field=None, crs=None, classes=None, layer=None):
+    def __init__(self, path, field=None, crs=None, classes=None, layer=None, areas=None):
         import shapely
         self.path = os.fspath(path)
         what = f"labels {self.path}"
@@ -127,7 +127,18 @@ class VectorLabels:
         # GDAL gives every GeoJSON EPSG:4326, the format's own (RFC 7946), declared or not: files
         # in pixel coordinates (annotation tools write them) say it too.
         self.file_crs_declared = self.file_crs is not None and meta.get('driver') not in ('GeoJSON', 'GeoJSONSeq')
+        # What the file holds, for the lines about it: features far from every image are dropped below.
+        self.file_count = len(geoms)
+        self.file_bounds = tuple(float(v) for v in shapely.total_bounds(geoms)) if len(geoms) else None
         if crs is not None and self.file_crs is not None and self.file_crs != crs:
+            west, south, east, north = self.file_bounds or (0, 0, 0, 0)
+            if self.file_crs.is_geographic and not (-540 <= west and east <= 540 and -90.5 <= south and north <= 90.5):
+                raise ConfigError(f"{what}: its coordinates cannot be moved from its CRS ({self.file_crs}) to the "
+                                  f"image's ({crs}): they span {self.file_bounds}, which are no degrees; the file's CRS "
+                                  "is probably not the one its coordinates are in (metres labelled as EPSG:4326, "
+                                  "say): set the right one (ogr2ogr -a_srs)")
+            if areas:
+                geoms, values = _near_areas(geoms, values, self.file_crs, crs, areas)
             try:
                 geoms = _reproject(geoms, self.file_crs, crs)
             except (rasterio.errors.RasterioError, CPLE_BaseError) as exc:  # PROJ's "utm: Invalid latitude"
@@ -237,6 +248,36 @@ def _clip_far_reaching(geoms, win_transform, shape):
     geoms = geoms.copy()
     geoms[far] = shapely.clip_by_rect(geoms[far], min(xs), min(ys), max(xs), max(ys))
     return geoms
+
+
+def _near_areas(geoms, values, file_crs, crs, areas):
+    """The features near ``areas`` (image footprints ``(west, south, east, north)`` in ``crs``),
+    clipped to a box around them in the file's CRS and with their edges split so that they bend
+    as the reprojection bends them. A file of the whole world in EPSG:4326 had every vertex moved
+    into the image's UTM zone: features on the other side of the globe landed on the tile (a
+    Pacific lake painted over Germany), a point beyond the projection's domain refused the file,
+    and a world-wide polygon collapsed to a line. Where the footprint cannot be moved into the
+    file's CRS (or it crosses the antimeridian there), every feature is kept, as before."""
+    import shapely
+    from rasterio.warp import transform_bounds
+    boxes = []
+    for west, south, east, north in areas:
+        # Half a footprint of margin on each side: nothing that reaches the image is cut.
+        dx, dy = (east - west) / 2, (north - south) / 2
+        try:
+            box = transform_bounds(crs, file_crs, west - dx, south - dy, east + dx, north + dy, densify_pts=21)
+        except Exception:
+            return geoms, values
+        if not all(np.isfinite(box)) or box[0] >= box[2] or box[1] >= box[3]:
+            return geoms, values
+        boxes.append(shapely.box(*box))
+    near = np.zeros(len(geoms), bool)
+    for box in boxes:
+        near |= shapely.intersects(geoms, box)
+    west, south, east, north = shapely.total_bounds(np.array(boxes))
+    kept = shapely.clip_by_rect(geoms[near], west, south, east, north)
+    kept = shapely.segmentize(kept, max(east - west, north - south) / 256)
+    return kept, values[near]
 
 
 def _reproject(geoms, src_crs, dst_crs):

@@ -408,3 +408,50 @@ def test_images_outside_a_shared_vector_files_features_and_classes_without_featu
     assert not GeoTiffScenes([scene['img'], str(inside)], scene['vec'], label_field='class', **KW).notes
     assert not GeoTiffScenes([scene['img'], str(inside)], scene['vec'], label_field='class', mode='grid',
                              split='val', **kw).notes
+
+
+@pytest.mark.parametrize('far', ['pacific', 'sumatra', 'world'])
+def test_a_world_wide_file_labels_a_tile_with_only_the_features_near_it(tmp_path, far):
+    """One label file in EPSG:4326 over tiles in their UTM zone: every vertex was moved into the
+    tile's zone, so a lake in the Pacific landed on a tile in Germany (all of it 'water', the
+    building gone, no word), a field near 98 deg E (beyond the zone's domain) refused the whole
+    file as in the wrong CRS, and a world-wide background polygon collapsed to a line."""
+    from rasterio.warp import transform_geom
+    size = 128
+    img = str(tmp_path / 'tile_germany.tif')   # UTM 32N, about 9.0 E 51.44 N
+    with rasterio.open(img, 'w', driver='GTiff', width=size, height=size, count=3, dtype='uint8', crs='EPSG:32632',
+                       transform=from_origin(500000, 5700000, 1, 1)) as d:
+        d.write(np.full((3, size, size), 100, np.uint8))
+    building_utm = shapely.box(500010, 5699900, 500040, 5699990)
+    building = shapely.geometry.shape(transform_geom('EPSG:32632', 'EPSG:4326', shapely.geometry.mapping(building_utm)))
+    other = dict(pacific=shapely.box(-175.64, -2.89, -164.27, 26.27), sumatra=shapely.box(97.9, -0.1, 98.1, 0.1),
+                 world=shapely.box(-180, -90, 180, 90))[far]
+    geoms, classes = ([other, building], [2, 1]) if far == 'world' else ([building, other], [1, 2])
+    labels = str(tmp_path / 'world.gpkg')
+    _write_vector(labels, geoms, {'cls': np.array(classes, np.int32)}, crs='EPSG:4326')
+    ds = GeoTiffScenes([img], [labels], label_field='cls', classes=['background', 'building', 'water'],
+                       crop_size=size, mode='grid', split='val', mean=[1] * 3, std=[1] * 3, check_labels=0)
+    expected = rasterize([(building_utm, 1)], out_shape=(size, size), transform=from_origin(500000, 5700000, 1, 1),
+                         fill=2 if far == 'world' else 0, dtype='uint8')
+    assert np.array_equal(ds[0]['label'].numpy(), expected)
+
+
+def test_a_file_whose_features_all_lie_far_from_its_tile_is_refused_beside_a_good_one(tmp_path):
+    """Far features are dropped before reprojection; a file left with none near its tile is not a
+    tile without objects (learnt as background everywhere): the line says where its features are."""
+    from rasterio.warp import transform_geom
+    tiles, files = [], []
+    for name, west in (('a', 500000), ('b', 500200)):
+        tiles.append(str(tmp_path / f'{name}.tif'))
+        with rasterio.open(tiles[-1], 'w', driver='GTiff', width=64, height=64, count=3, dtype='uint8',
+                           crs='EPSG:32632', transform=from_origin(west, 5700000, 1, 1)) as d:
+            d.write(np.full((3, 64, 64), 100, np.uint8))
+    house = shapely.geometry.shape(transform_geom('EPSG:32632', 'EPSG:4326', shapely.geometry.mapping(
+        shapely.box(500010, 5699950, 500030, 5699990))))
+    files = [_write_vector(tmp_path / 'a.gpkg', [house], {'cls': np.array([1], np.int32)}, crs='EPSG:4326'),
+             _write_vector(tmp_path / 'b.gpkg', [shapely.box(-175.6, -2.9, -164.3, 26.3)],
+                           {'cls': np.array([1], np.int32)}, crs='EPSG:4326')]
+    with pytest.raises(DataError, match=r"^labels .*b\.gpkg: no feature lies on image .*b\.tif \(its 1 feature\(s\) lie "
+                                        r"far from it: they span \(-175\.6, -2\.9, -164\.3, 26\.3\) in EPSG:4326, the "
+                                        r"image spans .*, in EPSG:32632; reprojected from the file's CRS EPSG:4326\)"):
+        GeoTiffScenes(tiles, files, label_field='cls', classes=2, crop_size=32, mean=[1] * 3, std=[1] * 3)
