@@ -21,7 +21,7 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, description=as_invoked(description), **kwargs)
 
     def error(self, message):
-        print(f'{self.prog}: error: {message}', file=sys.stderr)
+        say_once_per_node(f'{self.prog}: error: {message}')   # every rank parses the same command line
         sys.exit(2)
 
 

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from ds_seg.inputs import as_invoked, refuse_inside_checkpoints, user_path
-from ds_seg.cli import same_package_env
+from ds_seg.inputs import refuse_inside_checkpoints, user_path
+from ds_seg.cli import OneLineParser, same_package_env
 from ds_seg.config import DS_CONFIGS_DIR, find_shipped, option_keys
 from ds_seg.memory import zero_formula
 
@@ -58,7 +58,7 @@ MEMORY_FIELDS = ['num_params', 'params_bytes', 'grads_bytes', 'master_bytes', 'o
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--config', type=user_path, default=None, help='experiment config (default: the embedded UNet experiment)')
     p.add_argument('--backends', default='ddp,zero0,zero1,zero2,zero3',
                    help=f"comma-separated, in run order; known: {','.join(BACKENDS)}; or LABEL=file.json "

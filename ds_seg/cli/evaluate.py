@@ -24,9 +24,9 @@ from ds_seg.cli.predict import (DEFAULT_TILE, Progress, add_window_args, check_b
                                quiet_about_plain_images, setup, tile_from_model, window_kwargs)
 
 from ds_seg import distributed  # noqa: E402
-from ds_seg.cli import exit_without_finalization, outlive_stdout, run_command  # noqa: E402
+from ds_seg.cli import OneLineParser, exit_without_finalization, outlive_stdout, run_command  # noqa: E402
 from ds_seg.inference import default_palette, evaluate_scenes, scene_pairs  # noqa: E402
-from ds_seg.inputs import (as_invoked, user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
+from ds_seg.inputs import (user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,  # noqa: E402
                            check_writable, refuse_inside_checkpoints, expand_inputs, replaced_when_done)
 from ds_seg.metrics import metrics_from_confusion  # noqa: E402
 from ds_seg.vectorize import exclude_ids  # noqa: E402
@@ -442,7 +442,7 @@ def _run(args):
 def main(argv=None):
     if argv is None:   # the command itself: a stdout that closes does not stop it
         outlive_stdout()
-    parser = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', type=user_path, required=True, help='weights file, step_* folder, checkpoints folder, work dir, or an .onnx export '
                         '(run with onnxruntime on the CPU)')
     parser.add_argument('--images', type=user_path, nargs='+', default=None, help='image scenes (paths, globs or folders)')

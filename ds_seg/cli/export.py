@@ -21,7 +21,8 @@ import sys
 
 from ds_seg import deploy
 from ds_seg.engine import checkpoint
-from ds_seg.inputs import as_invoked, check_writable, refuse_inside_checkpoints, missing_folder, user_path
+from ds_seg.cli import OneLineParser
+from ds_seg.inputs import check_writable, refuse_inside_checkpoints, missing_folder, user_path
 from ds_seg.registry import RegistryError
 
 
@@ -85,7 +86,7 @@ def _export_weights(args, attempts=3):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('checkpoint', type=user_path, help='a step_* folder, a checkpoints/ folder or a work dir '
                         '(for onnx/torch-export also a weights file from this script)')
     parser.add_argument('--out', type=user_path, default=None, help='output file (default: <work dir>/weights_<tag>.pt, '

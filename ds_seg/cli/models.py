@@ -13,7 +13,7 @@ import argparse
 import sys
 
 import ds_seg  # noqa: F401  (registers every model)
-from ds_seg.inputs import as_invoked
+from ds_seg.cli import OneLineParser
 from ds_seg.models.common import meta_device
 from ds_seg.registry import MODELS, build
 from ds_seg.telemetry import forward_flops
@@ -44,7 +44,7 @@ def model_facts(cfg, size, in_channels=3, num_classes=6):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--size', type=int, default=512, help='square input size in pixels')
     parser.add_argument('--in-channels', type=int, default=3)
     parser.add_argument('--num-classes', type=int, default=6)

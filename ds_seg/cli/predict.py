@@ -24,13 +24,13 @@ import warnings
 import torch
 
 from ds_seg import distributed
-from ds_seg.cli import exit_without_finalization, outlive_stdout, run_command
+from ds_seg.cli import OneLineParser, exit_without_finalization, outlive_stdout, run_command
 from ds_seg.config import ConfigError
 from ds_seg.data.geotiff import configure_gdal_for_worker, dates_out_of_name_order
 from ds_seg.data.raster import StackedRaster, untagged_fill_refusal
 from ds_seg.inference import BLENDS, TTA_FLIPS, load_model, predict_scene
 from ds_seg.inference.model import fixed_input_size, window_refusal
-from ds_seg.inputs import (as_invoked, user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,
+from ds_seg.inputs import (user_path, check_bands, check_checkpoint_option, check_output_folder, check_outputs,
                            check_window_options, check_writable, refuse_inside_checkpoints, expand_inputs, output_stems,
                            split_dates, written_by_predict)
 from ds_seg.telemetry import format_eta
@@ -478,7 +478,7 @@ def _run(args):
 def main(argv=None):
     if argv is None:   # the command itself: a stdout that closes does not stop it
         outlive_stdout()
-    parser = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--checkpoint', type=user_path, required=True, help='weights file, step_* folder, checkpoints folder, work dir, or an .onnx export '
                         '(run with onnxruntime on the CPU)')
     parser.add_argument('--input', type=user_path, nargs='+', required=True,

@@ -10,8 +10,8 @@ import argparse
 import os
 import sys
 
-from ds_seg.inputs import as_invoked, user_path
-from ds_seg.cli import exit_without_finalization, outlive_stdout, say_once_per_node
+from ds_seg.inputs import user_path
+from ds_seg.cli import OneLineParser, exit_without_finalization, outlive_stdout, say_once_per_node
 from ds_seg.config import (ConfigError, DS_CONFIGS_DIR, SBATCH_DIR, SBATCH_TEMPLATES, find_shipped, load_config,
                            load_ds_config)
 from ds_seg.engine.faults import EXIT_INTERRUPTED
@@ -19,7 +19,7 @@ from ds_seg.registry import RegistryError
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=as_invoked(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--config', type=user_path, default=None, help='experiment config: a path, or the name of a shipped one '
                         '(unet_tiny_synthetic); default: the embedded synthetic-aerial UNet experiment')
     parser.add_argument('--deepspeed_config', '--deepspeed-config', type=user_path, dest='deepspeed_config',
