@@ -67,6 +67,13 @@ def describe_run(ds_config, backend, max_steps, source='DeepSpeed config', launc
                           "{\"type\": \"AdamW\", \"params\": {\"lr\": 0.001}} (see ds_configs/zero2.json).")
     resolved, precision, notes = resolve_ds_config(ds_config, world_size, max_steps, source=source)
     native, (precision, zero_stage) = precision, (engine.precision_run(precision), engine.zero_stage_of(resolved))
+    reduce_op = str(resolved.get('gradient_allreduce_op', 'mean')).lower()
+    if engine.name != 'deepspeed' and reduce_op != 'mean':
+        # DDP averages: the same JSON trained at another gradient scale (N x the norm under 'sum',
+        # clipping biting elsewhere, SGD at N x the LR) under one backend only, unsaid.
+        raise ConfigError(f"{source}: 'gradient_allreduce_op' {resolved['gradient_allreduce_op']!r} is DeepSpeed's; "
+                          "--backend ddp averages gradients over ranks (DeepSpeed's 'mean'): remove it, or use "
+                          "--backend deepspeed")
     if engine.name != 'deepspeed':
         # DeepSpeed's own monitors are part of its engine: under DDP they did nothing, unsaid.
         monitors = [key for key in ('tensorboard', 'wandb', 'csv_monitor', 'comet')

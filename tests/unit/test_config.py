@@ -1239,3 +1239,16 @@ def test_deepspeeds_monitors_may_not_write_among_the_work_dirs_own_files(tmp_pat
         with_monitors_in(spec, str(work), 'x.json')
     said = str(caught.value)
     assert said.startswith('x.json: ') and refused.format(**fill) in said and '\n' not in said, said
+
+
+def test_a_summed_gradient_reduction_is_refused_under_ddp_which_averages():
+    """'gradient_allreduce_op': 'sum' trained at twice the gradient norm on 2 ranks under
+    DeepSpeed, and as 'mean' under --backend ddp, which never read it: one JSON, two trainings."""
+    from ds_seg.engine.run_spec import describe_run
+    ds = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}},
+          'gradient_allreduce_op': 'sum'}
+    with pytest.raises(ConfigError, match=r"^x\.json: 'gradient_allreduce_op' 'sum' is DeepSpeed's; --backend ddp "
+                                          r"averages gradients over ranks"):
+        describe_run(ds, 'ddp', 10, source='x.json')
+    assert describe_run(ds, 'deepspeed', 10, source='x.json').backend == 'deepspeed'
+    assert describe_run(dict(ds, gradient_allreduce_op='mean'), 'ddp', 10, source='x.json').backend == 'ddp'
