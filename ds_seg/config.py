@@ -303,11 +303,17 @@ class DataSection(_Section):
                                   f"{section.crop_size!r} (the one every dataset is built with); "
                                   "set data.crop_size only.")
         # Likewise data.random_scale replaces the training set's own random_scale when set.
-        given = (_get(cfg, 'data.train') or {}).get('random_scale')
+        train = _get(cfg, 'data.train') or {}
+        given = train.get('random_scale')
         pair = tuple(given) if isinstance(given, (list, tuple)) else (given, given)
         if given is not None and section.random_scale is not None and pair != tuple(section.random_scale):
             raise ConfigError(f"data.train.random_scale={given!r} conflicts with data.random_scale="
                               f"{section.random_scale!r} (which replaces it); set one of them.")
+        if 'random_scale' in train and given is None and section.random_scale is not None:
+            # Meant as "no scaling": trained at data.random_scale all the same, without a word.
+            raise ConfigError(f"data.train.random_scale=None conflicts with data.random_scale="
+                              f"{section.random_scale!r} (which replaces it); to train without scaling set "
+                              "data.random_scale=None.")
         return section
 
 
