@@ -881,10 +881,17 @@ def with_absolute_data_paths(cfg_dict):
 
 def _expand_user(cfg):
     """A config is not a shell: work_dir='~/runs/x' created a folder named '~' in the current
-    directory (one `rm -rf ~` away from the home directory) and load_from='~/w.pt' was missing."""
+    directory (one `rm -rf ~` away from the home directory) and load_from='~/w.pt' was missing;
+    work_dir='$SCRATCH/runs/x' a folder named '$SCRATCH'. Both are expanded as a shell would; a
+    variable that is not set is refused (its folder would be created in the current directory)."""
     for key in ('work_dir', 'load_from'):
         if isinstance(cfg.get(key), str):
-            cfg[key] = os.path.expanduser(cfg[key])
+            expanded = os.path.expandvars(os.path.expanduser(cfg[key]))
+            unset = re.search(r'\$(\{[A-Za-z_]\w*\}|[A-Za-z_]\w*)', expanded)
+            if unset:
+                raise ConfigError(f"{key}={cfg[key]!r}: ${unset.group(1).strip('{}')} is not set in this environment; "
+                                  "set it, or write the path out")
+            cfg[key] = expanded
     log = cfg.get('log')
     uri = log.get('mlflow_tracking_uri') if isinstance(log, dict) else None
     if isinstance(uri, str) and uri.strip() == uri != '' and ':' not in uri and uri not in ('databricks', 'databricks-uc', 'uc'):

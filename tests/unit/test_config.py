@@ -1255,3 +1255,15 @@ def test_a_summed_gradient_reduction_is_refused_under_ddp_which_averages():
         describe_run(ds, 'ddp', 10, source='x.json')
     assert describe_run(ds, 'deepspeed', 10, source='x.json').backend == 'deepspeed'
     assert describe_run(dict(ds, gradient_allreduce_op='mean'), 'ddp', 10, source='x.json').backend == 'ddp'
+
+
+def test_variables_in_work_dir_and_load_from_are_expanded_and_an_unset_one_is_refused(tmp_path, monkeypatch):
+    """work_dir: $SCRATCH/runs/exp (a cluster's habit) created ./$SCRATCH/runs/exp and wrote the
+    run's checkpoints there; only ~ was expanded."""
+    monkeypatch.setenv('SCRATCH', str(tmp_path))
+    monkeypatch.delenv('NOT_SET_HERE', raising=False)
+    cfg = load_config(None, ['work_dir=$SCRATCH/runs/exp', 'load_from=${SCRATCH}/w.pt'])
+    assert (cfg.work_dir, cfg.load_from) == (f'{tmp_path}/runs/exp', f'{tmp_path}/w.pt')
+    with pytest.raises(ConfigError, match=r"work_dir='\$NOT_SET_HERE/runs': \$NOT_SET_HERE is not set in this "
+                                          r"environment; set it, or write the path out"):
+        load_config(None, ['work_dir=$NOT_SET_HERE/runs'])
