@@ -258,7 +258,7 @@ BENCHMARK_OWNED = {
     'train.max_steps': '--warmup + --steps', 'train.log_interval': 'every step is logged, to time each',
     'train.warmup_log_steps': '--warmup', 'train.eval_interval': 'no evaluation in timed runs',
     'train.checkpoint_interval': 'no checkpoints in timed runs', 'train.peak_tflops': 'from --peak-tflops',
-    'train.profile_steps': 'from --profile'}
+    'train.profile_steps': 'from --profile', 'train.save_best': 'no evaluation in timed runs'}
 
 
 def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_options=()):
@@ -273,7 +273,8 @@ def run_backend(args, name, work_dir, steps, warmup, micro_batch=None, extra_opt
     with open(ds_path, 'w') as f:
         json.dump(ds, f, indent=2)
     options = [f'train.max_steps={total}', 'train.log_interval=1', f'train.warmup_log_steps={warmup}',
-               'train.eval_interval=0', 'train.checkpoint_interval=0']
+               'train.eval_interval=0', 'train.checkpoint_interval=0',
+               'train.save_best=None']   # a config's save_best needs evaluations: every run was refused
     if args.peak_tflops:
         options.append(f'train.peak_tflops={args.peak_tflops}')
     options += list(args.cfg_options) + list(extra_options)

@@ -382,6 +382,8 @@ def test_acceptance_report_compares_layouts_per_family_and_backend():
     # ... spelt as a section: ran, then "no timed steps" (a traceback), or evaluated inside the timed steps
     (['--cfg-options', 'train=dict(max_steps=1)'], '--cfg-options train.max_steps: the benchmark sets it'),
     (['--cfg-options', 'train=dict(seed=1, eval_interval=2)'], '--cfg-options train.eval_interval: the benchmark'),
+    # a config's save_best is cleared (it needs evaluations, which timed runs do not make)
+    (['--cfg-options', 'train.save_best=mIoU'], '--cfg-options train.save_best: the benchmark sets it'),
     # a label is a folder under --work-dir, which was deleted before the run: never a path
     (['--backends', '../victim=ds_configs/zero1.json'], "--backends label '../victim' is not a plain name"),
     (['--backends', '/tmp/x=ds_configs/zero1.json'], "--backends label '/tmp/x' is not a plain name"),
