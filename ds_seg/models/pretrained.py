@@ -215,8 +215,12 @@ def timm_state_dict(name):
 
     from ..config import ConfigError
     cfg = timm.models.get_pretrained_cfg(name)
-    if cfg is None:
-        raise ValueError(f"pretrained=True: timm has no pretrained weights for {name!r}; pass a file path.")
+    # (A config with neither a hub id nor a URL was fetched from '' : "Is a directory" of the cache.)
+    if cfg is None or not (cfg.hf_hub_id or cfg.url or cfg.file):
+        raise ValueError(f"pretrained=True: timm has no pretrained weights for {name!r} (list the models that have "
+                         "some with timm.list_pretrained()); pass a file path.")
+    if cfg.file and not (cfg.hf_hub_id or cfg.url):
+        return read_state_dict(cfg.file, where=f'model.pretrained=True ({name!r})')
     source = f'https://huggingface.co/{cfg.hf_hub_id}' if cfg.hf_hub_id else cfg.url
     try:
         if cfg.hf_hub_id:

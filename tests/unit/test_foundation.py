@@ -3,6 +3,8 @@ encoder at any crop, pretrained loading that is exact or refused, band maps, Swi
 
 No network: timm models are built with random weights and tiny depth/width, and their state dict
 saved as the "pretrained file"."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -95,11 +97,12 @@ def test_token_layouts_load_at_another_size_like_timm(tmp_path, name):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize('nesting', ['plain', 'dino_teacher'])
+@pytest.mark.parametrize('nesting', ['plain', 'dino_teacher', 'block_chunks'])
 def test_dinov2_release_layout_loads(tmp_path, nesting):
     """facebookresearch/dinov2 files: ``register_tokens``, a class position embedding, ``mask_token``;
     also as DINO training saves them, under teacher/'backbone.' (its register_tokens were not
-    recognised under the prefix: refused as having no place in the model)."""
+    recognised under the prefix: refused as having no place in the model), and from a model built
+    with block_chunks (``blocks.<chunk>.<i>.``: refused as blocks with no place in the model)."""
     ref = _timm(DINO, img_size=518)
     state = ref.state_dict()
     pos_cls = torch.randn(1, 1, 64)
@@ -107,7 +110,12 @@ def test_dinov2_release_layout_loads(tmp_path, nesting):
     state['cls_token'] = state['cls_token'] - pos_cls
     state['register_tokens'] = state.pop('reg_token')
     state['mask_token'] = torch.zeros(1, 64)
-    if nesting == 'dino_teacher':
+    if nesting == 'block_chunks':   # two chunks of the blocks, each block under its own index
+        half = (len(ref.blocks) + 1) // 2
+        state = {re.sub(r'^blocks\.(\d+)\.', lambda m: f'blocks.{int(m[1]) // half}.{m[1]}.', k): v
+                 for k, v in state.items()}
+        assert any(k.startswith(f'blocks.1.{half}.') for k in state)
+    if nesting in ('dino_teacher', 'block_chunks'):
         torch.save({'teacher': {'backbone.' + k: v for k, v in state.items()}, 'student': {}}, tmp_path / 'dino.pth')
         state = str(tmp_path / 'dino.pth')
     enc = build(BACKBONES, dict(type='TimmViT', name=DINO, img_size=518, pretrained=state, **TINY)).eval()

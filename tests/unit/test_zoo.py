@@ -437,3 +437,11 @@ def test_training_checkpoints_of_timm_and_mmengine_load_their_weights_and_run_no
     assert all(torch.equal(built.backbone.model.state_dict()[k], v) for k, v in weights.items())
     with pytest.raises(ConfigError, match=r"s\.pth holds Python objects other than tensors that are refused .*posix"):
         read_state_dict(shell_file)
+
+
+def test_pretrained_true_on_a_timm_model_without_released_weights_says_so():
+    """resnet50t has a pretrained config with no hub id and an empty URL: the fetch from '' was
+    'could not fetch ... ([Errno 21] Is a directory: ...)', advice about the network."""
+    with pytest.raises(ConfigError, match=r"timm has no pretrained weights for 'resnet50t' \(list the models that have "
+                                          r"some with timm\.list_pretrained\(\)\); pass a file path"):
+        build(MODELS, dict(type='FPN', backbone='resnet50t', pretrained=True, num_classes=2))

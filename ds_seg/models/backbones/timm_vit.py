@@ -43,7 +43,11 @@ def _convert_dinov2(state):
     """The layout of facebookresearch/dinov2 files -> timm's (what timm's own loader does): the
     register tokens are ``reg_token``, and with registers timm's model has no class position
     embedding, so the class token takes its position embedding along. ViT-g's SwiGLU MLP is
-    ``w12``/``w3`` there and ``fc1``/``fc2`` (packed) in timm."""
+    ``w12``/``w3`` there and ``fc1``/``fc2`` (packed) in timm. A model trained with
+    ``block_chunks`` (the DINOv2 repo's default for its large runs) saves ``blocks.<chunk>.<i>.``,
+    ``i`` the block's own index: that is timm's ``blocks.<i>.``."""
+    chunked = re.compile(r'^blocks\.\d+\.(\d+\.)')
+    state = {chunked.sub(r'blocks.\1', k): v for k, v in state.items()}
     swiglu = re.compile(r'(blocks\.\d+\.mlp\.)(w12|w3)\.')
     state = {swiglu.sub(lambda m: m[1] + ('fc1.' if m[2] == 'w12' else 'fc2.'), k): v for k, v in state.items()}
     if 'register_tokens' in state:
