@@ -205,7 +205,10 @@ def refuse_one_date_of_a_series(image, info, bands):
     of one date's bands was told to 'give --bands with 6 band numbers' (a 3-band file has none)."""
     from ds_seg.data.raster import open_raster
     model = info.get('model') or {}
-    dates, channels = model.get('num_dates') or 1, model.get('in_channels')
+    # A temporal model says num_dates; a plain one trained on stacked dates (early fusion) has it
+    # in its data record, as predict reads it.
+    dates = model.get('num_dates') or (info.get('data') or {}).get('num_dates') or 1
+    channels = model.get('in_channels')
     if dates < 2 or not channels or bands:
         return
     with open_raster(image) as src:

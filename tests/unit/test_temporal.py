@@ -633,6 +633,14 @@ def test_a_plain_model_trained_on_a_series_predicts_its_dates_joined_by_commas(t
     err = capsys.readouterr().err
     assert f'--input {t0}: 1 date(s), but the model (UNetTiny) takes 2; give the 2 dates of the scene joined by ' \
            'commas' in err, err
+    # evaluate --images of one date: it read only model.num_dates, and told this 1-band file to
+    # 'give --bands with 2 band numbers'.
+    from ds_seg.cli import evaluate
+    assert evaluate.main(['--checkpoint', weights, '--images', t0, '--labels', label,
+                          '--output', str(tmp_path / 'one_eval')]) == 2
+    err = capsys.readouterr().err
+    assert f'--images: the model (UNetTiny) takes 2 dates of 1 band(s) per scene, and {t0} is one file of 1 ' \
+           'band(s)' in err, err
 
 
 def test_given_statistics_of_a_length_read_two_ways_say_which_reading_was_taken(tmp_path):
