@@ -1058,7 +1058,14 @@ class GeoTiffScenes(torch.utils.data.Dataset):
                 refusal = pixel_type_refusal(image, img.dtypes)
                 if refusal:
                     raise DataError(refusal)
-                return dict(image_facts(image, img), label=label, vector=True, crs=img.crs, transform=img.transform)
+                # A scene located by ground control points: placed by their affine fit, as raster
+                # labels are paired (it was refused as having no georeferencing at all).
+                transform, crs, residual = pixel_grid(img)
+                if residual is not None and residual > 1.0:
+                    raise DataError(f"image {image} is located by ground control points that no affine grid fits "
+                                    f"within a pixel (largest residual {residual:.2f} px), so vector labels cannot be "
+                                    f"placed on its pixels; warp it (gdalwarp -t_srs EPSG:<code> {image} warped.tif)")
+                return dict(image_facts(image, img), label=label, vector=True, crs=crs, transform=transform)
         return inspect_pair(image, label, self.palette)
 
     def _load_vectors(self, classes):

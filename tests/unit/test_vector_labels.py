@@ -455,3 +455,22 @@ def test_a_file_whose_features_all_lie_far_from_its_tile_is_refused_beside_a_goo
                                         r"far from it: they span \(-175\.6, -2\.9, -164\.3, 26\.3\) in EPSG:4326, the "
                                         r"image spans .*, in EPSG:32632; reprojected from the file's CRS EPSG:4326\)"):
         GeoTiffScenes(tiles, files, label_field='cls', classes=2, crop_size=32, mean=[1] * 3, std=[1] * 3)
+
+
+def test_vector_labels_on_an_image_located_by_ground_control_points_use_their_fit(tmp_path):
+    """Raster labels pair with a GCP-located scene by the points' affine fit (README); vector
+    labels on one were refused as 'no georeferencing (no CRS, no geotransform)'."""
+    from rasterio.control import GroundControlPoint as Gcp
+    size = 100
+    img = str(tmp_path / 'gcp.tif')
+    gcps = [Gcp(0, 0, 500000, 5700000), Gcp(0, size, 500000 + size, 5700000), Gcp(size, 0, 500000, 5700000 - size),
+            Gcp(size, size, 500000 + size, 5700000 - size)]
+    with rasterio.open(img, 'w', driver='GTiff', width=size, height=size, count=3, dtype='uint8', gcps=gcps,
+                       crs='EPSG:32632') as d:
+        d.write(np.full((3, size, size), 100, np.uint8))
+    house = shapely.box(500010, 5699950, 500040, 5699990)
+    labels = _write_vector(tmp_path / 'l.gpkg', [house], {'c': np.array([1], np.int32)})
+    ds = GeoTiffScenes([img], [labels], label_field='c', classes=2, crop_size=size, mode='grid', split='val',
+                       mean=[1] * 3, std=[1] * 3, check_labels=0)
+    expected = rasterize([(house, 1)], out_shape=(size, size), transform=from_origin(500000, 5700000, 1, 1))
+    assert np.array_equal(ds[0]['label'].numpy(), expected)
