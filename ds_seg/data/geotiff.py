@@ -211,8 +211,11 @@ def expand_paths(spec, what, folders=False):
     if isinstance(spec, (str, os.PathLike)):
         spec = [spec]
     paths = []
-    for item in spec:
+    for position, item in enumerate(spec):
         item = os.fspath(item)
+        if not item.strip():   # a trailing comma ('a.tif,b.tif,'): was "ds_seg: error: : no such file"
+            raise DataError(f"{what}: entry {position + 1} of {len(spec)} is an empty path (a stray comma?); "
+                            "remove it")
         if not is_remote(item):
             item = os.path.expanduser(item)  # '~/data/*.tif' in a config: no shell expands it
         # (A vector dataset may be a folder: a partitioned .parquet.)

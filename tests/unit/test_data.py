@@ -660,3 +660,12 @@ def test_a_label_map_of_every_class_to_itself_decodes_nothing(tmp_path):
     refuse_label_decoding({'classes': list('abcdef'), 'data': {'label_decoding': identity}})
     with pytest.raises(ValueError, match="label_map=\\{'1': 0\\}"):
         refuse_label_decoding({'classes': list('abcdef'), 'data': {'label_decoding': {'label_map': {'1': 0}}}})
+
+
+def test_an_empty_entry_in_a_path_list_is_named_as_such(tmp_path):
+    """'data.train.images=a.tif,b.tif,' (a trailing comma) parses to [..., '']: the line was
+    'ds_seg: error: : no such file', naming neither the key nor the entry."""
+    from ds_seg.data.geotiff import expand_paths
+    from ds_seg.data.raster import DataError
+    with pytest.raises(DataError, match=r"^images: entry 3 of 3 is an empty path \(a stray comma\?\); remove it$"):
+        expand_paths([str(tmp_path / 'a.tif'), str(tmp_path / 'b.tif'), ''], 'images')
