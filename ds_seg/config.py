@@ -1037,6 +1037,11 @@ def check_ds_config(ds, source='DeepSpeed config'):
                           "says how it ran: resolved for its world size and device); give the JSON that run was "
                           "started with (e.g. ds_configs/zero2.json), or remove the 'ds_seg' block to start from "
                           "this one.")
+    experiment = [key for key in ('model', 'data', 'train', 'optim', 'loss', '_base_') if key in ds]
+    if experiment and not any(key in DS_TOP_LEVEL_KEYS for key in ds):
+        # An experiment config in JSON (the .py and .yaml ones get this line where they are read).
+        raise ConfigError(f"{source}: is an experiment config (it sets {', '.join(experiment)}), not a DeepSpeed "
+                          "JSON; give it as --config, and a DeepSpeed JSON (ds_configs/*.json) as --deepspeed_config.")
     for key in ds:
         if key not in DS_TOP_LEVEL_KEYS:
             close = difflib.get_close_matches(key, sorted(DS_TOP_LEVEL_KEYS), n=3, cutoff=0.6)

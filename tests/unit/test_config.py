@@ -1267,3 +1267,13 @@ def test_variables_in_work_dir_and_load_from_are_expanded_and_an_unset_one_is_re
     with pytest.raises(ConfigError, match=r"work_dir='\$NOT_SET_HERE/runs': \$NOT_SET_HERE is not set in this "
                                           r"environment; set it, or write the path out"):
         load_config(None, ['work_dir=$NOT_SET_HERE/runs'])
+
+
+def test_an_experiment_config_in_json_given_as_the_deepspeed_config_is_said_to_be_one(tmp_path):
+    """.py and .yaml experiment configs there got the swap hint; a .json one was told "unknown
+    top-level key 'model'. DeepSpeed would silently ignore it"."""
+    path = tmp_path / 'exp.json'
+    path.write_text(json.dumps({'model': {'type': 'UNetTiny'}, 'train': {'max_steps': 2}}))
+    with pytest.raises(ConfigError, match=r"exp\.json: is an experiment config \(it sets model, train\), not a "
+                                          r"DeepSpeed JSON; give it as --config"):
+        load_ds_config(str(path))
