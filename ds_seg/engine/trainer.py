@@ -240,7 +240,11 @@ class Trainer:
         self.log = RunLog(self.work_dir, enabled=distributed.is_main())
         for note in (*spec.notes, *unused_settings(cfg)):
             self.print(note)
-        if not cfg.train.checkpoint_interval:  # a completed run kept no weights, and said nothing
+        if not cfg.train.checkpoint_interval and cfg.train.get('save_best'):
+            self.print(f"train.checkpoint_interval=0: checkpoints are written at evaluations that improve "
+                       f"train.save_best={cfg.train.save_best!r}, and where a signal stops the run; the last step's "
+                       "weights are kept only where it is the best so far (give an interval to keep them)")
+        elif not cfg.train.checkpoint_interval:  # a completed run kept no weights, and said nothing
             self.print('train.checkpoint_interval=0: no checkpoint is written unless a signal stops the run '
                        '(SIGUSR1, SIGTERM, SIGINT): the trained weights are not kept at its end; give an interval '
                        '(the max_steps keeps the last step) to keep them')

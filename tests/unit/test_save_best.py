@@ -153,6 +153,18 @@ def test_a_run_that_keeps_no_checkpoint_says_so_at_its_start(tmp_path, capsys):
     out = capsys.readouterr().out
     assert 'train.checkpoint_interval=0: no checkpoint is written unless a signal stops the run' in out, out
     assert not os.path.exists(tmp_path / 'work' / 'checkpoints')
+    # With save_best the best evaluations are checkpointed: 'no checkpoint is written' was said, and
+    # the run wrote them.
+    cfg = tiny_cfg(tmp_path / 'cache', max_steps=2, eval_interval=1, checkpoint_interval=0, save_best='mIoU')
+    trainer = Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp_path / 'best'))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    out = capsys.readouterr().out
+    assert "train.checkpoint_interval=0: checkpoints are written at evaluations that improve " \
+           "train.save_best='mIoU'" in out and 'no checkpoint is written' not in out, out
+    assert os.listdir(tmp_path / 'best' / 'checkpoints')
 
 
 def test_save_best_given_on_resume_starts_from_the_best_checkpointed_evaluation(tmp_path):
