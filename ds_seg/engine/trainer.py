@@ -826,11 +826,19 @@ class Trainer:
         need = saved[0] * (0.5 if any(p in self.spec.precision for p in ('fp16', 'bf16')) else 1.0)
         if ranks * need > 2 * memory:
             per = f' per rank, {ranks} ranks on this machine,' if ranks > 1 else ''
+            from ..inference.tiling import input_multiple
+            multiple = input_multiple(model)
+            # A model that pads every input to its multiple (a UNet of depth 10: 1024 px) needs as
+            # much for a 16-px crop as for a 1024-px one: a smaller crop was the wrong advice.
+            advice = (f"{self.cfg.model.get('type')} pads every input to a multiple of {multiple} px, so a "
+                      f"{side}-px crop is computed at {-(-side // multiple) * multiple} px: a shallower model "
+                      "(model.depth) or a smaller micro-batch"
+                      if multiple > side else "lower data.crop_size or the micro-batch")
             raise ConfigError(
                 f"data.crop_size {side} with train_micro_batch_size_per_gpu {self.spec.micro_batch}: a training "
                 f"step of {self.cfg.model.get('type')} keeps about {need / 2 ** 30:,.0f} GiB of activations for its "
-                f"backward pass{per} and {where} {memory / 2 ** 30:,.0f} GiB; lower data.crop_size or the "
-                f"micro-batch (gradient_accumulation_steps keeps the global batch).")
+                f"backward pass{per} and {where} {memory / 2 ** 30:,.0f} GiB; {advice} "
+                f"(gradient_accumulation_steps keeps the global batch).")
 
     def _check_model_takes_windows(self):
         """One forward on the meta device (no memory, no compute) of a training crop and of an

@@ -224,3 +224,16 @@ def test_resuming_a_step_of_an_abandoned_branch_makes_that_branch_live_again(tmp
     # B is now a branch of this lineage (it can be brought back in turn); the live folder is none.
     assert checkpoint.abandoned_branch_of(str(work), str(branch_b / 'checkpoints')) == (str(branch_b), 'step_00000002')
     assert checkpoint.abandoned_branch_of(str(work), str(root)) is None
+
+
+def test_a_model_that_pads_every_crop_is_told_to_shrink_the_model_not_the_crop(tmp_path):
+    """A UNet of depth 10 pads every input to 1024 px: its activation estimate (about 270 GiB)
+    was the same at crop 64 and 16, and the refusal said to lower data.crop_size."""
+    from ds_seg.config import ConfigError
+    cfg = tiny_cfg(tmp_path / 'cache', max_steps=1)
+    cfg.model.update(type='UNet', depth=10)
+    cfg.data.crop_size = 32
+    with pytest.raises(ConfigError, match=r"UNet pads every input to a multiple of 1024 px, so a 32-px crop is "
+                                          r"computed at 1024 px: a shallower model \(model.depth\)"):
+        Trainer(cfg, ds_config(0, micro_batch=8), backend='ddp', work_dir=str(tmp_path / 'work'))
+    assert not os.path.exists(tmp_path / 'work')
