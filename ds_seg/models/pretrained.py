@@ -169,11 +169,22 @@ def create_timm_model(name, **kwargs):
     import timm
 
     from ..config import ConfigError
+    if isinstance(name, str) and name.startswith(('hf-hub:', 'hf_hub:', 'local-dir:')):
+        raise ConfigError(f"model.backbone: {name!r} names weights on the Hugging Face hub (or in a folder), which "
+                          "ds_seg does not fetch by name; give timm's architecture name as backbone (the hub repo's "
+                          "config.json 'architecture') and the weights file as pretrained='path/to/model.safetensors'.")
     if not isinstance(name, str) or not timm.is_model(name):
         close = difflib.get_close_matches(str(name), timm.list_models(), n=3, cutoff=0.75)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ''
         raise ConfigError(f"model.backbone: timm has no model {name!r}.{hint} "
                           "List them with python -c \"import timm; print(timm.list_models('convnext*'))\".")
+    # timm's own ways to load weights: ignored here (built with pretrained=False), so the model
+    # trained from random weights without a word. Weights go through model.pretrained.
+    own = [key for key in ('pretrained_cfg_overlay', 'pretrained_cfg', 'checkpoint_path', 'pretrained') if key in kwargs]
+    if own:
+        raise ConfigError(f"model.backbone_kwargs.{own[0]}: timm's own weight loading is not used by ds_seg; give the "
+                          "weights as model.pretrained='path/to/file' (or pretrained=True for timm's default ones), "
+                          "which checks the load and says what was taken.")
     def build():
         return timm.create_model(name, pretrained=False, **kwargs)
     try:
@@ -182,6 +193,10 @@ def create_timm_model(name, **kwargs):
         # ResNet without its zeroed last BatchNorm per block, a ConvNeXt without its truncated normals).
         return built_whole(build)
     except RuntimeError as exc:  # e.g. "features_only not implemented for ..."
+        if 'pretrained tag' in str(exc):   # 'resnet50.bogus': the advice below was about feature maps
+            raise ConfigError(f"model.backbone: {name!r}: {str(exc).splitlines()[0]}; list the tags timm has with "
+                              f"python -c \"import timm; print(timm.list_pretrained('{name.split('.')[0]}*'))\", "
+                              "or give the name without a tag.") from exc
         raise ConfigError(f"model.backbone: timm cannot build {name!r} as an encoder here: "
                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
                           "choose a backbone with feature maps (ResNet, ConvNeXt, Swin, EfficientNet, a ViT).") from exc

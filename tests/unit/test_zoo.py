@@ -445,3 +445,21 @@ def test_pretrained_true_on_a_timm_model_without_released_weights_says_so():
     with pytest.raises(ConfigError, match=r"timm has no pretrained weights for 'resnet50t' \(list the models that have "
                                           r"some with timm\.list_pretrained\(\)\); pass a file path"):
         build(MODELS, dict(type='FPN', backbone='resnet50t', pretrained=True, num_classes=2))
+
+
+@pytest.mark.parametrize('cfg, message', [
+    # timm's own weight options: ignored (built with pretrained=False), trained from random weights unsaid
+    (dict(backbone='test_resnet', backbone_kwargs=dict(pretrained_cfg_overlay=dict(file='w.pth'))),
+     r"^model\.backbone_kwargs\.pretrained_cfg_overlay: timm's own weight loading is not used by ds_seg"),
+    (dict(backbone='test_vit', backbone_kwargs=dict(checkpoint_path='w.pth')),
+     r"^model\.backbone_kwargs\.checkpoint_path: timm's own weight loading"),
+    # was "timm has no model 'hf-hub:...'", with a hint to list convnext*
+    (dict(backbone='hf-hub:timm/resnet18.a1_in1k'), r"names weights on the Hugging Face hub .* give timm's "
+                                                     r"architecture name as backbone"),
+    # was "timm cannot build ... choose a backbone with feature maps"
+    (dict(backbone='test_convnext.bogus_tag'), r"Invalid pretrained tag \(bogus_tag\).*timm\.list_pretrained\("
+                                                r"'test_convnext\*'\)\)\", or give the name without a tag"),
+])
+def test_timms_own_weight_options_hub_names_and_tags_are_named_as_such(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        build(MODELS, dict(type='UperNet' if 'vit' in cfg['backbone'] else 'FPN', num_classes=2, **cfg))
