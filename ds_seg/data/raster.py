@@ -497,6 +497,9 @@ def _vrt_sources(path):
 # Files GDAL reads beside a raster (and so part of its version): an external mask, the PAM
 # file (nodata, scale/offset, statistics) and external overviews, in either case.
 GDAL_SIDECARS = ('.msk', '.MSK', '.aux.xml', '.AUX.XML', '.ovr', '.OVR')
+# Vector formats GDAL knows that ds_seg's labels do not take (VECTOR_EXTENSIONS, vector_labels.py).
+OTHER_VECTOR_SUFFIXES = ('.kml', '.kmz', '.gml', '.shp.zip', '.geojsonl', '.geojsons', '.geojsonseq', '.csv', '.gpx',
+                         '.tab', '.mif', '.osm', '.pbf', '.dxf', '.gdb', '.sqlite')
 SHAPEFILE_PARTS = ('.dbf', '.DBF', '.shx', '.SHX', '.prj', '.PRJ', '.cpg', '.CPG')
 
 
@@ -626,6 +629,11 @@ def open_raster(path):
         return src
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
+    other = next((s for s in OTHER_VECTOR_SUFFIXES if os.fspath(path).lower().endswith(s)), None)
+    if other:   # was "not a readable raster (corrupt or not an image)": a sound file, of another kind
+        raise DataError(f"{path}: a vector file ({other}), a format ds_seg does not read; vector labels are "
+                        f"GeoPackage, GeoJSON, FlatGeobuf, Shapefile or GeoParquet: convert it "
+                        f"(ogr2ogr labels.gpkg {path})")
     try:
         # (opening_env: GDAL finds the file's .msk even inside a remote file's environment. A
         # VRT opens as before: its sources may be remote, read with their options.)

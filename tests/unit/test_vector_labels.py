@@ -1,5 +1,6 @@
 """Vector labels rasterised per window equal labels rasterised once for the whole scene."""
 import json
+import re
 
 import numpy as np
 import pyogrio.raw
@@ -474,3 +475,14 @@ def test_vector_labels_on_an_image_located_by_ground_control_points_use_their_fi
                        mean=[1] * 3, std=[1] * 3, check_labels=0)
     expected = rasterize([(house, 1)], out_shape=(size, size), transform=from_origin(500000, 5700000, 1, 1))
     assert np.array_equal(ds[0]['label'].numpy(), expected)
+
+
+@pytest.mark.parametrize('name', ['labels.kml', 'labels.shp.zip', 'labels.gml', 'labels.csv'])
+def test_a_vector_file_of_a_format_not_read_is_named_as_such(scene, name):
+    """KML, GML, zipped shapefiles and CSV labels were 'not a readable raster (corrupt or not an
+    image)': sound files, of a format the labels do not take."""
+    path = scene['tmp'] / name
+    path.write_text('<kml/>')
+    with pytest.raises(DataError, match=rf"{re.escape(name)}: a vector file \(\.[a-z.]+\), a format ds_seg does not "
+                                        r"read; vector labels are GeoPackage, .* convert it \(ogr2ogr labels\.gpkg"):
+        GeoTiffScenes([scene['img']], [str(path)], **KW)
