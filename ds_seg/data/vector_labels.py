@@ -106,7 +106,7 @@ class VectorLabels:
                 raw = np.array([int(str(v).strip()) for v in raw], np.int64)  # class indices stored as text
             if raw.dtype.kind == 'f' and not np.all(np.mod(raw, 1) == 0):
                 fraction = raw[np.mod(raw, 1) != 0][0]
-                raise ConfigError(f"{what}: field {field!r} holds the fraction {fraction:g}; class indices are "
+                raise ConfigError(f"{what}: field {field!r} holds the fraction {float(fraction)!r}; class indices are "
                                   "whole numbers (or give names with `classes`)")
             if raw.dtype.kind in 'iu' or raw.dtype.kind == 'f':
                 values = raw.astype(np.int64)

@@ -283,6 +283,8 @@ def test_a_polygon_reaching_past_gdals_pixel_range_is_still_burned(scene):
 @pytest.mark.parametrize('values, message', [
     # Both were "field 'class' holds names ('1.0', ...); give `classes`": not the mistake.
     (np.array([1.0, 2.5]), r"field 'class' holds the fraction 2\.5; class indices are whole numbers"),
+    # was "holds the fraction 1" (formatted with :g), a whole number to the eye
+    (np.array([1.0, 1.0000001]), r"field 'class' holds the fraction 1\.0000001; class indices are whole numbers"),
     (np.array(['1', '-1'], object), r"value -1 .* is not a class index 0\.\.3"),
 ])
 def test_fractional_or_negative_class_values_are_named_as_such(scene, values, message):
