@@ -237,6 +237,9 @@ def stac_scenes(source, image_assets, label_asset, cache_dir=None):
     """
     from .raster import user_cache_dir
     source = os.fspath(source)
+    if source.startswith('file://'):   # as asset hrefs take it (was "No such file: 'file:///...'")
+        import urllib.parse
+        source = urllib.parse.unquote(urllib.parse.urlparse(source).path)
     items = _read_items(source)
     if cache_dir is None:
         local = not source.startswith(('http://', 'https://'))

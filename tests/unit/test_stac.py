@@ -217,6 +217,10 @@ def test_file_url_hrefs_read_as_the_local_files(catalogue, tmp_path):
     path.write_text(json.dumps(doc))
     stac = GeoTiffScenes(stac=str(path), stac_bands=BANDS, stac_label='label', **KW)
     _assert_same(stac, GeoTiffScenes(catalogue['stacked'], catalogue['labels'], **KW))
+    # The document itself as a file:// URL ('No such file or directory: file:///...'); its
+    # relative hrefs are relative to the file.
+    relative = GeoTiffScenes(stac=(catalogue['tmp'] / 'items.json').as_uri(), stac_bands=BANDS, stac_label='label', **KW)
+    _assert_same(relative, GeoTiffScenes(catalogue['stacked'], catalogue['labels'], **KW))
 
 
 def test_two_items_of_the_same_assets_are_one_scene_twice(catalogue, tmp_path):
