@@ -489,6 +489,8 @@ _SET_ELSEWHERE = {
     **dict.fromkeys(('max_iters', 'total_steps', 'max_epochs'), "the run's length is train.max_steps"),
     'val_interval': "the evaluation interval is train.eval_interval",
     'train_cfg': "the loop's settings are in 'train' (train.max_steps, train.eval_interval...)",
+    **dict.fromkeys(('resume', 'resume_from', 'auto_resume'),
+                    "a run is continued by the command's --resume auto (or --resume <checkpoint>)"),
 }
 
 

@@ -92,6 +92,8 @@ def test_delete_marker_replaces_the_default_section_as_in_mmengine(tmp_path):
     # data.random_scale silently replaced the training set's own
     (['data.random_scale=(0.5, 2.0)', 'data.train.random_scale=(1.0, 1.5)'],
      r'data.train.random_scale=\(1.0, 1.5\) conflicts with data.random_scale=\(0.5, 2.0\) \(which replaces it\)'),
+    # mmengine's key: a plain "unknown key"
+    (['resume=True'], r"unknown key 'resume'\. In ds_seg a run is continued by the command's --resume auto"),
     # "no scaling" given for the training set: trained at the inherited data.random_scale all the same
     (['data.random_scale=(0.5, 2.0)', 'data.train.random_scale=None'],
      r'data.train.random_scale=None conflicts with data.random_scale=\(0.5, 2.0\) .* set data.random_scale=None'),
