@@ -569,3 +569,19 @@ def test_the_band_layer_of_a_backbone_whose_first_4d_weight_is_a_position_embedd
     w = four.patch_embed.proj.weight
     assert w.shape[1] == 4 and torch.equal(four.pos_embed, file['pos_embed'])
     assert torch.allclose(w[:, :3], file['patch_embed.proj.weight'] * 3 / 4)   # RGB kept, scaled for the 4th
+
+
+def test_a_vit_taken_from_under_a_prefix_says_what_of_the_file_was_left(tmp_path):
+    """CNN backbones said "taken from under 'backbone.', the file's decode_head. (1) not used"; a
+    timm ViT took the same kind of file (mmseg/mmpretrain, a whole ds_seg export) without a word
+    on the parts it dropped."""
+    import timm
+    state = timm.create_model('test_vit', pretrained=False, num_classes=0).state_dict()
+    torch.save({'state_dict': {**{'backbone.' + k: v for k, v in state.items()},
+                               'decode_head.conv_seg.weight': torch.zeros(6, 8, 1, 1)}}, tmp_path / 'mmseg.pth')
+    model = build(MODELS, dict(type='UperNet', backbone='test_vit', pretrained=str(tmp_path / 'mmseg.pth')))
+    report = next(m.pretrained_report for m in model.modules() if getattr(m, 'pretrained_report', None))
+    assert report.endswith("; taken from under 'backbone.', the file's decode_head. (1) not used (load_from= "
+                           "starts from a whole model)"), report
+    for key, value in model.backbone.model.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)

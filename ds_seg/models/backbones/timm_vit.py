@@ -113,8 +113,13 @@ class TimmViT(nn.Module):
         state = read_state_dict(source, where) if isinstance(source, str) else dict(source)
         # Under a prefix (DINO's teacher 'backbone.', an mmpretrain checkpoint's) the DINOv2 names
         # are only recognised once it is removed.
-        state, _ = _under_prefix(state, set(self.model.state_dict()) | {'register_tokens'}, where, source)
-        state = _convert_dinov2(state)
+        inner, prefix = _under_prefix(state, set(self.model.state_dict()) | {'register_tokens'}, where, source)
+        inner = _convert_dinov2(inner)
+        # Put back under its prefix, beside the file's other parts: load_pretrained takes it from
+        # there and says what it took and left, as for every backbone (a ViT's load was silent on
+        # the decode head and neck it dropped).
+        state = ({**{k: v for k, v in state.items() if not k.startswith(prefix)}, **{prefix + k: v for k, v in inner.items()}}
+                 if prefix else inner)
         kept = len(self.model.blocks)
         match = re.compile(r'blocks\.(\d+)\.').match
 
