@@ -413,10 +413,23 @@ def load_pretrained(module, source, rename=None, allow_missing=(), allow_unused=
             if tensor.shape[1] != shape[1]:
                 changes.append(f'{key} resized from {tensor.shape[1]} to {shape[1]} positions')
             return resize_pos_embed(tensor, shape[1], num_prefix=pos_embed_prefix, grid=pos_embed_grid)
+        if key.endswith('.relative_position_bias_table') and tensor.dim() == 2 and tensor.shape[1] == shape[1]:
+            # Swin at another img_size: a stage whose grid is smaller than the 7-px window gets a
+            # smaller window, and its table of relative positions another size (timm's own
+            # pretrained load resizes it the same way; ds_seg refused the file).
+            window = getattr(module.get_submodule(key[:-len('.relative_position_bias_table')]), 'window_size', None)
+            if window is not None:
+                from timm.layers import resize_rel_pos_bias_table
+                tables.append(key)
+                return resize_rel_pos_bias_table(tensor, new_window_size=tuple(window), new_bias_shape=tuple(shape))
         raise ConfigError(f'{where}: {key} has shape {tuple(tensor.shape)} in the weights but '
                           f'{tuple(shape)} in the model.')
 
+    tables = []
     missing, _ = load_state_dict_into(module, mapped, adapt=adapt)
+    if tables:
+        changes.append(f"{len(tables)} relative-position table(s) resized to their windows at this img_size "
+                       f"({tables[0]}...)")
     missing = [k for k in missing if not k.endswith('num_batches_tracked') and not k.startswith(tuple(allow_missing))]
     if missing:
         # Where nothing matched at all the file's keys carry another prefix ('backbone.' of an

@@ -585,3 +585,22 @@ def test_a_vit_taken_from_under_a_prefix_says_what_of_the_file_was_left(tmp_path
                            "starts from a whole model)"), report
     for key, value in model.backbone.model.state_dict().items():
         torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
+
+
+def test_swin_weights_load_at_an_img_size_whose_last_windows_shrink_as_timm_loads_them(tmp_path):
+    """Swin v1 at img_size 192 or 64: a stage whose grid is under the 7-px window gets a smaller
+    window and relative-position table; timm's own load resizes the table, ds_seg refused the
+    file ('(169, 1) in the weights but (121, 1) in the model'). Now equal to timm's load."""
+    import timm
+    name, kw = 'swin_tiny_patch4_window7_224', dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))
+    path = str(tmp_path / 'swin.pth')
+    torch.save(timm.create_model(name, **kw).state_dict(), path)
+    for size in (192, 64):
+        ref = timm.create_model(name, img_size=size, pretrained=True, pretrained_cfg_overlay=dict(file=path), **kw)
+        ours = build(MODELS, dict(type='UperNet', backbone=name, img_size=size, pretrained=path, backbone_kwargs=kw))
+        tables = {k: v for k, v in ours.backbone.model.state_dict().items() if k.endswith('relative_position_bias_table')}
+        theirs = {k: v for k, v in ref.state_dict().items() if k.endswith('relative_position_bias_table')}
+        assert len(tables) == len(theirs) == 4
+        for (k, v), (k_ref, v_ref) in zip(sorted(tables.items()), sorted(theirs.items())):
+            torch.testing.assert_close(v, v_ref, rtol=0, atol=0, msg=f'{size}: {k} vs {k_ref}')
+        assert any(v.shape != timm.create_model(name, **kw).state_dict()[k_ref].shape for k_ref, v in theirs.items())
