@@ -310,7 +310,8 @@ def check_outputs(outputs, inputs, overwrite=False, option='--output'):
         if os.path.isdir(out):
             raise ConfigError(f'{option}: {out} is a folder; move it or choose {other}.')
         if os.path.exists(out) and not overwrite:
-            raise ConfigError(f'{option}: {out} already exists; choose {other}, delete it, or add --overwrite.')
+            flag = 'add --overwrite' if option.startswith('--') else 'pass overwrite=True'
+            raise ConfigError(f'{option}: {out} already exists; choose {other}, delete it, or {flag}.')
 
 
 # Names that say "a file": given as a folder that does not exist yet, a folder of that name would

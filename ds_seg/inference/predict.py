@@ -30,7 +30,7 @@ def _to_outputs(scores, wsum, nodata, with_probs):
 def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes=None,
                   probs_path=None, tile=512, overlap=128, batch_size=8, blend='gaussian',
                   tta='none', block=256, bands=None, device='cpu', accumulate_dtype='float32',
-                  progress=None, overwrite=True):
+                  progress=None, overwrite=False):
     """Label one GeoTIFF scene of any size into ``out_path``; returns a summary dict.
 
     A uint8 class map is written with the input's CRS, transform and size, tiled and
@@ -40,9 +40,10 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
     rank 0 joins them (so ``out_path`` must be on a shared file system). ``mean``/``std``/``bands``
     and ``classes`` left out are those a model from :func:`~ds_seg.inference.load_model` was
     trained with.
-    ``overwrite=False``
-    never replaces an output that exists when the scene is done (another run's, written
-    meanwhile): FileExistsError, and this run's files are removed.
+    ``overwrite=False`` (the default, as predict.py's)
+    refuses an output that exists at the start, and never replaces one that exists when the scene
+    is done (another run's, written meanwhile): FileExistsError, and this run's files are removed.
+    (The default was True: a second call replaced the first's class map without a word.)
 
     Example::
 
@@ -61,7 +62,7 @@ def predict_scene(forward_fn, image_path, out_path, mean=None, std=None, classes
     # Before any window, as predict.py: a class map written over the scene it reads, or over the
     # probabilities (a GDAL error after the whole scene).
     scene_files = [image_path] if isinstance(image_path, (str, os.PathLike)) else list(image_path)
-    check_outputs([p for p in (out_path, probs_path) if p], scene_files, overwrite=True, option='predict_scene')
+    check_outputs([p for p in (out_path, probs_path) if p], scene_files, overwrite=overwrite, option='predict_scene')
     if probs_path and os.path.realpath(probs_path) == os.path.realpath(out_path):
         raise ValueError(f"predict_scene: probs_path and out_path are both {out_path}; give each its own file")
     if classes is None:  # a model from load_model knows its class names

@@ -198,12 +198,12 @@ def test_an_interrupted_prediction_keeps_the_old_output_and_leaves_no_partial_fi
     before = {n: open(tmp_path / n, 'rb').read() for n in ('classes.tif', 'probs.tif')}
     # Block rows have been written when the model breaks: the old files must still be the old ones.
     with pytest.raises(KeyboardInterrupt):
-        inf.predict_scene(_BreaksAfter(5), path, out, **kw)
+        inf.predict_scene(_BreaksAfter(5), path, out, overwrite=True, **kw)
     assert sorted(os.listdir(tmp_path)) == ['classes.tif', 'probs.tif'], 'no partial file is left'
     assert {n: open(tmp_path / n, 'rb').read() for n in before} == before
     # Into a new name: nothing at all appears under the final name.
     with pytest.raises(KeyboardInterrupt):
-        inf.predict_scene(_BreaksAfter(5), path, str(tmp_path / 'new.tif'), **kw)
+        inf.predict_scene(_BreaksAfter(5), path, str(tmp_path / 'new.tif'), overwrite=True, **kw)   # (probs.tif exists)
     assert sorted(os.listdir(tmp_path)) == ['classes.tif', 'probs.tif']
 
 
@@ -1805,3 +1805,19 @@ def test_evaluates_preview_draws_scenes_of_any_band_count(tmp_path, count):
     save_preview_png(dict(prediction=truth, truth=truth, step=1, image=path), ['a', 'b'], str(tmp_path / 'p.png'))
     png = np.asarray(Image.open(tmp_path / 'p.png').convert('RGB'))
     assert png.shape[2] == 3 and png.std() > 0
+
+
+def test_the_library_call_refuses_to_replace_an_existing_output_unless_asked(scene, tmp_path):
+    """predict_scene's default was overwrite=True: a second call replaced the first's class map
+    without a word (predict.py refuses without --overwrite)."""
+    from ds_seg.config import ConfigError
+    path, _, _ = scene
+    out = str(tmp_path / 'classes.tif')
+    kw = dict(mean=[0, 0], std=[1, 1], classes=list('abcde'), tile=64, overlap=16, block=64, batch_size=2)
+    inf.predict_scene(LookupModel(), path, out, **kw)
+    first = open(out, 'rb').read()
+    with pytest.raises(ConfigError, match=r"^predict_scene: .*classes\.tif already exists; choose another name, "
+                                          r"delete it, or pass overwrite=True\.$"):
+        inf.predict_scene(LookupModel(), path, out, **kw)
+    assert open(out, 'rb').read() == first
+    inf.predict_scene(LookupModel(), path, out, overwrite=True, **kw)
