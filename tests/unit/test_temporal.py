@@ -116,6 +116,9 @@ def test_seasonal_synthetic_series_and_misregistered_dates(tmp_path):
 def test_predict_scene_takes_the_list_of_dates(tmp_path):
     from tests.unit.test_inference import predict_classes
     (t0, t1), _ = _change_scene(tmp_path, 'p', 2)
+    # Seeded: the random model's windows agree with its one pass on 85-100 % of pixels depending
+    # on the weights (the tests run before it in the process drew them: under `pytest -n 2` once 85 %).
+    torch.manual_seed(0)
     model = build(MODELS, dict(type='TinyTemporalSegFormer', num_dates=2, in_channels=2, num_classes=2)).eval()
     kw = dict(mean=[127.5, 127.5], std=[64.0, 64.0], tile=48, overlap=16)
     with torch.no_grad():
