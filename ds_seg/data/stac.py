@@ -148,7 +148,37 @@ def _check_declared_encoding(item, names, source, seen):
 _VRT_COLOURS = {'gray': 'Gray', 'red': 'Red', 'green': 'Green', 'blue': 'Blue', 'alpha': 'Alpha'}
 
 
-def _stack_vrt(hrefs, item_id, cache_dir):
+def _declared_nodata(asset, where):
+    """The nodata value an asset's STAC ``raster:bands`` declare (one for all its bands), or None."""
+    bands = (asset.extra_fields or {}).get('raster:bands')
+    if not isinstance(bands, list):
+        return None
+    values = []
+    for band in bands:
+        value = band.get('nodata') if isinstance(band, dict) else None
+        if isinstance(value, str) and value.lower() in ('nan', 'inf', '-inf'):   # the spec's spelling of these
+            value = float(value)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{where}: raster:bands nodata is {value!r}, not a number; fix the item")
+        values.append(value)
+    declared = {repr(float(v)) for v in values if v is not None}
+    if len(declared) > 1:
+        raise ConfigError(f"{where}: raster:bands declare nodata {sorted(declared)} for one asset's bands; "
+                          "ds_seg takes one nodata value per asset")
+    return next((float(v) for v in values if v is not None), None)
+
+
+def _declares_other_nodata(href, declared):
+    """One asset is read as it is, unless the item declares a nodata value its file does not say
+    (then a VRT says it, or refuses a file that says another)."""
+    if declared is None:
+        return False
+    from .raster import open_raster, same_value
+    with open_raster(href) as src:
+        return src.nodata is None or not same_value(src.nodata, declared)
+
+
+def _stack_vrt(hrefs, item_id, cache_dir, declared_nodata=None):
     """A VRT of the bands of ``hrefs`` in order (every band of a multi-band asset), read as one
     type (the narrowest that holds them all, so no asset's values wrap); assets must share one
     grid and one nodata value. Each band keeps what its colour interpretation says of colour
@@ -171,6 +201,16 @@ def _stack_vrt(hrefs, item_id, cache_dir):
             encodings.append(list(zip(src.scales, src.offsets)))
             if uses_mask_band(src):
                 masked.append(h)
+    # Nodata the item declares where its files say none (a COG written without the tag): the
+    # fill was read as data. A file that says another value than the item is refused.
+    for i, (h, declared) in enumerate(zip(hrefs, declared_nodata or [None] * len(hrefs))):
+        if declared is None:
+            continue
+        if grids[i][5] is None:
+            grids[i] = grids[i][:5] + (declared,)
+        elif not same_value(grids[i][5], declared):
+            raise ConfigError(f"STAC item {item_id!r}: asset {h} has nodata {grids[i][5]} in its file but "
+                              f"{declared} in the item's raster:bands; fix one of them")
     w, hgt, transform, crs, _, nodata = grids[0]
     for h, g in zip(hrefs[1:], grids[1:]):
         if g[3] != crs:
@@ -264,6 +304,8 @@ def stac_scenes(source, image_assets, label_asset, cache_dir=None):
                             f"({hrefs[0]}{', ...' if len(hrefs) > 1 else ''}; label {label}); the scene would "
                             "count twice; list each scene once")
         seen[key] = item.id
-        images.append(hrefs[0] if len(hrefs) == 1 else _stack_vrt(hrefs, item.id, cache_dir))
+        declared = [_declared_nodata(item.assets[n], f'stac={source!r}: item {item.id!r}, asset {n!r}') for n in names]
+        images.append(hrefs[0] if len(hrefs) == 1 and not _declares_other_nodata(hrefs[0], declared[0])
+                      else _stack_vrt(hrefs, item.id, cache_dir, declared))
         labels.append(label)
     return images, labels

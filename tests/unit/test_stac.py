@@ -436,3 +436,34 @@ def test_a_stacked_asset_gone_mid_run_is_named_not_called_corrupt(tmp_path):
     message = str(caught.value)
     assert f"its source {server.url('green.tif')} now answers HTTP response code: 404" in message, message
     assert 'corrupt' not in message, message
+
+
+def test_nodata_declared_only_in_the_item_masks_the_fill(catalogue):
+    """A COG written without a nodata tag, whose item declares raster:bands nodata: the fill was
+    read as data (windows over a 0-filled stripe counted no nodata pixel). The declared value now
+    marks it, for stacked assets and a single one; a file saying another value is refused."""
+    from ds_seg.data.raster import open_raster
+    from ds_seg.data.stac import stac_scenes
+    collection = json.loads((catalogue['tmp'] / 'items.json').read_text())
+    for feature in collection['features']:
+        for name in BANDS:
+            feature['assets'][name]['raster:bands'] = [{'nodata': 0}]
+    declared = catalogue['tmp'] / 'declared_nodata.json'
+    declared.write_text(json.dumps(collection))
+    for bands in (BANDS, BANDS[:1]):
+        images, _ = stac_scenes(str(declared), bands, 'label')
+        for image in images:
+            with open_raster(image) as src:
+                assert src.nodata == 0 and image.endswith('.vrt'), image
+    plain, _ = stac_scenes(str(catalogue['tmp'] / 'items.json'), BANDS[:1], 'label')
+    assert not plain[0].endswith('.vrt')   # an item that declares nothing: its asset as it is
+    path = catalogue['tmp'] / f"scene0_{BANDS[0]}.tif"
+    with rasterio.open(path, 'r+') as d:
+        d.nodata = 255
+    try:
+        with pytest.raises(ConfigError, match=rf"STAC item 'scene0': asset .*scene0_{BANDS[0]}\.tif has nodata 255\.0 "
+                                              r"in its file but 0\.0 in the item's raster:bands; fix one of them"):
+            stac_scenes(str(declared), BANDS, 'label')
+    finally:
+        with rasterio.open(path, 'r+') as d:
+            d.nodata = None
