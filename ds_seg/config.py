@@ -888,19 +888,24 @@ def _expand_user(cfg):
     variable that is not set is refused (its folder would be created in the current directory)."""
     for key in ('work_dir', 'load_from'):
         if isinstance(cfg.get(key), str):
-            expanded = os.path.expandvars(os.path.expanduser(cfg[key]))
-            unset = re.search(r'\$(\{[A-Za-z_]\w*\}|[A-Za-z_]\w*)', expanded)
-            if unset:
-                raise ConfigError(f"{key}={cfg[key]!r}: ${unset.group(1).strip('{}')} is not set in this environment; "
-                                  "set it, or write the path out")
-            cfg[key] = expanded
+            cfg[key] = _as_shell_expands(key, cfg[key])
     log = cfg.get('log')
     uri = log.get('mlflow_tracking_uri') if isinstance(log, dict) else None
     if isinstance(uri, str) and uri.strip() == uri != '' and ':' not in uri and uri not in ('databricks', 'databricks-uc', 'uc'):
         # A plain folder, as MLflow takes one: relative, it followed the folder the command ran in,
         # and a resume started elsewhere opened a second store. Made absolute once, as data paths are.
-        log['mlflow_tracking_uri'] = os.path.abspath(os.path.expanduser(uri))
+        log['mlflow_tracking_uri'] = os.path.abspath(_as_shell_expands('log.mlflow_tracking_uri', uri))
     return cfg
+
+
+def _as_shell_expands(key, path):
+    """``path`` with ``~`` and set ``$VAR``/``${VAR}`` expanded; an unset variable is refused."""
+    expanded = os.path.expandvars(os.path.expanduser(path))
+    unset = re.search(r'\$(\{[A-Za-z_]\w*\}|[A-Za-z_]\w*)', expanded)
+    if unset:
+        raise ConfigError(f"{key}={path!r}: ${unset.group(1).strip('{}')} is not set in this environment; "
+                          "set it, or write the path out")
+    return expanded
 
 
 def _get(cfg, path):

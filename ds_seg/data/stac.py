@@ -94,26 +94,31 @@ def _asset(item, name, source, what):
     return item.assets[name].href
 
 
+def _band_number(band, key, where, i):
+    """``raster:bands[i][key]`` as a float, or None where it is not declared (absent or null: the
+    spec's default); the spec's "nan"/"inf" spellings are numbers, any other word is refused."""
+    value = band.get(key) if isinstance(band, dict) else None
+    if isinstance(value, str) and value.lower() in ('nan', 'inf', '-inf'):
+        value = float(value)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{where}: raster:bands[{i}].{key} is {value!r}, not a number; fix the item "
+                          "(or remove the key)")
+    return None if value is None else float(value)
+
+
 def _declared_encoding(asset, where='asset'):
     """The ``[scale, offset]`` of each band an asset's STAC ``raster:bands`` declares, or None.
-    A null is not declared (the defaults, 1 and 0); anything else but a number is refused, naming
-    ``where`` (float() of null was a TypeError traceback)."""
+    A null is not declared (the defaults, 1 and 0); a word is refused, naming ``where`` (float()
+    of null was a TypeError traceback)."""
     bands = (asset.extra_fields or {}).get('raster:bands')
     if not isinstance(bands, list) or not bands:
         return None
-    declared = []
-    for i, band in enumerate(bands):
-        pair = []
-        for key, default in (('scale', 1.0), ('offset', 0.0)):
-            value = band.get(key) if isinstance(band, dict) else None
-            if value is None:
-                value = default
-            elif isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{where}: raster:bands[{i}].{key} is {value!r}, not a number; fix the item "
-                                  f"(or remove the key: its default is {default:g})")
-            pair.append(float(value))
-        declared.append(pair)
-    return declared
+    return [[_or(_band_number(band, 'scale', where, i), 1.0), _or(_band_number(band, 'offset', where, i), 0.0)]
+            for i, band in enumerate(bands)]
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def _check_declared_encoding(item, names, source, seen):
@@ -153,19 +158,11 @@ def _declared_nodata(asset, where):
     bands = (asset.extra_fields or {}).get('raster:bands')
     if not isinstance(bands, list):
         return None
-    values = []
-    for band in bands:
-        value = band.get('nodata') if isinstance(band, dict) else None
-        if isinstance(value, str) and value.lower() in ('nan', 'inf', '-inf'):   # the spec's spelling of these
-            value = float(value)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{where}: raster:bands nodata is {value!r}, not a number; fix the item")
-        values.append(value)
-    declared = {repr(float(v)) for v in values if v is not None}
-    if len(declared) > 1:
-        raise ConfigError(f"{where}: raster:bands declare nodata {sorted(declared)} for one asset's bands; "
-                          "ds_seg takes one nodata value per asset")
-    return next((float(v) for v in values if v is not None), None)
+    values = [v for i, band in enumerate(bands) if (v := _band_number(band, 'nodata', where, i)) is not None]
+    if len({repr(v) for v in values}) > 1:
+        raise ConfigError(f"{where}: raster:bands declare nodata {sorted({repr(v) for v in values})} for one asset's "
+                          "bands; ds_seg takes one nodata value per asset")
+    return values[0] if values else None
 
 
 def _declares_other_nodata(href, declared):

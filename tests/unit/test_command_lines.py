@@ -3,6 +3,8 @@ import importlib
 
 import pytest
 
+from tests.tiny import argparse_refusal
+
 
 @pytest.mark.parametrize('command, argv, said', [
     ('train', ['--backend', 'DDP'], "train.py: error: argument --backend: invalid choice: 'DDP'"),
@@ -14,9 +16,6 @@ import pytest
 ])
 def test_a_mistyped_option_is_one_line_without_the_usage_block(command, argv, said, capsys, monkeypatch):
     """argparse printed its 7-line usage block before the error, once per rank under torchrun."""
-    module = importlib.import_module(f'ds_seg.cli.{command}')
-    monkeypatch.setattr('sys.argv', [f'{command}.py'] + argv)
-    with pytest.raises(SystemExit) as stopped:
-        module.main(argv)
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err.count('\n') == 1 and err.startswith(said), err
+    monkeypatch.setattr('sys.argv', [f'{command}.py'] + argv)   # the program name argparse says
+    code, err = argparse_refusal(importlib.import_module(f'ds_seg.cli.{command}').main, argv, capsys)
+    assert code == 2 and err.count('\n') == 1 and err.startswith(said), err

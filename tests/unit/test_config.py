@@ -1269,6 +1269,9 @@ def test_variables_in_work_dir_and_load_from_are_expanded_and_an_unset_one_is_re
     with pytest.raises(ConfigError, match=r"work_dir='\$NOT_SET_HERE/runs': \$NOT_SET_HERE is not set in this "
                                           r"environment; set it, or write the path out"):
         load_config(None, ['work_dir=$NOT_SET_HERE/runs'])
+    # The MLflow store, a folder made absolute the same way: './$SCRATCH/mlruns' before
+    cfg = load_config(None, ['log.mlflow_tracking_uri=$SCRATCH/mlruns'])
+    assert cfg.log.mlflow_tracking_uri == f'{tmp_path}/mlruns'
 
 
 def test_an_experiment_config_in_json_given_as_the_deepspeed_config_is_said_to_be_one(tmp_path):

@@ -24,28 +24,27 @@ def _run(script, *args, ok=True):
     return proc
 
 
-@pytest.fixture(scope='module')
-def weights(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp('export')
+def _saved_model(tmp_path_factory, model_type):
+    """(folder, weights file, model) of a seeded ``model_type`` saved as export.py's input."""
+    tmp = tmp_path_factory.mktemp(f'export_{model_type}')
     torch.manual_seed(0)
-    cfg = dict(type='SegFormerTiny', in_channels=3, num_classes=6)
+    cfg = dict(type=model_type, in_channels=3, num_classes=6)
     model = build(MODELS, cfg).eval()
     path = str(tmp / 'weights.pt')
     torch.save({'state_dict': model.state_dict(), 'model': cfg, 'classes': CLASSES, 'data': DATA}, path)
     return tmp, path, model
+
+
+@pytest.fixture(scope='module')
+def weights(tmp_path_factory):
+    return _saved_model(tmp_path_factory, 'SegFormerTiny')
 
 
 @pytest.fixture(scope='module')
 def small_weights(tmp_path_factory):
     """UNetTiny (an ONNX export ~4 s against SegFormerTiny's ~15 s), for the tests of what an
     export does with files, where the architecture is not what is tested."""
-    tmp = tmp_path_factory.mktemp('export_small')
-    torch.manual_seed(0)
-    cfg = dict(type='UNetTiny', in_channels=3, num_classes=6)
-    model = build(MODELS, cfg).eval()
-    path = str(tmp / 'weights.pt')
-    torch.save({'state_dict': model.state_dict(), 'model': cfg, 'classes': CLASSES, 'data': DATA}, path)
-    return tmp, path, model
+    return _saved_model(tmp_path_factory, 'UNetTiny')
 
 
 @pytest.fixture(scope='module')

@@ -8,7 +8,7 @@ import pytest
 from ds_seg.config import ConfigError
 from ds_seg.engine import checkpoint
 from ds_seg.engine.trainer import Trainer
-from tests.tiny import ds_config, tiny_cfg
+from tests.tiny import ds_config, fit_and_close, tiny_cfg
 
 
 def _run(tmp, max_steps, scores, resume=None, save_best='mIoU', checkpoint_interval=4, keep=1):
@@ -156,11 +156,7 @@ def test_a_run_that_keeps_no_checkpoint_says_so_at_its_start(tmp_path, capsys):
     # With save_best the best evaluations are checkpointed: 'no checkpoint is written' was said, and
     # the run wrote them.
     cfg = tiny_cfg(tmp_path / 'cache', max_steps=2, eval_interval=1, checkpoint_interval=0, save_best='mIoU')
-    trainer = Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp_path / 'best'))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    fit_and_close(Trainer(cfg, ds_config(0), backend='ddp', work_dir=str(tmp_path / 'best')))
     out = capsys.readouterr().out
     assert "train.checkpoint_interval=0: checkpoints are written at evaluations that improve " \
            "train.save_best='mIoU'" in out and 'no checkpoint is written' not in out, out

@@ -290,7 +290,7 @@ def test_a_null_scale_or_offset_is_not_declared_and_a_word_is_refused(catalogue)
     with pytest.raises(ConfigError) as refused:
         GeoTiffScenes(stac=str(words), stac_bands=BANDS, mode='grid', **KW)
     assert str(refused.value) == (f"stac={str(words)!r}: item 'scene1', asset {BANDS[1]!r}: raster:bands[0].scale is "
-                                  "'0.0001', not a number; fix the item (or remove the key: its default is 1)")
+                                  "'0.0001', not a number; fix the item (or remove the key)")
 
 
 def test_time_series_sharing_a_baseline_date_are_two_evaluation_scenes(catalogue):
